@@ -1,0 +1,34 @@
+"""Typed, strict experiment configuration (one YAML file per experiment)."""
+
+from megatron_grpo.config.algorithm import AlgorithmConfig, OffPolicyCorrectionConfig
+from megatron_grpo.config.base import ConfigError
+from megatron_grpo.config.experiment import ExperimentConfig, load_config
+from megatron_grpo.config.model import ModelConfig, ParallelConfig
+from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    RewardConfig,
+    RewardFunctionConfig,
+    TrainerConfig,
+)
+
+__all__ = [
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "ExperimentConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OffPolicyCorrectionConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "RewardConfig",
+    "RewardFunctionConfig",
+    "RolloutConfig",
+    "TrainerConfig",
+    "load_config",
+]

@@ -1,0 +1,177 @@
+"""One YAML file = one experiment: the top-level `ExperimentConfig` and its loader.
+
+``load_config(path, overrides)`` parses the YAML, applies dotted command-line overrides
+(``algorithm.eps_clip_high=0.28``, values parsed as YAML scalars), builds every section
+strictly (``base.build_section``) and runs the checks that span sections. Any problem is a
+``ConfigError`` whose one line names the file and the dotted key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from megatron_grpo.config.algorithm import AlgorithmConfig
+from megatron_grpo.config.base import ConfigError, build_section, check, to_dict
+from megatron_grpo.config.model import ModelConfig, ParallelConfig
+from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    RewardConfig,
+    TrainerConfig,
+)
+
+
+@dataclass(kw_only=True)
+class ExperimentConfig:
+    model: ModelConfig
+    """The policy network (a Hugging Face directory) and its precision."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor/pipeline/data parallel sizes and batch sizes."""
+
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation engine, sampling parameters and weight sync."""
+
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages, policy loss, KL/entropy and off-policy correction."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer, learning-rate schedule and gradient clipping."""
+
+    data: DataConfig
+    """Prompt dataset."""
+
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward functions."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint cadence, retention and resume."""
+
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metric sinks, progress bar, final plot."""
+
+    trainer: TrainerConfig
+    """Run directory, number of steps, seed."""
+
+    def __post_init__(self):
+        rollout_batch = self.rollout.batch_size
+        check(
+            rollout_batch % self.parallel.global_batch_size == 0,
+            "parallel.global_batch_size",
+            f"{self.parallel.global_batch_size} must divide the rollout batch "
+            f"rollout.prompts_per_step*rollout.num_generations = {rollout_batch}",
+        )
+        if self.algorithm.loss_reduction == "seq_mean_token_sum_norm":
+            check(
+                self.algorithm.max_response_length >= self.rollout.max_new_tokens,
+                "algorithm.max_response_length",
+                f"the Dr.GRPO horizon {self.algorithm.max_response_length} is shorter than "
+                f"rollout.max_new_tokens = {self.rollout.max_new_tokens}",
+            )
+
+    @property
+    def mini_batches_per_step(self) -> int:
+        """Optimizer steps per rollout batch and iteration."""
+        return self.rollout.batch_size // self.parallel.global_batch_size
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"a.b=1"`` -> (["a", "b"], 1); the value is parsed as a YAML scalar or flow list."""
+    if "=" not in text:
+        raise ConfigError("", f"override {text!r} must look like section.key=value")
+    key, value = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(key, f"override {text!r} has an empty key part")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    return parts, parsed
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Set each dotted override in a copy of ``raw`` (creating intermediate mappings)."""
+    import copy
+
+    raw = copy.deepcopy(raw)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = raw
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(".".join(parts[: i + 1]), f"is not a section, cannot set {'.'.join(parts)}")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def build_experiment(raw: Any, world_size: Optional[int] = None) -> ExperimentConfig:
+    """Build and validate an ExperimentConfig from a parsed YAML mapping.
+
+    ``world_size`` (the launcher's) is checked against ``parallel.world_size`` and the tp*pp
+    product when given.
+    """
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"the top level must be a mapping of sections, got {type(raw).__name__}")
+    cfg = build_section(ExperimentConfig, raw)
+    if world_size is not None:
+        par = cfg.parallel
+        if par.world_size is not None and par.world_size != world_size:
+            raise ConfigError(
+                "parallel.world_size", f"is {par.world_size} but the launcher started {world_size} ranks"
+            )
+        if world_size % (par.tp * par.pp) != 0:
+            raise ConfigError(
+                "parallel.tp", f"tp*pp = {par.tp}*{par.pp} does not divide the world size {world_size}"
+            )
+        dp = world_size // (par.tp * par.pp)
+        if par.global_batch_size % (par.micro_batch_size * dp) != 0:
+            raise ConfigError(
+                "parallel.global_batch_size",
+                f"{par.global_batch_size} is not a multiple of micro_batch_size*dp = {par.micro_batch_size}*{dp}",
+            )
+    return cfg
+
+
+def load_config(
+    path: str | Path, overrides: list[str] | None = None, world_size: Optional[int] = None
+) -> ExperimentConfig:
+    """Read, override and validate an experiment YAML. Raises ConfigError naming ``path``."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError("", "file not found", str(path)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("", f"cannot read: {e}", str(path)) from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(where, f"YAML syntax error: {problem}", str(path)) from None
+    if raw is None:
+        raise ConfigError("", "the file is empty", str(path))
+    try:
+        if isinstance(raw, dict):
+            raw = apply_overrides(raw, overrides or [])
+        return build_experiment(raw, world_size)
+    except ConfigError as e:
+        raise e.with_source(str(path)) from None
+
+

@@ -1,0 +1,93 @@
+"""`model:` and `parallel:` sections: which network, in which precision, split how."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from megatron_grpo.config.base import check
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    hf_dir: str
+    """Hugging Face model directory (config.json, *.safetensors, tokenizer files). The
+    architecture is read from its config.json; the rollout engine serves it."""
+
+    megatron_ckpt: Optional[str] = None
+    """Megatron distributed checkpoint converted from `hf_dir` (tools/convert_hf_to_megatron.py).
+    null: the trainer converts the HF weights in memory at start-up."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Parameter and compute dtype of the trainer's model (float32 on CPU)."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this times tp; padded rows are masked to
+    probability 0 when scoring tokens."""
+
+    logprob_chunk_size: Optional[int] = None
+    """Tokens per chunk in the vocab-parallel log-prob/entropy op (bounds peak memory on long
+    sequences); null = one chunk."""
+
+    recompute_activations: bool = False
+    """Full activation recomputation of each transformer layer (saves memory, costs a forward)."""
+
+    def __post_init__(self):
+        check(bool(self.hf_dir), "hf_dir", "must name a Hugging Face model directory")
+        check(self.make_vocab_size_divisible_by >= 1, "make_vocab_size_divisible_by", "must be >= 1")
+        check(
+            self.logprob_chunk_size is None or self.logprob_chunk_size >= 1,
+            "logprob_chunk_size",
+            f"must be >= 1 or null, got {self.logprob_chunk_size}",
+        )
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size."""
+
+    pp: int = 1
+    """Pipeline-parallel size."""
+
+    world_size: Optional[int] = None
+    """Total trainer ranks. null: taken from the launcher (torchrun's WORLD_SIZE); when set,
+    it must match the launcher, and `megatron-grpo train` starts this many ranks. dp is
+    derived: world_size / (tp * pp)."""
+
+    micro_batch_size: int = 1
+    """Sequences per micro-batch on one rank (one forward/backward)."""
+
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all dp ranks (a mini-batch). Must be a multiple of
+    micro_batch_size * dp and divide the rollout batch."""
+
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over dp ranks (megatron-core DistributedOptimizer)."""
+
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1)."""
+
+    def __post_init__(self):
+        for key in ("tp", "pp", "micro_batch_size", "global_batch_size"):
+            value = getattr(self, key)
+            check(value >= 1, key, f"must be >= 1, got {value}")
+        if self.world_size is not None:
+            check(self.world_size >= 1, "world_size", f"must be >= 1, got {self.world_size}")
+            check(
+                self.world_size % (self.tp * self.pp) == 0,
+                "world_size",
+                f"{self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp}",
+            )
+            dp = self.world_size // (self.tp * self.pp)
+            check(
+                self.global_batch_size % (self.micro_batch_size * dp) == 0,
+                "global_batch_size",
+                f"{self.global_batch_size} is not a multiple of micro_batch_size*dp = "
+                f"{self.micro_batch_size}*{dp}",
+            )
+        check(not self.sequence_parallel or self.tp > 1, "sequence_parallel", "needs tp > 1")
+
+    def dp(self, world_size: int) -> int:
+        """Data-parallel size for a given world size."""
+        return world_size // (self.tp * self.pp)

@@ -1,0 +1,101 @@
+"""`rollout:` section: the generation engine, sampling, and the per-step weight sync."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from megatron_grpo.config.base import check
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    engine: Literal["embedded", "sglang"] = "embedded"
+    """embedded: the package's own HTTP engine (transformers, CPU or GPU); sglang: launch
+    `python -m sglang.launch_server`. Ignored when `urls` is set."""
+
+    urls: list[str] = field(default_factory=list)
+    """Servers started elsewhere (http://host:port); used round-robin instead of launching one."""
+
+    host: str = "127.0.0.1"
+    """Address a launched server binds to. Anything but loopback exposes it to the network."""
+
+    port: Optional[int] = None
+    """Port of a launched server; null picks a free one."""
+
+    api_key: Optional[str] = None
+    """API key sent to (and, for launched servers, enforced by) the engine."""
+
+    num_generations: int = 8
+    """Responses sampled per prompt (the GRPO group size)."""
+
+    prompts_per_step: int = 4
+    """Prompts per rollout batch; the batch holds prompts_per_step * num_generations sequences."""
+
+    max_new_tokens: int = 64
+    """Maximum response length in tokens."""
+
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scores log_softmax(logits / temperature) to match."""
+
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a response (the tokenizer's EOS always does)."""
+
+    sglang_tp: int = 1
+    """Tensor-parallel size of a launched SGLang server."""
+
+    sglang_mem_fraction_static: float = 0.8
+    """SGLang --mem-fraction-static of a launched server."""
+
+    sglang_extra_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments for `sglang.launch_server`."""
+
+    launch_timeout_s: float = 300.0
+    """Deadline for a launched server to become healthy."""
+
+    request_timeout_s: float = 600.0
+    """Deadline for one HTTP request (a whole /generate batch)."""
+
+    max_retries: int = 3
+    """Attempts per request (with exponential back-off) before a clear error."""
+
+    weight_sync_transport: Literal["distributed", "tensor", "disk"] = "distributed"
+    """How new weights reach the engine each step: a process group broadcast, colocated
+    tensors, or safetensors files + /update_weights_from_disk."""
+
+    weight_update_bucket_mb: int = 512
+    """Size of one weight-sync bucket in MiB."""
+
+    verify_weights_every: int = 1
+    """Compare per-tensor checksums of trainer and engine every N syncs (0 = never)."""
+
+    def __post_init__(self):
+        for key in ("num_generations", "prompts_per_step", "max_new_tokens", "weight_update_bucket_mb"):
+            check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
+        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 or >= 1, got {self.top_k}")
+        check(self.port is None or 0 < self.port < 65536, "port", f"must be in 1..65535, got {self.port}")
+        check(self.sglang_tp >= 1, "sglang_tp", f"must be >= 1, got {self.sglang_tp}")
+        check(
+            0 < self.sglang_mem_fraction_static <= 1,
+            "sglang_mem_fraction_static",
+            f"must be in (0, 1], got {self.sglang_mem_fraction_static}",
+        )
+        check(self.launch_timeout_s > 0, "launch_timeout_s", "must be > 0")
+        check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        check(self.max_retries >= 1, "max_retries", f"must be >= 1, got {self.max_retries}")
+        check(self.verify_weights_every >= 0, "verify_weights_every", "must be >= 0")
+        for i, url in enumerate(self.urls):
+            check(url.startswith(("http://", "https://")), f"urls[{i}]", f"must start with http:// or https://, got {url!r}")
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per rollout batch."""
+        return self.prompts_per_step * self.num_generations

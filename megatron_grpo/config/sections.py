@@ -1,0 +1,164 @@
+"""The small sections: `optimizer`, `data`, `reward`, `checkpoint`, `logging`, `trainer`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from megatron_grpo.config.base import check
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: Literal["adam", "sgd"] = "adam"
+    """megatron-core optimizer (Adam is AdamW-style decoupled weight decay)."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+
+    lr_warmup_steps: int = 0
+    """Linear warm-up from 0 to `lr` over this many optimizer steps."""
+
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Schedule after warm-up, down to `min_lr` at the last step."""
+
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+
+    def __post_init__(self):
+        check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        check(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr], got {self.min_lr}")
+        check(self.lr_warmup_steps >= 0, "lr_warmup_steps", f"must be >= 0, got {self.lr_warmup_steps}")
+        check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check(0 <= self.adam_beta1 < 1, "adam_beta1", f"must be in [0, 1), got {self.adam_beta1}")
+        check(0 <= self.adam_beta2 < 1, "adam_beta2", f"must be in [0, 1), got {self.adam_beta2}")
+        check(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
+        check(self.clip_grad >= 0, "clip_grad", f"must be >= 0, got {self.clip_grad}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_file: str
+    """Prompt dataset: .jsonl (one JSON object a line) or .parquet."""
+
+    prompt_key: str = "prompt"
+    """Field holding the prompt text (or a list of chat messages)."""
+
+    answer_key: str = "answer"
+    """Field holding the reference answer passed to the reward functions."""
+
+    apply_chat_template: bool = True
+    """Wrap prompts with the tokenizer's chat template (when it has one)."""
+
+    system_prompt: Optional[str] = None
+    """System message prepended when the chat template is applied."""
+
+    max_prompt_length: int = 512
+    """Prompts longer than this many tokens are an error naming the line."""
+
+    shuffle: bool = True
+    """Shuffle prompts each epoch (seeded by trainer.seed)."""
+
+    def __post_init__(self):
+        check(bool(self.train_file), "train_file", "must name a .jsonl or .parquet file")
+        check(
+            self.train_file.endswith((".jsonl", ".parquet")),
+            "train_file",
+            f"must end in .jsonl or .parquet, got {self.train_file!r}",
+        )
+        check(self.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class RewardFunctionConfig:
+    name: str
+    """A built-in reward (`math_exact_match`, `format`, ...) or a dotted path `pkg.module.fn`."""
+
+    weight: float = 1.0
+    """Weight of this function in the summed reward."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the function."""
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    functions: list[RewardFunctionConfig] = field(
+        default_factory=lambda: [RewardFunctionConfig(name="math_exact_match")]
+    )
+    """Reward functions; the reward of a response is their weighted sum."""
+
+    def __post_init__(self):
+        check(len(self.functions) >= 1, "functions", "needs at least one reward function")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    save_every: int = 0
+    """Save every N steps (0 = only at the end of the run)."""
+
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted."""
+
+    resume: str = "auto"
+    """auto: continue from the run directory's latest complete checkpoint if any; never: start
+    fresh; or a checkpoint directory path."""
+
+    def __post_init__(self):
+        check(self.save_every >= 0, "save_every", f"must be >= 0, got {self.save_every}")
+        check(self.keep_last >= 1, "keep_last", f"must be >= 1, got {self.keep_last}")
+        check(bool(self.resume), "resume", "must be auto, never or a checkpoint path")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    tensorboard: bool = True
+    """Also write TensorBoard events (when tensorboard is installed)."""
+
+    wandb_project: Optional[str] = None
+    """Weights & Biases project; null = no wandb."""
+
+    wandb_run_name: Optional[str] = None
+    """Weights & Biases run name (default: the run directory's name)."""
+
+    progress_bar: bool = True
+    """A progress bar with ETA on rank 0."""
+
+    plot: bool = True
+    """Write plot.png (reward, KL, clip ratio, mismatch vs step) at the end of the run."""
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    run_dir: str
+    """Directory of this run: resolved config, metrics.jsonl, checkpoints, plot, engine log."""
+
+    num_steps: int = 100
+    """Rollout + update steps."""
+
+    seed: int = 1234
+    """Seed of data order, sampling and initialisation."""
+
+    max_consecutive_nonfinite: int = 3
+    """Abort after this many consecutive steps with a non-finite loss or gradient (each is
+    skipped)."""
+
+    def __post_init__(self):
+        check(bool(self.run_dir), "run_dir", "must name a directory")
+        check(self.num_steps >= 1, "num_steps", f"must be >= 1, got {self.num_steps}")
+        check(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite", "must be >= 1")

@@ -1,0 +1,136 @@
+"""Let megatron-core run on a machine without CUDA (gloo backend). A no-op when CUDA exists.
+
+megatron-core 0.16 assumes a GPU in a handful of places that the CPU path reaches:
+
+* ``torch.cuda.current_device()`` as the device of tensors that the pipeline p2p code and
+  the schedules allocate;
+* ``torch.zeros/ones/tensor(..., device="cuda")`` in the schedules (token counter), the
+  causal-mask helper, the optimizer and gradient buffers: those modules see a ``torch``
+  whose factories map ``device="cuda"`` to the CPU (the real ``torch`` is untouched);
+* ``torch.cuda.synchronize()`` in the p2p code;
+* the CUDA RNG states tracker (``tensor_parallel.random``) that forks RNG streams for TP
+  initialisation and dropout.
+
+``install()`` redirects exactly these, and only when ``torch.cuda.is_available()`` is
+false, so GPU code paths never see it. It is idempotent and process-local; call it before
+building models or schedules (``runtime.parallel.initialize`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+_INSTALLED = False
+
+# megatron-core modules that create tensors with a hard-wired device="cuda" on paths the
+# CPU trainer reaches (schedules' token counter, the causal mask, the optimizer's scalars).
+_MODULES_WITH_CUDA_FACTORIES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.transformer.utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.distributed.param_and_grad_buffer",
+)
+
+
+def cuda_absent() -> bool:
+    """True when this process has no usable CUDA device."""
+    return not torch.cuda.is_available()
+
+
+class CpuRNGStatesTracker:
+    """Drop-in for megatron's ``CudaRNGStatesTracker`` that forks the CPU generator.
+
+    Named streams (``model-parallel-rng``, ...) get their own seeded CPU generator state;
+    ``fork`` swaps it in and restores the caller's state afterwards, which is what the
+    CUDA tracker does with the CUDA generator.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        self.states_[name] = gen.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _strip_cuda_device(fn):
+    def wrapper(*args, **kwargs):
+        dev = kwargs.get("device")
+        if dev == "cuda" or (isinstance(dev, torch.device) and dev.type == "cuda"):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _torch_with_cpu_factories() -> types.ModuleType:
+    """A stand-in for the ``torch`` name inside megatron's schedules: same module, except the
+    tensor factories map ``device="cuda"`` to the CPU."""
+    proxy = types.ModuleType("torch_cpu_factories")
+    proxy.__dict__.update(torch.__dict__)
+    for name in ("zeros", "ones", "empty", "tensor", "full"):
+        setattr(proxy, name, _strip_cuda_device(getattr(torch, name)))
+    return proxy
+
+
+def install() -> bool:
+    """Apply the CPU redirections if CUDA is absent. Returns True when they are active."""
+    global _INSTALLED
+    if not cuda_absent():
+        return False
+    if _INSTALLED:
+        return True
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+
+    import importlib
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    proxy = _torch_with_cpu_factories()
+    for name in _MODULES_WITH_CUDA_FACTORIES:
+        importlib.import_module(name).torch = proxy
+    mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mcore_random.initialize_rng_tracker(force_reset=True)
+    _INSTALLED = True
+    return True

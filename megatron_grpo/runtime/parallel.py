@@ -1,0 +1,69 @@
+"""Process groups: torch.distributed + megatron-core model-parallel state, on CPU or GPU.
+
+One entry point, ``initialize(tp, pp, seed)``, used by the trainer, the conversion tools
+and the tests. The backend is NCCL when CUDA is available and gloo otherwise; on CPU the
+``cpu_shim`` redirections are installed first.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.runtime import cpu_shim
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 600.0) -> None:
+    """Start torch.distributed from the torchrun environment (or a single process) and
+    megatron's parallel state with ``tp`` x ``pp`` (dp = world / (tp * pp)).
+
+    Idempotent for the process group; re-initialises megatron's model-parallel state so a
+    test may switch sizes between cases.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    cpu_shim.install()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            default_backend(), rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        )
+    world = dist.get_world_size()
+    if world % (tp * pp) != 0:
+        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

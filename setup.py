@@ -1,0 +1,40 @@
+"""megatron-grpo: GRPO on Megatron-core models with an SGLang (or embedded) rollout engine."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-grpo",
+    version="0.1.0",
+    description="Corrected GRPO on tensor/pipeline-parallel Megatron-core models with SGLang rollouts",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_grpo", "megatron_grpo.*"]),
+    package_data={"megatron_grpo": ["py.typed"]},
+    install_requires=[
+        # torch is pinned loosely: on the CPU machines `pip install torch==2.13.0` first (see
+        # README); GPU clusters bring their own CUDA build.
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "transformers>=4.56",
+        "tokenizers>=0.21",
+        "safetensors>=0.4",
+        "pyyaml>=6",
+        "numpy",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "httpx>=0.27",
+        "pyarrow>=14",
+        "matplotlib>=3.7",
+        "tqdm",
+    ],
+    extras_require={
+        # GPU stack. apex has no usable PyPI wheel: build it from source per NVIDIA's notes.
+        "gpu": ["transformer-engine[pytorch]"],
+        "sglang": ["sglang>=0.5.23"],
+        "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+    entry_points={"console_scripts": ["megatron-grpo=megatron_grpo.cli:main"]},
+)
