@@ -27,6 +27,7 @@ setup(
         "pyarrow>=14",
         "matplotlib>=3.7",
         "tqdm",
+        "psutil",  # megatron-core dist_checkpointing needs it
     ],
     extras_require={
         # GPU stack. apex has no usable PyPI wheel: build it from source per NVIDIA's notes.

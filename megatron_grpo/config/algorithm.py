@@ -100,8 +100,8 @@ class AlgorithmConfig:
     clip-higher."""
 
     clip_ratio_c: Optional[float] = None
-    """Dual-clip constant c (> 1) bounding the loss of negative-advantage tokens at -A*c;
-    null = no dual clip."""
+    """Dual-clip constant c (> 1) bounding the loss of negative-advantage tokens at -A*c
+    (policy_loss_type: ppo only); null = no dual clip."""
 
     cispo_eps_clip_low: float = 0.0
     """CISPO weight lower bound is 1 - cispo_eps_clip_low."""
@@ -161,6 +161,12 @@ class AlgorithmConfig:
             self.clip_ratio_c is None or self.clip_ratio_c > 1,
             "clip_ratio_c",
             f"dual clip needs c > 1 (or null to disable), got {self.clip_ratio_c}",
+        )
+        check(
+            self.clip_ratio_c is None or self.policy_loss_type == "ppo",
+            "clip_ratio_c",
+            f"dual clip applies to policy_loss_type: ppo only, not {self.policy_loss_type} "
+            "(set clip_ratio_c: null)",
         )
         check(self.cispo_eps_clip_low >= 0, "cispo_eps_clip_low", "must be >= 0")
         check(self.cispo_eps_clip_high >= 0, "cispo_eps_clip_high", "must be >= 0")

@@ -165,6 +165,9 @@ def build_section(cls: type, raw: dict, where: str = "") -> Any:
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
             raise ConfigError(f"{prefix}{key}", f"unknown key{hint}")
         kwargs[key] = _check_value(value, hints[key], f"{prefix}{key}")
+    for name, param in inspect.signature(cls).parameters.items():
+        if param.default is inspect.Parameter.empty and name not in kwargs:
+            raise ConfigError(f"{prefix}{name}", "is required but missing")
     try:
         return cls(**kwargs)
     except ConfigError as e:

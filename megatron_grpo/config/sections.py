@@ -81,19 +81,45 @@ class DataConfig:
             "train_file",
             f"must end in .jsonl or .parquet, got {self.train_file!r}",
         )
-        check(self.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
+        check(bool(self.prompt_key), "prompt_key", "must name the prompt field")
+        check(bool(self.answer_key), "answer_key", "must name the answer field")
+        check(
+            self.prompt_key != self.answer_key,
+            "answer_key",
+            f"must differ from prompt_key (both are {self.prompt_key!r})",
+        )
+        check(
+            self.system_prompt is None or bool(self.system_prompt.strip()),
+            "system_prompt",
+            "must be null or a non-empty string",
+        )
+        check(self.max_prompt_length >= 1, "max_prompt_length", f"must be >= 1, got {self.max_prompt_length}")
 
 
 @dataclass(kw_only=True)
 class RewardFunctionConfig:
     name: str
-    """A built-in reward (`math_exact_match`, `format`, ...) or a dotted path `pkg.module.fn`."""
+    """A built-in reward (`math_exact_match`, `format`) or a dotted path `pkg.module.fn` to a
+    function `fn(response: str, answer: str, **kwargs) -> float`."""
 
     weight: float = 1.0
-    """Weight of this function in the summed reward."""
+    """Weight of this function in the summed reward (may be negative for a penalty)."""
 
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments passed to the function."""
+    """Keyword arguments passed to the function (`math_exact_match`: use_last_number; `format`:
+    style = boxed | hash | boxed_or_hash | number)."""
+
+    def __post_init__(self):
+        import math
+
+        # Lazy import: the registry pulls in the reward modules, which the config must not
+        # need at import time. Dotted paths are only checked for shape here; they are imported
+        # when the trainer builds its RewardScorer, before step 1.
+        from megatron_grpo.rewards.registry import name_problem
+
+        problem = name_problem(self.name)
+        check(problem is None, "name", problem or "")
+        check(math.isfinite(self.weight), "weight", f"must be a finite number, got {self.weight}")
 
 
 @dataclass(kw_only=True)
@@ -105,6 +131,11 @@ class RewardConfig:
 
     def __post_init__(self):
         check(len(self.functions) >= 1, "functions", "needs at least one reward function")
+        check(
+            any(f.weight != 0 for f in self.functions),
+            "functions",
+            "every weight is 0, so every reward would be 0",
+        )
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install megatron-grpo with its test extras and run the whole test suite (CPU, ~15 min on 2 cores).
+# torch==2.13.0 is installed first: on the project's CPU machines it is a local CPU wheel;
+# an unpinned torch would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+python -m pytest -q -rs "$@"

@@ -1,0 +1,102 @@
+"""Generate the config reference (every key, its type, default and doc) from the dataclasses.
+
+`yaml_configs/REFERENCE.md` is this module's output; `tests/test_config_reference.py`
+fails when the two drift apart. Regenerate with
+`megatron-grpo config-reference --write yaml_configs/REFERENCE.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import typing
+from pathlib import Path
+
+from megatron_grpo.config.base import _hints, field_docs, type_name
+from megatron_grpo.config.experiment import ExperimentConfig
+
+_REQUIRED = "(required)"
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(value):
+            return "(section)"
+    else:
+        return _REQUIRED
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+        return "[" + ", ".join(str(dataclasses.asdict(v)) for v in value) + "]"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _section_rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
+    rows = []
+    docs = field_docs(cls)
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        key = f"{prefix}{f.name}"
+        rows.append((key, type_name(tp), _default(f), docs.get(f.name, "")))
+        if dataclasses.is_dataclass(tp):
+            rows += _section_rows(tp, f"{key}.")
+        origin_args = typing.get_args(tp)
+        if typing.get_origin(tp) is list and origin_args and dataclasses.is_dataclass(origin_args[0]):
+            rows += _section_rows(origin_args[0], f"{key}[].")
+    return rows
+
+
+def render() -> str:
+    """The whole reference as Markdown."""
+    out = [
+        "# Experiment config reference",
+        "",
+        "Generated from the config dataclasses by `megatron-grpo config-reference`; do not edit",
+        "by hand (a test compares this file with the code). Unknown keys, wrong types and invalid",
+        "values are errors at load time. Any key can be overridden on the command line as",
+        "`section.key=value`.",
+        "",
+    ]
+    top_docs = field_docs(ExperimentConfig)
+    for f in dataclasses.fields(ExperimentConfig):
+        cls = _hints(ExperimentConfig)[f.name]
+        out += [f"## `{f.name}`", "", top_docs.get(f.name, ""), ""]
+        out += ["| key | type | default | meaning |", "|---|---|---|---|"]
+        for key, tp, default, doc in _section_rows(cls, f"{f.name}."):
+            cell = lambda s: s.replace("|", "\\|")  # noqa: E731
+            out.append(f"| `{key}` | {cell(tp)} | `{cell(default)}` | {cell(doc)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-grpo config-reference")
+    parser.add_argument("--write", metavar="PATH", help="write the reference to PATH instead of stdout")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.write:
+        write_atomic(Path(args.write), text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

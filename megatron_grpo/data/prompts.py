@@ -1,0 +1,138 @@
+"""Turn raw records into tokenized prompts: validate the fields, apply the chat template.
+
+A prompt field is either a plain string or a list of chat messages
+(``[{"role": "user", "content": "..."}]``). With ``data.apply_chat_template`` and a tokenizer
+that has a template, both are rendered with ``add_generation_prompt=True`` (a string becomes
+one user message; ``data.system_prompt`` is prepended unless the prompt already carries a
+system message). Without a template a string is tokenized as is and a message list is an
+error: guessing a chat format would silently train on a different prompt distribution than
+the one the model was tuned for.
+
+The answer may be a string or a number (``12`` -> ``"12"``); the reward functions compare
+normalised text, so the conversion loses nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_grpo.data.records import DataError, RawRecord
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One training prompt, ready for the rollout engine and the reward functions."""
+
+    index: int
+    """Position in the dataset (0-based, file order)."""
+
+    where: str
+    """``path:line`` or ``path: row N``, for error messages about this prompt."""
+
+    text: str
+    """The prompt as the model sees it (chat template applied when enabled)."""
+
+    prompt_ids: list[int]
+    """Token ids of ``text``, shape [prompt_len]."""
+
+    answer: str
+    """Reference answer passed to the reward functions."""
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def check_messages(value: list, where: str, key: str) -> list[dict]:
+    """Validate a chat-message list; returns it as ``[{"role", "content"}]`` dicts."""
+    if not value:
+        raise DataError(f"{where}: '{key}' is an empty list of messages")
+    messages = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(
+                f"{where}: '{key}'[{i}] must be an object with string 'role' and 'content', got {str(m)[:80]}"
+            )
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: '{key}'[{i}] has role {m['role']!r}; expected one of {', '.join(ROLES)}")
+        messages.append({"role": m["role"], "content": m["content"]})
+    return messages
+
+
+def check_record(rec: RawRecord, prompt_key: str, answer_key: str) -> tuple[str | list[dict], str]:
+    """The validated (prompt, answer) of a raw record; DataError naming the line otherwise."""
+    for present, key in ((rec.has_prompt, prompt_key), (rec.has_answer, answer_key)):
+        if not present:
+            raise DataError(f"{rec.where}: missing field '{key}'")
+    prompt = rec.prompt
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{rec.where}: '{prompt_key}' is an empty string")
+    elif isinstance(prompt, list):
+        prompt = check_messages(prompt, rec.where, prompt_key)
+    else:
+        raise DataError(
+            f"{rec.where}: '{prompt_key}' must be a string or a list of chat messages, got {_type_name(prompt)}"
+        )
+    answer = rec.answer
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str):
+        raise DataError(f"{rec.where}: '{answer_key}' must be a string or a number, got {_type_name(rec.answer)}")
+    return prompt, answer
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether ``tokenizer`` can render chat messages."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(prompt: str | list[dict], tokenizer, *, use_template: bool, system_prompt: str | None,
+                  where: str) -> tuple[str, list[int]]:
+    """(text, ids) of one validated prompt.
+
+    With a template the rendered text already holds any BOS the template wants, so it is
+    tokenized with ``add_special_tokens=False`` (otherwise BOS would appear twice).
+    """
+    if not use_template:
+        if isinstance(prompt, list):
+            raise DataError(
+                f"{where}: the prompt is a list of chat messages but "
+                + ("data.apply_chat_template is false" if has_chat_template(tokenizer)
+                   else "the tokenizer has no chat template")
+                + "; use a plain string prompt"
+            )
+        return prompt, list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a Jinja error in a user's template: say which prompt triggered it
+        raise DataError(f"{where}: the tokenizer's chat template failed: {type(e).__name__}: {' '.join(str(e).split())}") from None
+    return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def build_prompts(records: list[RawRecord], tokenizer, *, prompt_key: str, answer_key: str,
+                  apply_chat_template: bool, system_prompt: str | None, max_prompt_length: int) -> list[Prompt]:
+    """Validate, render and tokenize every record; the first bad one raises DataError."""
+    use_template = apply_chat_template and has_chat_template(tokenizer)
+    if system_prompt is not None and not use_template:
+        reason = "data.apply_chat_template is false" if has_chat_template(tokenizer) else "the tokenizer has no chat template"
+        raise DataError(f"data.system_prompt is set but {reason}, so it would be ignored")
+    prompts = []
+    for index, rec in enumerate(records):
+        prompt, answer = check_record(rec, prompt_key, answer_key)
+        text, ids = render_prompt(prompt, tokenizer, use_template=use_template, system_prompt=system_prompt,
+                                  where=rec.where)
+        if len(ids) > max_prompt_length:
+            raise DataError(
+                f"{rec.where}: prompt is {len(ids)} tokens, longer than data.max_prompt_length = {max_prompt_length}"
+            )
+        if not ids:
+            raise DataError(f"{rec.where}: prompt tokenizes to zero tokens")
+        prompts.append(Prompt(index=index, where=rec.where, text=text, prompt_ids=ids, answer=answer))
+    return prompts

@@ -1,0 +1,114 @@
+"""End-of-run report: the PNG plot and the printed summary table, both from metrics.jsonl.
+
+The plot is drawn with matplotlib's object API on an Agg canvas (no pyplot, so no global
+backend switch and no display needed) and written to a temp file renamed over ``plot.png``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+PLOT_PANELS: list[tuple[str, str]] = [
+    ("reward_mean", "reward (mean over responses)"),
+    ("ppo_kl", "KL old->new policy (ppo_kl)"),
+    ("clip_ratio", "clip ratio"),
+    ("rollout_train_logprobs_abs_diff_mean", "train/rollout |logprob diff| (mean)"),
+]
+"""(metric key, panel title) of the four panels of plot.png."""
+
+SUMMARY_COLUMNS: list[tuple[str, str]] = [
+    ("step", "step"),
+    ("reward_mean", "reward"),
+    ("reward_std", "reward_std"),
+    ("loss", "loss"),
+    ("ppo_kl", "ppo_kl"),
+    ("clip_ratio", "clip"),
+    ("entropy", "entropy"),
+    ("rollout_train_logprobs_abs_diff_mean", "mismatch"),
+    ("response_length_mean", "resp_len"),
+    ("elapsed_s", "elapsed_s"),
+]
+"""(metric key, column header) of the summary table; columns no entry has are left out."""
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of ``key`` over the records that hold a finite number for it."""
+    steps, values = [], []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            steps.append(r["step"])
+            values.append(float(v))
+    return steps, values
+
+
+def write_plot(records: list[dict], path: str | Path, title: str = "") -> Path:
+    """Draw the PLOT_PANELS metrics vs step into ``path`` (PNG, atomic); returns the path."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 7), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2).ravel()
+    for ax, (key, panel_title) in zip(axes, PLOT_PANELS):
+        steps, values = series(records, key)
+        ax.set_title(panel_title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if not steps:
+            ax.text(0.5, 0.5, f"{key}: not logged", ha="center", va="center", transform=ax.transAxes)
+            continue
+        ax.plot(steps, values, marker="." if len(steps) < 50 else None)
+        if key == "reward_mean":
+            std_steps, stds = series(records, "reward_std")
+            if std_steps == steps:
+                ax.fill_between(steps, [m - s for m, s in zip(values, stds)],
+                                [m + s for m, s in zip(values, stds)], alpha=0.2, label="± std")
+                ax.legend(loc="lower right", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp.{os.getpid()}.png")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)
+    return path
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}" if value != 0 else "0"
+    return str(value)
+
+
+def summary_rows(num_records: int, max_rows: int) -> list[int]:
+    """Indices of the rows shown: all if few, else evenly spaced including first and last."""
+    if num_records <= max_rows:
+        return list(range(num_records))
+    return sorted({round(i * (num_records - 1) / (max_rows - 1)) for i in range(max_rows)})
+
+
+def format_summary(records: list[dict], max_rows: int = 20) -> str:
+    """A fixed-width table of the run (a subset of steps if long) and a reward line."""
+    if not records:
+        return "no metrics logged"
+    columns = [(k, h) for k, h in SUMMARY_COLUMNS if any(k in r for r in records)]
+    rows = [[_fmt(records[i].get(k)) for k, _ in columns] for i in summary_rows(len(records), max_rows)]
+    widths = [max(len(h), *(len(row[c]) for row in rows)) for c, (_, h) in enumerate(columns)]
+    lines = ["  ".join(h.rjust(w) for (_, h), w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
+    steps, rewards = series(records, "reward_mean")
+    if rewards:
+        best = max(range(len(rewards)), key=rewards.__getitem__)
+        lines.append(
+            f"reward_mean: {rewards[0]:.4g} at step {steps[0]} -> {rewards[-1]:.4g} at step {steps[-1]} "
+            f"(best {rewards[best]:.4g} at step {steps[best]})"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""Megatron-core ``GPTModel`` chunks from a Hugging Face config, for the current TP/PP state."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from megatron_grpo.models.architectures import get_architecture
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisor: int = 128) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisor * tp`` (megatron's rule, so each TP
+    rank holds an equal, ``divisor``-aligned slice). E.g. (255, 1) -> 256, (151936, 2) -> 152064."""
+    multiple = divisor * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def use_transformer_engine() -> bool:
+    """TE layer specs need CUDA; the local megatron-core spec is used otherwise (CPU)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, recompute: bool = False,
+                       sequence_parallel: bool = False):
+    """``TransformerConfig`` = the architecture fields read from config.json + this process's
+    parallel sizes (megatron parallel_state) and runtime choices."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    arch = get_architecture(hf_config.model_type)
+    on_cpu = not torch.cuda.is_available()
+    runtime = dict(
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=on_cpu,
+    )
+    if recompute:
+        runtime.update(recompute_granularity="full", recompute_method="uniform",
+                       recompute_num_layers=1)
+    return TransformerConfig(**arch.transformer_config_kwargs(hf_config), **runtime)
+
+
+def layer_spec(hf_config, config):
+    """TE spec on GPU with transformer_engine, megatron-core's local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine():
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=config.qk_layernorm
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=config.qk_layernorm, normalization=config.normalization
+    )
+
+
+def build_model(hf_config, *, dtype: torch.dtype = torch.float32,
+                make_vocab_size_divisible_by: int = 128, recompute: bool = False,
+                sequence_parallel: bool = False, init_weights: bool = True) -> list:
+    """GPTModel chunks of this rank's PP stage (one chunk: no virtual pipeline yet).
+
+    ``pre_process``/``post_process`` follow the PP stage. Weights are randomly initialised
+    unless ``init_weights=False`` (faster when a checkpoint is loaded right after). Each chunk
+    gets a ``hf_config`` attribute, which checkpoint saving reads.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    arch = get_architecture(hf_config.model_type)
+    config = transformer_config(hf_config, dtype=dtype, recompute=recompute,
+                                sequence_parallel=sequence_parallel)
+    config.perform_initialization = init_weights
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(hf_config, config),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        parallel_output=True,
+        **arch.gpt_model_kwargs(hf_config),
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    model.hf_config = hf_config
+    return [model]

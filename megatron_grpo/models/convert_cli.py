@@ -1,0 +1,185 @@
+"""`megatron-grpo convert-hf-to-megatron` / `convert-megatron-to-hf` (and tools/convert_*.py).
+
+Both run as one CPU process by default (``--tp 1 --pp 1``) or, unchanged, under
+``torchrun --nproc-per-node N`` with ``--tp/--pp`` for models that need splitting. Every
+conversion ends with a self-check (a probe batch through the Megatron model and the HF model,
+max |Δlogits| printed, exit 1 above ``--tolerance``); ``--no-self-check`` skips it.
+
+Exit codes: 0 success, 1 self-check failure, 2 user error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_grpo.models.errors import ModelError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output-dir", required=True, type=Path, help="directory to write (replaced)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of this run")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of this run")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                   help="dtype of the written weights (auto: config.json's)")
+    p.add_argument("--no-self-check", dest="self_check", action="store_false",
+                   help="skip the logits comparison (needs the full HF model in one process)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max |Δlogits| accepted by the self-check (default 1e-3)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output-dir")
+
+
+def hf_to_megatron_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="convert-hf-to-megatron",
+                                description="Hugging Face directory -> Megatron distributed checkpoint")
+    p.add_argument("--hf-dir", required=True, type=Path, help="HF model directory")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    _common_args(p)
+    return p
+
+
+def megatron_to_hf_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="convert-megatron-to-hf",
+                                description="Megatron checkpoint (any TP/PP) -> Hugging Face directory")
+    p.add_argument("--ckpt-dir", required=True, type=Path, help="megatron-grpo checkpoint directory")
+    p.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size")
+    _common_args(p)
+    return p
+
+
+def hf_to_megatron(args) -> int:
+    from megatron_grpo.models.builder import build_model
+    from megatron_grpo.models.checkpoint import dir_bytes, load_megatron_checkpoint, save_megatron_checkpoint
+    from megatron_grpo.models.hf_config import load_hf_config
+    from megatron_grpo.models.hf_export import config_dtype
+    from megatron_grpo.models.self_check import DEFAULT_TOLERANCE, run_self_check
+    from megatron_grpo.models.weights import SafetensorsReader, load_hf_weights
+
+    hf_config = load_hf_config(args.hf_dir)
+    SafetensorsReader(args.hf_dir)  # fail now on missing weights, before starting ranks
+    _check_output(args.output_dir, args.overwrite, args.hf_dir)
+    dtype = DTYPES.get(args.dtype) or config_dtype(hf_config)
+    _initialize(args.tp, args.pp)
+    say = _printer()
+
+    t0 = time.perf_counter()
+    chunks = build_model(hf_config, dtype=dtype, init_weights=False,
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    load_hf_weights(chunks, args.hf_dir, hf_config, progress=_is_rank0())
+    save_megatron_checkpoint(chunks, args.output_dir, hf_dir=args.hf_dir)
+    del chunks
+    written = dir_bytes(args.output_dir)
+    say(f"wrote {args.output_dir} ({written / 1e6:.1f} MB, {dtype}) in {time.perf_counter() - t0:.1f}s")
+    if not args.self_check:
+        return 0
+    # Check what is on disk: a fresh fp32 model (NaN-filled, so a parameter the checkpoint
+    # failed to cover shows up as NaN logits) loaded from the written checkpoint.
+    chunks = build_model(hf_config, dtype=torch.float32, init_weights=False,
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    _fill_nan(chunks)
+    load_megatron_checkpoint(chunks, args.output_dir)
+    result = run_self_check(chunks, hf_config, args.hf_dir, args.tolerance or DEFAULT_TOLERANCE,
+                            hf_round_to=dtype)
+    say(result.line())
+    return 0 if result.ok else 1
+
+
+def megatron_to_hf(args) -> int:
+    from megatron_grpo.models.builder import build_model
+    from megatron_grpo.models.checkpoint import HF_SUBDIR, checkpoint_dtype, checkpoint_hf_config, load_megatron_checkpoint
+    from megatron_grpo.models.hf_export import config_dtype, save_hf_checkpoint
+    from megatron_grpo.models.self_check import DEFAULT_TOLERANCE, round_params_, run_self_check
+
+    hf_config = checkpoint_hf_config(args.ckpt_dir)
+    _check_output(args.output_dir, args.overwrite, args.ckpt_dir)
+    out_dtype = DTYPES.get(args.dtype) or config_dtype(hf_config)
+    # fp32 for the self-check's reference forward; the stored dtype otherwise (less memory).
+    model_dtype = torch.float32 if args.self_check else (checkpoint_dtype(args.ckpt_dir) or out_dtype)
+    _initialize(args.tp, args.pp)
+    say = _printer()
+
+    t0 = time.perf_counter()
+    chunks = build_model(hf_config, dtype=model_dtype, init_weights=False)
+    _fill_nan(chunks)
+    load_megatron_checkpoint(chunks, args.ckpt_dir)
+    written = save_hf_checkpoint(chunks, hf_config, args.output_dir,
+                                 sidecar_dir=Path(args.ckpt_dir) / HF_SUBDIR, dtype=out_dtype,
+                                 max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
+                                 progress=_is_rank0())
+    say(f"wrote {args.output_dir} ({written / 1e6:.1f} MB of {out_dtype} weights) "
+        f"in {time.perf_counter() - t0:.1f}s")
+    if not args.self_check:
+        return 0
+    # Compare with the weights as written (rounded to out_dtype), not as held in fp32.
+    round_params_([p for c in chunks for p in c.parameters()], out_dtype)
+    result = run_self_check(chunks, hf_config, args.output_dir, args.tolerance or DEFAULT_TOLERANCE)
+    say(result.line())
+    return 0 if result.ok else 1
+
+
+COMMANDS = {
+    "convert-hf-to-megatron": (hf_to_megatron_parser, hf_to_megatron),
+    "convert-megatron-to-hf": (megatron_to_hf_parser, megatron_to_hf),
+}
+
+
+def run_command(name: str, argv: list[str]) -> int:
+    """Entry point of both sub-commands (``megatron_grpo.cli`` and tools/ call this)."""
+    import torch.distributed as dist
+
+    from megatron_grpo.runtime import parallel
+
+    make_parser, run = COMMANDS[name]
+    args = make_parser().parse_args(argv)
+    started_here = not dist.is_initialized()
+    try:
+        return run(args)
+    except ModelError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if started_here:
+            parallel.destroy()
+
+
+def _initialize(tp: int, pp: int) -> None:
+    from megatron_grpo.runtime import parallel
+
+    if tp < 1 or pp < 1:
+        raise ModelError(f"--tp/--pp must be >= 1, got --tp {tp} --pp {pp}")
+    try:
+        parallel.initialize(tp, pp)
+    except ValueError as e:
+        raise ModelError(f"{e}: run under torchrun --nproc-per-node {tp * pp} for --tp {tp} --pp {pp}") from None
+
+
+def _check_output(out: Path, overwrite: bool, source: Path) -> None:
+    if out.resolve() == source.resolve():
+        raise ModelError(f"--output-dir {out} is the input directory")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ModelError(f"--output-dir {out} exists and is not empty (pass --overwrite to replace it)")
+
+
+@torch.no_grad()
+def _fill_nan(chunks: list) -> None:
+    for c in chunks:
+        for p in c.parameters():
+            p.fill_(float("nan"))
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _printer():
+    rank0 = _is_rank0()
+    return (lambda msg: print(msg, flush=True)) if rank0 else (lambda msg: None)
+

@@ -1,0 +1,7 @@
+"""The one exception type for user mistakes in the models package (bad directory, unsupported
+architecture, a tensor of the wrong shape). Its message is a single line; the tools print it
+and exit with code 2."""
+
+
+class ModelError(ValueError):
+    """A user-facing, one-line error about a model directory, config or checkpoint."""

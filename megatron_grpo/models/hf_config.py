@@ -1,0 +1,44 @@
+"""Reading a Hugging Face model directory: its config and the files that travel with it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_grpo.models.errors import ModelError
+
+# Files copied along with the weights (into Megatron checkpoints and back into HF exports):
+# everything a tokenizer / generation config / chat template may be made of.
+SIDECAR_PATTERNS = (
+    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+    "*.model", "*.tiktoken", "chat_template.*", "generation_config.json",
+    "preprocessor_config.json",
+)
+
+
+def load_hf_config(hf_dir: str | Path):
+    """``transformers.PretrainedConfig`` of ``hf_dir``; ModelError (one line) if the directory
+    or its config.json is missing or unreadable, or the model_type is not supported."""
+    from transformers import AutoConfig
+
+    from megatron_grpo.models.architectures import get_architecture
+
+    path = Path(hf_dir)
+    config_file = path / "config.json"
+    if not path.is_dir():
+        raise ModelError(f"{path}: Hugging Face model directory not found")
+    if not config_file.is_file():
+        raise ModelError(f"{config_file}: not found (a Hugging Face model directory needs one)")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{config_file}:{e.lineno}: invalid JSON ({e.msg})") from None
+    get_architecture(model_type, where=str(config_file))  # before transformers sees it
+    return AutoConfig.from_pretrained(str(path))
+
+
+def sidecar_files(hf_dir: str | Path) -> list[Path]:
+    """Tokenizer / generation / chat-template files of ``hf_dir`` (sorted, no duplicates)."""
+    path = Path(hf_dir)
+    found = {p for pattern in SIDECAR_PATTERNS for p in path.glob(pattern) if p.is_file()}
+    return sorted(found)

@@ -1,0 +1,137 @@
+"""HF weights in and out of Megatron chunks: the single source of truth for the mapping.
+
+``load_hf_weights``: each rank reads, from the HF safetensors, only the tensors of its PP
+stage and copies its TP shard. ``iter_hf_weights``: the reverse, gathered over TP: full
+HF-named, HF-layout tensors, used by the HF exporter AND the trainer -> rollout weight sync.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from megatron_grpo.models.architectures import TE_ALIASES, ParamMapping, get_architecture
+from megatron_grpo.models.errors import ModelError
+
+
+class SafetensorsReader:
+    """Lazy, by-name access to the tensors of a HF directory (single file or sharded index)."""
+
+    def __init__(self, hf_dir: str | Path):
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        single = self.dir / "model.safetensors"
+        if index.is_file():
+            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), "pt") as f:
+                self.weight_map = {k: single.name for k in f.keys()}
+        else:
+            raise ModelError(f"{self.dir}: no model.safetensors nor model.safetensors.index.json")
+        self._open: dict[str, object] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.weight_map.get(name)
+        if file is None:
+            raise ModelError(f"{self.dir}: tensor {name} is missing from the safetensors files")
+        if file not in self._open:
+            from safetensors import safe_open
+
+            path = self.dir / file
+            if not path.is_file():
+                raise ModelError(f"{path}: not found (listed in model.safetensors.index.json)")
+            self._open[file] = safe_open(str(path), "pt")
+        return self._open[file].get_tensor(name)
+
+
+def resolve_params(chunk, mappings: list[ParamMapping]) -> list[tuple[ParamMapping, torch.nn.Parameter]]:
+    """Pair every mapping with the chunk's parameter (local or TE spec name), checking that
+    the mapping covers every parameter of the chunk exactly once."""
+    params = dict(chunk.named_parameters())
+    pairs, used = [], set()
+    for m in mappings:
+        name = m.megatron_name
+        if name not in params:
+            for local, te in TE_ALIASES.items():
+                if name.endswith(local):
+                    name = name[: -len(local)] + te
+        if name not in params:
+            raise ModelError(f"architecture mapping names {m.megatron_name}, which the model lacks")
+        used.add(name)
+        pairs.append((m, params[name]))
+    unmapped = sorted(set(params) - used)
+    if unmapped:
+        raise ModelError(f"model parameters without an HF mapping: {', '.join(unmapped)}")
+    return pairs
+
+
+def chunk_params(chunk, hf_config) -> list[tuple[ParamMapping, torch.nn.Parameter]]:
+    arch = get_architecture(hf_config.model_type)
+    return resolve_params(chunk, arch.chunk_mappings(chunk, hf_config))
+
+
+@torch.no_grad()
+def load_hf_weights(model_chunks: list, hf_dir: str | Path, hf_config, *,
+                    progress: bool = False) -> None:
+    """Copy HF weights into this rank's chunks (this PP stage's tensors, this TP rank's shard).
+
+    ModelError naming the tensor on a missing tensor or a shape mismatch.
+    """
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    reader = SafetensorsReader(hf_dir)
+    pairs = [p for chunk in model_chunks for p in chunk_params(chunk, hf_config)]
+    if progress:
+        from tqdm import tqdm
+
+        pairs = tqdm(pairs, desc="load HF", unit="param")
+    for m, param in pairs:
+        hf = [reader.get(n) for n in m.hf_names]
+        try:
+            shard = m.layout.to_shard(hf, tp_rank, tp)
+        except ValueError as e:
+            raise ModelError(_shape_error(m, hf, param, str(e))) from None
+        if shard.shape != param.shape:
+            raise ModelError(_shape_error(m, hf, param, f"tp={tp} shard is {list(shard.shape)}"))
+        param.copy_(shard)
+
+
+def _shape_error(m: ParamMapping, hf: list[torch.Tensor], param, detail: str) -> str:
+    shapes = ", ".join(f"{n} {list(t.shape)}" for n, t in zip(m.hf_names, hf))
+    return (f"shape mismatch: {shapes} -> {m.megatron_name} expects shard {list(param.shape)} "
+            f"({detail}); does config.json match the weights?")
+
+
+@torch.no_grad()
+def iter_hf_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full HF-layout tensor) for every parameter of this PP stage.
+
+    Collective over the TP group of this stage: every TP rank must iterate to the end in
+    step, and every TP rank receives the full tensors (gathered over TP, vocab padding
+    removed, fused QKV / gate-up split back). Tensors keep the model's dtype and device and
+    are fresh copies. Tied embeddings are yielded once, as ``model.embed_tokens.weight``, by
+    the first PP stage.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group()
+    for chunk in model_chunks:
+        for m, param in chunk_params(chunk, hf_config):
+            if not m.exported:
+                continue
+            local = param.detach()
+            if tp == 1 or m.layout.replicated:
+                shards = [local]
+            else:
+                shards = [torch.empty_like(local) for _ in range(tp)]
+                dist.all_gather(shards, local.contiguous(), group=group)
+            yield from zip(m.hf_names, m.layout.from_shards(shards))

@@ -1,0 +1,96 @@
+"""Final-answer extraction and number normalisation for math rewards.
+
+Responses are decoded text, and decoders differ in spacing: a word-level tokenizer (the tiny
+test tokenizer) decodes ``\\boxed{12}`` as ``\\ boxed { 12 }`` and ``#### 12`` as
+``# # # # 12``. The markers are therefore matched with optional whitespace between their
+characters, and whitespace is removed from an extracted answer before comparing.
+
+Two answers are equal when both parse as numbers with the same value (``12`` = ``12.0`` =
+``$12`` = ``12.`` and ``1,000`` = ``1000``; ``3/4`` = ``0.75``), else when their
+whitespace-free text is identical.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+from typing import Optional
+
+BOXED_RE = re.compile(r"\\\s*boxed\s*\{")
+HASH_RE = re.compile(r"#\s*#\s*#\s*#")  # GSM8K's "#### 72" marker, possibly decoded with spaces
+LAST_NUMBER_RE = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+DECIMAL_RE = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)$")
+FRACTION_RE = re.compile(r"^[-+]?\d+/\d+$")
+
+
+def extract_boxed(text: str) -> Optional[str]:
+    """Content of the LAST ``\\boxed{...}`` (nested braces balanced), or None if absent/unclosed."""
+    starts = [m.end() for m in BOXED_RE.finditer(text)]
+    if not starts:
+        return None
+    depth, start = 1, starts[-1]
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+    return None
+
+
+def extract_hash(text: str) -> Optional[str]:
+    """Rest of the line after the LAST ``####`` marker, or None if absent or empty."""
+    marks = list(HASH_RE.finditer(text))
+    if not marks:
+        return None
+    rest = text[marks[-1].end():].split("\n", 1)[0].strip()
+    return rest or None
+
+
+def last_number(text: str) -> Optional[str]:
+    """The last number in ``text`` (``-3``, ``1,000``, ``2.5``), or None."""
+    found = LAST_NUMBER_RE.findall(text)
+    return found[-1] if found else None
+
+
+def extract_final_answer(text: str, use_last_number: bool = True) -> Optional[str]:
+    """Final answer of a response: ``\\boxed{}``, else ``####``, else (optionally) the last number."""
+    for extract in (extract_boxed, extract_hash):
+        found = extract(text)
+        if found is not None and found.strip():
+            return found
+    return last_number(text) if use_last_number else None
+
+
+def reference_answer(answer: str) -> str:
+    """The comparable part of a dataset answer: GSM8K answers keep reasoning before ``####``."""
+    found = extract_hash(answer)
+    return found if found is not None else answer
+
+
+def parse_number(text: str) -> Optional[Fraction]:
+    """Exact value of a number written as ``12``, ``-12.50``, ``$1,000``, ``3/4``, ``12.``; else None."""
+    s = "".join(text.split())
+    s = s.replace("\\$", "").replace("$", "").rstrip(".")  # currency; a sentence's full stop
+    if THOUSANDS_RE.match(s):
+        s = s.replace(",", "")
+    try:
+        if DECIMAL_RE.match(s):
+            return Fraction(Decimal(s))
+        if FRACTION_RE.match(s):
+            num, den = s.split("/")
+            return Fraction(int(num), int(den)) if int(den) != 0 else None
+    except (InvalidOperation, ValueError):
+        return None
+    return None
+
+
+def answers_equal(predicted: str, reference: str) -> bool:
+    """Same numeric value if both are numbers, else the same text ignoring whitespace."""
+    a, b = parse_number(predicted), parse_number(reference)
+    if a is not None and b is not None:
+        return a == b
+    return "".join(predicted.split()) == "".join(reference.split())

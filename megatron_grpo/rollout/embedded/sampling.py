@@ -1,0 +1,174 @@
+"""Sampling with SGLang 0.5.23's semantics (its pure-torch sampler), as small pure functions.
+
+* ``temperature < 1e-6`` means greedy: SGLang rewrites it to ``temperature = 1, top_k = 1``,
+  so a greedy request's log-probs are the raw ``log_softmax(logits)``.
+* ``top_k = -1`` means all tokens.
+* the token is drawn from softmax(logits / T) after zeroing, in descending-probability order,
+  ranks ``>= top_k``, tokens whose *exclusive* cumulative mass exceeds ``top_p``, and tokens
+  below ``min_p`` times the top probability (SGLang's ``top_k_top_p_min_p_sampling_from_probs_torch``).
+* the returned log-prob is ``log_softmax(logits / T)`` of the drawn token, computed BEFORE the
+  top-k/top-p filtering (what SGLang reports, and what the trainer must score).
+
+Randomness comes from one uniform number per row (inverse-CDF sampling), so a sequence with
+its own seeded generator draws the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+SAMPLING_EPS = 1e-6
+TOP_K_ALL = 1 << 30
+
+# SGLang sampling_params keys, with the values this engine supports. Unsupported keys are
+# accepted only at their SGLang default (so SGLang-shaped requests pass), anything else is
+# a 400 naming the key.
+_UNSUPPORTED_DEFAULTS = {
+    "stop": None,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "logit_bias": None,
+    "custom_params": None,
+}
+_IGNORED = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
+
+
+@dataclass(kw_only=True)
+class ResolvedSampling:
+    """Sampling parameters of one sequence after SGLang's normalisation."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = TOP_K_ALL
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    ignore_eos: bool = False
+    n: int = 1
+    seed: Optional[int] = None
+    skip_special_tokens: bool = True
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.top_k == 1
+
+
+def resolve_sampling_params(raw: Optional[dict]) -> ResolvedSampling:
+    """SGLang ``sampling_params`` dict -> ResolvedSampling; ValueError names a bad key."""
+    raw = dict(raw or {})
+    known = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids",
+             "ignore_eos", "n", "sampling_seed"} | set(_UNSUPPORTED_DEFAULTS) | _IGNORED
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"sampling_params: unknown key(s) {unknown}")
+    for key, default in _UNSUPPORTED_DEFAULTS.items():
+        if key in raw and raw[key] not in (default, [], {}):
+            raise ValueError(f"sampling_params.{key}={raw[key]!r} is not supported by the embedded engine")
+    temperature = float(raw.get("temperature", 1.0))
+    top_p = float(raw.get("top_p", 1.0))
+    top_k = int(raw.get("top_k", -1))
+    min_p = float(raw.get("min_p", 0.0))
+    max_new_tokens = raw.get("max_new_tokens", 128)
+    n = int(raw.get("n", 1))
+    if temperature < 0:
+        raise ValueError(f"sampling_params.temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"sampling_params.top_p must be in (0, 1], got {top_p}")
+    if top_k != -1 and top_k < 1:
+        raise ValueError(f"sampling_params.top_k must be -1 or >= 1, got {top_k}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"sampling_params.min_p must be in [0, 1], got {min_p}")
+    if max_new_tokens is None or int(max_new_tokens) < 0:
+        raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {max_new_tokens}")
+    if n < 1:
+        raise ValueError(f"sampling_params.n must be >= 1, got {n}")
+    if top_k == -1:
+        top_k = TOP_K_ALL
+    if temperature < SAMPLING_EPS:  # SGLang: greedy = top-1 at temperature 1
+        temperature, top_k = 1.0, 1
+    seed = raw.get("sampling_seed")
+    return ResolvedSampling(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        max_new_tokens=int(max_new_tokens),
+        stop_token_ids=frozenset(int(t) for t in raw.get("stop_token_ids") or ()),
+        ignore_eos=bool(raw.get("ignore_eos", False)),
+        n=n,
+        seed=None if seed is None else int(seed),
+        skip_special_tokens=bool(raw.get("skip_special_tokens", True)),
+    )
+
+
+def scaled_logprobs(logits_BV: torch.Tensor, temperature_B: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits / T) in float32: [B, V] -> [B, V]."""
+    return torch.log_softmax(logits_BV.float() / temperature_B.float().unsqueeze(1), dim=-1)
+
+
+def filter_sorted_probs(probs_sorted_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor,
+                        min_p_B: torch.Tensor) -> torch.Tensor:
+    """Zero the filtered tail of descending-sorted probabilities (SGLang's rule). [B, V] -> [B, V]."""
+    probs = probs_sorted_BV.clone()
+    exclusive_cumsum = probs_sorted_BV.cumsum(dim=-1) - probs_sorted_BV
+    ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+    probs[ranks >= top_k_B.unsqueeze(1)] = 0.0
+    probs[exclusive_cumsum > top_p_B.unsqueeze(1)] = 0.0
+    probs[probs < (probs_sorted_BV[:, :1] * min_p_B.unsqueeze(1))] = 0.0
+    return probs
+
+
+def inverse_cdf(probs_BV: torch.Tensor, uniform_B: torch.Tensor) -> torch.Tensor:
+    """Column drawn from each row of unnormalised non-negative weights: [B, V], [B] -> [B].
+
+    The column is the first whose cumulative weight exceeds ``u * total``; zero-weight
+    columns are never drawn.
+    """
+    cdf = probs_BV.double().cumsum(dim=-1)
+    target = uniform_B.double().unsqueeze(1) * cdf[:, -1:]
+    col = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    last_nonzero = probs_BV.shape[-1] - 1 - (probs_BV.flip(-1) > 0).int().argmax(dim=-1)
+    return torch.minimum(col, last_nonzero)
+
+
+def sample_next(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
+                top_p_B: torch.Tensor, min_p_B: torch.Tensor,
+                uniform_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; returns (token ids [B] int64, log-probs [B] float32).
+
+    ``top_k_B == 1`` rows are greedy (argmax of the logits). The log-prob is that of the
+    temperature-scaled, unfiltered distribution (see the module docstring).
+    """
+    logprobs_BV = scaled_logprobs(logits_BV, temperature_B)
+    probs_BV = logprobs_BV.exp()
+    needs_filter = bool(((top_k_B < probs_BV.shape[-1]) | (top_p_B < 1.0) | (min_p_B > 0)).any())
+    if needs_filter:
+        sorted_probs, order = probs_BV.sort(dim=-1, descending=True)
+        kept = filter_sorted_probs(sorted_probs, top_k_B, top_p_B, min_p_B)
+        tokens = order.gather(1, inverse_cdf(kept, uniform_B).unsqueeze(1)).squeeze(1)
+    else:
+        tokens = inverse_cdf(probs_BV, uniform_B)
+    greedy = top_k_B == 1
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, logits_BV.argmax(dim=-1), tokens)
+    return tokens, logprobs_BV.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def draw_uniforms(generators: list[Optional[torch.Generator]], shared: torch.Generator) -> torch.Tensor:
+    """One U[0,1) per row: from the row's own generator when seeded, else from ``shared``."""
+    num_unseeded = sum(g is None for g in generators)
+    shared_draws = iter(torch.rand(num_unseeded, generator=shared, dtype=torch.float64).tolist())
+    return torch.tensor(
+        [next(shared_draws) if g is None else float(torch.rand(1, generator=g, dtype=torch.float64))
+         for g in generators],
+        dtype=torch.float64,
+    )

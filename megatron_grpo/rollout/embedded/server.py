@@ -1,0 +1,343 @@
+"""FastAPI app of the embedded engine: SGLang 0.5.23's native routes and answer shapes.
+
+Differences from SGLang, all deliberate:
+
+* ``/weights_checksum`` (embedded only) returns per-tensor checksums for sync verification;
+* ``sampling_params`` keys the engine cannot honour (penalties, grammars, stop strings) are a
+  400 naming the key unless left at SGLang's default;
+* ``input_token_logprobs`` use the request's temperature, like the output log-probs.
+
+Blocking work (waiting for generation, receiving broadcasts, loading weights) runs in worker
+threads so the event loop keeps answering ``/health`` and ``/pause_generation`` meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, Callable, Optional
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+
+from megatron_grpo.rollout.embedded.engine import EmbeddedEngine, EngineError
+from megatron_grpo.rollout.embedded.generation import Sequence
+from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
+
+# /generate keys that are accepted at these (SGLang default) values only.
+_GENERATE_DEFAULTS: dict[str, Any] = {
+    "stream": False, "top_logprobs_num": None, "token_ids_logprob": None, "image_data": None,
+    "audio_data": None, "video_data": None, "lora_path": None, "custom_logit_processor": None,
+    "return_hidden_states": False, "session_params": None, "bootstrap_host": None,
+    "log_metrics": True, "modalities": None, "data_parallel_rank": None,
+}
+_GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
+                  "return_text_in_logprobs", "rid"} | set(_GENERATE_DEFAULTS)
+
+
+def _bad_request(message: str) -> JSONResponse:
+    return JSONResponse({"object": "error", "message": message, "type": "BadRequest", "code": 400},
+                        status_code=400)
+
+
+def _per_item(value: Any, count: int, key: str) -> list:
+    """SGLang broadcasting: one value for all items, or a list with one per item."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise EngineError(f"{key} has {len(value)} entries for {count} inputs")
+        return value
+    return [value] * count
+
+
+def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None) -> FastAPI:
+    """The HTTP app serving ``engine``; with ``api_key`` every route but /health needs
+    ``Authorization: Bearer <api_key>`` (SGLang's rule) and answers 401 otherwise."""
+    app = FastAPI(title="megatron-grpo embedded rollout engine", openapi_url=None)
+
+    if api_key:
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next: Callable):
+            if request.url.path.startswith("/health") or request.method == "OPTIONS":
+                return await call_next(request)
+            if request.headers.get("Authorization") != f"Bearer {api_key}":
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            return await call_next(request)
+
+    async def body(request: Request) -> dict:
+        try:
+            data = await request.json()
+        except ValueError:
+            raise HTTPException(400, "the request body must be JSON") from None
+        if not isinstance(data, dict):
+            raise HTTPException(400, "the request body must be a JSON object")
+        return data
+
+    async def in_thread(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except EngineError as e:
+            raise HTTPException(400, str(e)) from None
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        if exc.status_code == 400:
+            return _bad_request(str(exc.detail))
+        return JSONResponse({"object": "error", "message": str(exc.detail), "code": exc.status_code},
+                            status_code=exc.status_code)
+
+    def result(success: bool = True, message: str = "ok", **extra: Any) -> JSONResponse:
+        return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
+
+    # ---- info ----------------------------------------------------------------------
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        return {"model_path": engine.model_dir, "tokenizer_path": engine.model_dir, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": engine.weight_version}
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        return {"model_path": engine.model_dir, "tp_size": 1, "dp_size": 1, "engine": "embedded",
+                "dtype": str(engine.dtype).removeprefix("torch."), "max_batch_size": engine.max_batch_size,
+                "context_length": engine.max_context, "weight_version": engine.weight_version,
+                "paused": engine.paused}
+
+    @app.get("/get_weight_version")
+    async def weight_version() -> dict:
+        return {"weight_version": engine.weight_version}
+
+    # ---- generation ----------------------------------------------------------------
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request):
+        req = await body(request)
+        try:
+            items, single = _parse_generate(engine, req)
+        except (EngineError, ValueError, TypeError) as e:
+            return _bad_request(str(e))
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        remaining = [len(items)]
+
+        def on_finish(_: Sequence) -> None:
+            # Called from the scheduler thread (or from pause/abort): hop to the loop.
+            def tick() -> None:
+                remaining[0] -= 1
+                if remaining[0] == 0 and not done.done():
+                    done.set_result(None)
+            loop.call_soon_threadsafe(tick)
+
+        for s in items:
+            s.on_finish = on_finish
+        started = time.monotonic()
+        try:
+            engine.submit(items)
+        except EngineError as e:
+            return _bad_request(str(e))
+        await done
+        latency = time.monotonic() - started
+        with_text = bool(req.get("return_text_in_logprobs", False))
+        outputs = [_render(engine, s, with_text, latency) for s in items]
+        return outputs[0] if single and len(outputs) == 1 else outputs
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        # No prefix cache survives a wave, so there is nothing to flush: report success.
+        return Response(content="Cache flushed.\n", status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        req = await body(request)
+        await in_thread(engine.pause, req.get("mode", "abort"))
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        engine.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    # ---- weights -------------------------------------------------------------------
+
+    def set_version(version: Optional[str]) -> str:
+        if version is not None:
+            engine.weight_version = str(version)
+            return f" Weight version updated to {version}."
+        return ""
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        req = await body(request)
+        if not req.get("model_path"):
+            return _bad_request("model_path is required")
+
+        def load() -> int:
+            with engine.exclusive():
+                return engine.load_from_disk(req["model_path"])
+
+        count = await in_thread(load)
+        return result(True, f"Loaded {count} tensors from {req['model_path']}." + set_version(req.get("weight_version")),
+                      num_paused_requests=0)
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update():
+        await in_thread(engine.begin_weight_update)
+        return result(True, "Weight update session started.")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update():
+        engine.end_weight_update()
+        return result(True, "Weight update session ended.")
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        from megatron_grpo.sync.serialize import deserialize_named_tensors
+
+        req = await body(request)
+        if not engine.in_update_session:
+            return _bad_request("/update_weights_from_tensor needs an open session: call /begin_weight_update first")
+        if req.get("load_format") not in (None, "direct"):
+            return _bad_request(f"load_format {req.get('load_format')!r} is not supported (null)")
+        serialized = req.get("serialized_named_tensors")
+        if not isinstance(serialized, list) or not serialized:
+            return _bad_request("serialized_named_tensors must be a non-empty list (one entry per TP rank)")
+
+        def load() -> int:
+            try:
+                named = deserialize_named_tensors(serialized[0])  # this engine is TP rank 0
+            except ValueError as e:
+                raise EngineError(str(e)) from None
+            with engine.exclusive():
+                return engine.load_weights(named)
+
+        count = await in_thread(load)
+        return result(True, f"Loaded {count} tensors." + set_version(req.get("weight_version")))
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        req = await body(request)
+        try:
+            kwargs = dict(master_address=str(req["master_address"]), master_port=int(req["master_port"]),
+                          rank_offset=int(req["rank_offset"]), world_size=int(req["world_size"]),
+                          backend=str(req.get("backend", "gloo")))
+        except (KeyError, TypeError, ValueError) as e:
+            return _bad_request(f"bad init_weights_update_group request: {e}")
+        if kwargs["backend"] != "gloo":
+            return _bad_request(f"backend {kwargs['backend']!r} is not supported on this engine (gloo)")
+        group_name = str(req.get("group_name", "weight_update_group"))
+        try:
+            await asyncio.to_thread(engine.init_group, group_name, **kwargs)
+        except EngineError as e:
+            return _bad_request(str(e))
+        except Exception as e:  # noqa: BLE001 - rendezvous failures are the caller's to see
+            return result(False, f"Failed to init group {group_name}: {type(e).__name__}: {e}")
+        return result(True, f"Initialized weight update group {group_name}.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        req = await body(request)
+        try:
+            count = await in_thread(engine.receive_distributed, names=list(req["names"]),
+                                    dtypes=list(req["dtypes"]), shapes=[list(s) for s in req["shapes"]],
+                                    group_name=str(req.get("group_name", "weight_update_group")),
+                                    load_format=req.get("load_format"))
+        except KeyError as e:
+            return _bad_request(f"missing key {e}")
+        except HTTPException:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken broadcast: report, stay alive
+            return result(False, f"Failed to update parameter online: {type(e).__name__}: {e}")
+        return result(True, f"Loaded {count} tensors." + set_version(req.get("weight_version")))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        req = await body(request)
+        await in_thread(engine.destroy_group, str(req.get("group_name", "weight_update_group")))
+        return result(True, "Destroyed weight update group.")
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        req = await body(request)
+        if "new_version" not in req:
+            return _bad_request("new_version is required")
+        set_version(req["new_version"])
+        return result(True, f"Weight version updated to {req['new_version']}", new_version=str(req["new_version"]))
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request):
+        req = await body(request)
+        return await in_thread(engine.weights_by_name, str(req.get("name")), int(req.get("truncate_size", 100)))
+
+    @app.post("/weights_checksum")
+    async def weights_checksum(request: Request):
+        req = await body(request)
+        names = req.get("names")
+        return {"weight_version": engine.weight_version, "checksums": await in_thread(engine.checksums, names)}
+
+    return app
+
+
+def _parse_generate(engine: EmbeddedEngine, req: dict) -> tuple[list[Sequence], bool]:
+    """A /generate body -> the sequences to run (prompt-major with n) and whether it was single."""
+    unknown = sorted(set(req) - _GENERATE_KEYS)
+    if unknown:
+        raise EngineError(f"unknown /generate key(s) {unknown}")
+    for key, default in _GENERATE_DEFAULTS.items():
+        if key in req and req[key] != default:
+            raise EngineError(f"/generate {key}={req[key]!r} is not supported by the embedded engine")
+    if req.get("input_ids") is not None:
+        prompts = req["input_ids"]
+    elif req.get("text") is not None:
+        texts = req["text"] if isinstance(req["text"], list) else [req["text"]]
+        prompts = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        prompts = prompts if isinstance(req["text"], list) else prompts[0]
+    else:
+        raise EngineError("/generate needs input_ids or text")
+    single = bool(prompts) and isinstance(prompts[0], int)
+    if single or not prompts:
+        prompts = [prompts]
+    if not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
+        raise EngineError("input_ids must be a list of token ids or a list of such lists")
+    count = len(prompts)
+    params = [resolve_sampling_params(p) for p in _per_item(req.get("sampling_params"), count, "sampling_params")]
+    starts = _per_item(req.get("logprob_start_len", -1), count, "logprob_start_len")
+    returns = _per_item(req.get("return_logprob", False), count, "return_logprob")
+    rid = str(req.get("rid") or uuid.uuid4().hex)
+    seqs = []
+    for i, (prompt, p, start, ret) in enumerate(zip(prompts, params, starts, returns)):
+        start = int(start if start is not None else -1)
+        if start >= len(prompt):
+            raise EngineError(f"logprob_start_len {start} must be < the prompt length {len(prompt)}")
+        for j in range(p.n):
+            seqs.append(Sequence(rid=f"{rid}-{i}-{j}", prompt_ids=list(prompt), params=p,
+                                 return_logprob=bool(ret), logprob_start_len=start if ret else -1))
+    return seqs, single
+
+
+def _render(engine: EmbeddedEngine, s: Sequence, with_text: bool, latency: float) -> dict:
+    """One SGLang /generate answer item."""
+    tok = engine.tokenizer
+    text = tok.decode(s.output_ids, skip_special_tokens=s.params.skip_special_tokens)
+    meta: dict[str, Any] = {
+        "id": s.rid,
+        "finish_reason": s.finish_reason,
+        "prompt_tokens": len(s.prompt_ids),
+        "completion_tokens": len(s.output_ids),
+        "cached_tokens": 0,
+        "weight_version": s.weight_version,
+        "e2e_latency": latency,
+    }
+    if s.return_logprob:
+        def token_text(t: int) -> Optional[str]:
+            return tok.decode([t]) if with_text else None
+
+        meta["output_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in zip(s.output_logprobs, s.output_ids)]
+        if s.input_logprobs is not None:
+            tokens = s.prompt_ids[s.logprob_start_len:]
+            meta["input_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in zip(s.input_logprobs, tokens)]
+    return {"text": text, "output_ids": list(s.output_ids), "meta_info": meta}

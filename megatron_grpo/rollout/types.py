@@ -1,0 +1,86 @@
+"""What the trainer sends to and gets back from a rollout engine, independent of which engine.
+
+``SamplingParams`` mirrors the subset of SGLang's ``sampling_params`` that GRPO uses;
+``Sample`` is one generated response in the trainer's terms (token ids and the engine's
+log-probs of them). ``RolloutError`` is the one exception the client raises: its message is
+one line naming the server and the route.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class RolloutError(RuntimeError):
+    """A rollout server request failed: ``"<server> <METHOD> <route>: <what happened>"``."""
+
+    def __init__(self, server: str, route: str, message: str, *, status: Optional[int] = None):
+        self.server = server
+        self.route = route
+        self.status = status
+        super().__init__(f"rollout server {server} {route}: {message}")
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """Per-request sampling parameters, SGLang semantics (``temperature < 1e-6`` is greedy)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def to_json(self, *, sampling_seed: Optional[int] = None) -> dict[str, Any]:
+        """The ``sampling_params`` dict of one /generate item (n is expanded by the client)."""
+        out: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "max_new_tokens": self.max_new_tokens,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if sampling_seed is not None:
+            out["sampling_seed"] = sampling_seed
+        return out
+
+    @classmethod
+    def from_rollout_config(cls, cfg) -> "SamplingParams":
+        """The sampling parameters of a ``RolloutConfig``."""
+        return cls(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_token_ids=list(cfg.stop_token_ids),
+        )
+
+
+@dataclass(kw_only=True)
+class Sample:
+    """One response. ``output_logprobs[i]`` is the engine's log-prob of ``output_ids[i]``
+    under log_softmax(logits / temperature) (SGLang's definition), float32 precision."""
+
+    prompt_index: int
+    """Index of the prompt in the ``generate`` call."""
+    sample_index: int
+    """Index of this response among the prompt's ``n``."""
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str
+    """``stop`` (EOS or a stop id, which is the last output token), ``length`` or ``abort``."""
+    weight_version: str
+    """The engine's weight version when the response finished (the trainer step after a sync)."""
+    server: str = ""
+    """URL of the server that generated it."""
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)

@@ -1,0 +1,45 @@
+"""A process group between trainer ranks and rollout engines, independent of the default group.
+
+The trainer ranks already live in a default torch.distributed group (gloo on CPU, NCCL on
+GPU); an engine is a separate program. SGLang's ``/init_weights_update_group`` joins a group
+built the way below (the recipe SGLang, OpenRLHF and slime share): a TCP rendezvous at
+``master_address:master_port`` whose store is hosted by rank 0 (the sending trainer rank),
+a ``PrefixStore(group_name)`` so several groups share nothing, and torch's own group
+constructor. Both the trainer side (``megatron_grpo.sync``) and the embedded engine use this
+function, so they interoperate with each other and with a real SGLang server.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def init_custom_process_group(*, backend: str, master_address: str, master_port: int, world_size: int,
+                              rank: int, group_name: str, timeout_s: float = 300.0):
+    """Join (rank 0: host) the group ``group_name``; blocks until all ``world_size`` ranks joined."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
+    )
+    # Identity rank map, so `dist.broadcast(t, src=0, group=group)` addresses the group's rank 0.
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_custom_process_group(group) -> None:
+    """Tear down a group made by ``init_custom_process_group``."""
+    dist.destroy_process_group(group)

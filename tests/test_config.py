@@ -1,0 +1,167 @@
+"""Strict config loading: every malformed config is one line naming file and key, exit 2."""
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_grpo.config import AlgorithmConfig, ConfigError, load_config
+from megatron_grpo.config.experiment import apply_overrides
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "yaml_configs").glob("*.yaml"))
+BASE = yaml.safe_load((ROOT / "yaml_configs" / "demo_cpu.yaml").read_text())
+
+
+def write(tmp_path, raw, name="exp.yaml"):
+    p = tmp_path / name
+    p.write_text(raw if isinstance(raw, str) else yaml.safe_dump(raw))
+    return p
+
+
+def with_change(dotted, value):
+    return apply_overrides(BASE, [f"{dotted}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"])
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    assert cfg.trainer.run_dir
+
+
+# (change, dotted key the error must name, fragment of the message)
+MALFORMED = [
+    ("algorithm.eps_clip_hgh", 0.3, "algorithm.eps_clip_hgh", "did you mean 'eps_clip_high'"),
+    ("algorithm.eps_clip_high", "big", "algorithm.eps_clip_high", "expected a number"),
+    ("algorithm.policy_loss_type", "ppo2", "algorithm.policy_loss_type", "expected one of"),
+    ("algorithm.loss_reduction", "mean", "algorithm.loss_reduction", "expected one of"),
+    ("algorithm.eps_clip_low", -0.1, "algorithm.eps_clip_low", "must be in [0, 1)"),
+    ("algorithm.clip_ratio_c", 0.5, "algorithm.clip_ratio_c", "c > 1"),
+    ("algorithm.num_iterations", 0, "algorithm.num_iterations", ">= 1"),
+    ("algorithm.off_policy_correction.tis_ratio_type", "tokens", "algorithm.off_policy_correction.tis_ratio_type", "expected one of"),
+    ("algorithm.off_policy_correction.geo_mask_low", 1.5, "algorithm.off_policy_correction.geo_mask_low", "geo_mask_low <= 1"),
+    ("algorithm.loss_reduction", "seq_mean_token_sum_norm", "algorithm.max_response_length", "required"),
+    ("parallel.tp", 3, "parallel.world_size", "not divisible by tp*pp"),
+    ("parallel.micro_batch_size", -1, "parallel.micro_batch_size", ">= 1"),
+    ("parallel.global_batch_size", 48, "parallel.global_batch_size", "must divide the rollout batch"),
+    ("parallel.tp", 1.5, "parallel.tp", "expected an integer"),
+    ("parallel.sequence_parallel", "yes", "parallel.sequence_parallel", "expected true or false"),
+    ("rollout.temperature", 0, "rollout.temperature", "> 0"),
+    ("rollout.top_p", 1.5, "rollout.top_p", "(0, 1]"),
+    ("rollout.weight_sync_transport", "nccl", "rollout.weight_sync_transport", "expected one of"),
+    ("rollout.urls", ["localhost:3000"], "rollout.urls[0]", "http://"),
+    ("rollout.num_generations", 0, "rollout.num_generations", ">= 1"),
+    ("optimizer.lr", 0, "optimizer.lr", "> 0"),
+    ("optimizer.lr_decay_style", "step", "optimizer.lr_decay_style", "expected one of"),
+    ("data.train_file", "data.csv", "data.train_file", ".jsonl or .parquet"),
+    ("checkpoint.keep_last", 0, "checkpoint.keep_last", ">= 1"),
+    ("trainer.num_steps", "ten", "trainer.num_steps", "expected an integer"),
+    ("model.dtype", "fp8", "model.dtype", "expected one of"),
+    ("modle.hf_dir", "x", "modle", "did you mean 'model'"),
+    ("reward.functions", [], "reward.functions", "at least one"),
+    ("reward.functions", [{"nme": "x"}], "reward.functions[0].nme", "did you mean 'name'"),
+]
+
+
+@pytest.mark.parametrize("dotted,value,key,fragment", MALFORMED, ids=[m[0] + "=" + str(m[1]) for m in MALFORMED])
+def test_malformed_config_names_key(tmp_path, dotted, value, key, fragment):
+    path = write(tmp_path, with_change(dotted, value))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    line = str(info.value)
+    assert "\n" not in line
+    assert line.startswith(f"{path}: {key}: "), line
+    assert fragment in line, line
+
+
+def test_missing_required_section(tmp_path):
+    raw = dict(BASE)
+    raw.pop("data")
+    with pytest.raises(ConfigError, match=r"exp.yaml: .*data"):
+        load_config(write(tmp_path, raw))
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    path = write(tmp_path, "model:\n  hf_dir: x\n  dtype: [float32\n")
+    with pytest.raises(ConfigError, match=r"exp.yaml: line \d+, column \d+: YAML syntax error"):
+        load_config(path)
+
+
+def test_empty_and_non_mapping_files(tmp_path):
+    with pytest.raises(ConfigError, match="empty"):
+        load_config(write(tmp_path, ""))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_overrides_are_validated_like_the_file(tmp_path):
+    path = write(tmp_path, BASE)
+    cfg = load_config(path, ["algorithm.eps_clip_high=0.28", "trainer.num_steps=7"])
+    assert cfg.algorithm.eps_clip_high == 0.28 and cfg.trainer.num_steps == 7
+    with pytest.raises(ConfigError, match=r"algorithm.eps_clip_high: expected a number"):
+        load_config(path, ["algorithm.eps_clip_high=high"])
+    with pytest.raises(ConfigError, match=r"algorithm.eps_clip_hi: unknown key"):
+        load_config(path, ["algorithm.eps_clip_hi=0.3"])
+
+
+def test_values_are_never_changed(tmp_path):
+    raw = with_change("optimizer.lr", 1)  # an int where a float is declared is kept as given
+    cfg = load_config(write(tmp_path, raw))
+    assert cfg.optimizer.lr == 1
+    assert cfg.to_dict()["rollout"]["temperature"] == BASE["rollout"]["temperature"]
+
+
+def test_world_size_from_launcher(tmp_path):
+    path = write(tmp_path, with_change("parallel.world_size", None))
+    assert load_config(path, world_size=4).parallel.tp == 2
+    with pytest.raises(ConfigError, match=r"parallel.tp: tp\*pp = 2\*1 does not divide the world size 3"):
+        load_config(path, world_size=3)
+
+
+def test_deprecated_tis_keys_map_with_warning():
+    with pytest.warns(DeprecationWarning, match="use_tis"):
+        cfg = AlgorithmConfig(use_tis=True, tis_imp_ratio_cap=3.0)
+    assert cfg.off_policy_correction.tis_ratio_type == "token"
+    assert cfg.off_policy_correction.token_tis_ratio_clip_high == 3.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="use_tis: conflicts"):
+            AlgorithmConfig(use_tis=True, off_policy_correction={"tis_ratio_type": "sequence"})
+
+
+def test_algorithm_config_accepts_yaml_section():
+    cfg = AlgorithmConfig(**BASE["algorithm"])
+    assert cfg.off_policy_correction.tis_ratio_type == "token"
+    assert cfg.off_policy_correction.enabled
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_grpo.cli", *args], capture_output=True, text=True, cwd=ROOT
+    )
+
+
+def test_validate_config_cli_prints_resolved_config():
+    out = run_cli("validate-config", "yaml_configs/demo_cpu.yaml", "trainer.num_steps=3")
+    assert out.returncode == 0, out.stderr
+    resolved = yaml.safe_load(out.stdout)
+    assert resolved["trainer"]["num_steps"] == 3
+    assert resolved["algorithm"]["off_policy_correction"]["geo_mask_low"] == 0.99  # defaults shown
+
+
+def test_validate_config_cli_error_is_one_line_exit_2(tmp_path):
+    path = write(tmp_path, with_change("parallel.tp", 3))
+    out = run_cli("validate-config", str(path))
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "parallel.world_size" in out.stderr
+    assert out.stdout == ""
+
+
+def test_unknown_subcommand():
+    out = run_cli("validate-confg")
+    assert out.returncode == 2 and "did you mean 'validate-config'" in out.stderr
