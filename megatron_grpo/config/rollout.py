@@ -56,6 +56,19 @@ class RolloutConfig:
     sglang_extra_args: list[str] = field(default_factory=list)
     """Extra command-line arguments for `sglang.launch_server`."""
 
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype of a launched server (SGLang --dtype; auto: the checkpoint's). Match the
+    trainer's model.dtype, or the engine's log-probs differ from the trainer's by rounding."""
+
+    embedded_max_batch_size: int = 64
+    """Sequences the embedded engine decodes together in one batch."""
+
+    max_restarts: int = 3
+    """Times a launched server that died is restarted before the run stops with an error."""
+
+    max_inflight_requests: int = 64
+    """HTTP requests the client keeps in flight at once (over all servers)."""
+
     launch_timeout_s: float = 300.0
     """Deadline for a launched server to become healthy."""
 
@@ -88,6 +101,9 @@ class RolloutConfig:
             "sglang_mem_fraction_static",
             f"must be in (0, 1], got {self.sglang_mem_fraction_static}",
         )
+        check(self.embedded_max_batch_size >= 1, "embedded_max_batch_size", "must be >= 1")
+        check(self.max_restarts >= 0, "max_restarts", f"must be >= 0, got {self.max_restarts}")
+        check(self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1")
         check(self.launch_timeout_s > 0, "launch_timeout_s", "must be > 0")
         check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         check(self.max_retries >= 1, "max_retries", f"must be >= 1, got {self.max_retries}")

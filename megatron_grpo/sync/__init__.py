@@ -1,0 +1,1 @@
+"""Per-step weight sync from the Megatron trainer into the rollout engine(s)."""

@@ -1,0 +1,258 @@
+"""The rollout client against a real HTTP server: the embedded engine, and real SGLang when
+``sglang`` is importable (the same tests: a contract test of the shared API; skipped with
+the reason printed otherwise).
+
+References are transformers' own forward of the same checkpoint in this process.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.rollout import RolloutClient, RolloutError, SamplingParams
+from megatron_grpo.rollout.manager import RolloutServerManager, free_port
+from megatron_grpo.sync.buckets import plan_buckets
+from megatron_grpo.sync.checksum import tensor_checksum
+from megatron_grpo.sync.group import destroy_custom_process_group, init_custom_process_group
+from megatron_grpo.sync.serialize import serialize_named_tensors, use_file_system_sharing
+from megatron_grpo.testing.tiny_models import save_tiny_model
+
+API_KEY = "test-key"
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
+
+# SGLang on CPU (see ../shared/SGLANG_CPU.md): the flags that make 0.5.23 run without a GPU.
+SGLANG_CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+                   "--grammar-backend", "none", "--disable-overlap-schedule", "--cuda-graph-backend-decode",
+                   "disabled", "--cuda-graph-backend-prefill", "disabled", "--skip-server-warmup",
+                   "--max-total-tokens", "4096"]
+SGLANG_KERNEL_SHIM = '''
+import torch
+def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
+    pos = 0
+    for i, req in enumerate(req_pool_indices.tolist()):
+        s, e = int(start_offset[i]), int(end_offset[i])
+        req_to_token[req, s:e] = out_cache_loc[pos:pos + e - s]
+        pos += e - s
+def __getattr__(name):
+    if name.endswith("_cpu"):
+        def missing(*args, **kwargs):
+            raise NotImplementedError(name)
+        return missing
+    raise AttributeError(name)
+'''
+
+
+def _sglang_available() -> str:
+    try:
+        import sglang  # noqa: F401
+    except ImportError as e:
+        return f"sglang is not importable ({e}); the SGLang contract tests need it (see SGLANG_CPU.md)"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=5))
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=["embedded", "sglang"])
+def server(request, model_dir, tmp_path_factory):
+    """(kind, url) of a launched server with API key ``API_KEY``."""
+    kind = request.param
+    run_dir = tmp_path_factory.mktemp(f"run_{kind}")
+    env_backup = dict(os.environ)
+    cfg = RolloutConfig(engine=kind, api_key=API_KEY, dtype="float32", launch_timeout_s=240, request_timeout_s=120)
+    if kind == "sglang":
+        reason = _sglang_available()
+        if reason:
+            print(f"SKIP sglang contract tests: {reason}")
+            pytest.skip(reason)
+        shim = run_dir / "shim" / "sgl_kernel"
+        shim.mkdir(parents=True)
+        (shim / "__init__.py").write_text(SGLANG_KERNEL_SHIM)
+        os.environ["PYTHONPATH"] = f"{shim.parent}:{os.environ.get('PYTHONPATH', '')}"
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+        cfg = RolloutConfig(engine="sglang", api_key=API_KEY, dtype="float32", launch_timeout_s=240,
+                            request_timeout_s=120, sglang_mem_fraction_static=0.1, sglang_extra_args=SGLANG_CPU_ARGS)
+    manager = RolloutServerManager(cfg, model_dir=model_dir, run_dir=run_dir)
+    try:
+        (url,) = manager.start()
+        yield kind, url
+    finally:
+        manager.stop()
+        os.environ.clear()
+        os.environ.update(env_backup)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = RolloutClient([server[1]], api_key=API_KEY, request_timeout_s=120, max_retries=2)
+    yield c
+    c.close()
+
+
+def reference_logprobs(hf_model, prompt, output, temperature):
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + output])).logits[0].double()
+    lp = torch.log_softmax(logits / temperature, dim=-1)
+    return torch.tensor([lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(output)], dtype=torch.float64)
+
+
+def tolerance(kind):
+    return 1e-5 if kind == "embedded" else 1e-4  # SGLang agrees to 5 decimals (SGLANG_CPU.md)
+
+
+def test_generate_batched_n_logprobs(server, client, hf_model):
+    kind, url = server
+    samples = client.generate(PROMPTS, 4, SamplingParams(temperature=0.8, max_new_tokens=8))
+    assert [(s.prompt_index, s.sample_index) for s in samples] == [(i, j) for i in range(3) for j in range(4)]
+    version = client.weight_version(url)
+    deltas = []
+    for s in samples:
+        assert s.prompt_ids == PROMPTS[s.prompt_index]
+        assert 1 <= len(s.output_ids) == len(s.output_logprobs) <= 8
+        assert s.finish_reason in ("stop", "length") and s.weight_version == version
+        deltas.append((torch.tensor(s.output_logprobs, dtype=torch.float64)
+                       - reference_logprobs(hf_model, s.prompt_ids, s.output_ids, 0.8)).abs())
+    assert torch.cat(deltas).mean().item() <= tolerance(kind)
+    # n samples of a prompt are not copies of each other
+    assert len({tuple(s.output_ids) for s in samples[:4]}) > 1
+
+
+def test_greedy_matches_hf_generate(client, hf_model):
+    samples = client.generate(PROMPTS, 1, SamplingParams(temperature=0.0, max_new_tokens=6))
+    for s in samples:
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([s.prompt_ids]), do_sample=False, max_new_tokens=6, pad_token_id=0)
+        assert s.output_ids == ref[0, len(s.prompt_ids):].tolist()
+
+
+def test_seeded_generation_is_reproducible(server, client):
+    if server[0] == "sglang":
+        pytest.skip("SGLang honours sampling_seed only with --enable-deterministic-inference")
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    a = client.generate(PROMPTS, 3, params, sampling_seed=7)
+    b = client.generate(PROMPTS[:1] + PROMPTS[1:], 3, params, sampling_seed=7)
+    c = client.generate(PROMPTS, 3, params, sampling_seed=8)
+    assert [s.output_ids for s in a] == [s.output_ids for s in b]
+    assert [s.output_ids for s in a] != [s.output_ids for s in c]
+
+
+def test_api_key_is_enforced(server):
+    _, url = server
+    with RolloutClient([url], request_timeout_s=30, max_retries=1) as anonymous:
+        assert anonymous.health(url)  # /health is open, as in SGLang
+        with pytest.raises(RolloutError, match=r"POST /generate: HTTP 401") as info:
+            anonymous.generate(PROMPTS[:1], 1, SamplingParams(max_new_tokens=2))
+        assert url in str(info.value) and info.value.status == 401
+
+
+def test_control_routes(server, client):
+    _, url = server
+    assert client.model_info(url)["is_generation"] is True
+    client.pause_generation(url, mode="in_place")
+    future = client.submit(client.aio.generate(PROMPTS[:1], 1, SamplingParams(max_new_tokens=2)))
+    time.sleep(0.5)
+    assert not future.done()  # requests wait while paused
+    client.continue_generation(url)
+    assert len(future.result(timeout=60)) == 1
+    client.flush_cache(url)
+
+
+@pytest.fixture
+def perturbed(model_dir, hf_model, client, server):
+    """Perturbed copies of the weights; the server gets the checkpoint back afterwards."""
+    torch.manual_seed(0)
+    state = {k: v + 0.05 * torch.randn_like(v) for k, v in hf_model.state_dict().items()}
+    yield state
+    client.run(client.aio.update_weights_from_disk(server[1], model_dir, weight_version="default"))
+
+
+def assert_served(client, server, hf_model, state, tol):
+    """The server's log-probs equal a transformers model holding ``state``."""
+    kind, url = server
+    model = type(hf_model)(hf_model.config).eval()
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    samples = client.generate(PROMPTS, 2, SamplingParams(temperature=0.9, max_new_tokens=6))
+    deltas = torch.cat([(torch.tensor(s.output_logprobs, dtype=torch.float64)
+                         - reference_logprobs(model, s.prompt_ids, s.output_ids, 0.9)).abs() for s in samples])
+    assert deltas.mean().item() <= tol
+
+
+def test_update_weights_from_disk(server, client, hf_model, perturbed, tmp_path):
+    from safetensors.torch import save_file
+
+    kind, url = server
+    save_file({k: v.contiguous() for k, v in perturbed.items()}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(hf_model.config.to_json_string())
+    client.run(client.aio.update_weights_from_disk(url, str(tmp_path), weight_version="7"))
+    assert client.weight_version(url) == "7"
+    assert_served(client, server, hf_model, perturbed, tolerance(kind))
+
+
+def test_update_weights_from_tensor_needs_the_session(server, client, hf_model, perturbed):
+    kind, url = server
+    use_file_system_sharing()
+    named = [(k, v.contiguous()) for k, v in perturbed.items()]
+    payload = [serialize_named_tensors(named)]
+    if kind == "embedded":
+        with pytest.raises(RolloutError, match="begin_weight_update"):
+            client.run(client.aio.update_weights_from_tensor(url, payload))
+    client.call("begin_weight_update", {}, url=url)
+    try:
+        client.run(client.aio.update_weights_from_tensor(url, payload, weight_version="8"))
+    finally:
+        client.call("end_weight_update", {}, url=url)
+    assert client.weight_version(url) == "8"
+    assert_served(client, server, hf_model, perturbed, tolerance(kind))
+
+
+def test_update_weights_from_distributed(server, client, hf_model, perturbed):
+    kind, url = server
+    port = free_port()
+    group_name = "test_group"
+    init = client.submit(client.aio.init_weights_update_group(
+        url, master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=group_name))
+    group = init_custom_process_group(backend="gloo", master_address="127.0.0.1", master_port=port,
+                                      world_size=2, rank=0, group_name=group_name, timeout_s=60)
+    init.result(timeout=60)
+    try:
+        for bucket in plan_buckets(((k, v.contiguous()) for k, v in perturbed.items()), 16 * 1024):
+            posted = client.submit(client.aio.update_weights_from_distributed(
+                url, names=bucket.names, dtypes=[bucket.dtype_name] * len(bucket.names), shapes=bucket.shapes,
+                group_name=group_name, load_format="flattened_bucket", weight_version="9"))
+            torch.distributed.broadcast(bucket.pack(), src=0, group=group)
+            posted.result(timeout=60)
+    finally:
+        client.call("destroy_weights_update_group", {"group_name": group_name}, url=url)
+        destroy_custom_process_group(group)
+    assert client.weight_version(url) == "9"
+    assert_served(client, server, hf_model, perturbed, tolerance(kind))
+    if kind == "embedded":
+        names = sorted(perturbed)
+        served = client.call("weights_checksum", {"names": names}, url=url)["checksums"]
+        assert {n: served[n]["checksum"] for n in names} == {n: tensor_checksum(perturbed[n]) for n in names}
+
+
+def test_dead_server_fails_fast_with_a_clear_error():
+    url = f"http://127.0.0.1:{free_port()}"
+    with RolloutClient([url], request_timeout_s=5, max_retries=3) as dead:
+        started = time.monotonic()
+        with pytest.raises(RolloutError) as info:
+            dead.generate(PROMPTS[:1], 1, SamplingParams(max_new_tokens=2))
+        elapsed = time.monotonic() - started
+    message = str(info.value)
+    assert url in message and "POST /generate" in message and "3 attempts" in message
+    assert "\n" not in message
+    assert elapsed < 5, elapsed

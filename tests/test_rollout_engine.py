@@ -1,0 +1,148 @@
+"""The embedded engine in-process: exact log-probs, greedy = HF generate, seeds, pause modes.
+
+References are transformers' own: a full forward of each finished sequence (no padding, no
+cache) scored with log_softmax(logits / T) in float64, and ``model.generate`` for greedy.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
+from megatron_grpo.rollout.embedded.generation import Sequence
+from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
+from megatron_grpo.testing.tiny_models import save_tiny_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20]]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=3)
+    eng = EmbeddedEngine(model_dir, dtype="float32", max_batch_size=16, seed=0)
+    yield eng
+    eng.shutdown()
+
+
+def run(engine, prompts, params: dict, logprob_start_len=-1, timeout_s=120):
+    """Submit sequences and wait for all of them."""
+    done = threading.Semaphore(0)
+    seqs = [Sequence(rid=str(i), prompt_ids=list(p), params=resolve_sampling_params(params),
+                     return_logprob=True, logprob_start_len=logprob_start_len, on_finish=lambda s: done.release())
+            for i, p in enumerate(prompts)]
+    engine.submit(seqs)
+    for _ in seqs:
+        assert done.acquire(timeout=timeout_s), "generation did not finish"
+    return seqs
+
+
+def reference_logprobs(model, seq: Sequence, temperature: float) -> torch.Tensor:
+    """float64 log_softmax(logits / T) of the full sequence at its output tokens."""
+    full = torch.tensor([seq.prompt_ids + seq.output_ids])
+    with torch.no_grad():
+        logits = model(full).logits[0].double()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    n = len(seq.prompt_ids)
+    return torch.stack([logprobs[n - 1 + i, t] for i, t in enumerate(seq.output_ids)])
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 0.7, "max_new_tokens": 12},
+    {"temperature": 1.3, "top_p": 0.8, "top_k": 40, "max_new_tokens": 12},
+])
+def test_logprobs_equal_full_forward(engine, params):
+    seqs = run(engine, PROMPTS * 3, params)
+    deltas = []
+    for s in seqs:
+        assert len(s.output_ids) == len(s.output_logprobs) >= 1
+        ref = reference_logprobs(engine.model, s, params["temperature"])
+        deltas.append((torch.tensor(s.output_logprobs, dtype=torch.float64) - ref).abs())
+    delta = torch.cat(deltas)
+    assert delta.max().item() <= 1e-5, delta.max().item()
+
+
+def test_prompt_logprobs_equal_full_forward(engine):
+    (s,) = run(engine, [PROMPTS[2]], {"temperature": 0.9, "max_new_tokens": 2}, logprob_start_len=0)
+    assert s.input_logprobs[0] is None and len(s.input_logprobs) == len(s.prompt_ids)
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([s.prompt_ids])).logits[0].double()
+    ref = torch.log_softmax(logits / 0.9, dim=-1)
+    for i in range(1, len(s.prompt_ids)):
+        assert abs(s.input_logprobs[i] - ref[i - 1, s.prompt_ids[i]].item()) <= 1e-5
+
+
+def test_greedy_equals_hf_generate(engine):
+    seqs = run(engine, PROMPTS, {"temperature": 0.0, "max_new_tokens": 10})
+    for s in seqs:
+        with torch.no_grad():
+            ref = engine.model.generate(torch.tensor([s.prompt_ids]), do_sample=False, max_new_tokens=10,
+                                        pad_token_id=engine.pad_id)
+        assert s.output_ids == ref[0, len(s.prompt_ids):].tolist()
+
+
+def test_stop_ids_and_finish_reasons(engine):
+    greedy = run(engine, [PROMPTS[0]], {"temperature": 0.0, "max_new_tokens": 6})[0]
+    stop = greedy.output_ids[2]
+    (s,) = run(engine, [PROMPTS[0]], {"temperature": 0.0, "max_new_tokens": 6, "stop_token_ids": [stop]})
+    first = greedy.output_ids.index(stop)
+    assert s.output_ids == greedy.output_ids[: first + 1]  # the matched token is the last output
+    assert s.finish_reason == {"type": "stop", "matched": stop}
+    assert greedy.finish_reason == {"type": "length", "length": 6}
+
+
+def test_sampling_seed_is_reproducible_whatever_the_batch(engine):
+    params = {"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 1234}
+    alone = run(engine, [PROMPTS[1]], params)[0]
+    batched = run(engine, [PROMPTS[0], PROMPTS[1], PROMPTS[2]], params)[1]
+    other = run(engine, [PROMPTS[1]], dict(params, sampling_seed=99))[0]
+    assert alone.output_ids == batched.output_ids
+    assert alone.output_ids != other.output_ids
+
+
+def start(engine, prompt, params):
+    """Submit one sequence; returns it and an Event set when it finishes."""
+    finished = threading.Event()
+    seq = Sequence(rid="p", prompt_ids=list(prompt), params=resolve_sampling_params(params),
+                   return_logprob=True, on_finish=lambda s: finished.set())
+    engine.submit([seq])
+    deadline = time.monotonic() + 60
+    while len(seq.output_ids) < 3:  # running: its wave is past prefill
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    return seq, finished
+
+
+LONG = {"temperature": 1.0, "max_new_tokens": 480, "ignore_eos": True}
+
+
+def test_pause_in_place_then_continue(engine):
+    seq, finished = start(engine, PROMPTS[0], LONG)
+    engine.pause("in_place")
+    n = len(seq.output_ids)
+    time.sleep(0.3)
+    assert not finished.is_set() and len(seq.output_ids) == n  # parked, not generating
+    engine.resume()
+    assert finished.wait(120)
+    assert seq.finish_reason == {"type": "length", "length": 480}
+
+
+def test_pause_abort_and_retract(engine):
+    seq, finished = start(engine, PROMPTS[0], LONG)
+    engine.pause("abort")
+    assert finished.wait(10)
+    engine.resume()
+    assert seq.finish_reason["type"] == "abort" and len(seq.output_ids) < 480
+
+    seq, finished = start(engine, PROMPTS[0], LONG)
+    engine.pause("retract")
+    n = len(seq.output_ids)
+    time.sleep(0.2)
+    assert not finished.is_set() and len(seq.output_ids) == n
+    engine.resume()
+    assert finished.wait(120)
+    assert seq.finish_reason == {"type": "length", "length": 480}
+    # A retracted sequence is re-prefilled with the same weights: log-probs stay exact.
+    ref = reference_logprobs(engine.model, seq, 1.0)
+    assert (torch.tensor(seq.output_logprobs, dtype=torch.float64) - ref).abs().max().item() <= 1e-5
