@@ -1,0 +1,80 @@
+"""Server management: launch, log, death detection (in flight and idle), restart, stop."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.rollout import RolloutClient, RolloutError, SamplingParams
+from megatron_grpo.rollout.manager import RolloutServerManager, free_port
+from megatron_grpo.testing.tiny_models import save_tiny_model
+
+
+@pytest.mark.slow
+def test_killed_engine_is_detected_and_restarted(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "qwen2", "qwen2")
+    cfg = RolloutConfig(api_key="k", max_restarts=1, launch_timeout_s=120, request_timeout_s=5, max_retries=2)
+    manager = RolloutServerManager(cfg, model_dir=str(model_dir), run_dir=tmp_path / "run")
+    (url,) = manager.start()
+    client = RolloutClient.from_config(cfg, [url])
+    try:
+        assert len(client.generate([[5, 6]], 2, SamplingParams(max_new_tokens=3))) == 2
+        log_text = manager.log_path.read_text()
+        assert "--api-key ***" in log_text and "--api-key k" not in log_text
+
+        # Killed while a long generation is in flight: a clear error within the timeout, no hang.
+        long = SamplingParams(max_new_tokens=480, ignore_eos=True)
+        future = client.submit(client.aio.generate([[5, 6, 7]] * 8, 8, long))
+        time.sleep(1.0)
+        os.kill(manager.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(RolloutError, match=url):
+            future.result(timeout=60)
+        assert time.monotonic() - started < cfg.request_timeout_s * cfg.max_retries + 5
+        assert not manager.alive()
+
+        assert manager.ensure_alive() is True  # restarted on the same port
+        assert manager.urls == [url] and manager.restarts == 1
+        assert len(client.generate([[5, 6]], 1, SamplingParams(max_new_tokens=3))) == 1
+        assert manager.ensure_alive() is False
+
+        os.kill(manager.pid, signal.SIGKILL)
+        time.sleep(0.5)
+        with pytest.raises(RolloutError, match="max_restarts=1"):
+            manager.ensure_alive()
+    finally:
+        client.close()
+        manager.stop()
+
+
+@pytest.mark.slow
+def test_stop_ends_only_its_own_process_group(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "qwen2", "qwen2")
+    manager = RolloutServerManager(RolloutConfig(launch_timeout_s=120), model_dir=str(model_dir), run_dir=tmp_path)
+    manager.start()
+    pid = manager.pid
+    assert os.getpgid(pid) == pid != os.getpgid(os.getpid())  # its own group, not ours
+    manager.stop()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    manager.stop()  # idempotent
+
+
+def test_external_urls_are_waited_for_with_a_deadline(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    manager = RolloutServerManager(RolloutConfig(urls=[url], launch_timeout_s=1.5), model_dir="unused", run_dir=tmp_path)
+    started = time.monotonic()
+    with pytest.raises(RolloutError, match=r"GET /health: not healthy before the deadline"):
+        manager.start()
+    assert time.monotonic() - started < 5
+    manager.stop()  # nothing launched, nothing to stop
+
+
+def test_launch_failure_reports_the_log(tmp_path):
+    (tmp_path / "empty").mkdir()
+    cfg = RolloutConfig(launch_timeout_s=60)
+    manager = RolloutServerManager(cfg, model_dir=str(tmp_path / "empty"), run_dir=tmp_path)
+    with pytest.raises(RolloutError, match="exited before it was healthy.*no config.json"):
+        manager.start()
