@@ -128,8 +128,9 @@ def compute_policy_loss(
         kl_BT = KL_ESTIMATORS.get(config.kl_estimator)(lp if config.kl_loss_coef > 0 else lp.detach(), lref)
         if config.kl_loss_coef > 0:
             loss = loss + config.kl_loss_coef * seq_mean_token_mean(kl_BT, valid, den)
-        local = Denominators(local_tokens, torch.ones_like(local_tokens) * max(num_rows, 1), den.seq_lengths, None)
-        metrics["kl_loss"] = seq_mean_token_mean(kl_BT.detach(), valid, local)
+        # metric: the same seq-mean-token-mean over THIS call's rows (pooled by row count)
+        per_seq = masked_sum(kl_BT.detach(), valid, dim=-1) / den.seq_lengths.clamp(min=1)
+        metrics["kl_loss"] = per_seq.sum() / max(num_rows, 1)
     if entropy is not None:
         # Entropy bonus: token mean over the mini-batch's N (SkyRL divides per micro-batch).
         ent = sanitize(entropy, valid, dtype)
