@@ -170,21 +170,30 @@ def test_without_entropy_returns_none_and_same_log_probs():
     torch.testing.assert_close(lp, vocab_parallel_log_probs(logits, targets, **kw)[0], rtol=0, atol=0)
 
 
-def test_saved_state_is_tokens_sized_not_logits_sized():
-    """Autograd keeps the input logits (shared, no copy) and O(tokens) statistics only."""
-    logits = torch.randn(64, 512, requires_grad=True)
-    targets = torch.randint(0, 500, (64,))
-    saved = []
+def test_saved_state_is_one_shard_that_becomes_the_gradient():
+    """Autograd keeps the input logits (shared, no copy), one logits-shaped buffer in the
+    logits' dtype, which backward returns as the gradient (no second shard), and O(tokens)
+    statistics."""
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(64, 512, dtype=dtype, requires_grad=True)
+        targets = torch.randint(0, 500, (64,))
+        saved = []
 
-    def pack(t):
-        saved.append(t)
-        return t
+        def pack(t):
+            saved.append(t)
+            return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        vocab_parallel_log_probs(logits, targets, vocab_size=500, chunk_size=8)
-    big = [t for t in saved if t.numel() >= logits.numel()]
-    assert len(big) == 1 and big[0].data_ptr() == logits.data_ptr()
-    assert sum(t.numel() for t in saved if t is not big[0]) <= 8 * 64  # a few per token
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp, entropy = vocab_parallel_log_probs(logits, targets, vocab_size=500, chunk_size=8)
+        big = [t for t in saved if t.numel() >= logits.numel()]
+        assert sorted(t.data_ptr() == logits.data_ptr() for t in big) == [False, True]
+        buffer = next(t for t in big if t.data_ptr() != logits.data_ptr())
+        assert buffer.dtype == dtype
+        assert sum(t.numel() for t in saved if t.numel() < logits.numel()) <= 8 * 64
+        (lp.sum() + entropy.sum()).backward(retain_graph=True)
+        assert logits.grad.data_ptr() == buffer.data_ptr()
+        with pytest.raises(RuntimeError, match="backward ran twice"):
+            lp.sum().backward()
 
 
 def test_rejects_bad_arguments():

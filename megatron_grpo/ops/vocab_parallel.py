@@ -6,31 +6,35 @@ vocabulary (``VocabUtility.vocab_range_from_per_partition_vocab_size``). GRPO ne
 every response token, ``log p(target)`` and the entropy ``H(p)`` of ``p = softmax(logits / T)``
 with gradients. ``vocab_parallel_log_probs`` computes both in one ``autograd.Function``:
 
-forward (no logits-sized state is kept):
-  1. per chunk of tokens, on this rank's valid columns only: local max ``m_r``, local
-     ``S_r = sum exp(z - m_r)``, local ``D_r = sum exp(z - m_r) * (z - m_r)`` (entropy) and
-     the target's ``z_t - m_r`` when the target lives on this rank;
+forward, per chunk of tokens, on this rank's valid (non-padding) columns only:
+  1. local max ``m_r`` and ``z = (x - m_r) / T``; ``e = exp(z)`` is written once into a
+     logits-shaped buffer that backward turns into the gradient in place; per token the
+     local ``S_r = sum e``, ``D_r = sum e * z`` (entropy only) and the target's ``z_t`` when
+     the target lives on this rank;
   2. two small all-reduces over the TP group for *all* tokens at once (MAX of ``m_r``, then
-     SUM of the rescaled ``[S_r, D_r, t_r]``), so the number of collectives does not grow
-     with the number of chunks;
-  3. ``log p_t = z_t - M - log S`` and ``H = log S - D / S`` with ``M = max_r m_r``.
+     SUM of the rescaled ``[S_r, D_r, t_r]``): the number of collectives does not grow with
+     the number of chunks;
+  3. ``log p_t = z_t - log S`` and ``H = log S - D / S`` relative to the global max ``M``.
 
-backward (no collective: every rank already has ``log Z`` and ``H`` per token), per chunk:
-  ``log p = z - log Z`` and ``p = exp(log p)`` are recomputed from the logits (which autograd
-  keeps alive anyway as the input), then
-  ``d/dz log p_t = onehot(t) - p`` and ``d/dz H = -p * (log p + H)``, both times ``1 / T``
-  for the logits.
+backward, no collective (every rank already holds ``M``, ``log S`` and ``H`` per token):
+  ``d log p_t / dz = onehot(t) - p`` and ``dH / dz = -p (log p + H)``, both times ``1 / T``
+  for the logits, with ``p = e * exp((m_r - M) / T) / S`` (a per-token factor on the saved
+  ``e``) and ``log p = (x - M) / T - log S`` recomputed chunk by chunk from the logits
+  (autograd keeps them as the input anyway). Without entropy gradient this is one in-place
+  pass over the saved buffer.
 
-Why recompute rather than save the softmax (what megatron's cross-entropy does): the softmax
-is a second logits-sized float32 tensor, and on CPU a chunk that fits in the cache makes the
-recomputation cheaper than streaming a saved softmax through DRAM. Peak extra memory is the
-logits gradient (one shard, unavoidable) plus two ``[chunk, V_shard]`` float32 work buffers.
+Memory: the saved ``e`` has the logits' shape and dtype and *becomes* the logits gradient,
+so the op's extra peak is one logits shard plus a ``[chunk, V_shard]`` float32 work buffer
+(and O(tokens) statistics). Megatron's cross-entropy does the same trick by overwriting its
+input; this op leaves its input intact. Consequence: backward can run only once per forward
+(``retain_graph`` double backward raises).
 
 Padded vocabulary: columns at or beyond ``vocab_size`` (Megatron pads V to a multiple of
 ``make_vocab_size_divisible_by * tp``) do not exist in the HF model or the rollout engine.
 They are excluded from every reduction, i.e. they get probability exactly 0 and gradient 0,
 and never produce NaN (not even on a rank that holds only padding).
 
+Precision: float32 arithmetic on the logits, float64 for the per-token statistics.
 Preconditions (not checked, to avoid a device sync): ``0 <= targets < vocab_size``.
 """
 
@@ -41,14 +45,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-# Work-buffer budget per chunk, in float32 elements, when chunk_size is None. On CPU the
-# two [chunk, V_shard] buffers should stay inside the last-level cache (multi-MB), which is
-# what makes the chunked recomputation fast; on GPU a larger chunk keeps kernels big while
-# the buffers stay a small fraction of a logits shard.
+# Work-buffer budget per chunk, in float32 elements, when chunk_size is None. On CPU a
+# [chunk, V_shard] buffer that stays in the last-level cache makes the several passes over
+# a chunk cheap (only the first read and the final write reach DRAM); on GPU a larger chunk
+# keeps kernels big while the buffer stays a small fraction of a logits shard.
 _AUTO_CHUNK_ELEMENTS = {"cpu": 1 << 19, "cuda": 1 << 24}
 _DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
-
+# exp() of float32 below about -87 underflows to subnormals/0, which the vectorised CPU exp
+# handles on a slow path (measured 5-20x slower). Shifted logits are floored here first:
+# exp(-80) = 1.8e-35 contributes nothing measurable to S, D or any gradient.
+_EXP_FLOOR = -80.0
 def resolve_tp_group(tp_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     """The tensor-parallel group to reduce over: ``tp_group`` if given; else megatron's TP
     group when model parallelism is initialised; else None (a single, local rank)."""
@@ -77,50 +84,58 @@ def _local_stats(
     logits_2d: torch.Tensor,
     local_targets: torch.Tensor,
     owned: torch.Tensor,
-    num_valid: int,
+    exps: torch.Tensor,
     inv_temperature: float,
     chunk_size: int,
     with_entropy: bool,
 ) -> torch.Tensor:
-    """This rank's per-token softmax statistics relative to its own max.
+    """This rank's per-token softmax statistics relative to its own max; fills ``exps``.
 
     logits_2d: [N, V_shard] (any float dtype); local_targets: [N] int64 column on this rank
-    (0 where not owned); owned: [N] bool. Returns stats [4, N] float64 rows: the local max
-    logit m_r over the valid columns (raw logit units) and, with z = (logits - m_r) / T,
-    S_r = sum exp(z), D_r = sum exp(z) * z (0 without entropy), t_r = z_target (0 if not owned).
+    (0 where not owned); owned: [N] bool; exps: [N, V_valid] output view (logits dtype)
+    receiving e = exp(z) with z = (logits - m_r) / T. Returns float64 stats [4, N]: the local
+    max logit m_r (raw logit units), S_r = sum e, D_r = sum e * z (0 without entropy) and
+    t_r = z_target (0 if not owned).
 
     Precision: subtracting the max before scaling keeps z's rounding relative to z itself;
-    the max element's exp(0) = 1 is left out of the float32 sum and added back in float64,
-    so log S stays accurate when S is close to 1 (a peaked distribution, small entropy).
+    S is accumulated in float64 so that log S stays accurate when S is close to 1 (a peaked
+    distribution, small entropy: float32 would leave an absolute error of one ulp of 1).
     """
-    num_tokens, device = logits_2d.shape[0], logits_2d.device
-    stats = torch.zeros(4, num_tokens, dtype=torch.float32, device=device)
+    num_tokens, num_valid = exps.shape
+    device = logits_2d.device
+    stats = torch.zeros(4, num_tokens, dtype=torch.float64, device=device)
     if num_valid == 0:  # a rank holding only vocabulary padding contributes nothing
         stats[0].fill_(float("-inf"))
-        return stats.double()
+        return stats
+    local_max = torch.empty(num_tokens, dtype=torch.float32, device=device)
+    dots = torch.zeros(num_tokens, dtype=torch.float32, device=device)
     rows = min(chunk_size, num_tokens)
-    # Reused work buffers: a fresh large allocation per chunk would cost page faults on CPU.
+    # One reused work buffer: a fresh large allocation per chunk costs page faults on CPU.
     shifted = torch.empty(rows, num_valid, dtype=torch.float32, device=device)
-    exps = torch.empty_like(shifted)
-    argmax = torch.empty(rows, dtype=torch.long, device=device)
+    exps_are_float32 = exps.dtype == torch.float32
+    exps_work = None if exps_are_float32 else torch.empty_like(shifted)
+    # float64 copy for the sum; preallocated (sum(dtype=float64) would allocate per chunk).
+    exps_f64 = torch.empty(rows, num_valid, dtype=torch.float64, device=device)
     for start in range(0, num_tokens, chunk_size):
         end = min(start + chunk_size, num_tokens)
-        z, e, top = shifted[: end - start], exps[: end - start], argmax[: end - start]
-        z.copy_(logits_2d[start:end, :num_valid])
-        m = stats[0, start:end]
-        torch.max(z, dim=-1, out=(m, top))
-        z.sub_(m.unsqueeze(-1))
+        z, x = shifted[: end - start], logits_2d[start:end, :num_valid]
+        m = local_max[start:end]
+        m.copy_(torch.amax(x, dim=-1))  # exact in any dtype: the max is one of the logits
+        torch.sub(x, m.unsqueeze(-1), out=z)  # float32 result whatever the logits' dtype
         if inv_temperature != 1.0:
             z.mul_(inv_temperature)
         stats[3, start:end] = z.gather(-1, local_targets[start:end].unsqueeze(-1)).squeeze(-1)
+        z.clamp_min_(_EXP_FLOOR)
+        # float32 logits: exp straight into the saved buffer; else in float32, then cast.
+        e = exps[start:end] if exps_are_float32 else exps_work[: end - start]
         torch.exp(z, out=e)
-        e.scatter_(-1, top.unsqueeze(-1), 0.0)  # the max's 1, added back below in float64
-        torch.sum(e, dim=-1, out=stats[1, start:end])
-        if with_entropy:
-            # Row-wise dot product without materialising e * z.
-            torch.bmm(e.unsqueeze(-2), z.unsqueeze(-1), out=stats[2, start:end].view(-1, 1, 1))
-    stats = stats.double()
-    stats[1] += 1.0
+        torch.sum(exps_f64[: end - start].copy_(e), dim=-1, out=stats[1, start:end])
+        if not exps_are_float32:
+            exps[start:end].copy_(e)
+        if with_entropy:  # z is not needed after this: the product goes into it
+            torch.sum(z.mul_(e), dim=-1, out=dots[start:end])
+    stats[0] = local_max
+    stats[2] = dots
     stats[3].masked_fill_(~owned, 0.0)
     return stats
 
@@ -140,8 +155,8 @@ def _combine_over_ranks(
     dist.all_reduce(stats[0], op=dist.ReduceOp.MAX, group=group)
     delta = (local_max - stats[0]) * inv_temperature  # <= 0; -inf on a padding-only rank
     scale = torch.exp(delta)
-    # D_r relative to M: sum e_r * exp(delta) * ((z - m_r) + delta). where() keeps a
-    # padding-only rank (S_r = 0, delta = -inf) from producing 0 * inf = NaN.
+    # D_r relative to M: sum e_r * exp(delta) * (z_r + delta). where() keeps a padding-only
+    # rank (S_r = 0, delta = -inf) from producing 0 * inf = NaN.
     stats[2] = torch.where(stats[1] > 0, scale * (stats[2] + delta * stats[1]), 0.0)
     stats[1].mul_(scale)
     stats[3] = torch.where(owned, stats[3] + delta, 0.0)
@@ -157,19 +172,29 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         vocab_start = rank * logits_2d.shape[-1]
         owned = (targets >= vocab_start) & (targets < vocab_start + num_valid)
         local_targets = torch.where(owned, targets - vocab_start, 0)
+        # exp(z) for every valid column; the padding columns hold 0 (their gradient).
+        exps = torch.empty_like(logits_2d, memory_format=torch.contiguous_format)
+        exps[:, num_valid:] = 0.0
         stats = _local_stats(
-            logits_2d, local_targets, owned, num_valid, inv_temperature, chunk_size, with_entropy
+            logits_2d, local_targets, owned, exps[:, :num_valid], inv_temperature, chunk_size,
+            with_entropy,
         )
-        # The [4, N] statistics are combined in float64 (cheap: O(tokens)); H = log S - D / S
-        # adds two non-negative terms (D <= 0), so no cancellation.
+        local_max = stats[0].clone()
         stats = _combine_over_ranks(stats, owned, inv_temperature, group, tp)
-        log_sum = torch.log(stats[1])
-        log_probs = (stats[3] - log_sum).float()
-        entropy = (log_sum - stats[2] / stats[1]).float() if with_entropy else log_sum.new_empty(0)
+        global_max, sum_exp, dot, target_z = stats
+        log_sum = torch.log(sum_exp)
+        log_probs = (target_z - log_sum).float()
+        # H = log S - D / S adds two non-negative terms (D <= 0): no cancellation.
+        entropy = (log_sum - dot / sum_exp).float() if with_entropy else log_sum.new_empty(0).float()
+        # p = exps * prob_scale per token (0 on a padding-only rank, where exp(-inf) = 0).
+        prob_scale = (torch.exp((local_max - global_max) * inv_temperature) / sum_exp).float()
         # M is a logit value, exact in float32; backward recomputes log p = (x - M) / T - log S.
-        max_logit, log_sum = stats[0].float(), log_sum.float()
-        ctx.save_for_backward(logits_2d, local_targets, owned, max_logit, log_sum, entropy)
+        ctx.save_for_backward(
+            exps, logits_2d if with_entropy else None, local_targets, owned, prob_scale,
+            global_max.float(), log_sum.float(), entropy,
+        )
         ctx.inv_temperature, ctx.num_valid, ctx.chunk_size = inv_temperature, num_valid, chunk_size
+        ctx.consumed = False
         ctx.set_materialize_grads(False)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -177,60 +202,57 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        logits_2d, local_targets, owned, max_logit, log_sum, entropy = ctx.saved_tensors
-        grad_logits = _logits_grad(
-            logits_2d, local_targets, owned, max_logit, log_sum, entropy, grad_log_probs,
-            grad_entropy if entropy.numel() else None,
-            ctx.inv_temperature, ctx.num_valid, ctx.chunk_size,
+        if ctx.consumed:
+            raise RuntimeError(
+                "vocab_parallel_log_probs: backward ran twice; its saved buffer becomes the "
+                "gradient in place, so retain_graph/double backward is not supported"
+            )
+        ctx.consumed = True
+        exps, logits_2d, local_targets, owned, prob_scale, max_logit, log_sum, entropy = ctx.saved_tensors
+        if logits_2d is None:  # entropy was not requested, so it has no gradient
+            grad_entropy = None
+        grad_logits = _logits_grad_in_place(
+            exps, logits_2d, local_targets, owned, prob_scale, max_logit, log_sum, entropy,
+            grad_log_probs, grad_entropy, ctx.inv_temperature, ctx.num_valid, ctx.chunk_size,
         )
         return grad_logits, None, None, None, None, None, None, None, None
 
 
-def _logits_grad(
-    logits_2d, local_targets, owned, max_logit, log_sum, entropy, grad_log_probs, grad_entropy,
-    inv_temperature, num_valid, chunk_size,
+def _logits_grad_in_place(
+    exps, logits_2d, local_targets, owned, prob_scale, max_logit, log_sum, entropy,
+    grad_log_probs, grad_entropy, inv_temperature, num_valid, chunk_size,
 ):
-    """d(loss)/d(logits) [N, V_shard] in the logits' dtype, chunk by chunk.
+    """Turn the saved exps [N, V_shard] into d(loss)/d(logits), in place, and return it.
 
-    With z = logits / T, p = softmax(z) over the valid vocabulary:
-    d log p_t / dz = onehot(t) - p and dH / dz = -p * (log p + H); both times 1/T.
+    With z = (logits - M) / T, p = exps * prob_scale, log p = z - log S:
+    d log p_t / dz = onehot(t) - p and dH / dz = -p (log p + H); both times 1/T. So
+    grad = a * onehot - p * (a + b * (log p + H)) with a = g_lp / T, b = g_H / T, which per
+    token is  exps * (alpha * z + beta) + a * onehot  with the per-token scalars below.
     """
-    num_tokens, shard = logits_2d.shape
-    grad = torch.empty_like(logits_2d, memory_format=torch.contiguous_format)
-    if num_valid < shard:
-        grad[:, num_valid:] = 0.0  # padded vocabulary: probability 0, gradient 0
-    if num_valid == 0 or (grad_log_probs is None and grad_entropy is None):
-        if num_valid:
-            grad.zero_()
-        return grad
-    # Per-token coefficients, folded with 1/T once: grad = a * onehot - a * p - b * p (log p + H).
+    if grad_log_probs is None and grad_entropy is None:
+        return exps.zero_()
+    valid = exps[:, :num_valid]
     coef_lp = grad_log_probs.float() * inv_temperature if grad_log_probs is not None else None
-    coef_h = grad_entropy.float() * inv_temperature if grad_entropy is not None else None
-    rows = min(chunk_size, num_tokens)
-    log_p_buf = torch.empty(rows, num_valid, dtype=torch.float32, device=logits_2d.device)
-    p_buf = torch.empty_like(log_p_buf)
-    for start in range(0, num_tokens, chunk_size):
-        end = min(start + chunk_size, num_tokens)
-        log_p, p = log_p_buf[: end - start], p_buf[: end - start]
-        log_p.copy_(logits_2d[start:end, :num_valid])
-        log_p.sub_(max_logit[start:end].unsqueeze(-1))
-        if inv_temperature != 1.0:
-            log_p.mul_(inv_temperature)
-        log_p.sub_(log_sum[start:end].unsqueeze(-1))
-        torch.exp(log_p, out=p)
-        if coef_h is not None:
-            out = log_p
-            out.add_(entropy[start:end].unsqueeze(-1)).mul_(p)
-            out.mul_(-coef_h[start:end].unsqueeze(-1))
-            if coef_lp is not None:
-                out.addcmul_(p, coef_lp[start:end].unsqueeze(-1), value=-1.0)
-        else:
-            out = p.mul_(-coef_lp[start:end].unsqueeze(-1))
-        if coef_lp is not None:
-            hit = torch.where(owned[start:end], coef_lp[start:end], 0.0)
-            out.scatter_add_(-1, local_targets[start:end].unsqueeze(-1), hit.unsqueeze(-1))
-        grad[start:end, :num_valid].copy_(out)
-    return grad
+    if grad_entropy is None:
+        valid.mul_((-coef_lp * prob_scale).unsqueeze(-1))  # one in-place pass
+    elif num_valid > 0:
+        coef_h = grad_entropy.float() * inv_temperature
+        offset = coef_h * (entropy - log_sum) + (coef_lp if coef_lp is not None else 0.0)
+        alpha = (-prob_scale * coef_h * inv_temperature).unsqueeze(-1)  # times (x - M)
+        beta = (-prob_scale * offset).unsqueeze(-1)
+        num_tokens = exps.shape[0]
+        rows = min(chunk_size, num_tokens)
+        work = torch.empty(rows, num_valid, dtype=torch.float32, device=exps.device)
+        for start in range(0, num_tokens, chunk_size):
+            end = min(start + chunk_size, num_tokens)
+            factor = work[: end - start]
+            torch.sub(logits_2d[start:end, :num_valid], max_logit[start:end].unsqueeze(-1), out=factor)
+            factor.mul_(alpha[start:end]).add_(beta[start:end])
+            valid[start:end].mul_(factor)
+    if coef_lp is not None:
+        hit = torch.where(owned, coef_lp, 0.0).to(exps.dtype)
+        exps.scatter_add_(-1, local_targets.unsqueeze(-1), hit.unsqueeze(-1))
+    return exps
 
 
 def vocab_parallel_log_probs(
