@@ -48,6 +48,7 @@ def write_plot(records: list[dict], path: str | Path, title: str = "") -> Path:
     """Draw the PLOT_PANELS metrics vs step into ``path`` (PNG, atomic); returns the path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(10, 7), dpi=100)
     FigureCanvasAgg(fig)
@@ -56,6 +57,7 @@ def write_plot(records: list[dict], path: str | Path, title: str = "") -> Path:
         steps, values = series(records, key)
         ax.set_title(panel_title, fontsize=10)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if not steps:
             ax.text(0.5, 0.5, f"{key}: not logged", ha="center", va="center", transform=ax.transAxes)
