@@ -85,7 +85,26 @@ def build_model(hf_config, *, dtype: torch.dtype = torch.float32,
         parallel_output=True,
         **arch.gpt_model_kwargs(hf_config),
     )
+    if not init_weights:
+        mark_tensor_parallel_params(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model.hf_config = hf_config
     return [model]
+
+
+def mark_tensor_parallel_params(model) -> None:
+    """Set the ``tensor_model_parallel`` / ``partition_dim`` attributes megatron-core only sets
+    inside its weight initialisers (skipped with ``perform_initialization=False``).
+
+    Without them every TP shard of an embedding or linear weight looks like a TP *duplicate*,
+    so the gradient norm (and clipping) silently counts only TP rank 0's shard.
+    """
+    from megatron.core import tensor_parallel as tpl
+
+    partition_dims = ((tpl.ColumnParallelLinear, 0), (tpl.RowParallelLinear, 1), (tpl.VocabParallelEmbedding, 0))
+    for module in model.modules():
+        for cls, dim in partition_dims:
+            weight = getattr(module, "weight", None)
+            if isinstance(module, cls) and weight is not None and not getattr(weight, "tensor_model_parallel", False):
+                tpl.set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)

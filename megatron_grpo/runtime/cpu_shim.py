@@ -8,6 +8,9 @@ megatron-core 0.16 assumes a GPU in a handful of places that the CPU path reache
   causal-mask helper, the optimizer and gradient buffers: those modules see a ``torch``
   whose factories map ``device="cuda"`` to the CPU (the real ``torch`` is untouched);
 * ``torch.cuda.synchronize()`` in the p2p code;
+* the ``torch.cuda.FloatTensor`` type assert in gradient clipping (replaced by the same
+  scaling without the assert). The DistributedOptimizer has the same type checks and is not
+  supported on CPU: the trainer uses the plain megatron optimizer there;
 * the CUDA RNG states tracker (``tensor_parallel.random``) that forks RNG streams for TP
   initialisation and dropout.
 
@@ -35,6 +38,7 @@ _MODULES_WITH_CUDA_FACTORIES = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.utils",  # local_multi_tensor_l2_norm (gradient clipping without apex)
 )
 
 
@@ -113,6 +117,16 @@ def _torch_with_cpu_factories() -> types.ModuleType:
     return proxy
 
 
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron's ``clip_grad_by_total_norm_fp32`` minus its ``torch.cuda.FloatTensor`` type
+    assert: scale every fp32 gradient in place by max_norm / (total_norm + 1e-6) if < 1."""
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
 def install() -> bool:
     """Apply the CPU redirections if CUDA is absent. Returns True when they are active."""
     global _INSTALLED
@@ -130,6 +144,10 @@ def install() -> bool:
     proxy = _torch_with_cpu_factories()
     for name in _MODULES_WITH_CUDA_FACTORIES:
         importlib.import_module(name).torch = proxy
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker
     mcore_random.initialize_rng_tracker(force_reset=True)
     _INSTALLED = True

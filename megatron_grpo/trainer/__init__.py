@@ -1,0 +1,1 @@
+"""The GRPO trainer: driver loop, Megatron steps, batches, optimizer, checkpoints, entry points."""

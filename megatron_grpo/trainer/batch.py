@@ -1,0 +1,101 @@
+"""Rollout samples -> padded training tensors, and their split over DP ranks and micro-batches.
+
+Layout (N sequences, S = longest prompt+response of the rollout batch, T = S - 1):
+
+* ``tokens[N, S]``: prompt then response, right-padded with ``pad_id``. Right padding keeps
+  every real token at the same position ids as in the engine (causal attention never looks
+  at later padding), so no attention mask is needed.
+* every per-token field is over the T *shifted* positions: position t scores ``tokens[:, t+1]``
+  given ``tokens[:, :t+1]``. ``loss_mask[i, t] = 1`` iff ``tokens[i, t+1]`` is a response token.
+* ``rollout_log_probs[N, T]``: the engine's log-probs on the response positions, 0 elsewhere.
+* ``advantages[N]``: one per sequence (outcome reward).
+
+All ranks pad to the same S, so every micro-batch has the same shape: megatron's pipeline
+schedule sends fixed-shape activations between stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Iterator, Sequence
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    tokens: torch.Tensor  # long[N, S]
+    loss_mask: torch.Tensor  # float[N, T]
+    rollout_log_probs: torch.Tensor  # float[N, T]
+    advantages: torch.Tensor  # float[N]
+    old_log_probs: torch.Tensor | None = None  # float[N, T], filled by the trainer
+    ref_log_probs: torch.Tensor | None = None  # float[N, T], only with a KL loss
+
+    @property
+    def num_sequences(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_length(self) -> int:
+        return self.tokens.shape[1]
+
+    def select(self, rows: slice | torch.Tensor) -> "TrainBatch":
+        """The sub-batch of ``rows`` (every tensor field sliced on dim 0)."""
+        return TrainBatch(**{f.name: _rows(getattr(self, f.name), rows) for f in fields(self)})
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def _rows(t: torch.Tensor | None, rows) -> torch.Tensor | None:
+    return None if t is None else t[rows]
+
+
+def build_train_batch(
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    output_logprobs: Sequence[Sequence[float]],
+    advantages: torch.Tensor,
+    pad_id: int,
+) -> TrainBatch:
+    """Pack N (prompt, response) pairs into a TrainBatch (see the module docstring).
+
+    prompt_ids / output_ids / output_logprobs: N lists; output_logprobs[i] has the length of
+    output_ids[i]. advantages: float[N].
+    """
+    n = len(prompt_ids)
+    assert len(output_ids) == n == len(output_logprobs) == advantages.shape[0]
+    seq_len = max(len(p) + len(o) for p, o in zip(prompt_ids, output_ids))
+    seq_len = max(seq_len, 2)
+    tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(n, seq_len - 1)
+    rollout_lp = torch.zeros(n, seq_len - 1)
+    for i, (p, o, lp) in enumerate(zip(prompt_ids, output_ids, output_logprobs)):
+        assert len(lp) == len(o), f"sample {i}: {len(o)} tokens but {len(lp)} log-probs"
+        tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        if o:
+            tokens[i, len(p) : len(p) + len(o)] = torch.tensor(o, dtype=torch.long)
+            # response token j sits at position len(p)+j, scored at shifted position len(p)+j-1
+            loss_mask[i, len(p) - 1 : len(p) - 1 + len(o)] = 1.0
+            rollout_lp[i, len(p) - 1 : len(p) - 1 + len(o)] = torch.tensor(lp, dtype=torch.float32)
+    return TrainBatch(tokens=tokens, loss_mask=loss_mask, rollout_log_probs=rollout_lp,
+                      advantages=advantages.float())
+
+
+def dp_shard(batch: TrainBatch, dp_rank: int, dp_size: int, global_batch_size: int) -> TrainBatch:
+    """This DP rank's rows of every mini-batch: mini-batch m holds rows
+    [m*G, (m+1)*G) and rank d takes the d-th contiguous G/dp of them."""
+    n = batch.num_sequences
+    assert n % global_batch_size == 0 and global_batch_size % dp_size == 0
+    per_rank = global_batch_size // dp_size
+    rows = torch.cat([
+        torch.arange(m + dp_rank * per_rank, m + (dp_rank + 1) * per_rank)
+        for m in range(0, n, global_batch_size)
+    ])
+    return batch.select(rows)
+
+
+def micro_batches(batch: TrainBatch, micro_batch_size: int) -> Iterator[TrainBatch]:
+    """Consecutive micro-batches of ``micro_batch_size`` rows."""
+    for start in range(0, batch.num_sequences, micro_batch_size):
+        yield batch.select(slice(start, start + micro_batch_size))

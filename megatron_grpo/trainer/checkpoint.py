@@ -1,0 +1,160 @@
+"""Crash-safe training checkpoints: model + optimizer + RNG + data position + step.
+
+Layout under ``RUN_DIR/checkpoints/``::
+
+    step_000020/            a complete checkpoint (megatron-core dist_checkpointing: model and
+                            optimizer sharded state, loadable at another TP/PP for the model)
+      trainer_state.json    step, data sampler position, metrics count   (extra_state too)
+      rng/rank_00000.pt     each rank's torch RNG state (ranks differ, so one file a rank)
+      COMPLETE              written last: a directory without it is never resumed from
+    latest                  text file naming the newest complete checkpoint (atomic replace)
+
+Writing order: everything goes to ``.step_000020.tmp`` (models.checkpoint writes there and
+renames), the COMPLETE marker is written inside before the rename, then ``latest`` is
+replaced, then checkpoints beyond ``keep_last`` are deleted. A kill at any moment leaves
+either the previous complete checkpoint or the new one: never a partial one that resume
+would pick (partial temp directories are removed at the next save or resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+CKPT_RE = re.compile(r"^step_(\d{6,})$")
+MARKER = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return checkpoints_dir(run_dir) / f"step_{step:06d}"
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file + fsync + rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every complete checkpoint, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = CKPT_RE.match(p.name)
+        if m and p.is_dir() and (p / MARKER).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def find_resume_dir(run_dir: str | Path, resume: str) -> Optional[Path]:
+    """The checkpoint to resume from: ``never`` -> None; ``auto`` -> the ``latest`` pointer if
+    it names a complete checkpoint, else the newest complete one, else None; or a path,
+    which must be a complete checkpoint."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if not (path / MARKER).is_file():
+            raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint (no {MARKER})")
+        return path
+    root = checkpoints_dir(run_dir)
+    pointer = root / "latest"
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if (named / MARKER).is_file():
+            return named
+    complete = complete_checkpoints(run_dir)
+    return complete[-1][1] if complete else None
+
+
+def remove_partial(run_dir: str | Path) -> None:
+    """Delete leftovers of interrupted saves (rank 0 only)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        if p.name.startswith(".") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        elif CKPT_RE.match(p.name) and p.is_dir() and not (p / MARKER).is_file():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def training_sharded_state_dict(model_chunks, optimizer, *, is_loading: bool = False) -> dict:
+    """Model and optimizer sharded state of this rank (megatron-core dist_checkpointing)."""
+    from megatron_grpo.models import model_sharded_state_dict
+
+    model_sd = model_sharded_state_dict(model_chunks)
+    state = dict(model_sd)
+    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return state
+
+
+def save_training_checkpoint(
+    run_dir: str | Path, step: int, model_chunks, optimizer, trainer_state: dict[str, Any], keep_last: int
+) -> Path:
+    """Collective: save a complete checkpoint of ``step`` and rotate old ones."""
+    from megatron_grpo.models import save_megatron_checkpoint
+
+    rank = dist.get_rank()
+    final = step_dir(run_dir, step)
+    if rank == 0:
+        remove_partial(run_dir)
+        final.parent.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    # RNG states go to a per-rank staging dir first; they are moved in before COMPLETE.
+    staging = final.with_name(f".{final.name}.rng")
+    if rank == 0:
+        staging.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    torch.save({"torch": torch.get_rng_state()}, staging / f"rank_{rank:05d}.pt")
+    dist.barrier()
+    state = training_sharded_state_dict(model_chunks, optimizer)
+    tmp_final = final.with_name(f".{final.name}.pending")
+    save_megatron_checkpoint(model_chunks, tmp_final, extra_state=trainer_state, sharded_state_dict=state)
+    if rank == 0:
+        staging.rename(tmp_final / "rng")
+        (tmp_final / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
+        write_text_atomic(tmp_final / MARKER, f"{step}\n")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp_final.rename(final)
+        write_text_atomic(checkpoints_dir(run_dir) / "latest", final.name + "\n")
+        for _, old in complete_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_training_checkpoint(ckpt_dir: Path, model_chunks, optimizer) -> dict[str, Any]:
+    """Collective: load model + optimizer (+ this rank's RNG) from ``ckpt_dir``; returns the
+    trainer state (step, data position, ...)."""
+    from megatron.core import dist_checkpointing
+
+    state = training_sharded_state_dict(model_chunks, optimizer, is_loading=True)
+    loaded = dist_checkpointing.load(state, str(ckpt_dir))
+    for key, chunk in zip([k for k in state if k.startswith("model")], model_chunks):
+        chunk.load_state_dict(loaded[key], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+    rank_file = ckpt_dir / "rng" / f"rank_{dist.get_rank():05d}.pt"
+    if rank_file.is_file():  # absent when resuming with more ranks than were saved
+        torch.set_rng_state(torch.load(rank_file, weights_only=True)["torch"])
+    return json.loads((ckpt_dir / STATE_FILE).read_text())

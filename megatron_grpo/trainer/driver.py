@@ -1,0 +1,166 @@
+"""The GRPO loop. One step, read top to bottom:
+
+1. rank 0 draws prompts, the rollout engine samples ``num_generations`` responses each
+   (token ids + the engine's log-probs), rewards are scored and group-normalised into
+   advantages; the TrainBatch is broadcast to every rank;
+2. each DP rank takes its rows; old-policy (and, with a KL loss, reference) log-probs are
+   recomputed by Megatron in forward-only mode with the vocab-parallel op;
+3. for ``num_iterations`` epochs, every mini-batch is one optimizer step of the corrected
+   GRPO loss (``megatron_step.train_mini_batch``);
+4. the new weights are resharded into the rollout engine (``sync``), then metrics are
+   logged and a checkpoint is written when due.
+
+Every rank runs this function (torchrun); rank 0 also owns the engine, data and logging.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.config import ExperimentConfig
+from megatron_grpo.trainer import checkpoint as ckpt
+from megatron_grpo.trainer.batch import dp_shard
+from megatron_grpo.trainer.components import build_policy, build_reference, build_rollout_side, load_tokenizer
+from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
+from megatron_grpo.trainer.optim import lr_at, set_lr
+from megatron_grpo.trainer.rollout_step import broadcast_batch, generate_and_score
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient."""
+
+
+def train(cfg: ExperimentConfig) -> list[dict]:
+    """Run the experiment; returns rank 0's metric records (empty on other ranks)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.data import PromptSampler, load_prompt_dataset
+    from megatron_grpo.metrics_log import MetricsLogger
+    from megatron_grpo.sync import build_weight_syncer
+
+    rank, run_dir = dist.get_rank(), cfg.trainer.run_dir
+    dp, dp_rank, dp_group = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+    tokenizer = load_tokenizer(cfg.model.hf_dir)
+    sampler = PromptSampler(load_prompt_dataset(cfg.data, tokenizer), cfg.rollout.prompts_per_step,
+                            cfg.trainer.seed, cfg.data.shuffle)
+    policy = build_policy(cfg)
+    reference = build_reference(cfg, policy.hf_config)
+    spec = ScoringSpec(cfg.rollout.temperature, policy.hf_config.vocab_size, cfg.model.logprob_chunk_size)
+
+    start_step, trainer_state = 0, {}
+    resume_dir = ckpt.find_resume_dir(run_dir, cfg.checkpoint.resume)
+    if resume_dir is not None:
+        trainer_state = ckpt.load_training_checkpoint(resume_dir, policy.modules, policy.optimizer)
+        start_step = trainer_state["step"]
+        sampler.load_state_dict(trainer_state["sampler"])
+    logger = MetricsLogger(run_dir, cfg.logging, cfg.trainer.num_steps, rank,
+                           resumed_step=start_step, config_dict=cfg.to_dict())
+    side = build_rollout_side(cfg, tokenizer, sampler) if rank == 0 else None
+    syncer = build_weight_syncer(cfg.rollout, policy.modules, policy.hf_config,
+                                 side.client if side else None, run_dir)
+    syncer.sync(start_step)  # the engine starts from the HF weights; a resumed run has moved on
+
+    records, nonfinite_streak = [], trainer_state.get("nonfinite_streak", 0)
+    try:
+        for step in range(start_step, cfg.trainer.num_steps):
+            timings, t0 = {}, time.monotonic()
+            # 1. rollout + rewards + advantages (rank 0), broadcast
+            result = None
+            if rank == 0:
+                if side.manager.ensure_alive():
+                    syncer.sync(step)  # a restarted engine lost the trained weights
+                result = generate_and_score(step, side.sampler.next_batch(), side.client, side.sampling,
+                                            side.scorer, side.tokenizer, cfg)
+            result = broadcast_batch(result)
+            batch, mark = result.batch, time.monotonic()
+            timings["time_rollout_s"] = mark - t0
+
+            # 2. old-policy / reference log-probs on this DP rank's rows
+            local = dp_shard(batch, dp_rank, dp, cfg.parallel.global_batch_size)
+            local.old_log_probs = compute_log_probs(policy.chunks, local, cfg.parallel.micro_batch_size, spec)
+            if reference is not None:
+                local.ref_log_probs = compute_log_probs(reference, local, cfg.parallel.micro_batch_size, spec)
+            timings["time_logprob_s"], mark = time.monotonic() - mark, time.monotonic()
+
+            # 3. num_iterations epochs of mini-batch updates
+            step_metrics, skipped = [], 0
+            local_per_mini = cfg.parallel.global_batch_size // dp
+            global_minis = [batch.select(slice(m, m + cfg.parallel.global_batch_size))
+                            for m in range(0, batch.num_sequences, cfg.parallel.global_batch_size)]
+            for it in range(cfg.algorithm.num_iterations):
+                for m, gmini in enumerate(global_minis):
+                    opt_step = (step * cfg.algorithm.num_iterations + it) * len(global_minis) + m
+                    set_lr(policy.optimizer, lr_at(opt_step, cfg.optimizer, cfg.trainer.num_steps
+                                                   * cfg.algorithm.num_iterations * len(global_minis)))
+                    mini = local.select(slice(m * local_per_mini, (m + 1) * local_per_mini))
+                    metrics, applied, grad_norm = train_mini_batch(
+                        policy.chunks, policy.optimizer, mini, cfg.algorithm, spec,
+                        cfg.parallel.micro_batch_size, int(gmini.loss_mask.sum()), gmini.num_sequences,
+                        dp, dp_group)
+                    skipped += not applied
+                    if metrics is not None:
+                        step_metrics.append({**metrics, "grad_norm": grad_norm, "iteration": it})
+            timings["time_train_s"], mark = time.monotonic() - mark, time.monotonic()
+
+            # 4. weights -> rollout engine, metrics, checkpoint
+            syncer.sync(step + 1)
+            timings["time_sync_s"] = time.monotonic() - mark
+            nonfinite_streak = nonfinite_streak + 1 if skipped else 0
+            record = _step_record(step, result.stats, step_metrics, timings, skipped, policy.optimizer, batch)
+            if rank == 0:
+                records.append(logger.log(step + 1, record))
+            if nonfinite_streak >= cfg.trainer.max_consecutive_nonfinite:
+                raise NonFiniteError(
+                    f"step {step + 1}: non-finite loss or gradient in {nonfinite_streak} consecutive steps "
+                    f"(trainer.max_consecutive_nonfinite={cfg.trainer.max_consecutive_nonfinite}); "
+                    "lower optimizer.lr or check the data and rewards")
+            done = step + 1 == cfg.trainer.num_steps
+            every = cfg.checkpoint.save_every
+            if done or (every and (step + 1) % every == 0):
+                state = {"step": step + 1, "sampler": sampler.state_dict(), "nonfinite_streak": nonfinite_streak}
+                ckpt.save_training_checkpoint(run_dir, step + 1, policy.modules, policy.optimizer, state,
+                                              cfg.checkpoint.keep_last)
+        logger.finish(print_summary=True)
+    finally:
+        logger.close()
+        syncer.close()
+        if side is not None:
+            side.close()
+    return records
+
+
+def _step_record(step, rollout_stats, step_metrics, timings, skipped, optimizer, batch) -> dict:
+    """Rank 0's metrics of a step: rollout stats, the last-iteration training metrics (sent
+    from the reporting last-stage rank), timings, lr, and skipped updates."""
+    from megatron.core import parallel_state as ps
+
+    reporter = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+                and ps.get_data_parallel_rank() == 0)
+    box = [None] * dist.get_world_size()
+    dist.all_gather_object(box, _mean_over_minibatches(step_metrics) if reporter else None)
+    train_metrics = next(m for m in box if m is not None)
+    record = {**rollout_stats, **train_metrics, **timings}
+    record["time_step_s"] = sum(timings.values())
+    record["lr"] = float(optimizer.param_groups[0]["lr"])
+    record["skipped_updates"] = skipped
+    record["tokens_per_s"] = float(batch.loss_mask.sum()) / max(record["time_step_s"], 1e-9)
+    return record
+
+
+def _mean_over_minibatches(parts: list[dict]) -> dict:
+    """Average the optimizer-step metrics of one step (mini-batches x iterations): clip
+    fractions and KL of the last iteration are the interesting ones, so report both."""
+    last_it = max(p["iteration"] for p in parts)
+    out = {}
+    for key in parts[0]:
+        if key == "iteration":
+            continue
+        vals = [p[key] for p in parts]
+        out[key] = sum(vals) / len(vals)
+        if last_it > 0:
+            last = [p[key] for p in parts if p["iteration"] == last_it]
+            out[f"{key}/last_iter"] = sum(last) / len(last)
+    return out

@@ -1,0 +1,179 @@
+"""The Megatron side of a GRPO step: log-prob passes and the corrected-loss update.
+
+Both go through megatron-core's ``get_forward_backward_func`` (any TP/PP). On the last
+pipeline stage the vocab-parallel logits ``[B, S, V/tp]`` are turned into per-token
+log-probs and entropies by ``ops.vocab_parallel_log_probs`` (never gathering the vocab),
+then into the loss by ``losses.compute_policy_loss``.
+
+Loss scaling. Megatron's schedule divides each micro-batch loss by the number of
+micro-batches and DDP averages gradients over the dp ranks. ``compute_policy_loss`` instead
+returns per-part losses that SUM to the mini-batch loss (its token_mean denominator is the
+global valid-token count of the mini-batch, counted before off-policy masking; LOSS_SPEC
+§11). We therefore multiply each part by ``num_microbatches * dp`` before handing it to the
+schedule, so the gradient is exactly that of the global mini-batch loss whatever the TP,
+PP, DP or micro-batch split (LOSS_SPEC §6, SkyRL's ``grad_sum_correction_factor``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.config.algorithm import AlgorithmConfig
+from megatron_grpo.losses import compute_policy_loss, reduce_metrics
+from megatron_grpo.ops import vocab_parallel_log_probs
+from megatron_grpo.trainer.batch import TrainBatch, micro_batches
+
+
+@dataclass
+class ScoringSpec:
+    """How the trainer scores tokens: must match the rollout engine's distribution."""
+
+    temperature: float
+    vocab_size: int  # true (unpadded) vocabulary
+    chunk_size: Optional[int] = None
+
+
+def _model_inputs(mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, S] and position_ids [B, S] of a micro-batch."""
+    b, s = mb.tokens.shape
+    return mb.tokens, torch.arange(s).unsqueeze(0).expand(b, s)
+
+
+def _token_scores(logits_BSv: torch.Tensor, mb: TrainBatch, spec: ScoringSpec, with_entropy: bool):
+    """Vocab-parallel logits [B, S, V/tp] -> (log_probs [B, T], entropy [B, T] or None)."""
+    return vocab_parallel_log_probs(
+        logits_BSv[:, :-1], mb.tokens[:, 1:], temperature=spec.temperature,
+        vocab_size=spec.vocab_size, chunk_size=spec.chunk_size, with_entropy=with_entropy,
+    )
+
+
+def _run_schedule(model_chunks, mbs: list[TrainBatch], forward_step, forward_only: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(mbs), model=model_chunks,
+        num_microbatches=len(mbs), seq_length=mbs[0].seq_length,
+        micro_batch_size=mbs[0].num_sequences, forward_only=forward_only,
+    )
+
+
+def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, spec: ScoringSpec):
+    """Forward-only scoring of ``batch``: float[N, T] log-probs on the last PP stage, None on
+    the others (the loss is computed where the logits are)."""
+    from megatron.core import parallel_state
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        logits = model(*_model_inputs(mb), attention_mask=None)
+
+        def loss_func(output):
+            lp, _ = _token_scores(output, mb, spec, with_entropy=False)
+            return torch.zeros((), device=lp.device), {"log_probs": lp}
+
+        return logits, loss_func
+
+    for c in model_chunks:
+        c.eval()
+    with torch.no_grad():
+        outs = _run_schedule(model_chunks, list(micro_batches(batch, micro_batch_size)), forward_step, True)
+    for c in model_chunks:
+        c.train()
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return torch.cat([o["log_probs"] for o in outs], dim=0)
+
+
+def train_mini_batch(
+    model_chunks,
+    optimizer,
+    mini: TrainBatch,
+    cfg: AlgorithmConfig,
+    spec: ScoringSpec,
+    micro_batch_size: int,
+    num_tokens: int,
+    num_sequences: int,
+    dp_size: int,
+    dp_group,
+) -> tuple[dict[str, float] | None, bool, float]:
+    """One optimizer step on this rank's share of a mini-batch.
+
+    num_tokens / num_sequences: valid tokens / sequences of the GLOBAL mini-batch.
+    Returns (metrics pooled over micro-batches and dp on the last stage else None,
+    whether the update was applied (False when the loss or a gradient was non-finite),
+    the gradient norm).
+    """
+    from megatron.core import parallel_state
+
+    mbs = list(micro_batches(mini, micro_batch_size))
+    scale = len(mbs) * dp_size
+    want_entropy_grad = cfg.entropy_coef > 0
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        logits = model(*_model_inputs(mb), attention_mask=None)
+
+        def loss_func(output):
+            lp, ent = _token_scores(output, mb, spec, with_entropy=True)
+            loss, metrics = compute_policy_loss(
+                lp, mb.old_log_probs, mb.advantages, mb.loss_mask, cfg,
+                rollout_log_probs=mb.rollout_log_probs, ref_log_probs=mb.ref_log_probs,
+                entropy=ent if want_entropy_grad else ent.detach(),
+                num_tokens=num_tokens, num_sequences=num_sequences,
+            )
+            metrics["loss"] = float(loss.detach())
+            return loss * scale, metrics
+
+        return logits, loss_func
+
+    for c in model_chunks:
+        c.zero_grad_buffer()
+    optimizer.zero_grad()
+    outs = _run_schedule(model_chunks, mbs, forward_step, False)
+
+    finite = _all_finite(model_chunks, outs)
+    if not finite:
+        for c in model_chunks:
+            c.zero_grad_buffer()
+        optimizer.zero_grad()
+        grad_norm = float("nan")
+    else:
+        ok, grad_norm, _ = optimizer.step()
+        finite = bool(ok)
+        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+
+    metrics = None
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        metrics = reduce_metrics(outs, group=dp_group)
+        # the parts' losses SUM to the mini-batch loss (not a token-weighted mean)
+        metrics["loss"] = _sum_over(sum(m["loss"] for m in outs), dp_group)
+    return metrics, finite, grad_norm
+
+
+def _sum_over(value: float, group) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t.item())
+
+
+def _all_finite(model_chunks, outs) -> bool:
+    """True iff every rank's loss values and gradients are finite (one all-reduce)."""
+    bad = 0.0
+    for m in outs or []:
+        if not math.isfinite(m["loss"]):
+            bad = 1.0
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            if g is not None and not torch.isfinite(g).all():
+                bad = 1.0
+                break
+    flag = torch.tensor([bad])
+    dist.all_reduce(flag)
+    return flag.item() == 0.0

@@ -1,0 +1,68 @@
+"""megatron-core optimizer, DDP wrapping and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_grpo.config.sections import OptimizerConfig
+
+
+def wrap_ddp(model_chunks, use_distributed_optimizer: bool):
+    """Wrap chunks in megatron-core's DistributedDataParallel (fp32 gradient buffers, the
+    dp all-reduce in ``finalize_model_grads``)."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_cfg, module=c) for c in model_chunks]
+    for c in wrapped:
+        c.config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def build_optimizer(model_chunks, cfg: OptimizerConfig, dtype: torch.dtype, use_distributed_optimizer: bool):
+    """megatron-core optimizer over DDP-wrapped chunks (fp32 main params for bf16/fp16).
+
+    The DistributedOptimizer needs CUDA (its parameter type checks name CUDA tensors); on
+    CPU the caller must pass ``use_distributed_optimizer=False``.
+    """
+    from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    mcfg = McoreOptimizerConfig(
+        optimizer=cfg.name, lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        params_dtype=dtype, use_distributed_optimizer=use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(mcfg, model_chunks)
+
+
+def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
+    """Learning rate of optimizer step ``step`` (0-based) of ``total_steps``: linear warm-up
+    from lr/warmup to lr over ``lr_warmup_steps``, then constant, linear or cosine decay to
+    ``min_lr`` at the last step."""
+    if cfg.lr_warmup_steps > 0 and step < cfg.lr_warmup_steps:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    if cfg.lr_decay_style == "constant":
+        return cfg.lr
+    span = max(total_steps - cfg.lr_warmup_steps - 1, 1)
+    progress = min(max(step - cfg.lr_warmup_steps, 0) / span, 1.0)
+    if cfg.lr_decay_style == "linear":
+        factor = 1.0 - progress
+    else:  # cosine
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,81 @@
+"""Rank 0's half of a step: prompts -> rollout engine -> rewards -> advantages -> TrainBatch.
+
+The other ranks receive the finished TrainBatch by broadcast (``broadcast_batch``), so the
+rollout engine, the tokenizer and the reward functions live in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.losses import compute_advantages
+from megatron_grpo.trainer.batch import TrainBatch, build_train_batch
+
+
+@dataclass
+class RolloutResult:
+    batch: TrainBatch
+    stats: dict[str, float]
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """Per-step seed of the engine's sampler: a resumed run redraws the same responses."""
+    return (seed * 1_000_003 + step) % (2**31 - 1)
+
+
+def generate_and_score(step: int, prompts, client, sampling, scorer, tokenizer, cfg) -> RolloutResult:
+    """Generate ``num_generations`` responses per prompt, score, normalise into advantages.
+
+    prompts: list of data.Prompt (``prompt_ids``, ``answer``); cfg: ExperimentConfig.
+    """
+    n = cfg.rollout.num_generations
+    t0 = time.monotonic()
+    samples = client.generate([p.prompt_ids for p in prompts], n, sampling,
+                              sampling_seed=sampling_seed(cfg.trainer.seed, step))
+    t_gen = time.monotonic() - t0
+    responses = [tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
+    answers = [prompts[s.prompt_index].answer for s in samples]
+    scored = scorer.score(responses, answers)
+    rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+    advantages = compute_advantages(rewards, n, cfg.algorithm)
+    batch = build_train_batch(
+        [s.prompt_ids for s in samples], [s.output_ids for s in samples],
+        [s.output_logprobs for s in samples], advantages, pad_id=_pad_id(tokenizer),
+    )
+    lengths = np.array([len(s.output_ids) for s in samples], dtype=np.float64)
+    group_std = rewards.view(-1, n).std(dim=1, unbiased=True) if n > 1 else torch.zeros(1)
+    stats = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std(unbiased=False)),
+        "frac_groups_zero_std": float((group_std <= 1e-6).float().mean()),
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": float(lengths.max()),
+        "truncated_ratio": float(np.mean([s.finish_reason == "length" for s in samples])),
+        "rollout_tokens_per_s": float(lengths.sum() / max(t_gen, 1e-9)),
+        "time_rollout_s": t_gen,
+    }
+    for label, values in scored.per_function.items():
+        stats[f"reward/{label}"] = float(np.mean(values))
+    return RolloutResult(batch=batch, stats=stats)
+
+
+def _pad_id(tokenizer) -> int:
+    pad = tokenizer.pad_token_id
+    return int(pad if pad is not None else tokenizer.eos_token_id)
+
+
+def broadcast_batch(result: Optional[RolloutResult], src: int = 0) -> RolloutResult:
+    """Send rank ``src``'s RolloutResult to every rank (one pickled object over gloo/NCCL).
+
+    For the batch sizes of GRPO (thousands of sequences of a few thousand ids) this is a few
+    MB; the weights, not the batch, dominate communication.
+    """
+    box = [result]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
