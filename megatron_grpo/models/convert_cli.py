@@ -137,6 +137,7 @@ def run_command(name: str, argv: list[str]) -> int:
 
     make_parser, run = COMMANDS[name]
     args = make_parser().parse_args(argv)
+    _quiet_library_warnings()
     started_here = not dist.is_initialized()
     try:
         return run(args)
@@ -146,6 +147,17 @@ def run_command(name: str, argv: list[str]) -> int:
     finally:
         if started_here:
             parallel.destroy()
+
+
+def _quiet_library_warnings() -> None:
+    """The tools' output should be their own lines: megatron-core warns at import that apex /
+    transformer-engine are absent (expected on CPU) and torch's checkpoint code about its own
+    deprecations; neither is actionable for a user converting a model."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*", category=UserWarning)
+    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch\.distributed|megatron)")
 
 
 def _initialize(tp: int, pp: int) -> None:

@@ -78,7 +78,8 @@ def save_hf_checkpoint(model_chunks: list, hf_config, out_dir: str | Path, *,
                 flush()
             buffer[name] = tensor
             buffered += tensor.nbytes
-            bar.set_postfix_str(f"{(sum(w[2] for w in written) + buffered) / 1e6:.1f} MB")
+            bar.set_postfix_str(f"{(sum(w[2] for w in written) + buffered) / 1e6:.1f} MB written",
+                                refresh=False)
         flush()
         bar.close()
 
@@ -136,4 +137,4 @@ def _progress_bar(total: int, enabled: bool):
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="export", unit="tensor")
+    return tqdm(total=total, desc="export", unit="tensor", mininterval=1.0)
