@@ -1,0 +1,286 @@
+"""Push the trainer's weights into the rollout engine(s) after an optimizer step, verified.
+
+``WeightSyncer.sync(model_chunks, step)`` is collective over ALL trainer ranks:
+
+1. the coordinator (global rank 0) pauses generation on every engine (SGLang's default
+   ``abort`` mode: a synchronous trainer has nothing running then), flushes the KV cache, and
+   opens the ``/begin_weight_update`` bracket when the transport needs it;
+2. on data-parallel replica 0, every pipeline stage iterates ``models.iter_hf_weights`` (the
+   single HF <-> Megatron mapping, collective over the stage's TP group); the stage's TP rank 0
+   (the SENDER) casts each full tensor to the engine's dtype, packs single-dtype byte buckets
+   of ``rollout.weight_update_bucket_mb`` and hands them to the transport (``transports.py``);
+3. every ``rollout.verify_weights_every`` syncs, each sender compares per-tensor checksums it
+   computed from the tensors it meant to send with the ones the engine computes from the
+   weights it now serves (``checksum.py``); a difference raises ``WeightSyncError`` naming the
+   tensor, on every rank;
+4. the coordinator sets the engines' ``weight_version`` to ``str(step)``, closes the bracket,
+   flushes the cache again and continues generation.
+
+Failures are agreed on collectively (an ``all_gather_object`` after each phase), so every rank
+raises the same one-line error instead of some ranks waiting forever in the next collective.
+A sender whose transport fails keeps draining ``iter_hf_weights`` so its TP peers finish too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.rollout.client import RolloutClient
+from megatron_grpo.rollout.types import RolloutError
+from megatron_grpo.sync.buckets import plan_buckets
+from megatron_grpo.sync.checksum import compare_checksums, tensor_checksum
+from megatron_grpo.sync.transports import TRANSPORTS
+
+log = logging.getLogger(__name__)
+
+_SAMPLE_ROWS = 8  # rows per tensor compared through SGLang's /get_weights_by_name
+
+
+class WeightSyncError(RuntimeError):
+    """The weight sync failed or the engine does not serve the weights the trainer sent."""
+
+
+@dataclass
+class SyncStats:
+    """What one ``sync`` did, as seen by this rank (senders fill the byte counts)."""
+
+    step: int
+    seconds: float = 0.0
+    send_seconds: float = 0.0
+    """Time in iter_hf_weights + packing + transport on this rank."""
+    checksum_seconds: float = 0.0
+    """Time computing and comparing checksums (trainer side + waiting for the engine's)."""
+    num_bytes: int = 0
+    num_tensors: int = 0
+    num_buckets: int = 0
+    verified: bool = False
+    role: str = "idle"
+    """coordinator+sender, sender, peer (a TP rank feeding a sender) or idle (DP replica > 0)."""
+    per_engine_seconds: dict = field(default_factory=dict)
+
+
+def _parallel_ranks() -> tuple[int, int, int]:
+    """(dp_rank, tp_rank, pp_rank) of this process (all 0 without megatron parallel state)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 0, 0
+    return (ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank())
+
+
+class WeightSyncer:
+    """Per-step weight sync from Megatron chunks to the engines at ``urls`` (see module doc)."""
+
+    def __init__(self, cfg, urls: list[str], hf_config, *, work_dir: Optional[str | Path] = None,
+                 master_address: str = "127.0.0.1", client: Optional[RolloutClient] = None,
+                 iter_weights: Optional[Callable] = None):
+        if cfg.weight_sync_transport not in TRANSPORTS:
+            raise ValueError(f"rollout.weight_sync_transport: unknown {cfg.weight_sync_transport!r}; "
+                             f"expected one of {sorted(TRANSPORTS)}")
+        self.cfg = cfg
+        self.hf_config = hf_config
+        self.urls = list(urls)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        dp_rank, tp_rank, pp_rank = _parallel_ranks()
+        self.participant = dp_rank == 0
+        self.sender = self.participant and tp_rank == 0
+        self.coordinator = self.rank == 0
+        self.stage = pp_rank
+        self.client = client or RolloutClient.from_config(cfg, self.urls)
+        self._own_client = client is None
+        if iter_weights is None:
+            from megatron_grpo.models import iter_hf_weights as iter_weights
+        self._iter_weights = iter_weights
+        self.transport = None
+        if self.sender:
+            self.transport = TRANSPORTS[cfg.weight_sync_transport](
+                self.client, stage=pp_rank, bucket_bytes=cfg.weight_update_bucket_mb * 2**20,
+                timeout_s=cfg.request_timeout_s, master_address=master_address,
+                work_dir=Path(work_dir) if work_dir else None, hf_config=hf_config)
+        self.num_syncs = 0
+        self._engine_info: Optional[list[dict]] = None
+
+    # ---- collective helpers -------------------------------------------------------------
+
+    def _agree(self, error: Optional[str], what: str) -> None:
+        """Raise WeightSyncError on every rank if any rank reported an error."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            errors: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        else:
+            errors = [error]
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            rank, message = failed[0]
+            more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+            raise WeightSyncError(f"weight sync {what} failed on rank {rank}{more}: {message}")
+
+    def _run(self, fn: Callable[[], None], what: str, *, on: bool) -> None:
+        error = None
+        if on:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - reported collectively below
+                error = " ".join(f"{type(e).__name__}: {e}".split())
+        self._agree(error, what)
+
+    def engine_info(self) -> list[dict]:
+        """/get_server_info of every engine (cached until ``reset``)."""
+        if self._engine_info is None:
+            self._engine_info = [self.client.server_info(u) for u in self.urls]
+        return self._engine_info
+
+    def engine_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the engines store weights in, if they all report the same one."""
+        names = {str(info.get("dtype", "auto")) for info in self.engine_info()}
+        if len(names) != 1:
+            return None
+        dtype = getattr(torch, names.pop(), None)
+        return dtype if isinstance(dtype, torch.dtype) else None
+
+    # ---- the sync ---------------------------------------------------------------------
+
+    def sync(self, model_chunks: list, step: int) -> SyncStats:
+        """Make the engines serve ``model_chunks``' weights as weight_version ``str(step)``."""
+        started = time.perf_counter()
+        verify = self.cfg.verify_weights_every > 0 and self.num_syncs % self.cfg.verify_weights_every == 0
+        stats = SyncStats(step=step, verified=verify,
+                          role="coordinator+sender" if self.coordinator else
+                          "sender" if self.sender else "peer" if self.participant else "idle")
+        self._run(self._prepare_engines, "prepare (pause/flush)", on=self.coordinator)
+        expected: dict[str, str] = {}
+        samples: dict[str, torch.Tensor] = {}
+        error = None
+        if self.participant:
+            error = self._send_stage(model_chunks, step, verify, stats, expected, samples)
+        self._agree(error, f"send (step {step})")
+        if verify:
+            self._verify(step, expected, samples, stats)
+        self._run(lambda: self._finish_engines(step), "finish (version/continue)", on=self.coordinator)
+        self.num_syncs += 1
+        stats.seconds = time.perf_counter() - started
+        return stats
+
+    def _prepare_engines(self) -> None:
+        for url in self.urls:
+            self.client.pause_generation(url, mode="abort")
+            self.client.flush_cache(url)
+            if TRANSPORTS[self.cfg.weight_sync_transport].needs_update_session:
+                self.client.begin_weight_update(url)
+
+    def _finish_engines(self, step: int) -> None:
+        for url in self.urls:
+            self.client.update_weight_version(url, str(step))
+            if TRANSPORTS[self.cfg.weight_sync_transport].needs_update_session:
+                self.client.end_weight_update(url)
+            self.client.flush_cache(url)
+            self.client.continue_generation(url)
+
+    def _send_stage(self, model_chunks, step, verify, stats, expected, samples) -> Optional[str]:
+        """Iterate this stage's weights; the sender packs and sends. Returns an error or None."""
+        t0 = time.perf_counter()
+        error = None
+        dtype = None
+        try:
+            if self.sender:
+                dtype = self.engine_dtype()
+                self.transport.begin(step)
+        except Exception as e:  # noqa: BLE001
+            error = f"{type(e).__name__}: {e}"
+        weights = self._iter_weights(model_chunks, self.hf_config)
+        if not self.sender or error:
+            for _ in weights:  # TP peers (and a failed sender) keep the collective going
+                pass
+            return " ".join(error.split()) if error else None
+
+        def converted():
+            for name, tensor in weights:
+                if dtype is not None and tensor.dtype != dtype:
+                    tensor = tensor.to(dtype)
+                if verify:
+                    c0 = time.perf_counter()
+                    expected[name] = tensor_checksum(tensor)
+                    samples[name] = tensor[:_SAMPLE_ROWS].detach().float().cpu().clone()
+                    stats.checksum_seconds += time.perf_counter() - c0
+                yield name, tensor
+
+        try:
+            for bucket in plan_buckets(converted(), self.transport.bucket_bytes):
+                self.transport.send(bucket)
+                stats.num_buckets += 1
+                stats.num_tensors += len(bucket.names)
+                stats.num_bytes += bucket.nbytes
+            self.transport.end(step)
+        except Exception as e:  # noqa: BLE001 - drain so TP peers are not left in a collective
+            error = " ".join(f"{type(e).__name__}: {e}".split())
+            for _ in weights:
+                pass
+        stats.send_seconds = time.perf_counter() - t0 - stats.checksum_seconds
+        return error
+
+    def _verify(self, step: int, expected: dict[str, str], samples: dict[str, torch.Tensor],
+                stats: SyncStats) -> None:
+        """Compare the engines' weights with what this stage sent; raise on every rank if not equal."""
+        problem = None
+        if self.sender:
+            c0 = time.perf_counter()
+            try:
+                for url, info in zip(self.urls, self.engine_info()):
+                    verifier = VERIFIERS.get(str(info.get("engine", "sglang")), _verify_by_rows)
+                    bad = verifier(self.client, url, expected, samples)
+                    if bad:
+                        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                        problem = (f"{bad[0]}{more} differs between the trainer and engine {url} after the "
+                                   f"step {step} sync")
+                        break
+            except RolloutError as e:
+                problem = f"cannot verify: {e}"
+            stats.checksum_seconds += time.perf_counter() - c0
+        self._agree(problem, f"verification (step {step})")
+
+    def reset(self) -> None:
+        """Forget engine state (call on every rank after an engine restarted)."""
+        self._engine_info = None
+        if self.transport is not None:
+            self.transport.reset()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if self._own_client:
+            self.client.close()
+
+
+def _verify_by_checksums(client, url, expected: dict[str, str], samples) -> list[str]:
+    """Embedded engine: exact per-tensor checksums (``/weights_checksum``)."""
+    answer = client.call("weights_checksum", {"names": sorted(expected)}, url=url)["checksums"]
+    return compare_checksums(expected, {n: v["checksum"] for n, v in answer.items()})
+
+
+def _verify_by_rows(client, url, expected, samples: dict[str, torch.Tensor]) -> list[str]:
+    """SGLang: the first rows of each tensor through ``/get_weights_by_name`` (a partial check:
+    SGLang returns truncated values, and the route fails for some architectures, e.g. Qwen2,
+    in 0.5.23; such tensors are reported as unverifiable in the log, not as mismatches)."""
+    bad = []
+    for name, rows in samples.items():
+        try:
+            served = client.call("get_weights_by_name", {"name": name, "truncate_size": _SAMPLE_ROWS}, url=url)
+        except RolloutError as e:
+            log.warning("cannot verify %s on %s: %s", name, url, e)
+            continue
+        got = torch.tensor(served, dtype=torch.float32)
+        if got.shape != rows.shape or not torch.allclose(got, rows, rtol=1e-6, atol=0.0):
+            bad.append(name)
+    return bad
+
+
+# /get_server_info "engine" -> how to verify the served weights
+VERIFIERS: dict[str, Callable] = {"embedded": _verify_by_checksums, "sglang": _verify_by_rows}

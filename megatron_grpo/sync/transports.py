@@ -1,0 +1,224 @@
+"""How a packed bucket reaches the engine(s): one class per ``rollout.weight_sync_transport``.
+
+Every transport runs on a SENDING rank (one per pipeline stage) and pushes a ``Bucket`` to
+every engine URL; ``send`` returns once each engine has loaded it (so buffers can be reused).
+
+* ``distributed``: a process group between this rank (rank 0) and the engines' ranks (SGLang's
+  ``/init_weights_update_group``), created on the first sync; per bucket, one
+  ``/update_weights_from_distributed`` request (``load_format: flattened_bucket``) per engine
+  and ONE uint8 broadcast. gloo on CPU, NCCL on GPU.
+* ``tensor``: colocated engines; the bucket is packed into a shared-memory buffer and each
+  engine maps it (``/update_weights_from_tensor``, inside the begin/end bracket).
+* ``disk``: each bucket becomes a safetensors file in a per-sync directory written under a
+  temporary name and renamed when complete; ``/update_weights_from_disk`` loads the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megatron_grpo.rollout.types import RolloutError
+from megatron_grpo.sync.buckets import Bucket, unflatten
+from megatron_grpo.sync.serialize import serialize_named_tensors, use_file_system_sharing
+
+
+class Transport:
+    """Base: per-sync ``begin``/``end`` hooks around ``send`` of each bucket of this stage."""
+
+    needs_update_session = False
+    """True: the coordinator wraps the sync in /begin_weight_update ... /end_weight_update."""
+
+    def __init__(self, client, *, stage: int, bucket_bytes: int, timeout_s: float,
+                 master_address: str = "127.0.0.1", work_dir: Optional[Path] = None, hf_config=None):
+        self.client = client
+        self.urls = list(client.urls)
+        self.stage = stage
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.master_address = master_address
+        self.work_dir = work_dir
+        self.hf_config = hf_config
+
+    def begin(self, step: int) -> None:
+        pass
+
+    def send(self, bucket: Bucket) -> None:
+        raise NotImplementedError
+
+    def end(self, step: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        """Forget per-engine state (an engine restarted)."""
+
+    def close(self) -> None:
+        self.reset()
+
+    def engine_tp_sizes(self) -> list[int]:
+        """TP size of each engine (ranks it contributes to a group, payload copies it needs)."""
+        if getattr(self, "_tp_sizes", None) is None:
+            self._tp_sizes = [int(self.client.server_info(u).get("tp_size", 1)) for u in self.urls]
+        return self._tp_sizes
+
+    def _wait_all(self, futures: list[Future]) -> None:
+        for f in futures:
+            f.result(timeout=self.timeout_s)
+
+
+class DistributedTransport(Transport):
+    """Broadcast over a process group shared with the engines (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = None
+        self.group_name = f"megatron_grpo_stage{self.stage}"
+        self._buffer: Optional[torch.Tensor] = None
+
+    def _init_group(self) -> None:
+        from megatron_grpo.rollout.manager import free_port
+        from megatron_grpo.sync.group import init_custom_process_group
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        tp_sizes = self.engine_tp_sizes()
+        world_size = 1 + sum(tp_sizes)
+        port = free_port(self.master_address)
+        futures, offset = [], 1
+        for url, tp in zip(self.urls, tp_sizes):
+            futures.append(self.client.submit(self.client.aio.init_weights_update_group(
+                url, master_address=self.master_address, master_port=port, rank_offset=offset,
+                world_size=world_size, group_name=self.group_name, backend=backend)))
+            offset += tp
+        self.group = init_custom_process_group(backend=backend, master_address=self.master_address,
+                                               master_port=port, world_size=world_size, rank=0,
+                                               group_name=self.group_name, timeout_s=self.timeout_s)
+        self._wait_all(futures)
+
+    def begin(self, step: int) -> None:
+        if self.group is None:
+            self._init_group()
+
+    def send(self, bucket: Bucket) -> None:
+        if self._buffer is None or self._buffer.numel() < bucket.nbytes:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self._buffer = torch.empty(max(bucket.nbytes, self.bucket_bytes), dtype=torch.uint8, device=device)
+        flat = bucket.pack(out=self._buffer)
+        futures = [self.client.submit(self.client.aio.update_weights_from_distributed(
+            url, names=bucket.names, dtypes=[bucket.dtype_name] * len(bucket.names), shapes=bucket.shapes,
+            group_name=self.group_name, load_format="flattened_bucket")) for url in self.urls]
+        try:
+            self._broadcast(flat, futures)
+        except RolloutError:
+            self.reset()
+            raise
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL errors: name the engines
+            self.reset()
+            raise RolloutError(",".join(self.urls), "broadcast (weight update group)",
+                               " ".join(f"{type(e).__name__}: {e}".split())) from None
+        self._wait_all(futures)
+
+    def _broadcast(self, flat: torch.Tensor, futures: list[Future]) -> None:
+        import torch.distributed as dist
+
+        work = dist.broadcast(flat, src=0, group=self.group, async_op=True)
+        # An engine that rejects the request never joins the broadcast: watch the HTTP
+        # answers while waiting, so a refusal is an error now, not a hang until timeout.
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            failed = [f for f in futures if f.done() and f.exception() is not None]
+            if failed:
+                raise failed[0].exception()
+            if time.monotonic() > deadline:
+                raise RolloutError(",".join(self.urls), "broadcast (weight update group)",
+                                   f"bucket not received within {self.timeout_s:.0f}s")
+            time.sleep(0.0005)
+        work.wait()
+
+    def reset(self) -> None:
+        from megatron_grpo.sync.group import destroy_custom_process_group
+
+        self._tp_sizes = None
+        group, self.group = self.group, None
+        if group is not None:
+            for url in self.urls:  # best effort: the engine may be the one that died
+                try:
+                    self.client.call("destroy_weights_update_group", {"group_name": self.group_name},
+                                     url=url, timeout_s=10, retry=False)
+                except RolloutError:
+                    pass
+            try:
+                destroy_custom_process_group(group)
+            except Exception:  # noqa: BLE001 - a broken group cannot always be torn down cleanly
+                pass
+
+
+class TensorTransport(Transport):
+    """Shared-memory buckets for colocated engines (see the module docstring)."""
+
+    needs_update_session = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        use_file_system_sharing()
+        self._buffer: Optional[torch.Tensor] = None
+
+    def send(self, bucket: Bucket) -> None:
+        if self._buffer is None or self._buffer.numel() < bucket.nbytes:
+            # Allocated once in shared memory and reused: each send waits for the engines.
+            self._buffer = torch.empty(max(bucket.nbytes, self.bucket_bytes), dtype=torch.uint8).share_memory_()
+        flat = bucket.pack(out=self._buffer)
+        named = unflatten(flat, bucket.names, [bucket.dtype] * len(bucket.names), bucket.shapes)
+        payload = serialize_named_tensors(named)
+        self._wait_all([self.client.submit(self.client.aio.update_weights_from_tensor(url, [payload] * tp))
+                        for url, tp in zip(self.urls, self.engine_tp_sizes())])
+
+    def reset(self) -> None:
+        self._buffer = None
+        self._tp_sizes = None
+
+
+class DiskTransport(Transport):
+    """safetensors files + /update_weights_from_disk (see the module docstring)."""
+
+    def begin(self, step: int) -> None:
+        from safetensors.torch import save_file  # noqa: F401 - fail early if missing
+
+        assert self.work_dir is not None, "the disk transport needs a work_dir"
+        self._final = Path(self.work_dir) / f"step{step}_stage{self.stage}"
+        self._tmp = self._final.with_name(self._final.name + ".tmp")
+        for d in (self._tmp, self._final):
+            shutil.rmtree(d, ignore_errors=True)
+        self._tmp.mkdir(parents=True)
+        self._num_files = 0
+
+    def send(self, bucket: Bucket) -> None:
+        from safetensors.torch import save_file
+
+        path = self._tmp / f"bucket_{self._num_files:05d}.safetensors"
+        save_file({n: t.contiguous() for n, t in zip(bucket.names, bucket.tensors)}, str(path))
+        self._num_files += 1
+
+    def end(self, step: int) -> None:
+        if self.hf_config is not None:  # SGLang's loader reads the directory like a checkpoint
+            (self._tmp / "config.json").write_text(json.dumps(self.hf_config.to_dict()))
+        os.replace(self._tmp, self._final)  # the engine only ever sees a complete directory
+        try:
+            self._wait_all([self.client.submit(self.client.aio.update_weights_from_disk(url, str(self._final)))
+                            for url in self.urls])
+        finally:
+            shutil.rmtree(self._final, ignore_errors=True)
+
+
+# rollout.weight_sync_transport -> transport class
+TRANSPORTS: dict[str, type[Transport]] = {
+    "distributed": DistributedTransport,
+    "tensor": TensorTransport,
+    "disk": DiskTransport,
+}

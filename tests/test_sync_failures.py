@@ -1,0 +1,89 @@
+"""Weight sync against an engine that dies: a clear error within the timeout, never a hang.
+
+Single process (no model parallelism): the tensors come from the HF checkpoint itself, which
+is all this test needs to prove about failure handling; the mapping and TP/PP are covered
+by test_sync_weights.py.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.sync.buckets import Bucket, plan_buckets
+from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
+from megatron_grpo.testing.tiny_models import save_tiny_model
+
+TIMEOUT_S = 5.0
+
+
+def hf_tensors(model_dir):
+    from safetensors.torch import load_file
+
+    return list(load_file(os.path.join(model_dir, "model.safetensors")).items())
+
+
+@pytest.fixture
+def launched(tmp_path):
+    model_dir = str(save_tiny_model(tmp_path / "qwen2", "qwen2"))
+    cfg = RolloutConfig(dtype="float32", launch_timeout_s=120)
+    manager = RolloutServerManager(cfg, model_dir=model_dir, run_dir=tmp_path)
+    manager.start()
+    yield manager, model_dir
+    manager.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
+def test_engine_killed_during_sync_is_reported_within_the_timeout(launched, transport):
+    manager, model_dir = launched
+    tensors = hf_tensors(model_dir)
+
+    def iter_weights_then_kill(chunks, hf_config):
+        for i, item in enumerate(tensors):
+            if i == len(tensors) // 2:  # mid-sync: buckets already sent, more to come
+                os.kill(manager.pid, signal.SIGKILL)
+                time.sleep(0.2)
+            yield item
+
+    cfg = RolloutConfig(weight_sync_transport=transport, weight_update_bucket_mb=1, request_timeout_s=TIMEOUT_S,
+                        max_retries=2)
+    syncer = WeightSyncer(cfg, manager.urls, None, iter_weights=iter_weights_then_kill)
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError, match=rf"send \(step 1\) failed on rank 0: .*{manager.urls[0]}"):
+        syncer.sync([], 1)
+    assert time.monotonic() - started < TIMEOUT_S * 3
+    syncer.close()
+
+
+@pytest.mark.slow
+def test_sync_to_a_dead_engine_fails_fast(launched):
+    manager, model_dir = launched
+    os.kill(manager.pid, signal.SIGKILL)
+    time.sleep(0.5)
+    cfg = RolloutConfig(request_timeout_s=TIMEOUT_S, max_retries=2)
+    syncer = WeightSyncer(cfg, manager.urls, None, iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"prepare \(pause/flush\) failed on rank 0: RolloutError"):
+        syncer.sync([], 1)
+    assert time.monotonic() - started < TIMEOUT_S
+    syncer.close()
+
+
+def test_buckets_respect_the_size_and_dtype():
+    tensors = [("a", torch.ones(100)), ("b", torch.ones(300)), ("c", torch.ones(10, dtype=torch.bfloat16)),
+               ("d", torch.ones(50)), ("e", torch.ones(2000))]
+    buckets = list(plan_buckets(tensors, bucket_bytes=1600))
+    layout = [(b.names, b.dtype, b.nbytes) for b in buckets]
+    # fp32: a (400 B) + b (1200 B) = 1600 fits; d (200 B) opens a new one; e (8000 B) goes
+    # alone; the still-open buckets (bf16 c, fp32 e) are flushed at the end in opening order
+    assert layout == [(["a", "b"], torch.float32, 1600), (["d"], torch.float32, 200),
+                      (["c"], torch.bfloat16, 20), (["e"], torch.float32, 8000)]
+    flat = buckets[0].pack()
+    assert flat.dtype == torch.uint8 and flat.numel() == 1600
+    assert torch.equal(flat[400:].view(torch.float32), torch.ones(300))
+    assert isinstance(buckets[0], Bucket)
