@@ -23,6 +23,9 @@ CASES = {
     # At tp=4 (shard 64) rank 3 holds only padding and rank 2 is partly padded.
     "mostly_padding": dict(padded=256, vocab=150, temperature=0.9, chunk=2, dtype=torch.float32),
     "bf16": dict(padded=256, vocab=250, temperature=0.7, chunk=5, dtype=torch.bfloat16),
+    # inplace=True: the op overwrites the logits; the entropy gradient then uses log(exps).
+    "inplace": dict(padded=256, vocab=150, temperature=0.7, chunk=4, dtype=torch.float32, inplace=True),
+    "inplace_bf16": dict(padded=256, vocab=250, temperature=1.3, chunk=None, dtype=torch.bfloat16, inplace=True),
 }
 LEAD = (3, 2)
 
@@ -54,9 +57,12 @@ def _run_case(case: dict, rank: int, tp: int):
     logits, targets, w_lp, w_h = _inputs(case)
     shard = case["padded"] // tp
     mine = logits[..., rank * shard : (rank + 1) * shard].clone().requires_grad_()
+    inplace = case.get("inplace", False)
+    # In place, the op's input is a non-leaf, as logits straight from the output layer are.
+    x = mine.clone() if inplace else mine
     lp, entropy = vocab_parallel_log_probs(
-        mine, targets, temperature=case["temperature"], vocab_size=case["vocab"],
-        chunk_size=case["chunk"],
+        x, targets, temperature=case["temperature"], vocab_size=case["vocab"],
+        chunk_size=case["chunk"], inplace=inplace,
     )
     (w_lp * lp.double() + w_h * entropy.double()).sum().backward()
     return lp.detach(), entropy.detach(), mine.grad
@@ -168,6 +174,14 @@ def test_without_entropy_returns_none_and_same_log_probs():
     lp, entropy = vocab_parallel_log_probs(logits, targets, with_entropy=False, **kw)
     assert entropy is None
     torch.testing.assert_close(lp, vocab_parallel_log_probs(logits, targets, **kw)[0], rtol=0, atol=0)
+
+
+def test_inplace_reuses_the_logits_storage_for_the_gradient():
+    logits = torch.randn(16, 64, requires_grad=True)
+    x = logits.clone()
+    lp, entropy = vocab_parallel_log_probs(x, torch.randint(0, 60, (16,)), vocab_size=60, inplace=True)
+    (grad,) = torch.autograd.grad(lp.sum() + entropy.sum(), x)
+    assert grad.data_ptr() == x.data_ptr()
 
 
 def test_saved_state_is_one_shard_that_becomes_the_gradient():

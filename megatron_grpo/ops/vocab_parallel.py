@@ -24,8 +24,8 @@ backward, no collective (every rank already holds ``M``, ``log S`` and ``H`` per
   pass over the saved buffer.
 
 Memory: the saved ``e`` has the logits' shape and dtype and *becomes* the logits gradient,
-so the op's extra peak is one logits shard plus a ``[chunk, V_shard]`` float32 work buffer
-(and O(tokens) statistics). Megatron's cross-entropy does the same trick by overwriting its
+so the op's extra peak is one logits shard plus ``[chunk, V_shard]`` work buffers (float32
+and float64; ``auto_chunk_size`` keeps them to a few MB on CPU) and O(tokens) statistics. Megatron's cross-entropy does the same trick by overwriting its
 input; this op leaves its input intact. Consequence: backward can run only once per forward
 (``retain_graph`` double backward raises).
 
@@ -56,6 +56,8 @@ _DEFAULT_CHUNK_ELEMENTS = 1 << 22
 # handles on a slow path (measured 5-20x slower). Shifted logits are floored here first:
 # exp(-80) = 1.8e-35 contributes nothing measurable to S, D or any gradient.
 _EXP_FLOOR = -80.0
+
+
 def resolve_tp_group(tp_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     """The tensor-parallel group to reduce over: ``tp_group`` if given; else megatron's TP
     group when model parallelism is initialised; else None (a single, local rank)."""
@@ -68,10 +70,12 @@ def resolve_tp_group(tp_group: Optional[dist.ProcessGroup]) -> Optional[dist.Pro
     return None
 
 
-def auto_chunk_size(num_cols: int, device: torch.device) -> int:
-    """Tokens per chunk so that one ``[chunk, num_cols]`` float32 buffer fits the budget."""
+def auto_chunk_size(num_cols: int, num_tokens: int, device: torch.device) -> int:
+    """Tokens per chunk: a ``[chunk, num_cols]`` float32 buffer within the device's budget,
+    and at most 1/16 of the tokens, so the work buffers (~12 bytes per chunk element) stay
+    small next to a small logits shard too."""
     budget = _AUTO_CHUNK_ELEMENTS.get(device.type, _DEFAULT_CHUNK_ELEMENTS)
-    return max(1, budget // max(1, num_cols))
+    return max(1, min(budget // max(1, num_cols), -(-num_tokens // 16)))
 
 
 def _group_size_and_rank(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
@@ -168,12 +172,16 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     """(logits shard [N, V_shard], targets [N]) -> (log p_target [N], entropy [N] or [0])."""
 
     @staticmethod
-    def forward(ctx, logits_2d, targets, group, tp, rank, inv_temperature, num_valid, chunk_size, with_entropy):
+    def forward(
+        ctx, logits_2d, targets, group, tp, rank, inv_temperature, num_valid, chunk_size,
+        with_entropy, inplace,
+    ):
         vocab_start = rank * logits_2d.shape[-1]
         owned = (targets >= vocab_start) & (targets < vocab_start + num_valid)
         local_targets = torch.where(owned, targets - vocab_start, 0)
-        # exp(z) for every valid column; the padding columns hold 0 (their gradient).
-        exps = torch.empty_like(logits_2d, memory_format=torch.contiguous_format)
+        # exp(z) for every valid column; the padding columns hold 0 (their gradient). In
+        # place, each chunk's logits are read into the work buffer before its exps land.
+        exps = logits_2d if inplace else torch.empty_like(logits_2d, memory_format=torch.contiguous_format)
         exps[:, num_valid:] = 0.0
         stats = _local_stats(
             logits_2d, local_targets, owned, exps[:, :num_valid], inv_temperature, chunk_size,
@@ -188,12 +196,14 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         entropy = (log_sum - dot / sum_exp).float() if with_entropy else log_sum.new_empty(0).float()
         # p = exps * prob_scale per token (0 on a padding-only rank, where exp(-inf) = 0).
         prob_scale = (torch.exp((local_max - global_max) * inv_temperature) / sum_exp).float()
-        # M is a logit value, exact in float32; backward recomputes log p = (x - M) / T - log S.
+        # M is a logit value, exact in float32; backward recomputes log p = (x - M) / T - log S
+        # from the logits, or from log(exps) when they were overwritten.
         ctx.save_for_backward(
-            exps, logits_2d if with_entropy else None, local_targets, owned, prob_scale,
-            global_max.float(), log_sum.float(), entropy,
+            exps, logits_2d if with_entropy and not inplace else None, local_targets, owned,
+            prob_scale, global_max.float(), log_sum.float(), entropy,
         )
         ctx.inv_temperature, ctx.num_valid, ctx.chunk_size = inv_temperature, num_valid, chunk_size
+        ctx.with_entropy = with_entropy
         ctx.consumed = False
         ctx.set_materialize_grads(False)
         if not with_entropy:
@@ -209,13 +219,13 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             )
         ctx.consumed = True
         exps, logits_2d, local_targets, owned, prob_scale, max_logit, log_sum, entropy = ctx.saved_tensors
-        if logits_2d is None:  # entropy was not requested, so it has no gradient
+        if not ctx.with_entropy:  # entropy was not computed, so it has no gradient
             grad_entropy = None
         grad_logits = _logits_grad_in_place(
             exps, logits_2d, local_targets, owned, prob_scale, max_logit, log_sum, entropy,
             grad_log_probs, grad_entropy, ctx.inv_temperature, ctx.num_valid, ctx.chunk_size,
         )
-        return grad_logits, None, None, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None, None, None
 
 
 def _logits_grad_in_place(
@@ -227,7 +237,8 @@ def _logits_grad_in_place(
     With z = (logits - M) / T, p = exps * prob_scale, log p = z - log S:
     d log p_t / dz = onehot(t) - p and dH / dz = -p (log p + H); both times 1/T. So
     grad = a * onehot - p * (a + b * (log p + H)) with a = g_lp / T, b = g_H / T, which per
-    token is  exps * (alpha * z + beta) + a * onehot  with the per-token scalars below.
+    token is  exps * (alpha * u + beta) + a * onehot,  u = logits - M  (or u = log(exps)
+    when ``logits_2d`` is None because the op ran in place; log p = log(exps * prob_scale)).
     """
     if grad_log_probs is None and grad_entropy is None:
         return exps.zero_()
@@ -237,16 +248,24 @@ def _logits_grad_in_place(
         valid.mul_((-coef_lp * prob_scale).unsqueeze(-1))  # one in-place pass
     elif num_valid > 0:
         coef_h = grad_entropy.float() * inv_temperature
-        offset = coef_h * (entropy - log_sum) + (coef_lp if coef_lp is not None else 0.0)
-        alpha = (-prob_scale * coef_h * inv_temperature).unsqueeze(-1)  # times (x - M)
-        beta = (-prob_scale * offset).unsqueeze(-1)
+        coef_lp_or_0 = coef_lp if coef_lp is not None else 0.0
+        if logits_2d is not None:  # log p = (x - M) / T - log S
+            alpha = -prob_scale * coef_h * inv_temperature
+            beta = -prob_scale * (coef_h * (entropy - log_sum) + coef_lp_or_0)
+        else:  # log p = log(exps) + log(prob_scale)
+            alpha = -prob_scale * coef_h
+            beta = -prob_scale * (coef_h * (entropy + torch.log(prob_scale)) + coef_lp_or_0)
+        alpha, beta = alpha.unsqueeze(-1), beta.unsqueeze(-1)
         num_tokens = exps.shape[0]
         rows = min(chunk_size, num_tokens)
         work = torch.empty(rows, num_valid, dtype=torch.float32, device=exps.device)
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
             factor = work[: end - start]
-            torch.sub(logits_2d[start:end, :num_valid], max_logit[start:end].unsqueeze(-1), out=factor)
+            if logits_2d is not None:
+                torch.sub(logits_2d[start:end, :num_valid], max_logit[start:end].unsqueeze(-1), out=factor)
+            else:  # exps >= exp(_EXP_FLOOR) > 0, except after an fp16 underflow: floor log(0)
+                torch.log(valid[start:end], out=factor).clamp_min_(_EXP_FLOOR)
             factor.mul_(alpha[start:end]).add_(beta[start:end])
             valid[start:end].mul_(factor)
     if coef_lp is not None:
@@ -264,6 +283,7 @@ def vocab_parallel_log_probs(
     chunk_size: Optional[int] = None,
     *,
     with_entropy: bool = True,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probability of ``targets`` and entropy under ``softmax(logits / temperature)``.
 
@@ -274,10 +294,16 @@ def vocab_parallel_log_probs(
     temperature: the rollout engine's sampling temperature (it samples from logits / T).
     vocab_size: the true vocabulary size; padded columns ``>= vocab_size`` get probability 0.
         None = every column is real.
-    chunk_size: tokens processed at a time (forward and backward), bounding the float32 work
-        buffers to ``2 * chunk_size * V_shard``; None = automatic (a cache/memory-sized
-        budget, see ``auto_chunk_size``).
+    chunk_size: tokens processed at a time (forward and backward), bounding the work buffers
+        to ``chunk_size * V_shard`` float32 + float64 elements (+ float32 for non-float32
+        logits); None = automatic (a cache-sized budget, see ``auto_chunk_size``).
     with_entropy: False skips the entropy's work and returns None for it.
+    inplace: overwrite ``logits`` with the op's saved state (as megatron's cross-entropy does)
+        instead of allocating a logits-sized buffer: one shard less memory and, on CPU, no
+        page faults to touch a fresh buffer. The caller must not read ``logits`` afterwards
+        (fine when they come straight from the output layer, whose backward does not need
+        them). The entropy gradient then uses log(exps): same float32 accuracy, but with
+        bf16/fp16 logits it is only as exact as the stored exps.
 
     Returns ``(log_probs [...], entropy [...] or None)``, float32, differentiable w.r.t. logits.
     """
@@ -302,11 +328,11 @@ def vocab_parallel_log_probs(
         )
     num_valid = min(max(vocab_size - rank * shard, 0), shard)
     if chunk_size is None:
-        chunk_size = auto_chunk_size(shard, logits.device)
+        chunk_size = auto_chunk_size(shard, logits.numel() // max(1, shard), logits.device)
     logits_2d = logits.reshape(-1, shard)
     log_probs, entropy = _VocabParallelLogProbs.apply(
         logits_2d, targets.reshape(-1).long(), group, tp, rank, 1.0 / temperature,
-        num_valid, chunk_size, with_entropy,
+        num_valid, chunk_size, with_entropy, inplace,
     )
     lead = logits.shape[:-1]
     return log_probs.view(lead), (entropy.view(lead) if with_entropy else None)
