@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -76,21 +77,39 @@ def build_model(hf_config, *, dtype: torch.dtype = torch.float32,
                                 sequence_parallel=sequence_parallel)
     config.perform_initialization = init_weights
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(hf_config, config),
-        vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
-        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-        parallel_output=True,
-        **arch.gpt_model_kwargs(hf_config),
-    )
+    with _tensor_cuda_is_identity_without_cuda():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(hf_config, config),
+            vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+            parallel_output=True,
+            **arch.gpt_model_kwargs(hf_config),
+        )
     if not init_weights:
         mark_tensor_parallel_params(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model.hf_config = hf_config
     return [model]
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity_without_cuda():
+    """With tied embeddings and PP > 1, megatron-core's ``setup_embeddings_and_output_layer``
+    moves the first/last stage copies to CUDA (``weight.data.cuda()``) before the all-reduce
+    that makes them equal. Without CUDA, ``Tensor.cuda`` returns the tensor itself while the
+    GPTModel is constructed (the gloo all-reduce then runs on CPU)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
 
 
 def mark_tensor_parallel_params(model) -> None:
