@@ -89,6 +89,12 @@ def build_model(hf_config, *, dtype: torch.dtype = torch.float32,
         )
     if not init_weights:
         mark_tensor_parallel_params(model)
+    if dtype != torch.float32:
+        # The local spec's torch RMSNorm ignores params_dtype and stays fp32; TE's norms and
+        # Megatron-LM's Float16Module make every parameter `dtype`. Do the same so the model
+        # (and its checkpoints) are in one dtype on CPU and GPU.
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model.hf_config = hf_config
