@@ -26,6 +26,14 @@ CASES = {
     # inplace=True: the op overwrites the logits; the entropy gradient then uses log(exps).
     "inplace": dict(padded=256, vocab=150, temperature=0.7, chunk=4, dtype=torch.float32, inplace=True),
     "inplace_bf16": dict(padded=256, vocab=250, temperature=1.3, chunk=None, dtype=torch.bfloat16, inplace=True),
+    # Logits spread over hundreds: most shifted logits fall below the op's exp floor (-80),
+    # the distribution is nearly one-hot and the entropy tiny; targets are far in the tail.
+    # Each floored column adds at most 80 * exp(-80) = 1.4e-33 to the entropy (float32
+    # cannot hold exp(-104) at all): entropies of ~1e-42 come out as 3.7e-31 here.
+    "wide": dict(padded=256, vocab=256, temperature=0.5, chunk=3, dtype=torch.float32, scale=60.0,
+                 entropy_atol=256 * 80 * 1.9e-35),
+    # tp_group passed explicitly instead of taken from megatron's parallel state.
+    "explicit_group": dict(padded=256, vocab=256, temperature=1.0, chunk=2, dtype=torch.float32, explicit_group=True),
 }
 LEAD = (3, 2)
 
@@ -34,7 +42,7 @@ def _inputs(case: dict, seed: int = 0):
     """Full logits [S, B, V_padded] in the case's dtype (padded columns hold finite junk, as
     megatron's padded output rows do), targets [S, B] < vocab, loss weights w_lp, w_h [S, B]."""
     gen = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(*LEAD, case["padded"], generator=gen) * 4).to(case["dtype"])
+    logits = (torch.randn(*LEAD, case["padded"], generator=gen) * case.get("scale", 4.0)).to(case["dtype"])
     targets = torch.randint(0, case["vocab"], LEAD, generator=gen)
     targets[0, 0] = case["vocab"] - 1  # the last real token, next to the padding
     w_lp, w_h = torch.randn(2, *LEAD, generator=gen, dtype=torch.float64)
@@ -60,8 +68,9 @@ def _run_case(case: dict, rank: int, tp: int):
     inplace = case.get("inplace", False)
     # In place, the op's input is a non-leaf, as logits straight from the output layer are.
     x = mine.clone() if inplace else mine
+    group = torch.distributed.group.WORLD if case.get("explicit_group") else None
     lp, entropy = vocab_parallel_log_probs(
-        x, targets, temperature=case["temperature"], vocab_size=case["vocab"],
+        x, targets, group, temperature=case["temperature"], vocab_size=case["vocab"],
         chunk_size=case["chunk"], inplace=inplace,
     )
     (w_lp * lp.double() + w_h * entropy.double()).sum().backward()
@@ -101,7 +110,9 @@ def _check(per_rank: list[dict], names: list[str]):
         for r in per_rank:  # every rank returns the same full log-probs and entropy
             lp, entropy = r[name][0].double(), r[name][1].double()
             torch.testing.assert_close(lp, ref_lp, rtol=1e-6, atol=0, msg=f"{name}: log-probs")
-            torch.testing.assert_close(entropy, ref_h, rtol=1e-6, atol=0, msg=f"{name}: entropy")
+            torch.testing.assert_close(
+                entropy, ref_h, rtol=1e-6, atol=case.get("entropy_atol", 0.0), msg=f"{name}: entropy"
+            )
         assert torch.isfinite(grad).all(), name
         assert grad.dtype == case["dtype"], name
         assert (grad[..., case["vocab"] :] == 0).all(), f"{name}: padded columns got gradient"

@@ -49,7 +49,7 @@ import torch.distributed as dist
 # [chunk, V_shard] buffer that stays in the last-level cache makes the several passes over
 # a chunk cheap (only the first read and the final write reach DRAM); on GPU a larger chunk
 # keeps kernels big while the buffer stays a small fraction of a logits shard.
-_AUTO_CHUNK_ELEMENTS = {"cpu": 1 << 19, "cuda": 1 << 24}
+_AUTO_CHUNK_ELEMENTS = {"cpu": 1 << 19, "cuda": 1 << 22}
 _DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
 # exp() of float32 below about -87 underflows to subnormals/0, which the vectorised CPU exp
