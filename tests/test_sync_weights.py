@@ -107,7 +107,7 @@ def _sync_worker(rank, world_size, url, model_dir, work_dir, transports, corrupt
         if syncer.sender and syncer.stage == 0:
             send = syncer.transport.send
 
-            def corrupted_send(bucket, _done=[]):
+            def corrupted_send(bucket, _done=[], **kwargs):
                 if not _done:  # flip one byte in the middle of the first bucket, on the wire
                     pack = bucket.pack
 
@@ -118,7 +118,7 @@ def _sync_worker(rank, world_size, url, model_dir, work_dir, transports, corrupt
 
                     bucket.pack = bad_pack
                     _done.append(True)
-                send(bucket)
+                send(bucket, **kwargs)
 
             syncer.transport.send = corrupted_send
         try:

@@ -225,6 +225,8 @@ class AsyncRolloutClient:
         return [parse_generate_item(item, prompt, prompt_index, j, server) for j, item in enumerate(items)]
 
     # ---- control and weight routes (thin wrappers; bodies as SGLang 0.5.23 expects) ----
+    # ``extra`` adds engine-specific keys (the embedded engine's ``compute_checksums``); SGLang
+    # rejects unknown keys, so callers only pass it to engines that accept it.
 
     async def health(self, url: str, timeout_s: float = 10.0) -> bool:
         """True when ``url`` answers /health with 200 (no retries: a probe)."""
@@ -245,16 +247,17 @@ class AsyncRolloutClient:
 
     async def update_weights_from_disk(self, url: str, model_path: str, *,
                                        weight_version: Optional[str] = None,
-                                       load_format: Optional[str] = None) -> Any:
-        body = {"model_path": model_path, "load_format": load_format, "weight_version": weight_version}
+                                       load_format: Optional[str] = None, extra: Optional[dict] = None) -> Any:
+        body = {"model_path": model_path, "load_format": load_format, "weight_version": weight_version,
+                **(extra or {})}
         return await self.call("update_weights_from_disk", body, url=url, retry=False)
 
     async def update_weights_from_tensor(self, url: str, serialized_named_tensors: list[str], *,
                                          load_format: Optional[str] = None,
                                          weight_version: Optional[str] = None,
-                                         flush_cache: bool = False) -> Any:
+                                         flush_cache: bool = False, extra: Optional[dict] = None) -> Any:
         body = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
-                "flush_cache": flush_cache, "weight_version": weight_version}
+                "flush_cache": flush_cache, "weight_version": weight_version, **(extra or {})}
         return await self.call("update_weights_from_tensor", body, url=url, retry=False)
 
     async def init_weights_update_group(self, url: str, *, master_address: str, master_port: int,
@@ -268,9 +271,10 @@ class AsyncRolloutClient:
                                               shapes: list[list[int]], group_name: str,
                                               load_format: Optional[str] = None,
                                               weight_version: Optional[str] = None,
-                                              flush_cache: bool = False) -> Any:
+                                              flush_cache: bool = False, extra: Optional[dict] = None) -> Any:
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                "load_format": load_format, "flush_cache": flush_cache, "weight_version": weight_version}
+                "load_format": load_format, "flush_cache": flush_cache, "weight_version": weight_version,
+                **(extra or {})}
         return await self.call("update_weights_from_distributed", body, url=url, retry=False)
 
     async def destroy_weights_update_group(self, url: str, group_name: str) -> Any:

@@ -21,25 +21,23 @@ _MASK64 = (1 << 64) - 1
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
-    """Checksum of ``tensor``'s bytes as 16 hex digits (any dtype, shape, CPU tensor)."""
-    data = tensor.detach()
-    if data.device.type != "cpu":
-        data = data.cpu()
-    flat = data.contiguous().reshape(-1).view(torch.uint8)
+    """Checksum of ``tensor``'s bytes as 16 hex digits (any dtype and shape; computed on the
+    tensor's own device, only the result moves)."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     num_words = flat.numel() // 8
     words = flat[: num_words * 8].view(torch.int64)
     num_blocks = num_words // BLOCK_WORDS
     total = 0
     if num_blocks:
         block_sums = words[: num_blocks * BLOCK_WORDS].view(num_blocks, BLOCK_WORDS).sum(dim=1)
-        weights = torch.arange(1, 2 * num_blocks, 2, dtype=torch.int64)  # odd: invertible mod 2**64
+        weights = torch.arange(1, 2 * num_blocks, 2, dtype=torch.int64, device=flat.device)  # odd: invertible mod 2**64
         total = int((block_sums * weights).sum())
     tail_words = words[num_blocks * BLOCK_WORDS:]
     if tail_words.numel():
         total += int(tail_words.sum()) * (2 * num_blocks + 1)
     tail_bytes = flat[num_words * 8:]
     if tail_bytes.numel():
-        total += int.from_bytes(bytes(tail_bytes.tolist()), "little") * (2 * num_blocks + 3)
+        total += int.from_bytes(bytes(tail_bytes.cpu().tolist()), "little") * (2 * num_blocks + 3)
     total += flat.numel() << 32  # the length, so trailing zero bytes are not invisible
     return f"{total & _MASK64:016x}"
 

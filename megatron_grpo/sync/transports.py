@@ -21,7 +21,7 @@ import shutil
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -35,6 +35,9 @@ class Transport:
 
     needs_update_session = False
     """True: the coordinator wraps the sync in /begin_weight_update ... /end_weight_update."""
+
+    request_extras: dict = {}
+    """Extra keys for the engines' update requests (set by the syncer per sync)."""
 
     def __init__(self, client, *, stage: int, bucket_bytes: int, timeout_s: float,
                  master_address: str = "127.0.0.1", work_dir: Optional[Path] = None, hf_config=None):
@@ -50,7 +53,9 @@ class Transport:
     def begin(self, step: int) -> None:
         pass
 
-    def send(self, bucket: Bucket) -> None:
+    def send(self, bucket: Bucket, overlap: Optional[Callable[[], None]] = None) -> None:
+        """Deliver ``bucket`` to every engine; ``overlap`` (if given) runs once while the
+        bucket is in flight (the syncer computes the bucket's checksums there)."""
         raise NotImplementedError
 
     def end(self, step: int) -> None:
@@ -105,16 +110,17 @@ class DistributedTransport(Transport):
         if self.group is None:
             self._init_group()
 
-    def send(self, bucket: Bucket) -> None:
+    def send(self, bucket: Bucket, overlap: Optional[Callable[[], None]] = None) -> None:
         if self._buffer is None or self._buffer.numel() < bucket.nbytes:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            self._buffer = torch.empty(max(bucket.nbytes, self.bucket_bytes), dtype=torch.uint8, device=device)
+            self._buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         flat = bucket.pack(out=self._buffer)
         futures = [self.client.submit(self.client.aio.update_weights_from_distributed(
             url, names=bucket.names, dtypes=[bucket.dtype_name] * len(bucket.names), shapes=bucket.shapes,
-            group_name=self.group_name, load_format="flattened_bucket")) for url in self.urls]
+            group_name=self.group_name, load_format="flattened_bucket", extra=self.request_extras))
+            for url in self.urls]
         try:
-            self._broadcast(flat, futures)
+            self._broadcast(flat, futures, overlap)
         except RolloutError:
             self.reset()
             raise
@@ -124,10 +130,12 @@ class DistributedTransport(Transport):
                                " ".join(f"{type(e).__name__}: {e}".split())) from None
         self._wait_all(futures)
 
-    def _broadcast(self, flat: torch.Tensor, futures: list[Future]) -> None:
+    def _broadcast(self, flat: torch.Tensor, futures: list[Future], overlap: Optional[Callable[[], None]]) -> None:
         import torch.distributed as dist
 
         work = dist.broadcast(flat, src=0, group=self.group, async_op=True)
+        if overlap is not None:
+            overlap()
         # An engine that rejects the request never joins the broadcast: watch the HTTP
         # answers while waiting, so a refusal is an error now, not a hang until timeout.
         deadline = time.monotonic() + self.timeout_s
@@ -169,15 +177,20 @@ class TensorTransport(Transport):
         use_file_system_sharing()
         self._buffer: Optional[torch.Tensor] = None
 
-    def send(self, bucket: Bucket) -> None:
+    def send(self, bucket: Bucket, overlap: Optional[Callable[[], None]] = None) -> None:
         if self._buffer is None or self._buffer.numel() < bucket.nbytes:
-            # Allocated once in shared memory and reused: each send waits for the engines.
-            self._buffer = torch.empty(max(bucket.nbytes, self.bucket_bytes), dtype=torch.uint8).share_memory_()
+            # Allocated in shared memory, grown to the largest bucket and reused: each send
+            # waits for the engines, so the previous bucket is no longer needed.
+            self._buffer = torch.empty(bucket.nbytes, dtype=torch.uint8).share_memory_()
         flat = bucket.pack(out=self._buffer)
         named = unflatten(flat, bucket.names, [bucket.dtype] * len(bucket.names), bucket.shapes)
         payload = serialize_named_tensors(named)
-        self._wait_all([self.client.submit(self.client.aio.update_weights_from_tensor(url, [payload] * tp))
-                        for url, tp in zip(self.urls, self.engine_tp_sizes())])
+        futures = [self.client.submit(self.client.aio.update_weights_from_tensor(url, [payload] * tp,
+                                                                                 extra=self.request_extras))
+                   for url, tp in zip(self.urls, self.engine_tp_sizes())]
+        if overlap is not None:
+            overlap()
+        self._wait_all(futures)
 
     def reset(self) -> None:
         self._buffer = None
@@ -198,20 +211,22 @@ class DiskTransport(Transport):
         self._tmp.mkdir(parents=True)
         self._num_files = 0
 
-    def send(self, bucket: Bucket) -> None:
+    def send(self, bucket: Bucket, overlap: Optional[Callable[[], None]] = None) -> None:
         from safetensors.torch import save_file
 
         path = self._tmp / f"bucket_{self._num_files:05d}.safetensors"
         save_file({n: t.contiguous() for n, t in zip(bucket.names, bucket.tensors)}, str(path))
         self._num_files += 1
+        if overlap is not None:  # nothing is in flight yet: the engine loads in end()
+            overlap()
 
     def end(self, step: int) -> None:
         if self.hf_config is not None:  # SGLang's loader reads the directory like a checkpoint
             (self._tmp / "config.json").write_text(json.dumps(self.hf_config.to_dict()))
         os.replace(self._tmp, self._final)  # the engine only ever sees a complete directory
         try:
-            self._wait_all([self.client.submit(self.client.aio.update_weights_from_disk(url, str(self._final)))
-                            for url in self.urls])
+            self._wait_all([self.client.submit(self.client.aio.update_weights_from_disk(
+                url, str(self._final), extra=self.request_extras)) for url in self.urls])
         finally:
             shutil.rmtree(self._final, ignore_errors=True)
 

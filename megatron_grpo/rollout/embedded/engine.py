@@ -21,6 +21,7 @@ import contextlib
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -68,6 +69,11 @@ class EmbeddedEngine:
         self._update_session = False
         self._stop = False
         self._groups: dict[str, object] = {}
+        self._recv_buffers: dict[str, torch.Tensor] = {}
+        # name -> checksum of the parameter as loaded by the last update that asked for it,
+        # computed in the background so it overlaps the next bucket's transfer.
+        self._checksums: dict[str, Future] = {}
+        self._checksum_pool = ThreadPoolExecutor(1, thread_name_prefix="engine-checksum")
         self._thread = threading.Thread(target=self._scheduler, name="engine-scheduler", daemon=True)
         self._thread.start()
 
@@ -169,6 +175,7 @@ class EmbeddedEngine:
             self._stop = True
             self._cond.notify_all()
         self._thread.join(timeout=30)
+        self._checksum_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- weights ---------------------------------------------------------------------
 
@@ -210,10 +217,13 @@ class EmbeddedEngine:
                 raise EngineError(f"{name}: shape {list(shapes[i])} does not match the model's {list(param.shape)}")
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                     compute_checksums: bool = False) -> int:
         """Copy tensors into the parameters of the same HF name (cast to the engine dtype).
 
-        Call inside ``exclusive()``. Returns the number of tensors loaded.
+        Call inside ``exclusive()``. With ``compute_checksums`` the loaded parameters'
+        checksums are computed in the background for a later ``checksums()``. Returns the
+        number of tensors loaded.
         """
         count = 0
         for name, tensor in named_tensors:
@@ -222,26 +232,37 @@ class EmbeddedEngine:
                 raise EngineError(f"unknown parameter name {name!r}")
             if tuple(param.shape) != tuple(tensor.shape):
                 raise EngineError(f"{name}: shape {list(tensor.shape)} does not match the model's {list(param.shape)}")
+            pending = self._checksums.pop(name, None)
+            if pending is not None:
+                pending.result()  # never overwrite a parameter that is being checksummed
             param.copy_(tensor)
+            if compute_checksums:
+                self._checksums[name] = self._checksum_pool.submit(tensor_checksum, param)
             count += 1
         return count
 
-    def load_from_disk(self, model_path: str) -> int:
+    def load_from_disk(self, model_path: str, *, compute_checksums: bool = False) -> int:
         """Load every ``*.safetensors`` file of a directory (call inside ``exclusive()``)."""
         from safetensors.torch import load_file
 
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise EngineError(f"no *.safetensors files in {model_path}")
-        return sum(self.load_weights(load_file(str(f)).items()) for f in files)
+        return sum(self.load_weights(load_file(str(f)).items(), compute_checksums=compute_checksums)
+                   for f in files)
 
     def checksums(self, names: Optional[list[str]] = None) -> dict[str, dict[str, str]]:
-        """``{name: {"dtype": "float32", "checksum": hex}}`` of the served parameters."""
+        """``{name: {"dtype": "float32", "checksum": hex}}`` of the served parameters (the
+        background results of the last load when it asked for them, computed now otherwise)."""
         names = list(self._params) if names is None else names
         self.check_names(names)
         with self.exclusive():
-            return {n: {"dtype": str(self._params[n].dtype).removeprefix("torch."),
-                        "checksum": tensor_checksum(self._params[n])} for n in names}
+            out = {}
+            for n in names:
+                pending = self._checksums.get(n)
+                value = pending.result() if pending is not None else tensor_checksum(self._params[n])
+                out[n] = {"dtype": str(self._params[n].dtype).removeprefix("torch."), "checksum": value}
+            return out
 
     def weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """SGLang /get_weights_by_name: the first ``truncate_size`` values along the last dim."""
@@ -267,12 +288,13 @@ class EmbeddedEngine:
         from megatron_grpo.sync.group import destroy_custom_process_group
 
         group = self._groups.pop(group_name, None)
+        self._recv_buffers.pop(group_name, None)
         if group is None:
             raise EngineError(f"no weight update group {group_name!r}")
         destroy_custom_process_group(group)
 
     def receive_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                            group_name: str, load_format: Optional[str]) -> int:
+                            group_name: str, load_format: Optional[str], compute_checksums: bool = False) -> int:
         """SGLang /update_weights_from_distributed: receive broadcasts from rank 0 and load.
 
         ``load_format == "flattened_bucket"``: ONE uint8 broadcast holding the tensors' bytes
@@ -293,7 +315,12 @@ class EmbeddedEngine:
         self.check_names(names, shapes)
         if load_format == "flattened_bucket":
             nbytes = sum(_numel(s) * d.itemsize for s, d in zip(shapes, torch_dtypes))
-            flat = torch.empty(nbytes, dtype=torch.uint8)
+            # One receive buffer per group, reused: fresh pages cost more than the copy. Safe
+            # because the sender waits for this request's answer before the next bucket.
+            buffer = self._recv_buffers.get(group_name)
+            if buffer is None or buffer.numel() < nbytes:
+                buffer = self._recv_buffers[group_name] = torch.empty(nbytes, dtype=torch.uint8)
+            flat = buffer[:nbytes]
             dist.broadcast(flat, src=0, group=group)
             tensors = unflatten(flat, names, torch_dtypes, shapes)
         else:
@@ -303,7 +330,7 @@ class EmbeddedEngine:
                 dist.broadcast(t, src=0, group=group)
                 tensors.append((name, t))
         with self.exclusive():
-            return self.load_weights(tensors)
+            return self.load_weights(tensors, compute_checksums=compute_checksums)
 
 
 def _numel(shape: list[int]) -> int:

@@ -3,6 +3,8 @@
 Differences from SGLang, all deliberate:
 
 * ``/weights_checksum`` (embedded only) returns per-tensor checksums for sync verification;
+  the three weight-update routes accept ``"compute_checksums": true`` to have them computed
+  in the background right after loading (so verification overlaps the transfer);
 * ``sampling_params`` keys the engine cannot honour (penalties, grammars, stop strings) are a
   400 naming the key unless left at SGLang's default;
 * ``input_token_logprobs`` use the request's temperature, like the output log-probs.
@@ -178,7 +180,7 @@ def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None) -> FastA
 
         def load() -> int:
             with engine.exclusive():
-                return engine.load_from_disk(req["model_path"])
+                return engine.load_from_disk(req["model_path"], compute_checksums=bool(req.get("compute_checksums")))
 
         count = await in_thread(load)
         return result(True, f"Loaded {count} tensors from {req['model_path']}." + set_version(req.get("weight_version")),
@@ -213,7 +215,7 @@ def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None) -> FastA
             except ValueError as e:
                 raise EngineError(str(e)) from None
             with engine.exclusive():
-                return engine.load_weights(named)
+                return engine.load_weights(named, compute_checksums=bool(req.get("compute_checksums")))
 
         count = await in_thread(load)
         return result(True, f"Loaded {count} tensors." + set_version(req.get("weight_version")))
@@ -245,7 +247,8 @@ def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None) -> FastA
             count = await in_thread(engine.receive_distributed, names=list(req["names"]),
                                     dtypes=list(req["dtypes"]), shapes=[list(s) for s in req["shapes"]],
                                     group_name=str(req.get("group_name", "weight_update_group")),
-                                    load_format=req.get("load_format"))
+                                    load_format=req.get("load_format"),
+                                    compute_checksums=bool(req.get("compute_checksums")))
         except KeyError as e:
             return _bad_request(f"missing key {e}")
         except HTTPException:
