@@ -1,8 +1,11 @@
 """Benchmark: vocab-parallel log-probs + entropy vs megatron's cross-entropy vs naive gather.
 
     python tools/bench_logprobs.py            # V = 32k and 152k, 1024 tokens, tp = 1 and 2
-    python tools/bench_logprobs.py --quick    # V = 32k, 256 tokens: a smoke run (~1 min)
+    python tools/bench_logprobs.py --quick    # V = 32k, 256 tokens: a smoke run (~15 s)
     python tools/bench_logprobs.py --tokens 4096 --vocab 151936 --tp 2
+
+1024 tokens by default (about 2.5 min on 2 CPU cores): at 4096 tokens and V = 152k the naive
+baseline alone needs ~12 GB, too much for a shared machine.
 
 Each tp runs on ``tp`` gloo ranks spawned by ``run_distributed`` (tp = 1 is one process),
 one CPU thread per rank. Every method does forward + backward of a loss on this rank's
@@ -23,7 +26,8 @@ logits shard ``[tokens, V/tp]`` (float32 by default; ``--dtype bfloat16``), T = 
   ``inplace``: ``inplace=True`` (overwrites the logits, like megatron's CE).
 
 Time: median of ``--repeats`` timed forward+backward runs after one warm-up (methods taken
-in turn, so background load spreads over all of them), the slowest rank counts; a fresh copy of the logits is made before each run, outside the timing.
+in turn, so background load spreads over all of them), the slowest rank counts; a fresh
+copy of the logits is made before each run, outside the timing.
 
 Memory ("extra peak"): the peak of the bytes held by torch's allocator during one
 forward+backward, above what was allocated before it started (the logits shard and the

@@ -25,9 +25,10 @@ backward, no collective (every rank already holds ``M``, ``log S`` and ``H`` per
 
 Memory: the saved ``e`` has the logits' shape and dtype and *becomes* the logits gradient,
 so the op's extra peak is one logits shard plus ``[chunk, V_shard]`` work buffers (float32
-and float64; ``auto_chunk_size`` keeps them to a few MB on CPU) and O(tokens) statistics. Megatron's cross-entropy does the same trick by overwriting its
-input; this op leaves its input intact. Consequence: backward can run only once per forward
-(``retain_graph`` double backward raises).
+and float64; ``auto_chunk_size`` keeps them to a few MB on CPU) and O(tokens) statistics.
+With ``inplace=True`` the buffer is the logits' own storage, as in megatron's cross-entropy
+(which always overwrites its input); by default the input is left intact. Either way
+backward can run only once per forward (``retain_graph`` double backward raises).
 
 Padded vocabulary: columns at or beyond ``vocab_size`` (Megatron pads V to a multiple of
 ``make_vocab_size_divisible_by * tp``) do not exist in the HF model or the rollout engine.
