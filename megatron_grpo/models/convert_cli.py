@@ -11,6 +11,7 @@ Exit codes: 0 success, 1 self-check failure, 2 user error (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -156,15 +157,23 @@ def _quiet_library_warnings() -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*", category=UserWarning)
-    warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*", category=UserWarning)
+    warnings.filterwarnings("ignore", message=".*(cuda_graph_scope|CUDA_DEVICE_MAX_CONNECTIONS).*",
+                            category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch\.distributed|megatron)")
 
 
 def _initialize(tp: int, pp: int) -> None:
+    import torch.distributed as dist
+
     from megatron_grpo.runtime import parallel
 
     if tp < 1 or pp < 1:
         raise ModelError(f"--tp/--pp must be >= 1, got --tp {tp} --pp {pp}")
+    launched = "WORLD_SIZE" in os.environ  # torchrun (or another launcher) set up the ranks
+    if not launched and not dist.is_initialized():
+        # One process: a MASTER_PORT inherited from the shell or an earlier run in this
+        # process may be taken; let parallel.initialize pick a free port.
+        os.environ.pop("MASTER_PORT", None)
     try:
         parallel.initialize(tp, pp)
     except ValueError as e:
