@@ -206,3 +206,29 @@ def test_tp2xpp2_and_checkpoints_reshard_to_and_from_tp1(hf_models, single_rank,
                                                make_vocab_size_divisible_by=1)
     assert extra == {"step": 7}
     assert_matches_hf([{out_key: probe(cfg, chunks, hf_models[out_key][0])}], out_key, hf_models)
+
+
+def test_checkpoint_with_optimizer_state_exports_to_hf(hf_models, single_rank, tmp_path, capsys):
+    """The trainer's layout: model + megatron optimizer state in one sharded state dict. The
+    export (and the model loader) ignore the optimizer entries."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_grpo.models import model_sharded_state_dict, save_megatron_checkpoint
+    from megatron_grpo.models.convert_cli import run_command
+
+    key = ("llama", True)
+    hf_dir, _ = hf_models[key]
+    cfg, chunks = build_and_load(hf_dir)
+    ddp = [DistributedDataParallel(config=c.config, ddp_config=DistributedDataParallelConfig(), module=c)
+           for c in chunks]
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), ddp)
+    state = model_sharded_state_dict(chunks)
+    state["optimizer"] = optimizer.sharded_state_dict(state)
+    save_megatron_checkpoint(chunks, tmp_path / "ckpt", extra_state={"step": 1}, sharded_state_dict=state)
+
+    assert run_command("convert-megatron-to-hf", ["--ckpt-dir", str(tmp_path / "ckpt"),
+                                                  "--output-dir", str(tmp_path / "hf")]) == 0
+    assert "self-check OK" in capsys.readouterr().out
+    got, want = hf_tensors(tmp_path / "hf"), hf_tensors(hf_dir)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
