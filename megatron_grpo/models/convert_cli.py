@@ -19,20 +19,21 @@ from pathlib import Path
 import torch
 
 from megatron_grpo.models.errors import ModelError
+from megatron_grpo.models.self_check import DEFAULT_TOLERANCE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--output-dir", required=True, type=Path, help="directory to write (replaced)")
+    p.add_argument("--output-dir", required=True, type=Path, help="directory to write (absent or empty, unless --overwrite)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of this run")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of this run")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="dtype of the written weights (auto: config.json's)")
     p.add_argument("--no-self-check", dest="self_check", action="store_false",
                    help="skip the logits comparison (needs the full HF model in one process)")
-    p.add_argument("--tolerance", type=float, default=None,
-                   help="max |Δlogits| accepted by the self-check (default 1e-3)")
+    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                   help=f"max |Δlogits| accepted by the self-check (default {DEFAULT_TOLERANCE:g})")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output-dir")
 
 
@@ -59,7 +60,7 @@ def hf_to_megatron(args) -> int:
     from megatron_grpo.models.checkpoint import dir_bytes, load_megatron_checkpoint, save_megatron_checkpoint
     from megatron_grpo.models.hf_config import load_hf_config
     from megatron_grpo.models.hf_export import config_dtype
-    from megatron_grpo.models.self_check import DEFAULT_TOLERANCE, run_self_check
+    from megatron_grpo.models.self_check import run_self_check
     from megatron_grpo.models.weights import SafetensorsReader, load_hf_weights
 
     hf_config = load_hf_config(args.hf_dir)
@@ -85,7 +86,7 @@ def hf_to_megatron(args) -> int:
                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     _fill_nan(chunks)
     load_megatron_checkpoint(chunks, args.output_dir)
-    result = run_self_check(chunks, hf_config, args.hf_dir, args.tolerance or DEFAULT_TOLERANCE,
+    result = run_self_check(chunks, hf_config, args.hf_dir, args.tolerance,
                             hf_round_to=dtype)
     say(result.line())
     return 0 if result.ok else 1
@@ -95,7 +96,7 @@ def megatron_to_hf(args) -> int:
     from megatron_grpo.models.builder import build_model
     from megatron_grpo.models.checkpoint import HF_SUBDIR, checkpoint_dtype, checkpoint_hf_config, load_megatron_checkpoint
     from megatron_grpo.models.hf_export import config_dtype, save_hf_checkpoint
-    from megatron_grpo.models.self_check import DEFAULT_TOLERANCE, round_params_, run_self_check
+    from megatron_grpo.models.self_check import round_params_, run_self_check
 
     hf_config = checkpoint_hf_config(args.ckpt_dir)
     _check_output(args.output_dir, args.overwrite, args.ckpt_dir)
@@ -119,7 +120,7 @@ def megatron_to_hf(args) -> int:
         return 0
     # Compare with the weights as written (rounded to out_dtype), not as held in fp32.
     round_params_([p for c in chunks for p in c.parameters()], out_dtype)
-    result = run_self_check(chunks, hf_config, args.output_dir, args.tolerance or DEFAULT_TOLERANCE)
+    result = run_self_check(chunks, hf_config, args.output_dir, args.tolerance)
     say(result.line())
     return 0 if result.ok else 1
 
