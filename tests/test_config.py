@@ -165,3 +165,9 @@ def test_validate_config_cli_error_is_one_line_exit_2(tmp_path):
 def test_unknown_subcommand():
     out = run_cli("validate-confg")
     assert out.returncode == 2 and "did you mean 'validate-config'" in out.stderr
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
+    # YAML 1.2 reading: PyYAML's default would make these strings and reject them
+    cfg = load_config(write(tmp_path, BASE), ["optimizer.lr=2e-3", "optimizer.adam_eps=1E-8"])
+    assert cfg.optimizer.lr == 2e-3 and cfg.optimizer.adam_eps == 1e-8

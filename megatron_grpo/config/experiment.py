@@ -8,6 +8,7 @@ strictly (``base.build_section``) and runs the checks that span sections. Any pr
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -85,6 +86,26 @@ class ExperimentConfig:
         return to_dict(self)
 
 
+class YamlLoader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 floats: ``1e-6`` is a number (PyYAML's YAML 1.1 resolver
+    needs ``1.0e-6`` and would hand the string "1e-6" to a float field)."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?"
+               r"|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)"
+               r"|\.[0-9_]+(?:[eE][-+][0-9]+)?"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str):
+    """Parse YAML text with ``YamlLoader``."""
+    return yaml.load(text, Loader=YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"a.b=1"`` -> (["a", "b"], 1); the value is parsed as a YAML scalar or flow list."""
     if "=" not in text:
@@ -94,7 +115,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError(key, f"override {text!r} has an empty key part")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = yaml_load(value) if value.strip() else None
     except yaml.YAMLError:
         parsed = value
     return parts, parsed
@@ -159,7 +180,7 @@ def load_config(
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError("", f"cannot read: {e}", str(path)) from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -26,8 +26,8 @@ class ModelConfig:
     probability 0 when scoring tokens."""
 
     logprob_chunk_size: Optional[int] = None
-    """Tokens per chunk in the vocab-parallel log-prob/entropy op (bounds peak memory on long
-    sequences); null = one chunk."""
+    """Tokens per chunk in the vocab-parallel log-prob/entropy op (bounds its work buffers on
+    long sequences); null = automatic (cache-sized chunks)."""
 
     recompute_activations: bool = False
     """Full activation recomputation of each transformer layer (saves memory, costs a forward)."""

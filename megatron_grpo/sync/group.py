@@ -19,18 +19,15 @@ import torch.distributed as dist
 def init_custom_process_group(*, backend: str, master_address: str, master_port: int, world_size: int,
                               rank: int, group_name: str, timeout_s: float = 300.0):
     """Join (rank 0: host) the group ``group_name``; blocks until all ``world_size`` ranks joined."""
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The store is built directly, not through `rendezvous("tcp://...")`: under torchrun
+    # (TORCHELASTIC_USE_AGENT_STORE=True) rendezvous would make rank 0 a *client* of the
+    # elastic agent's store instead of hosting this group's store, and the engine's ranks
+    # would wait on a port nobody listens on.
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
+                          timeout=timeout, wait_for_workers=False)
     store = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout

@@ -14,13 +14,17 @@ directory.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from megatron_grpo.config import ConfigError, ExperimentConfig, load_config
 
 EXIT_USER_ERROR = 2
+ERROR_FILE_ENV = "MEGATRON_GRPO_USER_ERROR_FILE"  # where a rank records its user error for `train`
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -32,26 +36,105 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, DataError, ModelError, RewardError)
 
 
-def preflight(cfg: ExperimentConfig) -> None:
-    """Check, without writing anything, every input the run reads at start-up: the model
-    directory, the tokenizer against the model's vocabulary, the dataset (every line), and
-    the reward functions. Raises a user error (see ``user_errors``)."""
-    from megatron_grpo.data import load_prompt_dataset
-    from megatron_grpo.models import ModelError, load_hf_config
-    from megatron_grpo.rewards import RewardScorer
+def describe_user_error(e: BaseException, config_path: str, data_file: str | None = None) -> str:
+    """The one line printed for user error ``e``. It starts with the file that is wrong: the
+    dataset for a bad line (``data.jsonl:17: ...``), else the config (``run.yaml: key: ...``)."""
+    from megatron_grpo.data import DataError
+
+    text = " ".join(str(e).split())
+    if isinstance(e, ConfigError):
+        return e.one_line() if e.source else e.with_source(config_path).one_line()
+    if isinstance(e, DataError) and data_file and text.startswith(data_file):
+        return text
+    return f"{config_path}: {text}"
+
+
+def _in_key(key: str, error: BaseException) -> ConfigError:
+    """``error`` (about a file named by config key ``key``) as a ConfigError naming the key."""
+    return ConfigError(key, " ".join(str(error).split()))
+
+
+def _check_model_dir(cfg: ExperimentConfig):
+    """config.json (supported architecture, sizes that split over tp/pp), the safetensors
+    weights and the tokenizer of ``model.hf_dir``; returns (hf_config, tokenizer)."""
+    from megatron_grpo.models import ModelError, get_architecture, load_hf_config
+    from megatron_grpo.models.weights import SafetensorsReader
     from megatron_grpo.trainer.components import load_tokenizer
 
-    hf_config = load_hf_config(cfg.model.hf_dir)
+    hf_dir = cfg.model.hf_dir
     try:
-        tokenizer = load_tokenizer(cfg.model.hf_dir)
+        hf_config = load_hf_config(hf_dir)
+    except ModelError as e:
+        raise _in_key("model.hf_dir", e) from None
+    except Exception as e:  # noqa: BLE001 - transformers rejects a malformed config.json many ways
+        raise ConfigError("model.hf_dir", f"{hf_dir}/config.json: transformers cannot read it: "
+                                          f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+    try:
+        get_architecture(hf_config.model_type).transformer_config_kwargs(hf_config)
+    except ModelError as e:
+        raise _in_key("model.hf_dir", f"{hf_dir}/config.json: {e}") from None
+    par = cfg.parallel
+    for count, name, size, key in ((hf_config.num_attention_heads, "num_attention_heads", par.tp, "parallel.tp"),
+                                   (hf_config.num_key_value_heads, "num_key_value_heads", par.tp, "parallel.tp"),
+                                   (hf_config.num_hidden_layers, "num_hidden_layers", par.pp, "parallel.pp")):
+        if count % size:
+            raise ConfigError(key, f"{size} does not divide the model's {name} = {count} ({hf_dir}/config.json)")
+    # A partial download (config.json but no or unreadable weights) must fail here, not after
+    # the ranks and the rollout engine have started.
+    try:
+        reader = SafetensorsReader(hf_dir)
+        missing = sorted({f for f in reader.weight_map.values() if not (reader.dir / f).is_file()})
+    except ModelError as e:
+        raise _in_key("model.hf_dir", e) from None
+    except Exception as e:  # noqa: BLE001 - a corrupt safetensors header or index
+        raise ConfigError("model.hf_dir", f"{hf_dir}: unreadable weights: {type(e).__name__}: "
+                                          f"{' '.join(str(e).split())[:200]}") from None
+    if missing:
+        raise ConfigError("model.hf_dir", f"{hf_dir}: {missing[0]} is listed in model.safetensors.index.json "
+                                          f"but missing ({len(missing)} shard(s) missing: a partial download?)")
+    try:
+        tokenizer = load_tokenizer(hf_dir)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad dir
-        raise ModelError(f"{cfg.model.hf_dir}: cannot load the tokenizer: {' '.join(str(e).split())[:200]}") from None
+        raise ConfigError("model.hf_dir", f"{hf_dir}: cannot load the tokenizer: "
+                                          f"{' '.join(str(e).split())[:200]}") from None
     if len(tokenizer) > hf_config.vocab_size:
-        raise ModelError(
-            f"{cfg.model.hf_dir}: the tokenizer has {len(tokenizer)} tokens but config.json's vocab_size is "
+        raise ConfigError(
+            "model.hf_dir", f"{hf_dir}: the tokenizer has {len(tokenizer)} tokens but config.json's vocab_size is "
             f"{hf_config.vocab_size}: tokenizer and model do not belong together")
+    return hf_config, tokenizer
+
+
+def _check_checkpoints(cfg: ExperimentConfig) -> None:
+    """``model.megatron_ckpt`` and an explicit ``checkpoint.resume`` path must be checkpoints."""
+    from megatron_grpo.models import ModelError
+    from megatron_grpo.models.checkpoint import checkpoint_path
+    from megatron_grpo.trainer.checkpoint import MARKER
+
+    if cfg.model.megatron_ckpt:
+        try:
+            checkpoint_path(cfg.model.megatron_ckpt)
+        except ModelError as e:
+            raise _in_key("model.megatron_ckpt", e) from None
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "never") and not (Path(resume) / MARKER).is_file():
+        raise ConfigError("checkpoint.resume", f"{resume} is not a complete checkpoint (no {MARKER} file); "
+                                               "expected auto, never or a checkpoint directory")
+
+
+def preflight(cfg: ExperimentConfig) -> None:
+    """Check, without writing anything, every input the run reads at start-up: the model
+    directory (config, weights, tokenizer vs vocabulary, tp/pp vs head and layer counts),
+    checkpoints to load, the dataset (every line), the reward functions (imported) and the
+    logging sinks. Raises a user error (see ``user_errors``)."""
+    from megatron_grpo.data import load_prompt_dataset
+    from megatron_grpo.rewards import RewardScorer
+
+    _, tokenizer = _check_model_dir(cfg)
+    _check_checkpoints(cfg)
     load_prompt_dataset(cfg.data, tokenizer)
     RewardScorer(cfg.reward)
+    if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb_project", "is set but wandb is not installed; pip install wandb or set it to null")
 
 
 def _parse(argv: list[str], prog: str) -> argparse.Namespace:
@@ -67,6 +150,53 @@ def _fail(message: str) -> int:
     return EXIT_USER_ERROR
 
 
+def _record_user_error(line: str, path: str) -> None:
+    """Write ``line`` to ``path`` unless a rank already did (first error wins, atomically)."""
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(line + "\n")
+    try:
+        os.link(tmp, path)  # fails if another rank recorded its error first
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+
+
+def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
+    """Run torchrun, forwarding its stderr live, and turn a user error raised in a rank during
+    training (a reward function that raises, ...) into ONE line and exit code 2.
+
+    The rank records the error line in a temp file (outside the run directory) instead of
+    printing it. Everything torchrun and the other ranks print after that (its failure report,
+    tracebacks of collectives broken by the failed rank) is a consequence, so it is dropped."""
+    with tempfile.TemporaryDirectory(prefix="megatron-grpo-") as tmp:
+        error_file = Path(tmp) / "user_error"
+        proc = subprocess.Popen(cmd, env={**env, ERROR_FILE_ENV: str(error_file)}, stderr=subprocess.PIPE)
+        out = getattr(sys.stderr, "buffer", None)
+        interrupted = False
+        while True:
+            try:
+                chunk = os.read(proc.stderr.fileno(), 65536)
+            except KeyboardInterrupt:
+                if interrupted:
+                    raise
+                interrupted = True  # torchrun got the SIGINT too and stops its ranks: keep draining
+                continue
+            if not chunk:
+                break
+            if not error_file.exists():
+                if out is not None:
+                    out.write(chunk)
+                    out.flush()
+                else:
+                    sys.stderr.write(chunk.decode(errors="replace"))
+        code = proc.wait()
+        if error_file.exists():
+            return _fail(error_file.read_text().strip())
+        return code
+
+
 def main(argv: list[str]) -> int:
     """``megatron-grpo train``: pre-flight, then start the ranks on this machine."""
     args = _parse(argv, "megatron-grpo train")
@@ -76,16 +206,34 @@ def main(argv: list[str]) -> int:
         cfg = load_config(args.config, args.overrides, world_size=nproc)
         preflight(cfg)
     except user_errors() as e:
-        return _fail(str(e))
+        return _fail(describe_user_error(e, args.config, _data_file(args.config, args.overrides)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "megatron_grpo.train", "--config", args.config, *args.overrides]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "MEGATRON_GRPO_PREFLIGHT_DONE": "1"}
-    return subprocess.call(cmd, env=env)
+    return _launch_ranks(cmd, env)
+
+
+def _data_file(config_path: str, overrides: list[str]) -> str | None:
+    """``data.train_file`` of a config that may not validate (to recognise dataset errors)."""
+    try:
+        return load_config(config_path, overrides).data.train_file
+    except ConfigError:
+        return None
+
+
+def _report(e: BaseException, rank: int, config_path: str, data_file: str | None) -> int:
+    """A rank's user error: recorded for ``megatron-grpo train`` (any rank, first wins) or
+    printed by rank 0 under a bare torchrun. Every rank exits with code 2."""
+    line = describe_user_error(e, config_path, data_file)
+    if os.environ.get(ERROR_FILE_ENV):
+        _record_user_error(line, os.environ[ERROR_FILE_ENV])
+        return EXIT_USER_ERROR
+    return _fail(line) if rank == 0 else EXIT_USER_ERROR
 
 
 def rank_main(argv: list[str]) -> int:
-    """One rank (under torchrun). Rank 0 reports user errors; all ranks exit 2 on them."""
+    """One rank (under torchrun). User errors end every rank with exit code 2 (see ``_report``)."""
     from megatron_grpo.runtime import parallel
 
     args = _parse(argv, "python -m megatron_grpo.train")
@@ -96,14 +244,14 @@ def rank_main(argv: list[str]) -> int:
         if rank == 0 and not os.environ.get("MEGATRON_GRPO_PREFLIGHT_DONE"):
             preflight(cfg)
     except user_errors() as e:
-        return _fail(str(e)) if rank == 0 else EXIT_USER_ERROR
+        return _report(e, rank, args.config, _data_file(args.config, args.overrides))
     parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed)
     from megatron_grpo.trainer.driver import train
 
     try:
         train(cfg)
     except user_errors() as e:
-        return _fail(str(e)) if rank == 0 else EXIT_USER_ERROR
+        return _report(e, rank, args.config, cfg.data.train_file)
     finally:
         parallel.destroy()
     return 0

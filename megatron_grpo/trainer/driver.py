@@ -16,8 +16,10 @@ Every rank runs this function (torchrun); rank 0 also owns the engine, data and 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
+import yaml
 import torch.distributed as dist
 
 from megatron_grpo.config import ExperimentConfig
@@ -26,7 +28,7 @@ from megatron_grpo.trainer.batch import dp_shard
 from megatron_grpo.trainer.components import build_policy, build_reference, build_rollout_side, load_tokenizer
 from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
 from megatron_grpo.trainer.optim import lr_at, set_lr
-from megatron_grpo.trainer.rollout_step import broadcast_batch, generate_and_score
+from megatron_grpo.trainer.rollout_step import generate_and_score
 
 
 class NonFiniteError(RuntimeError):
@@ -39,7 +41,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
 
     from megatron_grpo.data import PromptSampler, load_prompt_dataset
     from megatron_grpo.metrics_log import MetricsLogger
-    from megatron_grpo.sync import build_weight_syncer
+    from megatron_grpo.sync.syncer import WeightSyncer
 
     rank, run_dir = dist.get_rank(), cfg.trainer.run_dir
     dp, dp_rank, dp_group = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_data_parallel_group()
@@ -58,23 +60,27 @@ def train(cfg: ExperimentConfig) -> list[dict]:
         sampler.load_state_dict(trainer_state["sampler"])
     logger = MetricsLogger(run_dir, cfg.logging, cfg.trainer.num_steps, rank,
                            resumed_step=start_step, config_dict=cfg.to_dict())
+    if rank == 0:
+        ckpt.write_text_atomic(Path(run_dir) / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     side = build_rollout_side(cfg, tokenizer, sampler) if rank == 0 else None
-    syncer = build_weight_syncer(cfg.rollout, policy.modules, policy.hf_config,
-                                 side.client if side else None, run_dir)
-    syncer.sync(start_step)  # the engine starts from the HF weights; a resumed run has moved on
+    urls = _broadcast(side.manager.urls if side else None)
+    syncer = WeightSyncer(cfg.rollout, urls, policy.hf_config, work_dir=f"{run_dir}/weight_sync",
+                          client=side.client if side else None)
+    syncer.sync(policy.modules, start_step)  # the engine starts from the HF weights
 
     records, nonfinite_streak = [], trainer_state.get("nonfinite_streak", 0)
     try:
         for step in range(start_step, cfg.trainer.num_steps):
             timings, t0 = {}, time.monotonic()
             # 1. rollout + rewards + advantages (rank 0), broadcast
+            if _broadcast(side.manager.ensure_alive() if side else None):
+                syncer.reset()  # a restarted engine lost the trained weights
+                syncer.sync(policy.modules, step)
             result = None
             if rank == 0:
-                if side.manager.ensure_alive():
-                    syncer.sync(step)  # a restarted engine lost the trained weights
                 result = generate_and_score(step, side.sampler.next_batch(), side.client, side.sampling,
                                             side.scorer, side.tokenizer, cfg)
-            result = broadcast_batch(result)
+            result = _broadcast(result)  # the batch is a few MB; the weights dominate traffic
             batch, mark = result.batch, time.monotonic()
             timings["time_rollout_s"] = mark - t0
 
@@ -106,7 +112,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             timings["time_train_s"], mark = time.monotonic() - mark, time.monotonic()
 
             # 4. weights -> rollout engine, metrics, checkpoint
-            syncer.sync(step + 1)
+            syncer.sync(policy.modules, step + 1)
             timings["time_sync_s"] = time.monotonic() - mark
             nonfinite_streak = nonfinite_streak + 1 if skipped else 0
             record = _step_record(step, result.stats, step_metrics, timings, skipped, policy.optimizer, batch)
@@ -120,7 +126,9 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             done = step + 1 == cfg.trainer.num_steps
             every = cfg.checkpoint.save_every
             if done or (every and (step + 1) % every == 0):
-                state = {"step": step + 1, "sampler": sampler.state_dict(), "nonfinite_streak": nonfinite_streak}
+                # rank 0's sampler is the one that advanced: every rank saves its state
+                state = _broadcast({"step": step + 1, "sampler": sampler.state_dict(),
+                                    "nonfinite_streak": nonfinite_streak})
                 ckpt.save_training_checkpoint(run_dir, step + 1, policy.modules, policy.optimizer, state,
                                               cfg.checkpoint.keep_last)
         logger.finish(print_summary=True)
@@ -130,6 +138,13 @@ def train(cfg: ExperimentConfig) -> list[dict]:
         if side is not None:
             side.close()
     return records
+
+
+def _broadcast(obj):
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _step_record(step, rollout_stats, step_metrics, timings, skipped, optimizer, batch) -> dict:

@@ -49,6 +49,7 @@ def _token_scores(logits_BSv: torch.Tensor, mb: TrainBatch, spec: ScoringSpec, w
     return vocab_parallel_log_probs(
         logits_BSv[:, :-1], mb.tokens[:, 1:], temperature=spec.temperature,
         vocab_size=spec.vocab_size, chunk_size=spec.chunk_size, with_entropy=with_entropy,
+        inplace=True,  # the logits are the output layer's fresh output, read only here
     )
 
 

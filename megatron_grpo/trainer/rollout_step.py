@@ -1,7 +1,7 @@
 """Rank 0's half of a step: prompts -> rollout engine -> rewards -> advantages -> TrainBatch.
 
-The other ranks receive the finished TrainBatch by broadcast (``broadcast_batch``), so the
-rollout engine, the tokenizer and the reward functions live in one process.
+The driver broadcasts the finished RolloutResult to the other ranks, so the rollout engine,
+the tokenizer and the reward functions live in one process.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron_grpo.losses import compute_advantages
 from megatron_grpo.trainer.batch import TrainBatch, build_train_batch
@@ -68,14 +67,3 @@ def generate_and_score(step: int, prompts, client, sampling, scorer, tokenizer, 
 def _pad_id(tokenizer) -> int:
     pad = tokenizer.pad_token_id
     return int(pad if pad is not None else tokenizer.eos_token_id)
-
-
-def broadcast_batch(result: Optional[RolloutResult], src: int = 0) -> RolloutResult:
-    """Send rank ``src``'s RolloutResult to every rank (one pickled object over gloo/NCCL).
-
-    For the batch sizes of GRPO (thousands of sequences of a few thousand ids) this is a few
-    MB; the weights, not the batch, dominate communication.
-    """
-    box = [result]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
