@@ -34,12 +34,16 @@ def engine_url(model_dir, tmp_path_factory):
 @torch.no_grad()
 def perturb(chunks, step: int) -> None:
     """Deterministic noise like an optimizer update: identical on replicas of a parameter
-    (DP ranks, and TP ranks for replicated ones), distinct per TP shard."""
+    (DP ranks, TP ranks for replicated ones, and the first and last PP stages' copies of a
+    tied embedding, which megatron keeps equal by all-reducing their gradients), distinct
+    per TP shard."""
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_tensor_model_parallel_rank()
     for chunk in chunks:
         for name, param in chunk.named_parameters():
+            if getattr(param, "shared_embedding", False):
+                name = "shared_embedding"
             shard = tp_rank if getattr(param, "tensor_model_parallel", False) else 0
             seed = (sum(map(ord, name)) * 1009 + step * 7919 + shard * 104729) % (2**31)
             g = torch.Generator().manual_seed(seed)
@@ -173,9 +177,24 @@ def test_sync_tp2_all_transports_and_corruption(engine_url, model_dir, tmp_path)
     print(results[0]["corrupt"])
 
 
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("tied") / "llama", "llama", seed=12, tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="module")
+def tied_engine_url(tied_model_dir, tmp_path_factory):
+    cfg = RolloutConfig(dtype="float32", launch_timeout_s=180)
+    with RolloutServerManager(cfg, model_dir=tied_model_dir, run_dir=tmp_path_factory.mktemp("run")) as manager:
+        yield manager.urls[0]
+
+
 @pytest.mark.slow
-def test_sync_pp2_all_transports(engine_url, model_dir, tmp_path):
-    results = run_distributed(_sync_worker, 2, engine_url, model_dir, str(tmp_path), TRANSPORTS, False,
+def test_sync_pp2_tied_embeddings_all_transports(tied_engine_url, tied_model_dir, tmp_path):
+    """PP2 with tied embeddings: the word embedding lives on stage 0 and the output layer on
+    stage 1; the tied tensor is sent once (by stage 0) and serves both in the engine."""
+    results = run_distributed(_sync_worker, 2, tied_engine_url, tied_model_dir, str(tmp_path), TRANSPORTS, False,
                               tp=1, pp=2, timeout_s=400)
     assert _check(results, TRANSPORTS, 2) == ["coordinator+sender", "sender"]
-    assert sum(r["stats"]["tensor"][1] for r in results) == NUM_HF_TENSORS  # split over the two stages
+    num_tied_llama = 1 + 2 * 9 + 1  # embed, 2 layers x (2 norms, q, k, v, o, gate, up, down), norm
+    assert sum(r["stats"]["tensor"][1] for r in results) == num_tied_llama  # split over the two stages
