@@ -154,6 +154,9 @@ def test_load_hf_config_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama",\n "hidden_size": }')
     with pytest.raises(ModelError, match=r"config.json:2: invalid JSON"):
         load_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ModelError, match=r"config.json: expected a JSON object, got list"):
+        load_hf_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ModelError) as e:
         load_hf_config(tmp_path)

@@ -30,9 +30,12 @@ def load_hf_config(hf_dir: str | Path):
     if not config_file.is_file():
         raise ModelError(f"{config_file}: not found (a Hugging Face model directory needs one)")
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
+        raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ModelError(f"{config_file}:{e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(raw, dict):
+        raise ModelError(f"{config_file}: expected a JSON object, got {type(raw).__name__}")
+    model_type = raw.get("model_type")
     get_architecture(model_type, where=str(config_file))  # before transformers sees it
     return AutoConfig.from_pretrained(str(path))
 
