@@ -7,8 +7,10 @@
   (single or multi node); this is what the launcher and ``launch/`` scripts start.
 
 User mistakes (config, data, model directory, reward functions) end with ONE line naming
-the file and key/line on stderr and exit code 2, before anything is written to the run
-directory.
+the file and key/line on stderr and exit code 2. Pre-flight catches them before anything is
+written to the run directory; the few that only show during training (a reward function
+that raises on a real response) are recorded by the rank that hit them, and ``train``
+prints that one line instead of torchrun's failure report.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from megatron_grpo.config import ConfigError, ExperimentConfig, load_config
 
 EXIT_USER_ERROR = 2
 ERROR_FILE_ENV = "MEGATRON_GRPO_USER_ERROR_FILE"  # where a rank records its user error for `train`
+# Vocabulary files of the tokenizer formats transformers reads (one is enough).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "spiece.model")
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -49,7 +53,7 @@ def describe_user_error(e: BaseException, config_path: str, data_file: str | Non
     return f"{config_path}: {text}"
 
 
-def _in_key(key: str, error: BaseException) -> ConfigError:
+def _in_key(key: str, error: BaseException | str) -> ConfigError:
     """``error`` (about a file named by config key ``key``) as a ConfigError naming the key."""
     return ConfigError(key, " ".join(str(error).split()))
 
@@ -92,6 +96,10 @@ def _check_model_dir(cfg: ExperimentConfig):
     if missing:
         raise ConfigError("model.hf_dir", f"{hf_dir}: {missing[0]} is listed in model.safetensors.index.json "
                                           f"but missing ({len(missing)} shard(s) missing: a partial download?)")
+    # Without vocabulary files transformers silently builds an empty tokenizer for the
+    # model_type (every prompt would tokenize to nothing): require one.
+    if not any(any(Path(hf_dir).glob(pattern)) for pattern in TOKENIZER_FILES):
+        raise ConfigError("model.hf_dir", f"{hf_dir}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
     try:
         tokenizer = load_tokenizer(hf_dir)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad dir

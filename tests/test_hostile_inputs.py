@@ -1,0 +1,463 @@
+"""Hostile input to `megatron-grpo train`: every case ends with exit code 2, ONE line on
+stderr naming the file and the key or line, and nothing in the run directory.
+
+A tiny HF model and a 4-line JSONL dataset are built once; each case copies what it breaks.
+Cases marked SUBPROCESS run the real command (`python -m megatron_grpo.cli train ...`) to
+prove the exit code and the bare stderr; the others call `megatron_grpo.trainer.cli.main` in
+the test process (the same code path, without ~4 s of interpreter start-up each), with the
+rank launcher replaced by a failure: reaching it would mean the bad input was not caught.
+
+A reward function that raises or returns a non-number only shows when responses are scored:
+`RewardScorer` is tested directly, and one real short run (embedded engine, disk weight
+sync) checks the trainer turns it into the same one-line error and exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+
+from megatron_grpo.trainer import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA_LINES = [{"prompt": f"what is {i} plus 1", "answer": str(i + 1)} for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The good inputs every case starts from: a tiny qwen2 model and a 4-prompt dataset."""
+    from megatron_grpo.testing.tiny_models import save_tiny_model
+
+    root = tmp_path_factory.mktemp("hostile")
+    model = save_tiny_model(root / "model", "qwen2", seed=0)
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in DATA_LINES))
+    return {"model": model, "data": data}
+
+
+@dataclass
+class Ctx:
+    """Per-case scratch space: writes broken variants of the good inputs under ``tmp``."""
+
+    tmp: Path
+    world: dict
+    plugin_dir: Path = field(init=False)
+
+    def __post_init__(self):
+        self.plugin_dir = self.tmp / "plugins"
+        self.plugin_dir.mkdir()
+
+    @property
+    def run_dir(self) -> Path:
+        return self.tmp / "run"
+
+    def base(self) -> dict:
+        return {
+            "model": {"hf_dir": str(self.world["model"]), "dtype": "float32"},
+            "parallel": {"global_batch_size": 4},
+            "rollout": {"num_generations": 2, "prompts_per_step": 2, "max_new_tokens": 2,
+                        "weight_sync_transport": "disk"},
+            "data": {"train_file": str(self.world["data"])},
+            "logging": {"tensorboard": False, "progress_bar": False, "plot": False},
+            "trainer": {"run_dir": str(self.run_dir), "num_steps": 1},
+        }
+
+    def config(self, edit: Callable[[dict], None] | str | None = None, name: str = "run.yaml") -> str:
+        """Write a config: the base one changed by ``edit(cfg)``, or ``edit`` as raw YAML text."""
+        path = self.tmp / name
+        if isinstance(edit, str):
+            path.write_text(edit)
+        else:
+            cfg = self.base()
+            if edit is not None:
+                edit(cfg)
+            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        return str(path)
+
+    def model(self, edit: Callable[[Path], None]) -> str:
+        """A copy of the good model directory changed by ``edit(dir)``."""
+        out = self.tmp / "model"
+        shutil.copytree(self.world["model"], out)
+        edit(out)
+        return str(out)
+
+    def dataset(self, content: bytes | str, name: str = "data.jsonl") -> str:
+        path = self.tmp / name
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+        return str(path)
+
+    def plugin(self, module: str, source: str) -> str:
+        (self.plugin_dir / f"{module}.py").write_text(textwrap.dedent(source))
+        return module
+
+
+def _set(path: str, value):
+    """An edit setting the dotted ``path`` of the config to ``value``."""
+    def edit(cfg):
+        *parents, last = path.split(".")
+        node = cfg
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return edit
+
+
+def _drop(section: str):
+    return lambda cfg: cfg.pop(section)
+
+
+def _edit_json(name: str, **changes):
+    def edit(d: Path):
+        cfg = json.loads((d / name).read_text())
+        cfg.update(changes)
+        (d / name).write_text(json.dumps(cfg))
+    return edit
+
+
+def _lines(*records) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+
+
+# Each case: ctx -> (argv, substrings the error line must contain). The first substring is
+# always the file the line must name (the config, the dataset, or a model file).
+Case = Callable[[Ctx], tuple[list[str], list[str]]]
+
+
+def _cfg_case(edit, *needles, extra=()) -> Case:
+    def case(ctx):
+        path = ctx.config(edit)
+        return ["--config", path, *extra], [path, *needles]
+    return case
+
+
+def _model_case(edit, *needles) -> Case:
+    def case(ctx):
+        model = ctx.model(edit)
+        path = ctx.config(_set("model.hf_dir", model))
+        return ["--config", path], [path, "model.hf_dir", model, *needles]
+    return case
+
+
+def _data_case(content, *needles, data_key: dict | None = None, name="data.jsonl") -> Case:
+    """A dataset with ``content``; needles after the file: ``:LINE:`` etc."""
+    def case(ctx):
+        data = ctx.dataset(content, name)
+
+        def edit(cfg):
+            cfg["data"]["train_file"] = data
+            cfg["data"].update(data_key or {})
+        path = ctx.config(edit)
+        return ["--config", path], [data, *needles]
+    return case
+
+
+def _reward_case(module_source: str | None, name: str, *needles, kwargs=None) -> Case:
+    def case(ctx):
+        if module_source is not None:
+            ctx.plugin(name.split(".")[0], module_source)
+        fn = {"name": name, **({"kwargs": kwargs} if kwargs else {})}
+        path = ctx.config(_set("reward.functions", [fn]))
+        return ["--config", path], [path, "reward.functions[0]", *needles]
+    return case
+
+
+def _yaml_syntax(ctx):
+    path = ctx.config("model:\n  hf_dir: x\ntrainer:\n  run_dir: [unclosed\n  num_steps: 3\n")
+    return ["--config", path], [path, "line ", "YAML syntax error"]
+
+
+def _config_missing(ctx):
+    path = str(ctx.tmp / "nope.yaml")
+    return ["--config", path], [path, "file not found"]
+
+
+def _top_level_list(ctx):
+    path = ctx.config("- model\n- data\n")
+    return ["--config", path], [path, "top level must be a mapping"]
+
+
+def _nproc_not_divisible(ctx):
+    path = ctx.config(_set("parallel.tp", 2))
+    return ["--config", path, "--nproc", "3"], [path, "parallel.tp", "does not divide the world size 3"]
+
+
+def _bad_override(ctx):
+    path = ctx.config()
+    return ["--config", path, "trainer.num_steps"], [path, "trainer.num_steps", "section.key=value"]
+
+
+def _dataset_missing(ctx):
+    data = str(ctx.tmp / "missing.jsonl")
+    path = ctx.config(_set("data.train_file", data))
+    return ["--config", path], [data, "file not found (data.train_file)"]
+
+
+def _partial_sharded(d: Path):
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                  "lm_head.weight": "model-00002-of-00002.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _tokenizer_removed(d: Path):
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+
+
+def _weights_removed(d: Path):
+    (d / "model.safetensors").unlink()
+
+
+def _megatron_ckpt_missing(ctx):
+    path = ctx.config(_set("model.megatron_ckpt", str(ctx.tmp / "no_ckpt")))
+    return ["--config", path], [path, "model.megatron_ckpt", "checkpoint directory not found"]
+
+
+RAISES_AT_IMPORT = "raise RuntimeError('this plug-in is broken')\n"
+NO_KWARG = "def fn(response, answer):\n    return 0.0\n"
+
+CASES: dict[str, Case] = {
+    # ---- the config file itself --------------------------------------------------------
+    "yaml_syntax_error": _yaml_syntax,
+    "config_file_missing": _config_missing,
+    "config_file_empty": _cfg_case("", "the file is empty"),
+    "top_level_not_a_mapping": _top_level_list,
+    "unknown_top_level_key": _cfg_case(_set("trainr", {"seed": 1}), "trainr", "unknown key", "did you mean 'trainer'"),
+    "unknown_nested_key": _cfg_case(_set("algorithm.eps_clipp_high", 0.3), "algorithm.eps_clipp_high", "unknown key"),
+    "unknown_deeply_nested_key": _cfg_case(_set("algorithm.off_policy_correction.tis_clip", 2.0),
+                                           "algorithm.off_policy_correction.tis_clip", "unknown key"),
+    "missing_required_section": _cfg_case(_drop("data"), "data", "is required but missing"),
+    "section_not_a_mapping": _cfg_case(_set("rollout", 5), "rollout", "expected a mapping"),
+    "wrong_type_int": _cfg_case(_set("trainer.num_steps", "ten"), "trainer.num_steps", "expected an integer"),
+    "wrong_type_float": _cfg_case(_set("optimizer.lr", "fast"), "optimizer.lr", "expected a number"),
+    "wrong_type_bool": _cfg_case(_set("data.shuffle", "yes"), "data.shuffle", "expected true or false"),
+    "wrong_type_list": _cfg_case(_set("rollout.urls", "http://localhost:1"), "rollout.urls", "expected a list"),
+    "bad_enum_optimizer": _cfg_case(_set("optimizer.name", "adamw"), "optimizer.name", "expected one of"),
+    "bad_enum_engine": _cfg_case(_set("rollout.engine", "vllm"), "rollout.engine", "'embedded'"),
+    "bad_enum_dtype": _cfg_case(_set("model.dtype", "fp8"), "model.dtype", "'bfloat16'"),
+    "negative_learning_rate": _cfg_case(_set("optimizer.lr", -1e-3), "optimizer.lr", "must be > 0"),
+    "zero_temperature": _cfg_case(_set("rollout.temperature", 0), "rollout.temperature", "must be > 0"),
+    "bad_override": _bad_override,
+    # ---- impossible parallel sizes -------------------------------------------------------
+    "tp_not_dividing_world_size": _cfg_case(lambda c: c["parallel"].update(tp=2, world_size=3),
+                                            "parallel.world_size", "not divisible by tp*pp"),
+    "nproc_not_divisible_by_tp": _nproc_not_divisible,
+    "global_batch_not_multiple_of_micro_dp": _cfg_case(
+        lambda c: c["parallel"].update(world_size=2, micro_batch_size=2, global_batch_size=2),
+        "parallel.global_batch_size", "micro_batch_size*dp = 2*2"),
+    "global_batch_not_dividing_rollout_batch": _cfg_case(_set("parallel.global_batch_size", 3),
+                                                         "parallel.global_batch_size", "must divide the rollout batch"),
+    "tp_not_dividing_kv_heads": _cfg_case(lambda c: c["parallel"].update(tp=4, world_size=4),
+                                          "parallel.tp", "num_key_value_heads = 2"),
+    "sequence_parallel_without_tp": _cfg_case(_set("parallel.sequence_parallel", True),
+                                              "parallel.sequence_parallel", "needs tp > 1"),
+    # ---- the model directory -------------------------------------------------------------
+    "model_dir_missing": _cfg_case(_set("model.hf_dir", "/nonexistent/model"), "model.hf_dir",
+                                   "/nonexistent/model", "directory not found"),
+    "model_dir_without_config_json": _model_case(lambda d: (d / "config.json").unlink(), "config.json: not found"),
+    "config_json_invalid": _model_case(lambda d: (d / "config.json").write_text("{\n  'model_type': qwen2\n"),
+                                       "config.json:2: invalid JSON"),
+    "config_json_not_an_object": _model_case(lambda d: (d / "config.json").write_text("[1, 2]"),
+                                             "expected a JSON object"),
+    "partial_model_dir_no_weights": _model_case(_weights_removed, "no model.safetensors"),
+    "partial_sharded_model_dir": _model_case(_partial_sharded, "model-00002-of-00002.safetensors",
+                                             "partial download"),
+    "corrupt_weights_file": _model_case(lambda d: (d / "model.safetensors").write_bytes(b"\x10\x00garbage"),
+                                        "unreadable weights"),
+    "unsupported_model_type": _model_case(_edit_json("config.json", model_type="gpt2"),
+                                          "model_type 'gpt2' is not supported"),
+    "tokenizer_bigger_than_vocab": _model_case(_edit_json("config.json", vocab_size=100),
+                                               "vocab_size is 100", "do not belong together"),
+    "tokenizer_missing": _model_case(_tokenizer_removed, "no tokenizer files"),
+    "megatron_ckpt_missing": _megatron_ckpt_missing,
+    "resume_path_not_a_checkpoint": _cfg_case(_set("checkpoint.resume", "/nonexistent/ckpt"),
+                                              "checkpoint.resume", "not a complete checkpoint"),
+    # ---- the dataset -----------------------------------------------------------------------
+    "dataset_missing": _dataset_missing,
+    "dataset_wrong_extension": _cfg_case(_set("data.train_file", "train.csv"), "data.train_file",
+                                         "must end in .jsonl or .parquet"),
+    "dataset_bad_json_line": _data_case(_lines(DATA_LINES[0], DATA_LINES[1], '{"prompt": "x", answer: 1}'),
+                                        ":3:", "invalid JSON"),
+    "dataset_missing_prompt_field": _data_case(_lines(DATA_LINES[0], {"question": "x", "answer": "1"}),
+                                               ":2:", "missing field 'prompt'"),
+    "dataset_missing_answer_field": _data_case(_lines(*DATA_LINES[:3], {"prompt": "what is 1"}),
+                                               ":4:", "missing field 'answer'"),
+    "dataset_custom_key_missing": _data_case(_lines(*DATA_LINES), ":1:", "missing field 'question'",
+                                             data_key={"prompt_key": "question"}),
+    "dataset_empty": _data_case(b"", "the dataset is empty"),
+    "dataset_only_blank_lines": _data_case("\n  \n\n", "the dataset is empty"),
+    "dataset_line_not_an_object": _data_case(_lines(DATA_LINES[0], '["what is 1", "2"]'), ":2:",
+                                             "expected a JSON object"),
+    "dataset_prompt_wrong_type": _data_case(_lines({"prompt": 7, "answer": "8"}), ":1:",
+                                            "must be a string or a list of chat messages"),
+    "dataset_invalid_utf8": _data_case(_lines(DATA_LINES[0]).encode() + b'{"prompt": "\xff\xfe"}\n', ":2:",
+                                       "not valid UTF-8"),
+    "dataset_prompt_too_long": _data_case(_lines(DATA_LINES[0], {"prompt": " ".join(map(str, range(100))), "answer": "1"}),
+                                          ":2:", "longer than data.max_prompt_length = 64",
+                                          data_key={"max_prompt_length": 64}),
+    # ---- reward functions ------------------------------------------------------------------
+    "reward_unknown_builtin": _reward_case(None, "exact_match", "unknown reward function",
+                                           "did you mean 'math_exact_match'"),
+    "reward_module_does_not_import": _reward_case(None, "no_such_module_xyz.fn", "cannot import module"),
+    "reward_module_raises_at_import": _reward_case(RAISES_AT_IMPORT, "hostile_broken_plugin.fn",
+                                                   "RuntimeError: this plug-in is broken"),
+    "reward_attribute_missing": _reward_case(NO_KWARG, "hostile_plugin_attr.nope", "has no attribute 'nope'"),
+    "reward_not_callable": _reward_case("fn = 3\n", "hostile_plugin_value.fn", "not a function"),
+    "reward_kwargs_do_not_fit": _reward_case(NO_KWARG, "hostile_plugin_kwargs.fn", "kwargs", kwargs={"scale": 2}),
+    "reward_all_weights_zero": _cfg_case(_set("reward.functions", [{"name": "format", "weight": 0}]),
+                                         "reward.functions", "every weight is 0"),
+    # ---- logging -----------------------------------------------------------------------------
+    "wandb_project_without_wandb": _cfg_case(_set("logging.wandb_project", "grpo"), "logging.wandb_project",
+                                             "wandb is not installed"),
+}
+
+# Run through a real `python -m megatron_grpo.cli train` process: a representative of every
+# group (config, parallel sizes, model dir, tokenizer, data, rewards).
+SUBPROCESS_CASES = {
+    "yaml_syntax_error", "unknown_top_level_key", "negative_learning_rate", "nproc_not_divisible_by_tp",
+    "global_batch_not_dividing_rollout_batch", "model_dir_missing", "partial_model_dir_no_weights",
+    "tokenizer_bigger_than_vocab", "dataset_missing", "dataset_bad_json_line", "dataset_missing_answer_field",
+    "dataset_empty", "reward_module_does_not_import",
+}
+
+
+def assert_rejected(code: int, stderr: str, ctx: Ctx, needles: list[str]) -> None:
+    assert code == 2, (code, stderr)
+    lines = stderr.strip("\n").splitlines()
+    assert len(lines) == 1, f"expected exactly one line on stderr, got:\n{stderr}"
+    line = lines[0]
+    assert line.startswith("error: "), line
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+    assert not ctx.run_dir.exists() or not any(ctx.run_dir.iterdir()), sorted(ctx.run_dir.rglob("*"))
+
+
+def _no_launch(*args, **kwargs):
+    raise AssertionError("pre-flight passed: the ranks would have been started")
+
+
+@pytest.mark.parametrize("name", sorted(set(CASES) - SUBPROCESS_CASES))
+def test_rejected_in_process(name, world, tmp_path, monkeypatch, capfd):
+    if name == "wandb_project_without_wandb" and importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    ctx = Ctx(tmp_path, world)
+    argv, needles = CASES[name](ctx)
+    monkeypatch.syspath_prepend(str(ctx.plugin_dir))
+    monkeypatch.setattr(cli, "_launch_ranks", _no_launch)
+    capfd.readouterr()
+    code = cli.main(argv)
+    out, err = capfd.readouterr()
+    assert_rejected(code, err, ctx, needles)
+    assert out == ""
+
+
+@pytest.mark.parametrize("name", sorted(SUBPROCESS_CASES))
+def test_rejected_by_the_command(name, world, tmp_path):
+    ctx = Ctx(tmp_path, world)
+    argv, needles = CASES[name](ctx)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ctx.plugin_dir), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", *argv], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+    assert_rejected(proc.returncode, proc.stderr, ctx, needles)
+    assert proc.stdout == ""
+
+
+def test_at_least_30_cases_and_8_through_the_command():
+    assert len(CASES) >= 30 and len(SUBPROCESS_CASES) >= 8
+    assert SUBPROCESS_CASES <= set(CASES)
+
+
+def test_the_good_config_passes_preflight(world, tmp_path, monkeypatch):
+    """The cases are not vacuous: the unbroken inputs pass pre-flight (up to the launch)."""
+    ctx = Ctx(tmp_path, world)
+    launched = []
+    monkeypatch.setattr(cli, "_launch_ranks", lambda cmd, env: launched.append(cmd) or 0)
+    assert cli.main(["--config", ctx.config()]) == 0
+    assert launched and "megatron_grpo.train" in launched[0]
+    assert not ctx.run_dir.exists()
+
+
+# ---- reward functions that misbehave at scoring time ------------------------------------------
+
+BAD_REWARDS = """
+import math
+
+def raises(response, answer):
+    return 1 / 0 if response == "boom" else 0.0
+
+def returns_text(response, answer):
+    return "yes"
+
+def returns_none(response, answer):
+    return None
+
+def returns_nan(response, answer):
+    return math.nan
+
+def returns_inf(response, answer):
+    return -math.inf
+"""
+
+
+@pytest.fixture
+def bad_rewards(tmp_path, monkeypatch):
+    (tmp_path / "hostile_bad_rewards.py").write_text(textwrap.dedent(BAD_REWARDS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "hostile_bad_rewards"
+    sys.modules.pop("hostile_bad_rewards", None)
+
+
+@pytest.mark.parametrize("fn,expected", [
+    ("raises", "raised on sample 1: ZeroDivisionError: division by zero"),
+    ("returns_text", "returned 'yes' (str) for sample 0; a reward must be a finite number"),
+    ("returns_none", "returned 'None' (NoneType) for sample 0"),
+    ("returns_nan", "returned 'nan' (float) for sample 0"),
+    ("returns_inf", "returned '-inf' (float) for sample 0"),
+])
+def test_reward_misbehaving_at_scoring_time(bad_rewards, fn, expected):
+    from megatron_grpo.config.base import build_section
+    from megatron_grpo.config.sections import RewardConfig
+    from megatron_grpo.rewards import RewardError, RewardScorer
+
+    name = f"{bad_rewards}.{fn}"
+    scorer = RewardScorer(build_section(RewardConfig, {"functions": [{"name": "format"}, {"name": name}]},
+                                        "reward"))
+    with pytest.raises(RewardError) as err:
+        scorer.score(["fine", "boom"], ["1", "2"])
+    line = cli.describe_user_error(err.value, "run.yaml")
+    assert line.startswith(f"run.yaml: reward.functions[1] ({name}) {expected}"), line
+    assert "\n" not in line
+
+
+@pytest.mark.slow
+def test_reward_error_in_a_real_run_is_one_line_and_exit_2(world, tmp_path):
+    """The real trainer on 2 ranks (dp2): rank 0 scores with a raising reward in step 1. The
+    command ends with exit 2 and the error as the last stderr line; torchrun's failure
+    report and the other rank's broken-collective traceback are not shown."""
+    ctx = Ctx(tmp_path, world)
+    ctx.plugin("hostile_run_rewards", "def boom(response, answer):\n    raise KeyError('grader bug')\n")
+
+    def edit(cfg):
+        cfg["reward"] = {"functions": [{"name": "hostile_run_rewards.boom"}]}
+        cfg["parallel"].update(world_size=2, micro_batch_size=2)
+    path = ctx.config(edit)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ctx.plugin_dir), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config", path],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (f"error: {path}: reward.functions[0] (hostile_run_rewards.boom) raised on sample 0: "
+                    "KeyError: 'grader bug'"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("error: ") == 1
