@@ -11,8 +11,10 @@ trainer does, for several transports and bucket sizes, with and without verifica
 Reported per configuration: bytes synced, best-of-N wall time of ``sync()``, throughput,
 and the ratio to a plain memcpy of the same tensors in the same (sending) process
 (``dst.copy_(src)`` into preallocated tensors, single thread, like the ranks).
-The checksum overhead is (sync time with verification - without) / sync time without, at the
-same bucket size, plus the checksum time the sender itself measured.
+The checksum overhead is measured two ways, from interleaved (no verify, verify) pairs so
+the machine's drifting load hits both alike: the wall-time difference of the medians, and
+the checksum work itself (the sender's checksum CPU time, which overlaps the transfer, plus
+one timed engine-side checksum pass over all tensors through /weights_checksum).
 
 Runs in ~3-4 minutes on 2 CPU cores.
 """
@@ -48,7 +50,9 @@ def memcpy_seconds(tensors: list[torch.Tensor], repeats: int) -> float:
     return best
 
 
-def _bench_worker(rank, world_size, url, model_dir, work_dir, configs, repeats):
+def _bench_worker(rank, world_size, url, model_dir, work_dir, throughput_configs, overhead_transports, repeats):
+    import statistics
+
     from megatron_grpo.models import build_model, iter_hf_weights, load_hf_config, load_hf_weights
     from megatron_grpo.rollout import RolloutClient
     from megatron_grpo.sync.syncer import WeightSyncer
@@ -57,27 +61,48 @@ def _bench_worker(rank, world_size, url, model_dir, work_dir, configs, repeats):
     chunks = build_model(hf_config, dtype=torch.float32, init_weights=False)
     load_hf_weights(chunks, model_dir, hf_config)
     client = RolloutClient([url], request_timeout_s=600)
-    tensors = [t for _, t in iter_hf_weights(chunks, hf_config)]  # collective: every rank iterates
-    memcpy = memcpy_seconds(tensors, repeats) if rank == 0 else None
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    del tensors
-    rows = []
-    step = 0
-    for transport, bucket_mb, verify in configs:
+    named = list(iter_hf_weights(chunks, hf_config))  # collective: every rank iterates
+    names = [n for n, _ in named]
+    memcpy = memcpy_seconds([t for _, t in named], repeats) if rank == 0 else None
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    del named
+    step = [0]
+
+    def syncer(transport, bucket_mb, verify):
         cfg = RolloutConfig(weight_sync_transport=transport, weight_update_bucket_mb=bucket_mb,
                             verify_weights_every=1 if verify else 0, request_timeout_s=600)
-        syncer = WeightSyncer(cfg, [url], hf_config, work_dir=work_dir, client=client)
-        best = None
+        return WeightSyncer(cfg, [url], hf_config, work_dir=work_dir, client=client)
+
+    def run(s):
+        step[0] += 1
+        return s.sync(chunks, step[0])
+
+    rows = []
+    for transport, bucket_mb in throughput_configs:  # best of N, no verification
+        s = syncer(transport, bucket_mb, False)
+        best = min((run(s) for _ in range(repeats)), key=lambda st: st.seconds)
+        s.close()
+        rows.append(dict(transport=transport, bucket_mb=bucket_mb, seconds=best.seconds, bytes=best.num_bytes))
+    overhead = []
+    for transport in overhead_transports:  # interleaved off/on pairs: the machine's load drifts
+        plain, checked = syncer(transport, 512, False), syncer(transport, 512, True)
+        off, on, sender_cpu, engine_s = [], [], [], []
         for _ in range(repeats):
-            step += 1
-            stats = syncer.sync(chunks, step)
-            if best is None or stats.seconds < best.seconds:
-                best = stats
-        syncer.close()
-        rows.append(dict(transport=transport, bucket_mb=bucket_mb, verify=verify, seconds=best.seconds,
-                         checksum_seconds=best.checksum_seconds, bytes=best.num_bytes, buckets=best.num_buckets))
+            off.append(run(plain).seconds)
+            if rank == 0:  # the engine's checksum pass over everything, timed alone
+                t0 = time.perf_counter()
+                client.call("weights_checksum", {"names": names}, url=url)
+                engine_s.append(time.perf_counter() - t0)
+            st = run(checked)
+            on.append(st.seconds)
+            sender_cpu.append(st.checksum_seconds)
+        plain.close()
+        checked.close()
+        med = statistics.median
+        overhead.append(dict(transport=transport, off=med(off), on=med(on), sender_checksum=med(sender_cpu),
+                             engine_checksum=med(engine_s) if engine_s else None))
     client.close()
-    return {"memcpy_seconds": memcpy, "bytes": nbytes, "rows": rows}
+    return {"memcpy_seconds": memcpy, "bytes": nbytes, "rows": rows, "overhead": overhead}
 
 
 def main(argv=None) -> int:
@@ -99,18 +124,19 @@ def main(argv=None) -> int:
             f"{model_dir}/model.safetensors").values())
     print(f"model: qwen2 hidden {args.hidden}, {args.layers} layers, {num_params / 1e6:.1f}M params "
           f"({num_params * 4 / 2**20:.0f} MiB fp32)", flush=True)
-    tp1_configs = [("distributed", mb, False) for mb in (16, 64, 256, 512)]
-    tp1_configs += [("distributed", 512, True), ("tensor", 512, False), ("tensor", 512, True),
-                    ("disk", 512, False)]
-    tp2_configs = [("distributed", 512, False), ("distributed", 512, True)]
+    plans = {  # tp -> (throughput configs, transports for the checksum overhead)
+        1: ([("distributed", mb) for mb in (16, 64, 256, 512)] + [("tensor", 512), ("disk", 512)],
+            ["distributed", "tensor"]),
+        2: ([("distributed", 512), ("tensor", 512)], ["distributed"]),
+    }
     cfg = RolloutConfig(dtype="float32", launch_timeout_s=300)
     results = {}
     with RolloutServerManager(cfg, model_dir=model_dir, run_dir=tmp / "run") as manager:
         url = manager.urls[0]
-        for tp, configs in ((1, tp1_configs), (2, tp2_configs)):
+        for tp, (configs, overhead) in plans.items():
             t0 = time.perf_counter()
-            out = run_distributed(_bench_worker, tp, url, model_dir, str(tmp / "sync"), configs, args.repeats,
-                                  tp=tp, pp=1, timeout_s=900)
+            out = run_distributed(_bench_worker, tp, url, model_dir, str(tmp / "sync"), configs, overhead,
+                                  args.repeats, tp=tp, pp=1, timeout_s=900)
             results[f"tp{tp}"] = out[0]
             print(f"tp{tp}: {time.perf_counter() - t0:.0f}s", flush=True)
     print_table(results, num_params)
@@ -120,23 +146,26 @@ def main(argv=None) -> int:
 
 
 def print_table(results: dict, num_params: int) -> None:
-    print("\n| TP | transport | bucket MiB | verify | GiB synced | sync s | GiB/s | vs memcpy | checksum overhead |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| TP | transport | bucket MiB | GiB synced | sync s (best) | GiB/s | vs memcpy |")
+    print("|---|---|---|---|---|---|---|")
     for name, out in results.items():
         memcpy_gbs = out["bytes"] / out["memcpy_seconds"] / 2**30
-        unverified = {(r["transport"], r["bucket_mb"]): r["seconds"] for r in out["rows"] if not r["verify"]}
         for r in out["rows"]:
             gbs = r["bytes"] / r["seconds"] / 2**30
-            overhead = ""
-            base = unverified.get((r["transport"], r["bucket_mb"]))
-            if r["verify"] and base:
-                overhead = (f"{100 * (r['seconds'] - base) / base:+.1f}% wall; "
-                            f"{100 * r['checksum_seconds'] / r['seconds']:.1f}% in checksums")
-            print(f"| {name[2:]} | {r['transport']} | {r['bucket_mb']} | {'yes' if r['verify'] else 'no'} | "
-                  f"{r['bytes'] / 2**30:.2f} | {r['seconds']:.3f} | {gbs:.2f} | {100 * gbs / memcpy_gbs:.0f}% | "
-                  f"{overhead} |")
-        print(f"| {name[2:]} | memcpy (same process) | | | {out['bytes'] / 2**30:.2f} | "
-              f"{out['memcpy_seconds']:.3f} | {memcpy_gbs:.2f} | 100% | |")
+            print(f"| {name[2:]} | {r['transport']} | {r['bucket_mb']} | {r['bytes'] / 2**30:.2f} | "
+                  f"{r['seconds']:.3f} | {gbs:.2f} | {100 * gbs / memcpy_gbs:.0f}% |")
+        print(f"| {name[2:]} | memcpy (same process) | | {out['bytes'] / 2**30:.2f} | "
+              f"{out['memcpy_seconds']:.3f} | {memcpy_gbs:.2f} | 100% |")
+    print("\nChecksum verification (bucket 512 MiB, medians of interleaved pairs):\n")
+    print("| TP | transport | sync s, no verify | sync s, verify | wall overhead | trainer checksum CPU "
+          "| engine checksum pass | (trainer + engine) / sync |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, out in results.items():
+        for o in out["overhead"]:
+            engine = o["engine_checksum"] or 0.0
+            print(f"| {name[2:]} | {o['transport']} | {o['off']:.3f} | {o['on']:.3f} | "
+                  f"{100 * (o['on'] - o['off']) / o['off']:+.1f}% | {o['sender_checksum'] * 1e3:.1f} ms | "
+                  f"{engine * 1e3:.1f} ms | {100 * (o['sender_checksum'] + engine) / o['off']:.1f}% |")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import time
+import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Optional
@@ -84,7 +85,8 @@ class DistributedTransport(Transport):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.group = None
-        self.group_name = f"megatron_grpo_stage{self.stage}"
+        # Unique per transport: torch (in this process) and the engine both refuse a name twice.
+        self.group_name = f"megatron_grpo_stage{self.stage}_{uuid.uuid4().hex[:8]}"
         self._buffer: Optional[torch.Tensor] = None
 
     def _init_group(self) -> None:
