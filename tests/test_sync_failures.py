@@ -87,3 +87,21 @@ def test_buckets_respect_the_size_and_dtype():
     assert flat.dtype == torch.uint8 and flat.numel() == 1600
     assert torch.equal(flat[400:].view(torch.float32), torch.ones(300))
     assert isinstance(buckets[0], Bucket)
+
+
+def test_tensor_payloads_cannot_run_code():
+    import base64
+    import pickle
+
+    from megatron_grpo.sync.serialize import deserialize_named_tensors, serialize_named_tensors, use_file_system_sharing
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    with pytest.raises(ValueError, match="posix.system is not allowed|os.system is not allowed"):
+        deserialize_named_tensors(base64.b64encode(pickle.dumps([("x", Evil())])).decode())
+    use_file_system_sharing()  # what a sender does; the fd strategy's globals are refused
+    t = torch.arange(6, dtype=torch.float32).view(2, 3)
+    (name, back), = deserialize_named_tensors(serialize_named_tensors([("w", t)]))
+    assert name == "w" and torch.equal(back, t)

@@ -304,8 +304,8 @@ def _parse_generate(engine: EmbeddedEngine, req: dict) -> tuple[list[Sequence], 
     single = bool(prompts) and isinstance(prompts[0], int)
     if single or not prompts:
         prompts = [prompts]
-    if not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompts):
-        raise EngineError("input_ids must be a list of token ids or a list of such lists")
+    if not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
+        raise EngineError("input_ids must be a non-empty list of token ids or a list of such lists")
     count = len(prompts)
     params = [resolve_sampling_params(p) for p in _per_item(req.get("sampling_params"), count, "sampling_params")]
     starts = _per_item(req.get("logprob_start_len", -1), count, "logprob_start_len")
