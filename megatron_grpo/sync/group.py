@@ -11,6 +11,7 @@ function, so they interoperate with each other and with a real SGLang server.
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -26,8 +27,12 @@ def init_custom_process_group(*, backend: str, master_address: str, master_port:
     # (TORCHELASTIC_USE_AGENT_STORE=True) rendezvous would make rank 0 a *client* of the
     # elastic agent's store instead of hosting this group's store, and the engine's ranks
     # would wait on a port nobody listens on.
+    # TCPStore's own server listens on EVERY interface whatever master_address says: rank 0
+    # hands it a socket bound to master_address instead (loopback by default), so the
+    # weight-update rendezvous is not reachable from the network unless configured so.
+    listen_fd = socket.create_server((master_address, master_port)).detach() if rank == 0 else None
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
-                          timeout=timeout, wait_for_workers=False)
+                          timeout=timeout, wait_for_workers=False, master_listen_fd=listen_fd)
     store = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
