@@ -1,0 +1,393 @@
+"""Security properties (issue 8), each checked on the real component:
+
+* every server the package starts binds 127.0.0.1 unless configured otherwise: the rollout
+  config default, `megatron-grpo serve`, the manager's launch commands, a launched engine's
+  listening socket (read from /proc/net), and the weight-sync group's TCP store;
+* the embedded engine enforces the API key on every route but /health (real server);
+* weights and checkpoints load only through safetensors or `torch.load(weights_only=True)`
+  (a source scan, plus malicious pickles fed to the real loaders), and the one deliberate
+  unpickler (`sync/serialize.py`) accepts nothing but torch's tensor-rebuild globals;
+* reward plug-ins are imported only from dotted paths named in the config.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import io
+import json
+import os
+import pickle
+import shutil
+import socket
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "megatron_grpo"
+API_KEY = "s3cret-key"
+
+
+def _package_sources() -> dict[str, ast.Module]:
+    return {str(p.relative_to(ROOT)): ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _listen_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) of the sockets listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            addr, port_hex = fields[1].rsplit(":", 1)
+            if int(port_hex, 16) == port and fields[3] == "0A":  # 0A = LISTEN
+                found.add(addr)
+    return found
+
+
+LOOPBACK_V4 = "0100007F"  # 127.0.0.1 in /proc/net/tcp's little-endian hex
+
+
+# ---- servers bind loopback ---------------------------------------------------------------------
+
+def test_server_defaults_are_loopback():
+    from megatron_grpo.config import RolloutConfig
+    from megatron_grpo.rollout.manager import LAUNCHERS
+    from megatron_grpo.rollout.serve import parse_args
+
+    cfg = RolloutConfig()
+    assert cfg.host == "127.0.0.1"
+    assert parse_args(["--model-dir", "m"]).host == "127.0.0.1"
+    for engine, command in LAUNCHERS.items():
+        cmd = command(cfg, "m", cfg.host, 1234)
+        assert cmd[cmd.index("--host") + 1] == "127.0.0.1", engine
+    exposed = RolloutConfig(host="0.0.0.0")  # configured otherwise: honoured
+    cmd = LAUNCHERS["embedded"](exposed, "m", exposed.host, 1)
+    assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
+
+
+def _sync_store_listeners(rank, world):
+    from megatron_grpo.sync.group import destroy_custom_process_group, init_custom_process_group
+    from megatron_grpo.testing.distributed import free_port
+
+    port = free_port()
+    group = init_custom_process_group(backend="gloo", master_address="127.0.0.1", master_port=port,
+                                      world_size=1, rank=0, group_name="security_probe")
+    try:
+        return sorted(_listen_addresses(port))
+    finally:
+        destroy_custom_process_group(group)
+
+
+def test_weight_sync_store_listens_on_the_master_address_only():
+    """torch's TCPStore server alone would listen on every interface ([::])."""
+    from megatron_grpo.testing.distributed import run_distributed
+
+    (addresses,) = run_distributed(_sync_store_listeners, 1, timeout_s=120)
+    assert addresses == [LOOPBACK_V4]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from megatron_grpo.testing.tiny_models import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("sec") / "model", "qwen2", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tmp_path_factory):
+    """A real embedded engine launched by the manager with an API key."""
+    from megatron_grpo.config import RolloutConfig
+    from megatron_grpo.rollout.manager import RolloutServerManager
+
+    cfg = RolloutConfig(api_key=API_KEY, launch_timeout_s=180, dtype="float32")
+    manager = RolloutServerManager(cfg, model_dir=str(tiny_model), run_dir=tmp_path_factory.mktemp("sec_run"))
+    (url,) = manager.start()
+    try:
+        yield url
+    finally:
+        manager.stop()
+
+
+def _routes() -> list[tuple[str, str]]:
+    """(method, path) of every route of the embedded engine's app."""
+    from megatron_grpo.rollout.embedded.server import build_app
+
+    out = []
+    for route in build_app(None, api_key=API_KEY).routes:  # the engine is only used by handlers
+        for method in sorted(getattr(route, "methods", None) or []):
+            if method != "HEAD":
+                out.append((method, route.path))
+    return out
+
+
+@pytest.mark.slow
+def test_launched_engine_listens_on_loopback_only(engine):
+    port = int(engine.rsplit(":", 1)[1])
+    assert _listen_addresses(port) == {LOOPBACK_V4}
+
+
+@pytest.mark.slow
+def test_engine_enforces_the_api_key_on_every_route_but_health(engine):
+    routes = _routes()
+    assert len(routes) >= 15 and ("POST", "/update_weights_from_tensor") in routes
+    with httpx.Client(base_url=engine, timeout=30) as http:
+        for method, path in routes:
+            if path.startswith("/health"):
+                assert http.request(method, path).status_code == 200, path
+                continue
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                            {"Authorization": f"Basic {API_KEY}"}):
+                r = http.request(method, path, headers=headers, json={})
+                assert r.status_code == 401, (method, path, headers, r.status_code)
+        # a path under /health does not escape the check
+        assert http.get("/health/../get_model_info").status_code in (401, 404)
+        good = {"Authorization": f"Bearer {API_KEY}"}
+        assert http.get("/get_model_info", headers=good).status_code == 200
+        r = http.post("/generate", headers=good, json={
+            "input_ids": [5, 207, 6], "sampling_params": {"max_new_tokens": 2, "temperature": 1.0}})
+        assert r.status_code == 200, r.text
+
+
+# ---- weights: safetensors or torch.load(weights_only=True) ---------------------------------------
+
+def _call_name(node: ast.Call) -> str:
+    """Dotted name of the called function (``torch.load``, ``pickle.loads``, ``eval``)."""
+    parts, f = [], node.func
+    while isinstance(f, ast.Attribute):
+        parts.append(f.attr)
+        f = f.value
+    if isinstance(f, ast.Name):
+        parts.append(f.id)
+    return ".".join(reversed(parts))
+
+
+def _keyword(node: ast.Call, name: str):
+    for kw in node.keywords:
+        if kw.arg == name:
+            return kw.value.value if isinstance(kw.value, ast.Constant) else kw.value
+    return None
+
+
+SERIALIZE = "megatron_grpo/sync/serialize.py"
+
+
+def _is_safe_yaml_loader(path: str, node: ast.Call) -> bool:
+    """``yaml.load(..., Loader=X)`` where X (looked up in the calling module) is a SafeLoader."""
+    import importlib
+
+    import yaml
+
+    loader = next((kw.value for kw in node.keywords if kw.arg == "Loader"), None)
+    names = []
+    while isinstance(loader, ast.Attribute):
+        names.append(loader.attr)
+        loader = loader.value
+    if not isinstance(loader, ast.Name):
+        return False
+    obj = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    for name in [loader.id, *reversed(names)]:
+        obj = getattr(obj, name)
+    return isinstance(obj, type) and issubclass(obj, yaml.SafeLoader)
+
+
+def test_source_loads_weights_only_safely():
+    problems = []
+    for path, tree in _package_sources().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                for bad in ("pickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"):
+                    if any(n and n.split(".")[0] == bad for n in names) and not (bad == "pickle" and path == SERIALIZE):
+                        problems.append(f"{path}:{node.lineno}: imports {bad}")
+            if isinstance(node, ast.Call):
+                name = _call_name(node)
+                where = f"{path}:{node.lineno}: {name}"
+                if name.endswith("torch.load"):
+                    if _keyword(node, "weights_only") is not True:
+                        problems.append(f"{where} without weights_only=True")
+                if isinstance(node.func, ast.Name) and name in ("eval", "exec"):  # not `model.eval()`
+                    problems.append(where)
+                if name.endswith(("yaml.unsafe_load", "yaml.full_load")) or (
+                        name.endswith("yaml.load") and not _is_safe_yaml_loader(path, node)):
+                    problems.append(f"{where} without a SafeLoader")
+                if name.endswith(("np.load", "numpy.load")) and _keyword(node, "allow_pickle") is not False:
+                    problems.append(f"{where} may unpickle")
+                if _keyword(node, "trust_remote_code") not in (None, False):
+                    problems.append(f"{where} with trust_remote_code")
+                if name.startswith("subprocess.") and _keyword(node, "shell") not in (None, False):
+                    problems.append(f"{where} with shell=True")
+                if (name.endswith(("pickle.load", "pickle.loads", "Unpickler")) and path != SERIALIZE):
+                    problems.append(where)
+    text = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    if "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" in text or "weights_only=False" in text:
+        problems.append("the package turns torch.load's weights_only off somewhere")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_safe_unpickler_is_the_only_unpickler():
+    """In serialize.py, pickle is used only through _SafeUnpickler (no pickle.load/loads)."""
+    tree = _package_sources()[SERIALIZE]
+    calls = {_call_name(n) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    assert not {c for c in calls if c.startswith("pickle.") and c != "pickle.UnpicklingError"}
+    assert "_SafeUnpickler" in calls
+
+
+class _Exploit:
+    """Unpickling this calls ``open(path, "w")``: a file appearing means code ran."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def _payloads(marker: Path) -> dict[str, bytes]:
+    import torch.multiprocessing.reductions as reductions
+
+    return {
+        "builtins.open": pickle.dumps([("w", _Exploit(open, str(marker), "w"))]),
+        "os.system": pickle.dumps([("w", _Exploit(os.system, f"touch {marker}"))]),
+        "torch.save": pickle.dumps([("w", _Exploit(torch.save, {}, str(marker)))]),
+        "torch.load": pickle.dumps([("w", _Exploit(torch.load, str(marker)))]),
+        "rebuild_storage_fd": pickle.dumps([("w", _Exploit(reductions.rebuild_storage_fd, None, None, 0))]),
+        "pathlib.Path.touch": pickle.dumps([("w", _Exploit(Path.touch, marker))]),
+    }
+
+
+def test_safe_unpickler_rejects_arbitrary_globals(tmp_path):
+    from megatron_grpo.sync.serialize import _ALLOWED_GLOBALS, deserialize_named_tensors
+
+    marker = tmp_path / "pwned"
+    for name, payload in _payloads(marker).items():
+        with pytest.raises(ValueError, match="is not allowed"):
+            deserialize_named_tensors(base64.b64encode(payload).decode())
+        assert not marker.exists(), name
+    # the allow-list is torch's tensor-rebuild machinery and nothing else (pinned: growing it
+    # is a security decision, not a refactoring)
+    assert _ALLOWED_GLOBALS == {
+        ("torch.multiprocessing.reductions", "rebuild_tensor"),
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
+        ("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "UntypedStorage"),
+        ("torch.nn.parameter", "Parameter"),
+    }
+    for bad in ("not base64!", base64.b64encode(pickle.dumps({"a": 1})).decode()):
+        with pytest.raises(ValueError):
+            deserialize_named_tensors(bad)
+
+
+def test_safe_unpickler_still_reads_real_tensors():
+    """Not vacuous: a payload made exactly like the sender's loads (file_system sharing)."""
+    import torch.multiprocessing as torch_mp
+
+    from megatron_grpo.sync.serialize import deserialize_named_tensors, serialize_named_tensors
+
+    before = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy("file_system")
+    try:
+        tensors = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.ones(2, dtype=torch.bfloat16))]
+        out = deserialize_named_tensors(serialize_named_tensors(tensors))
+    finally:
+        torch_mp.set_sharing_strategy(before)
+    assert [n for n, _ in out] == ["a", "b"]
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(out, tensors))
+
+
+def test_malicious_pytorch_bin_is_not_executed_by_the_engine_loader(tiny_model, tmp_path):
+    """A model dir whose weights are a pickle (pytorch_model.bin) that would run code: the
+    embedded engine's loader (transformers, weights_only=True) refuses it."""
+    from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
+
+    bad = tmp_path / "model"
+    shutil.copytree(tiny_model, bad)
+    (bad / "model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    torch.save({"model.embed_tokens.weight": _Exploit(open, str(marker), "w")}, bad / "pytorch_model.bin")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        EmbeddedEngine(bad)
+    assert not marker.exists()
+
+
+def test_malicious_checkpoint_files_are_not_executed(tmp_path):
+    """megatron-core's dist-checkpoint common state (common.pt) and the trainer's RNG files
+    go through torch.load with weights_only: a pickled exploit raises instead of running."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                    "common_backend": "torch", "common_backend_version": 1}))
+    marker = tmp_path / "pwned"
+    torch.save({"step": _Exploit(open, str(marker), "w")}, ckpt / "common.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        dist_checkpointing.load_common_state_dict(str(ckpt))
+    assert not marker.exists()
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(ckpt / "common.pt", weights_only=True)  # what load_training_checkpoint uses
+    assert not marker.exists()
+
+
+# ---- plug-ins only from dotted paths named in the config ------------------------------------------
+
+PLUGIN_INIT = """
+from pathlib import Path
+Path(__file__).with_name("imported_" + __name__.replace(".", "_")).touch()
+"""
+
+
+@pytest.fixture
+def plugin_package(tmp_path, monkeypatch):
+    """A package on sys.path whose modules leave a marker file when imported."""
+    pkg = tmp_path / "sec_plugins"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent(PLUGIN_INIT))
+    (pkg / "rewards.py").write_text(textwrap.dedent(PLUGIN_INIT) + "def fn(response, answer):\n    return 1.0\n")
+    (pkg / "other.py").write_text(textwrap.dedent(PLUGIN_INIT) + "def fn(response, answer):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield pkg
+    for name in [m for m in sys.modules if m == "sec_plugins" or m.startswith("sec_plugins.")]:
+        del sys.modules[name]
+
+
+def _imported(pkg: Path) -> set[str]:
+    return {p.name.removeprefix("imported_") for p in pkg.glob("imported_*")}
+
+
+def test_plugins_are_imported_only_when_named(plugin_package):
+    from megatron_grpo.config.base import build_section
+    from megatron_grpo.config.sections import RewardConfig
+    from megatron_grpo.rewards import RewardScorer
+
+    # built-ins only: nothing of the package is imported, although it is on sys.path
+    RewardScorer(build_section(RewardConfig, {"functions": [{"name": "math_exact_match"}]}, "reward"))
+    assert _imported(plugin_package) == set() and "sec_plugins" not in sys.modules
+    # naming it in the config validates the name's shape only; the import happens when the
+    # trainer builds its scorer, and takes exactly the named module (and its package)
+    cfg = build_section(RewardConfig, {"functions": [{"name": "sec_plugins.rewards.fn"}]}, "reward")
+    assert _imported(plugin_package) == set()
+    scorer = RewardScorer(cfg)
+    assert _imported(plugin_package) == {"sec_plugins", "sec_plugins_rewards"}
+    assert scorer.score(["x"], ["y"]).rewards == [1.0]
+
+
+def test_dynamic_imports_only_from_fixed_registries_or_config():
+    """Every importlib.import_module / __import__ call site is one of the known ones: the CLI's
+    sub-command registry, the reward registry (config-named paths), the CPU shim's fixed list."""
+    allowed = {"megatron_grpo/cli.py", "megatron_grpo/rewards/registry.py", "megatron_grpo/runtime/cpu_shim.py"}
+    sites = set()
+    for path, tree in _package_sources().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _call_name(node) in ("importlib.import_module", "__import__",
+                                                                   "import_module", "entry_points"):
+                sites.add(path)
+    assert sites <= allowed, sites - allowed
