@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import ast
 import base64
-import io
 import json
 import os
 import pickle
 import shutil
-import socket
 import sys
 import textwrap
 from pathlib import Path
