@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_grpo.config import ExperimentConfig
+from megatron_grpo.models.tokenizer import load_tokenizer  # noqa: F401 - re-exported for the trainer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,10 +80,6 @@ class RolloutSide:
         self.manager.stop()
 
 
-def load_tokenizer(hf_dir: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(hf_dir)
 
 
 def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler) -> RolloutSide:

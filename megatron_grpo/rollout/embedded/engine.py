@@ -45,13 +45,15 @@ class EmbeddedEngine:
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", max_batch_size: int = 64,
                  seed: int = 0, batch_window_s: float = 0.005):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from megatron_grpo.models.tokenizer import load_tokenizer
 
         self.model_dir = str(model_dir)
         torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch_dtype).eval()
         self.model.requires_grad_(False)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 20))
