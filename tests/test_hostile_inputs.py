@@ -306,6 +306,9 @@ CASES: dict[str, Case] = {
     "dataset_prompt_too_long": _data_case(_lines(DATA_LINES[0], {"prompt": " ".join(map(str, range(100))), "answer": "1"}),
                                           ":2:", "longer than data.max_prompt_length = 64",
                                           data_key={"max_prompt_length": 64}),
+    "dataset_prompt_longer_than_model_context": _data_case(
+        _lines(DATA_LINES[0], {"prompt": " ".join(map(str, range(199))) * 3, "answer": "1"}), ":2:",
+        "model's context of 512", data_key={"max_prompt_length": 4096}),
     # ---- reward functions ------------------------------------------------------------------
     "reward_unknown_builtin": _reward_case(None, "exact_match", "unknown reward function",
                                            "did you mean 'math_exact_match'"),

@@ -134,12 +134,17 @@ def preflight(cfg: ExperimentConfig) -> None:
     directory (config, weights, tokenizer vs vocabulary, tp/pp vs head and layer counts),
     checkpoints to load, the dataset (every line), the reward functions (imported) and the
     logging sinks. Raises a user error (see ``user_errors``)."""
-    from megatron_grpo.data import load_prompt_dataset
+    from megatron_grpo.data import DataError, load_prompt_dataset
     from megatron_grpo.rewards import RewardScorer
 
-    _, tokenizer = _check_model_dir(cfg)
+    hf_config, tokenizer = _check_model_dir(cfg)
     _check_checkpoints(cfg)
-    load_prompt_dataset(cfg.data, tokenizer)
+    dataset = load_prompt_dataset(cfg.data, tokenizer)
+    context = getattr(hf_config, "max_position_embeddings", None)
+    too_long = [p for p in dataset.prompts if context and len(p.prompt_ids) >= context]
+    if too_long:  # the engine would reject it mid-run; say which line now
+        raise DataError(f"{too_long[0].where}: prompt is {len(too_long[0].prompt_ids)} tokens, no room to generate "
+                        f"in the model's context of {context} (max_position_embeddings, {cfg.model.hf_dir}/config.json)")
     RewardScorer(cfg.reward)
     if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb_project", "is set but wandb is not installed; pip install wandb or set it to null")
