@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -186,25 +187,31 @@ def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
     with tempfile.TemporaryDirectory(prefix="megatron-grpo-") as tmp:
         error_file = Path(tmp) / "user_error"
         proc = subprocess.Popen(cmd, env={**env, ERROR_FILE_ENV: str(error_file)}, stderr=subprocess.PIPE)
+        # A SIGTERM for this process goes on to torchrun, which stops its ranks cleanly; the
+        # ranks' stderr is this pipe, so dying here would otherwise kill them at their next write.
+        previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
         out = getattr(sys.stderr, "buffer", None)
         interrupted = False
-        while True:
-            try:
-                chunk = os.read(proc.stderr.fileno(), 65536)
-            except KeyboardInterrupt:
-                if interrupted:
-                    raise
-                interrupted = True  # torchrun got the SIGINT too and stops its ranks: keep draining
-                continue
-            if not chunk:
-                break
-            if not error_file.exists():
-                if out is not None:
-                    out.write(chunk)
-                    out.flush()
-                else:
-                    sys.stderr.write(chunk.decode(errors="replace"))
-        code = proc.wait()
+        try:
+            while True:
+                try:
+                    chunk = os.read(proc.stderr.fileno(), 65536)
+                except KeyboardInterrupt:
+                    if interrupted:
+                        raise
+                    interrupted = True  # torchrun got the SIGINT too and stops its ranks: keep draining
+                    continue
+                if not chunk:
+                    break
+                if not error_file.exists():
+                    if out is not None:
+                        out.write(chunk)
+                        out.flush()
+                    else:
+                        sys.stderr.write(chunk.decode(errors="replace"))
+            code = proc.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         if error_file.exists():
             return _fail(error_file.read_text().strip())
         return code
