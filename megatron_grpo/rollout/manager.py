@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from megatron_grpo.runtime.process import die_with_parent
+
 import httpx
 
 from megatron_grpo.rollout.types import RolloutError
@@ -129,7 +131,7 @@ class RolloutServerManager:
             # A new session makes the server (and anything it forks) one process group that
             # stop() can signal without touching any other process on the machine.
             self._proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True, preexec_fn=_die_with_parent)
+                                          start_new_session=True, preexec_fn=die_with_parent)
         log.info("rollout server pid %d: %s (log %s)", self._proc.pid, self.urls[0], self.log_path)
         try:
             wait_healthy(self.urls[0], deadline, alive=self.alive, describe=self._log_tail)
@@ -182,19 +184,6 @@ class RolloutServerManager:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: ask Linux to SIGKILL the server when the process that
-    launched it dies, so a trainer killed with -9 leaves no orphaned engine holding its port
-    and memory (stop() cannot run then). A no-op where prctl is unavailable."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:

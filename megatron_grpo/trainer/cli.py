@@ -16,6 +16,7 @@ prints that one line instead of torchrun's failure report.
 from __future__ import annotations
 
 import argparse
+import warnings
 import importlib.util
 import os
 import signal
@@ -27,6 +28,7 @@ from pathlib import Path
 from megatron_grpo.config import ConfigError, ExperimentConfig, load_config
 
 EXIT_USER_ERROR = 2
+EXIT_RUN_ABORTED = 1
 ERROR_FILE_ENV = "MEGATRON_GRPO_USER_ERROR_FILE"  # where a rank records its user error for `train`
 # Vocabulary files of the tokenizer formats transformers reads (one is enough).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "spiece.model")
@@ -159,9 +161,9 @@ def _parse(argv: list[str], prog: str) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, code: int = EXIT_USER_ERROR) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
-    return EXIT_USER_ERROR
+    return code
 
 
 def _record_user_error(line: str, path: str) -> None:
@@ -213,7 +215,8 @@ def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
         finally:
             signal.signal(signal.SIGTERM, previous)
         if error_file.exists():
-            return _fail(error_file.read_text().strip())
+            recorded_code, line = error_file.read_text().strip().split(" ", 1)
+            return _fail(line, int(recorded_code))
         return code
 
 
@@ -242,20 +245,34 @@ def _data_file(config_path: str, overrides: list[str]) -> str | None:
         return None
 
 
-def _report(e: BaseException, rank: int, config_path: str, data_file: str | None) -> int:
-    """A rank's user error: recorded for ``megatron-grpo train`` (any rank, first wins) or
-    printed by rank 0 under a bare torchrun. Every rank exits with code 2."""
-    line = describe_user_error(e, config_path, data_file)
+def _report(e: BaseException, rank: int, config_path: str, data_file: str | None,
+            code: int = EXIT_USER_ERROR) -> int:
+    """A rank's one-line error: recorded for ``megatron-grpo train`` (any rank, first wins) or
+    printed by rank 0 under a bare torchrun. Every rank exits with ``code`` (2 for user
+    errors, 1 for a run that had to stop: non-finite losses, an engine that stays down)."""
+    line = describe_user_error(e, config_path, data_file) if code == EXIT_USER_ERROR else str(e)
     if os.environ.get(ERROR_FILE_ENV):
-        _record_user_error(line, os.environ[ERROR_FILE_ENV])
-        return EXIT_USER_ERROR
-    return _fail(line) if rank == 0 else EXIT_USER_ERROR
+        _record_user_error(f"{code} {line}", os.environ[ERROR_FILE_ENV])
+        return code
+    return _fail(line, code) if rank == 0 else code
+
+
+def quiet_known_cpu_warnings() -> None:
+    """Silence megatron-core's start-up warnings that only say the GPU stack is absent (they
+    repeat per rank and module and would bury the run's own output)."""
+    for pattern in (r".*(Apex|Transformer Engine) (is|and Apex are) not installed.*",
+                    r".*CUDA_DEVICE_MAX_CONNECTIONS.*", r"full scope is deprecated.*"):
+        warnings.filterwarnings("ignore", message=pattern)
 
 
 def rank_main(argv: list[str]) -> int:
     """One rank (under torchrun). User errors end every rank with exit code 2 (see ``_report``)."""
     from megatron_grpo.runtime import parallel
+    from megatron_grpo.runtime.process import die_with_parent
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()  # never outlive torchrun's agent (see runtime/process.py)
+    quiet_known_cpu_warnings()
     args = _parse(argv, "python -m megatron_grpo.train")
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -268,10 +285,14 @@ def rank_main(argv: list[str]) -> int:
     parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed)
     from megatron_grpo.trainer.driver import train
 
+    from megatron_grpo.trainer.engine_guard import RunAborted
+
     try:
         train(cfg)
     except user_errors() as e:
         return _report(e, rank, args.config, cfg.data.train_file)
+    except RunAborted as e:
+        return _report(e, rank, args.config, cfg.data.train_file, code=EXIT_RUN_ABORTED)
     finally:
         parallel.destroy()
     return 0

@@ -18,20 +18,20 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
 import yaml
 import torch.distributed as dist
 
 from megatron_grpo.config import ExperimentConfig
 from megatron_grpo.trainer import checkpoint as ckpt
 from megatron_grpo.trainer.batch import dp_shard
+from megatron_grpo.trainer.engine_guard import EngineGuard, RunAborted, broadcast
 from megatron_grpo.trainer.components import build_policy, build_reference, build_rollout_side, load_tokenizer
 from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
 from megatron_grpo.trainer.optim import lr_at, set_lr
 from megatron_grpo.trainer.rollout_step import generate_and_score
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunAborted):
     """Too many consecutive steps had a non-finite loss or gradient."""
 
 
@@ -58,29 +58,29 @@ def train(cfg: ExperimentConfig) -> list[dict]:
         trainer_state = ckpt.load_training_checkpoint(resume_dir, policy.modules, policy.optimizer)
         start_step = trainer_state["step"]
         sampler.load_state_dict(trainer_state["sampler"])
+        if rank == 0:
+            print(f"[megatron-grpo] {resume_dir}: resumed from checkpoint step {start_step}", flush=True)
     logger = MetricsLogger(run_dir, cfg.logging, cfg.trainer.num_steps, rank,
                            resumed_step=start_step, config_dict=cfg.to_dict())
     if rank == 0:
         ckpt.write_text_atomic(Path(run_dir) / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     side = build_rollout_side(cfg, tokenizer, sampler) if rank == 0 else None
-    urls = _broadcast(side.manager.urls if side else None)
+    urls = broadcast(side.manager.urls if side else None)
     syncer = WeightSyncer(cfg.rollout, urls, policy.hf_config, work_dir=f"{run_dir}/weight_sync",
                           client=side.client if side else None)
-    syncer.sync(policy.modules, start_step)  # the engine starts from the HF weights
+    engine = EngineGuard(side, syncer, policy.modules, max_attempts=cfg.rollout.max_restarts + 1)
+    engine.sync(start_step)  # the engine starts from the HF weights
 
     records, nonfinite_streak = [], trainer_state.get("nonfinite_streak", 0)
     try:
         for step in range(start_step, cfg.trainer.num_steps):
             timings, t0 = {}, time.monotonic()
             # 1. rollout + rewards + advantages (rank 0), broadcast
-            if _broadcast(side.manager.ensure_alive() if side else None):
-                syncer.reset()  # a restarted engine lost the trained weights
-                syncer.sync(policy.modules, step)
-            result = None
-            if rank == 0:
-                result = generate_and_score(step, side.sampler.next_batch(), side.client, side.sampling,
-                                            side.scorer, side.tokenizer, cfg)
-            result = _broadcast(result)  # the batch is a few MB; the weights dominate traffic
+            engine.ensure_alive(step)
+            prompts = side.sampler.next_batch() if side else None
+            # the batch is broadcast (a few MB; the weights dominate traffic)
+            result = engine.rollout(step, lambda: generate_and_score(
+                step, prompts, side.client, side.sampling, side.scorer, side.tokenizer, cfg))
             batch, mark = result.batch, time.monotonic()
             timings["time_rollout_s"] = mark - t0
 
@@ -112,10 +112,11 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             timings["time_train_s"], mark = time.monotonic() - mark, time.monotonic()
 
             # 4. weights -> rollout engine, metrics, checkpoint
-            syncer.sync(policy.modules, step + 1)
+            engine.sync(step + 1)
             timings["time_sync_s"] = time.monotonic() - mark
             nonfinite_streak = nonfinite_streak + 1 if skipped else 0
             record = _step_record(step, result.stats, step_metrics, timings, skipped, policy.optimizer, batch)
+            record["engine_restarts"] = engine.restarts
             if rank == 0:
                 records.append(logger.log(step + 1, record))
             if nonfinite_streak >= cfg.trainer.max_consecutive_nonfinite:
@@ -127,7 +128,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             every = cfg.checkpoint.save_every
             if done or (every and (step + 1) % every == 0):
                 # rank 0's sampler is the one that advanced: every rank saves its state
-                state = _broadcast({"step": step + 1, "sampler": sampler.state_dict(),
+                state = broadcast({"step": step + 1, "sampler": sampler.state_dict(),
                                     "nonfinite_streak": nonfinite_streak})
                 ckpt.save_training_checkpoint(run_dir, step + 1, policy.modules, policy.optimizer, state,
                                               cfg.checkpoint.keep_last)
@@ -138,13 +139,6 @@ def train(cfg: ExperimentConfig) -> list[dict]:
         if side is not None:
             side.close()
     return records
-
-
-def _broadcast(obj):
-    """Rank 0's ``obj`` on every rank."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _step_record(step, rollout_stats, step_metrics, timings, skipped, optimizer, batch) -> dict:
@@ -166,16 +160,22 @@ def _step_record(step, rollout_stats, step_metrics, timings, skipped, optimizer,
 
 
 def _mean_over_minibatches(parts: list[dict]) -> dict:
-    """Average the optimizer-step metrics of one step (mini-batches x iterations): clip
-    fractions and KL of the last iteration are the interesting ones, so report both."""
+    """Pool the optimizer-step metrics of one step (mini-batches x iterations) with the loss
+    package's rules (token-weighted, max of *_max, ...); loss and grad_norm are means over
+    optimizer steps. With num_iterations > 1 the last iteration's clip/KL are also reported
+    (``key/last_iter``): that is where clipping acts."""
+    from megatron_grpo.losses import reduce_metrics
+
+    def pool(rows: list[dict]) -> dict:
+        per_step = ("loss", "grad_norm", "iteration")
+        out = reduce_metrics([{k: v for k, v in r.items() if k not in per_step} for r in rows])
+        out["loss"] = sum(r["loss"] for r in rows) / len(rows)
+        out["grad_norm"] = sum(r["grad_norm"] for r in rows) / len(rows)
+        return out
+
+    out = pool(parts)
     last_it = max(p["iteration"] for p in parts)
-    out = {}
-    for key in parts[0]:
-        if key == "iteration":
-            continue
-        vals = [p[key] for p in parts]
-        out[key] = sum(vals) / len(vals)
-        if last_it > 0:
-            last = [p[key] for p in parts if p["iteration"] == last_it]
-            out[f"{key}/last_iter"] = sum(last) / len(last)
+    if last_it > 0:
+        last = pool([p for p in parts if p["iteration"] == last_it])
+        out.update({f"{k}/last_iter": last[k] for k in ("loss", "clip_ratio", "ppo_kl", "pg_clipfrac_lower")})
     return out

@@ -1,0 +1,115 @@
+"""Keep the rollout engine usable: detect a dead or unreachable engine, restart it (when this
+run launched it), re-sync the trainer's weights and retry -- a bounded number of times.
+
+Every wait underneath is bounded (the client's per-request timeouts and retries, the
+manager's launch deadline, the syncer's collective error agreement), so a dead engine is an
+error within minutes at worst, never a hang. Generation runs on rank 0 only; recovery is
+collective because the weight sync is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from megatron_grpo.rollout.types import RolloutError
+from megatron_grpo.sync.syncer import WeightSyncError
+
+log = logging.getLogger(__name__)
+
+
+class RunAborted(RuntimeError):
+    """The run cannot continue; ``str(e)`` is one line saying why (exit code 1)."""
+
+
+class EngineUnavailableError(RunAborted):
+    """The rollout engine kept failing after every allowed restart or retry."""
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class EngineGuard:
+    """``rollout(step, fn)`` and ``sync(step)`` with recovery (see the module docstring).
+
+    side: rank 0's RolloutSide (None elsewhere); syncer: the WeightSyncer of every rank;
+    modules: the policy chunks whose weights the engine must serve.
+    """
+
+    def __init__(self, side, syncer, modules, max_attempts: int, retry_wait_s: float = 2.0):
+        self.side = side
+        self.syncer = syncer
+        self.modules = modules
+        self.max_attempts = max_attempts
+        self.retry_wait_s = retry_wait_s
+        self.restarts = 0  # rank 0's count, reported in the metrics
+
+    def rollout(self, step: int, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on rank 0 (generation + scoring) and return its result on every rank."""
+        for attempt in range(1, self.max_attempts + 1):
+            outcome: Optional[tuple[str, Any]] = None
+            if self.side is not None:
+                try:
+                    outcome = ("ok", fn())
+                except RolloutError as e:
+                    outcome = ("failed", str(e))
+            kind, payload = broadcast(outcome)
+            if kind == "ok":
+                return payload
+            self._recover(step, f"generation failed (attempt {attempt} of {self.max_attempts}): {payload}",
+                          attempt)
+        raise AssertionError("unreachable")
+
+    def sync(self, step: int) -> None:
+        """Push the weights of ``step`` to the engine(s), recovering from engine failures."""
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                self.syncer.sync(self.modules, step)
+                return
+            except WeightSyncError as e:
+                self._recover(step, f"weight sync failed (attempt {attempt} of {self.max_attempts}): {e}",
+                              attempt, resync=False)
+
+    def ensure_alive(self, step: int) -> None:
+        """Before a rollout: restart a launched engine that died since the last step."""
+        if broadcast(self._restart_if_dead() if self.side is not None else None):
+            self._resync(step)
+
+    def _restart_if_dead(self) -> bool:
+        restarted = self.side.manager.ensure_alive()
+        self.restarts += restarted
+        return restarted
+
+    def _recover(self, step: int, what: str, attempt: int, resync: bool = True) -> None:
+        """Collective: give up after the last attempt, else restart a dead launched engine (or
+        wait for an external one) and put the current weights back."""
+        if attempt >= self.max_attempts:
+            raise EngineUnavailableError(f"rollout engine: {what}; giving up")
+        log.warning("rollout engine: %s; recovering", what)
+        error = None
+        if self.side is not None:
+            try:
+                self._restart_if_dead()
+            except RolloutError as e:  # restarts used up, or the relaunch failed its deadline
+                error = str(e)
+            if error is None and not self.side.manager.launched:
+                time.sleep(self.retry_wait_s * attempt)  # an external server: give it time
+        error = broadcast(error)
+        if error is not None:
+            raise EngineUnavailableError(f"rollout engine: {what}; restart failed: {error}")
+        if resync:
+            self._resync(step)
+        else:
+            self.syncer.reset()
+
+    def _resync(self, step: int) -> None:
+        """A restarted engine serves the initial HF weights: forget its state and sync."""
+        self.syncer.reset()
+        self.sync(step)

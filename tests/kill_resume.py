@@ -1,0 +1,163 @@
+"""Kill -9 the CPU demo run at random moments (some in the middle of a checkpoint save),
+resume it with `checkpoint.resume: auto` each time, and check that
+
+* every resume starts from the newest COMPLETE checkpoint that existed at the kill (never a
+  partial one, never an older one: "checkpoints lost" counts the times the newest complete
+  checkpoint went backwards across a kill),
+* the finished run's metrics equal an uninterrupted run with the same seed.
+
+    python tests/kill_resume.py --kills 20          # the full version (several minutes)
+    python tests/kill_resume.py --kills 3 --steps 8 # what CI runs (tests/test_kill_resume.py)
+
+Prints `kills: K, resumes: R, checkpoints lost: L, metrics equal: yes|no` and exits non-zero
+on any violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from megatron_grpo.trainer.checkpoint import complete_checkpoints  # noqa: E402
+
+COMPARED = ("reward_mean", "reward_std", "loss", "ppo_kl", "clip_ratio", "entropy", "grad_norm",
+            "rollout_train_logprobs_abs_diff_mean", "is_ratio_mean", "response_length_mean", "lr")
+
+
+def train_cmd(demo: Path, run_dir: Path, steps: int) -> list[str]:
+    return [sys.executable, "-m", "megatron_grpo.cli", "train", "--config", "yaml_configs/demo_cpu.yaml",
+            f"model.hf_dir={demo / 'model'}", f"data.train_file={demo / 'arithmetic.jsonl'}",
+            f"trainer.run_dir={run_dir}", f"trainer.num_steps={steps}", "checkpoint.save_every=1",
+            "checkpoint.keep_last=2", "logging.progress_bar=false", "logging.plot=false"]
+
+
+def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "ab")
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every descendant at once (torchrun starts its workers in
+    their own sessions, so a process-group kill would miss the ranks): a node dying."""
+    import psutil
+
+    try:
+        family = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(family, timeout=30)
+
+
+def newest_complete(run_dir: Path) -> int:
+    found = complete_checkpoints(run_dir)
+    return found[-1][0] if found else 0
+
+
+def saving_now(run_dir: Path) -> bool:
+    root = run_dir / "checkpoints"
+    return root.is_dir() and any(p.name.startswith(".step_") for p in root.iterdir())
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def resumed_from(log_path: Path) -> list[int]:
+    """Steps the trainer reported resuming from, in order (driver prints 'resumed from step N')."""
+    out = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if "resumed from checkpoint step " in line:
+            out.append(int(line.rsplit(" ", 1)[-1]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", default=None, help="default: a temporary directory")
+    parser.add_argument("--max-seconds", type=float, default=3600)
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="kill_resume_"))
+    demo = work / "demo"
+    subprocess.run([sys.executable, "tools/make_demo_model.py", "--out", str(demo), "--warmup-steps", "50"],
+                   cwd=ROOT, check=True, capture_output=True)
+    deadline = time.monotonic() + args.max_seconds
+
+    straight = work / "straight"
+    ref = start(train_cmd(demo, straight, args.steps), work / "straight.log")
+    if ref.wait() != 0:
+        print(f"the uninterrupted run failed; see {work / 'straight.log'}")
+        return 1
+
+    run_dir, log_path = work / "killed", work / "killed.log"
+    cmd = train_cmd(demo, run_dir, args.steps)
+    kills = resumes = lost = 0
+    expected_resumes: list[int] = []
+    while True:
+        if time.monotonic() > deadline:
+            print(f"gave up after {args.max_seconds:.0f}s")
+            return 1
+        before = newest_complete(run_dir)
+        if before > 0:
+            resumes += 1
+            expected_resumes.append(before)
+        proc = start(cmd, log_path)
+        if kills >= args.kills:
+            break
+        # Half of the kills wait for a checkpoint save in progress, the others are random.
+        targeted = rng.random() < 0.5
+        delay = rng.uniform(2.0, 14.0)
+        t0 = time.monotonic()
+        while proc.poll() is None and time.monotonic() - t0 < (60 if targeted else delay):
+            if targeted and saving_now(run_dir) and time.monotonic() - t0 > 1.0:
+                break
+            time.sleep(0.02)
+        if proc.poll() is not None:  # finished before the kill: done early
+            break
+        kill_tree(proc)
+        kills += 1
+        after = newest_complete(run_dir)
+        lost += after < before
+        print(f"kill {kills}: {'during a save' if targeted else f'after {delay:.1f}s'}; newest complete "
+              f"checkpoint {before} -> {after}", flush=True)
+    code = proc.wait()
+    if code != 0:
+        print(f"the final resume failed (exit {code}); see {log_path}")
+        return 1
+
+    reported = resumed_from(log_path)
+    a, b = metrics(straight), metrics(run_dir)
+    equal = [r["step"] for r in a] == [r["step"] for r in b] and all(
+        abs(ra[k] - rb[k]) <= 1e-6 * max(1.0, abs(ra[k])) for ra, rb in zip(a, b) for k in COMPARED)
+    ok = equal and lost == 0 and reported == expected_resumes
+    print(f"kills: {kills}, resumes: {resumes}, checkpoints lost: {lost}, "
+          f"resumes from the newest complete checkpoint: {'yes' if reported == expected_resumes else 'no'}, "
+          f"metrics equal: {'yes' if equal else 'no'}")
+    if reported != expected_resumes:
+        print(f"resumed from {reported}, expected {expected_resumes}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
