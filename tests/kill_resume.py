@@ -16,8 +16,6 @@ on any violation.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import subprocess
 import sys
@@ -25,26 +23,22 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_grpo.trainer.checkpoint import complete_checkpoints  # noqa: E402
+from tests.demo_run import ENV, ROOT, make_demo, read_metrics, train_cmd  # noqa: E402
 
 COMPARED = ("reward_mean", "reward_std", "loss", "ppo_kl", "clip_ratio", "entropy", "grad_norm",
             "rollout_train_logprobs_abs_diff_mean", "is_ratio_mean", "response_length_mean", "lr")
 
 
-def train_cmd(demo: Path, run_dir: Path, steps: int) -> list[str]:
-    return [sys.executable, "-m", "megatron_grpo.cli", "train", "--config", "yaml_configs/demo_cpu.yaml",
-            f"model.hf_dir={demo / 'model'}", f"data.train_file={demo / 'arithmetic.jsonl'}",
-            f"trainer.run_dir={run_dir}", f"trainer.num_steps={steps}", "checkpoint.save_every=1",
-            "checkpoint.keep_last=2", "logging.progress_bar=false", "logging.plot=false"]
+def run_cmd(demo: Path, run_dir: Path, steps: int) -> list[str]:
+    return train_cmd(demo, run_dir, steps, "checkpoint.save_every=1", "checkpoint.keep_last=2", "logging.plot=false")
 
 
 def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
     log = open(log_path, "ab")
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ENV)
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -75,11 +69,6 @@ def saving_now(run_dir: Path) -> bool:
     return root.is_dir() and any(p.name.startswith(".step_") for p in root.iterdir())
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
 def resumed_from(log_path: Path) -> list[int]:
     """Steps the trainer reported resuming from, in order (driver prints 'resumed from step N')."""
     out = []
@@ -100,18 +89,17 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kill_resume_"))
     demo = work / "demo"
-    subprocess.run([sys.executable, "tools/make_demo_model.py", "--out", str(demo), "--warmup-steps", "50"],
-                   cwd=ROOT, check=True, capture_output=True)
+    make_demo(demo, warmup_steps=50)
     deadline = time.monotonic() + args.max_seconds
 
     straight = work / "straight"
-    ref = start(train_cmd(demo, straight, args.steps), work / "straight.log")
+    ref = start(run_cmd(demo, straight, args.steps), work / "straight.log")
     if ref.wait() != 0:
         print(f"the uninterrupted run failed; see {work / 'straight.log'}")
         return 1
 
     run_dir, log_path = work / "killed", work / "killed.log"
-    cmd = train_cmd(demo, run_dir, args.steps)
+    cmd = run_cmd(demo, run_dir, args.steps)
     kills = resumes = lost = 0
     expected_resumes: list[int] = []
     while True:
@@ -147,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     reported = resumed_from(log_path)
-    a, b = metrics(straight), metrics(run_dir)
+    a, b = read_metrics(straight), read_metrics(run_dir)
     equal = [r["step"] for r in a] == [r["step"] for r in b] and all(
         abs(ra[k] - rb[k]) <= 1e-6 * max(1.0, abs(ra[k])) for ra, rb in zip(a, b) for k in COMPARED)
     ok = equal and lost == 0 and reported == expected_resumes

@@ -2,8 +2,6 @@
 on (same steps, weights re-synced); an external engine that stays down ends the run within a
 bounded time with one line naming the engine and exit code 1."""
 
-import json
-import os
 import subprocess
 import sys
 import time
@@ -13,24 +11,17 @@ import psutil
 import pytest
 
 from megatron_grpo.testing.distributed import free_port
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.demo_run import ENV, ROOT, make_demo, read_metrics, train_cmd
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo")
-    subprocess.run([sys.executable, "tools/make_demo_model.py", "--out", str(out), "--warmup-steps", "20"],
-                   cwd=ROOT, check=True, capture_output=True)
-    return out
+    return make_demo(tmp_path_factory.mktemp("demo"), warmup_steps=20)
 
 
 def cmd(demo, run_dir, steps, *extra):
-    return [sys.executable, "-m", "megatron_grpo.cli", "train", "--config", "yaml_configs/demo_cpu.yaml",
-            f"model.hf_dir={demo / 'model'}", f"data.train_file={demo / 'arithmetic.jsonl'}",
-            f"trainer.run_dir={run_dir}", f"trainer.num_steps={steps}", "logging.progress_bar=false",
-            "logging.plot=false", "checkpoint.save_every=0", "rollout.request_timeout_s=20",
-            "rollout.max_retries=2", *extra]
+    return train_cmd(demo, run_dir, steps, "logging.plot=false", "checkpoint.save_every=0",
+                     "rollout.request_timeout_s=20", "rollout.max_retries=2", *extra)
 
 
 def wait_for_step(run_dir: Path, step: int, proc, timeout_s: float = 300) -> None:
@@ -53,13 +44,13 @@ def serve_processes(root_pid: int) -> list[psutil.Process]:
 def test_launched_engine_killed_mid_run_is_restarted(demo, tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(cmd(demo, run_dir, 8), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            text=True, env=ENV)
     wait_for_step(run_dir, 3, proc)
     (engine,) = serve_processes(proc.pid)
     engine.kill()
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert rows[-1]["engine_restarts"] == 1
     # after the restart the engine serves the trained weights again: no train/rollout mismatch
@@ -78,7 +69,7 @@ def test_external_engine_down_is_a_bounded_one_line_error(demo, tmp_path):
         proc = subprocess.Popen(cmd(demo, run_dir, 50, f"rollout.urls=[http://127.0.0.1:{port}]",
                                     "rollout.max_restarts=1"),
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                env=ENV)
         wait_for_step(run_dir, 2, proc)
         server.kill()
         killed = time.monotonic()

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 
 import torch
 
 from megatron_grpo.models.architectures import get_architecture
+from megatron_grpo.runtime import cpu_shim
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisor: int = 128) -> int:
@@ -77,7 +77,7 @@ def build_model(hf_config, *, dtype: torch.dtype = torch.float32,
                                 sequence_parallel=sequence_parallel)
     config.perform_initialization = init_weights
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    with _tensor_cuda_is_identity_without_cuda():
+    with cpu_shim.tensor_cuda_is_identity():
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec(hf_config, config),
@@ -99,23 +99,6 @@ def build_model(hf_config, *, dtype: torch.dtype = torch.float32,
         model.cuda(torch.cuda.current_device())
     model.hf_config = hf_config
     return [model]
-
-
-@contextlib.contextmanager
-def _tensor_cuda_is_identity_without_cuda():
-    """With tied embeddings and PP > 1, megatron-core's ``setup_embeddings_and_output_layer``
-    moves the first/last stage copies to CUDA (``weight.data.cuda()``) before the all-reduce
-    that makes them equal. Without CUDA, ``Tensor.cuda`` returns the tensor itself while the
-    GPTModel is constructed (the gloo all-reduce then runs on CPU)."""
-    if torch.cuda.is_available():
-        yield
-        return
-    original = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
-    try:
-        yield
-    finally:
-        torch.Tensor.cuda = original
 
 
 def mark_tensor_parallel_params(model) -> None:

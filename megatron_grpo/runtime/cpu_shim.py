@@ -11,6 +11,8 @@ megatron-core 0.16 assumes a GPU in a handful of places that the CPU path reache
 * the ``torch.cuda.FloatTensor`` type assert in gradient clipping (replaced by the same
   scaling without the assert). The DistributedOptimizer has the same type checks and is not
   supported on CPU: the trainer uses the plain megatron optimizer there;
+* ``Tensor.cuda`` while a model with tied embeddings is built at PP > 1
+  (``tensor_cuda_is_identity``, scoped to the constructor);
 * the CUDA RNG states tracker (``tensor_parallel.random``) that forks RNG streams for TP
   initialisation and dropout.
 
@@ -125,6 +127,25 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
     clip_coeff = max_norm / (total_norm + 1.0e-6)
     if clip_coeff < 1.0:
         torch._foreach_mul_(grads, clip_coeff)
+
+
+@contextlib.contextmanager
+def tensor_cuda_is_identity():
+    """While building a GPTModel without CUDA, ``Tensor.cuda`` returns the tensor itself.
+
+    With tied embeddings and PP > 1, megatron-core's ``setup_embeddings_and_output_layer``
+    moves the first/last stage copies to CUDA (``weight.data.cuda()``) before the all-reduce
+    that makes them equal; on CPU the gloo all-reduce then runs on the CPU tensors. Scoped to
+    the model constructor (``models.builder``), a no-op with CUDA."""
+    if not cuda_absent():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
 
 
 def install() -> bool:

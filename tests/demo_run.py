@@ -1,0 +1,34 @@
+"""Helpers for tests that run the real CPU demo pipeline as a user would (a subprocess of
+`megatron-grpo train` on a tiny demo model built by tools/make_demo_model.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def make_demo(out: Path, warmup_steps: int = 50) -> Path:
+    """Build the demo model + dataset into ``out`` (a shorter warm-up than the real demo)."""
+    subprocess.run([sys.executable, "tools/make_demo_model.py", "--out", str(out), "--warmup-steps",
+                    str(warmup_steps)], cwd=ROOT, check=True, capture_output=True)
+    return out
+
+
+def train_cmd(demo: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
+    """`megatron-grpo train` on yaml_configs/demo_cpu.yaml pointed at ``demo`` and ``run_dir``."""
+    return [sys.executable, "-m", "megatron_grpo.cli", "train", "--config", "yaml_configs/demo_cpu.yaml",
+            f"model.hf_dir={demo / 'model'}", f"data.train_file={demo / 'arithmetic.jsonl'}",
+            f"trainer.run_dir={run_dir}", f"trainer.num_steps={steps}", "logging.progress_bar=false", *extra]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
