@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def make_demo(out: Path, warmup_steps: int = 50) -> Path:
-    """Build the demo model + dataset into ``out`` (a shorter warm-up than the real demo)."""
+def make_demo(out: Path, warmup_steps: int = 150) -> Path:
+    """Build the demo model + dataset into ``out`` (the real demo's by default)."""
     subprocess.run([sys.executable, "tools/make_demo_model.py", "--out", str(out), "--warmup-steps",
                     str(warmup_steps)], cwd=ROOT, check=True, capture_output=True)
     return out

@@ -64,6 +64,16 @@ def newest_complete(run_dir: Path) -> int:
     return found[-1][0] if found else 0
 
 
+def trained_since(run_dir: Path, started: float, resumed_step: int) -> bool:
+    """This process has logged a step past ``resumed_step`` (the killed run's stale lines
+    beyond the checkpoint are cut by the resumed run before it logs anything new)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file() or path.stat().st_mtime < started:
+        return False
+    rows = read_metrics(run_dir)
+    return bool(rows) and rows[-1]["step"] > resumed_step
+
+
 def saving_now(run_dir: Path) -> bool:
     root = run_dir / "checkpoints"
     return root.is_dir() and any(p.name.startswith(".step_") for p in root.iterdir())
@@ -110,17 +120,22 @@ def main(argv: list[str] | None = None) -> int:
         if before > 0:
             resumes += 1
             expected_resumes.append(before)
+        started = time.time()
         proc = start(cmd, log_path)
         if kills >= args.kills:
             break
-        # Half of the kills wait for a checkpoint save in progress, the others are random.
+        # Kill only once this run has trained past where it resumed (so every cycle makes
+        # progress, however slow start-up is), then either while a checkpoint is being
+        # written (half of the kills) or after a random delay.
+        while proc.poll() is None and not trained_since(run_dir, started, before):
+            time.sleep(0.05)
         targeted = rng.random() < 0.5
-        delay = rng.uniform(2.0, 14.0)
+        delay = rng.uniform(0.0, 8.0)
         t0 = time.monotonic()
         while proc.poll() is None and time.monotonic() - t0 < (60 if targeted else delay):
-            if targeted and saving_now(run_dir) and time.monotonic() - t0 > 1.0:
+            if targeted and saving_now(run_dir):
                 break
-            time.sleep(0.02)
+            time.sleep(0.01)
         if proc.poll() is not None:  # finished before the kill: done early
             break
         kill_tree(proc)

@@ -11,7 +11,7 @@ from tests.demo_run import ENV, ROOT, make_demo, read_metrics, train_cmd
 
 @pytest.fixture(scope="module")
 def demo_inputs(tmp_path_factory):
-    return make_demo(tmp_path_factory.mktemp("demo"), warmup_steps=100)
+    return make_demo(tmp_path_factory.mktemp("demo"))
 
 
 def run_train(cmd, timeout=600):
@@ -23,21 +23,23 @@ def run_train(cmd, timeout=600):
 @pytest.mark.slow
 def test_short_demo_learns_and_writes_everything(demo_inputs, tmp_path):
     run_dir = tmp_path / "run"
-    out = run_train(train_cmd(demo_inputs, run_dir, 40, "checkpoint.save_every=20", "optimizer.lr=2e-3"))
+    # a faster schedule than the full demo's, so that 60 steps show learning
+    out = run_train(train_cmd(demo_inputs, run_dir, 60, "checkpoint.save_every=30", "optimizer.lr=2e-3",
+                              "optimizer.lr_decay_style=constant"))
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, 41))
-    first = sum(r["reward_mean"] for r in rows[:10]) / 10
-    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
-    assert last > first + 0.05, (first, last)
+    assert [r["step"] for r in rows] == list(range(1, 61))
+    first = sum(r["reward_mean"] for r in rows[:15]) / 15
+    last = sum(r["reward_mean"] for r in rows[-15:]) / 15
+    assert first < 0.2 and last > first + 0.05, (first, last)  # measured: 0.088 -> 0.164
     for key in ("reward_mean", "loss", "clip_ratio", "ppo_kl", "entropy", "rollout_train_logprobs_abs_diff_mean",
                 "time_rollout_s", "time_logprob_s", "time_train_s", "time_sync_s", "tokens_per_s"):
         assert key in rows[0], key
     # the trainer scores exactly what the engine sampled: fp32 mismatch is rounding noise
     assert max(r["rollout_train_logprobs_abs_diff_mean"] for r in rows) < 1e-4
     ckpts = run_dir / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "step_000040"
-    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_000020", "step_000040"]
-    assert (ckpts / "step_000040" / "COMPLETE").is_file()
+    assert (ckpts / "latest").read_text().strip() == "step_000060"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) == ["step_000030", "step_000060"]
+    assert (ckpts / "step_000060" / "COMPLETE").is_file()
     assert (run_dir / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run_dir / "config.yaml").is_file()
     assert "reward_mean" in out.stdout  # the summary table
