@@ -35,7 +35,7 @@ setup(
         "sglang": ["sglang>=0.5.23"],
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard"],  # tensorboard: its logging test
     },
     entry_points={"console_scripts": ["megatron-grpo=megatron_grpo.cli:main"]},
 )
