@@ -4,6 +4,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
 from megatron_grpo.config.rollout import RolloutConfig
@@ -21,8 +22,11 @@ def test_killed_engine_is_detected_and_restarted(tmp_path):
     client = RolloutClient.from_config(cfg, [url])
     try:
         assert len(client.generate([[5, 6]], 2, SamplingParams(max_new_tokens=3))) == 2
-        log_text = manager.log_path.read_text()
-        assert "--api-key ***" in log_text and "--api-key k" not in log_text
+        # the key is enforced (the client sends it) but never on the engine's command line
+        assert "k" not in psutil.Process(manager.pid).cmdline()
+        assert "--api-key" not in manager.log_path.read_text()
+        with pytest.raises(RolloutError, match="401"):
+            RolloutClient([url], max_retries=1).generate([[5, 6]], 1, SamplingParams(max_new_tokens=1))
 
         # Killed while a long generation is in flight: a clear error within the timeout, no hang.
         long = SamplingParams(max_new_tokens=480, ignore_eos=True)

@@ -6,7 +6,8 @@
   ``launch_timeout_s``) until every listed server answers /health;
 * otherwise one server is launched from the ``rollout.engine`` registry below
   (``python -m megatron_grpo.rollout.serve`` or ``python -m sglang.launch_server``), bound to
-  ``rollout.host`` (loopback by default) with ``--api-key`` when set, logging to
+  ``rollout.host`` (loopback by default) with the API key when set (the embedded engine gets it
+  through its environment; SGLang only takes ``--api-key``), logging to
   ``<run_dir>/rollout/server.log``; ``start()`` returns once it is healthy or raises with the
   log's last lines;
 * ``ensure_alive()`` notices a dead server and restarts it on the same port (at most
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from megatron_grpo.rollout.serve import API_KEY_ENV
 from megatron_grpo.runtime.process import die_with_parent
 
 import httpx
@@ -37,9 +39,10 @@ log = logging.getLogger(__name__)
 
 
 def _embedded_command(cfg, model_dir: str, host: str, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "megatron_grpo.rollout.serve", "--model-dir", model_dir, "--host", host,
-           "--port", str(port), "--dtype", cfg.dtype, "--max-batch-size", str(cfg.embedded_max_batch_size)]
-    return cmd + (["--api-key", cfg.api_key] if cfg.api_key else [])
+    # The API key reaches the embedded engine through its environment (API_KEY_ENV), not its
+    # command line, where every local user could read it in `ps`.
+    return [sys.executable, "-m", "megatron_grpo.rollout.serve", "--model-dir", model_dir, "--host", host,
+            "--port", str(port), "--dtype", cfg.dtype, "--max-batch-size", str(cfg.embedded_max_batch_size)]
 
 
 def _sglang_command(cfg, model_dir: str, host: str, port: int) -> list[str]:
@@ -130,8 +133,11 @@ class RolloutServerManager:
             logf.flush()
             # A new session makes the server (and anything it forks) one process group that
             # stop() can signal without touching any other process on the machine.
+            env = dict(os.environ)
+            if self.cfg.api_key and self.cfg.engine == "embedded":
+                env[API_KEY_ENV] = self.cfg.api_key
             self._proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True, preexec_fn=die_with_parent)
+                                          start_new_session=True, preexec_fn=die_with_parent, env=env)
         log.info("rollout server pid %d: %s (log %s)", self._proc.pid, self.urls[0], self.log_path)
         try:
             wait_healthy(self.urls[0], deadline, alive=self.alive, describe=self._log_tail)

@@ -15,12 +15,18 @@ import sys
 from typing import Optional
 
 
+API_KEY_ENV = "MEGATRON_GRPO_API_KEY"
+"""Environment variable holding the API key (used when --api-key is not given; keeps the key
+out of the process list)."""
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="megatron-grpo serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", required=True, help="Hugging Face model directory to serve")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="port (default: 30000)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
+                   f"(default: ${API_KEY_ENV}, which keeps the key out of `ps`)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter dtype (auto: the checkpoint's)")
     p.add_argument("--max-batch-size", type=int, default=64, help="sequences per generation wave")
@@ -46,7 +52,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed)
-    app = build_app(engine, api_key=args.api_key)
+    app = build_app(engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
     print(f"megatron-grpo serve: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
