@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="demo directory (model/ and arithmetic.jsonl are written)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-operand", type=int, default=MAX_OPERAND, help="operands are 0..N")
-    parser.add_argument("--warmup-steps", type=int, default=150)
+    parser.add_argument("--warmup-steps", type=int, default=60)
     parser.add_argument("--force", action="store_true", help="rebuild even if the files exist")
     args = parser.parse_args(argv)
     out = Path(args.out)
