@@ -414,11 +414,8 @@ def returns_inf(response, answer):
 
 
 @pytest.fixture
-def bad_rewards(tmp_path, monkeypatch):
-    (tmp_path / "hostile_bad_rewards.py").write_text(textwrap.dedent(BAD_REWARDS))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "hostile_bad_rewards"
-    sys.modules.pop("hostile_bad_rewards", None)
+def bad_rewards(python_module):
+    return python_module("hostile_bad_rewards", BAD_REWARDS)
 
 
 @pytest.mark.parametrize("fn,expected", [

@@ -1,7 +1,6 @@
 """RewardScorer: weighted sums, user functions by dotted path, one-line errors."""
 
 import sys
-import textwrap
 
 import pytest
 
@@ -29,11 +28,8 @@ NOT_A_FUNCTION = 3
 
 
 @pytest.fixture
-def user_module(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text(textwrap.dedent(USER_MODULE))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "my_rewards"
-    sys.modules.pop("my_rewards", None)
+def user_module(python_module):
+    return python_module("my_rewards", USER_MODULE)
 
 
 def scorer(functions):

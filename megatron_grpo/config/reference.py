@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
-import tempfile
 import typing
-from pathlib import Path
 
 from megatron_grpo.config.base import _hints, field_docs, type_name
 from megatron_grpo.config.experiment import ExperimentConfig
+from megatron_grpo.runtime.files import write_text_atomic
 
 _REQUIRED = "(required)"
 
@@ -78,21 +76,13 @@ def render() -> str:
     return "\n".join(out)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatron-grpo config-reference")
     parser.add_argument("--write", metavar="PATH", help="write the reference to PATH instead of stdout")
     args = parser.parse_args(argv)
     text = render()
     if args.write:
-        write_atomic(Path(args.write), text)
+        write_text_atomic(args.write, text)
     else:
         sys.stdout.write(text)
     return 0

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from megatron_grpo.rollout.serve import API_KEY_ENV
-from megatron_grpo.runtime.process import die_with_parent
+from megatron_grpo.runtime.process import die_with_parent, free_port  # noqa: F401 - free_port re-exported
 
 import httpx
 
@@ -57,12 +56,6 @@ LAUNCHERS: dict[str, Callable[..., list[str]]] = {
     "embedded": _embedded_command,
     "sglang": _sglang_command,
 }
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, deadline: float, *, alive: Callable[[], bool] = lambda: True,

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.runtime import cpu_shim
+from megatron_grpo.runtime.process import free_port
 
 
 def default_backend() -> str:
@@ -32,7 +33,7 @@ def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 60
     cpu_shim.install()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if torch.cuda.is_available():
@@ -61,9 +62,3 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -1,8 +1,10 @@
-"""Process-lifetime helpers shared by the trainer ranks and the rollout server launcher."""
+"""Process helpers shared by the trainer ranks, the rollout server launcher and the tests:
+lifetime (die with the parent) and a free port to listen on."""
 
 from __future__ import annotations
 
 import signal
+import socket
 
 
 def die_with_parent() -> None:
@@ -21,3 +23,10 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -90,7 +90,7 @@ class DistributedTransport(Transport):
         self._buffer: Optional[torch.Tensor] = None
 
     def _init_group(self) -> None:
-        from megatron_grpo.rollout.manager import free_port
+        from megatron_grpo.runtime.process import free_port
         from megatron_grpo.sync.group import init_custom_process_group
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -16,21 +16,15 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
+from megatron_grpo.runtime.process import free_port  # noqa: F401 - re-exported for tests
+
 
 class RankFailure(RuntimeError):
     """One or more ranks raised; the message holds each failing rank's traceback."""
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn, rank, world_size, port, tp, pp, seed, args, kwargs, results):

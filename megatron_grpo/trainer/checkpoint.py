@@ -19,15 +19,15 @@ would pick (partial temp directories are removed at the next save or resume).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_grpo.runtime.files import write_text_atomic
 
 CKPT_RE = re.compile(r"^step_(\d{6,})$")
 MARKER = "COMPLETE"
@@ -40,16 +40,6 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
     return checkpoints_dir(run_dir) / f"step_{step:06d}"
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file + fsync + rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:

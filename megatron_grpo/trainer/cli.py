@@ -66,7 +66,7 @@ def _check_model_dir(cfg: ExperimentConfig):
     weights and the tokenizer of ``model.hf_dir``; returns (hf_config, tokenizer)."""
     from megatron_grpo.models import ModelError, get_architecture, load_hf_config
     from megatron_grpo.models.weights import SafetensorsReader
-    from megatron_grpo.trainer.components import load_tokenizer
+    from megatron_grpo.models.tokenizer import load_tokenizer
 
     hf_dir = cfg.model.hf_dir
     try:

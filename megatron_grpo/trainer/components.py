@@ -9,7 +9,6 @@ from typing import Any, Optional
 import torch
 
 from megatron_grpo.config import ExperimentConfig
-from megatron_grpo.models.tokenizer import load_tokenizer  # noqa: F401 - re-exported for the trainer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

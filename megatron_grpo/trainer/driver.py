@@ -22,10 +22,12 @@ import yaml
 import torch.distributed as dist
 
 from megatron_grpo.config import ExperimentConfig
+from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.trainer import checkpoint as ckpt
 from megatron_grpo.trainer.batch import dp_shard
 from megatron_grpo.trainer.engine_guard import EngineGuard, RunAborted, broadcast
-from megatron_grpo.trainer.components import build_policy, build_reference, build_rollout_side, load_tokenizer
+from megatron_grpo.models.tokenizer import load_tokenizer
+from megatron_grpo.trainer.components import build_policy, build_reference, build_rollout_side
 from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
 from megatron_grpo.trainer.optim import lr_at, set_lr
 from megatron_grpo.trainer.rollout_step import generate_and_score
@@ -63,7 +65,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
     logger = MetricsLogger(run_dir, cfg.logging, cfg.trainer.num_steps, rank,
                            resumed_step=start_step, config_dict=cfg.to_dict())
     if rank == 0:
-        ckpt.write_text_atomic(Path(run_dir) / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        write_text_atomic(Path(run_dir) / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     side = build_rollout_side(cfg, tokenizer, sampler) if rank == 0 else None
     urls = broadcast(side.manager.urls if side else None)
     syncer = WeightSyncer(cfg.rollout, urls, policy.hf_config, work_dir=f"{run_dir}/weight_sync",
