@@ -31,3 +31,35 @@ def python_module(tmp_path, monkeypatch):
     yield write
     for name in written:
         sys.modules.pop(name, None)
+
+
+# ---- stress: the suite on a loaded machine (CI machines are shared) --------------------------
+
+_BUSY_LOOP = """
+import sys, time
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    sum(i * i for i in range(10000))
+"""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--busy", type=int, default=0, metavar="N",
+                     help="run N CPU-bound busy processes beside the tests for the whole session (a shared, "
+                          "loaded CI machine); each stops by itself after --busy-max-s seconds")
+    parser.addoption("--busy-max-s", type=float, default=3600.0, metavar="S",
+                     help="lifetime bound of each --busy process (default 3600)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _busy_machine(request):
+    """Start ``--busy N`` busy loops for the session (none by default), and stop them after it."""
+    import subprocess
+
+    count = request.config.getoption("--busy")
+    procs = [subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(request.config.getoption("busy_max_s"))],
+                              stdin=subprocess.DEVNULL) for _ in range(count)]
+    yield
+    for p in procs:
+        p.kill()
+        p.wait()

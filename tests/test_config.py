@@ -109,6 +109,20 @@ def test_overrides_are_validated_like_the_file(tmp_path):
         load_config(path, ["algorithm.eps_clip_hi=0.3"])
 
 
+def test_override_errors_name_the_override_not_the_file(tmp_path):
+    path = write(tmp_path, BASE)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["trainer.num_steps=3", "trainer.num_steps=abc"])
+    assert str(e.value) == ("override 'trainer.num_steps=abc': trainer.num_steps: expected an integer, "
+                            "got str 'abc'")
+    with pytest.raises(ConfigError, match=r"^override 'rollout=\{a: 1\}': rollout.a: unknown key"):
+        load_config(path, ["rollout={a: 1}"])
+    # a bad value from the file still names the file, overrides or not
+    bad = write(tmp_path, with_change("trainer.num_steps", "abc"))
+    with pytest.raises(ConfigError, match=rf"^{bad}: trainer.num_steps: expected an integer"):
+        load_config(bad, ["algorithm.eps_clip_high=0.28"])
+
+
 def test_values_are_never_changed(tmp_path):
     raw = with_change("optimizer.lr", 1)  # an int where a float is declared is kept as given
     cfg = load_config(write(tmp_path, raw))

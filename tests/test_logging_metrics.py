@@ -179,3 +179,14 @@ def test_cli_redraws_plot_from_run_dir(tmp_path, capsys):
     assert "reward_mean: 0.5 at step 1 -> 0.5 at step 2" in capsys.readouterr().out
     assert png_size(tmp_path / "plot.png") == (1000, 700)
     assert metrics_main([str(tmp_path / "none")]) == 2
+
+
+def test_cli_help_is_argparse_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        metrics_main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m megatron_grpo.metrics_log") and "run_dir" in out and "`" not in out
+    with pytest.raises(SystemExit) as e:
+        metrics_main([])
+    assert e.value.code == 2

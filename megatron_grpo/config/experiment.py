@@ -193,6 +193,16 @@ def load_config(
             raw = apply_overrides(raw, overrides or [])
         return build_experiment(raw, world_size)
     except ConfigError as e:
-        raise e.with_source(str(path)) from None
+        raise e.with_source(error_source(e.where, overrides or [], str(path))) from None
+
+
+def error_source(where: str, overrides: list[str], path: str) -> str:
+    """What to name for a bad value at dotted key ``where``: the command-line override that set
+    it (the last one wins, as when applied), or else the YAML file."""
+    for text in reversed(overrides):
+        key = text.split("=", 1)[0].strip()
+        if key and (where == key or where.startswith((key + ".", key + "["))):
+            return f"override {text!r}"
+    return path
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -10,18 +11,23 @@ from megatron_grpo.metrics_log.logger import METRICS_FILE, PLOT_FILE
 from megatron_grpo.metrics_log.report import format_summary, write_plot
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_grpo.metrics_log",
+        description=f"Print the summary table of a training run and redraw its {PLOT_FILE} from "
+                    f"{METRICS_FILE} (works on a finished run or one still writing).")
+    p.add_argument("run_dir", type=Path, help=f"the run directory (trainer.run_dir), holding {METRICS_FILE}")
+    return p.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    run_dir = Path(argv[0])
-    records = read_metrics(run_dir / METRICS_FILE)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    records = read_metrics(args.run_dir / METRICS_FILE)
     if not records:
-        print(f"error: {run_dir / METRICS_FILE}: no metrics (missing or empty)", file=sys.stderr)
+        print(f"error: {args.run_dir / METRICS_FILE}: no metrics (missing or empty)", file=sys.stderr)
         return 2
     print(format_summary(records))
-    print(f"plot: {write_plot(records, run_dir / PLOT_FILE, title=run_dir.name)}")
+    print(f"plot: {write_plot(records, args.run_dir / PLOT_FILE, title=args.run_dir.name)}")
     return 0
 
 

@@ -9,12 +9,19 @@ every failed rank, or ``TimeoutError`` if any rank runs past ``timeout_s`` (all 
 then killed: no test hangs).
 
 ``fn`` must be importable by name (a module-level function), as with any spawn.
+
+Results cross the process boundary as plain ``pickle`` bytes. A multiprocessing queue would
+pickle tensors with torch's ``ForkingPickler``, which sends a handle to the worker's shared
+memory instead of the data; a worker that has already exited when the parent unpickles (usual
+on a loaded machine) leaves the parent with ``FileNotFoundError`` on a vanished socket.
+Plain pickle copies tensor data into the bytes, so nothing depends on the worker being alive.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -53,7 +60,7 @@ def _worker(fn, rank, world_size, port, tp, pp, seed, args, kwargs, results):
             cpu_shim.install()
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, True, out))
+        results.put((rank, True, pickle.dumps(out)))  # bytes: see the module docstring
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -117,7 +124,7 @@ def run_distributed(
                         failures[r] = f"rank {r} exited with code {procs[r].exitcode} without a result"
                 continue
             if ok:
-                outputs[rank] = payload
+                outputs[rank] = pickle.loads(payload)
             else:
                 failures[rank] = payload
                 # The others are probably blocked in a collective with the failed rank:
