@@ -1,6 +1,7 @@
-"""The rollout client against a real HTTP server: the embedded engine, and real SGLang when
-``sglang`` is importable (the same tests: a contract test of the shared API; skipped with
-the reason printed otherwise).
+"""The rollout client against a real HTTP server: the embedded engine and the real SGLang
+(the same tests: a contract test of the shared API). SGLang runs from the environment
+``launch/setup_sglang_cpu.sh`` builds (CI builds it first); without it these tests fail in
+CI and are skipped, with the reason, elsewhere.
 
 References are transformers' own forward of the same checkpoint in this process.
 """
@@ -11,47 +12,18 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.config.rollout import RolloutConfig, SGLangConfig
 from megatron_grpo.rollout import RolloutClient, RolloutError, SamplingParams
 from megatron_grpo.rollout.manager import RolloutServerManager, free_port
-from megatron_grpo.sync.buckets import plan_buckets
-from megatron_grpo.sync.checksum import tensor_checksum
-from megatron_grpo.sync.group import destroy_custom_process_group, init_custom_process_group
-from megatron_grpo.sync.serialize import serialize_named_tensors, use_file_system_sharing
+from megatron_grpo.wire.buckets import plan_buckets
+from megatron_grpo.wire.checksum import tensor_checksum
+from megatron_grpo.wire.group import destroy_custom_process_group, init_custom_process_group
+from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_system_sharing
+from megatron_grpo.testing.sglang_cpu import require_sglang
 from megatron_grpo.testing.tiny_models import save_tiny_model
 
 API_KEY = "test-key"
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
-
-# SGLang on CPU (see ../shared/SGLANG_CPU.md): the flags that make 0.5.23 run without a GPU.
-SGLANG_CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-                   "--grammar-backend", "none", "--disable-overlap-schedule", "--cuda-graph-backend-decode",
-                   "disabled", "--cuda-graph-backend-prefill", "disabled", "--skip-server-warmup",
-                   "--max-total-tokens", "4096"]
-SGLANG_KERNEL_SHIM = '''
-import torch
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len):
-    pos = 0
-    for i, req in enumerate(req_pool_indices.tolist()):
-        s, e = int(start_offset[i]), int(end_offset[i])
-        req_to_token[req, s:e] = out_cache_loc[pos:pos + e - s]
-        pos += e - s
-def __getattr__(name):
-    if name.endswith("_cpu"):
-        def missing(*args, **kwargs):
-            raise NotImplementedError(name)
-        return missing
-    raise AttributeError(name)
-'''
-
-
-def _sglang_available() -> str:
-    try:
-        import sglang  # noqa: F401
-    except ImportError as e:
-        return f"sglang is not importable ({e}); the SGLang contract tests need it (see SGLANG_CPU.md)"
-    return ""
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -70,28 +42,16 @@ def server(request, model_dir, tmp_path_factory):
     """(kind, url) of a launched server with API key ``API_KEY``."""
     kind = request.param
     run_dir = tmp_path_factory.mktemp(f"run_{kind}")
-    env_backup = dict(os.environ)
-    cfg = RolloutConfig(engine=kind, api_key=API_KEY, dtype="float32", launch_timeout_s=240, request_timeout_s=120)
     if kind == "sglang":
-        reason = _sglang_available()
-        if reason:
-            print(f"SKIP sglang contract tests: {reason}")
-            pytest.skip(reason)
-        shim = run_dir / "shim" / "sgl_kernel"
-        shim.mkdir(parents=True)
-        (shim / "__init__.py").write_text(SGLANG_KERNEL_SHIM)
-        os.environ["PYTHONPATH"] = f"{shim.parent}:{os.environ.get('PYTHONPATH', '')}"
-        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-        cfg = RolloutConfig(engine="sglang", api_key=API_KEY, dtype="float32", launch_timeout_s=240,
-                            request_timeout_s=120, sglang_mem_fraction_static=0.1, sglang_extra_args=SGLANG_CPU_ARGS)
+        require_sglang()
+    cfg = RolloutConfig(engine=kind, api_key=API_KEY, dtype="float32", launch_timeout_s=240, request_timeout_s=120,
+                        sglang=SGLangConfig(mem_fraction_static=0.1))
     manager = RolloutServerManager(cfg, model_dir=model_dir, run_dir=run_dir)
     try:
         (url,) = manager.start()
         yield kind, url
     finally:
         manager.stop()
-        os.environ.clear()
-        os.environ.update(env_backup)
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +179,8 @@ def test_update_weights_from_tensor_needs_the_session(server, client, hf_model, 
 
 
 def test_update_weights_from_distributed(server, client, hf_model, perturbed):
+    """The flattened buckets exactly as the trainer sends them, inside the begin/end bracket
+    (SGLang 0.5.23 refuses a distributed update outside it; the embedded engine likewise)."""
     kind, url = server
     port = free_port()
     group_name = "test_group"
@@ -227,13 +189,23 @@ def test_update_weights_from_distributed(server, client, hf_model, perturbed):
     group = init_custom_process_group(backend="gloo", master_address="127.0.0.1", master_port=port,
                                       world_size=2, rank=0, group_name=group_name, timeout_s=60)
     init.result(timeout=60)
+    buckets = list(plan_buckets(((k, v.contiguous()) for k, v in perturbed.items()), 16 * 1024))
+    assert len(buckets) > 1
+
+    def post(bucket):
+        return client.submit(client.aio.update_weights_from_distributed(
+            url, names=bucket.names, dtypes=[bucket.dtype_name] * len(bucket.names), shapes=bucket.shapes,
+            group_name=group_name, load_format="flattened_bucket", weight_version="9"))
+
     try:
-        for bucket in plan_buckets(((k, v.contiguous()) for k, v in perturbed.items()), 16 * 1024):
-            posted = client.submit(client.aio.update_weights_from_distributed(
-                url, names=bucket.names, dtypes=[bucket.dtype_name] * len(bucket.names), shapes=bucket.shapes,
-                group_name=group_name, load_format="flattened_bucket", weight_version="9"))
+        with pytest.raises(RolloutError, match="must run between begin_weight_update"):
+            post(buckets[0]).result(timeout=60)
+        client.call("begin_weight_update", {}, url=url)
+        for bucket in buckets:
+            posted = post(bucket)
             torch.distributed.broadcast(bucket.pack(), src=0, group=group)
             posted.result(timeout=60)
+        client.call("end_weight_update", {}, url=url)
     finally:
         client.call("destroy_weights_update_group", {"group_name": group_name}, url=url)
         destroy_custom_process_group(group)

@@ -14,7 +14,7 @@ import torch
 
 from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.rollout.manager import RolloutServerManager
-from megatron_grpo.sync.buckets import Bucket, plan_buckets
+from megatron_grpo.wire.buckets import Bucket, plan_buckets
 from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
 from megatron_grpo.testing.tiny_models import save_tiny_model
 
@@ -93,7 +93,7 @@ def test_tensor_payloads_cannot_run_code():
     import base64
     import pickle
 
-    from megatron_grpo.sync.serialize import deserialize_named_tensors, serialize_named_tensors, use_file_system_sharing
+    from megatron_grpo.wire.serialize import deserialize_named_tensors, serialize_named_tensors, use_file_system_sharing
 
     class Evil:
         def __reduce__(self):

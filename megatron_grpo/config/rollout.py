@@ -9,13 +9,54 @@ from megatron_grpo.config.base import check
 
 
 @dataclass(kw_only=True)
+class SGLangConfig:
+    """`rollout.sglang:` settings of launched SGLang servers (rollout.engine: sglang)."""
+
+    python: Optional[str] = None
+    """Interpreter that runs `python -m sglang.launch_server`. null: this interpreter if it can
+    import sglang, else the environment built by `bash launch/setup_sglang_cpu.sh`
+    ($MEGATRON_GRPO_SGLANG_VENV or ~/.cache/megatron-grpo/sglang-cpu)."""
+
+    tp: int = 1
+    """Tensor-parallel size of each launched SGLang server (--tp-size)."""
+
+    mem_fraction_static: float = 0.8
+    """SGLang --mem-fraction-static of a launched server."""
+
+    extra_args: list[str] = field(default_factory=list)
+    """Extra command-line arguments for `sglang.launch_server` (after the ones the trainer sets;
+    on a machine without CUDA the CPU flags are added first)."""
+
+    def __post_init__(self):
+        check(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
+        check(0 < self.mem_fraction_static <= 1, "mem_fraction_static",
+              f"must be in (0, 1], got {self.mem_fraction_static}")
+
+
+@dataclass(kw_only=True)
+class EmbeddedConfig:
+    """`rollout.embedded:` settings of the launched embedded engine (rollout.engine: embedded)."""
+
+    max_batch_size: int = 64
+    """Sequences the embedded engine decodes together in one batch."""
+
+    def __post_init__(self):
+        check(self.max_batch_size >= 1, "max_batch_size", f"must be >= 1, got {self.max_batch_size}")
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     engine: Literal["embedded", "sglang"] = "embedded"
-    """embedded: the package's own HTTP engine (transformers, CPU or GPU); sglang: launch
-    `python -m sglang.launch_server`. Ignored when `urls` is set."""
+    """The kind of rollout server: embedded (the package's own HTTP engine, transformers) or
+    sglang. Launched by the trainer unless `urls` is set; with `urls` it names the kind of the
+    servers there (checked when the run starts)."""
 
     urls: list[str] = field(default_factory=list)
-    """Servers started elsewhere (http://host:port); used round-robin instead of launching one."""
+    """Servers started elsewhere (http://host:port); used round-robin instead of launching any."""
+
+    num_servers: int = 1
+    """Servers the trainer launches (rollout data parallelism): requests are spread over them
+    and every one receives every weight update. Ignored when `urls` is set."""
 
     host: str = "127.0.0.1"
     """Address a launched server binds to. Anything but loopback exposes it to the network."""
@@ -47,21 +88,15 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra token ids that end a response (the tokenizer's EOS always does)."""
 
-    sglang_tp: int = 1
-    """Tensor-parallel size of a launched SGLang server."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """Settings of launched SGLang servers."""
 
-    sglang_mem_fraction_static: float = 0.8
-    """SGLang --mem-fraction-static of a launched server."""
-
-    sglang_extra_args: list[str] = field(default_factory=list)
-    """Extra command-line arguments for `sglang.launch_server`."""
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
+    """Settings of the launched embedded engine."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype of a launched server (SGLang --dtype; auto: the checkpoint's). Match the
     trainer's model.dtype, or the engine's log-probs differ from the trainer's by rounding."""
-
-    embedded_max_batch_size: int = 64
-    """Sequences the embedded engine decodes together in one batch."""
 
     max_restarts: int = 3
     """Times a launched server that died is restarted before the run stops with an error."""
@@ -82,11 +117,21 @@ class RolloutConfig:
     """How new weights reach the engine each step: a process group broadcast, colocated
     tensors, or safetensors files + /update_weights_from_disk."""
 
+    weight_sync_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend of the distributed transport. auto: what the engine kind supports
+    on this machine (NCCL with CUDA where the engine accepts it, else gloo)."""
+
     weight_update_bucket_mb: int = 512
     """Size of one weight-sync bucket in MiB."""
 
     verify_weights_every: int = 1
-    """Compare per-tensor checksums of trainer and engine every N syncs (0 = never)."""
+    """Verify what the engines serve every N syncs (0 = never): per-tensor checksums on the
+    embedded engine; on SGLang, the first rows of each tensor (/get_weights_by_name, where the
+    architecture supports it) and the log-probs of a probe sequence against the trainer's."""
+
+    verify_logprob_tolerance: float = 1e-3
+    """Largest mean |engine - trainer| log-prob on the verification probe (temperature 1). fp32
+    on both sides agrees to ~1e-6; raise it when the engine runs in bf16 (~1e-2)."""
 
     def __post_init__(self):
         for key in ("num_generations", "prompts_per_step", "max_new_tokens", "weight_update_bucket_mb"):
@@ -95,13 +140,8 @@ class RolloutConfig:
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 or >= 1, got {self.top_k}")
         check(self.port is None or 0 < self.port < 65536, "port", f"must be in 1..65535, got {self.port}")
-        check(self.sglang_tp >= 1, "sglang_tp", f"must be >= 1, got {self.sglang_tp}")
-        check(
-            0 < self.sglang_mem_fraction_static <= 1,
-            "sglang_mem_fraction_static",
-            f"must be in (0, 1], got {self.sglang_mem_fraction_static}",
-        )
-        check(self.embedded_max_batch_size >= 1, "embedded_max_batch_size", "must be >= 1")
+        check(self.num_servers >= 1, "num_servers", f"must be >= 1, got {self.num_servers}")
+        check(self.verify_logprob_tolerance > 0, "verify_logprob_tolerance", "must be > 0")
         check(self.max_restarts >= 0, "max_restarts", f"must be >= 0, got {self.max_restarts}")
         check(self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1")
         check(self.launch_timeout_s > 0, "launch_timeout_s", "must be > 0")
@@ -110,6 +150,11 @@ class RolloutConfig:
         check(self.verify_weights_every >= 0, "verify_weights_every", "must be >= 0")
         for i, url in enumerate(self.urls):
             check(url.startswith(("http://", "https://")), f"urls[{i}]", f"must start with http:// or https://, got {url!r}")
+        # What the engine kind can do (transports, backends) is its adapter's to say. Imported
+        # here, not at the top: the adapters import this module's neighbours (no import cycle).
+        from megatron_grpo.rollout.engines import ENGINES
+
+        ENGINES[self.engine].check_config(self)
 
     @property
     def batch_size(self) -> int:

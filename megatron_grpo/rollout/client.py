@@ -9,7 +9,8 @@ event loop in a daemon thread, so the trainer's ranks never need asyncio; ``subm
 ``concurrent.futures.Future`` for the weight-sync code, which must post a request and join a
 broadcast at the same time.
 
-Route and payload shapes are SGLang 0.5.23's (see ../shared/SGLANG_CPU.md):
+Route and payload shapes are SGLang 0.5.23's (checked against the real server by
+``tests/test_sglang_contract.py``):
 
 * ``POST /generate`` with ``input_ids`` (a list of prompts), ``sampling_params`` (one dict or
   one per item), ``return_logprob``, ``logprob_start_len``; the answer is a list (prompt-major
@@ -35,7 +36,6 @@ ROUTES: dict[str, tuple[str, str]] = {
     "health": ("GET", "/health"),
     "get_model_info": ("GET", "/get_model_info"),
     "get_server_info": ("GET", "/get_server_info"),
-    "get_weight_version": ("GET", "/get_weight_version"),
     "generate": ("POST", "/generate"),
     "flush_cache": ("POST", "/flush_cache"),
     "pause_generation": ("POST", "/pause_generation"),
@@ -277,6 +277,23 @@ class AsyncRolloutClient:
                 **(extra or {})}
         return await self.call("update_weights_from_distributed", body, url=url, retry=False)
 
+    async def prompt_logprobs(self, url: str, token_ids: Sequence[int]) -> list[float]:
+        """The server's log-probs of ``token_ids[1:]`` given their prefixes (SGLang's input
+        log-probs are at temperature 1 whatever the request's temperature; one token is generated
+        and ignored)."""
+        body = {"input_ids": [list(token_ids)], "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"temperature": 1.0, "max_new_tokens": 1}}
+        items = await self.call("generate", body, url=url)
+        try:
+            pairs = items[0]["meta_info"]["input_token_logprobs"]
+            values = [float(lp) for lp, _, _ in pairs[1:]]  # the first token has no log-prob
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise RolloutError(url, "POST /generate", f"no input_token_logprobs in the answer ({e})") from None
+        if len(values) != len(token_ids) - 1:
+            raise RolloutError(url, "POST /generate", f"expected {len(token_ids) - 1} input log-probs, "
+                               f"got {len(values)}")
+        return values
+
     async def destroy_weights_update_group(self, url: str, group_name: str) -> Any:
         return await self.call("destroy_weights_update_group", {"group_name": group_name}, url=url)
 
@@ -284,7 +301,8 @@ class AsyncRolloutClient:
         return await self.call("update_weight_version", {"new_version": version}, url=url)
 
     async def weight_version(self, url: str) -> str:
-        return str((await self.call("get_weight_version", url=url))["weight_version"])
+        # SGLang 0.5.23 has no /get_weight_version; /get_model_info carries the version.
+        return str((await self.call("get_model_info", url=url))["weight_version"])
 
 
 def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample_index: int,
@@ -398,6 +416,9 @@ class RolloutClient:
 
     def update_weight_version(self, url: str, version: str) -> Any:
         return self.run(self.aio.update_weight_version(url, version))
+
+    def prompt_logprobs(self, url: str, token_ids: Sequence[int]) -> list[float]:
+        return self.run(self.aio.prompt_logprobs(url, token_ids))
 
     def close(self) -> None:
         """Close connections and stop the loop thread (idempotent)."""

@@ -1,19 +1,18 @@
-"""Start, watch, restart and stop the rollout server a run uses.
+"""Start, watch, restart and stop the rollout servers a run uses.
 
 ``RolloutServerManager(cfg, model_dir=..., run_dir=...)``:
 
 * ``rollout.urls`` set: nothing is launched; ``start()`` waits (deadline
-  ``launch_timeout_s``) until every listed server answers /health;
-* otherwise one server is launched from the ``rollout.engine`` registry below
-  (``python -m megatron_grpo.rollout.serve`` or ``python -m sglang.launch_server``), bound to
-  ``rollout.host`` (loopback by default) with the API key when set (the embedded engine gets it
-  through its environment; SGLang only takes ``--api-key``), logging to
-  ``<run_dir>/rollout/server.log``; ``start()`` returns once it is healthy or raises with the
-  log's last lines;
-* ``ensure_alive()`` notices a dead server and restarts it on the same port (at most
-  ``rollout.max_restarts`` times). A restarted server serves the checkpoint's weights again:
-  the caller must sync its weights (``ensure_alive`` returns True then);
-* ``stop()`` terminates only the process group the manager created (SIGTERM, then SIGKILL).
+  ``launch_timeout_s``) until every listed server answers /health, then checks that each is of
+  the kind ``rollout.engine`` names;
+* otherwise ``rollout.num_servers`` servers are launched with the command and environment of
+  the engine's adapter (``rollout/engines``), bound to ``rollout.host`` (loopback by default),
+  each logging to ``<run_dir>/rollout/server_<i>.log``; ``start()`` returns once all are
+  healthy or raises with the failing log's last lines;
+* ``ensure_alive()`` notices dead servers and restarts them on their ports (at most
+  ``rollout.max_restarts`` restarts in all). A restarted server serves the checkpoint's
+  weights again: the caller must sync its weights (``ensure_alive`` returns True then);
+* ``stop()`` terminates only the process groups the manager created (SIGTERM, then SIGKILL).
 """
 
 from __future__ import annotations
@@ -22,40 +21,18 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from megatron_grpo.rollout.serve import API_KEY_ENV
-from megatron_grpo.runtime.process import die_with_parent, free_port  # noqa: F401 - free_port re-exported
-
 import httpx
 
+from megatron_grpo.rollout.engines import ENGINES, EngineKindMismatch
 from megatron_grpo.rollout.types import RolloutError
+from megatron_grpo.runtime.process import die_with_parent, free_port  # noqa: F401 - free_port re-exported
 
 log = logging.getLogger(__name__)
-
-
-def _embedded_command(cfg, model_dir: str, host: str, port: int) -> list[str]:
-    # The API key reaches the embedded engine through its environment (API_KEY_ENV), not its
-    # command line, where every local user could read it in `ps`.
-    return [sys.executable, "-m", "megatron_grpo.rollout.serve", "--model-dir", model_dir, "--host", host,
-            "--port", str(port), "--dtype", cfg.dtype, "--max-batch-size", str(cfg.embedded_max_batch_size)]
-
-
-def _sglang_command(cfg, model_dir: str, host: str, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host,
-           "--port", str(port), "--tp-size", str(cfg.sglang_tp),
-           "--mem-fraction-static", str(cfg.sglang_mem_fraction_static), "--dtype", cfg.dtype]
-    return cmd + (["--api-key", cfg.api_key] if cfg.api_key else []) + list(cfg.sglang_extra_args)
-
-
-# rollout.engine -> command line of a server for (cfg, model_dir, host, port)
-LAUNCHERS: dict[str, Callable[..., list[str]]] = {
-    "embedded": _embedded_command,
-    "sglang": _sglang_command,
-}
 
 
 def wait_healthy(url: str, deadline: float, *, alive: Callable[[], bool] = lambda: True,
@@ -77,105 +54,146 @@ def wait_healthy(url: str, deadline: float, *, alive: Callable[[], bool] = lambd
         time.sleep(0.5)
 
 
+@dataclass
+class _Server:
+    """One launched server: its port, log and (while running) process."""
+
+    port: int
+    log_path: Path
+    proc: Optional[subprocess.Popen] = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
 class RolloutServerManager:
-    """Owns the rollout server of a run (see the module docstring)."""
+    """Owns the rollout servers of a run (see the module docstring)."""
 
     def __init__(self, cfg, *, model_dir: str, run_dir: str | Path):
         self.cfg = cfg
+        self.adapter = ENGINES[cfg.engine]
         self.model_dir = str(model_dir)
-        self.log_path = Path(run_dir) / "rollout" / "server.log"
+        self.run_dir = Path(run_dir)
         self.restarts = 0
-        self._proc: Optional[subprocess.Popen] = None
-        self._port: Optional[int] = None
-        if not cfg.urls and cfg.engine not in LAUNCHERS:
-            raise ValueError(f"rollout.engine: unknown engine {cfg.engine!r}; expected one of {sorted(LAUNCHERS)}")
+        self._servers: list[_Server] = []
 
     @property
     def launched(self) -> bool:
         return not self.cfg.urls
 
     @property
+    def log_path(self) -> Path:
+        """The first launched server's log."""
+        return self._log_path(0)
+
+    def _log_path(self, index: int) -> Path:
+        return self.run_dir / "rollout" / ("server.log" if index == 0 else f"server_{index}.log")
+
+    @property
     def urls(self) -> list[str]:
         if not self.launched:
             return [u.rstrip("/") for u in self.cfg.urls]
-        if self._port is None:
-            raise RuntimeError("the rollout server is not started")
+        if not self._servers:
+            raise RuntimeError("the rollout servers are not started")
         host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::") else self.cfg.host
-        return [f"http://{host}:{self._port}"]
+        return [f"http://{host}:{s.port}" for s in self._servers]
+
+    @property
+    def pids(self) -> list[int]:
+        return [s.proc.pid for s in self._servers if s.proc is not None]
 
     @property
     def pid(self) -> Optional[int]:
-        return self._proc.pid if self._proc is not None else None
+        """The first launched server's pid."""
+        return self.pids[0] if self.pids else None
 
     def start(self) -> list[str]:
-        """Launch (or wait for the external) server(s) until healthy; returns their URLs."""
+        """Launch (or wait for the external) servers until healthy; returns their URLs."""
         deadline = time.monotonic() + self.cfg.launch_timeout_s
         if not self.launched:
             for url in self.urls:
                 wait_healthy(url, deadline)
+                self._check_kind(url)
             return self.urls
-        self._port = self.cfg.port or free_port(self.cfg.host)
-        self._launch(deadline)
+        ports: list[int] = []
+        for i in range(self.cfg.num_servers):
+            port = (self.cfg.port + i) if self.cfg.port else free_port(self.cfg.host)
+            while port in ports:  # free_port may hand out a port twice before either is bound
+                port = free_port(self.cfg.host)
+            ports.append(port)
+        self._servers = [_Server(port, self._log_path(i)) for i, port in enumerate(ports)]
+        try:
+            for server in self._servers:  # all start together; the health waits overlap
+                self._spawn(server)
+            for server in self._servers:
+                self._wait(server, deadline)
+        except BaseException:
+            self.stop()
+            raise
         return self.urls
 
-    def _launch(self, deadline: float) -> None:
-        cmd = LAUNCHERS[self.cfg.engine](self.cfg, self.model_dir, self.cfg.host, self._port)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as logf:
+    def _check_kind(self, url: str) -> None:
+        try:
+            info = httpx.get(url + "/get_server_info", timeout=10.0,
+                             headers={"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {})
+            info.raise_for_status()
+            self.adapter.check_server(url, info.json())
+        except EngineKindMismatch as e:
+            raise RolloutError(url, "GET /get_server_info", str(e)) from None
+        except (httpx.HTTPError, ValueError) as e:
+            raise RolloutError(url, "GET /get_server_info", f"{type(e).__name__}: {e}") from None
+
+    def _spawn(self, server: _Server) -> None:
+        try:
+            cmd = self.adapter.launch_command(self.cfg, self.model_dir, self.cfg.host, server.port)
+        except RuntimeError as e:  # e.g. no SGLang environment on this machine
+            raise RolloutError(f"{self.cfg.engine} server", "launch", str(e)) from None
+        server.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(server.log_path, "ab") as logf:
             logf.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launch: {_redact(cmd)}\n".encode())
             logf.flush()
             # A new session makes the server (and anything it forks) one process group that
             # stop() can signal without touching any other process on the machine.
-            env = dict(os.environ)
-            if self.cfg.api_key and self.cfg.engine == "embedded":
-                env[API_KEY_ENV] = self.cfg.api_key
-            self._proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True, preexec_fn=die_with_parent, env=env)
-        log.info("rollout server pid %d: %s (log %s)", self._proc.pid, self.urls[0], self.log_path)
-        try:
-            wait_healthy(self.urls[0], deadline, alive=self.alive, describe=self._log_tail)
-        except RolloutError:
-            self.stop()
-            raise
+            server.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           start_new_session=True, preexec_fn=die_with_parent,
+                                           env=self.adapter.launch_env(self.cfg, dict(os.environ)))
+        log.info("rollout server pid %d: port %d (log %s)", server.proc.pid, server.port, server.log_path)
+
+    def _wait(self, server: _Server, deadline: float) -> None:
+        url = self.urls[self._servers.index(server)]
+        wait_healthy(url, deadline, alive=server.alive, describe=lambda: _log_tail(server.log_path))
 
     def alive(self) -> bool:
-        """True while the launched process runs (always True for external servers)."""
-        return not self.launched or (self._proc is not None and self._proc.poll() is None)
+        """True while every launched process runs (always True for external servers)."""
+        return not self.launched or (bool(self._servers) and all(s.alive() for s in self._servers))
 
     def ensure_alive(self) -> bool:
-        """Restart a launched server that died; returns True if it did (weights must be re-synced)."""
-        if self.alive():
-            return False
-        code = self._proc.returncode if self._proc is not None else None
-        if self.restarts >= self.cfg.max_restarts:
-            raise RolloutError(self.urls[0], "launch", f"the server died (exit code {code}) and "
-                               f"rollout.max_restarts={self.cfg.max_restarts} restarts are used up{self._log_tail()}")
-        self.restarts += 1
-        log.warning("rollout server died (exit code %s); restart %d of %d", code, self.restarts, self.cfg.max_restarts)
-        self._launch(time.monotonic() + self.cfg.launch_timeout_s)
-        return True
+        """Restart launched servers that died; returns True if any did (weights must be re-synced)."""
+        dead = [s for s in self._servers if not s.alive()] if self.launched else []
+        for server in dead:
+            code = server.proc.returncode if server.proc is not None else None
+            url = self.urls[self._servers.index(server)]
+            if self.restarts >= self.cfg.max_restarts:
+                raise RolloutError(url, "launch", f"the server died (exit code {code}) and "
+                                   f"rollout.max_restarts={self.cfg.max_restarts} restarts are used up"
+                                   f"{_log_tail(server.log_path)}")
+            self.restarts += 1
+            log.warning("rollout server %s died (exit code %s); restart %d of %d", url, code, self.restarts,
+                        self.cfg.max_restarts)
+            _stop_process(server.proc)  # children it may have left behind
+            self._spawn(server)
+            try:
+                self._wait(server, time.monotonic() + self.cfg.launch_timeout_s)
+            except RolloutError:
+                _stop_process(server.proc)
+                raise
+        return bool(dead)
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Terminate the launched server's process group (idempotent; external servers untouched)."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            _signal_group(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=timeout_s)
-        else:
-            _signal_group(proc.pid, signal.SIGKILL)  # children it may have left behind
-
-    def _log_tail(self, num_lines: int = 5) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").strip().splitlines()[-num_lines:]
-        except OSError:
-            return ""
-        return f"; log {self.log_path} ends: " + " | ".join(line.strip() for line in lines)
+        """Terminate the launched servers' process groups (idempotent; external servers untouched)."""
+        for server in self._servers:
+            proc, server.proc = server.proc, None
+            _stop_process(proc, timeout_s)
 
     def __enter__(self) -> "RolloutServerManager":
         self.start()
@@ -183,6 +201,29 @@ class RolloutServerManager:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _stop_process(proc: Optional[subprocess.Popen], timeout_s: float = 15.0) -> None:
+    """SIGTERM the process group of ``proc`` (SIGKILL after ``timeout_s``); SIGKILL leftovers."""
+    if proc is None:
+        return
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout_s)
+    else:
+        _signal_group(proc.pid, signal.SIGKILL)  # children it may have left behind
+
+
+def _log_tail(path: Path, num_lines: int = 5) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()[-num_lines:]
+    except OSError:
+        return ""
+    return f"; log {path} ends: " + " | ".join(line.strip() for line in lines)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -9,12 +9,17 @@
    single HF <-> Megatron mapping, collective over the stage's TP group); the stage's TP rank 0
    (the SENDER) casts each full tensor to the engine's dtype, packs single-dtype byte buckets
    of ``rollout.weight_update_bucket_mb`` and hands them to the transport (``transports.py``);
-3. every ``rollout.verify_weights_every`` syncs, each sender compares per-tensor checksums it
-   computed from the tensors it meant to send with the ones the engine computes from the
-   weights it now serves (``checksum.py``); a difference raises ``WeightSyncError`` naming the
-   tensor, on every rank;
+3. every ``rollout.verify_weights_every`` syncs, each sender compares what it meant to send
+   with what every engine now serves, the way the engine's adapter can (exact per-tensor
+   checksums on the embedded engine, ``wire/checksum.py``; the first rows of each tensor on
+   SGLang); a difference raises ``WeightSyncError`` naming the tensor, on every rank;
 4. the coordinator sets the engines' ``weight_version`` to ``str(step)``, closes the bracket,
-   flushes the cache again and continues generation.
+   flushes the cache again and continues generation;
+5. on a verified sync of an engine whose per-tensor check is partial (SGLang), every rank runs
+   ``probe`` (the trainer's own forward, collective) on a fixed probe sequence and the
+   coordinator compares its log-probs with each engine's prompt log-probs of the same
+   sequence: a weight the row check could not see, or a layout the engine's loader
+   misreads, shows as a mean |difference| above ``rollout.verify_logprob_tolerance``.
 
 Failures are agreed on collectively (an ``all_gather_object`` after each phase), so every rank
 raises the same one-line error instead of some ranks waiting forever in the next collective.
@@ -33,14 +38,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.rollout.client import RolloutClient
+from megatron_grpo.rollout.engines import ENGINES
 from megatron_grpo.rollout.types import RolloutError
-from megatron_grpo.sync.buckets import plan_buckets
-from megatron_grpo.sync.checksum import compare_checksums, tensor_checksum
 from megatron_grpo.sync.transports import TRANSPORTS
+from megatron_grpo.wire.buckets import plan_buckets
+from megatron_grpo.wire.checksum import tensor_checksum
 
 log = logging.getLogger(__name__)
 
-_SAMPLE_ROWS = 8  # rows per tensor compared through SGLang's /get_weights_by_name
+_SAMPLE_ROWS = 8  # first rows of each tensor kept for engines that verify by rows
+_PROBE_LENGTH = 32
+
+# probe(token_ids) -> the trainer's log-probs of token_ids[1:] given the prefix, at temperature
+# 1, on the rank(s) that hold them (None elsewhere). Collective over every trainer rank.
+Probe = Callable[[list[int]], Optional[list[float]]]
 
 
 class WeightSyncError(RuntimeError):
@@ -66,6 +77,14 @@ class SyncStats:
     role: str = "idle"
     """coordinator+sender, sender, peer (a TP rank feeding a sender) or idle (DP replica > 0)."""
     per_engine_seconds: dict = field(default_factory=dict)
+    probe_logprob_abs_diff: Optional[float] = None
+    """Largest (over engines) mean |engine - trainer| log-prob on the probe, when probed."""
+
+
+def probe_tokens(vocab_size: int, length: int = _PROBE_LENGTH) -> list[int]:
+    """A fixed pseudo-random token sequence for the log-prob probe (same on every rank)."""
+    gen = torch.Generator().manual_seed(20240917)
+    return torch.randint(0, vocab_size, (length,), generator=gen).tolist()
 
 
 def _parallel_ranks() -> tuple[int, int, int]:
@@ -83,11 +102,13 @@ class WeightSyncer:
 
     def __init__(self, cfg, urls: list[str], hf_config, *, work_dir: Optional[str | Path] = None,
                  master_address: str = "127.0.0.1", client: Optional[RolloutClient] = None,
-                 iter_weights: Optional[Callable] = None):
+                 iter_weights: Optional[Callable] = None, probe: Optional[Probe] = None):
         if cfg.weight_sync_transport not in TRANSPORTS:
             raise ValueError(f"rollout.weight_sync_transport: unknown {cfg.weight_sync_transport!r}; "
                              f"expected one of {sorted(TRANSPORTS)}")
         self.cfg = cfg
+        self.adapter = ENGINES[cfg.engine]
+        self.probe = probe
         self.hf_config = hf_config
         self.urls = list(urls)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -106,7 +127,8 @@ class WeightSyncer:
             self.transport = TRANSPORTS[cfg.weight_sync_transport](
                 self.client, stage=pp_rank, bucket_bytes=cfg.weight_update_bucket_mb * 2**20,
                 timeout_s=cfg.request_timeout_s, master_address=master_address,
-                work_dir=Path(work_dir) if work_dir else None, hf_config=hf_config)
+                work_dir=Path(work_dir) if work_dir else None, hf_config=hf_config,
+                backend=self.adapter.backend(cfg, torch.cuda.is_available()))
         self.num_syncs = 0
         self._engine_info: Optional[list[dict]] = None
 
@@ -158,15 +180,30 @@ class WeightSyncer:
                           role="coordinator+sender" if self.coordinator else
                           "sender" if self.sender else "peer" if self.participant else "idle")
         self._run(self._prepare_engines, "prepare (pause/flush)", on=self.coordinator)
-        expected: dict[str, str] = {}
-        samples: dict[str, torch.Tensor] = {}
-        error = None
-        if self.participant:
-            error = self._send_stage(model_chunks, step, verify, stats, expected, samples)
-        self._agree(error, f"send (step {step})")
-        if verify:
-            self._verify(step, expected, samples, stats)
-        self._run(lambda: self._finish_engines(step), "finish (version/continue)", on=self.coordinator)
+        ok = False
+        try:
+            expected: dict[str, str] = {}
+            samples: dict[str, torch.Tensor] = {}
+            error = None
+            if self.participant:
+                error = self._send_stage(model_chunks, step, verify, stats, expected, samples)
+            self._agree(error, f"send (step {step})")
+            if verify:
+                self._verify(step, expected, samples, stats)
+            ok = True
+        finally:
+            # Every rank gets here together (failures above are agreed collectively). The
+            # engines must leave the update bracket and generate again even after a failed
+            # sync, or the retry's /begin_weight_update is refused; only a good sync moves
+            # weight_version.
+            try:
+                self._run(lambda: self._finish_engines(step if ok else None), "finish (version/continue)",
+                          on=self.coordinator)
+            except WeightSyncError:
+                if ok:
+                    raise
+        if verify and self.adapter.verifies_by_probe and self.probe is not None:
+            self._verify_probe(step, stats)
         self.num_syncs += 1
         stats.seconds = time.perf_counter() - started
         return stats
@@ -178,9 +215,11 @@ class WeightSyncer:
             if TRANSPORTS[self.cfg.weight_sync_transport].needs_update_session:
                 self.client.begin_weight_update(url)
 
-    def _finish_engines(self, step: int) -> None:
+    def _finish_engines(self, step: Optional[int]) -> None:
+        """Close the bracket, flush, continue; set weight_version to ``step`` unless None."""
         for url in self.urls:
-            self.client.update_weight_version(url, str(step))
+            if step is not None:
+                self.client.update_weight_version(url, str(step))
             if TRANSPORTS[self.cfg.weight_sync_transport].needs_update_session:
                 self.client.end_weight_update(url)
             self.client.flush_cache(url)
@@ -214,10 +253,7 @@ class WeightSyncer:
                 samples[name] = tensor[:_SAMPLE_ROWS].detach().float().cpu().clone()
             stats.checksum_seconds += time.perf_counter() - c0
 
-        # The embedded engine checksums what it loaded in the background, overlapping the
-        # next bucket (SGLang rejects unknown keys: it is only asked of embedded engines).
-        embedded = all(info.get("engine") == "embedded" for info in self.engine_info())
-        self.transport.request_extras = {"compute_checksums": True} if verify and embedded else {}
+        self.transport.request_extras = self.adapter.request_extras(verify)
         try:
             for bucket in plan_buckets(converted(), self.transport.bucket_bytes):
                 self.transport.send(bucket, overlap=(lambda b=bucket: checksum(b)) if verify else None)
@@ -239,9 +275,8 @@ class WeightSyncer:
         if self.sender:
             c0 = time.perf_counter()
             try:
-                for url, info in zip(self.urls, self.engine_info()):
-                    verifier = VERIFIERS.get(str(info.get("engine", "sglang")), _verify_by_rows)
-                    bad = verifier(self.client, url, expected, samples)
+                for url in self.urls:
+                    bad = self.adapter.verify(self.client, url, expected, samples)
                     if bad:
                         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
                         problem = (f"{bad[0]}{more} differs between the trainer and engine {url} after the "
@@ -251,6 +286,38 @@ class WeightSyncer:
                 problem = f"cannot verify: {e}"
             stats.checksum_seconds += time.perf_counter() - c0
         self._agree(problem, f"verification (step {step})")
+
+    def _verify_probe(self, step: int, stats: SyncStats) -> None:
+        """Collective: the engines' prompt log-probs of the probe equal the trainer's (module doc, 5)."""
+        tokens = probe_tokens(self.hf_config.vocab_size)
+        error, mine = None, None
+        try:
+            mine = self.probe(tokens)
+        except Exception as e:  # noqa: BLE001 - agreed on below
+            error = f"{type(e).__name__}: {e}"
+        self._agree(error, f"probe forward (step {step})")
+        gathered: list = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+        if dist.is_initialized():
+            dist.all_gather_object(gathered, mine)
+        trainer = next((g for g in gathered if g is not None), None)
+        problem = None
+        if self.coordinator:
+            try:
+                stats.probe_logprob_abs_diff = 0.0
+                for url in self.urls:
+                    served = self.client.prompt_logprobs(url, tokens)
+                    diff = torch.tensor(served, dtype=torch.float64) - torch.tensor(trainer, dtype=torch.float64)
+                    mean = float(diff.abs().mean())
+                    stats.probe_logprob_abs_diff = max(stats.probe_logprob_abs_diff, mean)
+                    if not mean <= self.cfg.verify_logprob_tolerance:
+                        problem = (f"engine {url} log-probs on the probe differ from the trainer's by {mean:.3g} "
+                                   f"on average after the step {step} sync (rollout.verify_logprob_tolerance="
+                                   f"{self.cfg.verify_logprob_tolerance}): the engine does not serve the "
+                                   "trainer's weights")
+                        break
+            except RolloutError as e:
+                problem = f"cannot probe: {e}"
+        self._agree(problem, f"probe verification (step {step})")
 
     def reset(self) -> None:
         """Forget engine state (call on every rank after an engine restarted)."""
@@ -263,30 +330,3 @@ class WeightSyncer:
             self.transport.close()
         if self._own_client:
             self.client.close()
-
-
-def _verify_by_checksums(client, url, expected: dict[str, str], samples) -> list[str]:
-    """Embedded engine: exact per-tensor checksums (``/weights_checksum``)."""
-    answer = client.call("weights_checksum", {"names": sorted(expected)}, url=url)["checksums"]
-    return compare_checksums(expected, {n: v["checksum"] for n, v in answer.items()})
-
-
-def _verify_by_rows(client, url, expected, samples: dict[str, torch.Tensor]) -> list[str]:
-    """SGLang: the first rows of each tensor through ``/get_weights_by_name`` (a partial check:
-    SGLang returns truncated values, and the route fails for some architectures, e.g. Qwen2,
-    in 0.5.23; such tensors are reported as unverifiable in the log, not as mismatches)."""
-    bad = []
-    for name, rows in samples.items():
-        try:
-            served = client.call("get_weights_by_name", {"name": name, "truncate_size": _SAMPLE_ROWS}, url=url)
-        except RolloutError as e:
-            log.warning("cannot verify %s on %s: %s", name, url, e)
-            continue
-        got = torch.tensor(served, dtype=torch.float32)
-        if got.shape != rows.shape or not torch.allclose(got, rows, rtol=1e-6, atol=0.0):
-            bad.append(name)
-    return bad
-
-
-# /get_server_info "engine" -> how to verify the served weights
-VERIFIERS: dict[str, Callable] = {"embedded": _verify_by_checksums, "sglang": _verify_by_rows}

@@ -6,7 +6,8 @@ every engine URL; ``send`` returns once each engine has loaded it (so buffers ca
 * ``distributed``: a process group between this rank (rank 0) and the engines' ranks (SGLang's
   ``/init_weights_update_group``), created on the first sync; per bucket, one
   ``/update_weights_from_distributed`` request (``load_format: flattened_bucket``) per engine
-  and ONE uint8 broadcast. gloo on CPU, NCCL on GPU.
+  and ONE uint8 broadcast, inside the begin/end bracket (SGLang 0.5.23 requires it). The
+  backend is the one the engine's adapter resolves (gloo, or NCCL where the engine accepts it).
 * ``tensor``: colocated engines; the bucket is packed into a shared-memory buffer and each
   engine maps it (``/update_weights_from_tensor``, inside the begin/end bracket).
 * ``disk``: each bucket becomes a safetensors file in a per-sync directory written under a
@@ -27,8 +28,8 @@ from typing import Callable, Optional
 import torch
 
 from megatron_grpo.rollout.types import RolloutError
-from megatron_grpo.sync.buckets import Bucket, unflatten
-from megatron_grpo.sync.serialize import serialize_named_tensors, use_file_system_sharing
+from megatron_grpo.wire.buckets import Bucket, unflatten
+from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_system_sharing
 
 
 class Transport:
@@ -41,8 +42,10 @@ class Transport:
     """Extra keys for the engines' update requests (set by the syncer per sync)."""
 
     def __init__(self, client, *, stage: int, bucket_bytes: int, timeout_s: float,
-                 master_address: str = "127.0.0.1", work_dir: Optional[Path] = None, hf_config=None):
+                 master_address: str = "127.0.0.1", work_dir: Optional[Path] = None, hf_config=None,
+                 backend: str = "gloo"):
         self.client = client
+        self.backend = backend
         self.urls = list(client.urls)
         self.stage = stage
         self.bucket_bytes = bucket_bytes
@@ -82,6 +85,8 @@ class Transport:
 class DistributedTransport(Transport):
     """Broadcast over a process group shared with the engines (see the module docstring)."""
 
+    needs_update_session = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.group = None
@@ -91,9 +96,9 @@ class DistributedTransport(Transport):
 
     def _init_group(self) -> None:
         from megatron_grpo.runtime.process import free_port
-        from megatron_grpo.sync.group import init_custom_process_group
+        from megatron_grpo.wire.group import init_custom_process_group
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = self.backend
         tp_sizes = self.engine_tp_sizes()
         world_size = 1 + sum(tp_sizes)
         port = free_port(self.master_address)
@@ -114,7 +119,7 @@ class DistributedTransport(Transport):
 
     def send(self, bucket: Bucket, overlap: Optional[Callable[[], None]] = None) -> None:
         if self._buffer is None or self._buffer.numel() < bucket.nbytes:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = "cuda" if self.backend == "nccl" else "cpu"  # where the backend reads from
             self._buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         flat = bucket.pack(out=self._buffer)
         futures = [self.client.submit(self.client.aio.update_weights_from_distributed(
@@ -152,7 +157,7 @@ class DistributedTransport(Transport):
         work.wait()
 
     def reset(self) -> None:
-        from megatron_grpo.sync.group import destroy_custom_process_group
+        from megatron_grpo.wire.group import destroy_custom_process_group
 
         self._tp_sizes = None
         group, self.group = self.group, None

@@ -135,11 +135,16 @@ def _check_checkpoints(cfg: ExperimentConfig) -> None:
 def preflight(cfg: ExperimentConfig) -> None:
     """Check, without writing anything, every input the run reads at start-up: the model
     directory (config, weights, tokenizer vs vocabulary, tp/pp vs head and layer counts),
-    checkpoints to load, the dataset (every line), the reward functions (imported) and the
-    logging sinks. Raises a user error (see ``user_errors``)."""
+    checkpoints to load, the dataset (every line), the reward functions (imported), the
+    rollout engine's environment (an SGLang to launch) and the logging sinks. Raises a user
+    error (see ``user_errors``)."""
     from megatron_grpo.data import DataError, load_prompt_dataset
     from megatron_grpo.rewards import RewardScorer
+    from megatron_grpo.rollout.engines import ENGINES
 
+    engine_problem = ENGINES[cfg.rollout.engine].preflight(cfg.rollout)
+    if engine_problem:
+        raise ConfigError("rollout.engine", engine_problem)
     hf_config, tokenizer = _check_model_dir(cfg)
     _check_checkpoints(cfg)
     dataset = load_prompt_dataset(cfg.data, tokenizer)

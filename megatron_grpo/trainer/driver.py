@@ -28,7 +28,7 @@ from megatron_grpo.trainer.batch import dp_shard
 from megatron_grpo.trainer.engine_guard import EngineGuard, RunAborted, broadcast
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.trainer.components import build_policy, build_reference, build_rollout_side
-from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
+from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, probe_log_probs, train_mini_batch
 from megatron_grpo.trainer.optim import lr_at, set_lr
 from megatron_grpo.trainer.rollout_step import generate_and_score
 
@@ -69,7 +69,8 @@ def train(cfg: ExperimentConfig) -> list[dict]:
     side = build_rollout_side(cfg, tokenizer, sampler) if rank == 0 else None
     urls = broadcast(side.manager.urls if side else None)
     syncer = WeightSyncer(cfg.rollout, urls, policy.hf_config, work_dir=f"{run_dir}/weight_sync",
-                          client=side.client if side else None)
+                          client=side.client if side else None,
+                          probe=lambda tokens: probe_log_probs(policy.chunks, tokens, spec))
     engine = EngineGuard(side, syncer, policy.modules, max_attempts=cfg.rollout.max_restarts + 1)
     engine.sync(start_step)  # the engine starts from the HF weights
 
@@ -114,11 +115,14 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             timings["time_train_s"], mark = time.monotonic() - mark, time.monotonic()
 
             # 4. weights -> rollout engine, metrics, checkpoint
-            engine.sync(step + 1)
+            sync_stats = engine.sync(step + 1)
             timings["time_sync_s"] = time.monotonic() - mark
             nonfinite_streak = nonfinite_streak + 1 if skipped else 0
             record = _step_record(step, result.stats, step_metrics, timings, skipped, policy.optimizer, batch)
             record["engine_restarts"] = engine.restarts
+            record["weight_sync_verified"] = int(sync_stats.verified)
+            if sync_stats.probe_logprob_abs_diff is not None:
+                record["weight_sync_probe_logprob_abs_diff"] = sync_stats.probe_logprob_abs_diff
             if rank == 0:
                 records.append(logger.log(step + 1, record))
             if nonfinite_streak >= cfg.trainer.max_consecutive_nonfinite:

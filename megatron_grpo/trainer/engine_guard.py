@@ -67,12 +67,12 @@ class EngineGuard:
                           attempt)
         raise AssertionError("unreachable")
 
-    def sync(self, step: int) -> None:
-        """Push the weights of ``step`` to the engine(s), recovering from engine failures."""
+    def sync(self, step: int):
+        """Push the weights of ``step`` to the engine(s), recovering from engine failures;
+        returns the SyncStats of the sync that succeeded."""
         for attempt in range(1, self.max_attempts + 1):
             try:
-                self.syncer.sync(self.modules, step)
-                return
+                return self.syncer.sync(self.modules, step)
             except WeightSyncError as e:
                 self._recover(step, f"weight sync failed (attempt {attempt} of {self.max_attempts}): {e}",
                               attempt, resync=False)
@@ -112,4 +112,4 @@ class EngineGuard:
     def _resync(self, step: int) -> None:
         """A restarted engine serves the initial HF weights: forget its state and sync."""
         self.syncer.reset()
-        self.sync(step)
+        return self.sync(step)

@@ -178,3 +178,18 @@ def _all_finite(model_chunks, outs) -> bool:
     flag = torch.tensor([bad])
     dist.all_reduce(flag)
     return flag.item() == 0.0
+
+
+def probe_log_probs(model_chunks, token_ids: list[int], spec: ScoringSpec) -> Optional[list[float]]:
+    """The policy's log-probs of ``token_ids[1:]`` at temperature 1 (the weight-sync probe).
+
+    Collective over the model-parallel group like ``compute_log_probs``; a list of
+    len(token_ids) - 1 floats on the last pipeline stage, None on the others.
+    """
+    from megatron_grpo.trainer.batch import build_train_batch
+
+    batch = build_train_batch([token_ids[:1]], [token_ids[1:]], [[0.0] * (len(token_ids) - 1)],
+                              torch.zeros(1), pad_id=0)
+    at_t1 = ScoringSpec(temperature=1.0, vocab_size=spec.vocab_size, chunk_size=spec.chunk_size)
+    out = compute_log_probs(model_chunks, batch, 1, at_t1)
+    return None if out is None else out[0, : len(token_ids) - 1].tolist()

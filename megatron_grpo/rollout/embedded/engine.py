@@ -28,7 +28,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from megatron_grpo.rollout.embedded.generation import Sequence, WaveStep, run_wave
-from megatron_grpo.sync.checksum import tensor_checksum
+from megatron_grpo.wire.checksum import tensor_checksum
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ class EmbeddedEngine:
 
     def init_group(self, group_name: str, *, master_address: str, master_port: int, rank_offset: int,
                    world_size: int, backend: str, timeout_s: float = 300.0) -> None:
-        from megatron_grpo.sync.group import init_custom_process_group
+        from megatron_grpo.wire.group import init_custom_process_group
 
         if group_name in self._groups:
             raise EngineError(f"weight update group {group_name!r} already exists")
@@ -287,7 +287,7 @@ class EmbeddedEngine:
         )
 
     def destroy_group(self, group_name: str) -> None:
-        from megatron_grpo.sync.group import destroy_custom_process_group
+        from megatron_grpo.wire.group import destroy_custom_process_group
 
         group = self._groups.pop(group_name, None)
         self._recv_buffers.pop(group_name, None)
@@ -304,7 +304,7 @@ class EmbeddedEngine:
         """
         import torch.distributed as dist
 
-        from megatron_grpo.sync.buckets import unflatten
+        from megatron_grpo.wire.buckets import unflatten
 
         group = self._groups.get(group_name)
         if group is None:

@@ -38,6 +38,11 @@ _GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "log
                   "return_text_in_logprobs", "rid"} | set(_GENERATE_DEFAULTS)
 
 
+# SGLang 0.5.23 loads tensor and distributed updates only inside a begin/end bracket (its
+# scheduler answers 400 with this text otherwise); this engine keeps the same contract.
+_NO_SESSION = "{route} must run between begin_weight_update() and end_weight_update()"
+
+
 def _bad_request(message: str) -> JSONResponse:
     return JSONResponse({"object": "error", "message": message, "type": "BadRequest", "code": 400},
                         status_code=400)
@@ -198,11 +203,11 @@ def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None) -> FastA
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
-        from megatron_grpo.sync.serialize import deserialize_named_tensors
+        from megatron_grpo.wire.serialize import deserialize_named_tensors
 
         req = await body(request)
         if not engine.in_update_session:
-            return _bad_request("/update_weights_from_tensor needs an open session: call /begin_weight_update first")
+            return _bad_request(_NO_SESSION.format(route="update_weights_from_tensor"))
         if req.get("load_format") not in (None, "direct"):
             return _bad_request(f"load_format {req.get('load_format')!r} is not supported (null)")
         serialized = req.get("serialized_named_tensors")
@@ -243,6 +248,8 @@ def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None) -> FastA
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
         req = await body(request)
+        if not engine.in_update_session:
+            return _bad_request(_NO_SESSION.format(route="update_weights_from_distributed"))
         try:
             count = await in_thread(engine.receive_distributed, names=list(req["names"]),
                                     dtypes=list(req["dtypes"]), shapes=[list(s) for s in req["shapes"]],

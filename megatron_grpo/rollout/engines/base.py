@@ -1,0 +1,78 @@
+"""What every rollout-engine adapter provides (the interface the manager and the sync use).
+
+Kept free of torch and HTTP imports: the config loader consults ``check_config`` at load time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from megatron_grpo.config.base import check
+
+# Verifier signature: (client, url, expected checksums {name: hex}, first rows {name: tensor})
+# -> names whose served values differ from what the trainer sent.
+Verifier = Callable[..., list[str]]
+
+
+class EngineKindMismatch(RuntimeError):
+    """A server in rollout.urls is not of the kind rollout.engine names."""
+
+
+class EngineAdapter:
+    """Base adapter: subclasses set the class attributes and override what differs."""
+
+    name: str = ""
+    transports: frozenset[str] = frozenset()
+    """rollout.weight_sync_transport values the engine accepts."""
+    backends: frozenset[str] = frozenset()
+    """Process-group backends the engine's /init_weights_update_group accepts."""
+
+    # ---- config-load checks -------------------------------------------------------------
+
+    def check_config(self, cfg) -> None:
+        """Raise ConfigValueError (naming the rollout key) for a combination that cannot work."""
+        check(cfg.weight_sync_transport in self.transports, "weight_sync_transport",
+              f"{cfg.weight_sync_transport!r} is not supported by rollout.engine={self.name!r} "
+              f"(supported: {', '.join(sorted(self.transports))})")
+        check(cfg.weight_sync_backend in ("auto", *self.backends), "weight_sync_backend",
+              f"{cfg.weight_sync_backend!r} is not accepted by rollout.engine={self.name!r} "
+              f"(accepted: auto, {', '.join(sorted(self.backends))})")
+
+    def preflight(self, cfg) -> Optional[str]:
+        """A one-line problem with this machine's setup for launching (None if fine)."""
+        return None
+
+    # ---- launching ------------------------------------------------------------------------
+
+    def launch_command(self, cfg, model_dir: str, host: str, port: int) -> list[str]:
+        raise NotImplementedError
+
+    def launch_env(self, cfg, env: dict[str, str]) -> dict[str, str]:
+        """The launched server's environment, from the trainer's ``env``."""
+        return dict(env)
+
+    # ---- talking to a running server ------------------------------------------------------
+
+    def check_server(self, url: str, server_info: dict) -> None:
+        """Raise EngineKindMismatch if ``/get_server_info`` does not describe this kind."""
+
+    def backend(self, cfg, cuda_available: bool) -> str:
+        """The resolved weight_sync_backend for this engine on this machine."""
+        if cfg.weight_sync_backend != "auto":
+            return cfg.weight_sync_backend
+        return "nccl" if cuda_available and "nccl" in self.backends else "gloo"
+
+    def request_extras(self, verify: bool) -> dict:
+        """Extra keys for the engine's weight-update requests in a sync (``verify``: this sync
+        is verified)."""
+        return {}
+
+    def verify(self, client, url: str, expected: dict[str, str], samples: dict) -> list[str]:
+        """Names of tensors the engine at ``url`` serves differently from what was sent."""
+        raise NotImplementedError
+
+    @property
+    def verifies_by_probe(self) -> bool:
+        """True: the sync also compares the engine's log-probs of a probe sequence with the
+        trainer's (for engines whose per-tensor check is partial)."""
+        return False

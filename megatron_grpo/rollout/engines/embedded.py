@@ -1,0 +1,51 @@
+"""The embedded engine (``python -m megatron_grpo.rollout.serve``): this package's own server."""
+
+from __future__ import annotations
+
+import sys
+
+from megatron_grpo.rollout.engines.base import EngineAdapter, EngineKindMismatch
+from megatron_grpo.rollout.serve import API_KEY_ENV
+
+
+class EmbeddedAdapter(EngineAdapter):
+    name = "embedded"
+    transports = frozenset({"distributed", "tensor", "disk"})
+    # The embedded engine receives into CPU tensors: gloo only (an NCCL group would need it on a GPU).
+    backends = frozenset({"gloo"})
+
+    def launch_command(self, cfg, model_dir: str, host: str, port: int) -> list[str]:
+        # The API key travels in the environment (launch_env), not argv, where `ps` shows it.
+        return [sys.executable, "-m", "megatron_grpo.rollout.serve", "--model-dir", model_dir, "--host", host,
+                "--port", str(port), "--dtype", cfg.dtype, "--max-batch-size", str(cfg.embedded.max_batch_size)]
+
+    def launch_env(self, cfg, env: dict[str, str]) -> dict[str, str]:
+        out = dict(env)
+        if cfg.api_key:
+            out[API_KEY_ENV] = cfg.api_key
+        return out
+
+    def check_server(self, url: str, server_info: dict) -> None:
+        if server_info.get("engine") != "embedded":
+            raise EngineKindMismatch(
+                f"rollout.urls: {url} is not a megatron-grpo embedded engine (it looks like "
+                f"{_describe(server_info)}); set rollout.engine to the server's kind")
+
+    def request_extras(self, verify: bool) -> dict:
+        # The engine checksums what it loaded in the background, overlapping the next bucket.
+        return {"compute_checksums": True} if verify else {}
+
+    def verify(self, client, url: str, expected: dict[str, str], samples: dict) -> list[str]:
+        """Exact per-tensor checksums of the served weights (``/weights_checksum``)."""
+        from megatron_grpo.wire.checksum import compare_checksums
+
+        answer = client.call("weights_checksum", {"names": sorted(expected)}, url=url)["checksums"]
+        return compare_checksums(expected, {n: v["checksum"] for n, v in answer.items()})
+
+
+def _describe(server_info: dict) -> str:
+    if server_info.get("engine"):
+        return f"a {server_info['engine']} engine"
+    if server_info.get("version"):
+        return f"SGLang {server_info['version']}"
+    return "an unknown server"

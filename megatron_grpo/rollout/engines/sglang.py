@@ -1,0 +1,147 @@
+"""SGLang (``python -m sglang.launch_server``), the rollout server users run on GPUs.
+
+Facts about SGLang 0.5.23 that this adapter (and the sync) rely on, checked by
+``tests/test_sglang_contract.py`` against the real server:
+
+* tensor and distributed weight updates load only between ``/begin_weight_update`` and
+  ``/end_weight_update`` (disk updates outside it); unknown request keys are rejected, so no
+  extras are sent;
+* ``/init_weights_update_group`` accepts gloo and NCCL;
+* ``/get_weights_by_name`` returns the first ``truncate_size`` rows of a tensor by its HF name
+  for some architectures (Llama) and fails for others (Qwen2, whose attention is fused): the
+  row check is therefore partial, and each verified sync also compares the server's
+  log-probs of a probe sequence with the trainer's;
+* output log-probs are those of ``log_softmax(logits / temperature)``; *input* (prompt)
+  log-probs are always at temperature 1;
+* ``/release_memory_occupation`` calls CUDA and kills a CPU server: never used without a GPU.
+
+On a machine without CUDA the server runs on CPU through SGLang's CPU engine
+(``SGLANG_USE_CPU_ENGINE=1``, plain-torch attention and sampling), from the environment
+``launch/setup_sglang_cpu.sh`` builds (it provides the CPU stand-in for SGLang's kernels).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from megatron_grpo.rollout.engines.base import EngineAdapter, EngineKindMismatch
+
+log = logging.getLogger(__name__)
+
+VENV_ENV = "MEGATRON_GRPO_SGLANG_VENV"
+"""Environment variable naming the SGLang environment (also read by the setup script)."""
+
+_STAMP = ".megatron_grpo_stamp"  # written last by launch/setup_sglang_cpu.sh: the env is complete
+
+# What makes SGLang 0.5.23 serve on a CPU (no CUDA graphs, no overlap scheduler, plain-torch
+# attention and sampling, no grammar backend; warm-up skipped, a small KV pool).
+CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+            "--grammar-backend", "none", "--disable-overlap-schedule", "--cuda-graph-backend-decode", "disabled",
+            "--cuda-graph-backend-prefill", "disabled", "--skip-server-warmup", "--max-total-tokens", "4096"]
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+
+_SAMPLE_ROWS = 8  # rows per tensor compared through /get_weights_by_name
+
+
+def default_sglang_venv() -> Path:
+    """Where ``launch/setup_sglang_cpu.sh`` builds the SGLang environment by default."""
+    if os.environ.get(VENV_ENV):
+        return Path(os.environ[VENV_ENV])
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "megatron-grpo" / "sglang-cpu"
+
+
+def find_sglang_python(configured: Optional[str]) -> tuple[Optional[str], str]:
+    """(interpreter, "") that runs SGLang, or (None, why not) — see ``rollout.sglang.python``."""
+    if configured:
+        if not os.access(configured, os.X_OK):
+            return None, f"rollout.sglang.python: {configured} is not an executable interpreter"
+        return configured, ""
+    if importlib.util.find_spec("sglang") is not None:
+        return sys.executable, ""
+    venv = default_sglang_venv()
+    python = venv / "bin" / "python"
+    if (venv / _STAMP).is_file() and os.access(python, os.X_OK):
+        return str(python), ""
+    return None, (f"rollout.engine=sglang: no SGLang found (this interpreter cannot import sglang and "
+                  f"{venv} holds no complete SGLang environment); run `bash launch/setup_sglang_cpu.sh` "
+                  "on a CPU machine, `pip install sglang` on a GPU machine, or set rollout.sglang.python")
+
+
+def _cuda_available() -> bool:
+    import torch  # at launch time torch is loaded anyway; config loading stays torch-free
+
+    return torch.cuda.is_available()
+
+
+class SGLangAdapter(EngineAdapter):
+    name = "sglang"
+    transports = frozenset({"distributed", "tensor", "disk"})
+    backends = frozenset({"gloo", "nccl"})
+
+    def preflight(self, cfg) -> Optional[str]:
+        if cfg.urls:
+            return None
+        return find_sglang_python(cfg.sglang.python)[1] or None
+
+    def launch_command(self, cfg, model_dir: str, host: str, port: int) -> list[str]:
+        python, problem = find_sglang_python(cfg.sglang.python)
+        if python is None:
+            raise RuntimeError(problem)
+        cmd = [python, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host, "--port", str(port),
+               "--tp-size", str(cfg.sglang.tp), "--mem-fraction-static", str(cfg.sglang.mem_fraction_static),
+               "--dtype", cfg.dtype]
+        if not _cuda_available():
+            cmd += CPU_ARGS
+        # SGLang takes the key only as a flag; the manager redacts it in the log.
+        return cmd + (["--api-key", cfg.api_key] if cfg.api_key else []) + list(cfg.sglang.extra_args)
+
+    def launch_env(self, cfg, env: dict[str, str]) -> dict[str, str]:
+        out = dict(env)
+        # The trainer's own PYTHONPATH (an editable install, test helpers) must not shadow the
+        # packages of another interpreter's environment.
+        python, _ = find_sglang_python(cfg.sglang.python)
+        if python is not None and python != sys.executable:
+            out.pop("PYTHONPATH", None)
+        if not _cuda_available():
+            out.update(CPU_ENV)
+        return out
+
+    def check_server(self, url: str, server_info: dict) -> None:
+        if server_info.get("engine") == "embedded" or "version" not in server_info:
+            raise EngineKindMismatch(
+                f"rollout.urls: {url} is not an SGLang server (/get_server_info has "
+                f"{'engine=embedded' if server_info.get('engine') else 'no version'}); set rollout.engine "
+                "to the server's kind")
+
+    def verify(self, client, url: str, expected: dict[str, str], samples: dict) -> list[str]:
+        """The first rows of each tensor through ``/get_weights_by_name`` (partial: see the module
+        docstring; a tensor the route cannot return is logged, and the probe covers it)."""
+        import torch
+
+        from megatron_grpo.rollout.types import RolloutError
+
+        bad, unverifiable = [], 0
+        for name, rows in samples.items():
+            try:
+                served = client.call("get_weights_by_name", {"name": name, "truncate_size": _SAMPLE_ROWS},
+                                     url=url, retry=False)
+            except RolloutError:
+                unverifiable += 1
+                continue
+            got = torch.tensor(served, dtype=torch.float32)
+            if got.shape != rows[:_SAMPLE_ROWS].shape or not torch.equal(got, rows[:_SAMPLE_ROWS].float()):
+                bad.append(name)
+        if unverifiable:
+            log.info("%s: /get_weights_by_name could not return %d of %d tensors (checked by the log-prob probe)",
+                     url, unverifiable, len(samples))
+        return bad
+
+    @property
+    def verifies_by_probe(self) -> bool:
+        return True
