@@ -312,8 +312,9 @@ class WeightSyncer:
                     if not mean <= self.cfg.verify_logprob_tolerance:
                         problem = (f"engine {url} log-probs on the probe differ from the trainer's by {mean:.3g} "
                                    f"on average after the step {step} sync (rollout.verify_logprob_tolerance="
-                                   f"{self.cfg.verify_logprob_tolerance}): the engine does not serve the "
-                                   "trainer's weights")
+                                   f"{self.cfg.verify_logprob_tolerance}; engine dtype "
+                                   f"{self.engine_info()[0].get('dtype', '?')}): it does not serve the trainer's "
+                                   "weights, or serves them at a lower precision (then raise the tolerance)")
                         break
             except RolloutError as e:
                 problem = f"cannot probe: {e}"

@@ -23,6 +23,7 @@ On a machine without CUDA the server runs on CPU through SGLang's CPU engine
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -73,6 +74,17 @@ def find_sglang_python(configured: Optional[str]) -> tuple[Optional[str], str]:
                   "on a CPU machine, `pip install sglang` on a GPU machine, or set rollout.sglang.python")
 
 
+def checkpoint_dtype(model_dir: str) -> str:
+    """The dtype config.json declares (what rollout.dtype=auto means). SGLang's own ``auto``
+    would serve a float32 checkpoint in float16: a silent train/inference mismatch."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"  # the server reports the unreadable directory itself
+    declared = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return declared if declared in ("float32", "bfloat16", "float16") else "auto"
+
+
 def _cuda_available() -> bool:
     import torch  # at launch time torch is loaded anyway; config loading stays torch-free
 
@@ -95,7 +107,7 @@ class SGLangAdapter(EngineAdapter):
             raise RuntimeError(problem)
         cmd = [python, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host, "--port", str(port),
                "--tp-size", str(cfg.sglang.tp), "--mem-fraction-static", str(cfg.sglang.mem_fraction_static),
-               "--dtype", cfg.dtype]
+               "--dtype", checkpoint_dtype(model_dir) if cfg.dtype == "auto" else cfg.dtype]
         if not _cuda_available():
             cmd += CPU_ARGS
         # SGLang takes the key only as a flag; the manager redacts it in the log.

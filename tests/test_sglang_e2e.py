@@ -1,0 +1,113 @@
+"""The trainer end to end on the real SGLang 0.5.23 (CPU build from launch/setup_sglang_cpu.sh):
+the demo task at TP=2 with a distributed weight sync every step, verified by the log-prob
+probe; an external server given in rollout.urls; two launched servers, one killed mid-run.
+
+Each run is a few steps of `megatron-grpo train` in a subprocess, as a user starts it."""
+
+import re
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+
+from megatron_grpo.config.rollout import RolloutConfig, SGLangConfig
+from megatron_grpo.rollout import RolloutClient
+from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.testing.sglang_cpu import require_sglang
+from tests.demo_run import ENV, ROOT, make_demo, read_metrics, train_cmd
+
+SGLANG = ["rollout.engine=sglang", "rollout.sglang.mem_fraction_static=0.1", "rollout.launch_timeout_s=240"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    require_sglang()
+    return make_demo(tmp_path_factory.mktemp("demo"), warmup_steps=30)
+
+
+def run_train(cmd, timeout=600):
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def assert_healthy_steps(rows, steps):
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for r in rows:
+        # fp32 trainer and fp32 SGLang: the rollout log-probs are the trainer's up to rounding
+        assert r["rollout_train_logprobs_abs_diff_mean"] < 1e-4, r
+        assert r["weight_sync_verified"] == 1
+        assert r["weight_sync_probe_logprob_abs_diff"] <= 1e-5, r
+        assert all(v == v for v in (r["reward_mean"], r["loss"], r["k3_kl"] if "k3_kl" in r else 0.0))
+
+
+def test_launched_sglang_trains_at_tp2_with_distributed_sync(demo, tmp_path):
+    run_dir = tmp_path / "run"
+    run_train(train_cmd(demo, run_dir, 4, *SGLANG))
+    rows = read_metrics(run_dir)
+    assert_healthy_steps(rows, 4)
+    log = (run_dir / "rollout" / "server.log").read_text()
+    assert "sglang.launch_server" in log and "--dtype float32" in log  # auto -> the checkpoint's dtype
+    assert log.count("POST /update_weights_from_distributed") >= 5  # 5 syncs (start + 4 steps), 1+ bucket each
+    assert not _sglang_processes()
+
+
+def test_external_sglang_in_rollout_urls(demo, tmp_path):
+    cfg = RolloutConfig(engine="sglang", dtype="float32", launch_timeout_s=240,
+                        sglang=SGLangConfig(mem_fraction_static=0.1))
+    with RolloutServerManager(cfg, model_dir=str(demo / "model"), run_dir=tmp_path / "external") as server:
+        (url,) = server.urls
+        run_dir = tmp_path / "run"
+        run_train(train_cmd(demo, run_dir, 3, "rollout.engine=sglang", f"rollout.urls=[{url}]"))
+        assert_healthy_steps(read_metrics(run_dir), 3)
+        with RolloutClient([url]) as client:
+            assert client.weight_version(url) == "3"  # the server serves the last step's weights
+        # the wrong kind named for an external server is a one-line error, not a failed sync
+        out = subprocess.run(train_cmd(demo, tmp_path / "wrong", 1, "rollout.engine=embedded", f"rollout.urls=[{url}]"),
+                             cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+        assert out.returncode != 0 and "is not a megatron-grpo embedded engine" in out.stderr
+    assert not _sglang_processes()
+
+
+def test_two_launched_servers_share_the_work_and_survive_a_death(demo, tmp_path):
+    run_dir = tmp_path / "run"
+    killed = {}
+
+    def kill_second_server_after_step_2():
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and len(read_metrics(run_dir)) < 2:
+            time.sleep(0.5)
+        log = run_dir / "rollout" / "server_1.log"
+        port = re.search(r"--port (\d+)", log.read_text()).group(1)
+        for p in _sglang_processes():
+            if f"--port {port}" in " ".join(p.cmdline()):
+                killed["pid"] = p.pid
+                p.kill()
+
+    killer = threading.Thread(target=kill_second_server_after_step_2, daemon=True)
+    killer.start()
+    run_train(train_cmd(demo, run_dir, 5, *SGLANG, "rollout.num_servers=2", "rollout.max_restarts=2"))
+    killer.join(timeout=10)
+    rows = read_metrics(run_dir)
+    assert_healthy_steps(rows, 5)
+    assert killed and rows[-1]["engine_restarts"] >= 1
+    logs = [(run_dir / "rollout" / name).read_text() for name in ("server.log", "server_1.log")]
+    for log in logs:  # requests spread over both, and both received every update
+        assert "POST /generate" in log and "POST /update_weights_from_distributed" in log
+    assert logs[1].count("=== ") == 2  # launched, then relaunched after the kill
+    assert not _sglang_processes()
+
+
+def _sglang_processes() -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if "sglang.launch_server" in " ".join(p.info["cmdline"] or []):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
