@@ -228,3 +228,57 @@ def test_dead_server_fails_fast_with_a_clear_error():
     assert url in message and "POST /generate" in message and "3 attempts" in message
     assert "\n" not in message
     assert elapsed < 5, elapsed
+
+
+def test_stop_ids_top_k_and_top_p(server, client, hf_model):
+    kind, url = server
+    greedy = client.generate(PROMPTS, 1, SamplingParams(temperature=0.0, max_new_tokens=6))
+    # top_k=1 and a tiny top_p leave only the argmax: sampling at T=1 then equals greedy
+    for params in (SamplingParams(temperature=1.0, top_k=1, max_new_tokens=6),
+                   SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=6)):
+        assert [s.output_ids for s in client.generate(PROMPTS, 2, params)][::2] == [s.output_ids for s in greedy]
+    # a stop id ends the response at that token ("stop"), which is kept in the output
+    stop = greedy[0].output_ids[2]
+    (s,) = client.generate(PROMPTS[:1], 1, SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=[stop]))
+    cut = greedy[0].output_ids.index(stop) + 1
+    assert s.output_ids == greedy[0].output_ids[:cut] and s.finish_reason == "stop"
+
+
+def test_prompt_logprobs_are_at_temperature_one(server, client, hf_model):
+    """The weight-sync probe's reading: input log-probs ignore the request's temperature."""
+    _, url = server
+    tokens = PROMPTS[2]
+    served = torch.tensor(client.prompt_logprobs(url, tokens), dtype=torch.float64)
+    reference = reference_logprobs(hf_model, tokens[:1], tokens[1:], 1.0)
+    assert (served - reference).abs().mean().item() <= 1e-5
+
+
+def test_engine_adapter_verifier_sees_a_stale_tensor(server, client, hf_model):
+    """Each adapter's verifier against its real server: what it serves passes, a tensor the
+    trainer sent differently is named."""
+    from megatron_grpo.rollout.engines import ENGINES
+    from megatron_grpo.wire.checksum import tensor_checksum
+
+    kind, url = server
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight" or kind == "sglang"}
+    expected = {k: tensor_checksum(v) for k, v in state.items()}
+    samples = {k: v[:8].float().clone() for k, v in state.items()}
+    adapter = ENGINES[kind]
+    assert adapter.verify(client, url, expected, samples) == []
+    name = "model.layers.1.mlp.up_proj.weight"
+    stale = dict(expected, **{name: "0" * 16})
+    samples[name][0, 0] += 1e-3
+    assert adapter.verify(client, url, stale, samples) == [name]
+
+
+def test_release_memory_occupation_is_never_called_without_a_gpu():
+    """SGLang's /release_memory_occupation calls CUDA and kills a CPU server (so it is not
+    exercised here): the client has no such route, and no code path of the package names it."""
+    from pathlib import Path
+
+    from megatron_grpo.rollout.client import ROUTES
+
+    assert not any("memory_occupation" in path for _, path in ROUTES.values())
+    package = Path(__file__).resolve().parent.parent / "megatron_grpo"
+    users = [p for p in package.rglob("*.py") if "memory_occupation" in p.read_text() and p.name != "sglang.py"]
+    assert users == []
