@@ -91,7 +91,7 @@ def test_all_reduce_across_two_gloo_ranks_equals_single_process_pooling():
     expected = reduce_metrics(parts[0] + parts[1])
     assert expected["is_ratio_min"] > 0  # the empty part's placeholder 0 was ignored
     assert expected["geo_sequence_mask_masked_ratio"] > 0
-    results = run_distributed(_dp_worker, 2, parts, timeout_s=120)
+    results = run_distributed(_dp_worker, 2, parts, timeout_s=300)
     for pooled, mismatch in results:
         assert_metrics_close(pooled, expected)
         assert mismatch is not None and "differ across ranks" in mismatch

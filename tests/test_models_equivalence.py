@@ -178,7 +178,7 @@ def test_tp1_checkpoint_round_trip_keeps_extra_state(hf_models, single_rank, tmp
 def test_multi_rank_logits_and_round_trip(layout, hf_models):
     world, tp, pp, cases = LAYOUTS[layout]
     args = [(case, hf_models[case][0]) for case in cases]
-    results = run_distributed(_layout_worker, world, args, tp=tp, pp=pp, timeout_s=240)
+    results = run_distributed(_layout_worker, world, args, tp=tp, pp=pp, timeout_s=400)
     for case in cases:
         assert_matches_hf(results, case, hf_models)
 

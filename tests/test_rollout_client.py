@@ -44,7 +44,7 @@ def server(request, model_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp(f"run_{kind}")
     if kind == "sglang":
         require_sglang()
-    cfg = RolloutConfig(engine=kind, api_key=API_KEY, dtype="float32", launch_timeout_s=240, request_timeout_s=120,
+    cfg = RolloutConfig(engine=kind, api_key=API_KEY, dtype="float32", launch_timeout_s=600, request_timeout_s=120,
                         sglang=SGLangConfig(mem_fraction_static=0.1))
     manager = RolloutServerManager(cfg, model_dir=model_dir, run_dir=run_dir)
     try:
@@ -282,3 +282,33 @@ def test_release_memory_occupation_is_never_called_without_a_gpu():
     package = Path(__file__).resolve().parent.parent / "megatron_grpo"
     users = [p for p in package.rglob("*.py") if "memory_occupation" in p.read_text() and p.name != "sglang.py"]
     assert users == []
+
+
+@pytest.mark.parametrize("transport", ["distributed", "tensor", "disk"])
+def test_weight_syncer_transport_against_the_server(server, client, hf_model, perturbed, tmp_path, transport):
+    """The trainer's own WeightSyncer (buckets, bracket, every transport, the engine's
+    verifier and, on SGLang, the log-prob probe) pushing weights into the real server."""
+    from megatron_grpo.sync.syncer import WeightSyncer
+
+    kind, url = server
+    reference = type(hf_model)(hf_model.config).eval()
+    reference.load_state_dict(perturbed, strict=False)
+    reference.tie_weights()
+
+    def probe(tokens):  # the trainer's log-probs of the probe under the weights it sends
+        return reference_logprobs(reference, tokens[:1], tokens[1:], 1.0).tolist()
+
+    cfg = RolloutConfig(engine=kind, api_key=API_KEY, weight_sync_transport=transport, weight_update_bucket_mb=1,
+                        request_timeout_s=120, verify_logprob_tolerance=1e-5)
+    named = [(k, v.contiguous()) for k, v in perturbed.items()]
+    syncer = WeightSyncer(cfg, [url], hf_model.config, work_dir=tmp_path, client=client,
+                          iter_weights=lambda chunks, hf_config: iter(named), probe=probe)
+    try:
+        stats = syncer.sync([], step=42)
+    finally:
+        syncer.close()
+    assert stats.verified and stats.num_tensors == len(named)
+    assert client.weight_version(url) == "42"
+    if kind == "sglang":
+        assert stats.probe_logprob_abs_diff is not None and stats.probe_logprob_abs_diff <= 1e-5
+    assert_served(client, server, hf_model, perturbed, tolerance(kind))

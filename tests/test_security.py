@@ -88,7 +88,7 @@ def test_weight_sync_store_listens_on_the_master_address_only():
     """torch's TCPStore server alone would listen on every interface ([::])."""
     from megatron_grpo.testing.distributed import run_distributed
 
-    (addresses,) = run_distributed(_sync_store_listeners, 1, timeout_s=120)
+    (addresses,) = run_distributed(_sync_store_listeners, 1, timeout_s=300)
     assert addresses == [LOOPBACK_V4]
 
 

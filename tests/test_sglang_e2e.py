@@ -18,7 +18,7 @@ from megatron_grpo.rollout.manager import RolloutServerManager
 from megatron_grpo.testing.sglang_cpu import require_sglang
 from tests.demo_run import ENV, ROOT, make_demo, read_metrics, train_cmd
 
-SGLANG = ["rollout.engine=sglang", "rollout.sglang.mem_fraction_static=0.1", "rollout.launch_timeout_s=240"]
+SGLANG = ["rollout.engine=sglang", "rollout.sglang.mem_fraction_static=0.1", "rollout.launch_timeout_s=600"]
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def test_launched_sglang_trains_at_tp2_with_distributed_sync(demo, tmp_path):
 
 
 def test_external_sglang_in_rollout_urls(demo, tmp_path):
-    cfg = RolloutConfig(engine="sglang", dtype="float32", launch_timeout_s=240,
+    cfg = RolloutConfig(engine="sglang", dtype="float32", launch_timeout_s=600,
                         sglang=SGLangConfig(mem_fraction_static=0.1))
     with RolloutServerManager(cfg, model_dir=str(demo / "model"), run_dir=tmp_path / "external") as server:
         (url,) = server.urls
