@@ -144,7 +144,7 @@ def preflight(cfg: ExperimentConfig) -> None:
 
     engine_problem = ENGINES[cfg.rollout.engine].preflight(cfg.rollout)
     if engine_problem:
-        raise ConfigError("rollout.engine", engine_problem)
+        raise ConfigError("", engine_problem)  # the problem names its key
     hf_config, tokenizer = _check_model_dir(cfg)
     _check_checkpoints(cfg)
     dataset = load_prompt_dataset(cfg.data, tokenizer)
