@@ -7,7 +7,8 @@
 #     bash launch/multi_node.sh yaml_configs/qwen2.5_7b_gsm8k.yaml rollout.urls='[http://10.0.0.9:30000]'
 set -euo pipefail
 CONFIG="${1:?usage: multi_node.sh CONFIG [overrides...]}"; shift
-: "${MASTER_ADDR:?set MASTER_ADDR to node 0's address}"
+# (no apostrophe inside ${VAR:?...}: bash reads it as an opening quote and the script stops parsing)
+: "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"
 : "${NNODES:?set NNODES}" "${NODE_RANK:?set NODE_RANK}"
 NPROC_PER_NODE="${NPROC_PER_NODE:-8}"
 MASTER_PORT="${MASTER_PORT:-29500}"
