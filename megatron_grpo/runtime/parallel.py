@@ -26,7 +26,9 @@ def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 60
     megatron's parallel state with ``tp`` x ``pp`` (dp = world / (tp * pp)).
 
     Idempotent for the process group; re-initialises megatron's model-parallel state so a
-    test may switch sizes between cases.
+    test may switch sizes between cases. ``timeout_s`` bounds every collective, in the
+    default group and in megatron's tp/pp/dp groups alike (megatron's own default is 30
+    minutes): a rank whose peer died silently fails after it instead of hanging.
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -47,7 +49,8 @@ def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 60
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=timeout_s / 60,  # a timedelta(minutes=...): fractions are kept
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

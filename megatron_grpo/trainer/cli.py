@@ -282,7 +282,8 @@ def rank_main(argv: list[str]) -> int:
             preflight(cfg)
     except user_errors() as e:
         return _report(e, rank, args.config, _data_file(args.config, args.overrides))
-    parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed)
+    parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed,
+                        timeout_s=cfg.parallel.distributed_timeout_s)
     from megatron_grpo.trainer.driver import train
 
     from megatron_grpo.trainer.engine_guard import RunAborted
