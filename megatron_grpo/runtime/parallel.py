@@ -8,7 +8,9 @@ and the tests. The backend is NCCL when CUDA is available and gloo otherwise; on
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -65,3 +67,23 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
+
+
+def peer_failure(error: BaseException) -> Optional[str]:
+    """What torch.distributed said, in one line, if ``error`` (or an error it was raised
+    from) reports another process of a collective gone: it closed its connections (it
+    died) or did not answer within the group's timeout. None for any other error.
+
+    NCCL and the c10d store raise ``torch.distributed.DistError``; gloo raises a plain
+    RuntimeError whose text starts with the source file of its TCP transport, e.g.
+    ``[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:4321. This is
+    typically caused by ...``. The location and the advice after the first sentence are cut.
+    """
+    seen: Optional[BaseException] = error
+    while seen is not None:
+        text = " ".join(str(seen).split())
+        if isinstance(seen, dist.DistError) or (isinstance(seen, RuntimeError) and "/gloo/transport/" in text):
+            text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # the C++ source location
+            return re.split(r"\.\s+(?=[A-Z])", text, maxsplit=1)[0].rstrip(".")
+        seen = seen.__cause__ or seen.__context__
+    return None

@@ -247,14 +247,16 @@ def _data_file(config_path: str, overrides: list[str]) -> str | None:
 
 def _report(e: BaseException, rank: int, config_path: str, data_file: str | None,
             code: int = EXIT_USER_ERROR) -> int:
-    """A rank's one-line error: recorded for ``megatron-grpo train`` (any rank, first wins) or
-    printed by rank 0 under a bare torchrun. Every rank exits with ``code`` (2 for user
-    errors, 1 for a run that had to stop: non-finite losses, an engine that stays down)."""
+    """A rank's one-line error: recorded for ``megatron-grpo train`` (any rank of the node,
+    first wins) or printed by the node's first rank under a bare torchrun (each node's log
+    says why it stopped: after a node died, global rank 0 may be the one that is gone).
+    Every rank exits with ``code`` (2 for user errors, 1 for a run that had to stop:
+    non-finite losses, an engine that stays down, a lost node)."""
     line = describe_user_error(e, config_path, data_file) if code == EXIT_USER_ERROR else str(e)
     if os.environ.get(ERROR_FILE_ENV):
         _record_user_error(f"{code} {line}", os.environ[ERROR_FILE_ENV])
         return code
-    return _fail(line, code) if rank == 0 else code
+    return _fail(line, code) if int(os.environ.get("LOCAL_RANK", rank)) == 0 else code
 
 
 def quiet_known_cpu_warnings() -> None:
@@ -263,6 +265,18 @@ def quiet_known_cpu_warnings() -> None:
     for pattern in (r".*(Apex|Transformer Engine) (is|and Apex are) not installed.*",
                     r".*CUDA_DEVICE_MAX_CONNECTIONS.*", r"full scope is deprecated.*"):
         warnings.filterwarnings("ignore", message=pattern)
+
+
+def _lost_peer(rank: int, detail: str, cfg: ExperimentConfig) -> BaseException:
+    """The one-line reason a rank stops when another rank of the run is gone (a node died, or
+    went silent for longer than parallel.distributed_timeout_s) instead of its traceback."""
+    from megatron_grpo.trainer.engine_guard import RunAborted
+
+    node = os.environ.get("GROUP_RANK", "0")  # torchrun's node rank
+    return RunAborted(
+        f"rank {rank} on node {node} lost contact with the other ranks: {detail} (a node died, or was silent "
+        f"for parallel.distributed_timeout_s={cfg.parallel.distributed_timeout_s:g}); relaunch every node "
+        "to resume from the last complete checkpoint")
 
 
 def rank_main(argv: list[str]) -> int:
@@ -282,18 +296,23 @@ def rank_main(argv: list[str]) -> int:
             preflight(cfg)
     except user_errors() as e:
         return _report(e, rank, args.config, _data_file(args.config, args.overrides))
-    parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed,
-                        timeout_s=cfg.parallel.distributed_timeout_s)
     from megatron_grpo.trainer.driver import train
-
     from megatron_grpo.trainer.engine_guard import RunAborted
 
     try:
+        parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed,
+                            timeout_s=cfg.parallel.distributed_timeout_s)
         train(cfg)
     except user_errors() as e:
         return _report(e, rank, args.config, cfg.data.train_file)
     except RunAborted as e:
         return _report(e, rank, args.config, cfg.data.train_file, code=EXIT_RUN_ABORTED)
+    except Exception as e:  # noqa: BLE001 - only a lost peer becomes one line; anything else is a bug
+        detail = parallel.peer_failure(e)
+        if detail is None:
+            raise
+        return _report(_lost_peer(rank, detail, cfg), rank, args.config, cfg.data.train_file,
+                       code=EXIT_RUN_ABORTED)
     finally:
         parallel.destroy()
     return 0
