@@ -1,5 +1,6 @@
 """The launch scripts of the README, run as a user runs them."""
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -7,6 +8,8 @@ import pytest
 import torch.distributed as dist
 
 from megatron_grpo.runtime.parallel import peer_failure
+from megatron_grpo.trainer.cli import _launcher_exception as launcher_exception
+from megatron_grpo.trainer.nodes import NodeError, NodeSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p for p in (ROOT / "launch").iterdir() if p.suffix in (".sh", ".sbatch"))
@@ -47,3 +50,33 @@ def test_peer_failure_is_one_line(error, line):
 def test_other_errors_are_not_peer_failures():
     assert peer_failure(RuntimeError("shape mismatch [2, 3] vs [3, 2]")) is None
     assert peer_failure(ValueError("gloo/transport/ in a value error")) is None
+
+
+# ---- megatron-grpo train as one node of several ---------------------------------------------
+
+def test_one_node_is_standalone_and_several_meet_at_node_0():
+    assert NodeSpec().torchrun_args(600) == ["--standalone"]
+    assert NodeSpec(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29400).torchrun_args(59.5) == [
+        "--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1", "--master_port=29400", "--rdzv_conf=timeout=60"]
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"nnodes": 0}, "--nnodes must be >= 1"),
+    ({"nnodes": 2, "node_rank": 2, "master_addr": "h"}, "--node-rank must be in 0..1"),
+    ({"nnodes": 2}, "--master-addr (the address of node 0) is required"),
+    ({"master_port": 70000}, "--master-port must be in 1..65535"),
+])
+def test_bad_node_arguments_are_one_line(kwargs, fragment):
+    with pytest.raises(NodeError, match=re.escape(fragment)):
+        NodeSpec(**kwargs)
+
+
+def test_torchrun_failure_of_its_own_is_repeated_as_one_line():
+    store_timeout = (b"Traceback (most recent call last):\n  File \"run.py\"\n"
+                     b"torch.distributed.DistStoreError: Timed out after 11 seconds waiting for clients. "
+                     b"1/2 clients joined.\n")
+    assert launcher_exception(store_timeout) == ("DistStoreError: Timed out after 11 seconds waiting for "
+                                                 "clients. 1/2 clients joined.")
+    rank_failed = (b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n====\n"
+                   b"megatron_grpo.train FAILED\n----\n  exitcode  : 1 (pid: 12)\n====\n")
+    assert launcher_exception(rank_failed) is None  # the rank's own output said why
