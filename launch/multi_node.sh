@@ -5,9 +5,12 @@
 #  * is launched by global rank 0 (rollout.engine), colocated with the trainer on node 0, or
 #  * runs on its own node: start it there first (`python -m sglang.launch_server ...
 #    --host 0.0.0.0`, or `megatron-grpo serve --model-dir DIR --host 0.0.0.0`) and pass
-#    rollout.urls='[http://HOST:PORT]' on every node.
+#    rollout.urls='[http://HOST:PORT]' on every node. On another machine than node 0 it needs
+#    rollout.weight_sync_transport=disk and the run directory at the same path there (the
+#    default distributed sync's store listens on 127.0.0.1 of node 0).
 #   MASTER_ADDR=10.0.0.1 NNODES=2 NODE_RANK=0 NPROC_PER_NODE=4 \
-#     bash launch/multi_node.sh yaml_configs/qwen2.5_7b_gsm8k.yaml rollout.urls='[http://10.0.0.9:30000]'
+#     bash launch/multi_node.sh yaml_configs/qwen2.5_7b_gsm8k.yaml rollout.urls='[http://10.0.0.9:30000]' \
+#     rollout.weight_sync_transport=disk
 # NPROC_PER_NODE (ranks on this node) defaults to parallel.world_size / NNODES; MASTER_PORT
 # to 29500. Pre-flight, rank start-up and one-line errors are `megatron-grpo train`'s.
 set -euo pipefail
