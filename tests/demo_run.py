@@ -20,11 +20,16 @@ def make_demo(out: Path, warmup_steps: int = 150) -> Path:
     return out
 
 
+def demo_overrides(demo: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
+    """Overrides of yaml_configs/demo_cpu.yaml pointing it at ``demo`` and ``run_dir``."""
+    return [f"model.hf_dir={demo / 'model'}", f"data.train_file={demo / 'arithmetic.jsonl'}",
+            f"trainer.run_dir={run_dir}", f"trainer.num_steps={steps}", "logging.progress_bar=false", *extra]
+
+
 def train_cmd(demo: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
     """`megatron-grpo train` on yaml_configs/demo_cpu.yaml pointed at ``demo`` and ``run_dir``."""
     return [sys.executable, "-m", "megatron_grpo.cli", "train", "--config", "yaml_configs/demo_cpu.yaml",
-            f"model.hf_dir={demo / 'model'}", f"data.train_file={demo / 'arithmetic.jsonl'}",
-            f"trainer.run_dir={run_dir}", f"trainer.num_steps={steps}", "logging.progress_bar=false", *extra]
+            *demo_overrides(demo, run_dir, steps, *extra)]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -49,6 +49,7 @@ MALFORMED = [
     ("parallel.global_batch_size", 48, "parallel.global_batch_size", "must divide the rollout batch"),
     ("parallel.tp", 1.5, "parallel.tp", "expected an integer"),
     ("parallel.sequence_parallel", "yes", "parallel.sequence_parallel", "expected true or false"),
+    ("parallel.distributed_timeout_s", 0, "parallel.distributed_timeout_s", "> 0"),
     ("rollout.temperature", 0, "rollout.temperature", "> 0"),
     ("rollout.top_p", 1.5, "rollout.top_p", "(0, 1]"),
     ("rollout.weight_sync_transport", "nccl", "rollout.weight_sync_transport", "expected one of"),

@@ -68,6 +68,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
 
+    distributed_timeout_s: float = 600.0
+    """Seconds a rank waits for the others, at every collective and when the ranks of a
+    multi-node launch meet (rendezvous), before the run stops with an error. A node that
+    dies without closing its connections is noticed after this long; it must exceed the
+    longest phase one rank runs while the others wait (rank 0's rollout, a checkpoint save)."""
+
     def __post_init__(self):
         for key in ("tp", "pp", "micro_batch_size", "global_batch_size"):
             value = getattr(self, key)
@@ -87,6 +93,7 @@ class ParallelConfig:
                 f"{self.micro_batch_size}*{dp}",
             )
         check(not self.sequence_parallel or self.tp > 1, "sequence_parallel", "needs tp > 1")
+        check(self.distributed_timeout_s > 0, "distributed_timeout_s", f"must be > 0, got {self.distributed_timeout_s}")
 
     def dp(self, world_size: int) -> int:
         """Data-parallel size for a given world size."""

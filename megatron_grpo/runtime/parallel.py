@@ -8,7 +8,9 @@ and the tests. The backend is NCCL when CUDA is available and gloo otherwise; on
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,9 @@ def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 60
     megatron's parallel state with ``tp`` x ``pp`` (dp = world / (tp * pp)).
 
     Idempotent for the process group; re-initialises megatron's model-parallel state so a
-    test may switch sizes between cases.
+    test may switch sizes between cases. ``timeout_s`` bounds every collective, in the
+    default group and in megatron's tp/pp/dp groups alike (megatron's own default is 30
+    minutes): a rank whose peer died silently fails after it instead of hanging.
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -47,7 +51,8 @@ def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 60
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=timeout_s / 60,  # a timedelta(minutes=...): fractions are kept
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -62,3 +67,23 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
+
+
+def peer_failure(error: BaseException) -> Optional[str]:
+    """What torch.distributed said, in one line, if ``error`` (or an error it was raised
+    from) reports another process of a collective gone: it closed its connections (it
+    died) or did not answer within the group's timeout. None for any other error.
+
+    NCCL and the c10d store raise ``torch.distributed.DistError``; gloo raises a plain
+    RuntimeError whose text starts with the source file of its TCP transport, e.g.
+    ``[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:4321. This is
+    typically caused by ...``. The location and the advice after the first sentence are cut.
+    """
+    seen: Optional[BaseException] = error
+    while seen is not None:
+        text = " ".join(str(seen).split())
+        if isinstance(seen, dist.DistError) or (isinstance(seen, RuntimeError) and "/gloo/transport/" in text):
+            text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # the C++ source location
+            return re.split(r"\.\s+(?=[A-Z])", text, maxsplit=1)[0].rstrip(".")
+        seen = seen.__cause__ or seen.__context__
+    return None

@@ -2,7 +2,9 @@
 
 * ``megatron-grpo train --config FILE [section.key=value ...] [--nproc N]``: validates the
   config and the inputs it names (pre-flight), then starts ``N`` ranks on this machine with
-  ``torch.distributed.run`` (N = ``parallel.world_size``, default tp*pp).
+  ``torch.distributed.run`` (N = ``parallel.world_size``, default tp*pp). With ``--nnodes K
+  --node-rank R --master-addr A`` it is node R of K (``nodes``; launch/multi_node.sh) and
+  starts its share of the ranks, N / K by default.
 * ``torchrun ... -m megatron_grpo.train --config FILE [overrides]``: one rank of a run
   (single or multi node); this is what the launcher and ``launch/`` scripts start.
 
@@ -26,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_grpo.config import ConfigError, ExperimentConfig, load_config
+from megatron_grpo.trainer import nodes
 
 EXIT_USER_ERROR = 2
 EXIT_RUN_ABORTED = 1
@@ -158,12 +161,24 @@ def preflight(cfg: ExperimentConfig) -> None:
         raise ConfigError("logging.wandb_project", "is set but wandb is not installed; pip install wandb or set it to null")
 
 
-def _parse(argv: list[str], prog: str) -> argparse.Namespace:
+def _parse(argv: list[str], prog: str, launcher: bool = False) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description="Run a GRPO experiment.")
     parser.add_argument("--config", required=True, help="experiment YAML (yaml_configs/...)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.num_steps=10")
-    parser.add_argument("--nproc", type=int, default=None, help="ranks to start (default parallel.world_size or tp*pp)")
+    if launcher:
+        parser.add_argument("--nproc", type=int, default=None,
+                            help="ranks to start on this machine (default (parallel.world_size or tp*pp) / nnodes)")
+        nodes.add_arguments(parser)
     return parser.parse_args(argv)
+
+
+def _ranks_per_node(cfg: ExperimentConfig, nnodes: int) -> int:
+    """This machine's share of the run's ranks when ``--nproc`` is not given."""
+    total = cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp
+    if total % nnodes:
+        raise ConfigError("parallel.world_size", f"{total} ranks do not split evenly over --nnodes {nnodes}; "
+                                                 "pass --nproc (ranks per node)")
+    return total // nnodes
 
 
 def _fail(message: str, code: int = EXIT_USER_ERROR) -> int:
@@ -190,53 +205,80 @@ def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
 
     The rank records the error line in a temp file (outside the run directory) instead of
     printing it. Everything torchrun and the other ranks print after that (its failure report,
-    tracebacks of collectives broken by the failed rank) is a consequence, so it is dropped."""
+    tracebacks of collectives broken by the failed rank) is a consequence, so it is dropped.
+    When torchrun itself fails (no rank recorded anything: a rendezvous that timed out waiting
+    for the other nodes, say), its exception is repeated as the last line."""
     with tempfile.TemporaryDirectory(prefix="megatron-grpo-") as tmp:
         error_file = Path(tmp) / "user_error"
         proc = subprocess.Popen(cmd, env={**env, ERROR_FILE_ENV: str(error_file)}, stderr=subprocess.PIPE)
         # A SIGTERM for this process goes on to torchrun, which stops its ranks cleanly; the
         # ranks' stderr is this pipe, so dying here would otherwise kill them at their next write.
         previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
-        out = getattr(sys.stderr, "buffer", None)
-        interrupted = False
         try:
-            while True:
-                try:
-                    chunk = os.read(proc.stderr.fileno(), 65536)
-                except KeyboardInterrupt:
-                    if interrupted:
-                        raise
-                    interrupted = True  # torchrun got the SIGINT too and stops its ranks: keep draining
-                    continue
-                if not chunk:
-                    break
-                if not error_file.exists():
-                    if out is not None:
-                        out.write(chunk)
-                        out.flush()
-                    else:
-                        sys.stderr.write(chunk.decode(errors="replace"))
+            tail = _forward_stderr(proc, error_file)
             code = proc.wait()
         finally:
             signal.signal(signal.SIGTERM, previous)
         if error_file.exists():
             recorded_code, line = error_file.read_text().strip().split(" ", 1)
             return _fail(line, int(recorded_code))
-        return code
+        reason = _launcher_exception(tail) if code != 0 else None
+        return _fail(f"torchrun stopped (exit code {code}): {reason}", code) if reason else code
+
+
+def _forward_stderr(proc: subprocess.Popen, error_file: Path, keep_bytes: int = 4096) -> bytes:
+    """Copy ``proc``'s stderr to ours until it closes, except after a rank recorded its error
+    in ``error_file``; returns the last ``keep_bytes`` of it."""
+    out = getattr(sys.stderr, "buffer", None)
+    interrupted, tail = False, b""
+    while True:
+        try:
+            chunk = os.read(proc.stderr.fileno(), 65536)
+        except KeyboardInterrupt:
+            if interrupted:
+                raise
+            interrupted = True  # torchrun got the SIGINT too and stops its ranks: keep draining
+            continue
+        if not chunk:
+            return tail
+        tail = (tail + chunk)[-keep_bytes:]
+        if not error_file.exists():
+            if out is not None:
+                out.write(chunk)
+                out.flush()
+            else:
+                sys.stderr.write(chunk.decode(errors="replace"))
+
+
+def _launcher_exception(stderr_tail: bytes) -> str | None:
+    """``torch.distributed.X: message`` when that ends torchrun's output: its own failure
+    (rendezvous, store), not a rank's. A rank's failure ends with torchrun's ChildFailedError
+    report, whose rank tracebacks were shown above it."""
+    lines = [line.strip() for line in stderr_tail.decode(errors="replace").splitlines() if line.strip()]
+    if lines and lines[-1].startswith("torch.distributed.") and "ChildFailedError" not in lines[-1]:
+        return lines[-1].removeprefix("torch.distributed.")
+    return None
 
 
 def main(argv: list[str]) -> int:
-    """``megatron-grpo train``: pre-flight, then start the ranks on this machine."""
-    args = _parse(argv, "megatron-grpo train")
+    """``megatron-grpo train``: pre-flight, then start this machine's ranks (all of them, or
+    one node's share of a multi-node run, see ``nodes``)."""
+    args = _parse(argv, "megatron-grpo train", launcher=True)
+    try:
+        node = nodes.from_args(args)
+    except nodes.NodeError as e:
+        return _fail(str(e))
+    if args.nproc is not None and args.nproc < 1:
+        return _fail(f"--nproc must be >= 1, got {args.nproc}")
     try:
         cfg = load_config(args.config, args.overrides)
-        nproc = args.nproc or cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp
-        cfg = load_config(args.config, args.overrides, world_size=nproc)
-        preflight(cfg)
+        nproc = args.nproc or _ranks_per_node(cfg, node.nnodes)
+        cfg = load_config(args.config, args.overrides, world_size=nproc * node.nnodes)
+        preflight(cfg)  # on every node: each reads the model and data from its own disk
     except user_errors() as e:
         return _fail(describe_user_error(e, args.config, _data_file(args.config, args.overrides)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "megatron_grpo.train", "--config", args.config, *args.overrides]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *node.torchrun_args(cfg.parallel.distributed_timeout_s),
+           f"--nproc_per_node={nproc}", "-m", "megatron_grpo.train", "--config", args.config, *args.overrides]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "MEGATRON_GRPO_PREFLIGHT_DONE": "1"}
     return _launch_ranks(cmd, env)
@@ -252,14 +294,16 @@ def _data_file(config_path: str, overrides: list[str]) -> str | None:
 
 def _report(e: BaseException, rank: int, config_path: str, data_file: str | None,
             code: int = EXIT_USER_ERROR) -> int:
-    """A rank's one-line error: recorded for ``megatron-grpo train`` (any rank, first wins) or
-    printed by rank 0 under a bare torchrun. Every rank exits with ``code`` (2 for user
-    errors, 1 for a run that had to stop: non-finite losses, an engine that stays down)."""
+    """A rank's one-line error: recorded for ``megatron-grpo train`` (any rank of the node,
+    first wins) or printed by the node's first rank under a bare torchrun (each node's log
+    says why it stopped: after a node died, global rank 0 may be the one that is gone).
+    Every rank exits with ``code`` (2 for user errors, 1 for a run that had to stop:
+    non-finite losses, an engine that stays down, a lost node)."""
     line = describe_user_error(e, config_path, data_file) if code == EXIT_USER_ERROR else str(e)
     if os.environ.get(ERROR_FILE_ENV):
         _record_user_error(f"{code} {line}", os.environ[ERROR_FILE_ENV])
         return code
-    return _fail(line, code) if rank == 0 else code
+    return _fail(line, code) if int(os.environ.get("LOCAL_RANK", rank)) == 0 else code
 
 
 def quiet_known_cpu_warnings() -> None:
@@ -268,6 +312,18 @@ def quiet_known_cpu_warnings() -> None:
     for pattern in (r".*(Apex|Transformer Engine) (is|and Apex are) not installed.*",
                     r".*CUDA_DEVICE_MAX_CONNECTIONS.*", r"full scope is deprecated.*"):
         warnings.filterwarnings("ignore", message=pattern)
+
+
+def _lost_peer(rank: int, detail: str, cfg: ExperimentConfig) -> BaseException:
+    """The one-line reason a rank stops when another rank of the run is gone (a node died, or
+    went silent for longer than parallel.distributed_timeout_s) instead of its traceback."""
+    from megatron_grpo.trainer.engine_guard import RunAborted
+
+    node = os.environ.get("GROUP_RANK", "0")  # torchrun's node rank
+    return RunAborted(
+        f"rank {rank} on node {node} lost contact with the other ranks: {detail} (a node died, or was silent "
+        f"for parallel.distributed_timeout_s={cfg.parallel.distributed_timeout_s:g}); relaunch every node "
+        "to resume from the last complete checkpoint")
 
 
 def rank_main(argv: list[str]) -> int:
@@ -287,17 +343,23 @@ def rank_main(argv: list[str]) -> int:
             preflight(cfg)
     except user_errors() as e:
         return _report(e, rank, args.config, _data_file(args.config, args.overrides))
-    parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed)
     from megatron_grpo.trainer.driver import train
-
     from megatron_grpo.trainer.engine_guard import RunAborted
 
     try:
+        parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed,
+                            timeout_s=cfg.parallel.distributed_timeout_s)
         train(cfg)
     except user_errors() as e:
         return _report(e, rank, args.config, cfg.data.train_file)
     except RunAborted as e:
         return _report(e, rank, args.config, cfg.data.train_file, code=EXIT_RUN_ABORTED)
+    except Exception as e:  # noqa: BLE001 - only a lost peer becomes one line; anything else is a bug
+        detail = parallel.peer_failure(e)
+        if detail is None:
+            raise
+        return _report(_lost_peer(rank, detail, cfg), rank, args.config, cfg.data.train_file,
+                       code=EXIT_RUN_ABORTED)
     finally:
         parallel.destroy()
     return 0

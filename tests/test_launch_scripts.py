@@ -1,0 +1,329 @@
+"""The launch scripts of the README, run as a user runs them.
+
+* every script parses (`bash -n`);
+* fast: what each script hands to `megatron-grpo train` (stand-ins for it, and for `srun` and
+  `scontrol`, record the arguments): node rank, master address, ranks per node, overrides
+  with spaces and quotes intact;
+* slow, the real thing on the CPU demo (TP=2 spanning two emulated nodes of one rank each,
+  the engine launched by global rank 0, weights synced every step): two `multi_node.sh` on
+  loopback train, write a checkpoint and resume from it; a node killed with -9 makes the
+  other exit within a deadline with one line, and relaunching both resumes from the last
+  complete checkpoint (with an external engine, started separately, that outlives the
+  trainer); a node alone gives up on the rendezvous in time; `single_node.sh`; and
+  `sbatch launch/slurm.sbatch` under a real Slurm of two slurmd on this machine.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from megatron_grpo.runtime.parallel import peer_failure
+from megatron_grpo.runtime.process import free_port
+from megatron_grpo.trainer.checkpoint import complete_checkpoints
+from megatron_grpo.trainer.cli import _launcher_exception as launcher_exception
+from megatron_grpo.trainer.nodes import NodeError, NodeSpec
+from tests.demo_run import ROOT, demo_overrides, make_demo, read_metrics
+from tests.launch_nodes import (CONFIG, SLURM_PROGRAMS, EmulatedSlurm, log, running_with, script_env, slurm_installed,
+                                start_node, start_nodes, stop_nodes, wait_nodes)
+from tests.kill_resume import kill_tree
+
+SCRIPTS = sorted(p for p in (ROOT / "launch").iterdir() if p.suffix in (".sh", ".sbatch"))
+# Variables of the user's shell that the scripts read: a test sets the ones it means.
+LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "NPROC")
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_parses(script):
+    # A quote inside ${VAR:?message} once made multi_node.sh unparseable: every multi-node
+    # launch failed before torchrun started.
+    out = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+
+
+# ---- what the scripts pass on (stand-ins record it) --------------------------------------------
+
+STAND_INS = {
+    "megatron-grpo": """#!/usr/bin/env bash
+printf '%s\n' "$PWD" "$@" > "$RECORD_DIR/node${NODE_RANK:-}.args"
+""",
+    # one task per node of the allocation, SLURM_NODEID set per task, like srun in a job
+    "srun": """#!/usr/bin/env bash
+printf '%s\n' "$@" > "$RECORD_DIR/srun.args"
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i SLURM_PROCID=$i "$@" & pids+=($!); done
+code=0; for p in "${pids[@]}"; do wait "$p" || code=$?; done; exit $code
+""",
+    "scontrol": """#!/usr/bin/env bash
+[[ "$1 $2" == "show hostnames" ]] || exit 64
+tr ',' '\n' <<< "$3"
+""",
+}
+OVERRIDES = ["trainer.run_dir=/runs/a b", "data.system_prompt=it's \"quoted\""]
+
+
+@pytest.fixture
+def stand_ins(tmp_path):
+    """(env, records): the scripts' environment with the stand-ins first on PATH."""
+    bin_dir, records = tmp_path / "bin", tmp_path / "records"
+    bin_dir.mkdir()
+    records.mkdir()
+    for name, text in STAND_INS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in script_env().items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", RECORD_DIR=str(records))
+    return env, records
+
+
+def run_script(args, env, cwd=ROOT):
+    return subprocess.run(["bash", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+
+
+def recorded(records, name):
+    return (records / name).read_text().splitlines()
+
+
+def test_single_node_sh_hands_nproc_and_overrides_to_train(stand_ins):
+    env, records = stand_ins
+    assert run_script(["launch/single_node.sh", CONFIG, *OVERRIDES], {**env, "NPROC": "3"}).returncode == 0
+    assert recorded(records, "node.args") == [str(ROOT), "train", "--config", CONFIG, "--nproc", "3", *OVERRIDES]
+    assert run_script(["launch/single_node.sh", CONFIG], env).returncode == 0  # NPROC from the config
+    assert recorded(records, "node.args") == [str(ROOT), "train", "--config", CONFIG]
+
+
+def test_multi_node_sh_names_a_missing_variable_in_one_line(stand_ins):
+    env, _ = stand_ins
+    out = run_script(["launch/multi_node.sh", CONFIG], {**env, "NNODES": "2", "NODE_RANK": "0"})
+    assert out.returncode != 0 and out.stderr.count("\n") == 1 and "MASTER_ADDR" in out.stderr, out.stderr
+
+
+def test_slurm_sbatch_maps_the_slurm_environment_to_nodes(stand_ins, tmp_path):
+    """As sbatch runs it: from a spool copy (not in the repository), with the allocation in
+    SLURM_* variables; each srun task is one node of multi_node.sh."""
+    env, records = stand_ins
+    env.update(SLURM_JOB_NODELIST="gpu-a,gpu-b", SLURM_NNODES="2", SLURM_SUBMIT_DIR=str(ROOT), SLURM_GPUS_ON_NODE="4")
+    spool_copy = tmp_path / "slurm_script"
+    spool_copy.write_text((ROOT / "launch" / "slurm.sbatch").read_text())
+    out = run_script([str(spool_copy), CONFIG, *OVERRIDES], env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "--kill-on-bad-exit=1" in recorded(records, "srun.args")
+    for rank in (0, 1):
+        assert recorded(records, f"node{rank}.args") == [
+            str(ROOT), "train", "--config", CONFIG, "--nnodes", "2", "--node-rank", str(rank),
+            "--master-addr", "gpu-a", "--master-port", "29500", "--nproc", "4", *OVERRIDES]
+
+
+# ---- a lost peer in one line -----------------------------------------------------------------
+
+# What gloo and NCCL raise when a peer is gone, and the one line the ranks print for it.
+PEER_ERRORS = [
+    (RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                  "[10.0.0.2]:33440. This is typically caused by a remote worker crashing. GLHF!"),
+     "Connection closed by peer [10.0.0.2]:33440"),
+    (RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                  "600000ms for recv operation to complete"),
+     "Timed out waiting 600000ms for recv operation to complete"),
+    (dist.DistBackendError("NCCL communicator was aborted on rank 3. Original reason: watchdog"),
+     "NCCL communicator was aborted on rank 3"),
+]
+
+
+@pytest.mark.parametrize("error,line", PEER_ERRORS, ids=["gloo-closed", "gloo-timeout", "nccl"])
+def test_peer_failure_is_one_line(error, line):
+    try:
+        try:
+            raise error
+        except Exception as e:
+            raise KeyError("a wrapper (dist_checkpointing, ...)") from e
+    except KeyError as wrapped:
+        assert peer_failure(wrapped) == line
+
+
+def test_other_errors_are_not_peer_failures():
+    assert peer_failure(RuntimeError("shape mismatch [2, 3] vs [3, 2]")) is None
+    assert peer_failure(ValueError("gloo/transport/ in a value error")) is None
+
+
+# ---- megatron-grpo train as one node of several ---------------------------------------------
+
+def test_one_node_is_standalone_and_several_meet_at_node_0():
+    assert NodeSpec().torchrun_args(600) == ["--standalone"]
+    assert NodeSpec(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29400).torchrun_args(59.5) == [
+        "--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1", "--master_port=29400", "--rdzv_conf=timeout=60"]
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"nnodes": 0}, "--nnodes must be >= 1"),
+    ({"nnodes": 2, "node_rank": 2, "master_addr": "h"}, "--node-rank must be in 0..1"),
+    ({"nnodes": 2}, "--master-addr (the address of node 0) is required"),
+    ({"master_port": 70000}, "--master-port must be in 1..65535"),
+])
+def test_bad_node_arguments_are_one_line(kwargs, fragment):
+    with pytest.raises(NodeError, match=re.escape(fragment)):
+        NodeSpec(**kwargs)
+
+
+def test_torchrun_failure_of_its_own_is_repeated_as_one_line():
+    store_timeout = (b"Traceback (most recent call last):\n  File \"run.py\"\n"
+                     b"torch.distributed.DistStoreError: Timed out after 11 seconds waiting for clients. "
+                     b"1/2 clients joined.\n")
+    assert launcher_exception(store_timeout) == ("DistStoreError: Timed out after 11 seconds waiting for "
+                                                 "clients. 1/2 clients joined.")
+    rank_failed = (b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n====\n"
+                   b"megatron_grpo.train FAILED\n----\n  exitcode  : 1 (pid: 12)\n====\n")
+    assert launcher_exception(rank_failed) is None  # the rank's own output said why
+
+
+# ---- the real runs: emulated nodes on the CPU demo ---------------------------------------------
+
+RUN_S = 420  # deadline of one launch (measured: 45-120 s each, 2 cores shared with other jobs at load ~14)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return make_demo(tmp_path_factory.mktemp("demo"), warmup_steps=20)
+
+
+@pytest.fixture
+def no_leftovers(demo):
+    """After the test, no process of the demo is left (ranks, agents and engines all name
+    the demo's model directory on their command line)."""
+    yield
+    assert running_with(str(demo)) == []
+
+
+def overrides(demo, run_dir, steps, *extra):
+    return demo_overrides(demo, run_dir, steps, "logging.plot=false", *extra)
+
+
+def steps_logged(run_dir):
+    return [r["step"] for r in read_metrics(run_dir)]
+
+
+def assert_engine_served_the_trained_weights(run_dir):
+    # log-probs of the engine == the trainer's (whose TP shards live on both nodes): the
+    # weights were synced into the engine after every step
+    assert max(r["rollout_train_logprobs_abs_diff_mean"] for r in read_metrics(run_dir)) < 1e-4
+
+
+def wait_for_rows(run_dir, count, nodes, timeout_s=RUN_S):
+    deadline = time.monotonic() + timeout_s
+    while len(read_metrics(run_dir)) < count:
+        assert all(n.poll() is None for n in nodes), "a node ended early"
+        assert time.monotonic() < deadline, f"{count} steps not logged within {timeout_s} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_two_nodes_train_then_resume(demo, tmp_path, no_leftovers):
+    run_dir = tmp_path / "run"
+    nodes = start_nodes(2, overrides(demo, run_dir, 2), tmp_path, "first")
+    try:
+        assert wait_nodes(nodes, RUN_S) == [0, 0], log(tmp_path, "first", 0)[-3000:] + log(tmp_path, "first", 1)[-3000:]
+    finally:
+        stop_nodes(nodes)
+    assert steps_logged(run_dir) == [1, 2]  # written once, by global rank 0
+    assert (run_dir / "checkpoints" / "step_000002" / "COMPLETE").is_file()
+    assert (run_dir / "rollout" / "server.log").read_text().count("launch:") == 1  # one engine, rank 0's
+    assert "reward_mean" in log(tmp_path, "first", 0, "out") and "reward_mean" not in log(tmp_path, "first", 1, "out")
+
+    nodes = start_nodes(2, overrides(demo, run_dir, 3), tmp_path, "resumed")
+    try:
+        assert wait_nodes(nodes, RUN_S) == [0, 0], log(tmp_path, "resumed", 0)[-3000:]
+    finally:
+        stop_nodes(nodes)
+    assert "resumed from checkpoint step 2" in log(tmp_path, "resumed", 0, "out")
+    assert steps_logged(run_dir) == [1, 2, 3]
+    assert_engine_served_the_trained_weights(run_dir)
+
+
+@pytest.fixture
+def external_engine(demo):
+    """`megatron-grpo serve` started on its own, as on a separate rollout node; its URL."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "megatron_grpo.rollout.serve", "--model-dir", str(demo / "model"),
+                               "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    yield f"http://127.0.0.1:{port}"
+    kill_tree(server)
+
+
+@pytest.mark.slow
+def test_node_killed_ends_the_other_in_time_and_relaunch_resumes(demo, tmp_path, no_leftovers, external_engine):
+    """Layout of multi_node.sh's header: the engine runs apart (rollout.urls) and outlives
+    the trainer; node 1 is killed -9 (its torchrun and rank) after step 3."""
+    run_dir = tmp_path / "run"
+    args = overrides(demo, run_dir, 12, "checkpoint.save_every=2", f"rollout.urls=[{external_engine}]")
+    nodes = start_nodes(2, args, tmp_path, "killed")
+    try:
+        wait_for_rows(run_dir, 3, nodes)
+        kill_tree(nodes[1])
+        killed = time.monotonic()
+        assert wait_nodes(nodes[:1], 120) == [1]
+        took = time.monotonic() - killed
+    finally:
+        stop_nodes(nodes)
+    errors = [line for line in log(tmp_path, "killed", 0).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0 on node 0 lost contact with the other ranks: ")
+    assert took < 60, took  # measured: 5-6 s (the rank's socket to the dead one closes)
+    newest = complete_checkpoints(run_dir)[-1][0]
+
+    nodes = start_nodes(2, args, tmp_path, "relaunched")
+    try:
+        assert wait_nodes(nodes, RUN_S) == [0, 0], log(tmp_path, "relaunched", 0)[-3000:]
+    finally:
+        stop_nodes(nodes)
+    assert f"resumed from checkpoint step {newest}" in log(tmp_path, "relaunched", 0, "out")
+    assert steps_logged(run_dir) == list(range(1, 13))
+    assert_engine_served_the_trained_weights(run_dir)
+
+
+@pytest.mark.slow
+def test_node_alone_gives_up_on_the_rendezvous_in_time(demo, tmp_path, no_leftovers):
+    # node 0 of 2; node 1 never comes
+    node = start_node(0, 2, free_port(), overrides(demo, tmp_path / "run", 2, "parallel.distributed_timeout_s=5"),
+                      tmp_path, "alone")
+    assert wait_nodes([node], 90) == [1]
+    last = log(tmp_path, "alone", 0).strip().splitlines()[-1]
+    assert last.startswith("error: torchrun stopped (exit code 1): DistStoreError: Timed out after"), last
+
+
+@pytest.mark.slow
+def test_single_node_sh_trains(demo, tmp_path, no_leftovers):
+    run_dir = tmp_path / "run"
+    out = subprocess.run(["bash", "launch/single_node.sh", CONFIG, *overrides(demo, run_dir, 1)], cwd=ROOT,
+                         env={k: v for k, v in script_env().items() if k not in LAUNCH_VARS},
+                         capture_output=True, text=True, timeout=RUN_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert steps_logged(run_dir) == [1]
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    if not slurm_installed():
+        if os.environ.get("MEGATRON_GRPO_REQUIRE_SLURM"):  # set by .ci/run, which installs it
+            pytest.fail(f"MEGATRON_GRPO_REQUIRE_SLURM is set but Slurm is not installed ({', '.join(SLURM_PROGRAMS)})")
+        pytest.skip("Slurm is not installed (Debian: apt-get install slurmd slurmctld slurm-client; .ci/run does)")
+    cluster = EmulatedSlurm(tmp_path / "slurm")
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.slow
+def test_slurm_sbatch_on_two_emulated_nodes(demo, tmp_path, no_leftovers, slurm):
+    run_dir = tmp_path / "run dir"  # a space: the overrides reach every node intact
+    job_log = tmp_path / "job.out"
+    # the CPU-only cluster has no GPUs: override the script's GPU/CPU request, as sbatch allows
+    out = slurm.sbatch(["--gpus-per-node=0", "--cpus-per-task=1", f"--output={job_log}", "launch/slurm.sbatch", CONFIG,
+                        *overrides(demo, run_dir, 2)], timeout_s=RUN_S, MASTER_PORT=str(free_port()))
+    assert out.returncode == 0, out.stderr + job_log.read_text(errors="replace")[-3000:]
+    assert steps_logged(run_dir) == [1, 2]
+    assert_engine_served_the_trained_weights(run_dir)
