@@ -83,7 +83,7 @@ def test_two_launched_servers_share_the_work_and_survive_a_death(demo, tmp_path)
             time.sleep(0.5)
         log = run_dir / "rollout" / "server_1.log"
         port = re.search(r"--port (\d+)", log.read_text()).group(1)
-        for p in _sglang_processes():
+        for p in _sglang_processes_now():
             if f"--port {port}" in " ".join(p.cmdline()):
                 killed["pid"] = p.pid
                 p.kill()
@@ -102,7 +102,17 @@ def test_two_launched_servers_share_the_work_and_survive_a_death(demo, tmp_path)
     assert not _sglang_processes()
 
 
-def _sglang_processes() -> list[psutil.Process]:
+def _sglang_processes(grace_s: float = 10.0) -> list[psutil.Process]:
+    """SGLang processes still running after ``grace_s`` (the kernel reaps killed ones async)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        found = _sglang_processes_now()
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def _sglang_processes_now() -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
         try:

@@ -214,8 +214,9 @@ def _stop_process(proc: Optional[subprocess.Popen], timeout_s: float = 15.0) -> 
         except subprocess.TimeoutExpired:
             _signal_group(proc.pid, signal.SIGKILL)
             proc.wait(timeout=timeout_s)
-    else:
-        _signal_group(proc.pid, signal.SIGKILL)  # children it may have left behind
+    # Children the server left behind (SGLang's scheduler and detokenizer outlive its main
+    # process by seconds while it writes crash diagnostics) go with the group.
+    _signal_group(proc.pid, signal.SIGKILL)
 
 
 def _log_tail(path: Path, num_lines: int = 5) -> str:
