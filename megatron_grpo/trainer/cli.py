@@ -219,9 +219,11 @@ def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
             code = proc.wait()
         finally:
             signal.signal(signal.SIGTERM, previous)
-        if error_file.exists():
-            recorded_code, line = error_file.read_text().strip().split(" ", 1)
-            return _fail(line, int(recorded_code))
+        # A rank's own error is the cause; a lost peer (recorded apart) is usually its effect.
+        for recorded in (error_file, Path(f"{error_file}{PEER_SUFFIX}")):
+            if recorded.exists():
+                recorded_code, line = recorded.read_text().strip().split(" ", 1)
+                return _fail(line, int(recorded_code))
         reason = _launcher_exception(tail) if code != 0 else None
         return _fail(f"torchrun stopped (exit code {code}): {reason}", code) if reason else code
 
@@ -292,8 +294,11 @@ def _data_file(config_path: str, overrides: list[str]) -> str | None:
         return None
 
 
+PEER_SUFFIX = ".lost_peer"  # where lost-peer lines are recorded, so a cause on another rank wins
+
+
 def _report(e: BaseException, rank: int, config_path: str, data_file: str | None,
-            code: int = EXIT_USER_ERROR) -> int:
+            code: int = EXIT_USER_ERROR, lost_peer: bool = False) -> int:
     """A rank's one-line error: recorded for ``megatron-grpo train`` (any rank of the node,
     first wins) or printed by the node's first rank under a bare torchrun (each node's log
     says why it stopped: after a node died, global rank 0 may be the one that is gone).
@@ -301,7 +306,7 @@ def _report(e: BaseException, rank: int, config_path: str, data_file: str | None
     non-finite losses, an engine that stays down, a lost node)."""
     line = describe_user_error(e, config_path, data_file) if code == EXIT_USER_ERROR else str(e)
     if os.environ.get(ERROR_FILE_ENV):
-        _record_user_error(f"{code} {line}", os.environ[ERROR_FILE_ENV])
+        _record_user_error(f"{code} {line}", os.environ[ERROR_FILE_ENV] + (PEER_SUFFIX if lost_peer else ""))
         return code
     return _fail(line, code) if int(os.environ.get("LOCAL_RANK", rank)) == 0 else code
 
@@ -359,7 +364,7 @@ def rank_main(argv: list[str]) -> int:
         if detail is None:
             raise
         return _report(_lost_peer(rank, detail, cfg), rank, args.config, cfg.data.train_file,
-                       code=EXIT_RUN_ABORTED)
+                       code=EXIT_RUN_ABORTED, lost_peer=True)
     finally:
         parallel.destroy()
     return 0
