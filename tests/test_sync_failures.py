@@ -105,3 +105,44 @@ def test_tensor_payloads_cannot_run_code():
     t = torch.arange(6, dtype=torch.float32).view(2, 3)
     (name, back), = deserialize_named_tensors(serialize_named_tensors([("w", t)]))
     assert name == "w" and torch.equal(back, t)
+
+
+def _closed_port_url() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.slow
+def test_a_dead_engine_does_not_leave_the_live_one_inside_the_bracket(launched):
+    """CI found this: engine 2 died while engine 1 had opened its bracket; every retry was refused."""
+    manager, model_dir = launched
+    live = manager.urls[0]
+    cfg = RolloutConfig(weight_sync_transport="tensor", request_timeout_s=TIMEOUT_S, max_retries=1)
+    syncer = WeightSyncer(cfg, [live, _closed_port_url()], None,
+                          iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
+    with pytest.raises(WeightSyncError, match=r"prepare \(pause/flush\) failed on rank 0: .*ConnectError"):
+        syncer.sync([], 1)
+    syncer.close()
+    # the live engine was finished (bracket closed, generating again): a sync to it alone succeeds
+    # without having to close anything, and moves its version
+    retry = WeightSyncer(cfg, [live], None, iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
+    retry.sync([], 2)
+    assert retry.client.weight_version(live) == "2"
+    retry.close()
+
+
+@pytest.mark.slow
+def test_a_bracket_left_open_by_an_earlier_trainer_is_closed(launched, caplog):
+    manager, model_dir = launched
+    url = manager.urls[0]
+    cfg = RolloutConfig(weight_sync_transport="tensor", request_timeout_s=TIMEOUT_S, max_retries=1)
+    syncer = WeightSyncer(cfg, [url], None, iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
+    syncer.client.begin_weight_update(url)  # what a trainer killed mid-sync leaves behind
+    with caplog.at_level("WARNING"):
+        syncer.sync([], 3)
+    assert "had a weight-update bracket open" in caplog.text
+    assert syncer.client.weight_version(url) == "3"
+    syncer.close()

@@ -131,6 +131,7 @@ class WeightSyncer:
                 backend=self.adapter.backend(cfg, torch.cuda.is_available()))
         self.num_syncs = 0
         self._engine_info: Optional[list[dict]] = None
+        self._opened: list[str] = []  # engines whose update bracket this sync opened
 
     # ---- collective helpers -------------------------------------------------------------
 
@@ -179,9 +180,10 @@ class WeightSyncer:
         stats = SyncStats(step=step, verified=verify,
                           role="coordinator+sender" if self.coordinator else
                           "sender" if self.sender else "peer" if self.participant else "idle")
-        self._run(self._prepare_engines, "prepare (pause/flush)", on=self.coordinator)
         ok = False
+        self._opened = []
         try:
+            self._run(self._prepare_engines, "prepare (pause/flush)", on=self.coordinator)
             expected: dict[str, str] = {}
             samples: dict[str, torch.Tensor] = {}
             error = None
@@ -194,8 +196,9 @@ class WeightSyncer:
         finally:
             # Every rank gets here together (failures above are agreed collectively). The
             # engines must leave the update bracket and generate again even after a failed
-            # sync, or the retry's /begin_weight_update is refused; only a good sync moves
-            # weight_version.
+            # sync -- including one that failed while pausing a dead engine after a live one
+            # had opened its bracket -- or the retry's /begin_weight_update is refused; only a
+            # good sync moves weight_version.
             try:
                 self._run(lambda: self._finish_engines(step if ok else None), "finish (version/continue)",
                           on=self.coordinator)
@@ -213,17 +216,47 @@ class WeightSyncer:
             self.client.pause_generation(url, mode="abort")
             self.client.flush_cache(url)
             if TRANSPORTS[self.cfg.weight_sync_transport].needs_update_session:
-                self.client.begin_weight_update(url)
+                self._open_bracket(url)
+
+    def _open_bracket(self, url: str) -> None:
+        """/begin_weight_update on ``url``; a bracket an earlier trainer left open is closed first.
+
+        A trainer killed mid-sync leaves an external engine inside the bracket, and the engine
+        then refuses every later /begin_weight_update: the resumed trainer would never sync.
+        """
+        try:
+            self.client.begin_weight_update(url)
+        except RolloutError as first:
+            if first.status is None:  # no answer: nothing to close
+                raise
+            try:
+                self.client.end_weight_update(url)
+            except RolloutError:
+                raise first from None
+            log.warning("rollout engine %s had a weight-update bracket open (an earlier sync did not "
+                        "finish); closed it", url)
+            self.client.begin_weight_update(url)
+        self._opened.append(url)
 
     def _finish_engines(self, step: Optional[int]) -> None:
-        """Close the bracket, flush, continue; set weight_version to ``step`` unless None."""
+        """Close the bracket, flush, continue; set weight_version to ``step`` unless None.
+
+        Each engine is finished on its own: one that fails (dead, restarting) must not leave
+        the others paused or inside the bracket. The first failure is raised afterwards.
+        """
+        errors = []
         for url in self.urls:
-            if step is not None:
-                self.client.update_weight_version(url, str(step))
-            if TRANSPORTS[self.cfg.weight_sync_transport].needs_update_session:
-                self.client.end_weight_update(url)
-            self.client.flush_cache(url)
-            self.client.continue_generation(url)
+            try:
+                if step is not None:
+                    self.client.update_weight_version(url, str(step))
+                if url in self._opened:
+                    self.client.end_weight_update(url)
+                self.client.flush_cache(url)
+                self.client.continue_generation(url)
+            except Exception as e:  # noqa: BLE001 - the other engines still need finishing
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def _send_stage(self, model_chunks, step, verify, stats, expected, samples) -> Optional[str]:
         """Iterate this stage's weights; the sender packs and sends. Returns an error or None."""
