@@ -1,4 +1,4 @@
-"""The launch scripts of the README, run as a user runs them.
+"""The launch scripts of docs/launching.md, run as a user runs them.
 
 * every script parses (`bash -n`);
 * fast: what each script hands to `megatron-grpo train` (stand-ins for it, and for `srun` and

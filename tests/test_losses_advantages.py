@@ -1,4 +1,4 @@
-"""Advantage estimators against hand-computed values (LOSS_SPEC §2, §9, §11)."""
+"""Advantage estimators against hand-computed values (docs/loss_spec.md#advantages)."""
 
 import pytest
 import torch
@@ -30,7 +30,7 @@ def test_estimators_hand_values(estimator):
 
 
 def test_identical_float_rewards_give_exactly_zero():
-    # LOSS_SPEC §9: 64 identical float32 rewards 7.3229351 give A = -0.486 in verl/SkyRL
+    # docs/loss_spec.md#advantages: 64 identical float32 rewards 7.3229351 give A = -0.486 in verl/SkyRL
     # (1 ulp of mean rounding divided by eps=1e-6). Here: exactly 0.
     rewards = torch.full((64,), 7.3229351, dtype=torch.float32)
     for estimator in ("grpo", "dr_grpo", "rloo"):

@@ -51,7 +51,7 @@ def test_defaults_and_nested_block():
     assert cfg.off_policy_correction.sequence_tis_ratio_clip_high == 5.0
     assert cfg.off_policy_correction.enabled
     assert not AlgorithmConfig().off_policy_correction.enabled
-    # LOSS_SPEC §11: an outlier threshold alone enables the block.
+    # docs/loss_spec.md#off-policy-correction: an outlier threshold alone enables the block.
     assert OffPolicyCorrectionConfig(outlier_token_is_threshold_high=100.0).enabled
 
 

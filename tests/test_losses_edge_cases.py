@@ -1,4 +1,4 @@
-"""LOSS_SPEC §9 edge cases and the num_iterations semantics (clip metrics exactly 0 on the
+"""Edge cases (docs/loss_spec.md#edge-cases) and the num_iterations semantics (clip metrics exactly 0 on the
 first pass, positive after a real optimizer step on a tiny torch policy)."""
 
 import itertools

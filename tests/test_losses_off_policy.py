@@ -1,5 +1,5 @@
 """The off-policy block (outlier mask -> TIS -> sequence mask) and the mismatch metrics,
-against hand-computed values (LOSS_SPEC §4.1, §7, §11).
+against hand-computed values (docs/loss_spec.md#off-policy-correction, #metrics).
 
 Batch: B = 4, T = 3, pi_theta = pi_old (r = 1, so the PPO per-token loss is -A * w), and
 rollout log-probs chosen so that rho = pi_old / mu is exactly:

@@ -1,7 +1,8 @@
 """`algorithm:` section: advantages, policy loss, KL/entropy terms, off-policy correction.
 
-The semantics of every knob are in ../shared/LOSS_SPEC.md; megatron-grpo's choices are its
-Section 11. Names follow SkyRL where a peer name exists.
+The semantics of every knob, megatron-grpo's choices and its departures from the papers are in
+docs/loss_spec.md (the user guide is docs/algorithms.md, the off-policy guide docs/off_policy.md).
+Names follow SkyRL where a peer name exists.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class OffPolicyCorrectionConfig:
 
     @property
     def enabled(self) -> bool:
-        """LOSS_SPEC §11: on when TIS, a sequence mask or an outlier threshold is set."""
+        """On when TIS, a sequence mask or an outlier threshold is set
+        (docs/loss_spec.md#off-policy-correction)."""
         return (
             self.tis_ratio_type is not None
             or self.sequence_mask_metric is not None
@@ -128,7 +130,7 @@ class AlgorithmConfig:
     """Weight of the KL-to-reference loss; > 0 loads a frozen reference model."""
 
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    """Per-token KL(pi || ref) estimator (LOSS_SPEC §5)."""
+    """Per-token KL(pi || ref) estimator (docs/loss_spec.md#kl-and-entropy-terms)."""
 
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted from the loss)."""
@@ -188,7 +190,7 @@ class AlgorithmConfig:
         )
 
     def _map_deprecated_tis(self, use_tis: Optional[bool], cap: Optional[float]) -> None:
-        """Map the deprecated `use_tis` / `tis_imp_ratio_cap` pair (LOSS_SPEC §4.1) onto the
+        """Map the deprecated `use_tis` / `tis_imp_ratio_cap` pair (docs/loss_spec.md#off-policy-correction) onto the
         off-policy block, warning once; a conflicting explicit setting is an error."""
         if use_tis is None and cap is None:
             return

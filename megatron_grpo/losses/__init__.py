@@ -1,5 +1,5 @@
 """The corrected GRPO loss: advantages, policy-loss family, KL/entropy terms, off-policy
-(train/rollout) correction and metrics. Specification: ../shared/LOSS_SPEC.md, choices §11.
+(train/rollout) correction and metrics. Specification: docs/loss_spec.md (formulas, choices, departures).
 
 Public API::
 
@@ -74,7 +74,7 @@ tokens only; no per-token mask. NaN/inf at padded positions never reach the loss
 gradient (inputs pass through ``torch.where`` first; SkyRL and TRL multiply by the mask and leak
 NaN). Missing ``ref_log_probs`` / ``entropy`` when their coefficient is > 0 is an error.
 
-Metrics (LOSS_SPEC §7 names): ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
+Metrics (docs/loss_spec.md#metrics): ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
 ``pg_clipfrac_lower``, ``ppo_kl`` (mean lo - lp), ``entropy``, ``kl_loss`` (KL term before its
 coefficient), ``is_ratio_mean/std/max/min``, ``rollout_train_logprobs_abs_diff_mean/_std``,
 ``k3_kl`` (KL(mu || pi_old)), ``tis_token_clip_high_ratio``, ``tis_seq_clip_high_ratio``,

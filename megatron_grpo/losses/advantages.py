@@ -1,4 +1,4 @@
-"""Outcome advantages from per-completion rewards (LOSS_SPEC §2, choices §11).
+"""Outcome advantages from per-completion rewards (docs/loss_spec.md#advantages).
 
 ``compute_advantages(rewards, num_generations, config)`` takes ``float[B]`` rewards with the
 ``num_generations`` completions of each prompt in contiguous rows and returns ``float[B]``.
@@ -14,7 +14,7 @@ Departures from the peers, on purpose:
 
 * A group whose reward std is <= 1e-6 gets A = 0 for every member, for every estimator.
   Peers compute (s - mean) / (0 + eps): for identical float rewards the mean is off by ~1 ulp,
-  and dividing by 1e-6 turns that rounding into |A| ~ 0.5 (LOSS_SPEC §9). Identical rewards
+  and dividing by 1e-6 turns that rounding into |A| ~ 0.5 (docs/loss_spec.md#advantages). Identical rewards
   carry no ranking signal, so 0 is the exact answer.
 * Arithmetic is float64 (result cast back to the rewards' dtype), which removes most of the
   rounding in the group mean to begin with.
@@ -36,7 +36,7 @@ ADVANTAGE_EPS = 1e-6
 """Added to the group std in the grpo denominator (verl, SkyRL; TRL uses 1e-4)."""
 
 ZERO_STD_TOL = 1e-6
-"""A group whose unbiased reward std is <= this gets advantage 0 (LOSS_SPEC §11)."""
+"""A group whose unbiased reward std is <= this gets advantage 0 (docs/loss_spec.md#advantages)."""
 
 AdvantageFn = Callable[[torch.Tensor], torch.Tensor]
 """scores ``float64[G, n]`` (G groups of n completions) -> advantages ``float64[G, n]``."""

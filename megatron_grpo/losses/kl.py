@@ -1,4 +1,4 @@
-"""Per-token estimators of KL(pi_theta || pi_ref) (LOSS_SPEC §5), keyed by
+"""Per-token estimators of KL(pi_theta || pi_ref) (docs/loss_spec.md#kl-and-entropy-terms), keyed by
 ``algorithm.kl_estimator``.
 
 With x = log pi_theta - log pi_ref on a token sampled from pi_theta:

@@ -1,4 +1,4 @@
-"""Train/rollout mismatch: diagnostics and the off-policy correction block (LOSS_SPEC §4.1, §11).
+"""Train/rollout mismatch: diagnostics and the off-policy correction block (docs/loss_spec.md#off-policy-correction).
 
 The rollout engine (SGLang, the embedded engine) samples with mu, which differs from the
 trainer's pi_old even at identical weights (kernels, precision, batching). With

@@ -1,4 +1,4 @@
-"""Per-token policy surrogates (LOSS_SPEC §3), keyed by ``algorithm.policy_loss_type``.
+"""Per-token policy surrogates (docs/loss_spec.md#policy-losses), keyed by ``algorithm.policy_loss_type``.
 
 Each entry maps sanitised ``float[B, T]`` inputs (current log-probs with grad, old log-probs,
 advantages broadcast to tokens, the valid mask) to a ``Surrogate``: the per-token loss to

@@ -1,4 +1,4 @@
-"""Loss reductions: per-token losses ``float[B, T]`` -> one scalar (LOSS_SPEC §6), keyed by
+"""Loss reductions: per-token losses ``float[B, T]`` -> one scalar (docs/loss_spec.md#reductions), keyed by
 ``algorithm.loss_reduction``.
 
 Every reduction divides by a GLOBAL denominator handed in by the caller, never by a count

@@ -8,10 +8,11 @@ then into the loss by ``losses.compute_policy_loss``.
 Loss scaling. Megatron's schedule divides each micro-batch loss by the number of
 micro-batches and DDP averages gradients over the dp ranks. ``compute_policy_loss`` instead
 returns per-part losses that SUM to the mini-batch loss (its token_mean denominator is the
-global valid-token count of the mini-batch, counted before off-policy masking; LOSS_SPEC
-§11). We therefore multiply each part by ``num_microbatches * dp`` before handing it to the
+global valid-token count of the mini-batch, counted before off-policy masking;
+docs/loss_spec.md#reductions). We therefore multiply each part by ``num_microbatches * dp`` before handing it to the
 schedule, so the gradient is exactly that of the global mini-batch loss whatever the TP,
-PP, DP or micro-batch split (LOSS_SPEC §6, SkyRL's ``grad_sum_correction_factor``).
+PP, DP or micro-batch split (docs/loss_spec.md#the-whole-loss-and-the-distributed-contract, SkyRL's
+``grad_sum_correction_factor``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Registry of supported architectures, keyed by the HF ``config.json`` ``model_type``.
 
 Adding an architecture = one module here with a ``DenseDecoderArch`` subclass overriding the
-hooks that differ, plus one line in ``ARCHITECTURES`` (see the README's models section).
+hooks that differ, plus one line in ``ARCHITECTURES`` (see docs/models.md#adding-an-architecture).
 """
 
 from __future__ import annotations

@@ -1,0 +1,419 @@
+"""The documentation cannot rot silently: README.md and docs/*.md are checked against the code.
+
+* every relative link resolves to a file, and a ``#anchor`` to a heading of that file (GitHub's
+  slug rules); the code's own pointers into the docs (``docs/x.md#anchor`` in docstrings,
+  comments and messages) resolve the same way;
+* every repository path quoted in backticks (``tests/...``, ``megatron_grpo/...``) exists;
+* every command shown in a ```bash / sh / console block that runs this project's programs
+  (``megatron-grpo SUB``, ``python -m megatron_grpo...``, ``python tools/X.py``,
+  ``python tests/X.py``, ``torchrun ... -m megatron_grpo.train | tools/X.py``, ``bash launch/X``,
+  ``sbatch launch/X``) parses: its ``--help`` exits 0 (once per program and sub-command), and a
+  launch script passes ``bash -n``;
+* every config a command names (``--config F``, the config argument of ``validate-config`` and
+  of the launch scripts, ``demo_cpu.yaml`` for ``launch/demo_cpu.sh``) validates with its
+  ``key=value`` overrides through ``load_config``, without starting anything;
+* every ```yaml block validates when merged onto ``yaml_configs/demo_cpu.yaml``.
+
+Each check asserts it found a minimum number of items, so a parser that silently finds nothing
+fails instead of passing.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from megatron_grpo.config import ConfigError, load_config
+from megatron_grpo.config.experiment import build_experiment, yaml_load
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL_LANGS = {"bash", "sh", "shell", "console"}
+FENCE_RE = re.compile(r"^(```+|~~~+)\s*([\w+-]*)[^\n]*\n(.*?)^\1\s*$", re.S | re.M)
+LINK_RE = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING_RE = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.M)
+CODE_POINTER_RE = re.compile(r"docs/([\w.-]+\.md)(?:#([\w-]+))?")
+REPO_PATH_RE = re.compile(r"`((?:megatron_grpo|tests|tools|launch|yaml_configs|docs)/[\w./*-]+)`")
+LAUNCH_CONFIG_SCRIPTS = {"launch/single_node.sh", "launch/multi_node.sh", "launch/slurm.sbatch"}
+DEMO_CONFIG = "yaml_configs/demo_cpu.yaml"
+
+
+# ---- Markdown parsing -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    lang: str
+    text: str
+
+
+def fenced_blocks(path: Path) -> list[Block]:
+    return [Block(path, m.group(2).lower(), m.group(3)) for m in FENCE_RE.finditer(path.read_text())]
+
+
+def prose(text: str) -> str:
+    """The Markdown without fenced blocks and inline code (links there are not links)."""
+    text = FENCE_RE.sub("", text)
+    return re.sub(r"(`+)(?:(?!\1).)+?\1", "", text, flags=re.S)
+
+
+def github_slug(heading: str) -> str:
+    """GitHub's anchor of a heading: inline markup dropped, lowercase, punctuation other than
+    '-' and '_' removed, each space turned into '-'."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links keep their text
+    text = text.replace("`", "").strip().lower()
+    kept = []
+    for ch in text:
+        cat = unicodedata.category(ch)
+        if ch in "-_ " or cat[0] in "LN":
+            kept.append(ch)
+    return "".join(kept).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading anchor of a Markdown file, with GitHub's -1, -2 suffixes for repeats."""
+    seen: dict[str, int] = {}
+    out = set()
+    for m in HEADING_RE.finditer(FENCE_RE.sub("", path.read_text())):
+        slug = github_slug(m.group(2))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def link_problem(source: Path, target: str) -> str | None:
+    """Why a relative link of ``source`` does not resolve, or None."""
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+        return None
+    file_part, _, anchor = target.partition("#")
+    dest = (source.parent / file_part).resolve() if file_part else source
+    if not dest.exists():
+        return f"{target}: no such file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}"
+    if not dest.is_relative_to(ROOT):
+        return f"{target}: points outside the repository"
+    if anchor:
+        if dest.suffix != ".md":
+            return f"{target}: an anchor into a non-Markdown file"
+        if anchor not in anchors(dest):
+            return f"{target}: no heading with anchor #{anchor} in {dest.relative_to(ROOT)}"
+    return None
+
+
+# ---- commands -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Command:
+    where: str
+    argv: tuple[str, ...]
+
+
+def command_lines(block: Block) -> list[str]:
+    """Shell lines of a block: continuations joined; in ``console`` blocks only ``$ `` lines."""
+    text = re.sub(r"\\\n\s*", " ", block.text)
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if block.lang == "console":
+            if not line.startswith("$ "):
+                continue
+            line = line[2:]
+        if line and not line.startswith("#"):
+            out.append(line)
+    return out
+
+
+def split_commands(line: str) -> list[list[str]]:
+    """shlex tokens of each command of a line (split at |, &&, ||, ;), leading VAR=value dropped."""
+    tokens = shlex.split(line, comments=True)
+    commands, current = [], []
+    for tok in tokens + [";"]:
+        if tok in ("|", "&&", "||", ";"):
+            while current and re.match(r"^[A-Za-z_]\w*=", current[0]):
+                current.pop(0)
+            if current:
+                commands.append(current)
+            current = []
+        else:
+            current.append(tok)
+    return commands
+
+
+def all_commands() -> list[Command]:
+    out = []
+    for path in DOC_FILES:
+        for block in fenced_blocks(path):
+            if block.lang not in SHELL_LANGS:
+                continue
+            for line in command_lines(block):
+                for argv in split_commands(line):
+                    out.append(Command(f"{path.relative_to(ROOT)}: {line}", tuple(argv)))
+    return out
+
+
+def is_python(tok: str) -> bool:
+    return re.fullmatch(r"(.*/)?python(3(\.\d+)?)?", tok) is not None and not tok.startswith("~")
+
+
+def project_program(argv: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(the program as ``python``-style argv prefix, its arguments) for this project's
+    programs; None for anything else (pip, pytest, sglang, ...)."""
+    prog = argv[0]
+    if prog == "megatron-grpo":
+        if len(argv) == 1 or argv[1].startswith("-"):
+            return ("megatron-grpo",), argv[1:]
+        return ("megatron-grpo", argv[1]), argv[2:]
+    if prog == "torchrun":  # skip torchrun's own options up to the script or -m
+        for i, tok in enumerate(argv[1:], start=1):
+            if tok == "-m" and i + 1 < len(argv):
+                return project_program(("python", *argv[i:]))
+            if tok.endswith(".py"):
+                return project_program(("python", *argv[i:]))
+        return None
+    if is_python(prog) and len(argv) > 1:
+        if argv[1] == "-m" and len(argv) > 2 and argv[2].startswith("megatron_grpo"):
+            return ("python", "-m", argv[2]), argv[3:]
+        if argv[1].startswith(("tools/", "tests/")) and argv[1].endswith(".py"):
+            return ("python", argv[1]), argv[2:]
+    if prog in ("bash", "sbatch") and len(argv) > 1 and argv[1].startswith("launch/"):
+        return (prog, argv[1]), argv[2:]
+    return None
+
+
+def overrides_of(args: tuple[str, ...]) -> list[str]:
+    return [a for a in args if "=" in a and not a.startswith("-") and re.match(r"^[\w.\[\]]+=", a)]
+
+
+def config_of(program: tuple[str, ...], args: tuple[str, ...]) -> str | None:
+    """The experiment YAML a command runs with, if it names one."""
+    if "--config" in args:
+        return args[args.index("--config") + 1]
+    positional = [a for a in args if not a.startswith("-") and "=" not in a]
+    if program == ("megatron-grpo", "validate-config") or (
+        program[0] in ("bash", "sbatch") and program[1] in LAUNCH_CONFIG_SCRIPTS
+    ):
+        return positional[0] if positional else None
+    if program[-1] == "launch/demo_cpu.sh":
+        return DEMO_CONFIG
+    return None
+
+
+# One child process runs every ``--help`` in turn, in-process (runpy, as ``python -m`` and
+# ``python script.py`` do), so torch and megatron-core are imported once rather than once per
+# program: ~18 separate interpreters cost ~25 s of CPU, which a loaded 2-core CI machine
+# stretches past a minute. The child, not pytest, absorbs whatever a program's import does.
+_HELP_DRIVER = r"""
+import contextlib, io, json, runpy, sys
+results = []
+for program in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    code = 0
+    argv0 = list(sys.argv)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            if program[0] == "megatron-grpo":
+                from megatron_grpo.cli import main
+                code = main([*program[1:], "--help"])
+            elif program[1] == "-m":
+                sys.argv = [program[2], "--help"]
+                runpy.run_module(program[2], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [program[1], "--help"]
+                runpy.run_path(program[1], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException as e:
+        code, _ = 1, out.write(f"{type(e).__name__}: {e}")
+    finally:
+        sys.argv = argv0
+    results.append([program, code, out.getvalue()[-2000:]])
+print(json.dumps(results))
+"""
+
+
+def run_helps(programs: list[tuple[str, ...]]) -> list[tuple[tuple[str, ...], int, str]]:
+    """``--help`` of every Python program (one child process) and ``bash -n`` of every script."""
+    results = []
+    for program in (p for p in programs if p[0] in ("bash", "sbatch")):
+        proc = subprocess.run(["bash", "-n", program[1]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        results.append((program, proc.returncode, proc.stderr))
+    python_programs = [list(p) for p in programs if p[0] not in ("bash", "sbatch")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _HELP_DRIVER, json.dumps(python_programs)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, f"the --help driver failed:\n{proc.stderr[-3000:]}"
+    results += [(tuple(p), code, out) for p, code, out in json.loads(proc.stdout.strip().splitlines()[-1])]
+    return results
+
+
+# ---- tests: links ---------------------------------------------------------------------------
+
+
+def test_every_relative_link_and_anchor_resolves():
+    problems, checked = [], 0
+    for path in DOC_FILES:
+        for m in LINK_RE.finditer(prose(path.read_text())):
+            checked += 1
+            why = link_problem(path, m.group(1))
+            if why:
+                problems.append(f"{path.relative_to(ROOT)}: {why}")
+    assert checked >= 100, f"only {checked} links found: is the link parser broken?"
+    assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_readme_links_every_docs_page():
+    readme = (ROOT / "README.md").read_text()
+    index = (ROOT / "docs" / "index.md").read_text()
+    pages = [p.name for p in DOC_FILES if p.parent.name == "docs" and p.name != "index.md"]
+    missing = [p for p in pages if f"(docs/{p}" not in readme or f"({p}" not in index]
+    assert not missing, f"docs pages not linked from both README.md and docs/index.md: {missing}"
+
+
+def test_code_pointers_into_the_docs_resolve():
+    problems, checked = [], 0
+    for pattern in ("megatron_grpo/**/*.py", "tests/*.py", "tools/*.py", "launch/*", "yaml_configs/*"):
+        for name in glob.glob(str(ROOT / pattern), recursive=True):
+            path = Path(name)
+            if path.name == "test_docs.py":  # its own examples
+                continue
+            for m in CODE_POINTER_RE.finditer(path.read_text()):
+                checked += 1
+                target = m.group(1) + (f"#{m.group(2)}" if m.group(2) else "")
+                why = link_problem(ROOT / "docs" / "x.md", target)
+                if why:
+                    problems.append(f"{path.relative_to(ROOT)}: docs/{why}")
+    assert checked >= 15, f"only {checked} pointers into docs/ found in the code"
+    assert not problems, "code points at missing docs:\n" + "\n".join(problems)
+
+
+def test_quoted_repository_paths_exist():
+    missing, checked = [], 0
+    for path in DOC_FILES:
+        for m in REPO_PATH_RE.finditer(path.read_text()):
+            checked += 1
+            if not glob.glob(str(ROOT / m.group(1).rstrip("/"))):
+                missing.append(f"{path.relative_to(ROOT)}: {m.group(1)}")
+    assert checked >= 50, f"only {checked} quoted paths found"
+    assert not missing, "quoted paths that do not exist:\n" + "\n".join(missing)
+
+
+# ---- tests: commands and configs ------------------------------------------------------------
+
+
+def test_every_shown_command_parses():
+    commands = all_commands()
+    programs = {}
+    for cmd in commands:
+        found = project_program(cmd.argv)
+        if found:
+            programs.setdefault(found[0], cmd.where)
+    kinds = {p[0] if p[0] != "python" else ("python -m" if p[1] == "-m" else "python script") for p in programs}
+    assert len(programs) >= 12 and {"megatron-grpo", "python -m", "python script", "bash"} <= kinds, (
+        f"too few project commands found in the docs ({sorted(programs)}): is the parser broken?"
+    )
+    results = run_helps(list(programs))
+    assert len(results) == len(programs)
+    failed = [f"{' '.join(p)} (shown in {programs[p]}): exit {rc}\n{out}" for p, rc, out in results if rc != 0]
+    assert not failed, "commands shown in the docs do not parse:\n" + "\n\n".join(failed)
+
+
+def test_every_config_a_command_names_validates():
+    checked, problems = 0, []
+    for cmd in all_commands():
+        found = project_program(cmd.argv)
+        if not found:
+            continue
+        config = config_of(*found)
+        if config is None:
+            continue
+        checked += 1
+        try:
+            load_config(ROOT / config, overrides_of(found[1]))
+        except ConfigError as e:
+            problems.append(f"{cmd.where}\n    {e.one_line()}")
+    assert checked >= 12, f"only {checked} commands with a config found"
+    assert not problems, "configs shown in the docs do not validate:\n" + "\n".join(problems)
+
+
+def _merge(base: dict, fragment: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in fragment.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def yaml_blocks() -> list[Block]:
+    return [b for p in DOC_FILES for b in fenced_blocks(p) if b.lang in ("yaml", "yml")]
+
+
+def test_every_yaml_fragment_validates():
+    base = yaml_load((ROOT / DEMO_CONFIG).read_text())
+    blocks = yaml_blocks()
+    assert len(blocks) >= 8, f"only {len(blocks)} yaml blocks found"
+    problems = []
+    for block in blocks:
+        fragment = yaml_load(block.text)
+        if not isinstance(fragment, dict):
+            problems.append(f"{block.path.relative_to(ROOT)}: a yaml block that is not a mapping:\n{block.text}")
+            continue
+        try:
+            build_experiment(_merge(base, fragment))
+        except ConfigError as e:
+            problems.append(f"{block.path.relative_to(ROOT)}: {e.one_line()}\n{block.text}")
+    assert not problems, "yaml blocks that do not validate on demo_cpu.yaml:\n" + "\n".join(problems)
+
+
+# ---- the checker checks itself --------------------------------------------------------------
+
+
+def test_checker_catches_a_broken_link_and_anchor(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "a.md").write_text("# Title\n\n## Some `code` here (x.py)\n")
+    page = tmp_path / "b.md"
+    assert link_problem(page, "a.md#some-code-here-xpy") is None
+    assert link_problem(page, "a.md#title") is None
+    assert "no heading" in link_problem(page, "a.md#nope")
+    assert "no such file" in link_problem(page, "missing.md")
+    assert link_problem(page, "https://example.com/x") is None
+
+
+@pytest.mark.parametrize(
+    "heading, slug",
+    [
+        ("Real SGLang (`rollout.engine: sglang`)", "real-sglang-rolloutengine-sglang"),
+        ("kill -9 anywhere", "kill--9-anywhere"),
+        ("What one step does (`megatron_grpo/trainer/driver.py`)", "what-one-step-does-megatron_grpotrainerdriverpy"),
+        ("TL;DR: starter configs", "tldr-starter-configs"),
+    ],
+)
+def test_github_slug(heading, slug):
+    assert github_slug(heading) == slug
+
+
+def test_command_extraction():
+    block = Block(Path("x.md"), "console", "$ megatron-grpo train --config a.yaml k=1 \\\n    j=2\noutput line\n")
+    assert [shlex.split(x) for x in command_lines(block)] == [
+        ["megatron-grpo", "train", "--config", "a.yaml", "k=1", "j=2"]]
+    argv = split_commands("MASTER_ADDR=1 NNODES=2 bash launch/multi_node.sh c.yaml 'rollout.urls=[http://h:1]'  # note")
+    assert argv == [["bash", "launch/multi_node.sh", "c.yaml", "rollout.urls=[http://h:1]"]]
+    program, args = project_program(("torchrun", "--nproc-per-node", "4", "tools/convert_hf_to_megatron.py", "--tp", "2"))
+    assert program == ("python", "tools/convert_hf_to_megatron.py") and args == ("--tp", "2")
+    assert config_of(*project_program(tuple(argv[0]))) == "c.yaml"
+    assert overrides_of(args + ("a.b=1", "--x=y")) == ["a.b=1"]
