@@ -168,3 +168,15 @@ def exports_weights() -> bool:
     from megatron.core import parallel_state as ps
 
     return ps.get_expert_data_parallel_rank() == 0
+
+
+def expert_hf_names(hf_config) -> frozenset[str]:
+    """HF names of every expert weight of the model (empty for a dense model)."""
+    from megatron_grpo.models.architectures.moe import MoEMLP
+
+    arch = get_architecture(hf_config.model_type)
+    if not isinstance(arch, MoEMLP):
+        return frozenset()
+    return frozenset(name for layer in range(hf_config.num_hidden_layers)
+                     for e in range(arch.num_experts(hf_config))
+                     for name in arch.expert_hf_names(f"model.layers.{layer}.", e))
