@@ -46,6 +46,8 @@ MALFORMED = [
     ("algorithm.loss_reduction", "seq_mean_token_sum_norm", "algorithm.max_response_length", "required"),
     ("parallel.tp", 3, "parallel.world_size", "not divisible by tp*pp"),
     ("parallel.micro_batch_size", -1, "parallel.micro_batch_size", ">= 1"),
+    ("parallel.ep", 0, "parallel.ep", ">= 1"),
+    ("parallel.ep", 3, "parallel.ep", "does not divide dp = world_size/(tp*pp) = 1"),
     ("parallel.global_batch_size", 48, "parallel.global_batch_size", "must divide the rollout batch"),
     ("parallel.tp", 1.5, "parallel.tp", "expected an integer"),
     ("parallel.sequence_parallel", "yes", "parallel.sequence_parallel", "expected true or false"),
@@ -136,6 +138,10 @@ def test_world_size_from_launcher(tmp_path):
     assert load_config(path, world_size=4).parallel.tp == 2
     with pytest.raises(ConfigError, match=r"parallel.tp: tp\*pp = 2\*1 does not divide the world size 3"):
         load_config(path, world_size=3)
+    ep4 = write(tmp_path, apply_overrides(with_change("parallel.world_size", None), ["parallel.ep=4"]), "ep.yaml")
+    assert load_config(ep4, world_size=8).parallel.ep == 4
+    with pytest.raises(ConfigError, match=r"parallel.ep: 4 does not divide dp = world size/\(tp\*pp\) = 2"):
+        load_config(ep4, world_size=4)
 
 
 def test_deprecated_tis_keys_map_with_warning():

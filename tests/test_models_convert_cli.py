@@ -147,7 +147,7 @@ def test_user_errors_are_one_line_with_exit_2(qwen2_dir, tmp_path, capsys):
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert run_in_process(h2m, "--hf-dir", gpt2, "--output-dir", tmp_path / "o") == 2
-    assert "model_type 'gpt2' is not supported (supported: llama, qwen2, qwen3)" in one_line_error(capsys, h2m)
+    assert "model_type 'gpt2' is not supported (supported: llama, mixtral, qwen2, qwen3, qwen3_moe)" in one_line_error(capsys, h2m)
 
     no_weights = tmp_path / "no_weights"
     shutil.copytree(qwen2_dir, no_weights)

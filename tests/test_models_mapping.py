@@ -104,7 +104,8 @@ def test_transformer_config_fields_come_from_config_json(model_type):
     assert kw["gated_linear_unit"] and kw["activation_func"] is F.silu and not kw["add_bias_linear"]
     assert kw["attention_dropout"] == kw["hidden_dropout"] == 0.0
     assert kw["add_qkv_bias"] == (model_type == "qwen2")
-    assert kw["qk_layernorm"] == (model_type == "qwen3")
+    assert kw["qk_layernorm"] == (model_type in ("qwen3", "qwen3_moe"))
+    assert (kw.get("num_moe_experts"), kw.get("moe_router_topk")) == ((4, 2) if model_type in ("qwen3_moe", "mixtral") else (None, None))
     gpt = arch.gpt_model_kwargs(cfg)
     assert gpt["share_embeddings_and_output_weights"] is True
     assert gpt["rotary_base"] == 10000.0 and gpt["position_embedding_type"] == "rope"
@@ -160,7 +161,7 @@ def test_load_hf_config_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ModelError) as e:
         load_hf_config(tmp_path)
-    assert str(e.value).endswith("model_type 'gpt2' is not supported (supported: llama, qwen2, qwen3)")
+    assert str(e.value).endswith("model_type 'gpt2' is not supported (supported: llama, mixtral, qwen2, qwen3, qwen3_moe)")
 
 
 def test_load_hf_config_reads_a_saved_tiny_model(tmp_path):

@@ -160,6 +160,8 @@ def build_experiment(raw: Any, world_size: Optional[int] = None) -> ExperimentCo
                 "parallel.tp", f"tp*pp = {par.tp}*{par.pp} does not divide the world size {world_size}"
             )
         dp = world_size // (par.tp * par.pp)
+        if dp % par.ep != 0:
+            raise ConfigError("parallel.ep", f"{par.ep} does not divide dp = world size/(tp*pp) = {dp}")
         if par.global_batch_size % (par.micro_batch_size * dp) != 0:
             raise ConfigError(
                 "parallel.global_batch_size",

@@ -50,6 +50,11 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size."""
 
+    ep: int = 1
+    """Expert-parallel size (mixture-of-experts models only): the experts of every MoE layer
+    are split over `ep` of the dp ranks. Must divide dp and the model's number of experts;
+    experts are tensor-parallel over `tp` like the rest of the model."""
+
     world_size: Optional[int] = None
     """Total trainer ranks. null: taken from the launcher (torchrun's WORLD_SIZE); when set,
     it must match the launcher, and `megatron-grpo train` starts this many ranks. dp is
@@ -75,7 +80,7 @@ class ParallelConfig:
     longest phase one rank runs while the others wait (rank 0's rollout, a checkpoint save)."""
 
     def __post_init__(self):
-        for key in ("tp", "pp", "micro_batch_size", "global_batch_size"):
+        for key in ("tp", "pp", "ep", "micro_batch_size", "global_batch_size"):
             value = getattr(self, key)
             check(value >= 1, key, f"must be >= 1, got {value}")
         if self.world_size is not None:
@@ -86,6 +91,7 @@ class ParallelConfig:
                 f"{self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp}",
             )
             dp = self.world_size // (self.tp * self.pp)
+            check(dp % self.ep == 0, "ep", f"{self.ep} does not divide dp = world_size/(tp*pp) = {dp}")
             check(
                 self.global_batch_size % (self.micro_batch_size * dp) == 0,
                 "global_batch_size",

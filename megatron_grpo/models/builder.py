@@ -7,6 +7,7 @@ import importlib.util
 import torch
 
 from megatron_grpo.models.architectures import get_architecture
+from megatron_grpo.models.errors import ModelError
 from megatron_grpo.runtime import cpu_shim
 
 
@@ -34,6 +35,8 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, recompu
     runtime = dict(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         sequence_parallel=sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -41,10 +44,38 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, recompu
         fp16=dtype == torch.float16,
         use_cpu_initialization=on_cpu,
     )
+    check_moe_parallel(hf_config, arch, runtime)
     if recompute:
         runtime.update(recompute_granularity="full", recompute_method="uniform",
                        recompute_num_layers=1)
     return TransformerConfig(**arch.transformer_config_kwargs(hf_config), **runtime)
+
+
+def check_moe_parallel(hf_config, arch, runtime: dict) -> None:
+    """ModelError (one line, naming the parallel key) for expert-parallel sizes the model
+    cannot use: ep > 1 on a dense model, ep not dividing the experts."""
+    from megatron_grpo.models.architectures.moe import MoEMLP
+
+    ep = runtime["expert_model_parallel_size"]
+    if not isinstance(arch, MoEMLP):
+        if ep > 1:
+            raise ModelError(f"parallel.ep={ep} needs a mixture-of-experts model; model_type "
+                             f"{hf_config.model_type!r} has no experts (use ep: 1)")
+        return
+    num_experts = arch.num_experts(hf_config)
+    if num_experts % ep:
+        raise ModelError(f"parallel.ep={ep} must divide the model's {num_experts} experts")
+
+
+def check_moe_training(hf_config, tp: int, sequence_parallel: bool) -> None:
+    """Training an MoE model at tp > 1 needs sequence parallelism (megatron-core's MoE layer
+    raises at the first training forward otherwise; forward-only use is fine without)."""
+    from megatron_grpo.models.architectures.moe import MoEMLP
+
+    if isinstance(get_architecture(hf_config.model_type), MoEMLP) and tp > 1 and not sequence_parallel:
+        raise ModelError(f"parallel.sequence_parallel must be true to train the mixture-of-experts "
+                         f"model {hf_config.model_type!r} at tp={tp} (megatron-core's MoE layer "
+                         "requires it)")
 
 
 def layer_spec(hf_config, config):
@@ -53,9 +84,11 @@ def layer_spec(hf_config, config):
 
     if use_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=False,
             qk_layernorm=config.qk_layernorm
         )
     return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False,
         qk_layernorm=config.qk_layernorm, normalization=config.normalization
     )
 

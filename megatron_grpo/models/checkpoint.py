@@ -1,4 +1,4 @@
-"""Megatron distributed checkpoints of the model (loadable at any TP/PP), with HF metadata.
+"""Megatron distributed checkpoints of the model (loadable at any TP/PP/EP), with HF metadata.
 
 Layout of a checkpoint directory::
 
@@ -6,7 +6,7 @@ Layout of a checkpoint directory::
       metadata.json, common.pt, *.distcp    megatron-core dist_checkpointing (torch_dist)
       hf/config.json + tokenizer files      copied from the HF directory: enough to rebuild
                                             the model and export to HF without the original
-      megatron_grpo.json                    format marker + provenance (saved tp/pp, dtype)
+      megatron_grpo.json                    format marker + provenance (saved tp/pp/ep, dtype)
 
 The state dict is ``model_sharded_state_dict(chunks)`` (``{"model": ...}``, or
 ``{"model0": ..., "model1": ...}`` with several chunks, Megatron-LM's convention); the trainer
@@ -72,6 +72,7 @@ def save_megatron_checkpoint(model_chunks: list, ckpt_dir: str | Path, extra_sta
             "model_type": hf_config.model_type,
             "saved_tp": parallel_state.get_tensor_model_parallel_world_size(),
             "saved_pp": parallel_state.get_pipeline_model_parallel_world_size(),
+            "saved_ep": parallel_state.get_expert_model_parallel_world_size(),
             "dtype": str(next(model_chunks[0].parameters()).dtype).removeprefix("torch."),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }

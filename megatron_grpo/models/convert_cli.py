@@ -28,6 +28,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", required=True, type=Path, help="directory to write (absent or empty, unless --overwrite)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of this run")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of this run")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size of this run (MoE models)")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                    help="dtype of the written weights (auto: config.json's)")
     p.add_argument("--no-self-check", dest="self_check", action="store_false",
@@ -67,7 +68,7 @@ def hf_to_megatron(args) -> int:
     SafetensorsReader(args.hf_dir)  # fail now on missing weights, before starting ranks
     _check_output(args.output_dir, args.overwrite, args.hf_dir)
     dtype = DTYPES.get(args.dtype) or config_dtype(hf_config)
-    _initialize(args.tp, args.pp)
+    _initialize(args.tp, args.pp, args.ep)
     say = _printer()
 
     t0 = time.perf_counter()
@@ -103,7 +104,7 @@ def megatron_to_hf(args) -> int:
     out_dtype = DTYPES.get(args.dtype) or config_dtype(hf_config)
     # fp32 for the self-check's reference forward; the stored dtype otherwise (less memory).
     model_dtype = torch.float32 if args.self_check else (checkpoint_dtype(args.ckpt_dir) or out_dtype)
-    _initialize(args.tp, args.pp)
+    _initialize(args.tp, args.pp, args.ep)
     say = _printer()
 
     t0 = time.perf_counter()
@@ -163,22 +164,23 @@ def _quiet_library_warnings() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch\.distributed|megatron)")
 
 
-def _initialize(tp: int, pp: int) -> None:
+def _initialize(tp: int, pp: int, ep: int = 1) -> None:
     import torch.distributed as dist
 
     from megatron_grpo.runtime import parallel
 
-    if tp < 1 or pp < 1:
-        raise ModelError(f"--tp/--pp must be >= 1, got --tp {tp} --pp {pp}")
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ModelError(f"--tp/--pp/--ep must be >= 1, got --tp {tp} --pp {pp} --ep {ep}")
     launched = "WORLD_SIZE" in os.environ  # torchrun (or another launcher) set up the ranks
     if not launched and not dist.is_initialized():
         # One process: a MASTER_PORT inherited from the shell or an earlier run in this
         # process may be taken; let parallel.initialize pick a free port.
         os.environ.pop("MASTER_PORT", None)
     try:
-        parallel.initialize(tp, pp)
+        parallel.initialize(tp, pp, ep=ep)
     except ValueError as e:
-        raise ModelError(f"{e}: run under torchrun --nproc-per-node {tp * pp} for --tp {tp} --pp {pp}") from None
+        raise ModelError(f"{e}: run under torchrun --nproc-per-node {tp * pp * ep} "
+                         f"for --tp {tp} --pp {pp} --ep {ep}") from None
 
 
 def _check_output(out: Path, overwrite: bool, source: Path) -> None:

@@ -2,7 +2,8 @@
 tokenizer files), loadable by ``AutoModelForCausalLM.from_pretrained``.
 
 Collective over all ranks. The tensors come from ``weights.iter_hf_weights`` (the same
-mapping the weight sync uses). Writers are the TP-rank-0, DP-rank-0 rank of each PP stage:
+mapping the weight sync uses; with expert parallelism the ep ranks of the first expert replica
+all iterate, gathering the experts). Writers are the TP-rank-0, DP-rank-0 rank of each PP stage:
 each writes its stage's shards into a temp directory; global rank 0 then names the shards
 ``model-0000i-of-0000N.safetensors`` in stage order, writes the index and the config, and
 renames the directory into place.
@@ -19,7 +20,7 @@ import torch
 
 from megatron_grpo.models.checkpoint import replace_dir
 from megatron_grpo.models.hf_config import sidecar_files
-from megatron_grpo.models.weights import chunk_params, iter_hf_weights
+from megatron_grpo.models.weights import chunk_params, exports_weights, iter_hf_weights
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
@@ -53,9 +54,10 @@ def save_hf_checkpoint(model_chunks: list, hf_config, out_dir: str | Path, *,
 
     stage = ps.get_pipeline_model_parallel_rank()
     written: list[tuple[str, list[str], int]] = []  # (file, tensor names, bytes)
-    if ps.get_data_parallel_rank() == 0:  # DP replicas hold the same weights
-        is_writer = ps.get_tensor_model_parallel_rank() == 0
-        total = sum(len(m.hf_names) for c in model_chunks for m, _ in chunk_params(c, hf_config)
+    if exports_weights():  # DP replicas hold the same weights (MoE: the ep ranks' experts differ)
+        is_writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        total = sum(len(m.hf_names) * max(1, len(m.ep_hf_names))
+                    for c in model_chunks for m, _ in chunk_params(c, hf_config)
                     if m.exported)
         bar = _progress_bar(total, progress and rank == 0)
         buffer: dict[str, torch.Tensor] = {}

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 from megatron_grpo.models.architectures import TE_ALIASES, ParamMapping, get_architecture
 from megatron_grpo.models.errors import ModelError
@@ -86,6 +87,9 @@ def load_hf_weights(model_chunks: list, hf_dir: str | Path, hf_config, *,
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    # experts are split over the expert-tensor-parallel group (etp, megatron's default: tp)
+    etp = parallel_state.get_expert_tensor_parallel_world_size()
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     reader = SafetensorsReader(hf_dir)
     pairs = [p for chunk in model_chunks for p in chunk_params(chunk, hf_config)]
     if progress:
@@ -94,12 +98,14 @@ def load_hf_weights(model_chunks: list, hf_dir: str | Path, hf_config, *,
         pairs = tqdm(pairs, desc="load HF", unit="param")
     for m, param in pairs:
         hf = [reader.get(n) for n in m.hf_names]
+        rank, size = (etp_rank, etp) if m.is_expert else (tp_rank, tp)
         try:
-            shard = m.layout.to_shard(hf, tp_rank, tp)
+            shard = m.layout.to_shard(hf, rank, size)
         except ValueError as e:
             raise ModelError(_shape_error(m, hf, param, str(e))) from None
         if shard.shape != param.shape:
-            raise ModelError(_shape_error(m, hf, param, f"tp={tp} shard is {list(shard.shape)}"))
+            what = "etp" if m.is_expert else "tp"
+            raise ModelError(_shape_error(m, hf, param, f"{what}={size} shard is {list(shard.shape)}"))
         param.copy_(shard)
 
 
@@ -111,27 +117,66 @@ def _shape_error(m: ParamMapping, hf: list[torch.Tensor], param, detail: str) ->
 
 @torch.no_grad()
 def iter_hf_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full HF-layout tensor) for every parameter of this PP stage.
+    """Yield (HF name, full HF-layout tensor) for every parameter of this PP stage: first the
+    non-expert tensors of all chunks, then the experts (MoE models).
 
-    Collective over the TP group of this stage: every TP rank must iterate to the end in
-    step, and every TP rank receives the full tensors (gathered over TP, vocab padding
-    removed, fused QKV / gate-up split back). Tensors keep the model's dtype and device and
-    are fresh copies. Tied embeddings are yielded once, as ``model.embed_tokens.weight``, by
-    the first PP stage.
+    Collective over the TP group of this stage and, for experts, over the expert-tensor-
+    parallel and expert-parallel groups: every such rank must iterate to the end in step
+    (the ranks with ``exports_weights()``), and every one receives the full tensors
+    (gathered over TP, vocab padding removed, fused QKV / gate-up split back; each expert
+    slot gathered over EP, so every EP rank yields all experts). Tensors keep the model's
+    dtype and device and are fresh copies. Tied embeddings are yielded once, as
+    ``model.embed_tokens.weight``, by the first PP stage.
     """
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    group = parallel_state.get_tensor_model_parallel_group()
-    for chunk in model_chunks:
-        for m, param in chunk_params(chunk, hf_config):
-            if not m.exported:
+    pairs = [(m, p) for chunk in model_chunks for m, p in chunk_params(chunk, hf_config) if m.exported]
+    tp_group = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group())
+    for m, param in pairs:
+        if not m.is_expert:
+            yield from zip(m.hf_names, m.layout.from_shards(_gather(param, m, *tp_group)))
+    if not any(m.is_expert for m, _ in pairs):
+        return
+    etp_group = (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group())
+    ep, ep_group = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_group()
+    for m, param in pairs:
+        if not m.is_expert:
+            continue
+        for j, tensor in enumerate(m.layout.from_shards(_gather(param, m, *etp_group))):
+            if ep == 1:
+                yield m.hf_names[j], tensor
                 continue
-            local = param.detach()
-            if tp == 1 or m.layout.replicated:
-                shards = [local]
-            else:
-                shards = [torch.empty_like(local) for _ in range(tp)]
-                dist.all_gather(shards, local.contiguous(), group=group)
-            yield from zip(m.hf_names, m.layout.from_shards(shards))
+            slots = [torch.empty_like(tensor) for _ in range(ep)]
+            dist.all_gather(slots, tensor.contiguous(), group=ep_group)
+            yield from ((names[j], t) for names, t in zip(m.ep_hf_names, slots))
+
+
+def _gather(param, m: ParamMapping, size: int, group) -> list[torch.Tensor]:
+    """The shards of ``param`` on every rank of ``group`` (just this one if replicated)."""
+    local = param.detach()
+    if size == 1 or m.layout.replicated:
+        return [local]
+    shards = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return shards
+
+
+def exports_weights() -> bool:
+    """Whether this rank takes part in ``iter_hf_weights`` for its PP stage: the first
+    data-parallel replica of the experts, i.e. dp rank 0 for a dense model and the ``ep``
+    dp ranks whose expert shards make up the model for an MoE one."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_data_parallel_rank() == 0
+
+
+def expert_hf_names(hf_config) -> frozenset[str]:
+    """HF names of every expert weight of the model (empty for a dense model)."""
+    from megatron_grpo.models.architectures.moe import MoEMLP
+
+    arch = get_architecture(hf_config.model_type)
+    if not isinstance(arch, MoEMLP):
+        return frozenset()
+    return frozenset(name for layer in range(hf_config.num_hidden_layers)
+                     for e in range(arch.num_experts(hf_config))
+                     for name in arch.expert_hf_names(f"model.layers.{layer}.", e))

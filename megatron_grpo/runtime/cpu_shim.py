@@ -14,7 +14,10 @@ megatron-core 0.16 assumes a GPU in a handful of places that the CPU path reache
 * ``Tensor.cuda`` while a model with tied embeddings is built at PP > 1
   (``tensor_cuda_is_identity``, scoped to the constructor);
 * the CUDA RNG states tracker (``tensor_parallel.random``) that forks RNG streams for TP
-  initialisation and dropout.
+  initialisation and dropout;
+* the MoE router's gating GEMM reads ``moe_utils.te_general_gemm``, a name megatron-core only
+  defines when transformer_engine imports (a NameError without it): defined as None, which
+  selects its plain ``torch.mm`` path.
 
 ``install()`` redirects exactly these, and only when ``torch.cuda.is_available()`` is
 false, so GPU code paths never see it. It is idempotent and process-local; call it before
@@ -170,6 +173,10 @@ def install() -> bool:
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     mcore_random.initialize_rng_tracker(force_reset=True)
     _INSTALLED = True
     return True

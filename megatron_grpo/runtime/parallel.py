@@ -23,9 +23,14 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 600.0) -> None:
+def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 600.0, *,
+               ep: int = 1, etp: int | None = None) -> None:
     """Start torch.distributed from the torchrun environment (or a single process) and
     megatron's parallel state with ``tp`` x ``pp`` (dp = world / (tp * pp)).
+
+    ``ep``: expert-parallel size (MoE experts split over ``ep`` of the dp ranks); ``etp``:
+    tensor-parallel size of the experts (default: ``tp``). world / pp must be divisible by
+    etp * ep.
 
     Idempotent for the process group; re-initialises megatron's model-parallel state so a
     test may switch sizes between cases. ``timeout_s`` bounds every collective, in the
@@ -48,10 +53,14 @@ def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 60
     world = dist.get_world_size()
     if world % (tp * pp) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
+    etp = tp if etp is None else etp
+    if world % (etp * ep * pp) != 0:
+        raise ValueError(f"world size {world} is not divisible by etp*ep*pp = {etp}*{ep}*{pp}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=timeout_s / 60,  # a timedelta(minutes=...): fractions are kept
     )
     torch.manual_seed(seed)

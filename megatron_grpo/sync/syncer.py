@@ -6,9 +6,12 @@
    ``abort`` mode: a synchronous trainer has nothing running then), flushes the KV cache, and
    opens the ``/begin_weight_update`` bracket when the transport needs it;
 2. on data-parallel replica 0, every pipeline stage iterates ``models.iter_hf_weights`` (the
-   single HF <-> Megatron mapping, collective over the stage's TP group); the stage's TP rank 0
-   (the SENDER) casts each full tensor to the engine's dtype, packs single-dtype byte buckets
-   of ``rollout.weight_update_bucket_mb`` and hands them to the transport (``transports.py``);
+   single HF <-> Megatron mapping, collective over the stage's TP group; with expert
+   parallelism the ep replicas holding the experts iterate too, each expert gathered over
+   them); the stage's TP rank 0 of replica 0 (the SENDER) casts each full tensor to the
+   engine's dtype, packs single-dtype byte buckets of ``rollout.weight_update_bucket_mb`` --
+   the non-expert tensors first, then the experts, never both in one bucket -- and hands them
+   to the transport (``transports.py``);
 3. every ``rollout.verify_weights_every`` syncs, each sender compares what it meant to send
    with what every engine now serves, the way the engine's adapter can (exact per-tensor
    checksums on the embedded engine, ``wire/checksum.py``; the first rows of each tensor on
@@ -28,6 +31,7 @@ A sender whose transport fails keeps draining ``iter_hf_weights`` so its TP peer
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -52,6 +56,14 @@ _PROBE_LENGTH = 32
 # probe(token_ids) -> the trainer's log-probs of token_ids[1:] given the prefix, at temperature
 # 1, on the rank(s) that hold them (None elsewhere). Collective over every trainer rank.
 Probe = Callable[[list[int]], Optional[list[float]]]
+
+
+def _expert_split_buckets(named_tensors, expert_names: Callable[[], frozenset[str]], bucket_bytes: int):
+    """``plan_buckets`` over the non-expert tensors, then over the expert tensors (the stream
+    yields them in that order), so that no bucket mixes the two."""
+    experts = expert_names()
+    for _, group in itertools.groupby(named_tensors, key=lambda nt: nt[0] in experts):
+        yield from plan_buckets(group, bucket_bytes)
 
 
 class WeightSyncError(RuntimeError):
@@ -87,14 +99,15 @@ def probe_tokens(vocab_size: int, length: int = _PROBE_LENGTH) -> list[int]:
     return torch.randint(0, vocab_size, (length,), generator=gen).tolist()
 
 
-def _parallel_ranks() -> tuple[int, int, int]:
-    """(dp_rank, tp_rank, pp_rank) of this process (all 0 without megatron parallel state)."""
+def _parallel_ranks() -> tuple[int, int, int, int]:
+    """(dp_rank, expert-dp rank, tp_rank, pp_rank) of this process (all 0 without megatron
+    parallel state). The expert-dp rank equals the dp rank unless ep > 1."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        return 0, 0, 0
-    return (ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank(),
-            ps.get_pipeline_model_parallel_rank())
+        return 0, 0, 0, 0
+    return (ps.get_data_parallel_rank(), ps.get_expert_data_parallel_rank(),
+            ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
 
 
 class WeightSyncer:
@@ -112,9 +125,11 @@ class WeightSyncer:
         self.hf_config = hf_config
         self.urls = list(urls)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        dp_rank, tp_rank, pp_rank = _parallel_ranks()
-        self.participant = dp_rank == 0
-        self.sender = self.participant and tp_rank == 0
+        dp_rank, expert_dp_rank, tp_rank, pp_rank = _parallel_ranks()
+        # MoE with ep > 1: the ep dp replicas that together hold every expert all iterate the
+        # weights (the experts are gathered over them); dp replica 0 alone sends
+        self.participant = expert_dp_rank == 0
+        self.sender = self.participant and dp_rank == 0 and tp_rank == 0
         self.coordinator = self.rank == 0
         self.stage = pp_rank
         self.client = client or RolloutClient.from_config(cfg, self.urls)
@@ -288,7 +303,7 @@ class WeightSyncer:
 
         self.transport.request_extras = self.adapter.request_extras(verify)
         try:
-            for bucket in plan_buckets(converted(), self.transport.bucket_bytes):
+            for bucket in _expert_split_buckets(converted(), self._expert_names, self.transport.bucket_bytes):
                 self.transport.send(bucket, overlap=(lambda b=bucket: checksum(b)) if verify else None)
                 stats.num_buckets += 1
                 stats.num_tensors += len(bucket.names)
@@ -300,6 +315,11 @@ class WeightSyncer:
                 pass
         stats.send_seconds = time.perf_counter() - t0
         return error
+
+    def _expert_names(self) -> frozenset[str]:
+        from megatron_grpo.models.weights import expert_hf_names
+
+        return expert_hf_names(self.hf_config)
 
     def _verify(self, step: int, expected: dict[str, str], samples: dict[str, torch.Tensor],
                 stats: SyncStats) -> None:

@@ -1,9 +1,9 @@
 """Run a function on N gloo ranks: the harness behind every TP/PP test and benchmark.
 
-``run_distributed(fn, world_size, *args, tp=..., pp=...)`` spawns ``world_size`` fresh
+``run_distributed(fn, world_size, *args, tp=..., pp=..., ep=...)`` spawns ``world_size`` fresh
 processes (``spawn`` start method, so no state leaks from the parent), points them at a
-free loopback port, initialises torch.distributed (+ megatron parallel state when ``tp`` or
-``pp`` is given) and calls ``fn(rank, world_size, *args)`` in each. It returns the list of
+free loopback port, initialises torch.distributed (+ megatron parallel state when ``tp``,
+``pp`` or ``ep`` is given) and calls ``fn(rank, world_size, *args)`` in each. It returns the list of
 per-rank return values (picklable), and raises ``RankFailure`` carrying the traceback of
 every failed rank, or ``TimeoutError`` if any rank runs past ``timeout_s`` (all ranks are
 then killed: no test hangs).
@@ -34,7 +34,7 @@ class RankFailure(RuntimeError):
     """One or more ranks raised; the message holds each failing rank's traceback."""
 
 
-def _worker(fn, rank, world_size, port, tp, pp, seed, args, kwargs, results):
+def _worker(fn, rank, world_size, port, tp, pp, ep, seed, args, kwargs, results):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -48,10 +48,10 @@ def _worker(fn, rank, world_size, port, tp, pp, seed, args, kwargs, results):
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
-        if tp is not None or pp is not None:
+        if tp is not None or pp is not None or ep is not None:
             from megatron_grpo.runtime import parallel
 
-            parallel.initialize(tp or 1, pp or 1, seed=seed)
+            parallel.initialize(tp or 1, pp or 1, seed=seed, ep=ep or 1)
         else:
             import torch.distributed as dist
 
@@ -78,6 +78,7 @@ def run_distributed(
     *args: Any,
     tp: int | None = None,
     pp: int | None = None,
+    ep: int | None = None,
     seed: int = 1234,
     timeout_s: float = 300.0,
     **kwargs: Any,
@@ -92,7 +93,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, port, tp, pp, seed, args, kwargs, results),
+            args=(fn, r, world_size, port, tp, pp, ep, seed, args, kwargs, results),
             daemon=False,
         )
         for r in range(world_size)

@@ -70,13 +70,18 @@ ARCH_CONFIGS = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    # 4 experts, 2 per token; experts narrower than the dense MLP, as in the real models
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
 def tiny_config(model_type: str = "qwen2", *, tie_word_embeddings: bool = False, hidden_size: int = 64,
                 num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                intermediate_size: int = 128, vocab_size: int | None = None):
-    """A small transformers config of ``model_type`` matching the tiny tokenizer."""
+                intermediate_size: int = 128, vocab_size: int | None = None, **arch_kwargs):
+    """A small transformers config of ``model_type`` matching the tiny tokenizer.
+    ``arch_kwargs``: architecture-specific keys, over ``ARCH_CONFIGS``' (e.g. norm_topk_prob)."""
     import transformers
 
     cls_name, extra = ARCH_CONFIGS[model_type]
@@ -97,7 +102,7 @@ def tiny_config(model_type: str = "qwen2", *, tie_word_embeddings: bool = False,
         bos_token_id=v["<bos>"],
         eos_token_id=v["<eos>"],
         torch_dtype="float32",
-        **extra,
+        **(extra | arch_kwargs),
     )
 
 

@@ -23,10 +23,15 @@ class Policy:
 
 def build_policy(cfg: ExperimentConfig) -> Policy:
     """Policy chunks for this rank, initialised from ``model.megatron_ckpt`` or the HF weights."""
+    from megatron.core import parallel_state
+
     from megatron_grpo.models import build_model, load_hf_config, load_hf_weights, load_megatron_checkpoint
+    from megatron_grpo.models.builder import check_moe_training
     from megatron_grpo.trainer.optim import build_optimizer, wrap_ddp
 
     hf_config = load_hf_config(cfg.model.hf_dir)
+    check_moe_training(hf_config, parallel_state.get_tensor_model_parallel_world_size(),
+                       cfg.parallel.sequence_parallel)
     modules = build_model(
         hf_config, dtype=DTYPES[cfg.model.dtype],
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,

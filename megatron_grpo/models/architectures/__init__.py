@@ -2,18 +2,22 @@
 
 Adding an architecture = one module here with a ``DenseDecoderArch`` subclass overriding the
 hooks that differ, plus one line in ``ARCHITECTURES`` (see docs/models.md#adding-an-architecture).
+Mixture-of-experts architectures put the ``moe.MoEMLP`` mixin before a dense one.
 """
 
 from __future__ import annotations
 
 from megatron_grpo.models.architectures.base import TE_ALIASES, DenseDecoderArch, ParamMapping
 from megatron_grpo.models.architectures.llama import LlamaArch
+from megatron_grpo.models.architectures.mixtral import MixtralArch
 from megatron_grpo.models.architectures.qwen2 import Qwen2Arch
 from megatron_grpo.models.architectures.qwen3 import Qwen3Arch
+from megatron_grpo.models.architectures.qwen3_moe import Qwen3MoeArch
 from megatron_grpo.models.errors import ModelError
 
 ARCHITECTURES: dict[str, DenseDecoderArch] = {
-    arch.model_type: arch for arch in (LlamaArch(), Qwen2Arch(), Qwen3Arch())
+    arch.model_type: arch
+    for arch in (LlamaArch(), Qwen2Arch(), Qwen3Arch(), Qwen3MoeArch(), MixtralArch())
 }
 
 

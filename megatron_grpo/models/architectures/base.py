@@ -57,6 +57,14 @@ class ParamMapping:
     exported: bool = True
     """False for the last PP stage's copy of tied embeddings: exporters skip it (the HF
     model has no lm_head.weight when embeddings are tied)."""
+    ep_hf_names: tuple[tuple[str, ...], ...] = ()
+    """Expert parameters only: the ``hf_names`` of this local expert slot on every expert-
+    parallel rank, ordered by EP rank (this rank's own included). Its layout then splits over
+    the expert-tensor-parallel group, and exporters gather the slot over the EP group."""
+
+    @property
+    def is_expert(self) -> bool:
+        return bool(self.ep_hf_names)
 
 
 class DenseDecoderArch:
@@ -152,7 +160,8 @@ class DenseDecoderArch:
                          TPSplit(dim=1)),
         ]
 
-    def mlp_mappings(self, hf: str, mg: str, hf_config) -> list[ParamMapping]:
+    def mlp_mappings(self, hf: str, mg: str, hf_config, layer) -> list[ParamMapping]:
+        """``layer``: the megatron TransformerLayer (MoE architectures read its experts)."""
         m = f"{hf}mlp."
         return [
             ParamMapping(f"{mg}mlp.linear_fc1.weight", (f"{m}gate_proj.weight", f"{m}up_proj.weight"),
@@ -160,14 +169,14 @@ class DenseDecoderArch:
             ParamMapping(f"{mg}mlp.linear_fc2.weight", (f"{m}down_proj.weight",), TPSplit(dim=1)),
         ]
 
-    def layer_mappings(self, hf_layer: int, local_layer: int, hf_config) -> list[ParamMapping]:
+    def layer_mappings(self, hf_layer: int, local_layer: int, hf_config, layer) -> list[ParamMapping]:
         hf, mg = f"model.layers.{hf_layer}.", f"decoder.layers.{local_layer}."
         return [
             ParamMapping(f"{mg}input_layernorm.weight", (f"{hf}input_layernorm.weight",), Replicated()),
             *self.attention_mappings(hf, mg, hf_config),
             ParamMapping(f"{mg}pre_mlp_layernorm.weight", (f"{hf}post_attention_layernorm.weight",),
                          Replicated()),
-            *self.mlp_mappings(hf, mg, hf_config),
+            *self.mlp_mappings(hf, mg, hf_config, layer),
         ]
 
     def chunk_mappings(self, chunk, hf_config) -> list[ParamMapping]:
@@ -180,7 +189,7 @@ class DenseDecoderArch:
                                     vocab))
         for local, layer in enumerate(chunk.decoder.layers):
             # layer_number is megatron's 1-based global index (includes the PP stage offset)
-            out += self.layer_mappings(layer.layer_number - 1, local, hf_config)
+            out += self.layer_mappings(layer.layer_number - 1, local, hf_config, layer)
         if chunk.post_process:
             out.append(ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",),
                                     Replicated()))

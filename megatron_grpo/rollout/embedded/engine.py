@@ -28,6 +28,8 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from megatron_grpo.rollout.embedded.generation import Sequence, WaveStep, run_wave
+from megatron_grpo.models.weights import SafetensorsReader
+from megatron_grpo.rollout.embedded.served_names import served_tensors
 from megatron_grpo.wire.checksum import tensor_checksum
 
 log = logging.getLogger(__name__)
@@ -61,7 +63,9 @@ class EmbeddedEngine:
         self.batch_window_s = batch_window_s
         self.weight_version = "default"
         self.shared_generator = torch.Generator().manual_seed(seed)
-        self._params = dict(self.model.named_parameters())
+        # by checkpoint name: what the weight sync sends (MoE experts are fused in memory)
+        self._params = served_tensors(dict(self.model.named_parameters()),
+                                      list(SafetensorsReader(self.model_dir).weight_map))
         self._cond = threading.Condition()
         self._queue: list[Sequence] = []
         self._paused: Optional[str] = None
