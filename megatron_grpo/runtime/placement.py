@@ -19,7 +19,8 @@ Rules (each a one-line error naming the keys):
   device, which NCCL rejects (or deadlocks on);
 * an engine in ``rollout.urls`` on another host must be told an address of this machine to
   connect to (``rollout.weight_sync_master_address``), not loopback;
-* ``rollout.colocate``, the NCCL backend and the distributed optimizer need CUDA;
+* ``rollout.colocate``, the NCCL backend and the distributed optimizer need CUDA; sequence
+  parallelism needs TransformerEngine's layer specs (megatron-core's local spec refuses it);
 * a launched engine's GPUs must exist.
 """
 
@@ -89,13 +90,17 @@ def _span(ids: list[int]) -> str:
     return f"{ids[0]}" if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
 
 
-def layout_problem(cfg, *, cuda: bool, num_gpus: int, ranks_on_node: int) -> Optional[tuple[str, str]]:
+def layout_problem(cfg, *, cuda: bool, num_gpus: int, ranks_on_node: int,
+                   transformer_engine: bool = False) -> Optional[tuple[str, str]]:
     """(dotted key, message) of the first layout of ``cfg`` (an ExperimentConfig) that cannot
-    work on a machine with ``num_gpus`` CUDA devices (``cuda``: usable at all) and
-    ``ranks_on_node`` trainer ranks; None when it can."""
+    work on a machine with ``num_gpus`` CUDA devices (``cuda``: usable at all),
+    ``ranks_on_node`` trainer ranks and TransformerEngine layer specs or not; None when it can."""
     from megatron_grpo.rollout.engines import ENGINES  # the adapters import config modules
 
     rollout, adapter = cfg.rollout, ENGINES[cfg.rollout.engine]
+    if cfg.parallel.sequence_parallel and not transformer_engine:
+        return ("parallel.sequence_parallel", "needs TransformerEngine layer specs (CUDA and transformer_engine "
+                "installed): megatron-core's local spec has no sequence-parallel norm")
     if not cuda:
         if rollout.colocate:
             return "rollout.colocate", "needs CUDA (the engine releases GPU memory); this machine has no usable GPU"

@@ -167,12 +167,14 @@ def check_machine(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> No
     """The GPU layout of ``cfg`` can work on this machine (``runtime.placement``)."""
     import torch  # deferred like the other torch users here: `--help` and bad configs stay fast
 
+    from megatron_grpo.models.builder import use_transformer_engine
     from megatron_grpo.runtime.device import cuda_available
     from megatron_grpo.runtime.placement import layout_problem, ranks_on_this_node
 
     cuda = cuda_available()
     problem = layout_problem(cfg, cuda=cuda, num_gpus=torch.cuda.device_count() if cuda else 0,
-                             ranks_on_node=ranks_on_this_node() if ranks_on_node is None else ranks_on_node)
+                             ranks_on_node=ranks_on_this_node() if ranks_on_node is None else ranks_on_node,
+                             transformer_engine=use_transformer_engine())
     if problem is not None:
         raise ConfigError(*problem)
 
