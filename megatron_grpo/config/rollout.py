@@ -138,7 +138,7 @@ class RolloutConfig:
     colocate: bool = False
     """The engine shares the trainer's GPUs and gives its memory back while the trainer
     trains: it releases its weights and KV cache after generation and resumes them before the
-    next weight sync (SGLang /release_memory_occupation, /resume_memory_occupation). Needs
+    next weight sync (SGLang's memory release and resume routes, --enable-memory-saver). Needs
     CUDA, rollout.engine sglang and weight_sync_transport tensor (CUDA IPC, no copy)."""
 
     weight_update_bucket_mb: int = 512
