@@ -64,6 +64,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_grpo.ops import vocab_parallel_log_probs  # noqa: E402
+from megatron_grpo.runtime.device import compute_device  # noqa: E402
 from megatron_grpo.testing.distributed import run_distributed  # noqa: E402
 
 
@@ -155,6 +156,11 @@ def _step(method, x, targets, weights, temperature):
     return lp.detach(), None if entropy is None else entropy.detach()
 
 
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _extra_peak_bytes(fn) -> int:
     """Peak bytes allocated by torch while ``fn()`` runs, above the level at its start."""
     if torch.cuda.is_available():
@@ -184,10 +190,11 @@ def _bench_worker(rank: int, world_size: int, cfg: BenchConfig) -> dict:
     dtype = getattr(torch, cfg.dtype)
     shard = cfg.vocab // world_size
     gen = torch.Generator().manual_seed(0)  # same targets/weights on every rank
-    targets = torch.randint(0, cfg.vocab, (cfg.tokens,), generator=gen)
-    weights = torch.randn(2, cfg.tokens, generator=gen)
+    device = compute_device()  # the rank's GPU when CUDA is available (runtime.device)
+    targets = torch.randint(0, cfg.vocab, (cfg.tokens,), generator=gen).to(device)
+    weights = torch.randn(2, cfg.tokens, generator=gen).to(device)
     base = (torch.randn(cfg.tokens, shard, generator=torch.Generator().manual_seed(rank + 1))
-            * cfg.logit_std).to(dtype)
+            * cfg.logit_std).to(device=device, dtype=dtype)
     methods = _methods(cfg)
     fresh = lambda: base.clone().requires_grad_()  # noqa: E731 - megatron's CE overwrites it
     reference = None
@@ -202,8 +209,10 @@ def _bench_worker(rank: int, world_size: int, cfg: BenchConfig) -> dict:
         for name, method in methods.items():
             x = fresh()
             dist.barrier(group)
+            _synchronize()
             start = time.perf_counter()
             _step(method, x, targets, weights, cfg.temperature)
+            _synchronize()  # CUDA kernels run asynchronously: time them to completion
             times[name].append(time.perf_counter() - start)
             del x
     results = {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from megatron_grpo.config.base import check
 
@@ -67,11 +67,16 @@ class ParallelConfig:
     """Sequences per optimizer step over all dp ranks (a mini-batch). Must be a multiple of
     micro_batch_size * dp and divide the rollout batch."""
 
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state over dp ranks (megatron-core DistributedOptimizer)."""
+    use_distributed_optimizer: Union[Literal["auto"], bool] = False
+    """Shard optimizer state over dp ranks (megatron-core DistributedOptimizer, saved in its
+    sharded checkpoint format). It needs CUDA: true is an error at start-up on a machine
+    without a usable GPU; auto uses it where CUDA is available and the plain megatron
+    optimizer elsewhere; false never uses it."""
 
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (needs tp > 1)."""
+    """Megatron sequence parallelism (needs tp > 1): activations outside the attention and
+    MLP blocks are split over the tp ranks along the sequence; sequences are right-padded to
+    a multiple of tp (the padding is never scored)."""
 
     distributed_timeout_s: float = 600.0
     """Seconds a rank waits for the others, at every collective and when the ranks of a

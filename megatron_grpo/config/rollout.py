@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from megatron_grpo.config.base import check
+from megatron_grpo.runtime.placement import remote_engine_problem
 
 
 @dataclass(kw_only=True)
@@ -121,6 +122,25 @@ class RolloutConfig:
     """Process-group backend of the distributed transport. auto: what the engine kind supports
     on this machine (NCCL with CUDA where the engine accepts it, else gloo)."""
 
+    weight_sync_master_address: Optional[str] = None
+    """Address of trainer rank 0's machine that the weight-update group of the distributed
+    transport listens on and the engines connect to. null: 127.0.0.1, which only an engine on
+    the same machine can reach: set it (an address of this machine the engines can reach)
+    when rollout.urls names engines on other hosts."""
+
+    base_gpu_id: Optional[int] = None
+    """First CUDA device (an index among the devices the trainer sees) of the launched
+    engines: server i uses the rollout.sglang.tp (SGLang) or 1 (embedded) devices from
+    base_gpu_id + i * that count (SGLang --base-gpu-id). null: right after the trainer ranks'
+    own GPUs on this machine (device LOCAL_RANK per rank), or GPU 0 when the engine shares the
+    trainer's GPUs (colocate, or the tensor transport). Ignored without CUDA and with urls."""
+
+    colocate: bool = False
+    """The engine shares the trainer's GPUs and gives its memory back while the trainer
+    trains: it releases its weights and KV cache after generation and resumes them before the
+    next weight sync (SGLang's memory release and resume routes, --enable-memory-saver). Needs
+    CUDA, rollout.engine sglang and weight_sync_transport tensor (CUDA IPC, no copy)."""
+
     weight_update_bucket_mb: int = 512
     """Size of one weight-sync bucket in MiB."""
 
@@ -150,6 +170,14 @@ class RolloutConfig:
         check(self.verify_weights_every >= 0, "verify_weights_every", "must be >= 0")
         for i, url in enumerate(self.urls):
             check(url.startswith(("http://", "https://")), f"urls[{i}]", f"must start with http:// or https://, got {url!r}")
+        check(self.base_gpu_id is None or self.base_gpu_id >= 0, "base_gpu_id", f"must be >= 0, got {self.base_gpu_id}")
+        check(self.weight_sync_master_address is None or bool(self.weight_sync_master_address.strip()),
+              "weight_sync_master_address", "must be an address or null")
+        check(not self.colocate or self.weight_sync_transport == "tensor", "colocate",
+              f"needs weight_sync_transport: tensor (got {self.weight_sync_transport!r}): a colocated engine "
+              "receives CUDA IPC handles of the trainer's weights")
+        problem = remote_engine_problem(self)
+        check(problem is None, "weight_sync_master_address", problem or "")
         # What the engine kind can do (transports, backends) is its adapter's to say. Imported
         # here, not at the top: the adapters import this module's neighbours (no import cycle).
         from megatron_grpo.rollout.engines import ENGINES

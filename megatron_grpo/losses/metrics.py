@@ -28,6 +28,8 @@ from typing import Iterable, Mapping, Optional, Union
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.runtime.device import collective_device
+
 SEQUENCE_WEIGHTED = frozenset(
     {
         "kl_loss",
@@ -152,8 +154,7 @@ def reduce_metrics(
 
 def _all_reduce(sums, highs, lows, ordered, group):
     """One SUM and one MAX all-reduce (mins ride as negated maxes, with a key checksum)."""
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = collective_device(group)
     checksum = float(zlib.crc32("\n".join(ordered).encode()))
     sum_t = torch.tensor(sums, dtype=torch.float64, device=device)
     max_t = torch.tensor(highs + [-v for v in lows] + [checksum, -checksum], dtype=torch.float64, device=device)

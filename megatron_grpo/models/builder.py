@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from megatron_grpo.models.architectures import get_architecture
 from megatron_grpo.models.errors import ModelError
 from megatron_grpo.runtime import cpu_shim
+from megatron_grpo.runtime.device import compute_device, cuda_available
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisor: int = 128) -> int:
@@ -19,8 +18,21 @@ def padded_vocab_size(vocab_size: int, tp: int, divisor: int = 128) -> int:
 
 
 def use_transformer_engine() -> bool:
-    """TE layer specs need CUDA; the local megatron-core spec is used otherwise (CPU)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    """The single choice of layer spec: TransformerEngine's when CUDA is available AND
+    ``transformer_engine`` imports (a broken install falls back rather than failing at the
+    first layer), megatron-core's local spec otherwise (always on CPU: TE needs CUDA).
+
+    Both specs name parameters the same way up to ``architectures.base.TE_ALIASES`` (TE fuses
+    the pre-attention and pre-MLP norms into the next linear), which the weight mapping reads.
+    The import is deferred to here: TE takes seconds to import and is never used on CPU.
+    """
+    if not cuda_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, recompute: bool = False,
@@ -31,7 +43,7 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, recompu
     from megatron.core.transformer import TransformerConfig
 
     arch = get_architecture(hf_config.model_type)
-    on_cpu = not torch.cuda.is_available()
+    on_cpu = not cuda_available()
     runtime = dict(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
@@ -128,8 +140,7 @@ def build_model(hf_config, *, dtype: torch.dtype = torch.float32,
         # (and its checkpoints) are in one dtype on CPU and GPU.
         for param in model.parameters():
             param.data = param.data.to(dtype)
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
+    model.to(compute_device())
     model.hf_config = hf_config
     return [model]
 

@@ -1,52 +1,106 @@
-"""Forward-only logits through megatron's pipeline schedule (any TP/PP), for checks and tools.
+"""The causal forward of Megatron chunks: the ONE path the trainer, the conversion self-check
+and the equivalence tests run.
 
-The trainer has its own step functions; this is the minimal causal forward used by the
-conversion self-check and the equivalence tests.
+``causal_logits(model, tokens)`` is what every forward step calls (the trainer's log-prob
+passes and loss step in ``trainer.megatron_step``, and ``forward_logits`` here); so a test of
+``forward_logits`` tests the trainer's own inputs: placement (``runtime.device``), position
+ids, sequence-parallel padding and the attention mask.
+
+Sequence parallelism splits the sequence dimension over the tp ranks, so with
+``sequence_parallel`` on the sequence length must be a multiple of tp: ``causal_logits``
+right-pads the tokens to that multiple and ``run_schedule`` tells the pipeline schedule the
+padded length. Right padding is invisible to every real position (causal attention never
+looks ahead), so callers simply read the first S positions of the logits.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable, Iterable
+
 import torch
+
+from megatron_grpo.runtime.device import to_device
+
+PAD_ID = 0  # token id of the sequence-parallel padding (never scored: it is past every real position)
+
+
+def sequence_multiple(model) -> int:
+    """The multiple the sequence length must have for ``model`` (a chunk, DDP-wrapped or
+    not): tp with sequence parallelism, else 1."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model)
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def padded_length(seq_len: int, multiple: int) -> int:
+    """``seq_len`` rounded up to a multiple of ``multiple``. E.g. (7, 2) -> 8, (8, 2) -> 8."""
+    return -(-seq_len // multiple) * multiple
+
+
+def pad_sequence(tokens_BS: torch.Tensor, multiple: int, pad_id: int = PAD_ID) -> torch.Tensor:
+    """``tokens_BS`` [B, S] right-padded with ``pad_id`` to [B, padded_length(S, multiple)]."""
+    b, s = tokens_BS.shape
+    target = padded_length(s, multiple)
+    if target == s:
+        return tokens_BS
+    pad = torch.full((b, target - s), pad_id, dtype=tokens_BS.dtype, device=tokens_BS.device)
+    return torch.cat([tokens_BS, pad], dim=1)
+
+
+def model_inputs(tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, S] and position_ids [B, S] on the model's device (``runtime.device``)."""
+    tokens_BS = to_device(tokens_BS)
+    b, s = tokens_BS.shape
+    positions = torch.arange(s, device=tokens_BS.device).unsqueeze(0).expand(b, s)
+    return tokens_BS, positions
+
+
+def causal_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
+    """One forward step of a chunk: vocab-parallel logits [B, S_pad, V_pad/tp] on the last PP
+    stage (the hidden states elsewhere). S_pad = S padded to ``sequence_multiple(model)``; the
+    first S positions are those of ``tokens_BS``."""
+    tokens_BS = pad_sequence(tokens_BS, sequence_multiple(model))
+    # attention_mask=None: the causal mask comes from the layer spec (AttnMaskType.causal)
+    return model(*model_inputs(tokens_BS), attention_mask=None)
+
+
+def run_schedule(model_chunks: list, items: Iterable[Any], forward_step: Callable, *, forward_only: bool,
+                 num_microbatches: int, seq_length: int, micro_batch_size: int):
+    """megatron-core's forward(-backward) schedule over ``items`` (one per micro-batch), told
+    the sequence length the chunks really see (``seq_length`` padded as ``causal_logits`` does)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(items), model=model_chunks,
+        num_microbatches=num_microbatches, micro_batch_size=micro_batch_size, forward_only=forward_only,
+        seq_length=padded_length(seq_length, sequence_multiple(model_chunks[0])),
+    )
 
 
 def forward_logits(model_chunks: list, input_ids_BS: torch.Tensor) -> torch.Tensor | None:
     """Causal forward of one micro-batch. Returns the vocab-parallel logits [B, S, V_pad/tp] on
     the last PP stage and None on the others. Collective over the model-parallel group."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    device = next(model_chunks[0].parameters()).device
     B, S = input_ids_BS.shape
-    batch = {
-        "input_ids": input_ids_BS.to(device),
-        "position_ids": torch.arange(S, device=device).unsqueeze(0).expand(B, S),
-    }
 
     def step(data_iterator, model):
-        b = next(data_iterator)
-        # attention_mask=None: the causal mask comes from the layer spec (AttnMaskType.causal)
-        return model(b["input_ids"], b["position_ids"], attention_mask=None), None
+        return causal_logits(model, next(data_iterator)), None
 
     was_training = [c.training for c in model_chunks]
     for c in model_chunks:
         c.eval()
     try:
         with torch.no_grad():
-            outputs = get_forward_backward_func()(
-                forward_step_func=step,
-                data_iterator=iter([batch]),
-                model=model_chunks,
-                num_microbatches=1,
-                seq_length=S,
-                micro_batch_size=B,
-                forward_only=True,
-            )
+            outputs = run_schedule(model_chunks, [input_ids_BS], step, forward_only=True, num_microbatches=1,
+                                   seq_length=S, micro_batch_size=B)
     finally:
         for c, training in zip(model_chunks, was_training):
             c.train(training)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    return outputs[0]
+    return outputs[0][:, :S]
 
 
 def gather_vocab(logits_BSv: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from megatron_grpo.models.forward import forward_logits, gather_vocab
+from megatron_grpo.runtime.device import collective_device, collective_tensor
 
 PROBE_BATCH, PROBE_SEQ, PROBE_SEED = 2, 32, 1234
 DEFAULT_TOLERANCE = 1e-3
@@ -52,18 +53,18 @@ def megatron_logits_on_rank0(model_chunks: list, hf_config, input_ids_BS) -> tor
     # The holder: last PP stage, TP rank 0, DP rank 0 (global rank 0 when pp == 1).
     holder = int(logits is not None and ps.get_tensor_model_parallel_rank() == 0
                  and ps.get_data_parallel_rank() == 0)
-    flags = torch.tensor([dist.get_rank() if holder else -1])
+    flags = collective_tensor([dist.get_rank() if holder else -1], dtype=torch.int64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     src, rank = int(flags.item()), dist.get_rank()
     if rank == src:
         if src == 0:
             return logits
-        dist.send(logits.contiguous(), dst=0)
+        dist.send(logits.contiguous().to(collective_device()), dst=0)
     elif rank == 0:
         B, S = input_ids_BS.shape
-        buf = torch.empty(B, S, hf_config.vocab_size)
+        buf = torch.empty(B, S, hf_config.vocab_size, device=collective_device())
         dist.recv(buf, src=src)
-        return buf
+        return buf.cpu()
     return None
 
 
@@ -98,9 +99,10 @@ def run_self_check(model_chunks: list, hf_config, hf_dir: str | Path,
 
     ids = probe_input_ids(hf_config.vocab_size)
     ours = megatron_logits_on_rank0(model_chunks, hf_config, ids)
-    diff = torch.tensor([0.0])
+    value = 0.0
     if dist.get_rank() == 0:
         ref = hf_logits(hf_dir, ids, round_to=hf_round_to)
-        diff[0] = (ours - ref).abs().max() if ours.shape == ref.shape else float("inf")
+        value = float((ours - ref).abs().max()) if ours.shape == ref.shape else float("inf")
+    diff = collective_tensor([value])
     dist.broadcast(diff, src=0)
     return SelfCheckResult(float(diff.item()), tolerance)

@@ -121,14 +121,15 @@ class AsyncRolloutClient:
 
     async def call(
         self,
-        route: str,
+        route: str | tuple[str, str],
         body: Optional[dict] = None,
         *,
         url: Optional[str] = None,
         timeout_s: Optional[float] = None,
         retry: bool = True,
     ) -> Any:
-        """Send one request to ``route`` (a key of ``ROUTES``) and return the decoded answer.
+        """Send one request to ``route`` (a key of ``ROUTES``, or the (method, path) of a route
+        only one engine adapter uses) and return the decoded answer.
 
         ``url`` pins the server (weight updates go to every server explicitly); without it
         the request goes round-robin and a retry moves on to the next server. Retries
@@ -137,10 +138,10 @@ class AsyncRolloutClient:
         """
         return (await self._call(route, body, url=url, timeout_s=timeout_s, retry=retry))[1]
 
-    async def _call(self, route: str, body: Optional[dict], *, url: Optional[str],
+    async def _call(self, route: str | tuple[str, str], body: Optional[dict], *, url: Optional[str],
                     timeout_s: Optional[float], retry: bool) -> tuple[str, Any]:
         """``call`` that also returns the server which answered."""
-        method, path = ROUTES[route]
+        method, path = route if isinstance(route, tuple) else ROUTES[route]
         http = await self._client()
         attempts = self.max_retries if retry else 1
         timeout = httpx.Timeout(timeout_s, connect=min(_CONNECT_TIMEOUT_S, timeout_s)) if timeout_s else None
@@ -383,7 +384,7 @@ class RolloutClient:
         """``n`` samples per prompt, prompt-major; see ``AsyncRolloutClient.generate``."""
         return self.run(self.aio.generate(prompts, n, sampling, sampling_seed=sampling_seed))
 
-    def call(self, route: str, body: Optional[dict] = None, *, url: Optional[str] = None,
+    def call(self, route: str | tuple[str, str], body: Optional[dict] = None, *, url: Optional[str] = None,
              timeout_s: Optional[float] = None, retry: bool = True) -> Any:
         return self.run(self.aio.call(route, body, url=url, timeout_s=timeout_s, retry=retry), timeout_s)
 

@@ -6,7 +6,8 @@
   ``launch_timeout_s``) until every listed server answers /health, then checks that each is of
   the kind ``rollout.engine`` names;
 * otherwise ``rollout.num_servers`` servers are launched with the command and environment of
-  the engine's adapter (``rollout/engines``), bound to ``rollout.host`` (loopback by default),
+  the engine's adapter (``rollout/engines``), on the GPUs ``runtime.placement`` assigns them
+  (with CUDA), bound to ``rollout.host`` (loopback by default),
   each logging to ``<run_dir>/rollout/server_<i>.log``; ``start()`` returns once all are
   healthy or raises with the failing log's last lines;
 * ``ensure_alive()`` notices dead servers and restarts them on their ports (at most
@@ -30,6 +31,8 @@ import httpx
 
 from megatron_grpo.rollout.engines import ENGINES, EngineKindMismatch
 from megatron_grpo.rollout.types import RolloutError
+from megatron_grpo.runtime.device import cuda_available
+from megatron_grpo.runtime.placement import engine_gpu_ids, ranks_on_this_node
 from megatron_grpo.runtime.process import die_with_parent, free_port  # noqa: F401 - free_port re-exported
 
 log = logging.getLogger(__name__)
@@ -69,9 +72,12 @@ class _Server:
 class RolloutServerManager:
     """Owns the rollout servers of a run (see the module docstring)."""
 
-    def __init__(self, cfg, *, model_dir: str, run_dir: str | Path):
+    def __init__(self, cfg, *, model_dir: str, run_dir: str | Path, ranks_on_node: Optional[int] = None):
         self.cfg = cfg
         self.adapter = ENGINES[cfg.engine]
+        # GPUs of each launched server (None without CUDA): runtime.placement's layout
+        self.gpu_ids = engine_gpu_ids(cfg, ranks_on_this_node() if ranks_on_node is None else ranks_on_node,
+                                      self.adapter.gpus_per_server(cfg)) if cuda_available() else None
         self.model_dir = str(model_dir)
         self.run_dir = Path(run_dir)
         self.restarts = 0
@@ -145,7 +151,9 @@ class RolloutServerManager:
 
     def _spawn(self, server: _Server) -> None:
         try:
-            cmd = self.adapter.launch_command(self.cfg, self.model_dir, self.cfg.host, server.port)
+            index = self._servers.index(server)
+            cmd = self.adapter.launch_command(self.cfg, self.model_dir, self.cfg.host, server.port,
+                                              self.gpu_ids[index] if self.gpu_ids else None)
         except RuntimeError as e:  # e.g. no SGLang environment on this machine
             raise RolloutError(f"{self.cfg.engine} server", "launch", str(e)) from None
         server.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    f"(default: ${API_KEY_ENV}, which keeps the key out of `ps`)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter dtype (auto: the checkpoint's)")
+    p.add_argument("--device", default="auto", help="where the model runs: auto (the GPU when CUDA is available, "
+                   "else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--max-batch-size", type=int, default=64, help="sequences per generation wave")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without sampling_seed")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -51,7 +53,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed)
+    engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,
+                            device=args.device)
     app = build_app(engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
     print(f"megatron-grpo serve: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
     try:

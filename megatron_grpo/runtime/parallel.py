@@ -1,8 +1,8 @@
 """Process groups: torch.distributed + megatron-core model-parallel state, on CPU or GPU.
 
 One entry point, ``initialize(tp, pp, seed)``, used by the trainer, the conversion tools
-and the tests. The backend is NCCL when CUDA is available and gloo otherwise; on CPU the
-``cpu_shim`` redirections are installed first.
+and the tests. The backend is ``runtime.device.default_backend()`` (NCCL when CUDA is
+available, gloo otherwise); on CPU the ``cpu_shim`` redirections are installed first.
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.runtime import cpu_shim
+from megatron_grpo.runtime.device import cuda_available, default_backend
 from megatron_grpo.runtime.process import free_port
-
-
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 600.0, *,
@@ -45,7 +42,7 @@ def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 60
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if torch.cuda.is_available():
+        if cuda_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
             default_backend(), rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)

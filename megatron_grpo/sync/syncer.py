@@ -44,6 +44,7 @@ import torch.distributed as dist
 from megatron_grpo.rollout.client import RolloutClient
 from megatron_grpo.rollout.engines import ENGINES
 from megatron_grpo.rollout.types import RolloutError
+from megatron_grpo.runtime.device import cuda_available
 from megatron_grpo.sync.transports import TRANSPORTS
 from megatron_grpo.wire.buckets import plan_buckets
 from megatron_grpo.wire.checksum import tensor_checksum
@@ -141,9 +142,9 @@ class WeightSyncer:
         if self.sender:
             self.transport = TRANSPORTS[cfg.weight_sync_transport](
                 self.client, stage=pp_rank, bucket_bytes=cfg.weight_update_bucket_mb * 2**20,
-                timeout_s=cfg.request_timeout_s, master_address=master_address,
+                timeout_s=cfg.request_timeout_s, master_address=cfg.weight_sync_master_address or master_address,
                 work_dir=Path(work_dir) if work_dir else None, hf_config=hf_config,
-                backend=self.adapter.backend(cfg, torch.cuda.is_available()))
+                backend=self.adapter.backend(cfg, cuda_available()))
         self.num_syncs = 0
         self._engine_info: Optional[list[dict]] = None
         self._opened: list[str] = []  # engines whose update bracket this sync opened

@@ -8,8 +8,10 @@ every engine URL; ``send`` returns once each engine has loaded it (so buffers ca
   ``/update_weights_from_distributed`` request (``load_format: flattened_bucket``) per engine
   and ONE uint8 broadcast, inside the begin/end bracket (SGLang 0.5.23 requires it). The
   backend is the one the engine's adapter resolves (gloo, or NCCL where the engine accepts it).
-* ``tensor``: colocated engines; the bucket is packed into a shared-memory buffer and each
-  engine maps it (``/update_weights_from_tensor``, inside the begin/end bracket).
+* ``tensor``: colocated engines; the bucket is packed into a buffer on the sender's device and
+  each engine opens it by handle (``/update_weights_from_tensor``, inside the begin/end
+  bracket): a CUDA IPC handle on a GPU (zero copy: the engine reads the trainer's memory),
+  a shared-memory file on the CPU (``wire/serialize.py``).
 * ``disk``: each bucket becomes a safetensors file in a per-sync directory written under a
   temporary name and renamed when complete; ``/update_weights_from_disk`` loads the directory.
 """
@@ -28,6 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_grpo.rollout.types import RolloutError
+from megatron_grpo.runtime.device import collective_device, compute_device
 from megatron_grpo.wire.buckets import Bucket, unflatten
 from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_system_sharing
 
@@ -119,8 +122,8 @@ class DistributedTransport(Transport):
 
     def send(self, bucket: Bucket, overlap: Optional[Callable[[], None]] = None) -> None:
         if self._buffer is None or self._buffer.numel() < bucket.nbytes:
-            device = "cuda" if self.backend == "nccl" else "cpu"  # where the backend reads from
-            self._buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+            # where the group's backend reads from: the GPU for NCCL, the CPU for gloo
+            self._buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=collective_device(self.group))
         flat = bucket.pack(out=self._buffer)
         futures = [self.client.submit(self.client.aio.update_weights_from_distributed(
             url, names=bucket.names, dtypes=[bucket.dtype_name] * len(bucket.names), shapes=bucket.shapes,
@@ -174,8 +177,16 @@ class DistributedTransport(Transport):
                 pass
 
 
+def tensor_bucket_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """The tensor transport's bucket buffer: on a GPU, plain device memory whose CUDA IPC
+    handle the engine opens (no copy through the host); on the CPU, shared memory the engine
+    maps."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffer if device.type == "cuda" else buffer.share_memory_()
+
+
 class TensorTransport(Transport):
-    """Shared-memory buckets for colocated engines (see the module docstring)."""
+    """Buckets passed by handle to colocated engines (see the module docstring)."""
 
     needs_update_session = True
 
@@ -186,9 +197,9 @@ class TensorTransport(Transport):
 
     def send(self, bucket: Bucket, overlap: Optional[Callable[[], None]] = None) -> None:
         if self._buffer is None or self._buffer.numel() < bucket.nbytes:
-            # Allocated in shared memory, grown to the largest bucket and reused: each send
-            # waits for the engines, so the previous bucket is no longer needed.
-            self._buffer = torch.empty(bucket.nbytes, dtype=torch.uint8).share_memory_()
+            # Grown to the largest bucket and reused: each send waits for the engines, so
+            # the previous bucket is no longer needed (nor its handle open).
+            self._buffer = tensor_bucket_buffer(bucket.nbytes, compute_device())
         flat = bucket.pack(out=self._buffer)
         named = unflatten(flat, bucket.names, [bucket.dtype] * len(bucket.names), bucket.shapes)
         payload = serialize_named_tensors(named)

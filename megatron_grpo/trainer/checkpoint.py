@@ -5,7 +5,9 @@ Layout under ``RUN_DIR/checkpoints/``::
     step_000020/            a complete checkpoint (megatron-core dist_checkpointing: model and
                             optimizer sharded state, loadable at another TP/PP for the model)
       trainer_state.json    step, data sampler position, metrics count   (extra_state too)
-      rng/rank_00000.pt     each rank's torch RNG state (ranks differ, so one file a rank)
+      rng/rank_00000.pt     each rank's RNG states (ranks differ, so one file a rank): the CPU
+                            generator's, and with CUDA the device generator's and megatron's
+                            model-parallel CUDA RNG tracker's (dropout, TP init streams)
       COMPLETE              written last: a directory without it is never resumed from
     latest                  text file naming the newest complete checkpoint (atomic replace)
 
@@ -27,6 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.runtime.device import cuda_available
 from megatron_grpo.runtime.files import write_text_atomic
 
 CKPT_RE = re.compile(r"^step_(\d{6,})$")
@@ -88,14 +91,46 @@ def remove_partial(run_dir: str | Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+# How megatron-core's DistributedOptimizer lays out its state in a checkpoint: one flattened
+# slice per parameter in model space, saved and loaded by every rank in parallel (no gather
+# on dp rank 0) and reshardable across tp/pp/dp. The plain optimizer ignores the key.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+
+
 def training_sharded_state_dict(model_chunks, optimizer, *, is_loading: bool = False) -> dict:
-    """Model and optimizer sharded state of this rank (megatron-core dist_checkpointing)."""
+    """Model and optimizer sharded state of this rank (megatron-core dist_checkpointing);
+    the optimizer's is megatron's sharded optimizer state dict, plain or distributed."""
     from megatron_grpo.models import model_sharded_state_dict
 
     model_sd = model_sharded_state_dict(model_chunks)
     state = dict(model_sd)
-    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                      metadata=dict(OPTIMIZER_METADATA))
     return state
+
+
+def rng_state(cuda: bool) -> dict[str, Any]:
+    """This rank's RNG states: ``torch`` (CPU generator) always; with ``cuda`` also ``cuda``
+    (the current device's generator) and ``tracker`` (megatron's CUDA RNG tracker streams)."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if cuda:
+        from megatron.core import tensor_parallel
+
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], cuda: bool) -> None:
+    """Restore what ``rng_state`` saved. The CUDA entries are skipped without ``cuda`` (a GPU
+    run's checkpoint resumed on a CPU machine) and absent entries are left alone (a CPU run's
+    checkpoint resumed on a GPU)."""
+    torch.set_rng_state(state["torch"])
+    if cuda and "cuda" in state:
+        from megatron.core import tensor_parallel
+
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def save_training_checkpoint(
@@ -115,7 +150,7 @@ def save_training_checkpoint(
     if rank == 0:
         staging.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    torch.save({"torch": torch.get_rng_state()}, staging / f"rank_{rank:05d}.pt")
+    torch.save(rng_state(cuda_available()), staging / f"rank_{rank:05d}.pt")
     dist.barrier()
     state = training_sharded_state_dict(model_chunks, optimizer)
     tmp_final = final.with_name(f".{final.name}.pending")
@@ -146,5 +181,5 @@ def load_training_checkpoint(ckpt_dir: Path, model_chunks, optimizer) -> dict[st
     optimizer.load_state_dict(loaded["optimizer"])
     rank_file = ckpt_dir / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rank_file.is_file():  # absent when resuming with more ranks than were saved
-        torch.set_rng_state(torch.load(rank_file, weights_only=True)["torch"])
+        set_rng_state(torch.load(rank_file, weights_only=True, map_location="cpu"), cuda_available())
     return json.loads((ckpt_dir / STATE_FILE).read_text())

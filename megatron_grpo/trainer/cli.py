@@ -135,12 +135,13 @@ def _check_checkpoints(cfg: ExperimentConfig) -> None:
                                                "expected auto, never or a checkpoint directory")
 
 
-def preflight(cfg: ExperimentConfig) -> None:
+def preflight(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
     """Check, without writing anything, every input the run reads at start-up: the model
     directory (config, weights, tokenizer vs vocabulary, tp/pp vs head and layer counts),
     checkpoints to load, the dataset (every line), the reward functions (imported), the
-    rollout engine's environment (an SGLang to launch) and the logging sinks. Raises a user
-    error (see ``user_errors``)."""
+    rollout engine's environment (an SGLang to launch), the GPU layout on this machine
+    (``ranks_on_node`` trainer ranks, default torchrun's LOCAL_WORLD_SIZE) and the logging
+    sinks. Raises a user error (see ``user_errors``)."""
     from megatron_grpo.data import DataError, load_prompt_dataset
     from megatron_grpo.rewards import RewardScorer
     from megatron_grpo.rollout.engines import ENGINES
@@ -148,6 +149,7 @@ def preflight(cfg: ExperimentConfig) -> None:
     engine_problem = ENGINES[cfg.rollout.engine].preflight(cfg.rollout)
     if engine_problem:
         raise ConfigError("", engine_problem)  # the problem names its key
+    check_machine(cfg, ranks_on_node)
     hf_config, tokenizer = _check_model_dir(cfg)
     _check_checkpoints(cfg)
     dataset = load_prompt_dataset(cfg.data, tokenizer)
@@ -159,6 +161,22 @@ def preflight(cfg: ExperimentConfig) -> None:
     RewardScorer(cfg.reward)
     if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb_project", "is set but wandb is not installed; pip install wandb or set it to null")
+
+
+def check_machine(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
+    """The GPU layout of ``cfg`` can work on this machine (``runtime.placement``)."""
+    import torch  # deferred like the other torch users here: `--help` and bad configs stay fast
+
+    from megatron_grpo.models.builder import use_transformer_engine
+    from megatron_grpo.runtime.device import cuda_available
+    from megatron_grpo.runtime.placement import layout_problem, ranks_on_this_node
+
+    cuda = cuda_available()
+    problem = layout_problem(cfg, cuda=cuda, num_gpus=torch.cuda.device_count() if cuda else 0,
+                             ranks_on_node=ranks_on_this_node() if ranks_on_node is None else ranks_on_node,
+                             transformer_engine=use_transformer_engine())
+    if problem is not None:
+        raise ConfigError(*problem)
 
 
 def _parse(argv: list[str], prog: str, launcher: bool = False) -> argparse.Namespace:
@@ -276,7 +294,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(args.config, args.overrides)
         nproc = args.nproc or _ranks_per_node(cfg, node.nnodes)
         cfg = load_config(args.config, args.overrides, world_size=nproc * node.nnodes)
-        preflight(cfg)  # on every node: each reads the model and data from its own disk
+        preflight(cfg, nproc)  # on every node: each reads the model and data from its own disk
     except user_errors() as e:
         return _fail(describe_user_error(e, args.config, _data_file(args.config, args.overrides)))
     cmd = [sys.executable, "-m", "torch.distributed.run", *node.torchrun_args(cfg.parallel.distributed_timeout_s),

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_grpo.config import ExperimentConfig
+from megatron_grpo.runtime.device import cuda_available, resolve_distributed_optimizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,7 +43,7 @@ def build_policy(cfg: ExperimentConfig) -> Policy:
         load_megatron_checkpoint(modules, cfg.model.megatron_ckpt)
     else:
         load_hf_weights(modules, cfg.model.hf_dir, hf_config)
-    use_dist_opt = cfg.parallel.use_distributed_optimizer and torch.cuda.is_available()
+    use_dist_opt = resolve_distributed_optimizer(cfg.parallel.use_distributed_optimizer, cuda_available())
     chunks = wrap_ddp(modules, use_dist_opt)
     optimizer = build_optimizer(chunks, cfg.optimizer, DTYPES[cfg.model.dtype], use_dist_opt)
     return Policy(modules=modules, chunks=chunks, optimizer=optimizer, hf_config=hf_config)

@@ -71,7 +71,8 @@ def train(cfg: ExperimentConfig) -> list[dict]:
     syncer = WeightSyncer(cfg.rollout, urls, policy.hf_config, work_dir=f"{run_dir}/weight_sync",
                           client=side.client if side else None,
                           probe=lambda tokens: probe_log_probs(policy.chunks, tokens, spec))
-    engine = EngineGuard(side, syncer, policy.modules, max_attempts=cfg.rollout.max_restarts + 1)
+    engine = EngineGuard(side, syncer, policy.modules, max_attempts=cfg.rollout.max_restarts + 1,
+                         colocate=cfg.rollout.colocate)
     engine.sync(start_step)  # the engine starts from the HF weights
 
     records, nonfinite_streak = [], trainer_state.get("nonfinite_streak", 0)
@@ -84,6 +85,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             # the batch is broadcast (a few MB; the weights dominate traffic)
             result = engine.rollout(step, lambda: generate_and_score(
                 step, prompts, side.client, side.sampling, side.scorer, side.tokenizer, cfg))
+            engine.release_memory()  # colocated: the GPU is the trainer's until the sync
             batch, mark = result.batch, time.monotonic()
             timings["time_rollout_s"] = mark - t0
 

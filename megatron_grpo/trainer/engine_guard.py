@@ -5,6 +5,10 @@ Every wait underneath is bounded (the client's per-request timeouts and retries,
 manager's launch deadline, the syncer's collective error agreement), so a dead engine is an
 error within minutes at worst, never a hang. Generation runs on rank 0 only; recovery is
 collective because the weight sync is.
+
+Colocated mode (``rollout.colocate``, GPU only): ``release_memory()`` after generation hands
+the engine's weights and KV cache back to the trainer; ``sync`` takes the weights' memory back
+before sending them and the KV cache after, so the engine is whole again before generation.
 """
 
 from __future__ import annotations
@@ -43,8 +47,11 @@ class EngineGuard:
     modules: the policy chunks whose weights the engine must serve.
     """
 
-    def __init__(self, side, syncer, modules, max_attempts: int, retry_wait_s: float = 2.0):
+    def __init__(self, side, syncer, modules, max_attempts: int, retry_wait_s: float = 2.0,
+                 colocate: bool = False):
         self.side = side
+        self.colocate = colocate
+        self.released = False  # the engines' memory is released (colocated mode)
         self.syncer = syncer
         self.modules = modules
         self.max_attempts = max_attempts
@@ -67,9 +74,43 @@ class EngineGuard:
                           attempt)
         raise AssertionError("unreachable")
 
+    def release_memory(self) -> None:
+        """Colocated mode: the engines free their GPU memory until the next ``sync`` (a no-op
+        otherwise). Collective (every rank learns of a failure)."""
+        if self.colocate and not self.released:
+            self._on_engines(lambda adapter, client, url: adapter.release_memory(client, url), "release memory")
+            self.released = True
+
+    def _resume_memory(self, tags: list[str]) -> None:
+        self._on_engines(lambda adapter, client, url: adapter.resume_memory(client, url, tags),
+                         f"resume memory ({', '.join(tags)})")
+
+    def _on_engines(self, fn: Callable, what: str) -> None:
+        """Rank 0 calls ``fn(adapter, client, url)`` for every engine; an error stops every rank."""
+        error = None
+        if self.side is not None:
+            try:
+                for url in self.side.manager.urls:
+                    fn(self.side.manager.adapter, self.side.client, url)
+            except RolloutError as e:
+                error = str(e)
+        error = broadcast(error)
+        if error is not None:
+            raise EngineUnavailableError(f"rollout engine: {what} failed: {error}")
+
     def sync(self, step: int):
         """Push the weights of ``step`` to the engine(s), recovering from engine failures;
-        returns the SyncStats of the sync that succeeded."""
+        returns the SyncStats of the sync that succeeded. A released engine (colocated mode)
+        takes its weights' memory back first and its KV cache after."""
+        if self.released:
+            self._resume_memory(["weights"])
+        stats = self._sync(step)
+        if self.released:
+            self._resume_memory(["kv_cache"])
+            self.released = False
+        return stats
+
+    def _sync(self, step: int):
         for attempt in range(1, self.max_attempts + 1):
             try:
                 return self.syncer.sync(self.modules, step)
@@ -112,4 +153,4 @@ class EngineGuard:
     def _resync(self, step: int) -> None:
         """A restarted engine serves the initial HF weights: forget its state and sync."""
         self.syncer.reset()
-        return self.sync(step)
+        return self._sync(step)

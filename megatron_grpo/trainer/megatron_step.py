@@ -1,6 +1,8 @@
 """The Megatron side of a GRPO step: log-prob passes and the corrected-loss update.
 
-Both go through megatron-core's ``get_forward_backward_func`` (any TP/PP). On the last
+Both go through megatron-core's ``get_forward_backward_func`` (any TP/PP), with the forward
+step every other caller uses (``models.forward.causal_logits``: placement on the rank's
+device through ``runtime.device``, position ids, sequence-parallel padding). On the last
 pipeline stage the vocab-parallel logits ``[B, S, V/tp]`` are turned into per-token
 log-probs and entropies by ``ops.vocab_parallel_log_probs`` (never gathering the vocab),
 then into the loss by ``losses.compute_policy_loss``.
@@ -26,7 +28,9 @@ import torch.distributed as dist
 
 from megatron_grpo.config.algorithm import AlgorithmConfig
 from megatron_grpo.losses import compute_policy_loss, reduce_metrics
+from megatron_grpo.models.forward import causal_logits, run_schedule
 from megatron_grpo.ops import vocab_parallel_log_probs
+from megatron_grpo.runtime.device import all_finite, collective_tensor, to_device
 from megatron_grpo.trainer.batch import TrainBatch, micro_batches
 
 
@@ -39,29 +43,19 @@ class ScoringSpec:
     chunk_size: Optional[int] = None
 
 
-def _model_inputs(mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids [B, S] and position_ids [B, S] of a micro-batch."""
-    b, s = mb.tokens.shape
-    return mb.tokens, torch.arange(s).unsqueeze(0).expand(b, s)
-
-
 def _token_scores(logits_BSv: torch.Tensor, mb: TrainBatch, spec: ScoringSpec, with_entropy: bool):
-    """Vocab-parallel logits [B, S, V/tp] -> (log_probs [B, T], entropy [B, T] or None)."""
+    """Vocab-parallel logits [B, S_pad, V/tp] (S_pad >= S: sequence-parallel padding) ->
+    (log_probs [B, T], entropy [B, T] or None), T = S - 1."""
     return vocab_parallel_log_probs(
-        logits_BSv[:, :-1], mb.tokens[:, 1:], temperature=spec.temperature,
+        logits_BSv[:, : mb.seq_length - 1], mb.tokens[:, 1:], temperature=spec.temperature,
         vocab_size=spec.vocab_size, chunk_size=spec.chunk_size, with_entropy=with_entropy,
         inplace=True,  # the logits are the output layer's fresh output, read only here
     )
 
 
 def _run_schedule(model_chunks, mbs: list[TrainBatch], forward_step, forward_only: bool):
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(mbs), model=model_chunks,
-        num_microbatches=len(mbs), seq_length=mbs[0].seq_length,
-        micro_batch_size=mbs[0].num_sequences, forward_only=forward_only,
-    )
+    return run_schedule(model_chunks, mbs, forward_step, forward_only=forward_only, num_microbatches=len(mbs),
+                        seq_length=mbs[0].seq_length, micro_batch_size=mbs[0].num_sequences)
 
 
 def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, spec: ScoringSpec):
@@ -71,7 +65,7 @@ def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, sp
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        logits = model(*_model_inputs(mb), attention_mask=None)
+        logits = causal_logits(model, mb.tokens)
 
         def loss_func(output):
             lp, _ = _token_scores(output, mb, spec, with_entropy=False)
@@ -79,6 +73,7 @@ def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, sp
 
         return logits, loss_func
 
+    batch = to_device(batch)  # the batch is built on the CPU (rank 0) and broadcast
     for c in model_chunks:
         c.eval()
     with torch.no_grad():
@@ -111,13 +106,13 @@ def train_mini_batch(
     """
     from megatron.core import parallel_state
 
-    mbs = list(micro_batches(mini, micro_batch_size))
+    mbs = list(micro_batches(to_device(mini), micro_batch_size))
     scale = len(mbs) * dp_size
     want_entropy_grad = cfg.entropy_coef > 0
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        logits = model(*_model_inputs(mb), attention_mask=None)
+        logits = causal_logits(model, mb.tokens)
 
         def loss_func(output):
             lp, ent = _token_scores(output, mb, spec, with_entropy=True)
@@ -157,28 +152,18 @@ def train_mini_batch(
 
 
 def _sum_over(value: float, group) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = collective_tensor([value], group)
     dist.all_reduce(t, group=group)
     return float(t.item())
 
 
 def _all_finite(model_chunks, outs) -> bool:
-    """True iff every rank's loss values and gradients are finite (one all-reduce)."""
-    bad = 0.0
-    for m in outs or []:
-        if not math.isfinite(m["loss"]):
-            bad = 1.0
-    for chunk in model_chunks:
-        for p in chunk.parameters():
-            g = getattr(p, "main_grad", None)
-            if g is None:
-                g = p.grad
-            if g is not None and not torch.isfinite(g).all():
-                bad = 1.0
-                break
-    flag = torch.tensor([bad])
-    dist.all_reduce(flag)
-    return flag.item() == 0.0
+    """True iff every rank's loss values and gradients are finite: the per-parameter checks
+    are queued on the device, then one all-reduce and one host sync (``runtime.device``)."""
+    losses_ok = all(math.isfinite(m["loss"]) for m in outs or [])
+    grads = (getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+             for chunk in model_chunks for p in chunk.parameters())
+    return all_finite(grads, extra_ok=losses_ok)
 
 
 def probe_log_probs(model_chunks, token_ids: list[int], spec: ScoringSpec) -> Optional[list[float]]:

@@ -46,14 +46,16 @@ class EmbeddedEngine:
     """Serves one HF model directory; thread-safe."""
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", max_batch_size: int = 64,
-                 seed: int = 0, batch_window_s: float = 0.005):
+                 seed: int = 0, batch_window_s: float = 0.005, device: str = "auto"):
         from transformers import AutoModelForCausalLM
 
         from megatron_grpo.models.tokenizer import load_tokenizer
 
         self.model_dir = str(model_dir)
+        self.device = engine_device(device)
         torch_dtype = "auto" if dtype == "auto" else DTYPES[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch_dtype).eval()
+        self.model.to(self.device)
         self.model.requires_grad_(False)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_ids = self._eos_ids()
@@ -279,10 +281,18 @@ class EmbeddedEngine:
 
     # ---- update groups (torch.distributed, separate from any default group) -----------
 
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """Process-group backends this engine can receive with: NCCL needs the model on a GPU."""
+        return ("gloo", "nccl") if self.device.type == "cuda" else ("gloo",)
+
     def init_group(self, group_name: str, *, master_address: str, master_port: int, rank_offset: int,
                    world_size: int, backend: str, timeout_s: float = 300.0) -> None:
         from megatron_grpo.wire.group import init_custom_process_group
 
+        if backend not in self.backends:
+            raise EngineError(f"backend {backend!r} is not supported by this engine on {self.device} "
+                              f"({', '.join(self.backends)})")
         if group_name in self._groups:
             raise EngineError(f"weight update group {group_name!r} already exists")
         self._groups[group_name] = init_custom_process_group(
@@ -308,6 +318,7 @@ class EmbeddedEngine:
         """
         import torch.distributed as dist
 
+        from megatron_grpo.runtime.device import collective_device
         from megatron_grpo.wire.buckets import unflatten
 
         group = self._groups.get(group_name)
@@ -319,24 +330,36 @@ class EmbeddedEngine:
             raise EngineError("names, dtypes and shapes must have the same length")
         torch_dtypes = [_parse_dtype(d) for d in dtypes]
         self.check_names(names, shapes)
+        device = collective_device(group)  # the GPU for an NCCL group, the CPU for gloo
         if load_format == "flattened_bucket":
             nbytes = sum(_numel(s) * d.itemsize for s, d in zip(shapes, torch_dtypes))
             # One receive buffer per group, reused: fresh pages cost more than the copy. Safe
             # because the sender waits for this request's answer before the next bucket.
             buffer = self._recv_buffers.get(group_name)
             if buffer is None or buffer.numel() < nbytes:
-                buffer = self._recv_buffers[group_name] = torch.empty(nbytes, dtype=torch.uint8)
+                buffer = self._recv_buffers[group_name] = torch.empty(nbytes, dtype=torch.uint8, device=device)
             flat = buffer[:nbytes]
             dist.broadcast(flat, src=0, group=group)
             tensors = unflatten(flat, names, torch_dtypes, shapes)
         else:
             tensors = []
             for name, dtype, shape in zip(names, torch_dtypes, shapes):
-                t = torch.empty(shape, dtype=dtype)
+                t = torch.empty(shape, dtype=dtype, device=device)
                 dist.broadcast(t, src=0, group=group)
                 tensors.append((name, t))
         with self.exclusive():
             return self.load_weights(tensors, compute_checksums=compute_checksums)
+
+
+def engine_device(name: str) -> torch.device:
+    """``--device``: auto -> the current CUDA device when CUDA is available, else the CPU;
+    otherwise the named device (``cpu``, ``cuda``, ``cuda:1``)."""
+    if name == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError(f"device {name!r} needs CUDA, which this machine does not have")
+    return device
 
 
 def _numel(shape: list[int]) -> int:

@@ -111,6 +111,7 @@ def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None) -> FastA
     @app.get("/get_server_info")
     async def server_info() -> dict:
         return {"model_path": engine.model_dir, "tp_size": 1, "dp_size": 1, "engine": "embedded",
+                "device": str(engine.device),
                 "dtype": str(engine.dtype).removeprefix("torch."), "max_batch_size": engine.max_batch_size,
                 "context_length": engine.max_context, "weight_version": engine.weight_version,
                 "paused": engine.paused}
@@ -234,8 +235,9 @@ def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None) -> FastA
                           backend=str(req.get("backend", "gloo")))
         except (KeyError, TypeError, ValueError) as e:
             return _bad_request(f"bad init_weights_update_group request: {e}")
-        if kwargs["backend"] != "gloo":
-            return _bad_request(f"backend {kwargs['backend']!r} is not supported on this engine (gloo)")
+        if kwargs["backend"] not in engine.backends:
+            return _bad_request(f"backend {kwargs['backend']!r} is not supported on this engine "
+                                f"({', '.join(engine.backends)} on {engine.device})")
         group_name = str(req.get("group_name", "weight_update_group"))
         try:
             await asyncio.to_thread(engine.init_group, group_name, **kwargs)

@@ -26,6 +26,8 @@ class EngineAdapter:
     """rollout.weight_sync_transport values the engine accepts."""
     backends: frozenset[str] = frozenset()
     """Process-group backends the engine's /init_weights_update_group accepts."""
+    supports_memory_release: bool = False
+    """True: the engine can give its GPU memory back between rollouts (rollout.colocate)."""
 
     # ---- config-load checks -------------------------------------------------------------
 
@@ -37,6 +39,12 @@ class EngineAdapter:
         check(cfg.weight_sync_backend in ("auto", *self.backends), "weight_sync_backend",
               f"{cfg.weight_sync_backend!r} is not accepted by rollout.engine={self.name!r} "
               f"(accepted: auto, {', '.join(sorted(self.backends))})")
+        check(not cfg.colocate or self.supports_memory_release, "colocate",
+              f"rollout.engine={self.name!r} cannot release its GPU memory between rollouts (use rollout.engine: sglang)")
+
+    def gpus_per_server(self, cfg) -> int:
+        """CUDA devices one launched server uses (its tensor-parallel size)."""
+        return 1
 
     def preflight(self, cfg) -> Optional[str]:
         """A one-line problem with this machine's setup for launching (None if fine)."""
@@ -44,7 +52,10 @@ class EngineAdapter:
 
     # ---- launching ------------------------------------------------------------------------
 
-    def launch_command(self, cfg, model_dir: str, host: str, port: int) -> list[str]:
+    def launch_command(self, cfg, model_dir: str, host: str, port: int,
+                       gpu_ids: Optional[list[int]] = None) -> list[str]:
+        """The server's command line; ``gpu_ids``: the CUDA devices it runs on (None without
+        CUDA), from ``runtime.placement.engine_gpu_ids``."""
         raise NotImplementedError
 
     def launch_env(self, cfg, env: dict[str, str]) -> dict[str, str]:
@@ -70,6 +81,14 @@ class EngineAdapter:
     def verify(self, client, url: str, expected: dict[str, str], samples: dict) -> list[str]:
         """Names of tensors the engine at ``url`` serves differently from what was sent."""
         raise NotImplementedError
+
+    def release_memory(self, client, url: str) -> None:
+        """Free the engine's GPU memory (weights and KV cache) until ``resume_memory``."""
+        raise NotImplementedError(f"rollout.engine={self.name!r} cannot release its memory")
+
+    def resume_memory(self, client, url: str, tags: Optional[list[str]] = None) -> None:
+        """Take the memory back (``tags``: only these kinds, e.g. ["weights"]; None: all)."""
+        raise NotImplementedError(f"rollout.engine={self.name!r} cannot resume its memory")
 
     @property
     def verifies_by_probe(self) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from typing import Optional
+
 from megatron_grpo.rollout.engines.base import EngineAdapter, EngineKindMismatch
 from megatron_grpo.rollout.serve import API_KEY_ENV
 
@@ -11,13 +13,16 @@ from megatron_grpo.rollout.serve import API_KEY_ENV
 class EmbeddedAdapter(EngineAdapter):
     name = "embedded"
     transports = frozenset({"distributed", "tensor", "disk"})
-    # The embedded engine receives into CPU tensors: gloo only (an NCCL group would need it on a GPU).
-    backends = frozenset({"gloo"})
+    # gloo on the CPU; NCCL once the model is on a GPU (the engine refuses NCCL on a CPU).
+    backends = frozenset({"gloo", "nccl"})
 
-    def launch_command(self, cfg, model_dir: str, host: str, port: int) -> list[str]:
+    def launch_command(self, cfg, model_dir: str, host: str, port: int,
+                       gpu_ids: Optional[list[int]] = None) -> list[str]:
         # The API key travels in the environment (launch_env), not argv, where `ps` shows it.
+        device = f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"
         return [sys.executable, "-m", "megatron_grpo.rollout.serve", "--model-dir", model_dir, "--host", host,
-                "--port", str(port), "--dtype", cfg.dtype, "--max-batch-size", str(cfg.embedded.max_batch_size)]
+                "--port", str(port), "--dtype", cfg.dtype, "--max-batch-size", str(cfg.embedded.max_batch_size),
+                "--device", device]
 
     def launch_env(self, cfg, env: dict[str, str]) -> dict[str, str]:
         out = dict(env)

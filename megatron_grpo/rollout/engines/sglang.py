@@ -13,7 +13,11 @@ Facts about SGLang 0.5.23 that this adapter (and the sync) rely on, checked by
   log-probs of a probe sequence with the trainer's;
 * output log-probs are those of ``log_softmax(logits / temperature)``; *input* (prompt)
   log-probs are always at temperature 1;
-* ``/release_memory_occupation`` calls CUDA and kills a CPU server: never used without a GPU.
+* ``/release_memory_occupation`` calls CUDA and kills a CPU server: used only with
+  ``rollout.colocate``, which the pre-flight refuses without a GPU
+  (``runtime.placement.layout_problem``); ``/resume_memory_occupation`` takes ``tags``
+  (``weights``, ``kv_cache``) so weights can come back before the sync and the KV cache after;
+* ``--base-gpu-id N`` puts a server's tp ranks on devices N .. N+tp-1 of those it sees.
 
 On a machine without CUDA the server runs on CPU through SGLang's CPU engine
 (``SGLANG_USE_CPU_ENGINE=1``, plain-torch attention and sampling), from the environment
@@ -47,6 +51,10 @@ CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--samplin
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 
 _SAMPLE_ROWS = 8  # rows per tensor compared through /get_weights_by_name
+
+# SGLang routes only this adapter calls (not in the client's shared ROUTES).
+_RELEASE_MEMORY = ("POST", "/release_memory_occupation")
+_RESUME_MEMORY = ("POST", "/resume_memory_occupation")
 
 
 def default_sglang_venv() -> Path:
@@ -95,13 +103,18 @@ class SGLangAdapter(EngineAdapter):
     name = "sglang"
     transports = frozenset({"distributed", "tensor", "disk"})
     backends = frozenset({"gloo", "nccl"})
+    supports_memory_release = True
+
+    def gpus_per_server(self, cfg) -> int:
+        return cfg.sglang.tp
 
     def preflight(self, cfg) -> Optional[str]:
         if cfg.urls:
             return None
         return find_sglang_python(cfg.sglang.python)[1] or None
 
-    def launch_command(self, cfg, model_dir: str, host: str, port: int) -> list[str]:
+    def launch_command(self, cfg, model_dir: str, host: str, port: int,
+                       gpu_ids: Optional[list[int]] = None) -> list[str]:
         python, problem = find_sglang_python(cfg.sglang.python)
         if python is None:
             raise RuntimeError(problem)
@@ -110,6 +123,10 @@ class SGLangAdapter(EngineAdapter):
                "--dtype", checkpoint_dtype(model_dir) if cfg.dtype == "auto" else cfg.dtype]
         if not _cuda_available():
             cmd += CPU_ARGS
+        elif gpu_ids:
+            cmd += ["--base-gpu-id", str(gpu_ids[0])]
+        if cfg.colocate:
+            cmd += ["--enable-memory-saver"]  # what /release_memory_occupation needs
         # SGLang takes the key only as a flag; the manager redacts it in the log.
         return cmd + (["--api-key", cfg.api_key] if cfg.api_key else []) + list(cfg.sglang.extra_args)
 
@@ -153,6 +170,12 @@ class SGLangAdapter(EngineAdapter):
             log.info("%s: /get_weights_by_name could not return %d of %d tensors (checked by the log-prob probe)",
                      url, unverifiable, len(samples))
         return bad
+
+    def release_memory(self, client, url: str) -> None:
+        client.call(_RELEASE_MEMORY, {}, url=url, retry=False)
+
+    def resume_memory(self, client, url: str, tags: Optional[list[str]] = None) -> None:
+        client.call(_RESUME_MEMORY, {"tags": tags}, url=url, retry=False)
 
     @property
     def verifies_by_probe(self) -> bool:
