@@ -175,6 +175,12 @@ class RewardConfig:
             "every weight is 0, so every reward would be 0",
         )
 
+    @property
+    def labels(self) -> list[str]:
+        """Metric label of each function: its name, or ``name[i]`` when a name repeats."""
+        names = [f.name for f in self.functions]
+        return [n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)]
+
 
 @dataclass(kw_only=True)
 class CheckpointConfig:

@@ -66,10 +66,8 @@ class RewardScorer:
 
     def __init__(self, reward_cfg):
         self.functions: list[_Function] = []
-        names = [f.name for f in reward_cfg.functions]
-        for i, f in enumerate(reward_cfg.functions):
+        for i, (f, label) in enumerate(zip(reward_cfg.functions, reward_cfg.labels)):
             call = resolve_reward(f, i)
-            label = f.name if names.count(f.name) == 1 else f"{f.name}[{i}]"
             self.functions.append(_Function(label, f"reward.functions[{i}] ({label})", call, float(f.weight),
                                             f.max_concurrency))
         self._loop = asyncio.new_event_loop()
