@@ -13,6 +13,7 @@ import sys
 # name -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_grpo.trainer.cli", "run a GRPO experiment from a YAML config"),
+    "eval": ("megatron_grpo.evaluation.cli", "evaluate a checkpoint or HF model on the config's eval sets"),
     "validate-config": ("megatron_grpo.config.cli", "validate a YAML config and print it resolved"),
     "config-reference": ("megatron_grpo.config.reference", "print the generated config reference"),
     "serve": ("megatron_grpo.rollout.serve", "run the embedded rollout engine as an HTTP server"),

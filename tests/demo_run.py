@@ -23,6 +23,7 @@ def make_demo(out: Path, warmup_steps: int = 150) -> Path:
 def demo_overrides(demo: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
     """Overrides of yaml_configs/demo_cpu.yaml pointing it at ``demo`` and ``run_dir``."""
     return [f"model.hf_dir={demo / 'model'}", f"data.train_file={demo / 'arithmetic.jsonl'}",
+            f"eval.sets=[{{name: heldout, path: {demo / 'arithmetic_heldout.jsonl'}, n: 8, temperature: 1.0}}]",
             f"trainer.run_dir={run_dir}", f"trainer.num_steps={steps}", "logging.progress_bar=false", *extra]
 
 

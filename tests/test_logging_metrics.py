@@ -155,7 +155,7 @@ def test_finish_writes_a_valid_png_and_prints_the_summary(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "4/4" in captured.err and "reward=0.4" in captured.err  # the progress bar
     assert summary in captured.out
-    assert png_size(tmp_path / "plot.png") == (1000, 700)
+    assert png_size(tmp_path / "plot.png") == (1200, 1000)
     assert not list(tmp_path.glob(".plot*"))  # the temp file was renamed away
     lines = summary.splitlines()
     assert lines[0].split() == ["step", "reward", "loss", "ppo_kl", "clip", "mismatch", "elapsed_s"]
@@ -170,14 +170,14 @@ def test_summary_subsamples_long_runs_and_plot_handles_missing_metrics(tmp_path)
     lines = format_summary(records, max_rows=5).splitlines()
     assert [line.split()[0] for line in lines[2:7]] == ["1", "26", "51", "75", "100"]
     write_plot([{"step": 1, "loss": math.pi}], tmp_path / "p.png")  # no panel metric at all
-    assert png_size(tmp_path / "p.png") == (1000, 700)
+    assert png_size(tmp_path / "p.png") == (1200, 1000)
 
 
 def test_cli_redraws_plot_from_run_dir(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": 0.5}) + "\n" for s in (1, 2)))
     assert metrics_main([str(tmp_path)]) == 0
     assert "reward_mean: 0.5 at step 1 -> 0.5 at step 2" in capsys.readouterr().out
-    assert png_size(tmp_path / "plot.png") == (1000, 700)
+    assert png_size(tmp_path / "plot.png") == (1200, 1000)
     assert metrics_main([str(tmp_path / "none")]) == 2
 
 

@@ -2,8 +2,10 @@
 
     python tools/make_demo_model.py --out runs/demo_cpu
 
-writes ``OUT/model/`` (a tiny Qwen2-architecture HF checkpoint + tokenizer) and
-``OUT/arithmetic.jsonl`` (single-token addition problems, megatron_grpo.data.synthetic).
+writes ``OUT/model/`` (a tiny Qwen2-architecture HF checkpoint + tokenizer),
+``OUT/arithmetic.jsonl`` (single-token addition problems, megatron_grpo.data.synthetic) and
+``OUT/arithmetic_heldout.jsonl``: ``--held-out`` problems ``a + b`` (a > b) that training never
+shows (their mirror ``b + a`` it does), the demo's ``eval`` set.
 
 The model starts from random weights and gets a short supervised *format* warm-up: after
 the chat prompt it learns to answer with ONE number drawn uniformly from the task's answer
@@ -25,10 +27,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_grpo.data.synthetic import all_problems, generate, write_jsonl
+from megatron_grpo.data.synthetic import all_problems, generate, held_out_problems, write_jsonl
 from megatron_grpo.testing.tiny_models import build_tokenizer, tiny_config
 
 MAX_OPERAND = 5  # sums 0..10: 36 problems; a uniform guess scores 1/11, the best question-blind answer 1/6
+HELD_OUT = 6  # of the 36, never trained on: the eval set
 
 
 def format_warmup(model, tokenizer, prompts: list[str], answers: list[int], steps: int, seed: int) -> float:
@@ -79,11 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-operand", type=int, default=MAX_OPERAND, help="operands are 0..N")
     parser.add_argument("--warmup-steps", type=int, default=60)
+    parser.add_argument("--held-out", type=int, default=HELD_OUT, help="problems kept out of training for eval")
     parser.add_argument("--force", action="store_true", help="rebuild even if the files exist")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    model_dir, data_file = out / "model", out / "arithmetic.jsonl"
-    if model_dir.joinpath("config.json").is_file() and data_file.is_file() and not args.force:
+    model_dir, data_file, eval_file = out / "model", out / "arithmetic.jsonl", out / "arithmetic_heldout.jsonl"
+    if (model_dir.joinpath("config.json").is_file() and data_file.is_file() and eval_file.is_file()
+            and not args.force):
         print(f"demo model and data already in {out} (use --force to rebuild)")
         return 0
 
@@ -108,10 +113,13 @@ def main(argv: list[str] | None = None) -> int:
                                                      "greedy_accuracy": accuracy}))
     shutil.rmtree(model_dir, ignore_errors=True)
     tmp.rename(model_dir)
-    write_jsonl(generate(2000, args.seed, args.max_operand, ("+",)), data_file)
+    held_out = held_out_problems(args.max_operand, args.held_out, args.seed)
+    write_jsonl(generate(2000, args.seed, args.max_operand, ("+",), exclude=frozenset(p for p, _ in held_out)),
+                data_file)
+    write_jsonl([{"prompt": p, "answer": str(a)} for p, a in held_out], eval_file)
     print(f"wrote {model_dir} (format warm-up loss {loss:.3f}; chance reward {1 / len(answer_range):.3f}, "
-          f"greedy accuracy {accuracy:.3f}) "
-          f"and {data_file}")
+          f"greedy accuracy {accuracy:.3f}), "
+          f"{data_file} and {eval_file} ({len(held_out)} held-out problems)")
     return 0
 
 

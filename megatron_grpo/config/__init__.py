@@ -2,6 +2,7 @@
 
 from megatron_grpo.config.algorithm import AlgorithmConfig, OffPolicyCorrectionConfig
 from megatron_grpo.config.base import ConfigError
+from megatron_grpo.config.evaluation import EvalConfig, EvalSetConfig
 from megatron_grpo.config.experiment import ExperimentConfig, load_config
 from megatron_grpo.config.model import ModelConfig, ParallelConfig
 from megatron_grpo.config.rollout import RolloutConfig
@@ -10,6 +11,7 @@ from megatron_grpo.config.sections import (
     DataConfig,
     LoggingConfig,
     OptimizerConfig,
+    RemoteRewardConfig,
     RewardConfig,
     RewardFunctionConfig,
     TrainerConfig,
@@ -20,12 +22,15 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "EvalConfig",
+    "EvalSetConfig",
     "ExperimentConfig",
     "LoggingConfig",
     "ModelConfig",
     "OffPolicyCorrectionConfig",
     "OptimizerConfig",
     "ParallelConfig",
+    "RemoteRewardConfig",
     "RewardConfig",
     "RewardFunctionConfig",
     "RolloutConfig",

@@ -17,6 +17,7 @@ import yaml
 
 from megatron_grpo.config.algorithm import AlgorithmConfig
 from megatron_grpo.config.base import ConfigError, build_section, check, to_dict
+from megatron_grpo.config.evaluation import EvalConfig
 from megatron_grpo.config.model import ModelConfig, ParallelConfig
 from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.config.sections import (
@@ -61,6 +62,9 @@ class ExperimentConfig:
     trainer: TrainerConfig
     """Run directory, number of steps, seed."""
 
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation: sets, cadence, pass@k."""
+
     def __post_init__(self):
         rollout_batch = self.rollout.batch_size
         check(
@@ -76,6 +80,13 @@ class ExperimentConfig:
                 f"the Dr.GRPO horizon {self.algorithm.max_response_length} is shorter than "
                 f"rollout.max_new_tokens = {self.rollout.max_new_tokens}",
             )
+
+        labels = self.reward.labels
+        check(
+            self.eval.correct_function is None or self.eval.correct_function in labels,
+            "eval.correct_function",
+            f"{self.eval.correct_function!r} is not a reward function label; labels: {', '.join(labels)}",
+        )
 
     @property
     def mini_batches_per_step(self) -> int:

@@ -97,10 +97,35 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class RemoteRewardConfig:
+    url: str
+    """Endpoint that scores one response: POST the sample as JSON, answer `{"reward": number}`."""
+
+    timeout_s: float = 30.0
+    """Seconds one request may take (the whole request); then it is retried."""
+
+    max_retries: int = 2
+    """Retries after a timeout, a connection error or HTTP 429/5xx (each counted in
+    `reward/<label>/retries`); then the run stops with a one-line error."""
+
+    api_key_env: Optional[str] = None
+    """Name of an environment variable holding a key sent as `Authorization: Bearer <key>`."""
+
+    def __post_init__(self):
+        import math
+
+        check(self.url.startswith(("http://", "https://")), "url", f"must start with http:// or https://, got {self.url!r}")
+        check(math.isfinite(self.timeout_s) and self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
+        check(self.max_retries >= 0, "max_retries", f"must be >= 0, got {self.max_retries}")
+        check(self.api_key_env is None or bool(self.api_key_env), "api_key_env", "must be null or a variable name")
+
+
+@dataclass(kw_only=True)
 class RewardFunctionConfig:
     name: str
-    """A built-in reward (`math_exact_match`, `format`) or a dotted path `pkg.module.fn` to a
-    function `fn(response: str, answer: str, **kwargs) -> float`."""
+    """A built-in reward (`math_exact_match`, `format`), `remote` (an HTTP server, see `remote`),
+    a dotted path `pkg.module.fn` or a file path `path/to/rewards.py:fn` (relative to the current
+    directory). The function declares what it takes by its parameter names (docs/rewards.md)."""
 
     weight: float = 1.0
     """Weight of this function in the summed reward (may be negative for a penalty)."""
@@ -109,17 +134,30 @@ class RewardFunctionConfig:
     """Keyword arguments passed to the function (`math_exact_match`: use_last_number; `format`:
     style = boxed | hash | boxed_or_hash | number)."""
 
+    max_concurrency: int = 32
+    """Calls of this function in flight at once (async functions and `remote` overlap; a plain
+    function runs one sample after the other)."""
+
+    remote: Optional[RemoteRewardConfig] = None
+    """The HTTP server of a `remote` reward (required then, and only then)."""
+
     def __post_init__(self):
         import math
 
         # Lazy import: the registry pulls in the reward modules, which the config must not
-        # need at import time. Dotted paths are only checked for shape here; they are imported
-        # when the trainer builds its RewardScorer, before step 1.
-        from megatron_grpo.rewards.registry import name_problem
+        # need at import time. Dotted and file paths are only checked for shape here; they are
+        # loaded when the trainer builds its RewardScorer, before step 1.
+        from megatron_grpo.rewards.registry import REMOTE, name_problem
 
         problem = name_problem(self.name)
         check(problem is None, "name", problem or "")
         check(math.isfinite(self.weight), "weight", f"must be a finite number, got {self.weight}")
+        check(self.max_concurrency >= 1, "max_concurrency", f"must be >= 1, got {self.max_concurrency}")
+        if self.name == REMOTE:
+            check(self.remote is not None, "remote", "is required for a remote reward (url, timeout_s, ...)")
+            check(not self.kwargs, "kwargs", "a remote reward takes no kwargs (its server gets the whole sample)")
+        else:
+            check(self.remote is None, "remote", f"is only for name: {REMOTE} (this function is {self.name!r})")
 
 
 @dataclass(kw_only=True)
@@ -136,6 +174,12 @@ class RewardConfig:
             "functions",
             "every weight is 0, so every reward would be 0",
         )
+
+    @property
+    def labels(self) -> list[str]:
+        """Metric label of each function: its name, or ``name[i]`` when a name repeats."""
+        names = [f.name for f in self.functions]
+        return [n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)]
 
 
 @dataclass(kw_only=True)

@@ -49,9 +49,10 @@ class PromptDataset:
         return max(len(p.prompt_ids) for p in self.prompts)
 
 
-def load_prompt_dataset(data_cfg, tokenizer) -> PromptDataset:
-    """Read ``data_cfg.train_file`` (a ``DataConfig``) and tokenize it; DataError on any bad record."""
-    records = read_records(data_cfg.train_file, data_cfg.prompt_key, data_cfg.answer_key)
+def load_prompt_dataset(data_cfg, tokenizer, path: str | None = None, key: str = "data.train_file") -> PromptDataset:
+    """Read ``data_cfg.train_file`` (a ``DataConfig``), or ``path`` (named by config ``key``:
+    an eval set) with the same keys and template, and tokenize it; DataError on any bad record."""
+    records = read_records(path or data_cfg.train_file, data_cfg.prompt_key, data_cfg.answer_key, key)
     prompts = build_prompts(
         records,
         tokenizer,
@@ -61,7 +62,7 @@ def load_prompt_dataset(data_cfg, tokenizer) -> PromptDataset:
         system_prompt=data_cfg.system_prompt,
         max_prompt_length=data_cfg.max_prompt_length,
     )
-    return PromptDataset(prompts, str(data_cfg.train_file))
+    return PromptDataset(prompts, str(path or data_cfg.train_file))
 
 
 def epoch_order(num_prompts: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:

@@ -14,7 +14,7 @@ normalised text, so the conversion loses nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_grpo.data.records import DataError, RawRecord
@@ -40,6 +40,9 @@ class Prompt:
 
     answer: str
     """Reference answer passed to the reward functions."""
+
+    fields: dict = field(default_factory=dict, compare=False)
+    """The dataset row's other fields (a reward function's ``row``)."""
 
 
 def _type_name(value: Any) -> str:
@@ -134,5 +137,6 @@ def build_prompts(records: list[RawRecord], tokenizer, *, prompt_key: str, answe
             )
         if not ids:
             raise DataError(f"{rec.where}: prompt tokenizes to zero tokens")
-        prompts.append(Prompt(index=index, where=rec.where, text=text, prompt_ids=ids, answer=answer))
+        prompts.append(Prompt(index=index, where=rec.where, text=text, prompt_ids=ids, answer=answer,
+                              fields=dict(rec.fields)))
     return prompts

@@ -8,14 +8,15 @@ one-line message starts with the location, compiler-style, so a user can jump to
 * Parquet: ``data/train.parquet: row 17: 'answer' is null`` (rows are 0-based, as in pandas
   and pyarrow slicing).
 
-Only the prompt and answer fields are kept: other fields are ignored, so a GSM8K or MATH
-dump with extra columns loads as is.
+The prompt and answer fields are validated; the row's other fields are kept as they are
+(``RawRecord.fields``) and handed to reward functions that ask for them (``row``), so a GSM8K
+or MATH dump with extra columns loads as is and a reward can use, say, its test cases.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ class RawRecord:
     answer: Any
     has_prompt: bool
     has_answer: bool
+    fields: dict = field(default_factory=dict, compare=False)
+    """The row's other fields (neither the prompt nor the answer), unvalidated."""
 
 
 def _one_line(text: str) -> str:
@@ -62,8 +65,10 @@ def read_jsonl(path: Path, prompt_key: str, answer_key: str) -> list[RawRecord]:
                     f"{where}: expected a JSON object with '{prompt_key}' and '{answer_key}', "
                     f"got {type(obj).__name__}"
                 )
+            others = {k: v for k, v in obj.items() if k not in (prompt_key, answer_key)}
             records.append(
-                RawRecord(where, obj.get(prompt_key), obj.get(answer_key), prompt_key in obj, answer_key in obj)
+                RawRecord(where, obj.get(prompt_key), obj.get(answer_key), prompt_key in obj, answer_key in obj,
+                          others)
             )
     return records
 
@@ -83,28 +88,29 @@ def read_parquet(path: Path, prompt_key: str, answer_key: str) -> list[RawRecord
                 f"{path}: no column '{key}' ({cfg_key}); columns: {', '.join(schema.names) or '(none)'}"
             )
     try:
-        table = pq.read_table(path, columns=[prompt_key, answer_key])
+        rows = pq.read_table(path).to_pylist()
     except (pa.ArrowException, OSError) as e:
-        raise DataError(f"{path}: cannot read columns '{prompt_key}', '{answer_key}': {_one_line(e)}") from None
-    prompts = table.column(prompt_key).to_pylist()
-    answers = table.column(answer_key).to_pylist()
-    return [RawRecord(f"{path}: row {i}", p, a, True, True) for i, (p, a) in enumerate(zip(prompts, answers))]
+        raise DataError(f"{path}: cannot read: {_one_line(e)}") from None
+    return [RawRecord(f"{path}: row {i}", r[prompt_key], r[answer_key], True, True,
+                      {k: v for k, v in r.items() if k not in (prompt_key, answer_key)})
+            for i, r in enumerate(rows)]
 
 
 READERS = {".jsonl": read_jsonl, ".parquet": read_parquet}
 """File suffix -> reader; the single dispatch point for dataset formats."""
 
 
-def read_records(path: str | Path, prompt_key: str, answer_key: str) -> list[RawRecord]:
-    """All records of a .jsonl/.parquet prompt file; DataError if missing, unreadable or empty."""
+def read_records(path: str | Path, prompt_key: str, answer_key: str, key: str = "data.train_file") -> list[RawRecord]:
+    """All records of a .jsonl/.parquet prompt file; DataError if missing, unreadable or empty.
+    ``key`` is the config key that names the file (``eval.sets[0].path``, ...), for the errors."""
     path = Path(path)
     reader = READERS.get(path.suffix)
     if reader is None:
-        raise DataError(f"{path}: unsupported dataset format (data.train_file must end in {' or '.join(READERS)})")
+        raise DataError(f"{path}: unsupported dataset format ({key} must end in {' or '.join(READERS)})")
     if not path.exists():
-        raise DataError(f"{path}: file not found (data.train_file)")
+        raise DataError(f"{path}: file not found ({key})")
     if not path.is_file():
-        raise DataError(f"{path}: not a regular file (data.train_file)")
+        raise DataError(f"{path}: not a regular file ({key})")
     try:
         records = reader(path, prompt_key, answer_key)
     except OSError as e:

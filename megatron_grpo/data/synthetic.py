@@ -45,8 +45,10 @@ def chance_reward(answers: list) -> float:
     return Counter(answers).most_common(1)[0][1] / len(answers)
 
 
-def generate(num: int, seed: int, max_operand: int = 9, ops: tuple[str, ...] = ("+",)) -> list[dict]:
-    """``num`` problems drawn uniformly (with replacement) from the task; seeded."""
+def generate(num: int, seed: int, max_operand: int = 9, ops: tuple[str, ...] = ("+",),
+             exclude: frozenset[str] = frozenset()) -> list[dict]:
+    """``num`` problems drawn uniformly (with replacement) from the task, leaving out the
+    prompts in ``exclude`` (a held-out set); seeded."""
     if num < 1:
         raise ValueError(f"--num must be >= 1, got {num}")
     if max_operand < 1:
@@ -61,8 +63,21 @@ def generate(num: int, seed: int, max_operand: int = 9, ops: tuple[str, ...] = (
             f"the task is too easy: always answering the most common answer scores {chance:.2f} > "
             f"{MAX_CHANCE_REWARD}; raise --max-operand or add operators"
         )
+    pool = [(p, a) for p, a in problems if p not in exclude]
+    if not pool:
+        raise ValueError("every problem is held out")
     rng = random.Random(seed)
-    return [{"prompt": p, "answer": str(a)} for p, a in (rng.choice(problems) for _ in range(num))]
+    return [{"prompt": p, "answer": str(a)} for p, a in (rng.choice(pool) for _ in range(num))]
+
+
+def held_out_problems(max_operand: int, num: int, seed: int) -> list[tuple[str, int]]:
+    """``num`` addition problems ``a + b`` with ``a > b`` to hold out of training, seeded. Their
+    mirror ``b + a`` stays in training, so solving them needs more than a lookup table of
+    the problems seen (commutativity), yet the task's answers all remain trained."""
+    candidates = [(f"what is {a} + {b} ?", a + b) for a in range(max_operand + 1) for b in range(a)]
+    if not 1 <= num <= len(candidates):
+        raise ValueError(f"can hold out 1..{len(candidates)} problems, asked for {num}")
+    return sorted(random.Random(seed).sample(candidates, num))
 
 
 def write_jsonl(records: list[dict], out: str | Path) -> Path:

@@ -7,6 +7,13 @@ record), and a tqdm progress bar with ETA. ``finish()`` writes ``plot.png`` and 
 summary table. Other ranks get a logger whose methods do nothing, so the driver calls it
 unconditionally.
 
+Two clocks are logged with every entry: ``elapsed_s``, wall time since the logger started
+(engine start-up and model build included), and, once the driver calls
+``begin_training()``, ``train_elapsed_s``: time spent in training steps since the first
+step began, without start-up and without held-out evaluations (the ``excluded_s`` the
+driver passes), so runs with different engines or eval cadences compare. Both continue
+across resumes from the last kept entry.
+
 Steps are 1-based. ``resumed_step`` is the step of the checkpoint the run continues from
 (0 = fresh start): entries after it are dropped from metrics.jsonl and hidden in
 TensorBoard (``purge_step``), since the resumed run logs them again.
@@ -31,6 +38,8 @@ TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
 PROGRESS_KEYS = [("reward_mean", "reward"), ("loss", "loss"), ("ppo_kl", "kl")]
 """(metric, label) shown next to the progress bar."""
+EVAL_PASS_SUFFIX = "/pass@1"
+"""The progress bar also shows the latest ``eval/<set>/pass@1`` of each set (as ``eval:<set>``)."""
 
 
 def _numeric(record: dict) -> dict[str, float]:
@@ -88,10 +97,14 @@ class ProgressSink:
 
         self.bar = tqdm(total=total_steps, initial=resumed_step, unit="step", desc="grpo",
                         dynamic_ncols=True, file=sys.stderr)
+        self.evals: dict[str, str] = {}
 
     def log(self, step: int, record: dict) -> None:
         shown = {label: f"{record[k]:.3g}" for k, label in PROGRESS_KEYS if isinstance(record.get(k), float)}
-        self.bar.set_postfix(shown, refresh=False)
+        for key, value in record.items():  # held-out accuracy stays shown until the next eval
+            if key.startswith("eval/") and key.endswith(EVAL_PASS_SUFFIX) and isinstance(value, (int, float)):
+                self.evals[f"eval:{key[len('eval/'):-len(EVAL_PASS_SUFFIX)]}"] = f"{value:.3g}"
+        self.bar.set_postfix({**shown, **self.evals}, refresh=False)
         self.bar.update(max(0, step - self.bar.n))
 
     def close(self) -> None:
@@ -119,6 +132,9 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         kept = truncate_metrics(self.run_dir / METRICS_FILE, resumed_step)
         self._elapsed_before = float(kept[-1].get("elapsed_s") or 0.0) if kept else 0.0
+        self._train_before = float(kept[-1].get("train_elapsed_s") or 0.0) if kept else 0.0
+        self._train_start: float | None = None
+        self._excluded_s = 0.0
         self.file = MetricsFile(self.run_dir / METRICS_FILE)
         if logging_cfg.tensorboard:
             if importlib.util.find_spec("tensorboard") is None:
@@ -137,13 +153,24 @@ class MetricsLogger:
     def metrics_path(self) -> Path:
         return self.run_dir / METRICS_FILE
 
-    def log(self, step: int, metrics: dict[str, Any]) -> dict | None:
-        """Record ``metrics`` of ``step`` (scalars; tensors are converted); returns the written entry."""
+    def begin_training(self) -> None:
+        """The first step starts now: ``train_elapsed_s`` counts from here (see the module docstring)."""
+        if self.enabled:
+            self._train_start = time.monotonic()
+
+    def log(self, step: int, metrics: dict[str, Any], excluded_s: float = 0.0) -> dict | None:
+        """Record ``metrics`` of ``step`` (scalars; tensors are converted); returns the written
+        entry. ``excluded_s``: seconds of this step that are not training (an evaluation)."""
         if not self.enabled:
             return None
+        now = time.monotonic()
         record = {"step": int(step)}
         record.update({k: json_value(k, v) for k, v in metrics.items() if k != "step"})
-        record.setdefault("elapsed_s", round(self._elapsed_before + time.monotonic() - self._start, 3))
+        record.setdefault("elapsed_s", round(self._elapsed_before + now - self._start, 3))
+        if self._train_start is not None:
+            self._excluded_s += excluded_s
+            record.setdefault("train_elapsed_s",
+                              round(self._train_before + now - self._train_start - self._excluded_s, 3))
         self.file.append(record)
         for sink in self.sinks:
             sink.log(step, record)

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import math
 import os
+import fnmatch
 from pathlib import Path
 
 PLOT_PANELS: list[tuple[str, str]] = [
     ("reward_mean", "reward (mean over responses)"),
+    ("eval/*/pass@*", "held-out eval: pass@k"),
     ("ppo_kl", "KL old->new policy (ppo_kl)"),
     ("clip_ratio", "clip ratio"),
     ("rollout_train_logprobs_abs_diff_mean", "train/rollout |logprob diff| (mean)"),
+    ("response_length_mean", "response length (tokens, mean)"),
 ]
-"""(metric key, panel title) of the four panels of plot.png."""
+"""(metric key, panel title) of the six panels of plot.png; a key with ``*`` draws every
+matching metric as its own line (one per eval set and k)."""
 
 SUMMARY_COLUMNS: list[tuple[str, str]] = [
     ("step", "step"),
@@ -29,6 +33,7 @@ SUMMARY_COLUMNS: list[tuple[str, str]] = [
     ("rollout_train_logprobs_abs_diff_mean", "mismatch"),
     ("response_length_mean", "resp_len"),
     ("elapsed_s", "elapsed_s"),
+    ("train_elapsed_s", "train_s"),
 ]
 """(metric key, column header) of the summary table; columns no entry has are left out."""
 
@@ -44,25 +49,42 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
+def matching_keys(records: list[dict], pattern: str) -> list[str]:
+    """Metric keys of ``records`` matching ``pattern`` (``*`` wildcards), in first-seen order."""
+    if "*" not in pattern:
+        return [pattern]
+    seen: dict[str, None] = {}
+    for r in records:
+        seen.update({k: None for k in r if fnmatch.fnmatchcase(k, pattern)})
+    return list(seen)
+
+
 def write_plot(records: list[dict], path: str | Path, title: str = "") -> Path:
     """Draw the PLOT_PANELS metrics vs step into ``path`` (PNG, atomic); returns the path."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(10, 7), dpi=100)
+    fig = Figure(figsize=(12, 10), dpi=100)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 2).ravel()
-    for ax, (key, panel_title) in zip(axes, PLOT_PANELS):
-        steps, values = series(records, key)
+    axes = fig.subplots(3, 2).ravel()
+    for ax, (pattern, panel_title) in zip(axes, PLOT_PANELS):
         ax.set_title(panel_title, fontsize=10)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        if not steps:
-            ax.text(0.5, 0.5, f"{key}: not logged", ha="center", va="center", transform=ax.transAxes)
+        lines = [(key, *series(records, key)) for key in matching_keys(records, pattern)]
+        lines = [line for line in lines if line[1]]
+        if not lines:
+            ax.text(0.5, 0.5, f"{pattern}: not logged", ha="center", va="center", transform=ax.transAxes)
             continue
-        ax.plot(steps, values, marker="." if len(steps) < 50 else None)
+        for key, steps, values in lines:
+            ax.plot(steps, values, marker="." if len(steps) < 50 else None,
+                    label=key.removeprefix("eval/") if "*" in pattern else None)
+        if "*" in pattern:
+            ax.legend(loc="lower right", fontsize=8)
+            continue
+        key, steps, values = lines[0]
         if key == "reward_mean":
             std_steps, stds = series(records, "reward_std")
             if std_steps == steps:
@@ -106,11 +128,12 @@ def format_summary(records: list[dict], max_rows: int = 20) -> str:
     lines = ["  ".join(h.rjust(w) for (_, h), w in zip(columns, widths))]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
-    steps, rewards = series(records, "reward_mean")
-    if rewards:
-        best = max(range(len(rewards)), key=rewards.__getitem__)
-        lines.append(
-            f"reward_mean: {rewards[0]:.4g} at step {steps[0]} -> {rewards[-1]:.4g} at step {steps[-1]} "
-            f"(best {rewards[best]:.4g} at step {steps[best]})"
-        )
+    for key in ["reward_mean", *matching_keys(records, "eval/*/pass@*")]:
+        steps, values = series(records, key)
+        if values:
+            best = max(range(len(values)), key=values.__getitem__)
+            lines.append(
+                f"{key}: {values[0]:.4g} at step {steps[0]} -> {values[-1]:.4g} at step {steps[-1]} "
+                f"(best {values[best]:.4g} at step {steps[best]})"
+            )
     return "\n".join(lines)

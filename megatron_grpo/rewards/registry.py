@@ -1,25 +1,38 @@
-"""The one registry of reward functions: built-ins by name, user functions by dotted path.
+"""The one registry of reward functions: how ``reward.functions[i].name`` becomes a callable.
 
-A reward function is ``fn(response: str, answer: str, **kwargs) -> float``. The config names
-it in ``reward.functions[i].name``: a key of ``BUILTIN_REWARDS`` or a dotted path
-``pkg.module.fn`` that is imported when the trainer starts. Only paths written in the
-config are ever imported (no entry points, no scanning). Failures are ``ConfigError``s
-naming ``reward.functions[i].name`` / ``.kwargs``.
+``name`` is one of
+
+* a built-in (``BUILTIN_REWARDS``: ``math_exact_match``, ``format``);
+* ``remote``: an HTTP reward server, configured by the function's ``remote:`` section
+  (``rewards/remote.py``);
+* a dotted path ``pkg.module.fn``, imported (the module must be importable);
+* a file path ``path/to/rewards.py:fn``, loaded from the file by every process that scores,
+  with no ``PYTHONPATH`` change; a relative path is resolved against the current directory,
+  like ``data.train_file`` and every other path of the config.
+
+Only paths written in the config are ever imported (no entry points, no scanning). How the
+callable is then called (its parameters) is decided in ``rewards/calling.py``. Failures are
+``ConfigError``s naming ``reward.functions[i].name`` / ``.kwargs``.
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
-import inspect
+import importlib.util
 import re
+import sys
 import typing
+from pathlib import Path
 from typing import Any, Callable
 
 from megatron_grpo.config.base import ConfigError, _check_value
 from megatron_grpo.rewards.builtin import format_reward, math_exact_match
+from megatron_grpo.rewards.calling import RewardCall, plan_call
+from megatron_grpo.rewards.remote import RemoteReward
 
-RewardFn = Callable[..., float]
+RewardFn = Callable[..., Any]
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "math_exact_match": math_exact_match,
@@ -27,17 +40,31 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 """Built-in reward name -> function."""
 
+REMOTE = "remote"
+"""The name of the HTTP reward kind."""
+
 DOTTED_PATH_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+FILE_PATH_RE = re.compile(r"^(?P<path>.+\.py):(?P<attr>[A-Za-z_]\w*)$")
 
 
 def name_problem(name: str) -> str | None:
     """Why ``name`` cannot name a reward function (None if it can); no import happens here."""
-    if name in BUILTIN_REWARDS or DOTTED_PATH_RE.match(name):
+    if name in BUILTIN_REWARDS or name == REMOTE or DOTTED_PATH_RE.match(name) or FILE_PATH_RE.match(name):
         return None
-    close = difflib.get_close_matches(name, BUILTIN_REWARDS, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, [*BUILTIN_REWARDS, REMOTE], n=1, cutoff=0.6)
     hint = f"did you mean '{close[0]}'? " if close else ""
-    return (f"unknown reward function {name!r}; {hint}built-ins: {', '.join(BUILTIN_REWARDS)}, "
-            f"or a dotted path pkg.module.fn")
+    return (f"unknown reward function {name!r}; {hint}built-ins: {', '.join(BUILTIN_REWARDS)}, {REMOTE} "
+            f"(an HTTP server), a dotted path pkg.module.fn or a file path path/to/file.py:fn")
+
+
+def _attribute(module, attr: str, owner: str, spec: str, key: str) -> RewardFn:
+    """``module.attr``, which must be callable; ``owner``/``spec`` name it in errors."""
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(key, f"{owner} has no attribute '{attr}'")
+    if not callable(fn):
+        raise ConfigError(key, f"{spec!r} is a {type(fn).__name__}, not a function")
+    return fn
 
 
 def import_dotted(path: str, key: str) -> RewardFn:
@@ -48,24 +75,35 @@ def import_dotted(path: str, key: str) -> RewardFn:
     except Exception as e:  # any failure inside the user's module is reported the same way
         msg = " ".join(str(e).split())
         raise ConfigError(key, f"cannot import module '{module_name}' for reward {path!r}: {type(e).__name__}: {msg}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ConfigError(key, f"module '{module_name}' has no attribute '{attr}'")
-    if not callable(fn):
-        raise ConfigError(key, f"{path!r} is a {type(fn).__name__}, not a function")
-    return fn
+    return _attribute(module, attr, f"module '{module_name}'", path, key)
 
 
-def check_kwargs(fn: RewardFn, kwargs: dict[str, Any], key: str) -> None:
-    """The config kwargs must bind to ``fn(response, answer, **kwargs)``; annotated ones must type-check."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # a builtin/C function without a signature: nothing to check
-    try:
-        sig.bind("", "", **kwargs)
-    except TypeError as e:
-        raise ConfigError(key, f"do not fit {getattr(fn, '__name__', fn)}{sig}: {e}") from None
+def load_file(spec: str, key: str) -> RewardFn:
+    """Load ``fn`` from ``path/to/file.py:fn`` (relative to the current directory); the module
+    is loaded once per process under a name derived from its absolute path."""
+    m = FILE_PATH_RE.match(spec)
+    assert m, spec  # checked by name_problem at config load
+    path = Path(m["path"]).expanduser().resolve()
+    if not path.is_file():
+        raise ConfigError(key, f"reward file {path} not found (a relative path is resolved against the current "
+                               f"directory {Path.cwd()})")
+    module_name = f"megatron_grpo_reward_file_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        file_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(file_spec)
+        sys.modules[module_name] = module  # dataclasses / pickling in the file look themselves up here
+        try:
+            file_spec.loader.exec_module(module)
+        except Exception as e:  # any failure inside the user's file is reported the same way
+            del sys.modules[module_name]
+            msg = " ".join(str(e).split())
+            raise ConfigError(key, f"cannot load reward file {path}: {type(e).__name__}: {msg}") from None
+    return _attribute(module, m["attr"], f"reward file {path}", spec, key)
+
+
+def check_kwarg_types(fn: RewardFn, kwargs: dict[str, Any], key: str) -> None:
+    """Config kwargs whose parameter is annotated must have that type."""
     try:
         hints = typing.get_type_hints(fn)
     except Exception:
@@ -78,12 +116,20 @@ def check_kwargs(fn: RewardFn, kwargs: dict[str, Any], key: str) -> None:
                 pass  # a type the config checker does not know (ndarray, ...): not checked
 
 
-def resolve_reward(name: str, kwargs: dict[str, Any], index: int) -> RewardFn:
-    """The function for ``reward.functions[index]``, with its kwargs checked."""
+def resolve_reward(fcfg, index: int) -> RewardCall:
+    """How to call ``reward.functions[index]`` (a ``RewardFunctionConfig``), kwargs checked."""
     key = f"reward.functions[{index}]"
-    problem = name_problem(name)
+    problem = name_problem(fcfg.name)
     if problem:
         raise ConfigError(f"{key}.name", problem)
-    fn = BUILTIN_REWARDS[name] if name in BUILTIN_REWARDS else import_dotted(name, f"{key}.name")
-    check_kwargs(fn, kwargs, f"{key}.kwargs")
-    return fn
+    if fcfg.name == REMOTE:
+        fn: RewardFn = RemoteReward(fcfg.remote, key)
+    elif fcfg.name in BUILTIN_REWARDS:
+        fn = BUILTIN_REWARDS[fcfg.name]
+    elif FILE_PATH_RE.match(fcfg.name):
+        fn = load_file(fcfg.name, f"{key}.name")
+    else:
+        fn = import_dotted(fcfg.name, f"{key}.name")
+    call = plan_call(fn, fcfg.kwargs, key)
+    check_kwarg_types(fn, fcfg.kwargs, f"{key}.kwargs")
+    return call

@@ -158,7 +158,9 @@ def preflight(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
     if too_long:  # the engine would reject it mid-run; say which line now
         raise DataError(f"{too_long[0].where}: prompt is {len(too_long[0].prompt_ids)} tokens, no room to generate "
                         f"in the model's context of {context} (max_position_embeddings, {cfg.model.hf_dir}/config.json)")
-    RewardScorer(cfg.reward)
+    for i, s in enumerate(cfg.eval.sets):
+        load_prompt_dataset(cfg.data, tokenizer, s.path, key=f"eval.sets[{i}].path")
+    RewardScorer(cfg.reward).close()
     if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb_project", "is set but wandb is not installed; pip install wandb or set it to null")
 

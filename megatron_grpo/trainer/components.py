@@ -83,8 +83,7 @@ class RolloutSide:
     def close(self) -> None:
         self.client.close()
         self.manager.stop()
-
-
+        self.scorer.close()
 
 
 def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler) -> RolloutSide:

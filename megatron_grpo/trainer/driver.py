@@ -7,8 +7,12 @@
    recomputed by Megatron in forward-only mode with the vocab-parallel op;
 3. for ``num_iterations`` epochs, every mini-batch is one optimizer step of the corrected
    GRPO loss (``megatron_step.train_mini_batch``);
-4. the new weights are resharded into the rollout engine (``sync``), then metrics are
-   logged and a checkpoint is written when due.
+4. the new weights are resharded into the rollout engine (``sync``); when due
+   (``eval.every_n_steps``, the last step) rank 0 evaluates the held-out sets on the engine,
+   which now serves these weights, in rounds the other ranks wait for one at a time; then
+   metrics are logged and a checkpoint is written when due. An evaluation belongs to its
+   step's metrics entry and happens before that step's checkpoint, so a resumed run neither
+   repeats nor skips one.
 
 Every rank runs this function (torchrun); rank 0 also owns the engine, data and logging.
 """
@@ -22,6 +26,7 @@ import yaml
 import torch.distributed as dist
 
 from megatron_grpo.config import ExperimentConfig
+from megatron_grpo.evaluation import Evaluator
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.trainer import checkpoint as ckpt
 from megatron_grpo.trainer.batch import dp_shard
@@ -67,6 +72,8 @@ def train(cfg: ExperimentConfig) -> list[dict]:
     if rank == 0:
         write_text_atomic(Path(run_dir) / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     side = build_rollout_side(cfg, tokenizer, sampler) if rank == 0 else None
+    evaluator = (Evaluator(cfg, tokenizer, side.client, side.scorer, side.sampling)
+                 if side is not None and cfg.eval.sets else None)
     urls = broadcast(side.manager.urls if side else None)
     syncer = WeightSyncer(cfg.rollout, urls, policy.hf_config, work_dir=f"{run_dir}/weight_sync",
                           client=side.client if side else None,
@@ -76,6 +83,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
     engine.sync(start_step)  # the engine starts from the HF weights
 
     records, nonfinite_streak = [], trainer_state.get("nonfinite_streak", 0)
+    logger.begin_training()
     try:
         for step in range(start_step, cfg.trainer.num_steps):
             timings, t0 = {}, time.monotonic()
@@ -119,14 +127,21 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             # 4. weights -> rollout engine, metrics, checkpoint
             sync_stats = engine.sync(step + 1)
             timings["time_sync_s"] = time.monotonic() - mark
+            eval_metrics, eval_s = {}, 0.0
+            if cfg.eval.due(step + 1, cfg.trainer.num_steps):
+                mark = time.monotonic()
+                eval_metrics = evaluate(step + 1, engine, evaluator, Path(run_dir) / "eval")
+                eval_s = time.monotonic() - mark
+                eval_metrics["time_eval_s"] = eval_s
             nonfinite_streak = nonfinite_streak + 1 if skipped else 0
             record = _step_record(step, result.stats, step_metrics, timings, skipped, policy.optimizer, batch)
             record["engine_restarts"] = engine.restarts
             record["weight_sync_verified"] = int(sync_stats.verified)
             if sync_stats.probe_logprob_abs_diff is not None:
                 record["weight_sync_probe_logprob_abs_diff"] = sync_stats.probe_logprob_abs_diff
+            record.update(eval_metrics)
             if rank == 0:
-                records.append(logger.log(step + 1, record))
+                records.append(logger.log(step + 1, record, excluded_s=eval_s))
             if nonfinite_streak >= cfg.trainer.max_consecutive_nonfinite:
                 raise NonFiniteError(
                     f"step {step + 1}: non-finite loss or gradient in {nonfinite_streak} consecutive steps "
@@ -147,6 +162,19 @@ def train(cfg: ExperimentConfig) -> list[dict]:
         if side is not None:
             side.close()
     return records
+
+
+def evaluate(step: int, engine: EngineGuard, evaluator, out_dir: Path) -> dict:
+    """Collective: rank 0 evaluates every held-out set on the engine's current weights (those
+    of ``step``), one round at a time; every rank waits only for one round in a broadcast
+    (``engine.rollout``, which also recovers a failed engine). Returns the ``eval/...``
+    metrics on rank 0 (empty elsewhere) and writes the scored responses under ``out_dir``."""
+    rounds = broadcast(evaluator.rounds() if evaluator is not None else None)
+    results = [engine.rollout(step, lambda r=r: evaluator.run_round(step, r)) for r in rounds]
+    if evaluator is None:
+        return {}
+    evaluator.write_samples(out_dir, step, results)
+    return evaluator.summarize(results)
 
 
 def _step_record(step, rollout_stats, step_metrics, timings, skipped, optimizer, batch) -> dict:

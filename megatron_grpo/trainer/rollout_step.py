@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from megatron_grpo.losses import compute_advantages
+from megatron_grpo.rewards.sample import RewardSample
 from megatron_grpo.trainer.batch import TrainBatch, build_train_batch
 
 
@@ -37,9 +38,7 @@ def generate_and_score(step: int, prompts, client, sampling, scorer, tokenizer, 
     samples = client.generate([p.prompt_ids for p in prompts], n, sampling,
                               sampling_seed=sampling_seed(cfg.trainer.seed, step))
     t_gen = time.monotonic() - t0
-    responses = [tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
-    answers = [prompts[s.prompt_index].answer for s in samples]
-    scored = scorer.score(responses, answers)
+    scored = scorer.score_samples(reward_samples(prompts, samples, tokenizer))
     rewards = torch.tensor(scored.rewards, dtype=torch.float32)
     advantages = compute_advantages(rewards, n, cfg.algorithm)
     batch = build_train_batch(
@@ -60,7 +59,19 @@ def generate_and_score(step: int, prompts, client, sampling, scorer, tokenizer, 
     }
     for label, values in scored.per_function.items():
         stats[f"reward/{label}"] = float(np.mean(values))
+    stats.update({f"reward/{key}": value for key, value in scored.stats.items()})
     return RolloutResult(batch=batch, stats=stats)
+
+
+def reward_samples(prompts, samples, tokenizer) -> list[RewardSample]:
+    """What the reward functions see of each engine ``Sample`` of ``prompts`` (data.Prompt)."""
+    out = []
+    for s in samples:
+        p = prompts[s.prompt_index]
+        out.append(RewardSample(prompt=p.text, response=tokenizer.decode(s.output_ids, skip_special_tokens=True),
+                                answer=p.answer, response_ids=list(s.output_ids), prompt_ids=list(s.prompt_ids),
+                                finish_reason=s.finish_reason, row=p.fields))
+    return out
 
 
 def _pad_id(tokenizer) -> int:

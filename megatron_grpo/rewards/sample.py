@@ -1,0 +1,45 @@
+"""What a reward function can be given: one ``RewardSample`` per response.
+
+The rollout step builds one per generated response; a reward function asks for the parts it
+needs by naming them as parameters (``rewards/calling.py`` has the rules), or takes the
+whole ``sample`` (or, as a batch function, the list ``samples``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardSample:
+    """One response to score, with everything the trainer knows about it."""
+
+    prompt: str
+    """The prompt text as the model saw it (chat template applied when enabled)."""
+
+    response: str
+    """The response decoded to text, special tokens dropped."""
+
+    answer: str
+    """The dataset row's reference answer (``data.answer_key``)."""
+
+    response_ids: list[int] = field(default_factory=list)
+    """Token ids of the response, shape [response_len] (EOS included when it stopped on it)."""
+
+    prompt_ids: list[int] = field(default_factory=list)
+    """Token ids of the prompt, shape [prompt_len]."""
+
+    finish_reason: str = "stop"
+    """``stop`` (EOS or a stop token), ``length`` (hit max_new_tokens) or ``abort``."""
+
+    row: dict[str, Any] = field(default_factory=dict)
+    """The dataset row's other fields (everything but the prompt and the answer)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The sample as plain JSON (what a remote reward server receives)."""
+        return asdict(self)
+
+
+SAMPLE_FIELDS: tuple[str, ...] = ("prompt", "response", "answer", "response_ids", "prompt_ids", "finish_reason", "row")
+"""Parameter names a reward function can use to receive one field of the sample."""

@@ -1,0 +1,118 @@
+"""pass@k against a hand computation, the per-set metrics, the eval config, the logger's
+eval display and clocks, and `megatron-grpo eval`'s one-line errors (no engine needed)."""
+
+import subprocess
+import sys
+import time
+from math import comb
+
+import pytest
+
+from megatron_grpo.config.base import ConfigError, build_section
+from megatron_grpo.config.evaluation import EvalConfig
+from megatron_grpo.config.sections import LoggingConfig
+from megatron_grpo.evaluation import mean_pass_at_k, pass_at_k, set_metrics
+from megatron_grpo.metrics_log import MetricsLogger, format_summary, read_metrics
+from megatron_grpo.metrics_log.report import matching_keys
+from tests.demo_run import ENV, ROOT
+
+
+def test_pass_at_k_by_hand():
+    # n=5 responses, c=2 correct, k=2: 1 - C(3,2)/C(5,2) = 1 - 3/10
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    # k=1 is the fraction correct; n-c < k means every k-subset holds a correct one
+    assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)
+    assert pass_at_k(4, 3, 2) == 1.0 and pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    # a hand enumeration: all C(4,2)=6 pairs of 4 responses with the first one correct -> 3 hold it
+    assert pass_at_k(4, 1, 2) == pytest.approx(3 / 6)
+    for n, c, k in [(10, 3, 5), (20, 7, 4), (16, 1, 8)]:
+        assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k), rel=1e-12)
+    # stable where the binomials are astronomically large
+    assert pass_at_k(2000, 1, 1000) == pytest.approx(0.5)
+    assert mean_pass_at_k(4, [0, 1, 4], 2) == pytest.approx((0 + 0.5 + 1) / 3)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+
+
+def test_set_metrics():
+    rows = []
+    for prompt, outcomes in enumerate([[1, 0, 0, 1], [0, 0, 0, 0]]):
+        for j, ok in enumerate(outcomes):
+            rows.append({"correct": bool(ok), "length": 2 + j, "finish_reason": "length" if j == 3 else "stop",
+                         "reward": 1.5 * ok, "rewards": {"exact": float(ok), "fmt": 0.5}})
+    m = set_metrics("s", 4, rows, [1, 2, 8])
+    assert m == pytest.approx({
+        "eval/s/pass@1": (2 / 4 + 0) / 2,
+        "eval/s/pass@2": ((1 - comb(2, 2) / comb(4, 2)) + 0) / 2,   # no pass@8: n = 4
+        "eval/s/response_len_mean": 3.5, "eval/s/truncated_ratio": 0.25, "eval/s/reward_mean": 1.5 * 2 / 8,
+        "eval/s/reward/exact_mean": 0.25, "eval/s/reward/fmt_mean": 0.5, "eval/s/num_prompts": 2})
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ({"sets": [{"name": "a b", "path": "x.jsonl"}]}, "eval.sets[0].name: must be letters, digits"),
+    ({"sets": [{"name": "a", "path": "x.csv"}]}, "eval.sets[0].path: must end in .jsonl or .parquet"),
+    ({"sets": [{"name": "a", "path": "x.jsonl", "n": 4}]}, "eval.sets[0].n: is 4 with greedy decoding"),
+    ({"sets": [{"name": "a", "path": "x.jsonl"}, {"name": "a", "path": "y.jsonl"}]}, "eval.sets: set name 'a' appears twice"),
+    ({"pass_k": [0]}, "eval.pass_k: must be k values >= 1"),
+    ({"every_n_step": 3}, "eval.every_n_step: unknown key; did you mean 'every_n_steps'?"),
+])
+def test_eval_config_errors(raw, expected):
+    with pytest.raises(ConfigError) as e:
+        build_section(EvalConfig, raw, "eval")
+    assert str(e.value).startswith(expected)
+
+
+def test_due_steps():
+    cfg = build_section(EvalConfig, {"sets": [{"name": "a", "path": "x.jsonl"}], "every_n_steps": 3}, "eval")
+    assert [s for s in range(1, 11) if cfg.due(s, 10)] == [3, 6, 9, 10]
+    assert not build_section(EvalConfig, {"every_n_steps": 1}, "eval").due(1, 10)  # no sets, no eval
+
+
+def test_logger_train_clock_excludes_start_up_and_evals_and_survives_resume(tmp_path):
+    quiet = LoggingConfig(tensorboard=False, progress_bar=False, plot=False)
+    log = MetricsLogger(tmp_path, quiet, 4)
+    time.sleep(0.3)  # "engine start-up": in elapsed_s, not in train_elapsed_s
+    log.begin_training()
+    first = log.log(1, {"reward_mean": 0.1})
+    time.sleep(0.2)  # an evaluation of 0.2 s, excluded
+    second = log.log(2, {"reward_mean": 0.2, "eval/a/pass@1": 0.5}, excluded_s=0.2)
+    log.close()
+    assert first["elapsed_s"] >= first["train_elapsed_s"] + 0.3
+    assert second["train_elapsed_s"] - first["train_elapsed_s"] < 0.15
+    resumed = MetricsLogger(tmp_path, quiet, 4, resumed_step=2)
+    resumed.begin_training()
+    third = resumed.log(3, {"reward_mean": 0.3})
+    resumed.close()
+    assert third["train_elapsed_s"] >= second["train_elapsed_s"] and third["elapsed_s"] >= second["elapsed_s"]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert matching_keys(records, "eval/*/pass@*") == ["eval/a/pass@1"]
+    assert "eval/a/pass@1: 0.5 at step 2 -> 0.5 at step 2" in format_summary(records)
+
+
+def test_progress_bar_keeps_the_last_eval(tmp_path):
+    from megatron_grpo.metrics_log.logger import ProgressSink
+
+    bar = ProgressSink(3, 0)
+    bar.log(1, {"reward_mean": 0.5, "eval/held/pass@1": 0.25, "eval/held/pass@8": 0.75})
+    bar.log(2, {"reward_mean": 0.6})
+    assert bar.bar.postfix == "reward=0.6, eval:held=0.25"
+    bar.close()
+
+
+def run_eval_cli(*args):
+    return subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "eval", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--checkpoint", "{tmp}/nope"], "error: --checkpoint {tmp}/nope: not found"),
+    (["--checkpoint", "{tmp}"], "error: --checkpoint {tmp}: not a Hugging Face model directory (no config.json), a "
+                                "megatron-grpo checkpoint (no metadata.json) or a run directory (no checkpoints/)"),
+    (["--checkpoint", "{tmp}", "eval.sets=[]"], "error: yaml_configs/demo_cpu.yaml: eval.sets: is empty: nothing to "
+                                                "evaluate (list held-out sets: name, path, n, ...)"),
+    (["--checkpoint", "{tmp}", "eval.pass_k=[0]"], "error: override 'eval.pass_k=[0]': eval.pass_k: must be k values >= 1, got [0]"),
+])
+def test_eval_cli_bad_input_is_one_line(tmp_path, args, expected):
+    out = run_eval_cli("--config", "yaml_configs/demo_cpu.yaml", *[a.format(tmp=tmp_path) for a in args])
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == expected.format(tmp=tmp_path) and out.stdout == ""
