@@ -85,11 +85,12 @@ def _step_of(ckpt: Path) -> int:
 def megatron_to_hf_dir(ckpt: Path, out: Path) -> Path:
     """Convert Megatron checkpoint ``ckpt`` into the HF directory ``out`` (this process, tp=pp=1)."""
     from megatron_grpo.models import ModelError
-    from megatron_grpo.models.convert_cli import _quiet_library_warnings, megatron_to_hf
+    from megatron_grpo.models.convert_cli import _quiet_library_warnings, megatron_to_hf, megatron_to_hf_parser
     from megatron_grpo.runtime import parallel
 
-    args = argparse.Namespace(ckpt_dir=ckpt, output_dir=out, tp=1, pp=1, dtype="auto", self_check=False,
-                              max_shard_size_gb=5.0, overwrite=False)
+    # the converter's own parser: every option it reads gets its default
+    args = megatron_to_hf_parser().parse_args(["--ckpt-dir", str(ckpt), "--output-dir", str(out),
+                                               "--no-self-check"])
     _quiet_library_warnings()
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the metrics only
