@@ -320,6 +320,8 @@ class WeightSyncer:
     def _expert_names(self) -> frozenset[str]:
         from megatron_grpo.models.weights import expert_hf_names
 
+        if self.hf_config is None:  # weights come from a caller's ``iter_weights``, no model to ask
+            return frozenset()
         return expert_hf_names(self.hf_config)
 
     def _verify(self, step: int, expected: dict[str, str], samples: dict[str, torch.Tensor],
