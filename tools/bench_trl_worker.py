@@ -1,0 +1,124 @@
+"""TRL's side of ``tools/bench_vs_trl.py``: train the same model on the same prompts with TRL's
+``GRPOTrainer`` and write one JSON line per rollout batch (mean reward, wall clock).
+
+Run by ``bench_vs_trl.py`` with the interpreter of a separate virtual environment that has
+``trl`` (``bash tools/setup_trl_venv.sh``); not meant to be run by hand. It imports
+megatron-grpo only for what must be identical on both sides: the tokenizer as its files
+describe it, the prompts (chat template applied exactly as the trainer does) and the
+reward function.
+
+    PY tools/bench_trl_worker.py --model DIR --data FILE --batches N --out FILE [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+# Both sides get the machine's cores: torch reads this before it starts its thread pool.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from megatron_grpo.config.sections import DataConfig  # noqa: E402
+from megatron_grpo.data import load_prompt_dataset  # noqa: E402
+from megatron_grpo.models.tokenizer import load_tokenizer  # noqa: E402
+from megatron_grpo.rewards import math_exact_match  # noqa: E402
+
+
+def trl_config(args, out_dir: str) -> GRPOConfig:
+    """The demo's hyper-parameters in TRL's terms (the bench's table names each departure).
+    One rollout batch = prompts x generations completions = ``steps_per_generation``
+    optimizer steps of ``global_batch`` sequences, as the trainer's ``global_batch_size``."""
+    opt_steps_per_batch = args.prompts * args.generations // args.global_batch
+    return GRPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=args.global_batch,
+        gradient_accumulation_steps=1,
+        steps_per_generation=opt_steps_per_batch,
+        num_generations=args.generations,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr": args.min_lr},
+        warmup_steps=args.warmup,
+        max_steps=args.batches * opt_steps_per_batch,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        adam_epsilon=1e-8,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="dapo",  # token mean over the optimizer step's sequences, as loss_reduction: token_mean
+        scale_rewards="group",
+        entropy_coef=args.entropy_coef,
+        num_iterations=1,
+        seed=args.seed,
+        use_cpu=True,
+        bf16=False,
+        logging_steps=10**9,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", type=int, required=True)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--generations", type=int, default=16)
+    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=1)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--min-lr", type=float, default=5e-5)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--entropy-coef", type=float, default=0.02)
+    p.add_argument("--seed", type=int, default=1234)
+    args = p.parse_args()
+
+    tokenizer = load_tokenizer(args.model)
+    prompts = load_prompt_dataset(DataConfig(train_file=args.data), tokenizer).prompts
+    for pr in prompts[:4]:  # TRL tokenizes the text again: it must give the trainer's ids
+        ids = tokenizer(pr.text, add_special_tokens=False)["input_ids"]
+        if ids != pr.prompt_ids:
+            raise SystemExit(f"{args.data}: TRL would tokenize prompt {pr.index} differently")
+    dataset = Dataset.from_list([{"prompt": pr.text, "answer": pr.answer} for pr in prompts])
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.open("w")
+    t0 = time.monotonic()
+
+    def reward(completions, answer, **_):
+        # called once per rollout batch, right after generation: the batch's clock tick
+        rewards = [math_exact_match(c, a) for c, a in zip(completions, answer)]
+        log.write(json.dumps({"batch": reward.calls + 1, "reward_mean": sum(rewards) / len(rewards),
+                              "wall_s": time.monotonic() - t0}) + "\n")
+        log.flush()
+        reward.calls += 1
+        return rewards
+
+    reward.calls = 0
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=trl_config(args, str(out.parent / "trl_out")),
+                          train_dataset=dataset, processing_class=tokenizer)
+    trainer.train()
+    log.write(json.dumps({"done": True, "wall_s": time.monotonic() - t0}) + "\n")
+    log.close()
+
+
+if __name__ == "__main__":
+    main()
