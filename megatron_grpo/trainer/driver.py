@@ -93,7 +93,8 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             prompts = side.sampler.next_batch() if side else None
             # the batch is broadcast (a few MB; the weights dominate traffic)
             result = engine.rollout(step, lambda: generate_and_score(
-                step, prompts, side.client, side.sampling, side.scorer, side.tokenizer, cfg))
+                step, prompts, side.client, side.sampling, side.scorer, side.tokenizer, cfg,
+                more_prompts=side.sampler.next_batch))
             engine.release_memory()  # colocated: the GPU is the trainer's until the sync
             batch, mark = result.batch, time.monotonic()
             timings["time_rollout_s"] = mark - t0
