@@ -74,20 +74,32 @@ def make_batch(B=8, T=6, seed=0, dtype=torch.float64):
 
 
 def loss_and_grads(batch, cfg, parts):
-    """Sum of the per-part losses (rows split into ``parts`` chunks) and d/d(log_probs, entropy)."""
+    """Sum of the per-part losses and d/d(log_probs, entropy). ``parts``: a number of
+    contiguous row chunks, or a list of (rows, width) micro-batches cut to ``width`` positions
+    (token-budget micro-batching)."""
     lp = batch["log_probs"].clone().requires_grad_()
     ent = batch["entropy"].clone().requires_grad_()
     n_tokens = int(batch["loss_mask"].sum())
     n_seqs = batch["loss_mask"].shape[0]
     total, metrics = 0.0, []
-    for rows in torch.arange(n_seqs).chunk(parts):
-        part = {k: v[rows] for k, v in batch.items()}
-        part["log_probs"], part["entropy"] = lp[rows], ent[rows]
+    if isinstance(parts, int):
+        parts = [(rows, batch["loss_mask"].shape[1]) for rows in torch.arange(n_seqs).chunk(parts)]
+    for rows, width in parts:
+        part = {k: (v[rows, :width] if v.dim() == 2 else v[rows]) for k, v in batch.items()}
+        part["log_probs"], part["entropy"] = lp[rows, :width], ent[rows, :width]
         loss, m = compute_policy_loss(config=cfg, num_tokens=n_tokens, num_sequences=n_seqs, **part)
         total = total + loss
         metrics.append(m)
     total.backward()
     return total.detach(), lp.grad, ent.grad, metrics
+
+
+def token_budget_parts(mask_BT, budget):
+    """The trainer's token-budget plan (``trainer.microbatch``) over the rows' valid lengths."""
+    from megatron_grpo.trainer.microbatch import token_budget_plan
+
+    plan = token_budget_plan(mask_BT.sum(dim=1).clamp(min=1).tolist(), budget)
+    return [(torch.tensor(rows), width) for rows, width in zip(plan.rows, plan.lengths)]
 
 
 @pytest.mark.parametrize("loss_type, reduction, extras", list(itertools.product(LOSS_TYPES, REDUCTIONS, EXTRAS)))
@@ -106,7 +118,10 @@ def test_sum_over_parts_equals_whole_batch(loss_type, reduction, extras):
     # default denominators (None) are this call's counts: identical to the explicit ones
     plain, _ = compute_policy_loss(config=cfg, **batch)
     torch.testing.assert_close(plain.detach(), whole_loss, rtol=1e-12, atol=1e-12)
-    for parts in (2, 4):
+    for parts in (2, 4, "token_budget"):
+        if parts == "token_budget":  # rows regrouped by length, each part cut to its longest row
+            parts = token_budget_parts(batch["loss_mask"], 10)
+            assert len({w for _, w in parts}) > 1
         loss, lp_grad, ent_grad, metrics = loss_and_grads(batch, cfg, parts)
         torch.testing.assert_close(loss, whole_loss, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(lp_grad, whole_lp_grad, rtol=1e-10, atol=1e-12)

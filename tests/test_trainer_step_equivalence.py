@@ -1,6 +1,9 @@
 """One GRPO optimizer step at TP2, PP2 and DP2 equals the TP1 step: same loss, same
 old-policy log-probs, same updated weights (max |delta| <= 1e-5), through the real Megatron
-schedule, DDP, megatron-core optimizer, vocab-parallel op and corrected loss."""
+schedule, DDP, megatron-core optimizer, vocab-parallel op and corrected loss. The same holds
+for token-budget micro-batches (``parallel.max_tokens_per_microbatch``: rows regrouped by
+length, each micro-batch cut to its own length, shapes varying along the pipeline) and for
+the step that skips the old-log-prob pass (pi_old = detached pi_theta)."""
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ import torch
 from megatron_grpo.testing.distributed import run_distributed
 
 N_SEQ, GLOBAL_BATCH, MICRO = 8, 8, 2
+BUDGET = 18  # tokens per micro-batch: 1-3 rows of 4-7 tokens, so the shapes vary
 
 
 def _batch():
@@ -24,7 +28,7 @@ def _batch():
     return build_train_batch(prompts, outputs, logps, adv, pad_id=0)
 
 
-def _one_step(rank, world, hf_dir):
+def _one_step(rank, world, hf_dir, budget=None, skip_old=False):
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
@@ -49,15 +53,17 @@ def _one_step(rank, world, hf_dir):
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     full = _batch()
     local = dp_shard(full, dp_rank, dp, GLOBAL_BATCH)
-    local.old_log_probs = compute_log_probs(policy.chunks, local, MICRO, spec)
-    if local.old_log_probs is None:  # not the last stage: the loss is computed elsewhere
-        local.old_log_probs = torch.zeros_like(local.rollout_log_probs)
+    old_lp = compute_log_probs(policy.chunks, local, MICRO, spec, budget)
+    if not skip_old:
+        local.old_log_probs = old_lp
+        if local.old_log_probs is None:  # not the last stage: the loss is computed elsewhere
+            local.old_log_probs = torch.zeros_like(local.rollout_log_probs)
     metrics, applied, grad_norm = train_mini_batch(
         policy.chunks, policy.optimizer, local, algo, spec, MICRO, int(full.loss_mask.sum()),
-        full.num_sequences, dp, ps.get_data_parallel_group())
+        full.num_sequences, dp, ps.get_data_parallel_group(), budget)
     weights = {k: v.clone() for k, v in iter_hf_weights(policy.modules, policy.hf_config)}
     return {"metrics": metrics, "applied": applied, "grad_norm": grad_norm, "weights": weights,
-            "old_lp": compute_log_probs(policy.chunks, local, MICRO, spec), "pp_rank": ps.get_pipeline_model_parallel_rank()}
+            "old_lp": old_lp, "pp_rank": ps.get_pipeline_model_parallel_rank()}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +89,44 @@ def _merged_weights(results):
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
 def test_step_matches_tp1(tiny_hf, reference, tp, pp):
-    results = run_distributed(_one_step, 2, tiny_hf, tp=tp, pp=pp, timeout_s=300)
+    _assert_same_step(run_distributed(_one_step, 2, tiny_hf, tp=tp, pp=pp, timeout_s=300), reference, tiny_hf)
+
+
+def test_token_budget_plan_varies_shapes():
+    """The budget used below really regroups rows into micro-batches of different shapes."""
+    from megatron_grpo.trainer.microbatch import plan_micro_batches
+
+    plan = plan_micro_batches(_batch(), MICRO, BUDGET)
+    assert len(set(plan.lengths)) > 1 and len({len(r) for r in plan.rows}) > 1
+    assert [r for rows in plan.rows for r in rows] != list(range(N_SEQ))  # reordered
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,tp,pp", [(1, 1, 1), (2, 2, 1), (2, 1, 2), (2, 1, 1)],
+                         ids=["tp1", "tp2", "pp2", "dp2"])
+def test_token_budget_step_matches_fixed(tiny_hf, reference, world, tp, pp):
+    """Token-budget micro-batches (log-prob pass and update) = fixed micro-batches of 2."""
+    results = run_distributed(_one_step, world, tiny_hf, BUDGET, tp=tp, pp=pp, timeout_s=300)
+    _assert_same_step(results, reference, tiny_hf)
+    for r in results:
+        if r["old_lp"] is not None and world == 1:
+            mask = _batch().loss_mask > 0
+            assert (r["old_lp"][mask] - reference["old_lp"][mask]).abs().max() <= 1e-5
+    for r in results:
+        if r["metrics"] is not None:  # the budget cut padding: fewer token slots than 8 x 9
+            assert r["metrics"]["num_padded_tokens"] < reference["metrics"]["num_padded_tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [None, BUDGET], ids=["fixed", "budget"])
+def test_skipping_old_log_prob_pass_is_exact(tiny_hf, reference, budget):
+    """pi_old = detached current log-probs (no old-log-prob pass): same loss, grad norm and
+    updated weights as the recomputed pi_old, i.e. same value and same gradient."""
+    (result,) = run_distributed(_one_step, 1, tiny_hf, budget, True, tp=1, pp=1, timeout_s=300)
+    _assert_same_step([result], reference, tiny_hf)
+
+
+def _assert_same_step(results, reference, tiny_hf):
     ref_m = reference["metrics"]
     assert reference["applied"] and ref_m["clip_ratio"] == 0.0  # first step: pi_old == pi_theta
     reporters = [r for r in results if r["metrics"] is not None]

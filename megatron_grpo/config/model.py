@@ -63,6 +63,15 @@ class ParallelConfig:
     micro_batch_size: int = 1
     """Sequences per micro-batch on one rank (one forward/backward)."""
 
+    max_tokens_per_microbatch: Optional[int] = None
+    """Token budget of one micro-batch on one rank. null: micro-batches of micro_batch_size
+    rows, each padded to the step's longest sequence. Set: each mini-batch's rows are sorted
+    by length and grouped into micro-batches whose padded size (rows x their longest
+    prompt+response) stays within this budget, each cut to its own longest row, so a
+    long-tailed length mix wastes far less compute on padding (micro_batch_size is then not
+    used to split; the loss is the same for any split). A sequence longer than the budget
+    gets a micro-batch of its own. Applies to the log-prob passes and the update."""
+
     global_batch_size: int = 8
     """Sequences per optimizer step over all dp ranks (a mini-batch). Must be a multiple of
     micro_batch_size * dp and divide the rollout batch."""
@@ -88,6 +97,9 @@ class ParallelConfig:
         for key in ("tp", "pp", "ep", "micro_batch_size", "global_batch_size"):
             value = getattr(self, key)
             check(value >= 1, key, f"must be >= 1, got {value}")
+        check(self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 2,
+              "max_tokens_per_microbatch", f"must be >= 2 (a prompt token and a response token) or null, "
+              f"got {self.max_tokens_per_microbatch}")
         if self.world_size is not None:
             check(self.world_size >= 1, "world_size", f"must be >= 1, got {self.world_size}")
             check(

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from megatron_grpo.config.base import check
+from megatron_grpo.config.dapo import DynamicSamplingConfig, OverlongConfig
 from megatron_grpo.runtime.placement import remote_engine_problem
 
 
@@ -153,7 +154,18 @@ class RolloutConfig:
     """Largest mean |engine - trainer| log-prob on the verification probe (temperature 1). fp32
     on both sides agrees to ~1e-6; raise it when the engine runs in bf16 (~1e-2)."""
 
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO dynamic sampling: drop zero-variance groups, sample until the batch is full."""
+
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """DAPO soft overlong punishment and overlong filter."""
+
     def __post_init__(self):
+        bl = self.overlong.buffer_length
+        check(bl is None or bl <= self.max_new_tokens, "overlong.buffer_length",
+              f"{bl} exceeds max_new_tokens = {self.max_new_tokens}")
+        check(not self.dynamic_sampling.enabled or self.num_generations > 1, "dynamic_sampling.enabled",
+              "needs num_generations > 1 (a group of one has no reward variance)")
         for key in ("num_generations", "prompts_per_step", "max_new_tokens", "weight_update_bucket_mb"):
             check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")

@@ -66,10 +66,20 @@ def causal_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
 
 
 def run_schedule(model_chunks: list, items: Iterable[Any], forward_step: Callable, *, forward_only: bool,
-                 num_microbatches: int, seq_length: int, micro_batch_size: int):
+                 num_microbatches: int, seq_length: int, micro_batch_size: int,
+                 variable_seq_lengths: bool = False):
     """megatron-core's forward(-backward) schedule over ``items`` (one per micro-batch), told
-    the sequence length the chunks really see (``seq_length`` padded as ``causal_logits`` does)."""
+    the sequence length the chunks really see (``seq_length`` padded as ``causal_logits`` does).
+
+    variable_seq_lengths: the micro-batches differ in shape (token-budget micro-batching).
+    Pipeline stages then send each activation's shape before it (megatron's
+    ``variable_seq_lengths``, read from the chunks' config by the p2p code of this call);
+    otherwise every stage assumes [seq_length, micro_batch_size, hidden]."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    for chunk in model_chunks:
+        get_model_config(chunk).variable_seq_lengths = variable_seq_lengths
 
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(items), model=model_chunks,

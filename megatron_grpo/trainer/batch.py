@@ -10,14 +10,14 @@ Layout (N sequences, S = longest prompt+response of the rollout batch, T = S - 1
 * ``rollout_log_probs[N, T]``: the engine's log-probs on the response positions, 0 elsewhere.
 * ``advantages[N]``: one per sequence (outcome reward).
 
-All ranks pad to the same S, so every micro-batch has the same shape: megatron's pipeline
-schedule sends fixed-shape activations between stages.
+All ranks pad to the same S. How rows are cut into micro-batches (a fixed count at S, or a
+token budget with each micro-batch cut to its own longest row) is ``trainer.microbatch``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
@@ -94,8 +94,3 @@ def dp_shard(batch: TrainBatch, dp_rank: int, dp_size: int, global_batch_size: i
     ])
     return batch.select(rows)
 
-
-def micro_batches(batch: TrainBatch, micro_batch_size: int) -> Iterator[TrainBatch]:
-    """Consecutive micro-batches of ``micro_batch_size`` rows."""
-    for start in range(0, batch.num_sequences, micro_batch_size):
-        yield batch.select(slice(start, start + micro_batch_size))

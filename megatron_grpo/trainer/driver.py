@@ -33,7 +33,8 @@ from megatron_grpo.trainer.batch import dp_shard
 from megatron_grpo.trainer.engine_guard import EngineGuard, RunAborted, broadcast
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.trainer.components import build_policy, build_reference, build_rollout_side
-from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, probe_log_probs, train_mini_batch
+from megatron_grpo.trainer.megatron_step import (ScoringSpec, compute_log_probs, old_log_probs_needed,
+                                                 probe_log_probs, train_mini_batch)
 from megatron_grpo.trainer.optim import lr_at, set_lr
 from megatron_grpo.trainer.rollout_step import generate_and_score
 
@@ -92,16 +93,19 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             prompts = side.sampler.next_batch() if side else None
             # the batch is broadcast (a few MB; the weights dominate traffic)
             result = engine.rollout(step, lambda: generate_and_score(
-                step, prompts, side.client, side.sampling, side.scorer, side.tokenizer, cfg))
+                step, prompts, side.client, side.sampling, side.scorer, side.tokenizer, cfg,
+                more_prompts=side.sampler.next_batch))
             engine.release_memory()  # colocated: the GPU is the trainer's until the sync
             batch, mark = result.batch, time.monotonic()
             timings["time_rollout_s"] = mark - t0
 
             # 2. old-policy / reference log-probs on this DP rank's rows
             local = dp_shard(batch, dp_rank, dp, cfg.parallel.global_batch_size)
-            local.old_log_probs = compute_log_probs(policy.chunks, local, cfg.parallel.micro_batch_size, spec)
+            budget = cfg.parallel.max_tokens_per_microbatch
+            if old_log_probs_needed(cfg.algorithm.num_iterations, batch.num_sequences // cfg.parallel.global_batch_size):
+                local.old_log_probs = compute_log_probs(policy.chunks, local, cfg.parallel.micro_batch_size, spec, budget)
             if reference is not None:
-                local.ref_log_probs = compute_log_probs(reference, local, cfg.parallel.micro_batch_size, spec)
+                local.ref_log_probs = compute_log_probs(reference, local, cfg.parallel.micro_batch_size, spec, budget)
             timings["time_logprob_s"], mark = time.monotonic() - mark, time.monotonic()
 
             # 3. num_iterations epochs of mini-batch updates
@@ -118,7 +122,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
                     metrics, applied, grad_norm = train_mini_batch(
                         policy.chunks, policy.optimizer, mini, cfg.algorithm, spec,
                         cfg.parallel.micro_batch_size, int(gmini.loss_mask.sum()), gmini.num_sequences,
-                        dp, dp_group)
+                        dp, dp_group, budget)
                     skipped += not applied
                     if metrics is not None:
                         step_metrics.append({**metrics, "grad_norm": grad_norm, "iteration": it})
@@ -207,6 +211,7 @@ def _mean_over_minibatches(parts: list[dict]) -> dict:
         out = reduce_metrics([{k: v for k, v in r.items() if k not in per_step} for r in rows])
         out["loss"] = sum(r["loss"] for r in rows) / len(rows)
         out["grad_norm"] = sum(r["grad_norm"] for r in rows) / len(rows)
+        out["padding_fraction"] = 1.0 - out["num_sequence_tokens"] / max(out["num_padded_tokens"], 1.0)
         return out
 
     out = pool(parts)

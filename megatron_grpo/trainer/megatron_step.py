@@ -31,7 +31,8 @@ from megatron_grpo.losses import compute_policy_loss, reduce_metrics
 from megatron_grpo.models.forward import causal_logits, run_schedule
 from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.runtime.device import all_finite, collective_tensor, to_device
-from megatron_grpo.trainer.batch import TrainBatch, micro_batches
+from megatron_grpo.trainer.batch import TrainBatch
+from megatron_grpo.trainer.microbatch import plan_micro_batches, sequence_lengths, split, unsplit
 
 
 @dataclass
@@ -54,13 +55,27 @@ def _token_scores(logits_BSv: torch.Tensor, mb: TrainBatch, spec: ScoringSpec, w
 
 
 def _run_schedule(model_chunks, mbs: list[TrainBatch], forward_step, forward_only: bool):
+    # token-budget micro-batches differ in shape: the pipeline stages then exchange shapes
+    variable = len({tuple(mb.tokens.shape) for mb in mbs}) > 1
     return run_schedule(model_chunks, mbs, forward_step, forward_only=forward_only, num_microbatches=len(mbs),
-                        seq_length=mbs[0].seq_length, micro_batch_size=mbs[0].num_sequences)
+                        seq_length=mbs[0].seq_length, micro_batch_size=mbs[0].num_sequences,
+                        variable_seq_lengths=variable)
 
 
-def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, spec: ScoringSpec):
+def old_log_probs_needed(num_iterations: int, num_mini_batches: int) -> bool:
+    """Whether the policy can move between the old-log-prob pass and an update. With one
+    epoch over one mini-batch, the update runs on the very weights the pass would score, so
+    pi_old = pi_theta: ``train_mini_batch`` then uses the detached current log-probs (same
+    value, same gradient) and the extra forward pass is skipped (TRL does the same)."""
+    return num_iterations > 1 or num_mini_batches > 1
+
+
+def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, spec: ScoringSpec,
+                      max_tokens_per_microbatch: Optional[int] = None):
     """Forward-only scoring of ``batch``: float[N, T] log-probs on the last PP stage, None on
-    the others (the loss is computed where the logits are)."""
+    the others (the loss is computed where the logits are). Micro-batches as in
+    ``train_mini_batch`` (``trainer.microbatch``); positions past a row's last response
+    token may be 0 under a token budget (they are never scored)."""
     from megatron.core import parallel_state
 
     def forward_step(data_iterator, model):
@@ -77,12 +92,13 @@ def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, sp
     for c in model_chunks:
         c.eval()
     with torch.no_grad():
-        outs = _run_schedule(model_chunks, list(micro_batches(batch, micro_batch_size)), forward_step, True)
+        plan = plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch)
+        outs = _run_schedule(model_chunks, split(batch, plan), forward_step, True)
     for c in model_chunks:
         c.train()
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    return torch.cat([o["log_probs"] for o in outs], dim=0)
+    return unsplit([o["log_probs"] for o in outs], plan, batch.num_sequences, batch.seq_length - 1)
 
 
 def train_mini_batch(
@@ -96,18 +112,25 @@ def train_mini_batch(
     num_sequences: int,
     dp_size: int,
     dp_group,
+    max_tokens_per_microbatch: Optional[int] = None,
 ) -> tuple[dict[str, float] | None, bool, float]:
     """One optimizer step on this rank's share of a mini-batch.
 
     num_tokens / num_sequences: valid tokens / sequences of the GLOBAL mini-batch.
+    max_tokens_per_microbatch: None cuts ``micro_batch_size`` rows per micro-batch, else a
+    token budget (``trainer.microbatch``). ``mini.old_log_probs`` None means pi_old = pi_theta
+    (``old_log_probs_needed``): the detached current log-probs stand in.
+    The metrics carry ``num_padded_tokens`` / ``num_sequence_tokens`` (token slots run /
+    real prompt+response tokens), whose ratio gives the padding fraction.
     Returns (metrics pooled over micro-batches and dp on the last stage else None,
     whether the update was applied (False when the loss or a gradient was non-finite),
     the gradient norm).
     """
     from megatron.core import parallel_state
 
-    mbs = list(micro_batches(to_device(mini), micro_batch_size))
-    scale = len(mbs) * dp_size
+    mini = to_device(mini)
+    mbs = split(mini, plan_micro_batches(mini, micro_batch_size, max_tokens_per_microbatch))
+    scale = len(mbs) * dp_size  # dp ranks may differ in len(mbs): each scales by its own
     want_entropy_grad = cfg.entropy_coef > 0
 
     def forward_step(data_iterator, model):
@@ -116,13 +139,16 @@ def train_mini_batch(
 
         def loss_func(output):
             lp, ent = _token_scores(output, mb, spec, with_entropy=True)
+            old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
             loss, metrics = compute_policy_loss(
-                lp, mb.old_log_probs, mb.advantages, mb.loss_mask, cfg,
+                lp, old, mb.advantages, mb.loss_mask, cfg,
                 rollout_log_probs=mb.rollout_log_probs, ref_log_probs=mb.ref_log_probs,
                 entropy=ent if want_entropy_grad else ent.detach(),
                 num_tokens=num_tokens, num_sequences=num_sequences,
             )
             metrics["loss"] = float(loss.detach())
+            metrics["num_padded_tokens"] = float(mb.tokens.numel())
+            metrics["num_sequence_tokens"] = float(sequence_lengths(mb).sum())
             return loss * scale, metrics
 
         return logits, loss_func

@@ -1,5 +1,9 @@
 """Rank 0's half of a step: prompts -> rollout engine -> rewards -> advantages -> TrainBatch.
 
+With DAPO's options (``rollout.dynamic_sampling``, ``rollout.overlong``) rewards get the
+soft overlong penalty, zero-variance groups are replaced by extra generation rounds, and
+truncated responses can be masked out of the loss (``trainer.dynamic_sampling``).
+
 The driver broadcasts the finished RolloutResult to the other ranks, so the rollout engine,
 the tokenizer and the reward functions live in one process.
 """
@@ -8,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -15,6 +20,7 @@ import torch
 from megatron_grpo.losses import compute_advantages
 from megatron_grpo.rewards.sample import RewardSample
 from megatron_grpo.trainer.batch import TrainBatch, build_train_batch
+from megatron_grpo.trainer.dynamic_sampling import choose_groups, informative_groups, overlong_penalty
 
 
 @dataclass
@@ -23,44 +29,100 @@ class RolloutResult:
     stats: dict[str, float]
 
 
-def sampling_seed(seed: int, step: int) -> int:
-    """Per-step seed of the engine's sampler: a resumed run redraws the same responses."""
-    return (seed * 1_000_003 + step) % (2**31 - 1)
+def sampling_seed(seed: int, step: int, round_index: int = 0) -> int:
+    """Per-step seed of the engine's sampler: a resumed run redraws the same responses.
+    Extra dynamic-sampling rounds of a step get their own seeds."""
+    return (seed * 1_000_003 + step + round_index * 7_919_111) % (2**31 - 1)
 
 
-def generate_and_score(step: int, prompts, client, sampling, scorer, tokenizer, cfg) -> RolloutResult:
+@dataclass
+class _Round:
+    """One generation round: ``len(prompts) * n`` samples, grouped by prompt."""
+
+    prompts: list
+    samples: list
+    rewards: torch.Tensor  # float[G * n], with the overlong penalty
+    penalty: torch.Tensor  # float[G * n]
+    per_function: dict[str, list[float]]
+    stats: dict[str, float]
+    gen_s: float
+
+
+def _generate_round(step, round_index, prompts, client, sampling, scorer, tokenizer, cfg) -> _Round:
+    t0 = time.monotonic()
+    samples = client.generate([p.prompt_ids for p in prompts], cfg.rollout.num_generations, sampling,
+                              sampling_seed=sampling_seed(cfg.trainer.seed, step, round_index))
+    gen_s = time.monotonic() - t0
+    scored = scorer.score_samples(reward_samples(prompts, samples, tokenizer))
+    rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+    penalty = torch.zeros_like(rewards)
+    over = cfg.rollout.overlong
+    if over.buffer_length is not None:
+        lengths = torch.tensor([len(s.output_ids) for s in samples])
+        penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, over.buffer_length, over.penalty_factor)
+    return _Round(prompts, samples, rewards + penalty, penalty, scored.per_function, scored.stats, gen_s)
+
+
+def generate_and_score(step: int, prompts, client, sampling, scorer, tokenizer, cfg,
+                       more_prompts: Optional[Callable[[], list]] = None) -> RolloutResult:
     """Generate ``num_generations`` responses per prompt, score, normalise into advantages.
 
     prompts: list of data.Prompt (``prompt_ids``, ``answer``); cfg: ExperimentConfig.
+    more_prompts: the next prompts for DAPO dynamic sampling's extra rounds
+    (``rollout.dynamic_sampling``; ``trainer.dynamic_sampling`` has the rules).
     """
-    n = cfg.rollout.num_generations
-    t0 = time.monotonic()
-    samples = client.generate([p.prompt_ids for p in prompts], n, sampling,
-                              sampling_seed=sampling_seed(cfg.trainer.seed, step))
-    t_gen = time.monotonic() - t0
-    scored = scorer.score_samples(reward_samples(prompts, samples, tokenizer))
-    rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+    n, ds = cfg.rollout.num_generations, cfg.rollout.dynamic_sampling
+    rounds = [_generate_round(step, 0, prompts, client, sampling, scorer, tokenizer, cfg)]
+    informative = [informative_groups(rounds[0].rewards, n)]
+    if ds.enabled and more_prompts is not None:
+        while sum(int(i.sum()) for i in informative) < len(prompts) and len(rounds) <= ds.max_extra_rounds:
+            rounds.append(_generate_round(step, len(rounds), more_prompts(), client, sampling, scorer, tokenizer, cfg))
+            informative.append(informative_groups(rounds[-1].rewards, n))
+    picks = choose_groups(informative, len(prompts)) if ds.enabled else [(0, g) for g in range(len(prompts))]
+    rows = [(r, g * n + j) for r, g in picks for j in range(n)]
+    samples = [rounds[r].samples[i] for r, i in rows]
+    rewards = torch.stack([rounds[r].rewards[i] for r, i in rows])
     advantages = compute_advantages(rewards, n, cfg.algorithm)
     batch = build_train_batch(
         [s.prompt_ids for s in samples], [s.output_ids for s in samples],
         [s.output_logprobs for s in samples], advantages, pad_id=_pad_id(tokenizer),
     )
+    truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+    if cfg.rollout.overlong.filter:
+        batch.loss_mask[truncated] = 0.0  # out of the loss and of its token count
+    stats = _stats(samples, rewards, truncated, rounds, n)
+    for label in rounds[0].per_function:
+        stats[f"reward/{label}"] = float(np.mean([rounds[r].per_function[label][i] for r, i in rows]))
+    for key in rounds[0].stats:
+        stats[f"reward/{key}"] = float(sum(rd.stats.get(key, 0.0) for rd in rounds))
+    if ds.enabled:
+        kept_informative = sum(bool(informative[r][g]) for r, g in picks)
+        stats["dynamic_sampling/num_groups_dropped"] = float(sum(int((~i).sum()) for i in informative))
+        stats["dynamic_sampling/num_extra_rounds"] = float(len(rounds) - 1)
+        stats["dynamic_sampling/num_groups_short"] = float(len(picks) - kept_informative)
+    if cfg.rollout.overlong.buffer_length is not None:
+        stats["overlong/penalty_mean"] = float(torch.stack([rounds[r].penalty[i] for r, i in rows]).mean())
+    if cfg.rollout.overlong.filter:
+        stats["overlong/num_filtered"] = float(truncated.sum())
+    return RolloutResult(batch=batch, stats=stats)
+
+
+def _stats(samples, rewards: torch.Tensor, truncated: torch.Tensor, rounds: list[_Round], n: int) -> dict:
+    """The step's rollout metrics over the kept samples (throughput over every round)."""
     lengths = np.array([len(s.output_ids) for s in samples], dtype=np.float64)
     group_std = rewards.view(-1, n).std(dim=1, unbiased=True) if n > 1 else torch.zeros(1)
-    stats = {
+    gen_s = sum(rd.gen_s for rd in rounds)
+    generated = sum(len(s.output_ids) for rd in rounds for s in rd.samples)
+    return {
         "reward_mean": float(rewards.mean()),
         "reward_std": float(rewards.std(unbiased=False)),
         "frac_groups_zero_std": float((group_std <= 1e-6).float().mean()),
         "response_length_mean": float(lengths.mean()),
         "response_length_max": float(lengths.max()),
-        "truncated_ratio": float(np.mean([s.finish_reason == "length" for s in samples])),
-        "rollout_tokens_per_s": float(lengths.sum() / max(t_gen, 1e-9)),
-        "time_rollout_s": t_gen,
+        "truncated_ratio": float(truncated.float().mean()),
+        "rollout_tokens_per_s": float(generated / max(gen_s, 1e-9)),
+        "time_rollout_s": gen_s,
     }
-    for label, values in scored.per_function.items():
-        stats[f"reward/{label}"] = float(np.mean(values))
-    stats.update({f"reward/{key}": value for key, value in scored.stats.items()})
-    return RolloutResult(batch=batch, stats=stats)
 
 
 def reward_samples(prompts, samples, tokenizer) -> list[RewardSample]:

@@ -1,0 +1,126 @@
+"""How a rank's rows are cut into micro-batches: a fixed row count, or a token budget.
+
+Fixed (``parallel.max_tokens_per_microbatch: null``): consecutive groups of
+``micro_batch_size`` rows, every one padded to the rollout batch's longest sequence S (what
+the trainer always did; bit-for-bit unchanged).
+
+Token budget (``max_tokens_per_microbatch: M``), slime's ``--max-tokens-per-gpu`` idea by
+sort-and-bucket padding: the rows are sorted by length (longest first) and packed greedily
+into micro-batches whose PADDED size ``rows x longest row`` stays within M; each micro-batch
+is cut to its own longest row, so a batch with a long tail no longer pads every short answer
+to the longest one. A row longer than M gets a micro-batch of its own (it cannot be split:
+causal scoring needs the whole prefix). The plan depends on the lengths only, so the TP and
+PP ranks of one pipeline (which hold the same rows) build the same plan; DP ranks may get
+different numbers of micro-batches, which the loss scaling in ``megatron_step`` allows.
+
+The loss does not change: every reduction's denominators (global valid-token count,
+sequence count, the fixed Dr.GRPO horizon) come from the whole mini-batch, never from a
+micro-batch's shape, and cut-off positions are past every response token (causal attention
+never looks ahead), so they carry no loss and no gradient.
+
+Not done here: packing several sequences into one row (THD layout with per-sequence
+position ids and ``cu_seqlens``) needs TransformerEngine's attention, i.e. a GPU; the seam is
+``split``: a packed plan would return one row per micro-batch plus the packed-sequence
+parameters for ``models.forward.causal_logits``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron_grpo.trainer.batch import TrainBatch
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """rows[k]: the batch rows (indices) of micro-batch k; lengths[k]: its sequence length
+    (tokens per row, >= 2)."""
+
+    rows: tuple[tuple[int, ...], ...]
+    lengths: tuple[int, ...]
+
+    @property
+    def num_padded_tokens(self) -> int:
+        """Token slots the forward passes process (rows x length, summed)."""
+        return sum(len(r) * n for r, n in zip(self.rows, self.lengths))
+
+
+def sequence_lengths(batch: TrainBatch) -> torch.Tensor:
+    """long[N]: tokens each row needs for its response to be scored: the last response token's
+    position + 1 (shifted position t scores token t+1). A row without response tokens needs 2
+    (it carries no loss; any cut of it is exact)."""
+    t = torch.arange(batch.loss_mask.shape[1], device=batch.loss_mask.device)
+    last = torch.where(batch.loss_mask > 0, t, torch.full_like(t, -1)).amax(dim=1)
+    return (last + 2).clamp(min=2).cpu()
+
+
+def fixed_plan(num_rows: int, seq_length: int, micro_batch_size: int) -> MicroBatchPlan:
+    """Consecutive ``micro_batch_size`` rows, all at the batch's full ``seq_length``."""
+    rows = tuple(tuple(range(s, min(s + micro_batch_size, num_rows))) for s in range(0, num_rows, micro_batch_size))
+    return MicroBatchPlan(rows=rows, lengths=(seq_length,) * len(rows))
+
+
+def token_budget_plan(lengths: list[int], max_tokens: int) -> MicroBatchPlan:
+    """Sort-and-bucket: rows by decreasing length (ties by index, so the plan is
+    deterministic), appended to the current micro-batch while ``(rows + 1) x its first
+    (longest) row <= max_tokens``, else a new micro-batch starts.
+
+    E.g. lengths [10, 3, 4, 9], max_tokens 20 -> rows ((0, 3), (2, 1)), lengths (10, 4)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows, out_len, current = [], [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > max_tokens:
+            rows.append(tuple(current))
+            out_len.append(lengths[current[0]])
+            current = []
+        current.append(i)
+    if current:
+        rows.append(tuple(current))
+        out_len.append(lengths[current[0]])
+    return MicroBatchPlan(rows=tuple(rows), lengths=tuple(out_len))
+
+
+def plan_micro_batches(batch: TrainBatch, micro_batch_size: int,
+                       max_tokens: Optional[int]) -> MicroBatchPlan:
+    """The plan for ``batch``: fixed when ``max_tokens`` is None, else the token budget."""
+    if max_tokens is None:
+        return fixed_plan(batch.num_sequences, batch.seq_length, micro_batch_size)
+    return token_budget_plan(sequence_lengths(batch).tolist(), max_tokens)
+
+
+def split(batch: TrainBatch, plan: MicroBatchPlan) -> list[TrainBatch]:
+    """The micro-batches of ``plan``: micro-batch k holds ``plan.rows[k]``, cut to
+    ``tokens[:, :L_k]`` and per-token fields ``[:, :L_k - 1]``. A fixed plan keeps the rows'
+    contiguous slices (no copy)."""
+    out = []
+    for rows, length in zip(plan.rows, plan.lengths):
+        contiguous = rows == tuple(range(rows[0], rows[0] + len(rows)))
+        mb = batch.select(slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows))
+        if length < mb.seq_length:
+            mb = _cut(mb, length)
+        out.append(mb)
+    return out
+
+
+def _cut(mb: TrainBatch, length: int) -> TrainBatch:
+    cut = {}
+    for name, t in mb.tensors().items():
+        if t.dim() == 2:
+            cut[name] = t[:, :length] if name == "tokens" else t[:, : length - 1]
+        else:
+            cut[name] = t
+    return TrainBatch(**cut)
+
+
+def unsplit(parts_BT: list[torch.Tensor], plan: MicroBatchPlan, num_rows: int, width: int) -> torch.Tensor:
+    """Per-micro-batch per-token outputs (part k: [len(rows[k]), L_k - 1]) -> [num_rows, width]
+    in the batch's row order; positions a micro-batch was cut at are 0 (finite, never scored)."""
+    first = parts_BT[0]
+    out = torch.zeros(num_rows, width, dtype=first.dtype, device=first.device)
+    for part, rows in zip(parts_BT, plan.rows):
+        index = torch.tensor(rows, device=first.device)
+        out[index, : part.shape[1]] = part
+    return out
