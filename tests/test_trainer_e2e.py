@@ -32,7 +32,8 @@ def test_short_demo_learns_and_writes_everything(demo_inputs, tmp_path):
     last = sum(r["reward_mean"] for r in rows[-15:]) / 15
     assert first < 0.2 and last > first + 0.05, (first, last)  # measured: 0.088 -> 0.164
     for key in ("reward_mean", "loss", "clip_ratio", "ppo_kl", "entropy", "rollout_train_logprobs_abs_diff_mean",
-                "time_rollout_s", "time_logprob_s", "time_train_s", "time_sync_s", "tokens_per_s"):
+                "time/generate_s", "time/reward_s", "time/logprob_s", "time/train_s", "time/sync_s",
+                "time/idle_s", "time/step_s", "tokens_per_s"):
         assert key in rows[0], key
     # the trainer scores exactly what the engine sampled: fp32 mismatch is rounding noise
     assert max(r["rollout_train_logprobs_abs_diff_mean"] for r in rows) < 1e-4

@@ -39,6 +39,7 @@ def generate_and_score(step: int, prompts, client, sampling, scorer, tokenizer, 
                               sampling_seed=sampling_seed(cfg.trainer.seed, step))
     t_gen = time.monotonic() - t0
     scored = scorer.score_samples(reward_samples(prompts, samples, tokenizer))
+    t_reward = time.monotonic() - t0 - t_gen
     rewards = torch.tensor(scored.rewards, dtype=torch.float32)
     advantages = compute_advantages(rewards, n, cfg.algorithm)
     batch = build_train_batch(
@@ -55,12 +56,22 @@ def generate_and_score(step: int, prompts, client, sampling, scorer, tokenizer, 
         "response_length_max": float(lengths.max()),
         "truncated_ratio": float(np.mean([s.finish_reason == "length" for s in samples])),
         "rollout_tokens_per_s": float(lengths.sum() / max(t_gen, 1e-9)),
-        "time_rollout_s": t_gen,
+        "rollout/generate_s": t_gen,
+        "rollout/reward_s": t_reward,
+        "rollout/weight_version": engine_weight_version(samples),
+        "rollout/prompt_indices": ",".join(str(p.index) for p in prompts),
     }
     for label, values in scored.per_function.items():
         stats[f"reward/{label}"] = float(np.mean(values))
     stats.update({f"reward/{key}": value for key, value in scored.stats.items()})
     return RolloutResult(batch=batch, stats=stats)
+
+
+def engine_weight_version(samples) -> int | None:
+    """The oldest weight version (the trainer step the engine's weights come from, set by each
+    sync) that sampled any of ``samples``, as the engine reported it; None if not a step."""
+    versions = [s.weight_version for s in samples]
+    return min(int(v) for v in versions) if all(str(v).isdigit() for v in versions) else None
 
 
 def reward_samples(prompts, samples, tokenizer) -> list[RewardSample]:
