@@ -57,6 +57,7 @@ MALFORMED = [
     ("rollout.weight_sync_transport", "nccl", "rollout.weight_sync_transport", "expected one of"),
     ("rollout.urls", ["localhost:3000"], "rollout.urls[0]", "http://"),
     ("rollout.num_generations", 0, "rollout.num_generations", ">= 1"),
+    ("rollout.mode", "async", "rollout.mode", "expected one of"),
     ("optimizer.lr", 0, "optimizer.lr", "> 0"),
     ("optimizer.lr_decay_style", "step", "optimizer.lr_decay_style", "expected one of"),
     ("data.train_file", "data.csv", "data.train_file", ".jsonl or .parquet"),
@@ -78,6 +79,18 @@ def test_malformed_config_names_key(tmp_path, dotted, value, key, fragment):
     assert "\n" not in line
     assert line.startswith(f"{path}: {key}: "), line
     assert fragment in line, line
+
+
+def test_off_policy_mode_with_colocate_names_both_keys(tmp_path):
+    raw = with_change("rollout.mode", "one_step_off_policy")
+    raw["rollout"].update(colocate=True, weight_sync_transport="tensor")
+    path = write(tmp_path, raw)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    line = str(info.value)
+    assert line.startswith(f"{path}: rollout.mode: one_step_off_policy ") and "rollout.colocate: true" in line, line
+    assert load_config(write(tmp_path, with_change("rollout.mode", "one_step_off_policy"), "ok.yaml")).rollout.mode \
+        == "one_step_off_policy"
 
 
 def test_missing_required_section(tmp_path):

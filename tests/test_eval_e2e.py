@@ -60,7 +60,7 @@ def test_training_evaluates_every_n_steps_on_the_engine(trained):
             sum(s["rewards"]["math_exact_match"] for s in samples) / len(samples))
         # the file-path reward saw the engine's token ids
         assert record[f"eval/heldout/reward/{trained['label']}_mean"] == record["eval/heldout/response_len_mean"]
-        assert record["time_eval_s"] > 0
+        assert record["time/eval_s"] > 0
     assert "eval/heldout/pass@1:" in trained["stdout"]  # the summary's eval line
 
 

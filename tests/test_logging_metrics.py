@@ -190,3 +190,12 @@ def test_cli_help_is_argparse_help(capsys):
     with pytest.raises(SystemExit) as e:
         metrics_main([])
     assert e.value.code == 2
+
+
+def test_progress_bar_shows_the_step_time_breakdown(tmp_path, capsys):
+    log = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False, progress_bar=True, plot=False), total_steps=2)
+    log.log(1, {"reward_mean": 0.5, "time/step_s": 3.14, "time/generate_s": 1.2, "time/reward_s": 0.001,
+                "time/train_s": 1.5, "time/idle_s": 0.44})
+    log.close()
+    err = capsys.readouterr().err
+    assert "time=step 3.1s: gen 1.2 train 1.5 idle 0.44" in err, err  # phases under 5 ms left out

@@ -32,8 +32,14 @@ def test_short_demo_learns_and_writes_everything(demo_inputs, tmp_path):
     last = sum(r["reward_mean"] for r in rows[-15:]) / 15
     assert first < 0.2 and last > first + 0.05, (first, last)  # measured: 0.088 -> 0.164
     for key in ("reward_mean", "loss", "clip_ratio", "ppo_kl", "entropy", "rollout_train_logprobs_abs_diff_mean",
-                "time_rollout_s", "time_logprob_s", "time_train_s", "time_sync_s", "tokens_per_s"):
+                "time/generate_s", "time/reward_s", "time/logprob_s", "time/train_s", "time/sync_s",
+                "time/idle_s", "time/step_s", "tokens_per_s"):
         assert key in rows[0], key
+    # rollout.mode: sync (the default): the engine samples step s with the weights after s-1 steps
+    assert [r["rollout/weight_version"] for r in rows] == list(range(60))
+    assert all(r["rollout/policy_lag"] == 0 and r["time/idle_s"] < 1e-3 for r in rows)
+    phases = ("generate", "reward", "logprob", "train", "idle", "sync", "eval", "other")
+    assert all(abs(sum(r[f"time/{p}_s"] for p in phases) - r["time/step_s"]) < 1e-6 for r in rows)
     # the trainer scores exactly what the engine sampled: fp32 mismatch is rounding noise
     assert max(r["rollout_train_logprobs_abs_diff_mean"] for r in rows) < 1e-4
     ckpts = run_dir / "checkpoints"

@@ -91,8 +91,8 @@ def check_step(out: Path) -> None:
     if not all(r["weight_sync_verified"] for r in records):
         raise RuntimeError("a weight sync was not verified")
     report("step (TP1 bf16, embedded engine on this GPU, tensor transport over CUDA IPC)",
-           steps=len(records), time_step_s=float(last["time_step_s"]), time_sync_s=float(last["time_sync_s"]),
-           time_train_s=float(last["time_train_s"]), loss=float(last["loss"]),
+           steps=len(records), time_step_s=float(last["time/step_s"]), time_sync_s=float(last["time/sync_s"]),
+           time_train_s=float(last["time/train_s"]), loss=float(last["loss"]),
            grad_norm=float(last["grad_norm"]), skipped_updates=int(last["skipped_updates"]),
            cuda_rng_in_checkpoint=True)
 
@@ -140,7 +140,7 @@ def check_demo(out: Path, steps: int) -> None:
     head, tail = records[: max(1, steps // 5)], records[-max(1, steps // 5):]
     mean = lambda rs: sum(float(r["reward_mean"]) for r in rs) / len(rs)  # noqa: E731
     report("demo (TP1 fp32, embedded engine on this GPU)", steps=len(records), reward_first=mean(head),
-           reward_last=mean(tail), seconds_per_step=float(sum(r["time_step_s"] for r in records) / len(records)),
+           reward_last=mean(tail), seconds_per_step=float(sum(r["time/step_s"] for r in records) / len(records)),
            wall_s=time.monotonic() - t0)
 
 

@@ -142,6 +142,13 @@ class RolloutConfig:
     next weight sync (SGLang's memory release and resume routes, --enable-memory-saver). Needs
     CUDA, rollout.engine sglang and weight_sync_transport tensor (CUDA IPC, no copy)."""
 
+    mode: Literal["sync", "one_step_off_policy"] = "sync"
+    """sync: every step generates with the weights trained so far, then trains (policy lag 0).
+    one_step_off_policy: the engine generates step k+1's batch while the trainer trains on step
+    k, so every batch after the first is sampled by weights one step old (policy lag 1); the
+    loss's pi_old is the trainer's recomputed log-probs and the engine's log-probs are the
+    behaviour policy (turn on algorithm.off_policy_correction). Not with colocate."""
+
     weight_update_bucket_mb: int = 512
     """Size of one weight-sync bucket in MiB."""
 
@@ -188,6 +195,10 @@ class RolloutConfig:
         check(not self.colocate or self.weight_sync_transport == "tensor", "colocate",
               f"needs weight_sync_transport: tensor (got {self.weight_sync_transport!r}): a colocated engine "
               "receives CUDA IPC handles of the trainer's weights")
+        check(not (self.colocate and self.mode != "sync"), "mode",
+              f"{self.mode} needs the engine to generate while the trainer trains, so it cannot be combined "
+              "with rollout.colocate: true (the engine's GPU memory is released during training); "
+              "set rollout.mode: sync or rollout.colocate: false")
         problem = remote_engine_problem(self)
         check(problem is None, "weight_sync_master_address", problem or "")
         # What the engine kind can do (transports, backends) is its adapter's to say. Imported

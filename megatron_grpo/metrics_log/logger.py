@@ -38,6 +38,11 @@ TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
 PROGRESS_KEYS = [("reward_mean", "reward"), ("loss", "loss"), ("ppo_kl", "kl")]
 """(metric, label) shown next to the progress bar."""
+TIME_KEYS = [("time/step_s", "step"), ("time/generate_s", "gen"), ("time/reward_s", "rew"),
+             ("time/logprob_s", "lp"), ("time/train_s", "train"), ("time/idle_s", "idle"),
+             ("time/sync_s", "sync"), ("time/eval_s", "eval")]
+"""(metric, label) of the step-time breakdown shown as ``time=step 3.1s: gen 1.2 rew 0.1 ...``
+(phases under 5 ms are left out)."""
 EVAL_PASS_SUFFIX = "/pass@1"
 """The progress bar also shows the latest ``eval/<set>/pass@1`` of each set (as ``eval:<set>``)."""
 
@@ -89,6 +94,15 @@ class WandbSink:
         self.run.finish()
 
 
+def time_breakdown(record: dict) -> str:
+    """``step 3.1s: gen 1.2 rew 0.1 train 1.6 sync 0.2`` from a step's ``time/*_s`` metrics."""
+    parts = [(label, record[key]) for key, label in TIME_KEYS if isinstance(record.get(key), (int, float))]
+    if not parts or parts[0][0] != "step":
+        return ""
+    (_, total), phases = parts[0], parts[1:]
+    return f"step {total:.2g}s: " + " ".join(f"{label} {v:.2g}" for label, v in phases if v >= 0.005)
+
+
 class ProgressSink:
     """tqdm bar over the run's steps (ETA from the steps done since start/resume)."""
 
@@ -104,6 +118,9 @@ class ProgressSink:
         for key, value in record.items():  # held-out accuracy stays shown until the next eval
             if key.startswith("eval/") and key.endswith(EVAL_PASS_SUFFIX) and isinstance(value, (int, float)):
                 self.evals[f"eval:{key[len('eval/'):-len(EVAL_PASS_SUFFIX)]}"] = f"{value:.3g}"
+        breakdown = time_breakdown(record)
+        if breakdown:
+            shown["time"] = breakdown
         self.bar.set_postfix({**shown, **self.evals}, refresh=False)
         self.bar.update(max(0, step - self.bar.n))
 

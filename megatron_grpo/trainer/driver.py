@@ -2,7 +2,9 @@
 
 1. rank 0 draws prompts, the rollout engine samples ``num_generations`` responses each
    (token ids + the engine's log-probs), rewards are scored and group-normalised into
-   advantages; the TrainBatch is broadcast to every rank;
+   advantages; the TrainBatch is broadcast to every rank. With ``rollout.mode:
+   one_step_off_policy`` the next step's batch is then generated in the background while this
+   step trains, and waited for before the sync (``trainer/rollouts.py``);
 2. each DP rank takes its rows; old-policy (and, with a KL loss, reference) log-probs are
    recomputed by Megatron in forward-only mode with the vocab-parallel op;
 3. for ``num_iterations`` epochs, every mini-batch is one optimizer step of the corrected
@@ -19,7 +21,6 @@ Every rank runs this function (torchrun); rank 0 also owns the engine, data and 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import yaml
@@ -37,6 +38,8 @@ from megatron_grpo.trainer.megatron_step import (ScoringSpec, compute_log_probs,
                                                  probe_log_probs, train_mini_batch)
 from megatron_grpo.trainer.optim import lr_at, set_lr
 from megatron_grpo.trainer.rollout_step import generate_and_score
+from megatron_grpo.trainer.rollouts import RolloutSchedule
+from megatron_grpo.trainer.step_timer import StepTimer
 
 
 class NonFiniteError(RunAborted):
@@ -82,22 +85,25 @@ def train(cfg: ExperimentConfig) -> list[dict]:
     engine = EngineGuard(side, syncer, policy.modules, max_attempts=cfg.rollout.max_restarts + 1,
                          colocate=cfg.rollout.colocate)
     engine.sync(start_step)  # the engine starts from the HF weights
+    generate = (lambda step, prompts: generate_and_score(step, prompts, side.client, side.sampling, side.scorer,
+                                                         side.tokenizer, cfg,
+                                                         more_prompts=side.sampler.next_batch)) if side else None
+    rollouts = RolloutSchedule(cfg.rollout.mode, engine, side.sampler if side else None, generate,
+                               cfg.trainer.num_steps)
 
     records, nonfinite_streak = [], trainer_state.get("nonfinite_streak", 0)
     logger.begin_training()
     try:
         for step in range(start_step, cfg.trainer.num_steps):
-            timings, t0 = {}, time.monotonic()
-            # 1. rollout + rewards + advantages (rank 0), broadcast
-            engine.ensure_alive(step)
-            prompts = side.sampler.next_batch() if side else None
-            # the batch is broadcast (a few MB; the weights dominate traffic)
-            result = engine.rollout(step, lambda: generate_and_score(
-                step, prompts, side.client, side.sampling, side.scorer, side.tokenizer, cfg,
-                more_prompts=side.sampler.next_batch))
+            timer = StepTimer()
+            # 1. rollout + rewards + advantages (rank 0), broadcast (a few MB; the weights
+            # dominate traffic); off-policy mode: step+1's generation starts in the background
+            result, in_order = rollouts.batch_for(step)
             engine.release_memory()  # colocated: the GPU is the trainer's until the sync
-            batch, mark = result.batch, time.monotonic()
-            timings["time_rollout_s"] = mark - t0
+            batch = result.batch
+            timer.lap("generate")
+            if in_order:  # the scoring was part of that wait (rank 0's; the others wait in the broadcast)
+                timer.move(result.stats["rollout/reward_s"], "generate", "reward")
 
             # 2. old-policy / reference log-probs on this DP rank's rows
             local = dp_shard(batch, dp_rank, dp, cfg.parallel.global_batch_size)
@@ -106,7 +112,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
                 local.old_log_probs = compute_log_probs(policy.chunks, local, cfg.parallel.micro_batch_size, spec, budget)
             if reference is not None:
                 local.ref_log_probs = compute_log_probs(reference, local, cfg.parallel.micro_batch_size, spec, budget)
-            timings["time_logprob_s"], mark = time.monotonic() - mark, time.monotonic()
+            timer.lap("logprob")
 
             # 3. num_iterations epochs of mini-batch updates
             step_metrics, skipped = [], 0
@@ -126,24 +132,28 @@ def train(cfg: ExperimentConfig) -> list[dict]:
                     skipped += not applied
                     if metrics is not None:
                         step_metrics.append({**metrics, "grad_norm": grad_norm, "iteration": it})
-            timings["time_train_s"], mark = time.monotonic() - mark, time.monotonic()
+            timer.lap("train")
 
-            # 4. weights -> rollout engine, metrics, checkpoint
+            # 4. (off-policy: wait for step+1's batch, the engine must be idle) weights -> rollout
+            # engine, evaluation, metrics, checkpoint
+            rollouts.collect_next(step)
+            timer.lap("idle")
             sync_stats = engine.sync(step + 1)
-            timings["time_sync_s"] = time.monotonic() - mark
-            eval_metrics, eval_s = {}, 0.0
+            timer.lap("sync")
+            eval_metrics = {}
             if cfg.eval.due(step + 1, cfg.trainer.num_steps):
-                mark = time.monotonic()
                 eval_metrics = evaluate(step + 1, engine, evaluator, Path(run_dir) / "eval")
-                eval_s = time.monotonic() - mark
-                eval_metrics["time_eval_s"] = eval_s
+            eval_s = timer.lap("eval")
             nonfinite_streak = nonfinite_streak + 1 if skipped else 0
-            record = _step_record(step, result.stats, step_metrics, timings, skipped, policy.optimizer, batch)
+            record = _step_record(step, result.stats, step_metrics, skipped, policy.optimizer)
             record["engine_restarts"] = engine.restarts
             record["weight_sync_verified"] = int(sync_stats.verified)
             if sync_stats.probe_logprob_abs_diff is not None:
                 record["weight_sync_probe_logprob_abs_diff"] = sync_stats.probe_logprob_abs_diff
             record.update(eval_metrics)
+            record.update(timer.finish())
+            # training throughput: evaluation time is not the step's work
+            record["tokens_per_s"] = float(batch.loss_mask.sum()) / max(record["time/step_s"] - eval_s, 1e-9)
             if rank == 0:
                 records.append(logger.log(step + 1, record, excluded_s=eval_s))
             if nonfinite_streak >= cfg.trainer.max_consecutive_nonfinite:
@@ -155,12 +165,13 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             every = cfg.checkpoint.save_every
             if done or (every and (step + 1) % every == 0):
                 # rank 0's sampler is the one that advanced: every rank saves its state
-                state = broadcast({"step": step + 1, "sampler": sampler.state_dict(),
+                state = broadcast({"step": step + 1, "sampler": rollouts.sampler_state() if rank == 0 else None,
                                     "nonfinite_streak": nonfinite_streak})
                 ckpt.save_training_checkpoint(run_dir, step + 1, policy.modules, policy.optimizer, state,
                                               cfg.checkpoint.keep_last)
         logger.finish(print_summary=True)
     finally:
+        rollouts.close()  # before the engine and its client go
         logger.close()
         syncer.close()
         if side is not None:
@@ -181,9 +192,9 @@ def evaluate(step: int, engine: EngineGuard, evaluator, out_dir: Path) -> dict:
     return evaluator.summarize(results)
 
 
-def _step_record(step, rollout_stats, step_metrics, timings, skipped, optimizer, batch) -> dict:
+def _step_record(step, rollout_stats, step_metrics, skipped, optimizer) -> dict:
     """Rank 0's metrics of a step: rollout stats, the last-iteration training metrics (sent
-    from the reporting last-stage rank), timings, lr, and skipped updates."""
+    from the reporting last-stage rank), lr, and skipped updates."""
     from megatron.core import parallel_state as ps
 
     reporter = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
@@ -191,11 +202,9 @@ def _step_record(step, rollout_stats, step_metrics, timings, skipped, optimizer,
     box = [None] * dist.get_world_size()
     dist.all_gather_object(box, _mean_over_minibatches(step_metrics) if reporter else None)
     train_metrics = next(m for m in box if m is not None)
-    record = {**rollout_stats, **train_metrics, **timings}
-    record["time_step_s"] = sum(timings.values())
+    record = {**rollout_stats, **train_metrics}
     record["lr"] = float(optimizer.param_groups[0]["lr"])
     record["skipped_updates"] = skipped
-    record["tokens_per_s"] = float(batch.loss_mask.sum()) / max(record["time_step_s"], 1e-9)
     return record
 
 

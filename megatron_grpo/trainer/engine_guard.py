@@ -58,13 +58,16 @@ class EngineGuard:
         self.retry_wait_s = retry_wait_s
         self.restarts = 0  # rank 0's count, reported in the metrics
 
-    def rollout(self, step: int, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on rank 0 (generation + scoring) and return its result on every rank."""
+    def rollout(self, step: int, fn: Callable[[], Any], first: Optional[Callable[[], Any]] = None) -> Any:
+        """Run ``fn`` on rank 0 (generation + scoring) and return its result on every rank.
+        ``first``: what rank 0 calls on the first attempt instead (the result of a generation
+        already under way in the background); a failure is recovered from as for ``fn``, and
+        the retries call ``fn``."""
         for attempt in range(1, self.max_attempts + 1):
             outcome: Optional[tuple[str, Any]] = None
             if self.side is not None:
                 try:
-                    outcome = ("ok", fn())
+                    outcome = ("ok", (first if attempt == 1 and first is not None else fn)())
                 except RolloutError as e:
                     outcome = ("failed", str(e))
             kind, payload = broadcast(outcome)

@@ -46,6 +46,7 @@ class _Round:
     per_function: dict[str, list[float]]
     stats: dict[str, float]
     gen_s: float
+    reward_s: float
 
 
 def _generate_round(step, round_index, prompts, client, sampling, scorer, tokenizer, cfg) -> _Round:
@@ -54,13 +55,14 @@ def _generate_round(step, round_index, prompts, client, sampling, scorer, tokeni
                               sampling_seed=sampling_seed(cfg.trainer.seed, step, round_index))
     gen_s = time.monotonic() - t0
     scored = scorer.score_samples(reward_samples(prompts, samples, tokenizer))
+    reward_s = time.monotonic() - t0 - gen_s
     rewards = torch.tensor(scored.rewards, dtype=torch.float32)
     penalty = torch.zeros_like(rewards)
     over = cfg.rollout.overlong
     if over.buffer_length is not None:
         lengths = torch.tensor([len(s.output_ids) for s in samples])
         penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, over.buffer_length, over.penalty_factor)
-    return _Round(prompts, samples, rewards + penalty, penalty, scored.per_function, scored.stats, gen_s)
+    return _Round(prompts, samples, rewards + penalty, penalty, scored.per_function, scored.stats, gen_s, reward_s)
 
 
 def generate_and_score(step: int, prompts, client, sampling, scorer, tokenizer, cfg,
@@ -121,8 +123,19 @@ def _stats(samples, rewards: torch.Tensor, truncated: torch.Tensor, rounds: list
         "response_length_max": float(lengths.max()),
         "truncated_ratio": float(truncated.float().mean()),
         "rollout_tokens_per_s": float(generated / max(gen_s, 1e-9)),
-        "time_rollout_s": gen_s,
+        "rollout/generate_s": gen_s,
+        "rollout/reward_s": sum(rd.reward_s for rd in rounds),
+        "rollout/weight_version": engine_weight_version([s for rd in rounds for s in rd.samples]),
+        # every prompt drawn for this step, extra dynamic-sampling rounds included
+        "rollout/prompt_indices": ",".join(str(p.index) for rd in rounds for p in rd.prompts),
     }
+
+
+def engine_weight_version(samples) -> int | None:
+    """The oldest weight version (the trainer step the engine's weights come from, set by each
+    sync) that sampled any of ``samples``, as the engine reported it; None if not a step."""
+    versions = [s.weight_version for s in samples]
+    return min(int(v) for v in versions) if all(str(v).isdigit() for v in versions) else None
 
 
 def reward_samples(prompts, samples, tokenizer) -> list[RewardSample]:

@@ -1,0 +1,116 @@
+"""Where each step's rollout batch comes from: ``rollout.mode`` sync or one_step_off_policy.
+
+sync (the default): at the start of step k rank 0 draws prompts and the engine, which serves
+the weights trained by steps < k (version k), generates; the batch is broadcast. Policy lag 0.
+
+one_step_off_policy: as soon as the batch of step k is in hand, rank 0 draws the prompts of
+step k+1 and a background thread generates and scores them on the engine (HTTP, rank 0 only;
+the other ranks are not involved) while every rank computes log-probs and trains on step k.
+After the update the trainer waits for that generation (``collect_next``: the wait is the
+step's ``time/idle_s``) and only then syncs the weights of step k+1 into the engine, so step
+k+2's generation uses them. Batch k+1 was therefore sampled by the weights of version k while
+the trainer holds version k+1: policy lag 1 from the second step on; the first step (and the
+first step after a resume) generates in order, lag 0. The engine reports the version that
+sampled each batch (the ``weight_version`` the sync sets); ``rollout/weight_version`` is that
+number and ``rollout/policy_lag`` is ``step - weight_version`` (steps 0-based here).
+
+Departures and choices, documented in docs/off_policy.md:
+
+* pi_old in the loss is the trainer's recomputed log-probs of the weights it holds (decoupled
+  PPO's proximal policy: the clip is around the policy being updated), and the engine's
+  log-probs are the behaviour policy mu; the staleness shows in rho = pi_old / mu, which the
+  ``algorithm.off_policy_correction`` block weights or masks.
+* The engine is never written to while it generates: the sync waits for the in-flight batch.
+  Evaluation runs after the sync, when nothing is in flight.
+* A failure of the background generation is recovered from exactly as a failed generation in
+  sync mode (``EngineGuard.rollout``): a dead launched engine is restarted, the trainer's
+  current weights are synced and the same prompts are generated again with the same seed; that
+  batch then has lag 0 (the engine reports it).
+* A checkpoint written while a batch is prefetched stores the data position from before that
+  batch's draw: a resumed run draws the same prompts again and generates them in order, so no
+  prompt is lost or repeated (the regenerated responses differ: fresher weights).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+from megatron_grpo.trainer.engine_guard import EngineGuard
+from megatron_grpo.trainer.rollout_step import RolloutResult
+
+Generate = Callable[[int, list], RolloutResult]
+"""``generate(step, prompts)`` on rank 0: sample, score and build the step's RolloutResult."""
+
+
+class RolloutSchedule:
+    """``batch_for(step)`` at the start of a step, ``collect_next(step)`` after its update.
+
+    engine: every rank's EngineGuard; sampler: rank 0's PromptSampler (None elsewhere);
+    generate: rank 0's Generate (None elsewhere); num_steps: the run's last step (exclusive).
+    """
+
+    def __init__(self, mode: str, engine: EngineGuard, sampler, generate: Optional[Generate], num_steps: int):
+        assert mode in ("sync", "one_step_off_policy"), mode  # validated by RolloutConfig
+        self.overlap = mode == "one_step_off_policy"
+        self.engine = engine
+        self.sampler = sampler
+        self.generate = generate
+        self.num_steps = num_steps
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if self.overlap else None
+        self._in_flight: Optional[tuple[int, list, Future]] = None  # rank 0: (step, prompts, generation)
+        self._ready: Optional[tuple[int, RolloutResult]] = None  # every rank: the collected next batch
+        self._state_before_draw: Optional[dict] = None  # rank 0: data position before the prefetched draw
+
+    def batch_for(self, step: int) -> tuple[RolloutResult, bool]:
+        """Collective: step ``step``'s batch on every rank, with ``rollout/policy_lag``, and
+        whether it was generated now, in order (False: collected from the background). In
+        off-policy mode this also starts generating step+1's batch in the background."""
+        in_order = self._ready is None
+        if not in_order:
+            ready_step, result = self._ready
+            assert ready_step == step, (ready_step, step)
+            self._ready, self._state_before_draw = None, None
+            self.engine.ensure_alive(step)  # the engine is idle: restart it here if it died
+        else:
+            self.engine.ensure_alive(step)
+            prompts = self.sampler.next_batch() if self.sampler is not None else None
+            result = self.engine.rollout(step, lambda: self.generate(step, prompts))
+        if self.overlap and step + 1 < self.num_steps:
+            self._start(step + 1)
+        version = result.stats.get("rollout/weight_version")
+        result.stats["rollout/policy_lag"] = None if version is None else step - version
+        return result, in_order
+
+    def _start(self, step: int) -> None:
+        if self.sampler is None:
+            return
+        self._state_before_draw = self.sampler.state_dict()
+        prompts = self.sampler.next_batch()
+        self._in_flight = (step, prompts, self._pool.submit(self.generate, step, prompts))
+
+    def collect_next(self, step: int) -> None:
+        """Collective, after step ``step``'s update and before its weight sync: wait for the
+        batch of step+1 generated in the background (a no-op in sync mode and at the last
+        step). A failed generation is recovered from and redone in order (see the docstring)."""
+        if not self.overlap or step + 1 >= self.num_steps:
+            return
+        first = retry = None
+        if self._in_flight is not None:
+            next_step, prompts, future = self._in_flight
+            assert next_step == step + 1, (next_step, step)
+            first, retry = future.result, (lambda: self.generate(step + 1, prompts))
+        self._in_flight = None
+        self._ready = (step + 1, self.engine.rollout(step + 1, retry, first=first))
+
+    def sampler_state(self) -> dict:
+        """Rank 0: the data position to checkpoint: before the draw of a prefetched batch, so
+        that a resumed run draws those prompts again."""
+        return self._state_before_draw if self._state_before_draw is not None else self.sampler.state_dict()
+
+    def close(self) -> None:
+        """No thread outlives the run: wait for an in-flight generation (bounded by the client's
+        timeouts) and drop its result."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._in_flight = None
