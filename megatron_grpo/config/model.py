@@ -50,6 +50,13 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size."""
 
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per PP rank (megatron's interleaved 1F1B schedule): each rank
+    holds `vpp` model chunks of num_layers / (pp * vpp) layers, which shrinks the pipeline
+    bubble. null or 1: off. Needs pp >= 2, num_hidden_layers divisible by pp * vpp (checked
+    when the model is built) and a number of micro-batches per optimizer step,
+    global_batch_size / (micro_batch_size * dp), that is a multiple of pp."""
+
     ep: int = 1
     """Expert-parallel size (mixture-of-experts models only): the experts of every MoE layer
     are split over `ep` of the dp ranks. Must divide dp and the model's number of experts;
@@ -88,6 +95,9 @@ class ParallelConfig:
         for key in ("tp", "pp", "ep", "micro_batch_size", "global_batch_size"):
             value = getattr(self, key)
             check(value >= 1, key, f"must be >= 1, got {value}")
+        check(self.vpp is None or self.vpp >= 1, "vpp", f"must be >= 1 or null, got {self.vpp}")
+        check(not self.virtual_pipeline or self.pp >= 2, "vpp",
+              f"{self.vpp} needs pp >= 2 (virtual stages interleave several pipeline ranks), got pp={self.pp}")
         if self.world_size is not None:
             check(self.world_size >= 1, "world_size", f"must be >= 1, got {self.world_size}")
             check(
@@ -103,8 +113,25 @@ class ParallelConfig:
                 f"{self.global_batch_size} is not a multiple of micro_batch_size*dp = "
                 f"{self.micro_batch_size}*{dp}",
             )
+            self.check_vpp_microbatches(dp)
         check(not self.sequence_parallel or self.tp > 1, "sequence_parallel", "needs tp > 1")
         check(self.distributed_timeout_s > 0, "distributed_timeout_s", f"must be > 0, got {self.distributed_timeout_s}")
+
+    @property
+    def virtual_pipeline(self) -> bool:
+        """Whether the interleaved (virtual) pipeline schedule is on (vpp > 1)."""
+        return self.vpp is not None and self.vpp > 1
+
+    def check_vpp_microbatches(self, dp: int) -> None:
+        """megatron-core's interleaved schedule runs groups of pp micro-batches per chunk: the
+        micro-batches of one optimizer step must be a multiple of pp."""
+        if not self.virtual_pipeline:
+            return
+        num_microbatches = self.global_batch_size // (self.micro_batch_size * dp)
+        check(num_microbatches % self.pp == 0, "vpp",
+              f"{self.vpp} needs micro-batches per step = global_batch_size/(micro_batch_size*dp) = "
+              f"{self.global_batch_size}/({self.micro_batch_size}*{dp}) = {num_microbatches} to be a "
+              f"multiple of pp={self.pp}")
 
     def dp(self, world_size: int) -> int:
         """Data-parallel size for a given world size."""

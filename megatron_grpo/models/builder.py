@@ -60,6 +60,13 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, recompu
     check_moe_parallel(hf_config, arch, runtime)
     check_pipeline_layers(hf_config, runtime["pipeline_model_parallel_size"],
                           runtime["virtual_pipeline_model_parallel_size"])
+    if runtime["virtual_pipeline_model_parallel_size"] is not None:
+        # Megatron-LM's default for the interleaved schedule. With batched p2p at pp=2 a rank's
+        # previous and next stage are the same peer, and the four batched ops (activation and
+        # gradient, each way) are matched in posting order: activations land in gradient
+        # buffers (same shape, no error; measured: wrong loss from the second micro-batch
+        # group on). The overlapped ops put the two directions on two process groups.
+        runtime.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     if recompute:
         runtime.update(recompute_granularity="full", recompute_method="uniform",
                        recompute_num_layers=1)
