@@ -34,6 +34,7 @@ from megatron_grpo.trainer.engine_guard import EngineGuard, RunAborted, broadcas
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.trainer.components import build_policy, build_reference, build_rollout_side
 from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, probe_log_probs, train_mini_batch
+from megatron_grpo.trainer.moe_metrics import RouterLoad
 from megatron_grpo.trainer.optim import lr_at, set_lr
 from megatron_grpo.trainer.rollout_step import generate_and_score
 
@@ -99,7 +100,10 @@ def train(cfg: ExperimentConfig) -> list[dict]:
 
             # 2. old-policy / reference log-probs on this DP rank's rows
             local = dp_shard(batch, dp_rank, dp, cfg.parallel.global_batch_size)
-            local.old_log_probs = compute_log_probs(policy.chunks, local, cfg.parallel.micro_batch_size, spec)
+            router_load = RouterLoad(policy.modules)
+            local.old_log_probs = compute_log_probs(policy.chunks, local, cfg.parallel.micro_batch_size, spec,
+                                                    router_load=router_load if router_load.active else None)
+            moe_metrics = router_load.metrics(cfg.parallel.sequence_parallel)  # collective; {} if dense
             if reference is not None:
                 local.ref_log_probs = compute_log_probs(reference, local, cfg.parallel.micro_batch_size, spec)
             timings["time_logprob_s"], mark = time.monotonic() - mark, time.monotonic()
@@ -139,6 +143,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             record["weight_sync_verified"] = int(sync_stats.verified)
             if sync_stats.probe_logprob_abs_diff is not None:
                 record["weight_sync_probe_logprob_abs_diff"] = sync_stats.probe_logprob_abs_diff
+            record.update(moe_metrics)
             record.update(eval_metrics)
             if rank == 0:
                 records.append(logger.log(step + 1, record, excluded_s=eval_s))

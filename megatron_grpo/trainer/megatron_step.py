@@ -19,6 +19,7 @@ PP, DP or micro-batch split (docs/loss_spec.md#the-whole-loss-and-the-distribute
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -32,6 +33,7 @@ from megatron_grpo.models.forward import causal_logits, run_schedule
 from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.runtime.device import all_finite, collective_tensor, to_device
 from megatron_grpo.trainer.batch import TrainBatch, micro_batches
+from megatron_grpo.trainer.moe_metrics import RouterLoad
 
 
 @dataclass
@@ -58,13 +60,17 @@ def _run_schedule(model_chunks, mbs: list[TrainBatch], forward_step, forward_onl
                         seq_length=mbs[0].seq_length, micro_batch_size=mbs[0].num_sequences)
 
 
-def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, spec: ScoringSpec):
+def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, spec: ScoringSpec,
+                      router_load: Optional[RouterLoad] = None):
     """Forward-only scoring of ``batch``: float[N, T] log-probs on the last PP stage, None on
-    the others (the loss is computed where the logits are)."""
+    the others (the loss is computed where the logits are). ``router_load``: counts the MoE
+    routing of the scored positions (``trainer.moe_metrics``)."""
     from megatron.core import parallel_state
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+        if router_load is not None:
+            router_load.set_micro_batch(mb.loss_mask)
         logits = causal_logits(model, mb.tokens)
 
         def loss_func(output):
@@ -76,8 +82,9 @@ def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, sp
     batch = to_device(batch)  # the batch is built on the CPU (rank 0) and broadcast
     for c in model_chunks:
         c.eval()
-    with torch.no_grad():
-        outs = _run_schedule(model_chunks, list(micro_batches(batch, micro_batch_size)), forward_step, True)
+    mbs = list(micro_batches(batch, micro_batch_size))
+    with torch.no_grad(), (router_load.counting(len(mbs)) if router_load else contextlib.nullcontext()):
+        outs = _run_schedule(model_chunks, mbs, forward_step, True)
     for c in model_chunks:
         c.train()
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
