@@ -179,6 +179,7 @@ def build_experiment(raw: Any, world_size: Optional[int] = None) -> ExperimentCo
                 f"{par.global_batch_size} is not a multiple of micro_batch_size*dp = {par.micro_batch_size}*{dp}",
             )
         try:
+            par.check_expert_layout(world_size)
             par.check_vpp_microbatches(dp)
         except ConfigValueError as e:
             raise ConfigError(f"parallel.{e.key}", e.message) from None

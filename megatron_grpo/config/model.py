@@ -60,7 +60,12 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size (mixture-of-experts models only): the experts of every MoE layer
     are split over `ep` of the dp ranks. Must divide dp and the model's number of experts;
-    experts are tensor-parallel over `tp` like the rest of the model."""
+    experts are tensor-parallel over `etp` (default: `tp`, like the rest of the model)."""
+
+    etp: Optional[int] = None
+    """Expert tensor-parallel size (mixture-of-experts models only): each expert's weights are
+    split over `etp` ranks instead of `tp` (megatron-core's expert_tensor_parallel_size).
+    null: tp. world_size / pp must be divisible by etp * ep."""
 
     world_size: Optional[int] = None
     """Total trainer ranks. null: taken from the launcher (torchrun's WORLD_SIZE); when set,
@@ -95,6 +100,7 @@ class ParallelConfig:
         for key in ("tp", "pp", "ep", "micro_batch_size", "global_batch_size"):
             value = getattr(self, key)
             check(value >= 1, key, f"must be >= 1, got {value}")
+        check(self.etp is None or self.etp >= 1, "etp", f"must be >= 1 or null, got {self.etp}")
         check(self.vpp is None or self.vpp >= 1, "vpp", f"must be >= 1 or null, got {self.vpp}")
         check(not self.virtual_pipeline or self.pp >= 2, "vpp",
               f"{self.vpp} needs pp >= 2 (virtual stages interleave several pipeline ranks), got pp={self.pp}")
@@ -107,6 +113,7 @@ class ParallelConfig:
             )
             dp = self.world_size // (self.tp * self.pp)
             check(dp % self.ep == 0, "ep", f"{self.ep} does not divide dp = world_size/(tp*pp) = {dp}")
+            self.check_expert_layout(self.world_size)
             check(
                 self.global_batch_size % (self.micro_batch_size * dp) == 0,
                 "global_batch_size",
@@ -116,6 +123,12 @@ class ParallelConfig:
             self.check_vpp_microbatches(dp)
         check(not self.sequence_parallel or self.tp > 1, "sequence_parallel", "needs tp > 1")
         check(self.distributed_timeout_s > 0, "distributed_timeout_s", f"must be > 0, got {self.distributed_timeout_s}")
+
+    def check_expert_layout(self, world_size: int) -> None:
+        """megatron-core lays the experts out as etp x ep blocks inside each pipeline stage."""
+        etp = self.tp if self.etp is None else self.etp
+        check((world_size // self.pp) % (etp * self.ep) == 0, "etp",
+              f"etp*ep = {etp}*{self.ep} does not divide world_size/pp = {world_size}/{self.pp}")
 
     @property
     def virtual_pipeline(self) -> bool:
