@@ -100,6 +100,17 @@ def test_expert_parallel_sizes_are_checked(moe_models):
         check_moe_parallel(dense, get_architecture("qwen3"), runtime)
 
 
+def test_expert_tensor_parallel_size_is_validated():
+    from megatron_grpo.config.base import ConfigValueError
+    from megatron_grpo.config.model import ParallelConfig
+
+    ParallelConfig(tp=2, etp=1, ep=2, world_size=4, global_batch_size=2)
+    with pytest.raises(ConfigValueError, match=r"etp: must be >= 1 or null"):
+        ParallelConfig(etp=0)
+    with pytest.raises(ConfigValueError, match=r"etp: etp\*ep = 4\*1 does not divide world_size/pp = 2/1"):
+        ParallelConfig(tp=2, etp=4, world_size=2, global_batch_size=2)
+
+
 # ---- multi-rank ---------------------------------------------------------------------------
 def _moe_worker(rank, world_size, cases, ckpt_out=None):
     from megatron_grpo.models import save_megatron_checkpoint
@@ -113,20 +124,21 @@ def _moe_worker(rank, world_size, cases, ckpt_out=None):
     return results
 
 
-MULTI = {  # layout -> (world, tp, pp, ep, cases)
-    "ep2": (2, 1, 1, 2, ["qwen3_moe-norm", "mixtral"]),
-    "pp2": (2, 1, 2, 1, ["mixtral"]),
-    "tp2xep2": (4, 2, 1, 2, ["qwen3_moe-raw-tied"]),
+MULTI = {  # layout -> (world, tp, pp, ep, etp, cases); etp None = tp
+    "ep2": (2, 1, 1, 2, None, ["qwen3_moe-norm", "mixtral"]),
+    "pp2": (2, 1, 2, 1, None, ["mixtral"]),
+    "tp2xep2": (4, 2, 1, 2, None, ["qwen3_moe-raw-tied"]),
+    "tp2-etp1": (2, 2, 1, 1, 1, ["qwen3_moe-norm"]),  # experts whole on each tp rank
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(MULTI))
 def test_multi_rank_logits_and_round_trip(layout, moe_models, tmp_path):
-    world, tp, pp, ep, names = MULTI[layout]
+    world, tp, pp, ep, etp, names = MULTI[layout]
     cases = [(n, moe_models[n][0]) for n in names]
     ckpt_out = (names[0], str(tmp_path / "ckpt")) if layout == "ep2" else None
-    results = run_distributed(_moe_worker, world, cases, ckpt_out, tp=tp, pp=pp, ep=ep, timeout_s=400)
+    results = run_distributed(_moe_worker, world, cases, ckpt_out, tp=tp, pp=pp, ep=ep, etp=etp, timeout_s=400)
     for name in names:
         assert_matches([r[name] for r in results], *moe_models[name])
     if ckpt_out:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import yaml
 
 from megatron_grpo.config.algorithm import AlgorithmConfig
-from megatron_grpo.config.base import ConfigError, build_section, check, to_dict
+from megatron_grpo.config.base import ConfigError, ConfigValueError, build_section, check, to_dict
 from megatron_grpo.config.evaluation import EvalConfig
 from megatron_grpo.config.model import ModelConfig, ParallelConfig
 from megatron_grpo.config.rollout import RolloutConfig
@@ -178,6 +178,11 @@ def build_experiment(raw: Any, world_size: Optional[int] = None) -> ExperimentCo
                 "parallel.global_batch_size",
                 f"{par.global_batch_size} is not a multiple of micro_batch_size*dp = {par.micro_batch_size}*{dp}",
             )
+        try:
+            par.check_expert_layout(world_size)
+            par.check_vpp_microbatches(dp)
+        except ConfigValueError as e:
+            raise ConfigError(f"parallel.{e.key}", e.message) from None
     return cfg
 
 

@@ -50,10 +50,22 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size."""
 
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per PP rank (megatron's interleaved 1F1B schedule): each rank
+    holds `vpp` model chunks of num_layers / (pp * vpp) layers, which shrinks the pipeline
+    bubble. null or 1: off. Needs pp >= 2, num_hidden_layers divisible by pp * vpp (checked
+    when the model is built) and a number of micro-batches per optimizer step,
+    global_batch_size / (micro_batch_size * dp), that is a multiple of pp."""
+
     ep: int = 1
     """Expert-parallel size (mixture-of-experts models only): the experts of every MoE layer
     are split over `ep` of the dp ranks. Must divide dp and the model's number of experts;
-    experts are tensor-parallel over `tp` like the rest of the model."""
+    experts are tensor-parallel over `etp` (default: `tp`, like the rest of the model)."""
+
+    etp: Optional[int] = None
+    """Expert tensor-parallel size (mixture-of-experts models only): each expert's weights are
+    split over `etp` ranks instead of `tp` (megatron-core's expert_tensor_parallel_size).
+    null: tp. world_size / pp must be divisible by etp * ep."""
 
     world_size: Optional[int] = None
     """Total trainer ranks. null: taken from the launcher (torchrun's WORLD_SIZE); when set,
@@ -100,6 +112,14 @@ class ParallelConfig:
         check(self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 2,
               "max_tokens_per_microbatch", f"must be >= 2 (a prompt token and a response token) or null, "
               f"got {self.max_tokens_per_microbatch}")
+        check(self.etp is None or self.etp >= 1, "etp", f"must be >= 1 or null, got {self.etp}")
+        check(self.vpp is None or self.vpp >= 1, "vpp", f"must be >= 1 or null, got {self.vpp}")
+        check(not self.virtual_pipeline or self.pp >= 2, "vpp",
+              f"{self.vpp} needs pp >= 2 (virtual stages interleave several pipeline ranks), got pp={self.pp}")
+        # the interleaved schedule needs a multiple of pp micro-batches of one shape per step;
+        # a token budget makes both vary (not supported together yet)
+        check(not (self.virtual_pipeline and self.max_tokens_per_microbatch), "max_tokens_per_microbatch",
+              f"cannot be combined with vpp={self.vpp} yet; use micro_batch_size with virtual pipeline stages")
         if self.world_size is not None:
             check(self.world_size >= 1, "world_size", f"must be >= 1, got {self.world_size}")
             check(
@@ -109,14 +129,38 @@ class ParallelConfig:
             )
             dp = self.world_size // (self.tp * self.pp)
             check(dp % self.ep == 0, "ep", f"{self.ep} does not divide dp = world_size/(tp*pp) = {dp}")
+            self.check_expert_layout(self.world_size)
             check(
                 self.global_batch_size % (self.micro_batch_size * dp) == 0,
                 "global_batch_size",
                 f"{self.global_batch_size} is not a multiple of micro_batch_size*dp = "
                 f"{self.micro_batch_size}*{dp}",
             )
+            self.check_vpp_microbatches(dp)
         check(not self.sequence_parallel or self.tp > 1, "sequence_parallel", "needs tp > 1")
         check(self.distributed_timeout_s > 0, "distributed_timeout_s", f"must be > 0, got {self.distributed_timeout_s}")
+
+    def check_expert_layout(self, world_size: int) -> None:
+        """megatron-core lays the experts out as etp x ep blocks inside each pipeline stage."""
+        etp = self.tp if self.etp is None else self.etp
+        check((world_size // self.pp) % (etp * self.ep) == 0, "etp",
+              f"etp*ep = {etp}*{self.ep} does not divide world_size/pp = {world_size}/{self.pp}")
+
+    @property
+    def virtual_pipeline(self) -> bool:
+        """Whether the interleaved (virtual) pipeline schedule is on (vpp > 1)."""
+        return self.vpp is not None and self.vpp > 1
+
+    def check_vpp_microbatches(self, dp: int) -> None:
+        """megatron-core's interleaved schedule runs groups of pp micro-batches per chunk: the
+        micro-batches of one optimizer step must be a multiple of pp."""
+        if not self.virtual_pipeline:
+            return
+        num_microbatches = self.global_batch_size // (self.micro_batch_size * dp)
+        check(num_microbatches % self.pp == 0, "vpp",
+              f"{self.vpp} needs micro-batches per step = global_batch_size/(micro_batch_size*dp) = "
+              f"{self.global_batch_size}/({self.micro_batch_size}*{dp}) = {num_microbatches} to be a "
+              f"multiple of pp={self.pp}")
 
     def dp(self, world_size: int) -> int:
         """Data-parallel size for a given world size."""

@@ -47,6 +47,7 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, recompu
     runtime = dict(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         sequence_parallel=sequence_parallel,
@@ -57,6 +58,15 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, recompu
         use_cpu_initialization=on_cpu,
     )
     check_moe_parallel(hf_config, arch, runtime)
+    check_pipeline_layers(hf_config, runtime["pipeline_model_parallel_size"],
+                          runtime["virtual_pipeline_model_parallel_size"])
+    if runtime["virtual_pipeline_model_parallel_size"] is not None:
+        # Megatron-LM's default for the interleaved schedule. With batched p2p at pp=2 a rank's
+        # previous and next stage are the same peer, and the four batched ops (activation and
+        # gradient, each way) are matched in posting order: activations land in gradient
+        # buffers (same shape, no error; measured: wrong loss from the second micro-batch
+        # group on). The overlapped ops put the two directions on two process groups.
+        runtime.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     if recompute:
         runtime.update(recompute_granularity="full", recompute_method="uniform",
                        recompute_num_layers=1)
@@ -77,6 +87,16 @@ def check_moe_parallel(hf_config, arch, runtime: dict) -> None:
     num_experts = arch.num_experts(hf_config)
     if num_experts % ep:
         raise ModelError(f"parallel.ep={ep} must divide the model's {num_experts} experts")
+
+
+def check_pipeline_layers(hf_config, pp: int, vpp: int | None) -> None:
+    """ModelError (one line, naming config.json's key) unless the layers split evenly over
+    the pp stages and, with a virtual pipeline, over the pp * vpp model chunks."""
+    num_layers = hf_config.num_hidden_layers
+    stages, what = (pp * vpp, f"pp*vpp = {pp}*{vpp}") if vpp else (pp, f"pp = {pp}")
+    if num_layers % stages:
+        raise ModelError(f"config.json num_hidden_layers={num_layers} is not divisible by parallel "
+                         f"{what}: every pipeline chunk must hold the same number of layers")
 
 
 def check_moe_training(hf_config, tp: int, sequence_parallel: bool) -> None:
@@ -108,28 +128,48 @@ def layer_spec(hf_config, config):
 def build_model(hf_config, *, dtype: torch.dtype = torch.float32,
                 make_vocab_size_divisible_by: int = 128, recompute: bool = False,
                 sequence_parallel: bool = False, init_weights: bool = True) -> list:
-    """GPTModel chunks of this rank's PP stage (one chunk: no virtual pipeline yet).
+    """GPTModel chunks of this rank's PP stage: one, or one per virtual stage (``vpp``).
 
-    ``pre_process``/``post_process`` follow the PP stage. Weights are randomly initialised
-    unless ``init_weights=False`` (faster when a checkpoint is loaded right after). Each chunk
-    gets a ``hf_config`` attribute, which checkpoint saving reads.
+    With a virtual pipeline (megatron's interleaved schedule) chunk ``i`` of PP rank ``r``
+    holds the layers of virtual stage ``i * pp + r`` (``vp_stage=i``: megatron computes the
+    layer offset, so ``layer.layer_number`` is the global 1-based index). The embedding lives
+    in chunk 0 of the first PP rank, the output layer in the last chunk of the last one.
+
+    Weights are randomly initialised unless ``init_weights=False`` (faster when a checkpoint is
+    loaded right after). Each chunk gets a ``hf_config`` attribute, which checkpoint saving reads.
     """
+    from megatron.core import parallel_state
+
+    config = transformer_config(hf_config, dtype=dtype, recompute=recompute,
+                                sequence_parallel=sequence_parallel)
+    config.perform_initialization = init_weights
+    vpp = config.virtual_pipeline_model_parallel_size
+    if vpp is None:
+        stages = [dict(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+                       post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True))]
+    else:
+        stages = [dict(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
+                       post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i),
+                       vp_stage=i) for i in range(vpp)]
+    return [_build_chunk(hf_config, config, dtype, make_vocab_size_divisible_by, init_weights, **stage)
+            for stage in stages]
+
+
+def _build_chunk(hf_config, config, dtype: torch.dtype, make_vocab_size_divisible_by: int,
+                 init_weights: bool, **stage_kwargs):
+    """One GPTModel chunk; ``stage_kwargs``: pre_process, post_process and (VPP) vp_stage."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
     arch = get_architecture(hf_config.model_type)
-    config = transformer_config(hf_config, dtype=dtype, recompute=recompute,
-                                sequence_parallel=sequence_parallel)
-    config.perform_initialization = init_weights
     tp = parallel_state.get_tensor_model_parallel_world_size()
     with cpu_shim.tensor_cuda_is_identity():
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec(hf_config, config),
             vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
             parallel_output=True,
+            **stage_kwargs,
             **arch.gpt_model_kwargs(hf_config),
         )
     if not init_weights:
@@ -142,7 +182,7 @@ def build_model(hf_config, *, dtype: torch.dtype = torch.float32,
             param.data = param.data.to(dtype)
     model.to(compute_device())
     model.hf_config = hf_config
-    return [model]
+    return model
 
 
 def mark_tensor_parallel_params(model) -> None:

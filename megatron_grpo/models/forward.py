@@ -71,6 +71,13 @@ def run_schedule(model_chunks: list, items: Iterable[Any], forward_step: Callabl
     """megatron-core's forward(-backward) schedule over ``items`` (one per micro-batch), told
     the sequence length the chunks really see (``seq_length`` padded as ``causal_logits`` does).
 
+    With several chunks (virtual pipeline) megatron runs its interleaved 1F1B schedule, which
+    reads one data iterator per chunk: each gets its own pass over ``items``. That schedule
+    takes a number of micro-batches that is a multiple of pp (``interleaved_microbatches``);
+    a forward-only pass with another number repeats its last item up to one and drops the
+    repeats' outputs (a training pass must already have a valid number: the loss scaling
+    counts micro-batches, so the trainer's config validation guarantees it).
+
     variable_seq_lengths: the micro-batches differ in shape (token-budget micro-batching).
     Pipeline stages then send each activation's shape before it (megatron's
     ``variable_seq_lengths``, read from the chunks' config by the p2p code of this call);
@@ -81,11 +88,35 @@ def run_schedule(model_chunks: list, items: Iterable[Any], forward_step: Callabl
     for chunk in model_chunks:
         get_model_config(chunk).variable_seq_lengths = variable_seq_lengths
 
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(items), model=model_chunks,
-        num_microbatches=num_microbatches, micro_batch_size=micro_batch_size, forward_only=forward_only,
+    items = list(items)
+    data_iterator: Any = iter(items)
+    num_run = num_microbatches
+    if len(model_chunks) > 1:
+        num_run = interleaved_microbatches(num_microbatches, forward_only)
+        items = items + items[-1:] * (num_run - num_microbatches)
+        data_iterator = [iter(items) for _ in model_chunks]
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=model_chunks,
+        num_microbatches=num_run, micro_batch_size=micro_batch_size, forward_only=forward_only,
         seq_length=padded_length(seq_length, sequence_multiple(model_chunks[0])),
     )
+    return outputs[:num_microbatches] if isinstance(outputs, list) else outputs
+
+
+def interleaved_microbatches(num_microbatches: int, forward_only: bool) -> int:
+    """The number of micro-batches megatron's interleaved schedule runs for ``num_microbatches``:
+    itself when it is a multiple of pp (megatron-core 0.16 requires that, with its default
+    ``microbatch_group_size_per_vp_stage = pp``), else, forward-only, the next multiple of pp.
+    ValueError for a training pass with another number."""
+    from megatron.core import parallel_state
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if num_microbatches % pp == 0:
+        return num_microbatches
+    if not forward_only:
+        raise ValueError(f"the interleaved pipeline schedule (parallel.vpp) needs a number of "
+                         f"micro-batches per step that is a multiple of pp={pp}, got {num_microbatches}")
+    return padded_length(num_microbatches, pp)
 
 
 def forward_logits(model_chunks: list, input_ids_BS: torch.Tensor) -> torch.Tensor | None:

@@ -21,13 +21,14 @@ from megatron_grpo.runtime.process import free_port
 
 
 def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 600.0, *,
-               ep: int = 1, etp: int | None = None) -> None:
+               ep: int = 1, etp: int | None = None, vpp: int | None = None) -> None:
     """Start torch.distributed from the torchrun environment (or a single process) and
     megatron's parallel state with ``tp`` x ``pp`` (dp = world / (tp * pp)).
 
     ``ep``: expert-parallel size (MoE experts split over ``ep`` of the dp ranks); ``etp``:
     tensor-parallel size of the experts (default: ``tp``). world / pp must be divisible by
-    etp * ep.
+    etp * ep. ``vpp``: virtual pipeline stages per PP rank (None or 1: none); vpp > 1 needs
+    pp >= 2 (``build_model`` then builds one chunk per virtual stage).
 
     Idempotent for the process group; re-initialises megatron's model-parallel state so a
     test may switch sizes between cases. ``timeout_s`` bounds every collective, in the
@@ -51,6 +52,9 @@ def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 60
     if world % (tp * pp) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
     etp = tp if etp is None else etp
+    vpp = None if vpp in (None, 1) else vpp
+    if vpp is not None and pp < 2:
+        raise ValueError(f"parallel.vpp={vpp} needs pp >= 2, got pp={pp}")
     if world % (etp * ep * pp) != 0:
         raise ValueError(f"world size {world} is not divisible by etp*ep*pp = {etp}*{ep}*{pp}")
     if parallel_state.model_parallel_is_initialized():
@@ -58,6 +62,7 @@ def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 60
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        virtual_pipeline_model_parallel_size=vpp,
         distributed_timeout_minutes=timeout_s / 60,  # a timedelta(minutes=...): fractions are kept
     )
     torch.manual_seed(seed)

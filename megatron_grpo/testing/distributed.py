@@ -1,6 +1,6 @@
 """Run a function on N gloo ranks: the harness behind every TP/PP test and benchmark.
 
-``run_distributed(fn, world_size, *args, tp=..., pp=..., ep=...)`` spawns ``world_size`` fresh
+``run_distributed(fn, world_size, *args, tp=..., pp=..., ep=..., vpp=..., etp=...)`` spawns ``world_size`` fresh
 processes (``spawn`` start method, so no state leaks from the parent), points them at a
 free loopback port, initialises torch.distributed (+ megatron parallel state when ``tp``,
 ``pp`` or ``ep`` is given) and calls ``fn(rank, world_size, *args)`` in each. It returns the list of
@@ -34,7 +34,7 @@ class RankFailure(RuntimeError):
     """One or more ranks raised; the message holds each failing rank's traceback."""
 
 
-def _worker(fn, rank, world_size, port, tp, pp, ep, seed, args, kwargs, results):
+def _worker(fn, rank, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs, results):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -51,7 +51,7 @@ def _worker(fn, rank, world_size, port, tp, pp, ep, seed, args, kwargs, results)
         if tp is not None or pp is not None or ep is not None:
             from megatron_grpo.runtime import parallel
 
-            parallel.initialize(tp or 1, pp or 1, seed=seed, ep=ep or 1)
+            parallel.initialize(tp or 1, pp or 1, seed=seed, ep=ep or 1, vpp=vpp, etp=etp)
         else:
             import torch.distributed as dist
 
@@ -79,6 +79,8 @@ def run_distributed(
     tp: int | None = None,
     pp: int | None = None,
     ep: int | None = None,
+    vpp: int | None = None,
+    etp: int | None = None,
     seed: int = 1234,
     timeout_s: float = 300.0,
     **kwargs: Any,
@@ -93,7 +95,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, port, tp, pp, ep, seed, args, kwargs, results),
+            args=(fn, r, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs, results),
             daemon=False,
         )
         for r in range(world_size)

@@ -36,6 +36,7 @@ from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.trainer.components import build_policy, build_reference, build_rollout_side
 from megatron_grpo.trainer.megatron_step import (ScoringSpec, compute_log_probs, old_log_probs_needed,
                                                  probe_log_probs, train_mini_batch)
+from megatron_grpo.trainer.moe_metrics import RouterLoad
 from megatron_grpo.trainer.optim import lr_at, set_lr
 from megatron_grpo.trainer.rollout_step import generate_and_score
 from megatron_grpo.trainer.rollouts import RolloutSchedule
@@ -108,8 +109,12 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             # 2. old-policy / reference log-probs on this DP rank's rows
             local = dp_shard(batch, dp_rank, dp, cfg.parallel.global_batch_size)
             budget = cfg.parallel.max_tokens_per_microbatch
+            moe_metrics = {}
             if old_log_probs_needed(cfg.algorithm.num_iterations, batch.num_sequences // cfg.parallel.global_batch_size):
-                local.old_log_probs = compute_log_probs(policy.chunks, local, cfg.parallel.micro_batch_size, spec, budget)
+                router_load = RouterLoad(policy.modules)  # counted where the pass runs: pi_old's routing
+                local.old_log_probs = compute_log_probs(policy.chunks, local, cfg.parallel.micro_batch_size, spec,
+                                                        budget, router_load=router_load if router_load.active else None)
+                moe_metrics = router_load.metrics(cfg.parallel.sequence_parallel)  # collective; {} if dense
             if reference is not None:
                 local.ref_log_probs = compute_log_probs(reference, local, cfg.parallel.micro_batch_size, spec, budget)
             timer.lap("logprob")
@@ -150,6 +155,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             record["weight_sync_verified"] = int(sync_stats.verified)
             if sync_stats.probe_logprob_abs_diff is not None:
                 record["weight_sync_probe_logprob_abs_diff"] = sync_stats.probe_logprob_abs_diff
+            record.update(moe_metrics)
             record.update(eval_metrics)
             record.update(timer.finish())
             # training throughput: evaluation time is not the step's work

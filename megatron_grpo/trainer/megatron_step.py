@@ -19,6 +19,7 @@ PP, DP or micro-batch split (docs/loss_spec.md#the-whole-loss-and-the-distribute
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -33,6 +34,7 @@ from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.runtime.device import all_finite, collective_tensor, to_device
 from megatron_grpo.trainer.batch import TrainBatch
 from megatron_grpo.trainer.microbatch import plan_micro_batches, sequence_lengths, split, unsplit
+from megatron_grpo.trainer.moe_metrics import RouterLoad
 
 
 @dataclass
@@ -71,15 +73,18 @@ def old_log_probs_needed(num_iterations: int, num_mini_batches: int) -> bool:
 
 
 def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, spec: ScoringSpec,
-                      max_tokens_per_microbatch: Optional[int] = None):
+                      max_tokens_per_microbatch: Optional[int] = None, router_load: Optional[RouterLoad] = None):
     """Forward-only scoring of ``batch``: float[N, T] log-probs on the last PP stage, None on
     the others (the loss is computed where the logits are). Micro-batches as in
     ``train_mini_batch`` (``trainer.microbatch``); positions past a row's last response
-    token may be 0 under a token budget (they are never scored)."""
+    token may be 0 under a token budget (they are never scored). ``router_load``: counts the
+    MoE routing of the scored positions (``trainer.moe_metrics``)."""
     from megatron.core import parallel_state
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+        if router_load is not None:
+            router_load.set_micro_batch(mb.loss_mask)
         logits = causal_logits(model, mb.tokens)
 
         def loss_func(output):
@@ -91,9 +96,10 @@ def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, sp
     batch = to_device(batch)  # the batch is built on the CPU (rank 0) and broadcast
     for c in model_chunks:
         c.eval()
-    with torch.no_grad():
-        plan = plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch)
-        outs = _run_schedule(model_chunks, split(batch, plan), forward_step, True)
+    plan = plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch)
+    mbs = split(batch, plan)
+    with torch.no_grad(), (router_load.counting(len(mbs)) if router_load else contextlib.nullcontext()):
+        outs = _run_schedule(model_chunks, mbs, forward_step, True)
     for c in model_chunks:
         c.train()
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):

@@ -16,8 +16,8 @@ Routing, as Hugging Face computes it and as megatron's router options reproduce 
   the output of each expert is scaled by its weight after the expert (``moe_apply_probs_on_input``
   off), which is where HF applies it;
 * no load-balancing loss inside the model: HF adds its ``router_aux_loss_coef`` loss only when
-  ``output_router_logits`` is set, outside the logits; the trainer's ``model.moe_aux_loss_coeff``
-  turns megatron's ``aux_loss`` on.
+  ``output_router_logits`` is set, outside the logits; the trainer has no aux-loss option yet
+  (the per-step router load metrics are in ``trainer.moe_metrics``).
 
 Expert weights: HF stores expert ``e`` of layer ``l`` as separate gate/up/down matrices
 (on-disk names, whatever fused form transformers uses in memory); megatron's ``SequentialMLP``
