@@ -298,8 +298,9 @@ class WeightSyncer:
 
         def checksum(bucket) -> None:  # runs while the bucket is in flight
             c0 = time.perf_counter()
-            # over the send buffer once packed: the bytes the engine reads, recently written
-            for name, tensor in zip(bucket.names, bucket.sent_tensors()):
+            # over the tensors as the weight iterator gave them, not the packed send buffer:
+            # a packing bug (wrong offset, flipped byte) must show as a difference
+            for name, tensor in zip(bucket.names, bucket.tensors):
                 expected[name] = tensor_checksum(tensor)
                 samples[name] = tensor[:_SAMPLE_ROWS].detach().float().cpu().clone()
             stats.checksum_seconds += time.perf_counter() - c0

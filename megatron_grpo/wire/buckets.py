@@ -24,8 +24,6 @@ class Bucket:
     shapes: list[list[int]] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
-    packed: Optional[torch.Tensor] = None
-    """The uint8 buffer [nbytes] of the last ``pack`` (None before)."""
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         assert tensor.dtype == self.dtype, (name, tensor.dtype, self.dtype)
@@ -46,15 +44,7 @@ class Bucket:
             n = t.numel() * t.element_size()
             flat[offset: offset + n].view(t.dtype).view(t.shape).copy_(t)
             offset += n
-        self.packed = flat
         return flat
-
-    def sent_tensors(self) -> list[torch.Tensor]:
-        """The tensors as they are in the send buffer once packed (views of ``packed``: the bytes
-        the engine reads), the caller's tensors before."""
-        if self.packed is None:
-            return list(self.tensors)
-        return [t for _, t in unflatten(self.packed, self.names, [self.dtype] * len(self.names), self.shapes)]
 
 
 def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
