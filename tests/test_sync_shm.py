@@ -112,7 +112,7 @@ def test_engine_death_mid_sync_leaves_no_segment(launched):
 
     def iter_then_kill(chunks, hf_config):
         for i, item in enumerate(tensors):
-            if i == len(tensors) // 2:  # buckets already sent, more to come
+            if i == len(tensors) // 2:  # mid-iteration: the engine is dead when the bucket goes out
                 os.kill(manager.pid, signal.SIGKILL)
                 time.sleep(0.2)
             yield item
@@ -144,3 +144,14 @@ def test_segments_of_a_killed_trainer_are_swept_and_foreign_paths_refused(tmp_pa
     for bad in (str(outside), "/etc/passwd", str(SHM_DIR / "other")):
         with pytest.raises(ValueError, match="not a megatron-grpo bucket segment"):
             open_segment(bad, 1)
+
+
+def test_each_engine_kind_names_its_tensor_wire():
+    """SGLang keeps its own /update_weights_from_tensor payload everywhere; the embedded engine
+    gets the shm wire on the CPU and SGLang's CUDA-IPC payload on a GPU."""
+    from megatron_grpo.rollout.engines import ENGINES
+    from megatron_grpo.sync.transports import TENSOR_WIRES
+
+    assert {name: (a.tensor_wire(False), a.tensor_wire(True)) for name, a in ENGINES.items()} == {
+        "embedded": ("shm_bucket", "named_tensors"), "sglang": ("named_tensors", "named_tensors")}
+    assert all(a.tensor_wire(c) in TENSOR_WIRES for a in ENGINES.values() for c in (False, True))
