@@ -1,8 +1,9 @@
 """A flattened bucket in a shared-memory file: the embedded engine's CPU tensor-transport wire.
 
 SGLang's ``/update_weights_from_tensor`` format (``serialize.py``) pickles one handle per
-tensor; on the CPU, torch then gives every bucket a fresh shared-memory file and the receiver
-maps it again per bucket, paying a page fault per 4 KiB on both sides. The embedded engine
+tensor; on the CPU the receiver rebuilds them from torch's shared-memory file and maps that
+file anew for every request (its tensors are dropped after loading), paying a page fault per
+4 KiB each time. The embedded engine
 accepts a cheaper wire on the CPU (``/update_weights_from_shm``): the sender packs each bucket
 (``buckets.py``'s flattened layout) into ONE file in ``/dev/shm`` that it creates once and
 reuses for every bucket of every sync; only its path and the tensors' names, dtypes and shapes
