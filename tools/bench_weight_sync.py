@@ -10,7 +10,12 @@ trainer does, for several transports and bucket sizes, with and without verifica
 
 Reported per configuration: bytes synced, best-of-N wall time of ``sync()``, throughput,
 and the ratio to a plain memcpy of the same tensors in the same (sending) process
-(``dst.copy_(src)`` into preallocated tensors, single thread, like the ranks).
+(``dst.copy_(src)`` into preallocated tensors, single thread, like the ranks), for the whole
+sync and for the data path alone (the time inside ``transport.send``/``end``: packing, the
+transfer and the engine's load, without weight iteration and the pause/flush/version calls);
+"memcpy-equivalents" is that time over the memcpy's: how many in-process copies of every byte
+it costs. The tensor transport runs with both of its CPU wires in the same process:
+``named_tensors`` (SGLang's format, what the embedded engine used before) and ``shm_bucket``.
 The checksum overhead is measured two ways, from interleaved (no verify, verify) pairs so
 the machine's drifting load hits both alike: the wall-time difference of the medians, and
 the checksum work itself (the sender's checksum CPU time, which overlaps the transfer, plus
@@ -50,12 +55,29 @@ def memcpy_seconds(tensors: list[torch.Tensor], repeats: int) -> float:
     return best
 
 
+def _time_data_path(transport) -> None:
+    """Accumulate the time spent in ``transport.send``/``end`` into ``transport.data_seconds``
+    (bench instrumentation: wraps the bound methods of this one transport)."""
+    transport.data_seconds = 0.0
+    for method in ("send", "end"):
+        inner = getattr(transport, method)
+
+        def timed(*a, _inner=inner, **k):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*a, **k)
+            finally:
+                transport.data_seconds += time.perf_counter() - t0
+        setattr(transport, method, timed)
+
+
 def _bench_worker(rank, world_size, url, model_dir, work_dir, throughput_configs, overhead_transports, repeats):
     import statistics
 
     from megatron_grpo.models import build_model, iter_hf_weights, load_hf_config, load_hf_weights
     from megatron_grpo.rollout import RolloutClient
     from megatron_grpo.sync.syncer import WeightSyncer
+    from megatron_grpo.sync.transports import TENSOR_WIRES
 
     hf_config = load_hf_config(model_dir)
     chunks = build_model(hf_config, dtype=torch.float32, init_weights=False)
@@ -69,20 +91,32 @@ def _bench_worker(rank, world_size, url, model_dir, work_dir, throughput_configs
     step = [0]
 
     def syncer(transport, bucket_mb, verify):
-        cfg = RolloutConfig(weight_sync_transport=transport, weight_update_bucket_mb=bucket_mb,
+        kind, _, wire = transport.partition(":")
+        cfg = RolloutConfig(weight_sync_transport=kind, weight_update_bucket_mb=bucket_mb,
                             verify_weights_every=1 if verify else 0, request_timeout_s=600)
-        return WeightSyncer(cfg, [url], hf_config, work_dir=work_dir, client=client)
+        s = WeightSyncer(cfg, [url], hf_config, work_dir=work_dir, client=client)
+        if s.transport is not None:
+            if wire:  # the other CPU wire, to compare both in this process
+                s.transport.wire.release()
+                s.transport.wire = TENSOR_WIRES[wire]()
+            _time_data_path(s.transport)
+        return s
 
     def run(s):
         step[0] += 1
-        return s.sync(chunks, step[0])
+        if s.transport is not None:
+            s.transport.data_seconds = 0.0
+        st = s.sync(chunks, step[0])
+        st.data_seconds = s.transport.data_seconds if s.transport is not None else 0.0
+        return st
 
     rows = []
     for transport, bucket_mb in throughput_configs:  # best of N, no verification
         s = syncer(transport, bucket_mb, False)
         best = min((run(s) for _ in range(repeats)), key=lambda st: st.seconds)
         s.close()
-        rows.append(dict(transport=transport, bucket_mb=bucket_mb, seconds=best.seconds, bytes=best.num_bytes))
+        rows.append(dict(transport=transport, bucket_mb=bucket_mb, seconds=best.seconds,
+                         data_seconds=best.data_seconds, bytes=best.num_bytes))
     overhead = []
     for transport in overhead_transports:  # interleaved off/on pairs: the machine's load drifts
         plain, checked = syncer(transport, 512, False), syncer(transport, 512, True)
@@ -125,9 +159,10 @@ def main(argv=None) -> int:
     print(f"model: qwen2 hidden {args.hidden}, {args.layers} layers, {num_params / 1e6:.1f}M params "
           f"({num_params * 4 / 2**20:.0f} MiB fp32)", flush=True)
     plans = {  # tp -> (throughput configs, transports for the checksum overhead)
-        1: ([("distributed", mb) for mb in (16, 64, 256, 512)] + [("tensor", 512), ("disk", 512)],
-            ["distributed", "tensor"]),
-        2: ([("distributed", 512), ("tensor", 512)], ["distributed"]),
+        1: ([("distributed", 64), ("distributed", 512), ("tensor:named_tensors", 512),
+             ("tensor:shm_bucket", 512), ("disk", 512)],
+            ["distributed", "tensor:shm_bucket"]),
+        2: ([("distributed", 512), ("tensor:named_tensors", 512), ("tensor:shm_bucket", 512)], ["distributed"]),
     }
     cfg = RolloutConfig(dtype="float32", launch_timeout_s=300)
     results = {}
@@ -146,16 +181,19 @@ def main(argv=None) -> int:
 
 
 def print_table(results: dict, num_params: int) -> None:
-    print("\n| TP | transport | bucket MiB | GiB synced | sync s (best) | GiB/s | vs memcpy |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| TP | transport | bucket MiB | GiB synced | sync s (best) | GiB/s | sync vs memcpy "
+          "| data path s | data path vs memcpy | memcpy-equivalents (data path / sync) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, out in results.items():
-        memcpy_gbs = out["bytes"] / out["memcpy_seconds"] / 2**30
+        memcpy_s = out["memcpy_seconds"]
         for r in out["rows"]:
             gbs = r["bytes"] / r["seconds"] / 2**30
             print(f"| {name[2:]} | {r['transport']} | {r['bucket_mb']} | {r['bytes'] / 2**30:.2f} | "
-                  f"{r['seconds']:.3f} | {gbs:.2f} | {100 * gbs / memcpy_gbs:.0f}% |")
+                  f"{r['seconds']:.3f} | {gbs:.2f} | {100 * memcpy_s / r['seconds']:.0f}% | "
+                  f"{r['data_seconds']:.3f} | {100 * memcpy_s / r['data_seconds']:.0f}% | "
+                  f"{r['data_seconds'] / memcpy_s:.1f} / {r['seconds'] / memcpy_s:.1f} |")
         print(f"| {name[2:]} | memcpy (same process) | | {out['bytes'] / 2**30:.2f} | "
-              f"{out['memcpy_seconds']:.3f} | {memcpy_gbs:.2f} | 100% |")
+              f"{memcpy_s:.3f} | {out['bytes'] / memcpy_s / 2**30:.2f} | 100% | | | 1 |")
     print("\nChecksum verification (bucket 512 MiB, medians of interleaved pairs):\n")
     print("| TP | transport | sync s, no verify | sync s, verify | wall overhead | trainer checksum CPU "
           "| engine checksum pass | (trainer + engine) / sync |")

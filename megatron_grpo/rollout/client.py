@@ -51,6 +51,8 @@ ROUTES: dict[str, tuple[str, str]] = {
     "get_weights_by_name": ("POST", "/get_weights_by_name"),
     # Embedded engine only: per-tensor checksums of the served weights (sync verification).
     "weights_checksum": ("POST", "/weights_checksum"),
+    # Embedded engine only: a flattened bucket in a /dev/shm segment (wire/shm.py).
+    "update_weights_from_shm": ("POST", "/update_weights_from_shm"),
 }
 
 # Answers worth retrying: the server (or a proxy in front of it) is restarting or overloaded.
@@ -260,6 +262,11 @@ class AsyncRolloutClient:
         body = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
                 "flush_cache": flush_cache, "weight_version": weight_version, **(extra or {})}
         return await self.call("update_weights_from_tensor", body, url=url, retry=False)
+
+    async def update_weights_from_shm(self, url: str, *, path: str, names: list[str], dtypes: list[str],
+                                      shapes: list[list[int]], extra: Optional[dict] = None) -> Any:
+        body = {"path": path, "names": names, "dtypes": dtypes, "shapes": shapes, **(extra or {})}
+        return await self.call("update_weights_from_shm", body, url=url, retry=False)
 
     async def init_weights_update_group(self, url: str, *, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, group_name: str,

@@ -144,7 +144,8 @@ class WeightSyncer:
                 self.client, stage=pp_rank, bucket_bytes=cfg.weight_update_bucket_mb * 2**20,
                 timeout_s=cfg.request_timeout_s, master_address=cfg.weight_sync_master_address or master_address,
                 work_dir=Path(work_dir) if work_dir else None, hf_config=hf_config,
-                backend=self.adapter.backend(cfg, cuda_available()))
+                backend=self.adapter.backend(cfg, cuda_available()),
+                tensor_wire=self.adapter.tensor_wire(cuda_available()))
         self.num_syncs = 0
         self._engine_info: Optional[list[dict]] = None
         self._opened: list[str] = []  # engines whose update bracket this sync opened
@@ -297,6 +298,8 @@ class WeightSyncer:
 
         def checksum(bucket) -> None:  # runs while the bucket is in flight
             c0 = time.perf_counter()
+            # over the tensors as the weight iterator gave them, not the packed send buffer:
+            # a packing bug (wrong offset, flipped byte) must show as a difference
             for name, tensor in zip(bucket.names, bucket.tensors):
                 expected[name] = tensor_checksum(tensor)
                 samples[name] = tensor[:_SAMPLE_ROWS].detach().float().cpu().clone()

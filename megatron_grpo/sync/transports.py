@@ -9,9 +9,11 @@ every engine URL; ``send`` returns once each engine has loaded it (so buffers ca
   and ONE uint8 broadcast, inside the begin/end bracket (SGLang 0.5.23 requires it). The
   backend is the one the engine's adapter resolves (gloo, or NCCL where the engine accepts it).
 * ``tensor``: colocated engines; the bucket is packed into a buffer on the sender's device and
-  each engine opens it by handle (``/update_weights_from_tensor``, inside the begin/end
-  bracket): a CUDA IPC handle on a GPU (zero copy: the engine reads the trainer's memory),
-  a shared-memory file on the CPU (``wire/serialize.py``).
+  each engine opens it by handle, inside the begin/end bracket, in the wire its adapter names
+  (``TENSOR_WIRES``): SGLang's ``/update_weights_from_tensor`` (``wire/serialize.py``: a CUDA
+  IPC handle on a GPU, zero copy; a torch shared-memory file per bucket on the CPU), or, for
+  the embedded engine on the CPU, ONE reused ``/dev/shm`` segment holding the flattened
+  bucket plus names/dtypes/shapes over HTTP (``/update_weights_from_shm``, ``wire/shm.py``).
 * ``disk``: each bucket becomes a safetensors file in a per-sync directory written under a
   temporary name and renamed when complete; ``/update_weights_from_disk`` loads the directory.
 """
@@ -33,6 +35,7 @@ from megatron_grpo.rollout.types import RolloutError
 from megatron_grpo.runtime.device import collective_device, compute_device
 from megatron_grpo.wire.buckets import Bucket, unflatten
 from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_system_sharing
+from megatron_grpo.wire.shm import ShmSegment, remove_stale_segments
 
 
 class Transport:
@@ -46,9 +49,10 @@ class Transport:
 
     def __init__(self, client, *, stage: int, bucket_bytes: int, timeout_s: float,
                  master_address: str = "127.0.0.1", work_dir: Optional[Path] = None, hf_config=None,
-                 backend: str = "gloo"):
+                 backend: str = "gloo", tensor_wire: str = "named_tensors"):
         self.client = client
         self.backend = backend
+        self.tensor_wire = tensor_wire
         self.urls = list(client.urls)
         self.stage = stage
         self.bucket_bytes = bucket_bytes
@@ -185,6 +189,61 @@ def tensor_bucket_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return buffer if device.type == "cuda" else buffer.share_memory_()
 
 
+class NamedTensorsWire:
+    """SGLang's ``/update_weights_from_tensor``: the packed bucket's views, pickled by handle."""
+
+    def __init__(self):
+        use_file_system_sharing()
+        self._buffer: Optional[torch.Tensor] = None
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = tensor_bucket_buffer(nbytes, compute_device())
+        return self._buffer
+
+    def submit(self, transport: "TensorTransport", flat: torch.Tensor, bucket: Bucket) -> list[Future]:
+        named = unflatten(flat, bucket.names, [bucket.dtype] * len(bucket.names), bucket.shapes)
+        payload = serialize_named_tensors(named)
+        client = transport.client
+        return [client.submit(client.aio.update_weights_from_tensor(url, [payload] * tp, extra=transport.request_extras))
+                for url, tp in zip(transport.urls, transport.engine_tp_sizes())]
+
+    def release(self) -> None:
+        self._buffer = None
+
+
+class ShmBucketWire:
+    """The embedded engine's CPU wire (``wire/shm.py``): one reused /dev/shm segment."""
+
+    def __init__(self):
+        remove_stale_segments()  # left by trainers killed with SIGKILL
+        self._segment: Optional[ShmSegment] = None
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        if self._segment is None or self._segment.nbytes < nbytes:
+            self.release()
+            self._segment = ShmSegment(nbytes)
+        return self._segment.tensor
+
+    def submit(self, transport: "TensorTransport", flat: torch.Tensor, bucket: Bucket) -> list[Future]:
+        client = transport.client
+        return [client.submit(client.aio.update_weights_from_shm(
+            url, path=self._segment.path, names=bucket.names, dtypes=[bucket.dtype_name] * len(bucket.names),
+            shapes=bucket.shapes, extra=transport.request_extras)) for url in transport.urls]
+
+    def release(self) -> None:
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            segment.close()
+
+
+# EngineAdapter.tensor_wire(...) -> how the tensor transport hands a packed bucket over
+TENSOR_WIRES: dict[str, type] = {
+    "named_tensors": NamedTensorsWire,
+    "shm_bucket": ShmBucketWire,
+}
+
+
 class TensorTransport(Transport):
     """Buckets passed by handle to colocated engines (see the module docstring)."""
 
@@ -192,26 +251,23 @@ class TensorTransport(Transport):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        use_file_system_sharing()
-        self._buffer: Optional[torch.Tensor] = None
+        self.wire = TENSOR_WIRES[self.tensor_wire]()
 
     def send(self, bucket: Bucket, overlap: Optional[Callable[[], None]] = None) -> None:
-        if self._buffer is None or self._buffer.numel() < bucket.nbytes:
-            # Grown to the largest bucket and reused: each send waits for the engines, so
-            # the previous bucket is no longer needed (nor its handle open).
-            self._buffer = tensor_bucket_buffer(bucket.nbytes, compute_device())
-        flat = bucket.pack(out=self._buffer)
-        named = unflatten(flat, bucket.names, [bucket.dtype] * len(bucket.names), bucket.shapes)
-        payload = serialize_named_tensors(named)
-        futures = [self.client.submit(self.client.aio.update_weights_from_tensor(url, [payload] * tp,
-                                                                                 extra=self.request_extras))
-                   for url, tp in zip(self.urls, self.engine_tp_sizes())]
-        if overlap is not None:
-            overlap()
-        self._wait_all(futures)
+        # The buffer grows to the largest bucket and is reused: each send waits for the
+        # engines, so the previous bucket is no longer needed (nor its handle open).
+        try:
+            flat = bucket.pack(out=self.wire.buffer(bucket.nbytes))
+            futures = self.wire.submit(self, flat, bucket)
+            if overlap is not None:
+                overlap()
+            self._wait_all(futures)
+        except BaseException:
+            self.wire.release()  # a failed send (a dead engine) leaves no segment behind
+            raise
 
     def reset(self) -> None:
-        self._buffer = None
+        self.wire.release()
         self._tp_sizes = None
 
 

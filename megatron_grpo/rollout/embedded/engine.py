@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +31,9 @@ import torch
 from megatron_grpo.rollout.embedded.generation import Sequence, WaveStep, run_wave
 from megatron_grpo.models.weights import SafetensorsReader
 from megatron_grpo.rollout.embedded.served_names import served_tensors
+from megatron_grpo.wire.buckets import unflatten
 from megatron_grpo.wire.checksum import tensor_checksum
+from megatron_grpo.wire.shm import open_segment
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,9 @@ class EmbeddedEngine:
         self._stop = False
         self._groups: dict[str, object] = {}
         self._recv_buffers: dict[str, torch.Tensor] = {}
+        # (path, mapping as a uint8 tensor) of the sender's /dev/shm segment: mapped once and
+        # kept while the sender reuses it (fresh mappings cost a page fault per 4 KiB)
+        self._shm: Optional[tuple[str, torch.Tensor]] = None
         # name -> checksum of the parameter as loaded by the last update that asked for it,
         # computed in the background so it overlaps the next bucket's transfer.
         self._checksums: dict[str, Future] = {}
@@ -209,6 +215,8 @@ class EmbeddedEngine:
     def end_weight_update(self) -> None:
         with self._cond:
             self._update_session = False
+            if self._shm is not None and not os.path.exists(self._shm[0]):
+                self._shm = None  # the sender unlinked it: let the pages go
 
     @property
     def in_update_session(self) -> bool:
@@ -319,7 +327,6 @@ class EmbeddedEngine:
         import torch.distributed as dist
 
         from megatron_grpo.runtime.device import collective_device
-        from megatron_grpo.wire.buckets import unflatten
 
         group = self._groups.get(group_name)
         if group is None:
@@ -347,6 +354,27 @@ class EmbeddedEngine:
                 t = torch.empty(shape, dtype=dtype, device=device)
                 dist.broadcast(t, src=0, group=group)
                 tensors.append((name, t))
+        with self.exclusive():
+            return self.load_weights(tensors, compute_checksums=compute_checksums)
+
+
+    def receive_shm(self, *, path: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                    compute_checksums: bool = False) -> int:
+        """/update_weights_from_shm: load a flattened bucket from the sender's /dev/shm segment
+        (``wire/shm.py``; same layout as a ``flattened_bucket`` broadcast). Returns the count."""
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise EngineError("names, dtypes and shapes must have the same length")
+        torch_dtypes = [_parse_dtype(d) for d in dtypes]
+        self.check_names(names, shapes)
+        nbytes = sum(_numel(s) * d.itemsize for s, d in zip(shapes, torch_dtypes))
+        if self._shm is None or self._shm[0] != path or self._shm[1].numel() < nbytes:
+            self._shm = None
+            try:
+                _, mapped = open_segment(path, nbytes)
+            except ValueError as e:
+                raise EngineError(str(e)) from None
+            self._shm = (path, mapped)
+        tensors = unflatten(self._shm[1][:nbytes], names, torch_dtypes, shapes)
         with self.exclusive():
             return self.load_weights(tensors, compute_checksums=compute_checksums)
 

@@ -2,8 +2,10 @@
 
 Differences from SGLang, all deliberate:
 
+* ``/update_weights_from_shm`` (embedded only): the CPU tensor transport's wire, a flattened
+  bucket in a ``/dev/shm`` segment the engine maps (``wire/shm.py``);
 * ``/weights_checksum`` (embedded only) returns per-tensor checksums for sync verification;
-  the three weight-update routes accept ``"compute_checksums": true`` to have them computed
+  the weight-update routes accept ``"compute_checksums": true`` to have them computed
   in the background right after loading (so verification overlaps the transfer);
 * ``sampling_params`` keys the engine cannot honour (penalties, grammars, stop strings) are a
   400 naming the key unless left at SGLang's default;
@@ -224,6 +226,20 @@ def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None) -> FastA
                 return engine.load_weights(named, compute_checksums=bool(req.get("compute_checksums")))
 
         count = await in_thread(load)
+        return result(True, f"Loaded {count} tensors." + set_version(req.get("weight_version")))
+
+    @app.post("/update_weights_from_shm")
+    async def update_weights_from_shm(request: Request):
+        # embedded only: the CPU tensor transport's cheaper wire (wire/shm.py)
+        req = await body(request)
+        if not engine.in_update_session:
+            return _bad_request(_NO_SESSION.format(route="update_weights_from_shm"))
+        try:
+            kwargs = dict(path=str(req["path"]), names=list(req["names"]), dtypes=list(req["dtypes"]),
+                          shapes=[list(s) for s in req["shapes"]])
+        except (KeyError, TypeError) as e:
+            return _bad_request(f"bad update_weights_from_shm request: {type(e).__name__}: {e}")
+        count = await in_thread(engine.receive_shm, **kwargs, compute_checksums=bool(req.get("compute_checksums")))
         return result(True, f"Loaded {count} tensors." + set_version(req.get("weight_version")))
 
     @app.post("/init_weights_update_group")

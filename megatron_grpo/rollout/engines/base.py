@@ -73,6 +73,11 @@ class EngineAdapter:
             return cfg.weight_sync_backend
         return "nccl" if cuda_available and "nccl" in self.backends else "gloo"
 
+    def tensor_wire(self, cuda_available: bool) -> str:
+        """How the ``tensor`` transport hands a packed bucket to this engine (a key of
+        ``sync.transports.TENSOR_WIRES``); SGLang's ``/update_weights_from_tensor`` format by default."""
+        return "named_tensors"
+
     def request_extras(self, verify: bool) -> dict:
         """Extra keys for the engine's weight-update requests in a sync (``verify``: this sync
         is verified)."""

@@ -36,6 +36,11 @@ class EmbeddedAdapter(EngineAdapter):
                 f"rollout.urls: {url} is not a megatron-grpo embedded engine (it looks like "
                 f"{_describe(server_info)}); set rollout.engine to the server's kind")
 
+    def tensor_wire(self, cuda_available: bool) -> str:
+        # CUDA IPC handles on a GPU (SGLang's format, zero copy); on the CPU one reused
+        # /dev/shm segment per sender instead of a fresh torch shared-memory file per bucket
+        return "named_tensors" if cuda_available else "shm_bucket"
+
     def request_extras(self, verify: bool) -> dict:
         # The engine checksums what it loaded in the background, overlapping the next bucket.
         return {"compute_checksums": True} if verify else {}

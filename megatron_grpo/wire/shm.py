@@ -1,0 +1,118 @@
+"""A flattened bucket in a shared-memory file: the embedded engine's CPU tensor-transport wire.
+
+SGLang's ``/update_weights_from_tensor`` format (``serialize.py``) pickles one handle per
+tensor; on the CPU the receiver rebuilds them from torch's shared-memory file and maps that
+file anew for every request (its tensors are dropped after loading), paying a page fault per
+4 KiB each time. The embedded engine
+accepts a cheaper wire on the CPU (``/update_weights_from_shm``): the sender packs each bucket
+(``buckets.py``'s flattened layout) into ONE file in ``/dev/shm`` that it creates once and
+reuses for every bucket of every sync; only its path and the tensors' names, dtypes and shapes
+travel over HTTP. The engine maps the file read-only once (kept until the path changes) and
+copies the views straight into its parameters: two copies per byte in all (pack, load), no
+pickling, no fresh pages after the first sync.
+
+Lifetime: the sender owns the file and unlinks it when its transport is reset or closed (also
+after a failed send, an engine death included) and at interpreter exit. A trainer killed with
+SIGKILL cannot unlink: the next sender on the machine removes segments whose creating process
+(its pid is in the name) no longer exists (``remove_stale_segments``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import uuid
+import warnings
+import weakref
+from pathlib import Path
+
+import torch
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "megatron_grpo_bucket_"
+_NAME = re.compile(rf"^{PREFIX}(\d+)_[0-9a-f]{{16}}$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_segments(directory: Path = SHM_DIR) -> list[str]:
+    """Unlink bucket segments whose creating process is gone; returns their names."""
+    removed = []
+    for path in directory.glob(PREFIX + "*"):
+        match = _NAME.match(path.name)
+        if match and not _pid_alive(int(match.group(1))):
+            try:
+                path.unlink()
+                removed.append(path.name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class ShmSegment:
+    """The sender's segment: a ``/dev/shm`` file of ``nbytes`` mapped as a uint8 tensor [nbytes]."""
+
+    def __init__(self, nbytes: int, directory: Path = SHM_DIR):
+        if not directory.is_dir():
+            raise RuntimeError(f"{directory} does not exist: the CPU tensor transport needs shared memory "
+                               "(use rollout.weight_sync_transport: distributed)")
+        self.nbytes = nbytes
+        self.path = str(directory / f"{PREFIX}{os.getpid()}_{uuid.uuid4().hex[:16]}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # unlinked at exit even if nobody calls close(); close() runs it once, now
+        self._finalizer = weakref.finalize(self, _unlink, self.path)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def close(self) -> None:
+        """Unlink the file (the pages go when the engine drops its mapping too)."""
+        self.tensor = None  # the mapping itself is released with the last view of it
+        self._finalizer()
+
+
+def open_segment(path: str, nbytes: int, directory: Path = SHM_DIR) -> tuple[mmap.mmap, torch.Tensor]:
+    """The receiver's read-only mapping of a sender's segment: (mmap, uint8 tensor [size]).
+
+    Only files named like a ``ShmSegment`` directly in ``directory`` are opened (a request
+    cannot make the engine map an arbitrary file); ValueError otherwise or if the file holds
+    fewer than ``nbytes`` bytes.
+    """
+    p = Path(path)
+    if p.parent != directory or not _NAME.match(p.name):
+        raise ValueError(f"shm path {path!r} is not a megatron-grpo bucket segment in {directory}")
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise ValueError(f"cannot open shm segment {path}: {e.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise ValueError(f"shm segment {path} holds {size} bytes, the bucket needs {nbytes}")
+        # MAP_POPULATE: map every page now, not one fault per 4 KiB during the first copy
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # read-only by design: the engine only reads from it
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return mapping, torch.frombuffer(mapping, dtype=torch.uint8)

@@ -1,0 +1,157 @@
+"""The tensor transport's CPU wire to the embedded engine (``wire/shm.py``), end to end.
+
+A real launched engine; the tensors come from the HF checkpoint, perturbed like an optimizer
+step. Proven here: the engine serves the sent weights bit for bit (read back through
+/get_weights_by_name, independent of the checksums); a byte flipped in the segment is caught
+by the sync's own verification; the /dev/shm segment is reused across syncs and gone after
+close, after a failed send, after the engine died mid-sync, and after a trainer killed with
+SIGKILL (the next sender sweeps it).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.rollout.client import RolloutClient
+from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
+from megatron_grpo.sync.transports import ShmBucketWire
+from megatron_grpo.testing.tiny_models import save_tiny_model
+from megatron_grpo.wire.shm import PREFIX, SHM_DIR, open_segment
+
+TIMEOUT_S = 10.0
+
+
+def segments() -> set[str]:
+    return {p.name for p in SHM_DIR.glob(PREFIX + "*")}
+
+
+def hf_tensors(model_dir, step: int) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(step)
+    return [(n, t + 0.01 * torch.randn(t.shape, generator=g))
+            for n, t in sorted(load_file(os.path.join(model_dir, "model.safetensors")).items())]
+
+
+@pytest.fixture
+def launched(tmp_path):
+    model_dir = str(save_tiny_model(tmp_path / "qwen2", "qwen2", seed=3))
+    manager = RolloutServerManager(RolloutConfig(dtype="float32", launch_timeout_s=120), model_dir=model_dir,
+                                   run_dir=tmp_path)
+    manager.start()
+    yield manager, model_dir
+    manager.stop()
+
+
+def make_syncer(urls, tensors, **cfg):
+    cfg = RolloutConfig(weight_sync_transport="tensor", request_timeout_s=TIMEOUT_S, max_retries=1, **cfg)
+    syncer = WeightSyncer(cfg, urls, None, iter_weights=lambda c, h: iter(tensors))
+    assert isinstance(syncer.transport.wire, ShmBucketWire)  # the embedded engine's CPU wire
+    return syncer
+
+
+@pytest.mark.slow
+def test_shm_sync_is_bitwise_verified_and_cleaned_up(launched):
+    manager, model_dir = launched
+    before = segments()
+    tensors = hf_tensors(model_dir, 1)
+    syncer = make_syncer(manager.urls, tensors)
+    stats = syncer.sync([], 1)
+    assert stats.verified and stats.num_tensors == len(tensors)
+    (mine,) = segments() - before
+    tensors[:] = hf_tensors(model_dir, 2)
+    syncer.sync([], 2)
+    assert segments() - before == {mine}  # one segment, reused by every bucket and sync
+    with RolloutClient(manager.urls) as client:
+        for name, sent in tensors:  # float32 -> JSON double -> float32 is exact
+            served = client.call("get_weights_by_name", {"name": name, "truncate_size": 10**9},
+                                 url=manager.urls[0])
+            assert torch.equal(torch.tensor(served, dtype=torch.float64).float(), sent), name
+        assert client.server_info(manager.urls[0])["weight_version"] == "2"
+    syncer.close()
+    assert segments() == before
+
+
+@pytest.mark.slow
+def test_a_byte_flipped_in_the_segment_fails_verification_and_leaves_no_segment(launched):
+    manager, model_dir = launched
+    before = segments()
+    syncer = make_syncer(manager.urls, hf_tensors(model_dir, 1))
+    send = syncer.transport.send
+
+    def flipping_send(bucket, **kwargs):
+        pack = bucket.pack
+
+        def bad_pack(out=None):
+            flat = pack(out)
+            flat[flat.numel() // 2] ^= 0x01  # one bit of one byte, in shared memory
+            return flat
+
+        bucket.pack = bad_pack
+        send(bucket, **kwargs)
+
+    syncer.transport.send = flipping_send
+    with pytest.raises(WeightSyncError, match=r"verification \(step 1\).*differs between the trainer and engine"):
+        syncer.sync([], 1)
+    syncer.close()
+    assert segments() == before
+
+
+@pytest.mark.slow
+def test_engine_death_mid_sync_leaves_no_segment(launched):
+    manager, model_dir = launched
+    before = segments()
+    tensors = hf_tensors(model_dir, 1)
+
+    def iter_then_kill(chunks, hf_config):
+        for i, item in enumerate(tensors):
+            if i == len(tensors) // 2:  # mid-iteration: the engine is dead when the bucket goes out
+                os.kill(manager.pid, signal.SIGKILL)
+                time.sleep(0.2)
+            yield item
+
+    syncer = make_syncer(manager.urls, tensors, weight_update_bucket_mb=1)
+    syncer._iter_weights = iter_then_kill
+    with pytest.raises(WeightSyncError, match="send"):
+        syncer.sync([], 1)
+    assert segments() == before  # released by the failed send, not only at close
+    syncer.close()
+
+
+def test_segments_of_a_killed_trainer_are_swept_and_foreign_paths_refused(tmp_path):
+    code = ("import os, sys, time; from megatron_grpo.wire.shm import ShmSegment; s = ShmSegment(4096); "
+            "print(s.path, flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    path = child.stdout.readline().strip()
+    assert os.path.exists(path)
+    ShmBucketWire().release()  # a live owner's segment is kept
+    assert os.path.exists(path)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert os.path.exists(path)  # SIGKILL: no chance to unlink
+    ShmBucketWire().release()  # the next sender on the machine sweeps it
+    assert not os.path.exists(path)
+    outside = tmp_path / f"{PREFIX}1_0123456789abcdef"
+    outside.write_bytes(b"x" * 16)
+    for bad in (str(outside), "/etc/passwd", str(SHM_DIR / "other")):
+        with pytest.raises(ValueError, match="not a megatron-grpo bucket segment"):
+            open_segment(bad, 1)
+
+
+def test_each_engine_kind_names_its_tensor_wire():
+    """SGLang keeps its own /update_weights_from_tensor payload everywhere; the embedded engine
+    gets the shm wire on the CPU and SGLang's CUDA-IPC payload on a GPU."""
+    from megatron_grpo.rollout.engines import ENGINES
+    from megatron_grpo.sync.transports import TENSOR_WIRES
+
+    assert {name: (a.tensor_wire(False), a.tensor_wire(True)) for name, a in ENGINES.items()} == {
+        "embedded": ("shm_bucket", "named_tensors"), "sglang": ("named_tensors", "named_tensors")}
+    assert all(a.tensor_wire(c) in TENSOR_WIRES for a in ENGINES.values() for c in (False, True))
