@@ -64,6 +64,7 @@ MALFORMED = [
     ("checkpoint.keep_last", 0, "checkpoint.keep_last", ">= 1"),
     ("trainer.num_steps", "ten", "trainer.num_steps", "expected an integer"),
     ("model.dtype", "fp8", "model.dtype", "expected one of"),
+    ("model.dtype", "float16", "model.dtype", "use bfloat16"),
     ("modle.hf_dir", "x", "modle", "did you mean 'model'"),
     ("reward.functions", [], "reward.functions", "at least one"),
     ("reward.functions", [{"nme": "x"}], "reward.functions[0].nme", "did you mean 'name'"),

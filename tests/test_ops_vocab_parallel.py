@@ -108,6 +108,9 @@ def _check(per_rank: list[dict], names: list[str]):
         ref_lp, ref_h, ref_grad = _reference(case)
         grad = torch.cat([r[name][2] for r in per_rank], dim=-1)
         for r in per_rank:  # every rank returns the same full log-probs and entropy
+            # float32 whatever the logits' dtype: bf16 logits, fp32 math (rtol 1e-6 below
+            # against float64 of the same bf16 values; bf16 arithmetic would be off by ~1e-2)
+            assert r[name][0].dtype == r[name][1].dtype == torch.float32, name
             lp, entropy = r[name][0].double(), r[name][1].double()
             torch.testing.assert_close(lp, ref_lp, rtol=1e-6, atol=0, msg=f"{name}: log-probs")
             torch.testing.assert_close(

@@ -19,7 +19,13 @@ class ModelConfig:
     null: the trainer converts the HF weights in memory at start-up."""
 
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
-    """Parameter and compute dtype of the trainer's model (float32 on CPU)."""
+    """Parameter and compute dtype of the trainer's model. bfloat16 (CPU and GPU) trains with
+    megatron-core's mixed-precision optimizer: bf16 parameters and activations, fp32 main
+    weights, gradient buffers and Adam state; checkpoints hold the fp32 main weights and the
+    weight sync sends them, cast once to the engine's `rollout.dtype`. float16 is refused:
+    megatron-core's fp16 optimizer divides the gradients by a loss scale (2^32 at the start)
+    that only megatron's own training loop multiplies into the loss, so every update would
+    be ~2^32 times too small."""
 
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times tp; padded rows are masked to
@@ -34,6 +40,12 @@ class ModelConfig:
 
     def __post_init__(self):
         check(bool(self.hf_dir), "hf_dir", "must name a Hugging Face model directory")
+        check(
+            self.dtype != "float16",
+            "dtype",
+            "float16 training is not supported (megatron-core's fp16 optimizer needs a loss scale "
+            "this trainer does not apply); use bfloat16 (mixed precision with fp32 main weights) or float32",
+        )
         check(self.make_vocab_size_divisible_by >= 1, "make_vocab_size_divisible_by", "must be >= 1")
         check(
             self.logprob_chunk_size is None or self.logprob_chunk_size >= 1,

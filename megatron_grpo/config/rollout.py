@@ -97,8 +97,10 @@ class RolloutConfig:
     """Settings of the launched embedded engine."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Parameter dtype of a launched server (SGLang --dtype; auto: the checkpoint's). Match the
-    trainer's model.dtype, or the engine's log-probs differ from the trainer's by rounding."""
+    """Parameter and compute dtype of a launched server, SGLang or embedded (`--dtype`; auto:
+    the checkpoint's). It may differ from the trainer's model.dtype (a bf16 trainer's fp32 main
+    weights are cast once to it in the weight sync); any difference shows as a train/rollout
+    log-prob mismatch (docs/off_policy.md measures bf16 against float32)."""
 
     max_restarts: int = 3
     """Times a launched server that died is restarted before the run stops with an error."""

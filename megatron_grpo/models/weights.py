@@ -124,8 +124,10 @@ def iter_hf_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.
     parallel and expert-parallel groups: every such rank must iterate to the end in step
     (the ranks with ``exports_weights()``), and every one receives the full tensors
     (gathered over TP, vocab padding removed, fused QKV / gate-up split back; each expert
-    slot gathered over EP, so every EP rank yields all experts). Tensors keep the model's
-    dtype and device and are fresh copies. Tied embeddings are yielded once, as
+    slot gathered over EP, so every EP rank yields all experts). Each tensor is the
+    parameter's fp32 *main* copy where megatron-core's mixed-precision optimizer keeps one
+    (``param.main_param``, bf16/fp16 training: ``weight_source``), else the parameter itself;
+    it keeps that tensor's dtype and device and is a fresh copy. Tied embeddings are yielded once, as
     ``model.embed_tokens.weight``, by the first PP stage.
     """
     from megatron.core import parallel_state as ps
@@ -151,9 +153,21 @@ def iter_hf_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.
             yield from ((names[j], t) for names, t in zip(m.ep_hf_names, slots))
 
 
+def weight_source(param) -> torch.Tensor:
+    """The tensor that holds ``param``'s true value: its fp32 main copy when megatron-core's
+    mixed-precision optimizer (``Float16OptimizerWithFloat16Params``) keeps one -- the bf16
+    parameter is only that copy rounded, so a consumer in another dtype (an fp32 engine, an
+    fp32 export) gets the real weights and one cast, not a bf16 rounding cast again -- else
+    the parameter itself (fp32 training, the frozen reference, the sharded distributed
+    optimizer, which keeps no full main copy per parameter)."""
+    main = getattr(param, "main_param", None)
+    return main if isinstance(main, torch.Tensor) and main.shape == param.shape else param
+
+
 def _gather(param, m: ParamMapping, size: int, group) -> list[torch.Tensor]:
-    """The shards of ``param`` on every rank of ``group`` (just this one if replicated)."""
-    local = param.detach()
+    """The shards of ``param``'s value (``weight_source``) on every rank of ``group`` (just
+    this one if replicated)."""
+    local = weight_source(param).detach()
     if size == 1 or m.layout.replicated:
         return [local]
     shards = [torch.empty_like(local) for _ in range(size)]

@@ -13,6 +13,10 @@ megatron-core 0.16 assumes a GPU in a handful of places that the CPU path reache
   supported on CPU: the trainer uses the plain megatron optimizer there;
 * ``Tensor.cuda`` while a model with tied embeddings is built at PP > 1
   (``tensor_cuda_is_identity``, scoped to the constructor);
+* the ``param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']`` test by which
+  megatron's mixed-precision optimizer (``Float16OptimizerWithFloat16Params``) sorts bf16/fp16
+  parameters into those that get an fp32 main copy: ``tensor_type_names_cuda``, scoped to the
+  optimizer's constructor (``trainer.optim``); without it bf16 training on CPU is refused;
 * the CUDA RNG states tracker (``tensor_parallel.random``) that forks RNG streams for TP
   initialisation and dropout;
 * the MoE router's gating GEMM reads ``moe_utils.te_general_gemm``, a name megatron-core only
@@ -149,6 +153,33 @@ def tensor_cuda_is_identity():
         yield
     finally:
         torch.Tensor.cuda = original
+
+
+@contextlib.contextmanager
+def tensor_type_names_cuda():
+    """While building megatron's optimizer without CUDA, ``Tensor.type()`` (no argument) of a
+    CPU tensor answers the CUDA name (``torch.BFloat16Tensor`` -> ``torch.cuda.BFloat16Tensor``).
+
+    ``Float16OptimizerWithFloat16Params.__init__`` decides by these names which parameters
+    are float16/bfloat16 (they get an fp32 main copy that the optimizer steps) and raises on
+    any other name; the CPU tensors are the same dtypes. Scoped to that constructor, a no-op
+    with CUDA; ``Tensor.type(dtype)`` (a cast) is untouched."""
+    if not cuda_absent():
+        yield
+        return
+    original = torch.Tensor.type
+
+    def cuda_named_type(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.is_cuda or not name.startswith("torch."):
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_named_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
 
 
 def install() -> bool:

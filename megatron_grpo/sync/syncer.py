@@ -8,8 +8,8 @@
 2. on data-parallel replica 0, every pipeline stage iterates ``models.iter_hf_weights`` (the
    single HF <-> Megatron mapping, collective over the stage's TP group; with expert
    parallelism the ep replicas holding the experts iterate too, each expert gathered over
-   them); the stage's TP rank 0 of replica 0 (the SENDER) casts each full tensor to the
-   engine's dtype, packs single-dtype byte buckets of ``rollout.weight_update_bucket_mb`` --
+   them; with bf16/fp16 training these are the optimizer's fp32 main weights); the stage's TP
+   rank 0 of replica 0 (the SENDER) casts each full tensor once to the engine's dtype, packs single-dtype byte buckets of ``rollout.weight_update_bucket_mb`` --
    the non-expert tensors first, then the experts, never both in one bucket -- and hands them
    to the transport (``transports.py``);
 3. every ``rollout.verify_weights_every`` syncs, each sender compares what it meant to send

@@ -7,6 +7,7 @@ import math
 import torch
 
 from megatron_grpo.config.sections import OptimizerConfig
+from megatron_grpo.runtime.cpu_shim import tensor_type_names_cuda
 
 
 def wrap_ddp(model_chunks, use_distributed_optimizer: bool):
@@ -29,7 +30,14 @@ def wrap_ddp(model_chunks, use_distributed_optimizer: bool):
 
 
 def build_optimizer(model_chunks, cfg: OptimizerConfig, dtype: torch.dtype, use_distributed_optimizer: bool):
-    """megatron-core optimizer over DDP-wrapped chunks (fp32 main params for bf16/fp16).
+    """megatron-core optimizer over DDP-wrapped chunks.
+
+    For bf16/fp16 parameters this is megatron-core's mixed-precision optimizer
+    (``Float16OptimizerWithFloat16Params``): it keeps an fp32 *main* copy of every parameter,
+    the Adam state is fp32 and steps the main copy, and the bf16 model parameters are
+    overwritten by the rounded main copy after each step. Gradients accumulate and are
+    reduced over dp in the fp32 buffers of ``wrap_ddp`` (``grad_reduce_in_fp32``); the
+    optimizer copies them into the main parameters' ``.grad``.
 
     The DistributedOptimizer needs CUDA (its parameter type checks name CUDA tensors); on
     CPU the caller must pass ``use_distributed_optimizer=False``.
@@ -43,7 +51,8 @@ def build_optimizer(model_chunks, cfg: OptimizerConfig, dtype: torch.dtype, use_
         clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         params_dtype=dtype, use_distributed_optimizer=use_distributed_optimizer,
     )
-    return get_megatron_optimizer(mcfg, model_chunks)
+    with tensor_type_names_cuda():  # CPU: the constructor sorts parameters by CUDA type names
+        return get_megatron_optimizer(mcfg, model_chunks)
 
 
 def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
