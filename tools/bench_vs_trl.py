@@ -16,13 +16,14 @@ Reported per run (median over ``--seeds``): wall seconds per rollout batch (the 
 between consecutive batches, start-up and the first batch excluded), the batch at which the
 ``--window``-batch rolling mean reward first reaches ``--target``, and the wall time from the
 first batch to that one; then the ratio of each megatron-grpo run to TRL. Where our step's
-time goes is printed from the trainer's own ``time_*`` metrics. Every departure between the
+time goes is printed from the trainer's own ``time/*_s`` metrics. Every departure between the
 two setups is listed in docs/benchmarks.md next to the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -54,12 +55,12 @@ def summarize(walls: list[float], rewards: list[float], window: int, target: flo
     }
 
 
-def run_ours(tp: int, seed: int, batches: int, demo: Path, out: Path) -> tuple[dict, dict]:
-    run_dir = out / f"ours_tp{tp}_seed{seed}"
+def run_ours(tp: int, mbs: int, seed: int, batches: int, demo: Path, out: Path) -> tuple[dict, dict]:
+    run_dir = out / f"ours_tp{tp}_mbs{mbs}_seed{seed}"
     overrides = [
         f"model.hf_dir={demo}/model", f"data.train_file={demo}/arithmetic.jsonl",
         f"trainer.run_dir={run_dir}", f"trainer.num_steps={batches}", f"trainer.seed={seed}",
-        f"parallel.tp={tp}", f"parallel.world_size={tp}", "eval.sets=[]", "checkpoint.save_every=0",
+        f"parallel.tp={tp}", f"parallel.world_size={tp}", f"parallel.micro_batch_size={mbs}", "eval.sets=[]", "checkpoint.save_every=0",
         "checkpoint.resume=never", "logging.progress_bar=false", "logging.plot=false",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -100,6 +101,9 @@ def main() -> int:
     p.add_argument("--batches", type=int, default=150, help="rollout batches per run")
     p.add_argument("--seeds", type=int, nargs="+", default=[1234])
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="megatron-grpo TP sizes to run")
+    p.add_argument("--micro-batch-size", type=int, nargs="+", default=[64],
+                   help="megatron-grpo micro-batch sizes to run (64: one micro-batch per optimizer step, as "
+                        "TRL's per-device batch; the demo config uses 16)")
     p.add_argument("--target", type=float, default=0.5, help="rolling mean reward to reach")
     p.add_argument("--window", type=int, default=10, help="batches in the rolling mean")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"),
@@ -124,9 +128,9 @@ def main() -> int:
         raw = run_trl(args.trl_python, args.trl_threads, seed, args.batches, demo, out)
         results.setdefault("TRL GRPOTrainer (1 process)", []).append(
             summarize(raw["walls"], raw["rewards"], args.window, args.target))
-        for tp in args.tp:
-            raw, times = run_ours(tp, seed, args.batches, demo, out)
-            name = f"megatron-grpo TP={tp}"
+        for tp, mbs in itertools.product(args.tp, args.micro_batch_size):
+            raw, times = run_ours(tp, mbs, seed, args.batches, demo, out)
+            name = f"megatron-grpo TP={tp}, micro-batch {mbs}"
             results.setdefault(name, []).append(summarize(raw["walls"], raw["rewards"], args.window, args.target))
             breakdown[name] = times
         print(f"seed {seed} done", flush=True)
