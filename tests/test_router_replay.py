@@ -17,6 +17,7 @@ from megatron_grpo.rollout.embedded.generation import Sequence
 from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
 from megatron_grpo.rollout.embedded.server import _render
 from megatron_grpo.testing.tiny_models import save_tiny_model
+from tests.test_models_equivalence import single_rank  # noqa: F401
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
 PARAMS = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
@@ -86,3 +87,101 @@ def generate_plain(eng):
     assert done.acquire(timeout=120)
     assert not s.routed_blocks
     return s
+
+
+# ---- (b) the trainer's log-prob pass replays the engine's routing -------------------------------
+def forced_hf_log_probs(model, seq: list[int], forced_PLK: torch.Tensor) -> torch.Tensor:
+    """float [P]: log-probs of ``seq[1:]`` from an HF forward whose routers keep their own
+    probabilities but take the experts ``forced_PLK`` [P, layers, k] (written here by hand,
+    following the transformers router: softmax, gather, renormalise where the model does)."""
+    routers = routing.moe_routers(model)
+
+    def force(layer):
+        def hook(router, inputs, output):
+            logits = output[0]
+            idx = forced_PLK[:, layer].long()
+            top = logits.float().softmax(dim=-1).gather(1, idx)
+            if getattr(router, "norm_topk_prob", True):  # mixtral always renormalises
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(logits.dtype), idx
+        return hook
+
+    handles = [r.register_forward_hook(force(i)) for i, r in enumerate(routers)]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq[:-1]])).logits[0].float()
+    finally:
+        for h in handles:
+            h.remove()
+    return logits.log_softmax(-1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+
+
+def perturb_routers(hf_model, chunks, scale: float, seed: int = 0) -> None:
+    """The same small change to every router's weight in the HF model and the Megatron model."""
+    from megatron.core.transformer.moe.router import Router
+
+    gen = torch.Generator().manual_seed(seed)
+    mg = sorted((m for c in chunks for m in c.modules() if isinstance(m, Router)), key=lambda r: r.layer_number)
+    hf = routing.moe_routers(hf_model)
+    assert len(mg) == len(hf)
+    with torch.no_grad():
+        for a, b in zip(hf, mg):
+            delta = torch.randn(a.weight.shape, generator=gen) * scale * a.weight.std()
+            a.weight += delta
+            b.weight += delta.to(b.weight.dtype)
+
+
+def test_trainer_replays_engine_routing(moe_model, single_rank):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_grpo.trainer.batch import build_train_batch, pad_routed_experts
+    from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs
+    from megatron_grpo.trainer.router_replay import RoutingReplay
+    from tests.test_models_equivalence import build_and_load
+
+    _, model_dir = moe_model
+    eng, seqs = generate(model_dir, PROMPTS)
+    eng.shutdown()
+    cfg, chunks = build_and_load(model_dir)
+    num_layers, k = cfg.num_hidden_layers, cfg.num_experts_per_tok
+    routed = [routing.decode(_render(eng, s, False, 0.0)["meta_info"]["routed_experts"],
+                             len(s.prompt_ids) + len(s.output_ids) - 1) for s in seqs]
+    batch = build_train_batch([s.prompt_ids for s in seqs], [s.output_ids for s in seqs],
+                              [s.output_logprobs for s in seqs], torch.zeros(len(seqs)), pad_id=0)
+    batch.routed_experts = pad_routed_experts(routed, batch.seq_length, num_layers, k)
+    spec = ScoringSpec(temperature=1.0, vocab_size=cfg.vocab_size)
+    mask = batch.loss_mask > 0
+
+    def trainer_log_probs(replay: bool):
+        rr = RoutingReplay(chunks, replay=replay)
+        lp = compute_log_probs(chunks, batch, 2, spec, routing=rr)
+        return lp, rr.metrics()["moe/routing_mismatch_frac"]
+
+    # same weights as the engine: replay changes nothing, the log-probs are the engine's
+    lp, frac = trainer_log_probs(True)
+    assert frac == 0.0
+    assert (lp - batch.rollout_log_probs)[mask].abs().max() <= 1e-5
+
+    # routers nudged: the trainer's own routing differs from the engine's on some tokens
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    perturb_routers(hf, chunks, scale=0.5)
+    replayed, frac = trainer_log_probs(True)
+    own, frac_own = trainer_log_probs(False)
+    assert frac == frac_own
+    mismatched = total = 0
+    max_replay_vs_ref = max_own_vs_ref = 0.0
+    for i, s in enumerate(seqs):
+        seq = s.prompt_ids + s.output_ids
+        p, r = len(s.prompt_ids), routed[i].reshape(len(seq) - 1, num_layers, k)
+        mine = hf_topk(hf, seq[:-1])  # the perturbed model's own routing
+        differs = (mine.sort(-1).values != r.sort(-1).values).any(-1)[p - 1:]  # scored positions
+        mismatched, total = mismatched + int(differs.sum()), total + differs.numel()
+        ref = forced_hf_log_probs(hf, seq, r)[p - 1:]
+        n = len(s.output_ids)
+        max_replay_vs_ref = max(max_replay_vs_ref, float((replayed[i, p - 1:p - 1 + n] - ref).abs().max()))
+        max_own_vs_ref = max(max_own_vs_ref, float((own[i, p - 1:p - 1 + n] - ref).abs().max()))
+    assert mismatched > 0, "the perturbation did not change any routing decision"
+    assert frac == pytest.approx(mismatched / total)
+    assert max_replay_vs_ref <= 1e-5
+    assert max_own_vs_ref > 1e-3
+    print(f"mismatch {frac:.3f}; |replay - forced HF| {max_replay_vs_ref:.2e}; |own - forced HF| {max_own_vs_ref:.2e}")
