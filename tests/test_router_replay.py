@@ -185,3 +185,29 @@ def test_trainer_replays_engine_routing(moe_model, single_rank):
     assert max_replay_vs_ref <= 1e-5
     assert max_own_vs_ref > 1e-3
     print(f"mismatch {frac:.3f}; |replay - forced HF| {max_replay_vs_ref:.2e}; |own - forced HF| {max_own_vs_ref:.2e}")
+
+
+# ---- (c) configuration ------------------------------------------------------------------------
+def test_router_replay_config_checks(tmp_path):
+    import yaml
+
+    from megatron_grpo.config import ConfigError, load_config
+    from tests.test_config import with_change
+
+    def load(raw, name):
+        p = tmp_path / name
+        p.write_text(yaml.safe_dump(raw))
+        return p, lambda: load_config(p)
+
+    raw = with_change("algorithm.router_replay", True)
+    assert load(raw, "ok.yaml")[1]().algorithm.router_replay is True
+    raw["rollout"]["engine"] = "sglang"
+    path, go = load(raw, "sglang.yaml")
+    with pytest.raises(ConfigError, match=rf"^{path}: algorithm.router_replay: needs an engine .*'sglang'"):
+        go()
+    raw = with_change("algorithm.router_replay", True)
+    raw["model"]["recompute_activations"] = True
+    path, go = load(raw, "recompute.yaml")
+    with pytest.raises(ConfigError, match=rf"^{path}: algorithm.router_replay: cannot be combined with "
+                                          r"model.recompute_activations"):
+        go()
