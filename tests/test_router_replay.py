@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from megatron_grpo.rollout import routed_experts
 from megatron_grpo.rollout.embedded import routing
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
 from megatron_grpo.rollout.embedded.generation import Sequence
@@ -69,7 +70,7 @@ def test_engine_routing_equals_hf_topk(moe_model):
         for s in seqs:
             seq = s.prompt_ids + s.output_ids
             item = _render(eng, s, with_text=False, latency=0.0)
-            got = routing.decode(item["meta_info"]["routed_experts"], len(seq) - 1)
+            got = routed_experts.decode(item["meta_info"]["routed_experts"], len(seq) - 1)
             ref = hf_topk(eng.model, seq[:-1])
             assert got.shape == (len(seq) - 1, ref.shape[1] * ref.shape[2])
             assert torch.equal(got.reshape(ref.shape).sort(-1).values, ref.sort(-1).values.int())
@@ -144,11 +145,11 @@ def test_trainer_replays_engine_routing(moe_model, single_rank):
     eng.shutdown()
     cfg, chunks = build_and_load(model_dir)
     num_layers, k = cfg.num_hidden_layers, cfg.num_experts_per_tok
-    routed = [routing.decode(_render(eng, s, False, 0.0)["meta_info"]["routed_experts"],
+    routed = [routed_experts.decode(_render(eng, s, False, 0.0)["meta_info"]["routed_experts"],
                              len(s.prompt_ids) + len(s.output_ids) - 1) for s in seqs]
     batch = build_train_batch([s.prompt_ids for s in seqs], [s.output_ids for s in seqs],
                               [s.output_logprobs for s in seqs], torch.zeros(len(seqs)), pad_id=0)
-    batch.routed_experts = pad_routed_experts(routed, batch.seq_length, num_layers, k)
+    batch.routed_experts = pad_routed_experts(routed, batch.seq_length)
     spec = ScoringSpec(temperature=1.0, vocab_size=cfg.vocab_size)
     mask = batch.loss_mask > 0
 

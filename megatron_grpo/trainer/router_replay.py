@@ -63,21 +63,22 @@ class LayerReplay(RouterReplay):
         return scores.gather(1, idx), idx
 
 
-def layer_targets(routed_BTLK: torch.Tensor, layer: int, s_local: int, b: int, config) -> torch.Tensor:
-    """The engine's routing of one layer for this rank's router input [s_local, b]:
-    long [s_local * b, k], rows ``s * b + b_i``. ``routed_BTLK`` int [B, T, L, k] (T = S - 1
-    engine-routed positions); the other positions get experts 0..k-1."""
-    k = routed_BTLK.shape[-1]
-    tp = 1
-    start = 0
+def layer_targets(routed_BTF: torch.Tensor, layer: int, k: int, s_local: int, b: int, config) -> torch.Tensor:
+    """The engine's routing of one MoE layer (0-based) for this rank's router input
+    [s_local, b]: long [s_local * b, k], rows ``s * b + b_i``. ``routed_BTF`` int
+    [B, T, L * k] (``TrainBatch.routed_experts``); positions the engine never routed (-1,
+    or past T) get experts 0..k-1."""
+    tp, start = 1, 0
     if config.sequence_parallel:
         from megatron.core import parallel_state as ps
 
         tp = ps.get_tensor_model_parallel_world_size()
         start = ps.get_tensor_model_parallel_rank() * s_local
-    full = torch.arange(k, dtype=torch.long).expand(s_local * tp, b, k).clone()  # [S_pad, B, k]
-    t = min(routed_BTLK.shape[1], s_local * tp)
-    full[:t] = routed_BTLK[:, :t, layer].transpose(0, 1).long().cpu()
+    default = torch.arange(k, dtype=torch.long)
+    full = default.expand(s_local * tp, b, k).clone()  # [S_pad, B, k]
+    t = min(routed_BTF.shape[1], s_local * tp)
+    engine = routed_BTF[:, :t, layer * k:(layer + 1) * k].transpose(0, 1).long().cpu()
+    full[:t] = torch.where(engine < 0, default, engine)
     return full[start:start + s_local].reshape(s_local * b, k)
 
 
@@ -100,7 +101,7 @@ class RoutingReplay:
         return bool(self.routers)
 
     def set_micro_batch(self, routed_BTLK: torch.Tensor, loss_mask_BT: torch.Tensor) -> None:
-        """The next forward's engine routing int [B, T, L, k] and scored positions [B, T]
+        """The next forward's engine routing int [B, T, L * k] and scored positions [B, T]
         (-> bool [S, B], sequence-first like megatron's hidden states)."""
         b, t = loss_mask_BT.shape
         valid = torch.zeros(b, t + 1, dtype=torch.bool)
@@ -123,8 +124,8 @@ class RoutingReplay:
 
     def _pre_hook(self, router, inputs) -> None:
         hidden = inputs[0]  # [S_local, B, H]
-        target = layer_targets(self._routed, int(router.layer_number) - 1, hidden.shape[0], hidden.shape[1],
-                               router.config)
+        target = layer_targets(self._routed, int(router.layer_number) - 1, router.topk, hidden.shape[0],
+                               hidden.shape[1], router.config)
         router.router_replay.target_topk_idx = target.to(hidden.device) if self.replay else None
         router.router_replay.engine_topk_idx = target
 
@@ -136,6 +137,12 @@ class RoutingReplay:
         differs = (own != engine).any(dim=-1)[rows]
         self.mismatched += int(differs.sum())
         self.total += int(rows.sum())
+
+    def take_metrics(self) -> dict[str, float]:
+        """``metrics()`` of the forwards counted so far, then the counts restart."""
+        out = self.metrics()
+        self.mismatched = self.total = 0
+        return out
 
     def metrics(self) -> dict[str, float]:
         """``moe/routing_mismatch_frac`` pooled over every rank (collective; {} when dense)."""

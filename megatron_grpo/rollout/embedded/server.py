@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from megatron_grpo.rollout import routed_experts
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine, EngineError
-from megatron_grpo.rollout.embedded import routing
 from megatron_grpo.rollout.embedded.generation import Sequence
 from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
 
@@ -372,5 +372,5 @@ def _render(engine: EmbeddedEngine, s: Sequence, with_text: bool, latency: float
             tokens = s.prompt_ids[s.logprob_start_len:]
             meta["input_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in zip(s.input_logprobs, tokens)]
     if s.return_routed_experts and s.routed_blocks:
-        meta["routed_experts"] = routing.encode(s.routed_experts)
+        meta["routed_experts"] = routed_experts.encode(s.routed_experts)
     return {"text": text, "output_ids": list(s.output_ids), "meta_info": meta}
