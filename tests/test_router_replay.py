@@ -117,75 +117,111 @@ def forced_hf_log_probs(model, seq: list[int], forced_PLK: torch.Tensor) -> torc
     return logits.log_softmax(-1).gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
 
 
-def perturb_routers(hf_model, chunks, scale: float, seed: int = 0) -> None:
-    """The same small change to every router's weight in the HF model and the Megatron model."""
+SCALE = 0.5  # router weight nudge, in units of each router weight's std
+
+
+def nudge(routers: list, seed: int = 0) -> None:
+    """Add the same seeded noise (SCALE x the weight's std) to each router's weight, in layer
+    order: applied to the HF routers and to Megatron's, it makes the same change in both."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for r in routers:
+            r.weight += (torch.randn(r.weight.shape, generator=gen) * SCALE * r.weight.std()).to(r.weight.dtype)
+
+
+def megatron_routers(chunks) -> list:
     from megatron.core.transformer.moe.router import Router
 
-    gen = torch.Generator().manual_seed(seed)
-    mg = sorted((m for c in chunks for m in c.modules() if isinstance(m, Router)), key=lambda r: r.layer_number)
-    hf = routing.moe_routers(hf_model)
-    assert len(mg) == len(hf)
-    with torch.no_grad():
-        for a, b in zip(hf, mg):
-            delta = torch.randn(a.weight.shape, generator=gen) * scale * a.weight.std()
-            a.weight += delta
-            b.weight += delta.to(b.weight.dtype)
+    return sorted((m for c in chunks for m in c.modules() if isinstance(m, Router)), key=lambda r: r.layer_number)
 
 
-def test_trainer_replays_engine_routing(moe_model, single_rank):
+@pytest.fixture(scope="module")
+def rollout(moe_model):
+    """The engine's rollout as a TrainBatch with its routing, and the references computed from
+    the nudged HF model: log-probs with the routing forced to the engine's [N, T] (0 off the
+    response) and the hand count of (token, layer) routings that differ from the engine's."""
     from transformers import AutoModelForCausalLM
 
     from megatron_grpo.trainer.batch import build_train_batch, pad_routed_experts
-    from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs
-    from megatron_grpo.trainer.router_replay import RoutingReplay
-    from tests.test_models_equivalence import build_and_load
 
     _, model_dir = moe_model
     eng, seqs = generate(model_dir, PROMPTS)
-    eng.shutdown()
-    cfg, chunks = build_and_load(model_dir)
-    num_layers, k = cfg.num_hidden_layers, cfg.num_experts_per_tok
-    routed = [routed_experts.decode(_render(eng, s, False, 0.0)["meta_info"]["routed_experts"],
-                             len(s.prompt_ids) + len(s.output_ids) - 1) for s in seqs]
+    try:
+        items = [_render(eng, s, False, 0.0) for s in seqs]
+    finally:
+        eng.shutdown()
+    routed = [routed_experts.decode(it["meta_info"]["routed_experts"], len(s.prompt_ids) + len(s.output_ids) - 1)
+              for it, s in zip(items, seqs)]
     batch = build_train_batch([s.prompt_ids for s in seqs], [s.output_ids for s in seqs],
                               [s.output_logprobs for s in seqs], torch.zeros(len(seqs)), pad_id=0)
     batch.routed_experts = pad_routed_experts(routed, batch.seq_length)
-    spec = ScoringSpec(temperature=1.0, vocab_size=cfg.vocab_size)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    nudge(routing.moe_routers(hf))
+    k = hf.config.num_experts_per_tok
+    ref = torch.zeros_like(batch.rollout_log_probs)
+    mismatched = total = 0
+    for i, s in enumerate(seqs):
+        seq, p = s.prompt_ids + s.output_ids, len(s.prompt_ids)
+        r = routed[i].reshape(len(seq) - 1, -1, k)
+        differs = (hf_topk(hf, seq[:-1]).sort(-1).values != r.sort(-1).values).any(-1)[p - 1:]  # scored positions
+        mismatched, total = mismatched + int(differs.sum()), total + differs.numel()
+        ref[i, p - 1:len(seq) - 1] = forced_hf_log_probs(hf, seq, r)[p - 1:]
+    assert mismatched > 0, "the nudge did not change any routing decision"
+    return model_dir, batch, ref, mismatched / total
+
+
+def replayed_log_probs(chunks, batch, replay: bool):
+    """(log-probs [N, T] of the old-log-prob pass, moe/routing_mismatch_frac)."""
+    from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs
+    from megatron_grpo.trainer.router_replay import RoutingReplay
+
+    rr = RoutingReplay(chunks, replay=replay)
+    vocab = chunks[0].hf_config.vocab_size
+    lp = compute_log_probs(chunks, batch, 2, ScoringSpec(temperature=1.0, vocab_size=vocab), routing=rr)
+    return lp, rr.metrics()["moe/routing_mismatch_frac"]
+
+
+def test_trainer_replays_engine_routing(rollout, single_rank):
+    from tests.test_models_equivalence import build_and_load
+
+    model_dir, batch, ref, frac_by_hand = rollout
     mask = batch.loss_mask > 0
-
-    def trainer_log_probs(replay: bool):
-        rr = RoutingReplay(chunks, replay=replay)
-        lp = compute_log_probs(chunks, batch, 2, spec, routing=rr)
-        return lp, rr.metrics()["moe/routing_mismatch_frac"]
-
-    # same weights as the engine: replay changes nothing, the log-probs are the engine's
-    lp, frac = trainer_log_probs(True)
+    _, chunks = build_and_load(model_dir)
+    # the engine's weights: replay changes nothing, the log-probs are the engine's
+    lp, frac = replayed_log_probs(chunks, batch, True)
     assert frac == 0.0
     assert (lp - batch.rollout_log_probs)[mask].abs().max() <= 1e-5
-
     # routers nudged: the trainer's own routing differs from the engine's on some tokens
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    perturb_routers(hf, chunks, scale=0.5)
-    replayed, frac = trainer_log_probs(True)
-    own, frac_own = trainer_log_probs(False)
-    assert frac == frac_own
-    mismatched = total = 0
-    max_replay_vs_ref = max_own_vs_ref = 0.0
-    for i, s in enumerate(seqs):
-        seq = s.prompt_ids + s.output_ids
-        p, r = len(s.prompt_ids), routed[i].reshape(len(seq) - 1, num_layers, k)
-        mine = hf_topk(hf, seq[:-1])  # the perturbed model's own routing
-        differs = (mine.sort(-1).values != r.sort(-1).values).any(-1)[p - 1:]  # scored positions
-        mismatched, total = mismatched + int(differs.sum()), total + differs.numel()
-        ref = forced_hf_log_probs(hf, seq, r)[p - 1:]
-        n = len(s.output_ids)
-        max_replay_vs_ref = max(max_replay_vs_ref, float((replayed[i, p - 1:p - 1 + n] - ref).abs().max()))
-        max_own_vs_ref = max(max_own_vs_ref, float((own[i, p - 1:p - 1 + n] - ref).abs().max()))
-    assert mismatched > 0, "the perturbation did not change any routing decision"
-    assert frac == pytest.approx(mismatched / total)
-    assert max_replay_vs_ref <= 1e-5
-    assert max_own_vs_ref > 1e-3
-    print(f"mismatch {frac:.3f}; |replay - forced HF| {max_replay_vs_ref:.2e}; |own - forced HF| {max_own_vs_ref:.2e}")
+    nudge(megatron_routers(chunks))
+    replayed, frac = replayed_log_probs(chunks, batch, True)
+    own, frac_own = replayed_log_probs(chunks, batch, False)
+    assert frac == frac_own == pytest.approx(frac_by_hand)
+    replay_err = float((replayed - ref)[mask].abs().max())
+    own_err = float((own - ref)[mask].abs().max())
+    assert replay_err <= 1e-5
+    assert own_err > 1e-3
+    print(f"mismatch {frac:.3f}; |replay - forced HF| {replay_err:.2e}; |own - forced HF| {own_err:.2e}")
+
+
+def _ep_worker(rank, world_size, model_dir, batch):
+    from tests.test_models_equivalence import build_and_load
+
+    _, chunks = build_and_load(model_dir)
+    nudge(megatron_routers(chunks))
+    return replayed_log_probs(chunks, batch, True)  # both dp ranks score the whole batch
+
+
+@pytest.mark.slow
+def test_trainer_replays_engine_routing_ep2(rollout, moe_model):
+    from megatron_grpo.testing.distributed import run_distributed
+
+    if moe_model[0] != "qwen3_moe":
+        pytest.skip("one architecture is enough at EP2 (both at TP1)")
+    model_dir, batch, ref, frac_by_hand = rollout
+    mask = batch.loss_mask > 0
+    for lp, frac in run_distributed(_ep_worker, 2, model_dir, batch, tp=1, ep=2, timeout_s=400):
+        assert (lp - ref)[mask].abs().max() <= 1e-5
+        assert frac == pytest.approx(frac_by_hand)
 
 
 # ---- (c) configuration ------------------------------------------------------------------------
