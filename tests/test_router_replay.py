@@ -248,3 +248,14 @@ def test_router_replay_config_checks(tmp_path):
     with pytest.raises(ConfigError, match=rf"^{path}: algorithm.router_replay: cannot be combined with "
                                           r"model.recompute_activations"):
         go()
+
+
+def test_router_replay_refused_for_a_dense_model(single_rank, tmp_path):
+    from megatron_grpo.models.errors import ModelError
+    from megatron_grpo.trainer.router_replay import RoutingReplay
+    from tests.test_models_equivalence import build_and_load
+
+    _, chunks = build_and_load(save_tiny_model(tmp_path / "dense", "qwen2", seed=1))
+    with pytest.raises(ModelError, match=r"^algorithm.router_replay needs a mixture-of-experts model; "
+                                         r"model_type 'qwen2' has no router"):
+        RoutingReplay(chunks, replay=True)

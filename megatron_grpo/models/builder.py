@@ -99,15 +99,11 @@ def check_pipeline_layers(hf_config, pp: int, vpp: int | None) -> None:
                          f"{what}: every pipeline chunk must hold the same number of layers")
 
 
-def check_moe_training(hf_config, tp: int, sequence_parallel: bool, router_replay: bool = False) -> None:
+def check_moe_training(hf_config, tp: int, sequence_parallel: bool) -> None:
     """Training an MoE model at tp > 1 needs sequence parallelism (megatron-core's MoE layer
-    raises at the first training forward otherwise; forward-only use is fine without).
-    ``algorithm.router_replay`` needs an MoE model."""
+    raises at the first training forward otherwise; forward-only use is fine without)."""
     from megatron_grpo.models.architectures.moe import MoEMLP
 
-    if router_replay and not isinstance(get_architecture(hf_config.model_type), MoEMLP):
-        raise ModelError(f"algorithm.router_replay needs a mixture-of-experts model; model_type "
-                         f"{hf_config.model_type!r} has no router (set router_replay: false)")
     if isinstance(get_architecture(hf_config.model_type), MoEMLP) and tp > 1 and not sequence_parallel:
         raise ModelError(f"parallel.sequence_parallel must be true to train the mixture-of-experts "
                          f"model {hf_config.model_type!r} at tp={tp} (megatron-core's MoE layer "

@@ -32,7 +32,7 @@ def build_policy(cfg: ExperimentConfig) -> Policy:
 
     hf_config = load_hf_config(cfg.model.hf_dir)
     check_moe_training(hf_config, parallel_state.get_tensor_model_parallel_world_size(),
-                       cfg.parallel.sequence_parallel, cfg.algorithm.router_replay)
+                       cfg.parallel.sequence_parallel)
     modules = build_model(
         hf_config, dtype=DTYPES[cfg.model.dtype],
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,

@@ -62,6 +62,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
     sampler = PromptSampler(load_prompt_dataset(cfg.data, tokenizer), cfg.rollout.prompts_per_step,
                             cfg.trainer.seed, cfg.data.shuffle)
     policy = build_policy(cfg)
+    routing = RoutingReplay(policy.modules, replay=True) if cfg.algorithm.router_replay else None  # MoE only
     reference = build_reference(cfg, policy.hf_config)
     spec = ScoringSpec(cfg.rollout.temperature, policy.hf_config.vocab_size, cfg.model.logprob_chunk_size)
 
@@ -93,7 +94,6 @@ def train(cfg: ExperimentConfig) -> list[dict]:
     rollouts = RolloutSchedule(cfg.rollout.mode, engine, side.sampler if side else None, generate,
                                cfg.trainer.num_steps)
 
-    routing = RoutingReplay(policy.modules, replay=True) if cfg.algorithm.router_replay else None
     records, nonfinite_streak = [], trainer_state.get("nonfinite_streak", 0)
     logger.begin_training()
     try:

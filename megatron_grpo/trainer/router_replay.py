@@ -40,6 +40,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.router import Router
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
+from megatron_grpo.models.errors import ModelError
 from megatron_grpo.runtime.device import collective_tensor
 from megatron_grpo.trainer.moe_metrics import local_rows
 
@@ -86,7 +87,12 @@ class RoutingReplay:
     """Router replay and the routing-mismatch count for one model's chunks."""
 
     def __init__(self, model_chunks: list, replay: bool):
+        """ModelError (one line, naming the key) when ``replay`` is asked of a dense model."""
         self.routers = [m for c in model_chunks for m in c.modules() if isinstance(m, Router)]
+        if replay and not self.routers:
+            model_type = getattr(getattr(model_chunks[0], "hf_config", None), "model_type", "?")
+            raise ModelError(f"algorithm.router_replay needs a mixture-of-experts model; model_type "
+                             f"{model_type!r} has no router (set router_replay: false)")
         self.replay = replay
         self._routed: Optional[torch.Tensor] = None
         self._valid_SB: Optional[torch.Tensor] = None
