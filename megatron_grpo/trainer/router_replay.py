@@ -24,7 +24,9 @@ attention keeps them from reaching scored positions.
 Mismatch metric: every router also computes its own top-k on the same scores; over the scored
 positions (``loss_mask``), ``moe/routing_mismatch_frac`` = (token, layer) pairs whose expert set
 differs from the engine's / all (token, layer) pairs. Summed over every rank: model-parallel
-ranks that see the same rows count them equally often, so the ratio is exact.
+ranks that see the same rows count them equally often, so the ratio is exact (except that
+the interleaved schedule's forward-only pass repeats its last micro-batch up to a multiple of
+pp, which then counts twice).
 
 Limit: activation recomputation would re-run the router in the backward pass after later
 micro-batches set their targets; it is refused at config load with router replay.
@@ -106,13 +108,13 @@ class RoutingReplay:
     def active(self) -> bool:
         return bool(self.routers)
 
-    def set_micro_batch(self, routed_BTLK: torch.Tensor, loss_mask_BT: torch.Tensor) -> None:
+    def set_micro_batch(self, routed_BTF: torch.Tensor, loss_mask_BT: torch.Tensor) -> None:
         """The next forward's engine routing int [B, T, L * k] and scored positions [B, T]
         (-> bool [S, B], sequence-first like megatron's hidden states)."""
         b, t = loss_mask_BT.shape
         valid = torch.zeros(b, t + 1, dtype=torch.bool)
         valid[:, :t] = loss_mask_BT.cpu() > 0
-        self._routed, self._valid_SB = routed_BTLK, valid.t().contiguous()
+        self._routed, self._valid_SB = routed_BTF, valid.t().contiguous()
 
     @contextlib.contextmanager
     def applied(self) -> Iterator["RoutingReplay"]:
