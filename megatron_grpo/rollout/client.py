@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Optional, Sequence
 
 import httpx
 
+from megatron_grpo.rollout import routed_experts
 from megatron_grpo.rollout.types import RolloutError, Sample, SamplingParams
 
 # route name -> (HTTP method, path). The single list of routes this package talks to.
@@ -196,8 +197,10 @@ class AsyncRolloutClient:
         sampling: SamplingParams,
         *,
         sampling_seed: Optional[int] = None,
+        return_routed_experts: bool = False,
     ) -> list[Sample]:
         """``n`` responses for each prompt, prompt-major (``[p0s0, p0s1, ..., p1s0, ...]``).
+        ``return_routed_experts``: ask for the MoE routing (``Sample.routed_experts``).
 
         One request per prompt, all in flight at once, spread round-robin over the servers.
         With ``sampling_seed`` every response gets its own seed ``sampling_seed + k`` (k its
@@ -206,14 +209,15 @@ class AsyncRolloutClient:
         """
         tasks = [
             self._generate_group(i, list(p), n, sampling,
-                                 None if sampling_seed is None else sampling_seed + i * n)
+                                 None if sampling_seed is None else sampling_seed + i * n, return_routed_experts)
             for i, p in enumerate(prompts)
         ]
         groups = await asyncio.gather(*tasks)
         return [s for group in groups for s in group]
 
     async def _generate_group(self, prompt_index: int, prompt: list[int], n: int,
-                              sampling: SamplingParams, seed: Optional[int]) -> list[Sample]:
+                              sampling: SamplingParams, seed: Optional[int],
+                              return_routed_experts: bool = False) -> list[Sample]:
         if seed is None:
             params = dict(sampling.to_json(), n=n)
             body = {"input_ids": [prompt], "sampling_params": params}
@@ -221,11 +225,14 @@ class AsyncRolloutClient:
             body = {"input_ids": [prompt] * n,
                     "sampling_params": [sampling.to_json(sampling_seed=seed + j) for j in range(n)]}
         body.update(return_logprob=True, logprob_start_len=-1)
+        if return_routed_experts:  # only then: SGLang without the feature rejects the key
+            body["return_routed_experts"] = True
         server, items = await self._call("generate", body, url=None, timeout_s=None, retry=True)
         if not isinstance(items, list) or len(items) != n:
             got = len(items) if isinstance(items, list) else type(items).__name__
             raise RolloutError(server, "POST /generate", f"expected {n} responses, got {got}")
-        return [parse_generate_item(item, prompt, prompt_index, j, server) for j, item in enumerate(items)]
+        return [parse_generate_item(item, prompt, prompt_index, j, server, return_routed_experts)
+                for j, item in enumerate(items)]
 
     # ---- control and weight routes (thin wrappers; bodies as SGLang 0.5.23 expects) ----
     # ``extra`` adds engine-specific keys (the embedded engine's ``compute_checksums``); SGLang
@@ -314,7 +321,7 @@ class AsyncRolloutClient:
 
 
 def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample_index: int,
-                        server: str) -> Sample:
+                        server: str, with_routing: bool = False) -> Sample:
     """One SGLang /generate answer item -> Sample (checks the log-probs match the tokens)."""
     route = "POST /generate"
     try:
@@ -328,6 +335,12 @@ def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample
     if [int(tok) for _, tok, _ in token_logprobs] != output_ids:
         raise RolloutError(server, route, "output_token_logprobs do not match output_ids")
     reason = finish.get("type", "unknown") if isinstance(finish, dict) else str(finish or "unknown")
+    routed = None
+    if with_routing:
+        try:
+            routed = routed_experts.decode(meta["routed_experts"], len(prompt) + len(output_ids) - 1)
+        except (KeyError, TypeError, ValueError) as e:
+            raise RolloutError(server, route, f"routed_experts missing or malformed ({type(e).__name__}: {e})") from None
     return Sample(
         prompt_index=prompt_index,
         sample_index=sample_index,
@@ -337,6 +350,7 @@ def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample
         finish_reason=reason,
         weight_version=weight_version,
         server=server,
+        routed_experts=routed,
     )
 
 
@@ -387,9 +401,10 @@ class RolloutClient:
             raise RolloutError(",".join(self.urls), "client", "request did not finish in time") from None
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams, *,
-                 sampling_seed: Optional[int] = None) -> list[Sample]:
+                 sampling_seed: Optional[int] = None, return_routed_experts: bool = False) -> list[Sample]:
         """``n`` samples per prompt, prompt-major; see ``AsyncRolloutClient.generate``."""
-        return self.run(self.aio.generate(prompts, n, sampling, sampling_seed=sampling_seed))
+        return self.run(self.aio.generate(prompts, n, sampling, sampling_seed=sampling_seed,
+                                          return_routed_experts=return_routed_experts))
 
     def call(self, route: str | tuple[str, str], body: Optional[dict] = None, *, url: Optional[str] = None,
              timeout_s: Optional[float] = None, retry: bool = True) -> Any:

@@ -80,6 +80,9 @@ class Sample:
     """The engine's weight version when the response finished (the trainer step after a sync)."""
     server: str = ""
     """URL of the server that generated it."""
+    routed_experts: Optional[Any] = None
+    """Only when requested (router replay): the engine's MoE routing, int32 tensor
+    [prompt + response - 1, num_moe_layers * k] (``rollout.routed_experts``)."""
 
     @property
     def num_output_tokens(self) -> int:

@@ -9,6 +9,9 @@ Layout (N sequences, S = longest prompt+response of the rollout batch, T = S - 1
   given ``tokens[:, :t+1]``. ``loss_mask[i, t] = 1`` iff ``tokens[i, t+1]`` is a response token.
 * ``rollout_log_probs[N, T]``: the engine's log-probs on the response positions, 0 elsewhere.
 * ``advantages[N]``: one per sequence (outcome reward).
+* ``routed_experts[N, T, L * k]`` (router replay only): the experts the engine routed the input
+  token of position t to, MoE layer l's k experts at ``[l * k, (l + 1) * k)`` (the engine's
+  layout: the batch is built without the model's k); -1 where the engine routed nothing.
 
 All ranks pad to the same S. How rows are cut into micro-batches (a fixed count at S, or a
 token budget with each micro-batch cut to its own longest row) is ``trainer.microbatch``.
@@ -30,6 +33,7 @@ class TrainBatch:
     advantages: torch.Tensor  # float[N]
     old_log_probs: torch.Tensor | None = None  # float[N, T], filled by the trainer
     ref_log_probs: torch.Tensor | None = None  # float[N, T], only with a KL loss
+    routed_experts: torch.Tensor | None = None  # int32[N, T, L*k], only with router replay
 
     @property
     def num_sequences(self) -> int:
@@ -80,6 +84,20 @@ def build_train_batch(
             rollout_lp[i, len(p) - 1 : len(p) - 1 + len(o)] = torch.tensor(lp, dtype=torch.float32)
     return TrainBatch(tokens=tokens, loss_mask=loss_mask, rollout_log_probs=rollout_lp,
                       advantages=advantages.float())
+
+
+def pad_routed_experts(routed: Sequence[torch.Tensor], seq_length: int) -> torch.Tensor:
+    """N engine routings, each int [P_i, num_moe_layers * k] (P_i = prompt + response - 1,
+    the client's layout) -> int32 [N, seq_length - 1, num_moe_layers * k], -1 past P_i. All
+    rows must have the same width and P_i <= seq_length - 1 (else ValueError naming the row)."""
+    width = routed[0].shape[1]
+    out = torch.full((len(routed), seq_length - 1, width), -1, dtype=torch.int32)
+    for i, r in enumerate(routed):
+        if r.dim() != 2 or r.shape[1] != width or r.shape[0] > seq_length - 1:
+            raise ValueError(f"sample {i}: routed_experts of shape {tuple(r.shape)} does not fit "
+                             f"[<= {seq_length - 1} positions, {width}]")
+        out[i, : r.shape[0]] = r
+    return out
 
 
 def dp_shard(batch: TrainBatch, dp_rank: int, dp_size: int, global_batch_size: int) -> TrainBatch:

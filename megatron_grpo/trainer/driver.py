@@ -40,6 +40,7 @@ from megatron_grpo.trainer.moe_metrics import RouterLoad
 from megatron_grpo.trainer.optim import lr_at, set_lr
 from megatron_grpo.trainer.rollout_step import generate_and_score
 from megatron_grpo.trainer.rollouts import RolloutSchedule
+from megatron_grpo.trainer.router_replay import RoutingReplay
 from megatron_grpo.trainer.step_timer import StepTimer
 
 
@@ -61,6 +62,7 @@ def train(cfg: ExperimentConfig) -> list[dict]:
     sampler = PromptSampler(load_prompt_dataset(cfg.data, tokenizer), cfg.rollout.prompts_per_step,
                             cfg.trainer.seed, cfg.data.shuffle)
     policy = build_policy(cfg)
+    routing = RoutingReplay(policy.modules, replay=True) if cfg.algorithm.router_replay else None  # MoE only
     reference = build_reference(cfg, policy.hf_config)
     spec = ScoringSpec(cfg.rollout.temperature, policy.hf_config.vocab_size, cfg.model.logprob_chunk_size)
 
@@ -113,8 +115,11 @@ def train(cfg: ExperimentConfig) -> list[dict]:
             if old_log_probs_needed(cfg.algorithm.num_iterations, batch.num_sequences // cfg.parallel.global_batch_size):
                 router_load = RouterLoad(policy.modules)  # counted where the pass runs: pi_old's routing
                 local.old_log_probs = compute_log_probs(policy.chunks, local, cfg.parallel.micro_batch_size, spec,
-                                                        budget, router_load=router_load if router_load.active else None)
+                                                        budget, router_load=router_load if router_load.active else None,
+                                                        routing=routing)
                 moe_metrics = router_load.metrics(cfg.parallel.sequence_parallel)  # collective; {} if dense
+                if routing is not None:  # the policy that generated: engine vs trainer routing
+                    moe_metrics.update(routing.take_metrics())
             if reference is not None:
                 local.ref_log_probs = compute_log_probs(reference, local, cfg.parallel.micro_batch_size, spec, budget)
             timer.lap("logprob")
@@ -133,11 +138,14 @@ def train(cfg: ExperimentConfig) -> list[dict]:
                     metrics, applied, grad_norm = train_mini_batch(
                         policy.chunks, policy.optimizer, mini, cfg.algorithm, spec,
                         cfg.parallel.micro_batch_size, int(gmini.loss_mask.sum()), gmini.num_sequences,
-                        dp, dp_group, budget)
+                        dp, dp_group, budget, routing=routing)
                     skipped += not applied
                     if metrics is not None:
                         step_metrics.append({**metrics, "grad_norm": grad_norm, "iteration": it})
             timer.lap("train")
+            if routing is not None:  # without an old-log-prob pass: the (single) update's forward
+                for key, value in routing.take_metrics().items():  # collective; restarts the count
+                    moe_metrics.setdefault(key, value)
 
             # 4. (off-policy: wait for step+1's batch, the engine must be idle) weights -> rollout
             # engine, evaluation, metrics, checkpoint

@@ -35,6 +35,7 @@ from megatron_grpo.runtime.device import all_finite, collective_tensor, to_devic
 from megatron_grpo.trainer.batch import TrainBatch
 from megatron_grpo.trainer.microbatch import plan_micro_batches, sequence_lengths, split, unsplit
 from megatron_grpo.trainer.moe_metrics import RouterLoad
+from megatron_grpo.trainer.router_replay import RoutingReplay
 
 
 @dataclass
@@ -73,18 +74,21 @@ def old_log_probs_needed(num_iterations: int, num_mini_batches: int) -> bool:
 
 
 def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, spec: ScoringSpec,
-                      max_tokens_per_microbatch: Optional[int] = None, router_load: Optional[RouterLoad] = None):
+                      max_tokens_per_microbatch: Optional[int] = None, router_load: Optional[RouterLoad] = None,
+                      routing: Optional[RoutingReplay] = None):
     """Forward-only scoring of ``batch``: float[N, T] log-probs on the last PP stage, None on
     the others (the loss is computed where the logits are). Micro-batches as in
     ``train_mini_batch`` (``trainer.microbatch``); positions past a row's last response
     token may be 0 under a token budget (they are never scored). ``router_load``: counts the
-    MoE routing of the scored positions (``trainer.moe_metrics``)."""
+    MoE routing of the scored positions (``trainer.moe_metrics``). ``routing``: replays
+    ``batch.routed_experts`` and counts mismatches (``trainer.router_replay``)."""
     from megatron.core import parallel_state
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         if router_load is not None:
             router_load.set_micro_batch(mb.loss_mask)
+        _set_routing(routing, mb)
         logits = causal_logits(model, mb.tokens)
 
         def loss_func(output):
@@ -98,7 +102,8 @@ def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, sp
         c.eval()
     plan = plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch)
     mbs = split(batch, plan)
-    with torch.no_grad(), (router_load.counting(len(mbs)) if router_load else contextlib.nullcontext()):
+    with torch.no_grad(), (router_load.counting(len(mbs)) if router_load else contextlib.nullcontext()), \
+            _routing_applied(routing, batch):
         outs = _run_schedule(model_chunks, mbs, forward_step, True)
     for c in model_chunks:
         c.train()
@@ -119,6 +124,7 @@ def train_mini_batch(
     dp_size: int,
     dp_group,
     max_tokens_per_microbatch: Optional[int] = None,
+    routing: Optional[RoutingReplay] = None,
 ) -> tuple[dict[str, float] | None, bool, float]:
     """One optimizer step on this rank's share of a mini-batch.
 
@@ -126,6 +132,7 @@ def train_mini_batch(
     max_tokens_per_microbatch: None cuts ``micro_batch_size`` rows per micro-batch, else a
     token budget (``trainer.microbatch``). ``mini.old_log_probs`` None means pi_old = pi_theta
     (``old_log_probs_needed``): the detached current log-probs stand in.
+    ``routing``: replays ``mini.routed_experts`` in the forward (``trainer.router_replay``).
     The metrics carry ``num_padded_tokens`` / ``num_sequence_tokens`` (token slots run /
     real prompt+response tokens), whose ratio gives the padding fraction.
     Returns (metrics pooled over micro-batches and dp on the last stage else None,
@@ -141,6 +148,7 @@ def train_mini_batch(
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+        _set_routing(routing, mb)
         logits = causal_logits(model, mb.tokens)
 
         def loss_func(output):
@@ -162,7 +170,8 @@ def train_mini_batch(
     for c in model_chunks:
         c.zero_grad_buffer()
     optimizer.zero_grad()
-    outs = _run_schedule(model_chunks, mbs, forward_step, False)
+    with _routing_applied(routing, mini):
+        outs = _run_schedule(model_chunks, mbs, forward_step, False)
 
     finite = _all_finite(model_chunks, outs)
     if not finite:
@@ -181,6 +190,18 @@ def train_mini_batch(
         # the parts' losses SUM to the mini-batch loss (not a token-weighted mean)
         metrics["loss"] = _sum_over(sum(m["loss"] for m in outs), dp_group)
     return metrics, finite, grad_norm
+
+
+def _set_routing(routing: Optional[RoutingReplay], mb: TrainBatch) -> None:
+    if routing is not None and mb.routed_experts is not None:
+        routing.set_micro_batch(mb.routed_experts, mb.loss_mask)
+
+
+def _routing_applied(routing: Optional[RoutingReplay], batch: TrainBatch):
+    """Router replay over the passes run inside when the batch carries the rollout's routing."""
+    if routing is None or not routing.active or batch.routed_experts is None:
+        return contextlib.nullcontext()
+    return routing.applied()
 
 
 def _sum_over(value: float, group) -> float:

@@ -108,7 +108,7 @@ def split(batch: TrainBatch, plan: MicroBatchPlan) -> list[TrainBatch]:
 def _cut(mb: TrainBatch, length: int) -> TrainBatch:
     cut = {}
     for name, t in mb.tensors().items():
-        if t.dim() == 2:
+        if t.dim() >= 2:  # per-token fields ([N, S] / [N, T] / routed_experts [N, T, L, k])
             cut[name] = t[:, :length] if name == "tokens" else t[:, : length - 1]
         else:
             cut[name] = t

@@ -19,7 +19,7 @@ import torch
 
 from megatron_grpo.losses import compute_advantages
 from megatron_grpo.rewards.sample import RewardSample
-from megatron_grpo.trainer.batch import TrainBatch, build_train_batch
+from megatron_grpo.trainer.batch import TrainBatch, build_train_batch, pad_routed_experts
 from megatron_grpo.trainer.dynamic_sampling import choose_groups, informative_groups, overlong_penalty
 
 
@@ -52,7 +52,8 @@ class _Round:
 def _generate_round(step, round_index, prompts, client, sampling, scorer, tokenizer, cfg) -> _Round:
     t0 = time.monotonic()
     samples = client.generate([p.prompt_ids for p in prompts], cfg.rollout.num_generations, sampling,
-                              sampling_seed=sampling_seed(cfg.trainer.seed, step, round_index))
+                              sampling_seed=sampling_seed(cfg.trainer.seed, step, round_index),
+                              return_routed_experts=cfg.algorithm.router_replay)
     gen_s = time.monotonic() - t0
     scored = scorer.score_samples(reward_samples(prompts, samples, tokenizer))
     reward_s = time.monotonic() - t0 - gen_s
@@ -89,6 +90,8 @@ def generate_and_score(step: int, prompts, client, sampling, scorer, tokenizer, 
         [s.prompt_ids for s in samples], [s.output_ids for s in samples],
         [s.output_logprobs for s in samples], advantages, pad_id=_pad_id(tokenizer),
     )
+    if cfg.algorithm.router_replay:  # the engine's routing, replayed by the trainer (trainer.router_replay)
+        batch.routed_experts = pad_routed_experts([s.routed_experts for s in samples], batch.seq_length)
     truncated = torch.tensor([s.finish_reason == "length" for s in samples])
     if cfg.rollout.overlong.filter:
         batch.loss_mask[truncated] = 0.0  # out of the loss and of its token count

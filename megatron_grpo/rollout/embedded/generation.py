@@ -15,12 +15,14 @@ A "wave" is a batch of sequences run from prefill to the last finished sequence:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
+from megatron_grpo.rollout.embedded.routing import RoutingRecorder
 from megatron_grpo.rollout.embedded.sampling import ResolvedSampling, draw_uniforms, sample_next
 
 
@@ -38,10 +40,20 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: Optional[list[Optional[float]]] = None
+    return_routed_experts: bool = False
+    routed_blocks: list[torch.Tensor] = field(default_factory=list)
+    """Routing of the positions fed so far, int32 [L_fwd, num_moe_layers, k] per forward
+    (``routed_experts`` trims the positions fed after the sequence finished)."""
     finish_reason: Optional[dict] = None
     weight_version: str = ""
     created: float = field(default_factory=time.monotonic)
     on_finish: Optional[Callable[["Sequence"], None]] = None
+
+    @property
+    def routed_experts(self) -> torch.Tensor:
+        """int32 [prompt + response - 1, num_moe_layers, k]: the experts each fed position was
+        routed to (the last sampled token is never fed)."""
+        return torch.cat(self.routed_blocks)[: len(self.prompt_ids) + len(self.output_ids) - 1]
 
     @property
     def finished(self) -> bool:
@@ -129,8 +141,15 @@ def run_wave(
     ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
     want_prompt = [s.logprob_start_len >= 0 and s.input_logprobs is None and not s.output_ids for s in active]
     cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=0 if any(want_prompt) else 1)
+    # routing is recorded only when some sequence asked (the hooks cost a copy per layer)
+    recorder = RoutingRecorder(model) if any(s.return_routed_experts for s in active) else None
+    with recorder.capture() if recorder else contextlib.nullcontext():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=0 if any(want_prompt) else 1)
+    if recorder:
+        routed = recorder.take(len(active))  # [B, L_pad, layers, k], left-padded like ids
+        for row, s in enumerate(active):  # a resumed sequence is re-prefilled: start afresh
+            s.routed_blocks = [routed[row, ids.shape[1] - len(s.prompt_ids) - len(s.output_ids):]]
     for row, s in enumerate(active):
         if want_prompt[row]:
             own = out.logits[row, ids.shape[1] - len(s.prompt_ids):]
@@ -175,6 +194,11 @@ def run_wave(
             temperature, top_k, top_p, min_p = temperature[index], top_k[index], top_p[index], min_p[index]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         positions = positions[:, -1:] + 1
-        out = model(input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=positions,
-                    past_key_values=cache, use_cache=True)
+        with recorder.capture() if recorder else contextlib.nullcontext():
+            out = model(input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=positions,
+                        past_key_values=cache, use_cache=True)
+        if recorder:
+            routed = recorder.take(len(rows))  # [B, 1, layers, k]
+            for row, s in enumerate(rows):
+                s.routed_blocks.append(routed[row])
         last_logits = out.logits[:, -1]

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from megatron_grpo.rollout import routed_experts
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine, EngineError
 from megatron_grpo.rollout.embedded.generation import Sequence
 from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
@@ -37,7 +38,7 @@ _GENERATE_DEFAULTS: dict[str, Any] = {
     "log_metrics": True, "modalities": None, "data_parallel_rank": None,
 }
 _GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
-                  "return_text_in_logprobs", "rid"} | set(_GENERATE_DEFAULTS)
+                  "return_text_in_logprobs", "rid", "return_routed_experts"} | set(_GENERATE_DEFAULTS)
 
 
 # SGLang 0.5.23 loads tensor and distributed updates only inside a begin/end bracket (its
@@ -335,15 +336,17 @@ def _parse_generate(engine: EmbeddedEngine, req: dict) -> tuple[list[Sequence], 
     params = [resolve_sampling_params(p) for p in _per_item(req.get("sampling_params"), count, "sampling_params")]
     starts = _per_item(req.get("logprob_start_len", -1), count, "logprob_start_len")
     returns = _per_item(req.get("return_logprob", False), count, "return_logprob")
+    routed = _per_item(req.get("return_routed_experts", False), count, "return_routed_experts")
     rid = str(req.get("rid") or uuid.uuid4().hex)
     seqs = []
-    for i, (prompt, p, start, ret) in enumerate(zip(prompts, params, starts, returns)):
+    for i, (prompt, p, start, ret, rout) in enumerate(zip(prompts, params, starts, returns, routed)):
         start = int(start if start is not None else -1)
         if start >= len(prompt):
             raise EngineError(f"logprob_start_len {start} must be < the prompt length {len(prompt)}")
         for j in range(p.n):
             seqs.append(Sequence(rid=f"{rid}-{i}-{j}", prompt_ids=list(prompt), params=p,
-                                 return_logprob=bool(ret), logprob_start_len=start if ret else -1))
+                                 return_logprob=bool(ret), logprob_start_len=start if ret else -1,
+                                 return_routed_experts=bool(rout)))
     return seqs, single
 
 
@@ -368,4 +371,6 @@ def _render(engine: EmbeddedEngine, s: Sequence, with_text: bool, latency: float
         if s.input_logprobs is not None:
             tokens = s.prompt_ids[s.logprob_start_len:]
             meta["input_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in zip(s.input_logprobs, tokens)]
+    if s.return_routed_experts and s.routed_blocks:
+        meta["routed_experts"] = routed_experts.encode(s.routed_experts)
     return {"text": text, "output_ids": list(s.output_ids), "meta_info": meta}

@@ -28,6 +28,9 @@ class EngineAdapter:
     """Process-group backends the engine's /init_weights_update_group accepts."""
     supports_memory_release: bool = False
     """True: the engine can give its GPU memory back between rollouts (rollout.colocate)."""
+    returns_routing: bool = False
+    """True: /generate answers ``return_routed_experts`` with the MoE routing of every position
+    (``meta_info.routed_experts``; algorithm.router_replay needs it)."""
 
     # ---- config-load checks -------------------------------------------------------------
 

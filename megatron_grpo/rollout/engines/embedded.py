@@ -15,6 +15,7 @@ class EmbeddedAdapter(EngineAdapter):
     transports = frozenset({"distributed", "tensor", "disk"})
     # gloo on the CPU; NCCL once the model is on a GPU (the engine refuses NCCL on a CPU).
     backends = frozenset({"gloo", "nccl"})
+    returns_routing = True  # rollout.embedded.routing
 
     def launch_command(self, cfg, model_dir: str, host: str, port: int,
                        gpu_ids: Optional[list[int]] = None) -> list[str]:
