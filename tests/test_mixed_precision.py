@@ -29,16 +29,9 @@ STEP_RTOL = 5e-2
 
 
 def _batch():
-    from megatron_grpo.trainer.batch import build_train_batch
+    from megatron_grpo.testing.batches import random_train_batch
 
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(7, 200, (int(torch.randint(3, 6, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(N_SEQ)]
-    outputs = [torch.randint(7, 200, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(N_SEQ)]
-    logps = [(-torch.rand(len(o), generator=gen) * 3).tolist() for o in outputs]
-    adv = torch.randn(N_SEQ, generator=gen)
-    return build_train_batch(prompts, outputs, logps, adv, pad_id=0)
+    return random_train_batch(N_SEQ)
 
 
 def _policy(hf_dir, optimizer):

@@ -15,17 +15,9 @@ BUDGET = 18  # tokens per micro-batch: 1-3 rows of 4-7 tokens, so the shapes var
 
 
 def _batch():
-    from megatron_grpo.trainer.batch import build_train_batch
+    from megatron_grpo.testing.batches import random_train_batch
 
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(7, 200, (int(torch.randint(3, 6, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(N_SEQ)]
-    outputs = [torch.randint(7, 200, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(N_SEQ)]
-    # rollout log-probs slightly off the trainer's, so the off-policy block does something
-    logps = [(-torch.rand(len(o), generator=gen) * 3).tolist() for o in outputs]
-    adv = torch.randn(N_SEQ, generator=gen)
-    return build_train_batch(prompts, outputs, logps, adv, pad_id=0)
+    return random_train_batch(N_SEQ)
 
 
 def _one_step(rank, world, hf_dir, budget=None, skip_old=False):

@@ -30,13 +30,18 @@ import torch
 import torch.distributed as dist
 
 
+def megatron_routers(model_chunks: list) -> list:
+    """Every megatron-core MoE router of ``model_chunks``, in module order (empty: dense)."""
+    from megatron.core.transformer.moe.router import Router
+
+    return [m for c in model_chunks for m in c.modules() if isinstance(m, Router)]
+
+
 class RouterLoad:
     """Tokens per expert per MoE layer, counted by forward hooks on megatron's routers."""
 
     def __init__(self, model_chunks: list):
-        from megatron.core.transformer.moe.router import Router
-
-        self.routers = [m for c in model_chunks for m in c.modules() if isinstance(m, Router)]
+        self.routers = megatron_routers(model_chunks)
         self.counts: dict[int, torch.Tensor] = {}  # global 1-based layer number -> long[E]
         self._valid_SB: Optional[torch.Tensor] = None
         self._num_microbatches = 0

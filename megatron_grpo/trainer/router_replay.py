@@ -39,10 +39,10 @@ from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.moe.router import Router
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from megatron_grpo.models.errors import ModelError
+from megatron_grpo.trainer.moe_metrics import megatron_routers
 from megatron_grpo.runtime.device import collective_tensor
 from megatron_grpo.trainer.moe_metrics import local_rows
 
@@ -90,7 +90,7 @@ class RoutingReplay:
 
     def __init__(self, model_chunks: list, replay: bool):
         """ModelError (one line, naming the key) when ``replay`` is asked of a dense model."""
-        self.routers = [m for c in model_chunks for m in c.modules() if isinstance(m, Router)]
+        self.routers = megatron_routers(model_chunks)
         if replay and not self.routers:
             model_type = getattr(getattr(model_chunks[0], "hf_config", None), "model_type", "?")
             raise ModelError(f"algorithm.router_replay needs a mixture-of-experts model; model_type "
