@@ -170,6 +170,33 @@ def test_cuda_handles_travel_with_the_gpu_uuid():
         is serialize.rebuild_cuda_tensor_by_uuid
 
 
+def test_every_global_of_a_cuda_reduction_is_allowed(monkeypatch):
+    """The receiver's allow-list admits every global in the argument tuple that torch's
+    ``reduce_tensor`` builds for a CUDA tensor (its class, size, storage class, dtype): found
+    on a GPU, where the storage class ``TypedStorage`` was refused. The tuple is built here
+    as torch builds it (no CUDA needed) and goes through the real pickler and unpickler."""
+    import base64
+    import io
+    import pickle
+
+    from megatron_grpo.wire import serialize
+
+    t = torch.zeros(2, 3, dtype=torch.bfloat16)
+    args = (type(t), t.size(), t.stride(), 0, type(t._typed_storage()), t.dtype, "GPU-x", b"handle", 12, 0,
+            False, b"ref", 0, b"event", True)
+    assert len(args) == 15 and args[serialize.CUDA_DEVICE_ARG] == "GPU-x"
+
+    class Reduced:
+        def __reduce__(self):
+            return torch.multiprocessing.reductions.rebuild_cuda_tensor, args
+
+    seen = []
+    monkeypatch.setattr(serialize, "rebuild_cuda_tensor_by_uuid", lambda *a: seen.append(a) or torch.zeros(1))
+    text = base64.b64encode(pickle.dumps([("w", Reduced())])).decode("ascii")
+    [(name, _)] = serialize.deserialize_named_tensors(text)
+    assert name == "w" and seen == [args]
+
+
 # ---- checkpoints: RNG state ------------------------------------------------------------------
 
 def test_rng_state_round_trip_on_cpu_and_gpu_keys_only_with_cuda():

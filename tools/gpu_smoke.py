@@ -11,6 +11,8 @@ Each check prints its figures on lines that start with the GPU's name
   verified by per-tensor checksums. Exercises the device seam (batch placement, NCCL
   collectives on GPU tensors, the fused finiteness check), the embedded engine on a GPU and
   the CUDA RNG state in the checkpoint written at the end;
+* ``features``: activation recomputation and the distributed optimizer in bf16: two steps,
+  a checkpoint (the optimizer's sharded format), then a resume to step 4;
 * ``bench``: ``tools/bench_logprobs.py`` at tp 1 on the GPU: our vocab-parallel log-prob +
   entropy op against megatron-core's ``vocab_parallel_cross_entropy`` (time and peak memory,
   V = 32k and 152k, bf16 logits);
@@ -39,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-CHECKS = ("step", "bench", "self_check", "demo")
+CHECKS = ("step", "features", "bench", "self_check", "demo")
 EXIT_NO_GPU = 2
 
 
@@ -53,17 +55,28 @@ def report(check: str, **figures) -> None:
     print(f"[{gpu_name()}] {check}: {text}", flush=True)
 
 
+def _env() -> dict:
+    """This process's environment with the repository first on PYTHONPATH (kept: carried wheels)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def _train(out: Path, name: str, overrides: list[str], timeout_s: float) -> list[dict]:
     """``megatron-grpo train`` on the demo config with ``overrides``; its metric records."""
     run_dir = out / name
     cmd = [sys.executable, "-m", "megatron_grpo.cli", "train", "--config", str(ROOT / "yaml_configs/demo_cpu.yaml"),
            f"model.hf_dir={out / 'demo/model'}", f"data.train_file={out / 'demo/arithmetic.jsonl'}",
            f"trainer.run_dir={run_dir}", "parallel.tp=1", "parallel.world_size=1", "logging.plot=false",
-           "checkpoint.resume=never", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+           "checkpoint.resume=never",
+           f"eval.sets=[{{name: heldout, path: {out / 'demo/arithmetic_heldout.jsonl'}, n: 8, temperature: 1.0}}]",
+           *overrides]
+    env = _env()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / f"train_{len(list(run_dir.glob('train_*.log')))}.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
     if proc.returncode != 0:
-        raise RuntimeError(f"train exited {proc.returncode}: {' | '.join(proc.stderr.strip().splitlines()[-5:])}")
+        errors = [ln for ln in log.read_text().splitlines() if "Error" in ln or "error:" in ln]
+        raise RuntimeError(f"train exited {proc.returncode} (log {log}): {' | '.join(errors[-3:])}")
     from megatron_grpo.metrics_log.jsonl import read_metrics
 
     return read_metrics(run_dir / "metrics.jsonl")
@@ -72,7 +85,7 @@ def _train(out: Path, name: str, overrides: list[str], timeout_s: float) -> list
 def _make_demo(out: Path) -> None:
     if not (out / "demo/model/config.json").is_file():
         subprocess.run([sys.executable, str(ROOT / "tools/make_demo_model.py"), "--out", str(out / "demo")],
-                       cwd=ROOT, check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       cwd=ROOT, check=True, capture_output=True, env=_env())
 
 
 def check_step(out: Path) -> None:
@@ -95,6 +108,25 @@ def check_step(out: Path) -> None:
            time_train_s=float(last["time/train_s"]), loss=float(last["loss"]),
            grad_norm=float(last["grad_norm"]), skipped_updates=int(last["skipped_updates"]),
            cuda_rng_in_checkpoint=True)
+
+
+def check_features(out: Path) -> None:
+    """Activation recomputation + the distributed optimizer in bf16: 2 steps, a checkpoint, and a resume to 4."""
+    _make_demo(out)
+    common = ["model.dtype=bfloat16", "model.recompute_activations=true", "parallel.use_distributed_optimizer=true",
+              "rollout.weight_sync_transport=tensor", "checkpoint.save_every=2"]
+    first = _train(out, "features", ["trainer.num_steps=2", *common], timeout_s=900)
+    ckpt = out / "features/checkpoints/step_000002"
+    if not ckpt.is_dir():
+        raise RuntimeError(f"no checkpoint at {ckpt}")
+    resumed = _train(out, "features", ["trainer.num_steps=4", "checkpoint.resume=auto", *common], timeout_s=900)
+    steps = [int(r["step"]) for r in resumed]
+    if steps[-1] != 4 or steps[:2] != [1, 2] or len(steps) != 4:
+        raise RuntimeError(f"resume did not continue at step 3: steps in metrics.jsonl {steps}")
+    last = resumed[-1]
+    report("features (bf16, recompute_activations, distributed optimizer, save at 2, resume to 4)",
+           steps_before=len(first), steps_after=len(resumed), loss=float(last["loss"]),
+           grad_norm=float(last["grad_norm"]), time_step_s=float(last["time/step_s"]))
 
 
 def check_bench(out: Path) -> None:
@@ -162,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     print(f"[{gpu_name()}] torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB; work dir {out}", flush=True)
-    runners = {"step": lambda: check_step(out), "bench": lambda: check_bench(out),
+    runners = {"step": lambda: check_step(out), "features": lambda: check_features(out), "bench": lambda: check_bench(out),
                "self_check": lambda: check_self_check(out), "demo": lambda: check_demo(out, args.demo_steps)}
     failed = []
     for check in checks:

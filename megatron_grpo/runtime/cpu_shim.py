@@ -19,6 +19,10 @@ megatron-core 0.16 assumes a GPU in a handful of places that the CPU path reache
   optimizer's constructor (``trainer.optim``); without it bf16 training on CPU is refused;
 * the CUDA RNG states tracker (``tensor_parallel.random``) that forks RNG streams for TP
   initialisation and dropout;
+* activation recomputation (``tensor_parallel.checkpoint``) saves and restores the CUDA
+  generator's state around the recomputed forward (``_get_cuda_rng_state`` /
+  ``_set_cuda_rng_state``): without CUDA the "device" generator is the CPU one, whose state
+  the same code already saves and restores beside it;
 * the MoE router's gating GEMM reads ``moe_utils.te_general_gemm``, a name megatron-core only
   defines when transformer_engine imports (a NameError without it): defined as None, which
   selects its plain ``torch.mm`` path.
@@ -204,6 +208,8 @@ def install() -> bool:
     clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):

@@ -20,6 +20,7 @@ would pick (partial temp directories are removed at the next save or resume).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -91,10 +92,13 @@ def remove_partial(run_dir: str | Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-# How megatron-core's DistributedOptimizer lays out its state in a checkpoint: one flattened
-# slice per parameter in model space, saved and loaded by every rank in parallel (no gather
-# on dp rank 0) and reshardable across tp/pp/dp. The plain optimizer ignores the key.
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+# How megatron-core's DistributedOptimizer lays out its state in a checkpoint: gathered over
+# the dp ranks and unflattened into model-space tensors (one per parameter and moment), so a
+# checkpoint reshards across tp/pp/dp like the plain optimizer's. ("fully_sharded_model_space",
+# the parallel-save format, is refused by megatron-core 0.16's own sharded-tensor checks
+# ("ShardedTensor.flattened_range is not supported"), found on a GPU; "dp_reshardable",
+# Megatron-LM's default, cannot change tp/pp.) The plain optimizer ignores the key.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def training_sharded_state_dict(model_chunks, optimizer, *, is_loading: bool = False) -> dict:
@@ -169,16 +173,70 @@ def save_training_checkpoint(
     return final
 
 
+def _torch_adam_distributed_optimizers(optimizer) -> list:
+    """The DistributedOptimizers in ``optimizer`` that step a plain torch Adam: megatron-core
+    0.16 without apex or TransformerEngine. Empty otherwise (and for the plain optimizer)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return []
+    return [opt for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(opt, distrib_optimizer.DistributedOptimizer) and opt.optimizer is not None]
+
+
+@contextlib.contextmanager
+def torch_adam_checkpoint_load(optimizer):
+    """Let megatron-core 0.16 load a DistributedOptimizer checkpoint into a torch Adam.
+
+    Two defects of that path (no apex/TE; both found on a GPU), mended for this load only:
+
+    * ``DistributedOptimizer.state_dict()``, which building the sharded state dict calls,
+      reads every parameter's Adam ``step``; a fresh torch Adam has no state until its first
+      step (``assert len(steps) == 1``). Zero moments and ``step`` 0 are created as torch
+      would; the load overwrites them all (``step`` from the saved param groups);
+    * the ``fully_reshardable`` format saves param, exp_avg and exp_avg_sq per parameter,
+      while ``_set_main_param_and_optimizer_states`` copies every key of the torch state,
+      ``step`` included (``KeyError: 'step'``): the step megatron has just restored is kept.
+    """
+    opts = _torch_adam_distributed_optimizers(optimizer)
+    for opt in opts:
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                state = opt.optimizer.state[p]
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(p.data)
+                    state["exp_avg_sq"] = torch.zeros_like(p.data)
+                state.setdefault("step", torch.tensor(0.0))
+
+    def keeping_step(opt, original):
+        def set_states(model_param, tensors):
+            if "step" not in tensors:
+                group_index, group_order = opt.model_param_group_index_map[model_param]
+                main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+                tensors = {**tensors, "step": opt.optimizer.state[main_param]["step"]}
+            original(model_param, tensors)
+        return set_states
+
+    for opt in opts:
+        opt._set_main_param_and_optimizer_states = keeping_step(opt, opt._set_main_param_and_optimizer_states)
+    try:
+        yield
+    finally:
+        for opt in opts:
+            del opt._set_main_param_and_optimizer_states  # back to the class's method
+
+
 def load_training_checkpoint(ckpt_dir: Path, model_chunks, optimizer) -> dict[str, Any]:
     """Collective: load model + optimizer (+ this rank's RNG) from ``ckpt_dir``; returns the
     trainer state (step, data position, ...)."""
     from megatron.core import dist_checkpointing
 
-    state = training_sharded_state_dict(model_chunks, optimizer, is_loading=True)
-    loaded = dist_checkpointing.load(state, str(ckpt_dir))
-    for key, chunk in zip([k for k in state if k.startswith("model")], model_chunks):
-        chunk.load_state_dict(loaded[key], strict=True)
-    optimizer.load_state_dict(loaded["optimizer"])
+    with torch_adam_checkpoint_load(optimizer):
+        state = training_sharded_state_dict(model_chunks, optimizer, is_loading=True)
+        loaded = dist_checkpointing.load(state, str(ckpt_dir))
+        for key, chunk in zip([k for k in state if k.startswith("model")], model_chunks):
+            chunk.load_state_dict(loaded[key], strict=True)
+        optimizer.load_state_dict(loaded["optimizer"])
     rank_file = ckpt_dir / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rank_file.is_file():  # absent when resuming with more ranks than were saved
         set_rng_state(torch.load(rank_file, weights_only=True, map_location="cpu"), cuda_available())

@@ -41,6 +41,8 @@ _ALLOWED_GLOBALS = {
     ("torch", "Tensor"),
     ("torch", "Size"),
     ("torch.storage", "UntypedStorage"),
+    # A CUDA tensor's reduction carries its storage's class (``type(tensor._typed_storage())``).
+    ("torch.storage", "TypedStorage"),
     ("torch.nn.parameter", "Parameter"),
 }
 

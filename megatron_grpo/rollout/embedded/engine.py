@@ -239,9 +239,10 @@ class EmbeddedEngine:
 
         Call inside ``exclusive()``. With ``compute_checksums`` the loaded parameters'
         checksums are computed in the background for a later ``checksums()``. Returns the
-        number of tensors loaded.
+        number of tensors loaded, once the copies are complete (GPU sources included).
         """
         count = 0
+        source_devices = set()
         for name, tensor in named_tensors:
             param = self._params.get(name)
             if param is None:
@@ -252,9 +253,15 @@ class EmbeddedEngine:
             if pending is not None:
                 pending.result()  # never overwrite a parameter that is being checksummed
             param.copy_(tensor)
+            if tensor.is_cuda:
+                source_devices.add(tensor.device)
             if compute_checksums:
                 self._checksums[name] = self._checksum_pool.submit(tensor_checksum, param)
             count += 1
+        # A GPU copy is only queued: wait for it, because the sender of a CUDA IPC handle
+        # reuses (overwrites) that memory as soon as this request is answered.
+        for device in source_devices:
+            torch.cuda.synchronize(device)
         return count
 
     def load_from_disk(self, model_path: str, *, compute_checksums: bool = False) -> int:
