@@ -1,21 +1,23 @@
 """GRPO step throughput on a long-tailed multi-token task: sync vs one-step off-policy rollouts,
 fixed vs token-budget micro-batches, in one run.
 
-    python tools/bench_throughput.py --steps 60 --seeds 1 --out runs/bench_throughput
+    python tools/bench_throughput.py --steps 80 --seeds 1 2 --out runs/bench_throughput
 
 The task (built locally, no downloads, into ``OUT/task/``): the CPU demo's addition problems
 (``a + b``, operands 0..5, a uniform guess scores 1/11) with a *chain-of-thought-style*
 response: filler words, then ``#### N``, then the end of turn. A short supervised *format*
 warm-up (``--warmup-steps``) teaches a tiny Qwen2 that format with ``N`` drawn uniformly from
-the answer range (question-blind: it starts at chance) and the number of filler words drawn
-``MIN_FILLER`` plus a geometric count (stop probability 1 / ``FILLER_MEAN`` per word): responses of 8 to 128 tokens, most short, a few
-long (the shape of reasoning-length mixes). Only the number after ``####`` is rewarded
+the answer range (question-blind: it starts at chance) and ``MIN_FILLER`` filler words plus
+a geometric number more (stop probability 1 / ``FILLER_MEAN`` per word): responses of 8 to 128
+tokens, most short, a few long (the shape of reasoning-length mixes). Only the number after ``####`` is rewarded
 (``math_exact_match``), so GRPO has to learn the arithmetic while the lengths stay long-tailed.
 
 Each configuration is one ``megatron-grpo train`` run of ``yaml_configs/demo_cpu.yaml`` with
 the overrides in ``CONFIGS`` on top of ``COMMON`` (TP=1, 8 prompts x 8 generations, four
-optimizer steps of 16 sequences per rollout batch, lr 1e-3, up to 128 new tokens), run round robin over ``--seeds`` (all
-configurations for a seed, then the next seed) so drifting machine load hits each alike.
+optimizer steps of 16 sequences per rollout batch, lr 1e-3, no entropy bonus, up to 128 new
+tokens), run round robin over ``--seeds`` (all configurations for a seed, then the next seed)
+so drifting machine load hits each alike; ``--configs`` runs a subset (ratios are to the first
+given). A run whose directory holds a ``done`` marker is read, not run again.
 Reported per configuration (mean over seeds): tokens/s of a GRPO step (prompt + response
 tokens of the batch over ``time/step_s``, the first step excluded), the step time, the
 padding fraction of the update, the step at which the ``--window``-step rolling mean reward
@@ -41,6 +43,9 @@ FILLER_MEAN = 16.0  # 1 / the stop probability per filler word
 MAX_NEW_TOKENS = 128
 COMMON = [
     "parallel.tp=1", "parallel.world_size=1", "parallel.global_batch_size=16", "optimizer.lr=1.0e-3",
+    # the demo's entropy bonus (0.02 of a token mean) outweighs one rewarded token among ~20
+    # filler tokens: in a trial run it drove the policy to uniform over the vocabulary
+    "algorithm.entropy_coef=0.0",
     "rollout.prompts_per_step=8", "rollout.num_generations=8", f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
     "eval.sets=[]", "checkpoint.save_every=0", "checkpoint.resume=never",
     "logging.progress_bar=false", "logging.plot=false",
