@@ -7,7 +7,8 @@ megatron-grpo only for what must be identical on both sides: the tokenizer as it
 describe it, the prompts (chat template applied exactly as the trainer does) and the
 reward function.
 
-    PY tools/bench_trl_worker.py --model DIR --data FILE --batches N --out FILE [--seed S]
+    PY tools/bench_trl_worker.py --model DIR --data FILE --batches N --out FILE [--seed S] [--in-order]
+        [--stop-after M]
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl.trainer import grpo_trainer as trl_grpo_module  # noqa: E402
 
 from megatron_grpo.config.sections import DataConfig  # noqa: E402
 from megatron_grpo.data import load_prompt_dataset  # noqa: E402
@@ -71,6 +73,18 @@ def trl_config(args, out_dir: str) -> GRPOConfig:
     )
 
 
+class StopAfter(TrainerCallback):
+    """Stop training after ``steps`` optimizer steps (the schedule keeps its full length)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_step_end(self, args, state, control, **_):
+        if state.global_step >= self.steps:
+            control.should_training_stop = True
+        return control
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
@@ -86,7 +100,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--entropy-coef", type=float, default=0.02)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop after this many rollout batches (the lr schedule still spans --batches)")
+    p.add_argument("--in-order", action="store_true",
+                   help="split each rollout batch into optimizer steps in generation order (whole prompt "
+                        "groups per step, as megatron-grpo does) instead of TRL's shuffle")
     args = p.parse_args()
+    if args.in_order:  # TRL shuffles the rollout batch before splitting it into optimizer steps
+        trl_grpo_module.shuffle_sequence_dict = lambda batch: batch
 
     tokenizer = load_tokenizer(args.model)
     prompts = load_prompt_dataset(DataConfig(train_file=args.data), tokenizer).prompts
@@ -113,8 +134,11 @@ def main() -> None:
     reward.calls = 0
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=trl_config(args, str(out.parent / "trl_out")),
-                          train_dataset=dataset, processing_class=tokenizer)
+    config = trl_config(args, str(out.parent / "trl_out"))
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
+                          processing_class=tokenizer)
+    if args.stop_after is not None:
+        trainer.add_callback(StopAfter(args.stop_after * config.steps_per_generation))
     trainer.train()
     log.write(json.dumps({"done": True, "wall_s": time.monotonic() - t0}) + "\n")
     log.close()

@@ -1,7 +1,7 @@
 """megatron-grpo vs TRL's GRPOTrainer: wall time per rollout batch and time to a reward.
 
     bash tools/setup_trl_venv.sh                     # once: .venv-trl with torch 2.13.0 + trl
-    python tools/bench_vs_trl.py [--batches 150] [--seeds 1234 1235] [--tp 1 2]
+    python tools/bench_vs_trl.py [--batches 150] [--seeds 1234 1235] [--tp 1 2] [--trl-in-order]
 
 Both sides train the CPU demo's model (``tools/make_demo_model.py``: a tiny Qwen2 at chance
 on single-token addition) on the same prompts with the same hyper-parameters: 16 prompts x
@@ -55,7 +55,15 @@ def summarize(walls: list[float], rewards: list[float], window: int, target: flo
     }
 
 
-def run_ours(tp: int, mbs: int, seed: int, batches: int, demo: Path, out: Path) -> tuple[dict, dict]:
+def _reward_rows(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl that carry a step's reward ([] when the file is missing)."""
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "reward_mean" in r]
+
+
+def run_ours(tp: int, mbs: int, seed: int, batches: int, demo: Path, out: Path,
+             reuse: bool = False) -> tuple[dict, dict]:
     run_dir = out / f"ours_tp{tp}_mbs{mbs}_seed{seed}"
     overrides = [
         f"model.hf_dir={demo}/model", f"data.train_file={demo}/arithmetic.jsonl",
@@ -63,26 +71,37 @@ def run_ours(tp: int, mbs: int, seed: int, batches: int, demo: Path, out: Path) 
         f"parallel.tp={tp}", f"parallel.world_size={tp}", f"parallel.micro_batch_size={mbs}", "eval.sets=[]", "checkpoint.save_every=0",
         "checkpoint.resume=never", "logging.progress_bar=false", "logging.plot=false",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config",
-                    str(ROOT / "yaml_configs/demo_cpu.yaml"), *overrides],
-                   check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "reward_mean" in r]
+    rows = _reward_rows(run_dir / "metrics.jsonl") if reuse else []
+    if not rows or rows[-1]["step"] != batches:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config",
+                        str(ROOT / "yaml_configs/demo_cpu.yaml"), *overrides],
+                       check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+        rows = _reward_rows(run_dir / "metrics.jsonl")
     times = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[-1]
              if k.startswith("time") and k.endswith("_s") and all(k in r for r in rows[1:])}
     return {"walls": [r["train_elapsed_s"] for r in rows], "rewards": [r["reward_mean"] for r in rows]}, times
 
 
-def run_trl(python: str, threads: int, seed: int, batches: int, demo: Path, out: Path) -> dict:
-    log = out / f"trl_seed{seed}" / "batches.jsonl"
-    subprocess.run([python, str(ROOT / "tools/bench_trl_worker.py"), "--model", f"{demo}/model",
-                    "--data", f"{demo}/arithmetic.jsonl", "--batches", str(batches), "--seed", str(seed),
-                    "--out", str(log)], check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def run_trl(python: str, threads: int, seed: int, batches: int, demo: Path, out: Path,
+            in_order: bool = False, reuse: bool = False, stop_after: int | None = None) -> dict:
+    log = out / f"trl{'_inorder' if in_order else ''}_seed{seed}" / "batches.jsonl"
+    done = reuse and log.exists() and any('"done"' in line for line in log.read_text().splitlines())
+    if not done:
+        subprocess.run([python, str(ROOT / "tools/bench_trl_worker.py"), "--model", f"{demo}/model",
+                        "--data", f"{demo}/arithmetic.jsonl", "--batches", str(batches), "--seed", str(seed),
+                        "--out", str(log), *(["--in-order"] if in_order else []),
+                        *([] if stop_after is None else ["--stop-after", str(stop_after)])], check=True, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     rows = [r for r in rows if "batch" in r]
     return {"walls": [r["wall_s"] for r in rows], "rewards": [r["reward_mean"] for r in rows]}
+
+
+def first(raw: dict, n: int | None) -> dict:
+    """The first ``n`` batches of a run's walls and rewards (all when ``n`` is None)."""
+    return {k: v[:n] for k, v in raw.items()}
 
 
 def median_of(runs: list[dict], key: str):
@@ -111,6 +130,15 @@ def main() -> int:
     p.add_argument("--trl-threads", type=int, default=2,
                    help="torch threads of the TRL process (default: the machine's 2 cores, as the "
                         "trainer's rank + engine processes use one each)")
+    p.add_argument("--trl-in-order", action="store_true",
+                   help="also run TRL with each rollout batch split into optimizer steps in generation "
+                        "order (whole prompt groups per step, as megatron-grpo) instead of shuffled")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="compare only the first N batches (TRL stops there; the lr schedules of both "
+                        "sides still span --batches)")
+    p.add_argument("--reuse", action="store_true",
+                   help="read a run whose output in --out is complete (metrics up to the last batch; TRL's "
+                        "log marked done) instead of running it again")
     p.add_argument("--out", default=str(ROOT / "runs/bench_vs_trl"))
     args = p.parse_args()
     if not Path(args.trl_python).exists():
@@ -125,11 +153,18 @@ def main() -> int:
     results: dict[str, list[dict]] = {}
     breakdown: dict[str, dict] = {}
     for seed in args.seeds:  # interleaved, so drifting machine load hits every setup alike
-        raw = run_trl(args.trl_python, args.trl_threads, seed, args.batches, demo, out)
+        raw = first(run_trl(args.trl_python, args.trl_threads, seed, args.batches, demo, out, reuse=args.reuse,
+                            stop_after=args.stop_after), args.stop_after)
         results.setdefault("TRL GRPOTrainer (1 process)", []).append(
             summarize(raw["walls"], raw["rewards"], args.window, args.target))
+        if args.trl_in_order:
+            raw = first(run_trl(args.trl_python, args.trl_threads, seed, args.batches, demo, out, in_order=True,
+                                reuse=args.reuse, stop_after=args.stop_after), args.stop_after)
+            results.setdefault("TRL, optimizer steps in generation order", []).append(
+                summarize(raw["walls"], raw["rewards"], args.window, args.target))
         for tp, mbs in itertools.product(args.tp, args.micro_batch_size):
-            raw, times = run_ours(tp, mbs, seed, args.batches, demo, out)
+            raw, times = run_ours(tp, mbs, seed, args.batches, demo, out, args.reuse)
+            raw = first(raw, args.stop_after)
             name = f"megatron-grpo TP={tp}, micro-batch {mbs}"
             results.setdefault(name, []).append(summarize(raw["walls"], raw["rewards"], args.window, args.target))
             breakdown[name] = times
@@ -137,7 +172,8 @@ def main() -> int:
 
     trl = results["TRL GRPOTrainer (1 process)"]
     trl_s, trl_hit = median_of(trl, "s_per_batch"), median_of(trl, "s_to_target")
-    print(f"\n{args.batches} rollout batches x {len(args.seeds)} seed(s); target: {args.window}-batch "
+    shown = args.batches if args.stop_after is None else f"first {args.stop_after} of {args.batches}"
+    print(f"\n{shown} rollout batches x {len(args.seeds)} seed(s); target: {args.window}-batch "
           f"rolling mean reward >= {args.target}\n")
     print("| setup | s / batch | speed-up vs TRL | batch reaching target | s to target | reward, last "
           f"{args.window} |")
@@ -149,6 +185,16 @@ def main() -> int:
               f"{fmt(hit_s, '.0f')} | {statistics.median(r['final_reward'] for r in runs):.2f} |")
     if trl_hit is None:
         print("\nTRL never reached the target.")
+    print(f"\nPer seed (s / batch, batch reaching target, reward last {args.window}):\n")
+    print("| setup | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean |")
+    print("|---|" + "---|" * (len(args.seeds) + 1))
+    for name, runs in results.items():
+        cells = [f"{r['s_per_batch']:.2f}, {fmt(r['hit_batch'], '.0f')}, {r['final_reward']:.2f}" for r in runs]
+        hits = [r["hit_batch"] for r in runs]
+        mean_hit = fmt(None if None in hits else statistics.fmean(hits), ".0f")
+        mean = (f"{statistics.fmean(r['s_per_batch'] for r in runs):.2f}, {mean_hit}, "
+                f"{statistics.fmean(r['final_reward'] for r in runs):.2f}")
+        print(f"| {name} | " + " | ".join(cells) + f" | {mean} |")
     for name, times in breakdown.items():
         print(f"\n{name}, median seconds per step: " + ", ".join(f"{k}={v:.2f}" for k, v in times.items()))
     return 0
