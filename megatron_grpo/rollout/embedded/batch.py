@@ -54,9 +54,13 @@ class RunningBatch:
 
     def select(self, rows: list[int]) -> None:
         """Keep rows ``rows`` in that order (an index may repeat: the row is copied)."""
+        self.seqs = [self.seqs[i] for i in rows]
+        self.select_rows(rows)
+
+    def select_rows(self, rows: list[int]) -> None:
+        """``select`` for the cache and tensors only (the caller sets ``seqs``)."""
         index = torch.tensor(rows, dtype=torch.long, device=self.mask_BT.device)
         self.cache.batch_select_indices(index)
-        self.seqs = [self.seqs[i] for i in rows]
         self.mask_BT, self.next_pos_B = self.mask_BT[index], self.next_pos_B[index]
         self.last_logits_BV = self.last_logits_BV[index]
 

@@ -86,12 +86,10 @@ def prefill(model: torch.nn.Module, seqs: list[Sequence], *, pad_id: int,
         if want:
             own = out.logits[row, width - len(s.prompt_ids):]
             s.input_logprobs = prompt_logprobs(own, s.prompt_ids, s.logprob_start_len, s.params.temperature)
-    first_of = {row: s for s, row in reversed(list(zip(seqs, row_of)))}
-    batch = RunningBatch(seqs=[first_of[r] for r in range(len(distinct))], cache=cache, mask_BT=mask,
-                         next_pos_B=mask.sum(dim=1), last_logits_BV=out.logits[:, -1])
+    batch = RunningBatch(seqs=list(seqs), cache=cache, mask_BT=mask, next_pos_B=mask.sum(dim=1),
+                         last_logits_BV=out.logits[:, -1])
     if row_of != list(range(len(distinct))):
-        batch.select(row_of)  # replicate each shared prompt's rows for its samples
-    batch.seqs = list(seqs)
+        batch.select_rows(row_of)  # replicate each shared prompt's rows for its samples
     return batch
 
 
