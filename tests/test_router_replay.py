@@ -65,8 +65,10 @@ def hf_topk(model, token_ids: list[int]) -> torch.Tensor:
 
 def test_engine_routing_equals_hf_topk(moe_model):
     _, model_dir = moe_model
-    eng, seqs = generate(model_dir, PROMPTS)
+    # PROMPTS[0] twice: two samples sharing one prefill (their prompt routing is replicated)
+    eng, seqs = generate(model_dir, PROMPTS + PROMPTS[:1])
     try:
+        assert seqs[0].output_ids != seqs[-1].output_ids  # own seeds: different responses
         for s in seqs:
             seq = s.prompt_ids + s.output_ids
             item = _render(eng, s, with_text=False, latency=0.0)

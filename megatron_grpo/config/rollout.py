@@ -40,7 +40,8 @@ class EmbeddedConfig:
     """`rollout.embedded:` settings of the launched embedded engine (rollout.engine: embedded)."""
 
     max_batch_size: int = 64
-    """Sequences the embedded engine decodes together in one batch."""
+    """Rows of the embedded engine's running decode batch; queued sequences join it as rows
+    finish (continuous batching)."""
 
     def __post_init__(self):
         check(self.max_batch_size >= 1, "max_batch_size", f"must be >= 1, got {self.max_batch_size}")

@@ -31,7 +31,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="parameter dtype (auto: the checkpoint's)")
     p.add_argument("--device", default="auto", help="where the model runs: auto (the GPU when CUDA is available, "
                    "else the CPU), cpu, cuda or cuda:N")
-    p.add_argument("--max-batch-size", type=int, default=64, help="sequences per generation wave")
+    p.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together (the running batch)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without sampling_seed")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

@@ -159,7 +159,7 @@ def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None) -> FastA
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        # No prefix cache survives a wave, so there is nothing to flush: report success.
+        # No prefix cache outlives the sequences that share it, so there is nothing to flush: report success.
         return Response(content="Cache flushed.\n", status_code=200)
 
     @app.post("/pause_generation")
