@@ -33,7 +33,9 @@ COMPARED = ("reward_mean", "reward_std", "loss", "ppo_kl", "clip_ratio", "entrop
 
 
 def run_cmd(demo: Path, run_dir: Path, steps: int) -> list[str]:
-    return train_cmd(demo, run_dir, steps, "checkpoint.save_every=1", "checkpoint.keep_last=2", "logging.plot=false")
+    # shuffled mini-batches (4 per step in the demo): a resumed step must cut its batch the same way
+    return train_cmd(demo, run_dir, steps, "checkpoint.save_every=1", "checkpoint.keep_last=2", "logging.plot=false",
+                     "algorithm.shuffle_mini_batches=true")
 
 
 def start(cmd: list[str], log_path: Path) -> subprocess.Popen:

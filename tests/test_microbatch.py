@@ -45,3 +45,22 @@ def test_split_cuts_and_unsplit_restores_order():
     assert fixed.rows == ((0, 1), (2, 3), (4,)) and fixed.num_padded_tokens == 5 * batch.seq_length
     assert torch.equal(unsplit([p.loss_mask for p in split(batch, fixed)], fixed, 5, batch.seq_length - 1),
                        batch.loss_mask)
+
+
+def test_mini_batch_order_mixes_groups_the_same_on_every_rank_and_resume():
+    """algorithm.shuffle_mini_batches: the permutation depends on (seed, step) alone (every
+    rank holds the same broadcast batch and must cut it the same way; a resumed run too),
+    changes with the step, and mixes the prompt groups across the optimizer steps; a batch
+    that is one mini-batch keeps its order."""
+    import torch
+
+    from megatron_grpo.trainer.batch import mini_batch_order
+
+    assert mini_batch_order(16, 16, seed=1, step=0) is None
+    order = mini_batch_order(16, 4, seed=1, step=0)
+    assert sorted(order.tolist()) == list(range(16))
+    assert torch.equal(order, mini_batch_order(16, 4, seed=1, step=0))
+    assert not torch.equal(order, mini_batch_order(16, 4, seed=1, step=1))
+    assert not torch.equal(order, mini_batch_order(16, 4, seed=2, step=0))
+    groups = order.view(4, 4) // 4  # 4 prompts x 4 samples, in generation order; one row per mini-batch
+    assert any(len(set(g.tolist())) > 1 for g in groups)

@@ -63,13 +63,14 @@ def _reward_rows(path: Path) -> list[dict]:
 
 
 def run_ours(tp: int, mbs: int, seed: int, batches: int, demo: Path, out: Path,
-             reuse: bool = False) -> tuple[dict, dict]:
-    run_dir = out / f"ours_tp{tp}_mbs{mbs}_seed{seed}"
+             reuse: bool = False, shuffled: bool = False) -> tuple[dict, dict]:
+    run_dir = out / f"ours_tp{tp}_mbs{mbs}_seed{seed}{'_shuffled' if shuffled else ''}"
     overrides = [
         f"model.hf_dir={demo}/model", f"data.train_file={demo}/arithmetic.jsonl",
         f"trainer.run_dir={run_dir}", f"trainer.num_steps={batches}", f"trainer.seed={seed}",
         f"parallel.tp={tp}", f"parallel.world_size={tp}", f"parallel.micro_batch_size={mbs}", "eval.sets=[]", "checkpoint.save_every=0",
         "checkpoint.resume=never", "logging.progress_bar=false", "logging.plot=false",
+        f"algorithm.shuffle_mini_batches={str(shuffled).lower()}",
     ]
     rows = _reward_rows(run_dir / "metrics.jsonl") if reuse else []
     if not rows or rows[-1]["step"] != batches:
@@ -133,6 +134,9 @@ def main() -> int:
     p.add_argument("--trl-in-order", action="store_true",
                    help="also run TRL with each rollout batch split into optimizer steps in generation "
                         "order (whole prompt groups per step, as megatron-grpo) instead of shuffled")
+    p.add_argument("--ours-shuffled", action="store_true",
+                   help="also run megatron-grpo with algorithm.shuffle_mini_batches=true (each rollout batch "
+                        "shuffled across its optimizer steps, as TRL does)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="compare only the first N batches (TRL stops there; the lr schedules of both "
                         "sides still span --batches)")
@@ -162,10 +166,11 @@ def main() -> int:
                                 reuse=args.reuse, stop_after=args.stop_after), args.stop_after)
             results.setdefault("TRL, optimizer steps in generation order", []).append(
                 summarize(raw["walls"], raw["rewards"], args.window, args.target))
-        for tp, mbs in itertools.product(args.tp, args.micro_batch_size):
-            raw, times = run_ours(tp, mbs, seed, args.batches, demo, out, args.reuse)
+        for tp, mbs, shuffled in itertools.product(args.tp, args.micro_batch_size,
+                                                   [False, True] if args.ours_shuffled else [False]):
+            raw, times = run_ours(tp, mbs, seed, args.batches, demo, out, args.reuse, shuffled)
             raw = first(raw, args.stop_after)
-            name = f"megatron-grpo TP={tp}, micro-batch {mbs}"
+            name = f"megatron-grpo TP={tp}, micro-batch {mbs}" + (", shuffled mini-batches" if shuffled else "")
             results.setdefault(name, []).append(summarize(raw["walls"], raw["rewards"], args.window, args.target))
             breakdown[name] = times
         print(f"seed {seed} done", flush=True)

@@ -139,6 +139,13 @@ class AlgorithmConfig:
     """Optimizer passes over each rollout batch (PPO epochs). With 1, pi_old == pi_theta and
     the clip fraction is exactly 0."""
 
+    shuffle_mini_batches: bool = False
+    """With several optimizer steps per rollout batch (rollout.batch_size > parallel.global_batch_size),
+    shuffle the batch's sequences (seeded by trainer.seed and the step, the same on every rank
+    and after a resume) before cutting it into mini-batches, so each step mixes prompts instead
+    of holding a few whole groups in generation order (TRL's default). Off by default, as in
+    verl: the demo's measured runs cut in generation order. No effect with one mini-batch."""
+
     off_policy_correction: OffPolicyCorrectionConfig = field(default_factory=OffPolicyCorrectionConfig)
     """Train/rollout mismatch correction (TIS, sequence masks, outlier masks)."""
 

@@ -100,6 +100,17 @@ def pad_routed_experts(routed: Sequence[torch.Tensor], seq_length: int) -> torch
     return out
 
 
+def mini_batch_order(num_sequences: int, global_batch_size: int, seed: int, step: int) -> torch.Tensor | None:
+    """Row order of a rollout batch before it is cut into mini-batches of ``global_batch_size``:
+    a permutation long[N] seeded by (``seed``, ``step``) alone, so every rank (which all hold
+    the same broadcast batch) and a resumed run draw the same one; None when the batch is a
+    single mini-batch (the order inside one optimizer step does not change the update)."""
+    if num_sequences <= global_batch_size:
+        return None
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randperm(num_sequences, generator=gen)
+
+
 def dp_shard(batch: TrainBatch, dp_rank: int, dp_size: int, global_batch_size: int) -> TrainBatch:
     """This DP rank's rows of every mini-batch: mini-batch m holds rows
     [m*G, (m+1)*G) and rank d takes the d-th contiguous G/dp of them."""

@@ -30,7 +30,7 @@ from megatron_grpo.config import ExperimentConfig
 from megatron_grpo.evaluation import Evaluator
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.trainer import checkpoint as ckpt
-from megatron_grpo.trainer.batch import dp_shard
+from megatron_grpo.trainer.batch import dp_shard, mini_batch_order
 from megatron_grpo.trainer.engine_guard import EngineGuard, RunAborted, broadcast
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.trainer.components import build_policy, build_reference, build_rollout_side
@@ -109,6 +109,9 @@ def train(cfg: ExperimentConfig) -> list[dict]:
                 timer.move(result.stats["rollout/reward_s"], "generate", "reward")
 
             # 2. old-policy / reference log-probs on this DP rank's rows
+            order = mini_batch_order(batch.num_sequences, cfg.parallel.global_batch_size, cfg.trainer.seed, step)
+            if cfg.algorithm.shuffle_mini_batches and order is not None:
+                batch = batch.select(order)
             local = dp_shard(batch, dp_rank, dp, cfg.parallel.global_batch_size)
             budget = cfg.parallel.max_tokens_per_microbatch
             moe_metrics = {}
