@@ -1,5 +1,5 @@
-"""Shared pytest setup: the repo root on sys.path (so spawned ranks can import test helpers)
-and quiet megatron/TE warnings."""
+"""Shared pytest setup: the repo root on sys.path (so spawned ranks can import test helpers),
+quiet megatron/TE warnings, and the small demo model the end-to-end modules share."""
 
 import os
 import sys
@@ -12,6 +12,17 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+from tests.demo_run import make_demo  # noqa: E402  (needs ROOT on sys.path, set just above)
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    """The demo model and data sets (tools/make_demo_model.py, 20 warm-up steps), built once for
+    the session (12-20 s per build on 2 shared cores): the end-to-end modules that need a working
+    model, not the full demo's learning curve, read it; none writes into it.
+    tests/test_trainer_e2e.py builds the real demo's (150 warm-up steps) for its learning check."""
+    return make_demo(tmp_path_factory.mktemp("demo"), warmup_steps=20)
 
 
 @pytest.fixture

@@ -7,7 +7,8 @@ resume it with `checkpoint.resume: auto` each time, and check that
 * the finished run's metrics equal an uninterrupted run with the same seed.
 
     python tests/kill_resume.py --kills 20          # the full version (several minutes)
-    python tests/kill_resume.py --kills 3 --steps 8 # what CI runs (tests/test_kill_resume.py)
+    python tests/kill_resume.py --kills 3 --steps 8 # what CI runs (tests/test_kill_resume.py, with
+                                                    # --demo: the session's shared demo model)
 
 Prints `kills: K, resumes: R, checkpoints lost: L, metrics equal: yes|no` and exits non-zero
 on any violation.
@@ -97,11 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="default: a temporary directory")
     parser.add_argument("--max-seconds", type=float, default=3600)
+    parser.add_argument("--demo", default=None,
+                        help="an existing tools/make_demo_model.py output to use (only read); default: build one "
+                             "with 50 warm-up steps in the work directory")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kill_resume_"))
-    demo = work / "demo"
-    make_demo(demo, warmup_steps=50)
+    demo = Path(args.demo) if args.demo else make_demo(work / "demo", warmup_steps=50)
     deadline = time.monotonic() + args.max_seconds
 
     straight = work / "straight"

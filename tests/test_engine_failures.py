@@ -11,12 +11,7 @@ import psutil
 import pytest
 
 from megatron_grpo.testing.distributed import free_port
-from tests.demo_run import ENV, ROOT, make_demo, read_metrics, train_cmd
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return make_demo(tmp_path_factory.mktemp("demo"), warmup_steps=20)
+from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
 
 
 def cmd(demo, run_dir, steps, *extra):

@@ -14,16 +14,15 @@ import pytest
 
 from megatron_grpo.data.synthetic import all_problems
 from megatron_grpo.runtime.files import write_text_atomic
-from tests.demo_run import ENV, ROOT, make_demo, read_metrics, train_cmd
+from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
 
 STEPS = 4
 REWARD_FILE = "def ids_len(response_ids, finish_reason):\n    return float(len(response_ids))\n"
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, demo):
     root = tmp_path_factory.mktemp("eval_e2e")
-    demo = make_demo(root / "demo", warmup_steps=20)
     (root / "plugin").mkdir()
     (root / "plugin" / "len_reward.py").write_text(REWARD_FILE)
     label = f"{root}/plugin/len_reward.py:ids_len"

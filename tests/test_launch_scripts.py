@@ -28,7 +28,7 @@ from megatron_grpo.runtime.process import free_port
 from megatron_grpo.trainer.checkpoint import complete_checkpoints
 from megatron_grpo.trainer.cli import _launcher_exception as launcher_exception
 from megatron_grpo.trainer.nodes import NodeError, NodeSpec
-from tests.demo_run import ROOT, demo_overrides, make_demo, read_metrics
+from tests.demo_run import ROOT, demo_overrides, read_metrics
 from tests.launch_nodes import (CONFIG, SLURM_PROGRAMS, EmulatedSlurm, log, running_with, script_env, slurm_installed,
                                 start_node, start_nodes, stop_nodes, wait_nodes)
 from tests.kill_resume import kill_tree
@@ -184,11 +184,6 @@ def test_torchrun_failure_of_its_own_is_repeated_as_one_line():
 # ---- the real runs: emulated nodes on the CPU demo ---------------------------------------------
 
 RUN_S = 420  # deadline of one launch (measured: 45-120 s each, 2 cores shared with other jobs at load ~14)
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return make_demo(tmp_path_factory.mktemp("demo"), warmup_steps=20)
 
 
 @pytest.fixture

@@ -11,15 +11,10 @@ import time
 import psutil
 import pytest
 
-from tests.demo_run import ENV, ROOT, make_demo, read_metrics, train_cmd
+from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
 
 OFF = "rollout.mode=one_step_off_policy"
 PHASES = ("generate", "reward", "logprob", "train", "idle", "sync", "eval", "other")
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return make_demo(tmp_path_factory.mktemp("demo"), warmup_steps=20)
 
 
 def cmd(demo, run_dir, steps, *extra):
