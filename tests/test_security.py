@@ -282,6 +282,9 @@ def test_safe_unpickler_rejects_arbitrary_globals(tmp_path):
         ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
         ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
         ("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "UntypedStorage"),
+        # the storage class a CUDA tensor's reduction carries (found on a GPU); as a callable it
+        # can only build a storage, as UntypedStorage already can
+        ("torch.storage", "TypedStorage"),
         ("torch.nn.parameter", "Parameter"),
     }
     for bad in ("not base64!", base64.b64encode(pickle.dumps({"a": 1})).decode()):
