@@ -85,6 +85,7 @@ def build_task(out: Path, steps: int, seed: int) -> Path:
 
     from megatron_grpo.data.synthetic import all_problems, generate, write_jsonl
     from megatron_grpo.testing.tiny_models import WORDS, build_tokenizer, tiny_config
+    from megatron_grpo.testing.warmup import supervised_step
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -103,23 +104,14 @@ def build_task(out: Path, steps: int, seed: int) -> Path:
             p = tok(text, add_special_tokens=False)["input_ids"]
             r = tok(warmup_response(rng, WORDS, answers), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             rows.append((p, r))
-        width = max(len(p) + len(r) for p, r in rows)
-        ids = torch.full((len(rows), width), tok.pad_token_id)
-        labels = torch.full((len(rows), width), -100)
-        for i, (p, r) in enumerate(rows):
-            ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-            labels[i, len(p):len(p) + len(r)] = torch.tensor(r)
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = supervised_step(model, opt, rows, tok.pad_token_id)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".model.tmp.{os.getpid()}"
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     tmp.rename(out / "model")
     write_jsonl(generate(2000, seed, MAX_OPERAND, ("+",)), out / "train.jsonl")
-    print(f"built {out}: format warm-up loss {float(loss.detach()):.3f}", flush=True)
+    print(f"built {out}: format warm-up loss {float(loss):.3f}", flush=True)
     return out
 
 

@@ -29,6 +29,7 @@ import torch
 
 from megatron_grpo.data.synthetic import all_problems, generate, held_out_problems, write_jsonl
 from megatron_grpo.testing.tiny_models import build_tokenizer, tiny_config
+from megatron_grpo.testing.warmup import supervised_step
 
 MAX_OPERAND = 5  # sums 0..10: 36 problems; a uniform guess scores 1/11, the best question-blind answer 1/6
 HELD_OUT = 6  # of the 36, never trained on: the eval set
@@ -51,17 +52,8 @@ def format_warmup(model, tokenizer, prompts: list[str], answers: list[int], step
             prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             answer_ids = tokenizer(str(answers[g]), add_special_tokens=False)["input_ids"] + [eos]
             rows.append((prompt_ids, answer_ids))
-        width = max(len(p) + len(a) for p, a in rows)
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-        labels = torch.full((len(rows), width), -100)
-        for r, (p, a) in enumerate(rows):
-            ids[r, : len(p) + len(a)] = torch.tensor(p + a)
-            labels[r, len(p) : len(p) + len(a)] = torch.tensor(a)
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return float(loss.detach())
+        loss = supervised_step(model, opt, rows, tokenizer.pad_token_id)
+    return float(loss)
 
 
 @torch.no_grad()
