@@ -31,17 +31,9 @@ def _batch():
 
 def _policy(hf_dir):
     from megatron_grpo.config import ModelConfig, OptimizerConfig
-    from megatron_grpo.trainer.components import build_policy
+    from megatron_grpo.testing.policy import build_test_policy
 
-    class Cfg:  # the sections build_policy reads
-        model = ModelConfig(hf_dir=hf_dir, dtype="float32")
-        optimizer = OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0)
-
-        class parallel:
-            use_distributed_optimizer = False
-            sequence_parallel = False
-
-    return build_policy(Cfg)
+    return build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32"), OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0))
 
 
 @pytest.fixture(scope="module")

@@ -36,17 +36,9 @@ def _batch():
 
 def _policy(hf_dir, optimizer):
     from megatron_grpo.config import ModelConfig
-    from megatron_grpo.trainer.components import build_policy
+    from megatron_grpo.testing.policy import build_test_policy
 
-    class Cfg:  # the sections build_policy reads
-        model = ModelConfig(hf_dir=hf_dir, dtype="bfloat16")
-
-        class parallel:
-            use_distributed_optimizer = False
-            sequence_parallel = False
-
-    Cfg.optimizer = optimizer
-    return build_policy(Cfg)
+    return build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="bfloat16"), optimizer)
 
 
 def _train_step(policy):

@@ -23,18 +23,11 @@ def _one_step(hf_dir, recompute):
     from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
     from megatron_grpo.models import iter_hf_weights
     from megatron_grpo.testing.batches import random_train_batch
-    from megatron_grpo.trainer.components import build_policy
+    from megatron_grpo.testing.policy import build_test_policy
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
 
-    class Cfg:  # the sections build_policy reads
-        model = ModelConfig(hf_dir=hf_dir, recompute_activations=recompute)
-        optimizer = OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0)  # the update is the gradient
-
-        class parallel:
-            use_distributed_optimizer = False
-            sequence_parallel = False
-
-    policy = build_policy(Cfg)
+    policy = build_test_policy(ModelConfig(hf_dir=hf_dir, recompute_activations=recompute),
+                               OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0))  # the update is the gradient
     layers = [m for c in policy.modules for m in c.modules() if type(m).__name__ == "TransformerLayer"]
     calls = []
     for layer in layers:

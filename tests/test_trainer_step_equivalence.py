@@ -26,20 +26,13 @@ def _one_step(rank, world, hf_dir, budget=None, skip_old=False):
     from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
     from megatron_grpo.models import iter_hf_weights
     from megatron_grpo.trainer.batch import dp_shard
-    from megatron_grpo.trainer.components import build_policy
+    from megatron_grpo.testing.policy import build_test_policy
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
 
-    class Cfg:  # the sections build_policy reads
-        model = ModelConfig(hf_dir=hf_dir, dtype="float32")
-        # SGD: the update is proportional to the gradient, so any gradient difference shows
-        # (Adam's first step is ~lr*sign(g) and would hide a wrongly scaled gradient).
-        optimizer = OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0)
-
-        class parallel:
-            use_distributed_optimizer = False
-            sequence_parallel = False
-
-    policy = build_policy(Cfg)
+    # SGD: the update is proportional to the gradient, so any gradient difference shows
+    # (Adam's first step is ~lr*sign(g) and would hide a wrongly scaled gradient).
+    policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32"),
+                               OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0))
     algo = AlgorithmConfig(eps_clip_high=0.28, off_policy_correction={"tis_ratio_type": "token"})
     spec = ScoringSpec(temperature=0.7, vocab_size=policy.hf_config.vocab_size)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
