@@ -109,9 +109,9 @@ def train(cfg: ExperimentConfig) -> list[dict]:
                 timer.move(result.stats["rollout/reward_s"], "generate", "reward")
 
             # 2. old-policy / reference log-probs on this DP rank's rows
-            order = mini_batch_order(batch.num_sequences, cfg.parallel.global_batch_size, cfg.trainer.seed, step)
-            if cfg.algorithm.shuffle_mini_batches and order is not None:
-                batch = batch.select(order)
+            if cfg.algorithm.shuffle_mini_batches:
+                order = mini_batch_order(batch.num_sequences, cfg.parallel.global_batch_size, cfg.trainer.seed, step)
+                batch = batch if order is None else batch.select(order)
             local = dp_shard(batch, dp_rank, dp, cfg.parallel.global_batch_size)
             budget = cfg.parallel.max_tokens_per_microbatch
             moe_metrics = {}

@@ -42,9 +42,8 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from megatron_grpo.models.errors import ModelError
-from megatron_grpo.trainer.moe_metrics import megatron_routers
 from megatron_grpo.runtime.device import collective_tensor
-from megatron_grpo.trainer.moe_metrics import local_rows
+from megatron_grpo.trainer.moe_metrics import local_rows, megatron_routers
 
 
 class LayerReplay(RouterReplay):
