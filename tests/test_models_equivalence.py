@@ -165,6 +165,11 @@ def test_tp1_checkpoint_round_trip_keeps_extra_state(hf_models, single_rank, tmp
     cfg, chunks = build_and_load(hf_dir)
     ckpt = tmp_path / "ckpt"
     save_megatron_checkpoint(chunks, ckpt, extra_state={"step": 3, "lr": 0.5})
+    # CPU: megatron's writer reported through a forked manager, not a spawned one that
+    # re-imports torch (runtime/cpu_shim.py)
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    assert filesystem_async._results_queue._manager._process.__class__.__name__ == "ForkProcess"
     assert (ckpt / "hf" / "config.json").read_bytes() == (Path(hf_dir) / "config.json").read_bytes()
     assert (ckpt / "hf" / "tokenizer.json").is_file()
     assert not list(tmp_path.glob(".ckpt*"))  # temp dir renamed away

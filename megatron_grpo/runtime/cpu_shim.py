@@ -27,6 +27,14 @@ megatron-core 0.16 assumes a GPU in a handful of places that the CPU path reache
   defines when transformer_engine imports (a NameError without it): defined as None, which
   selects its plain ``torch.mm`` path.
 
+One redirection is for speed, not function: megatron's checkpoint writer collects its write
+results through a ``multiprocessing`` manager started with the *spawn* method. The spawned
+server is a fresh interpreter that imports torch to unpickle the first result, so the first
+checkpoint a process saves waits for it (2.5 s per training rank on the project's 2-core
+machine, in each of the test suite's ~30 training runs). ``_fork_write_results_queue`` starts that manager with
+*fork* instead: the child inherits the imported modules and serves at once. Kept to the CPU
+path because the GPU path was run and measured with megatron's own spawn manager.
+
 ``install()`` redirects exactly these, and only when ``torch.cuda.is_available()`` is
 false, so GPU code paths never see it. It is idempotent and process-local; call it before
 building models or schedules (``runtime.parallel.initialize`` does).
@@ -186,6 +194,18 @@ def tensor_type_names_cuda():
         torch.Tensor.type = original
 
 
+def _fork_write_results_queue():
+    """megatron's ``filesystem_async._get_write_results_queue`` (one manager queue per
+    process, created on the first save) with a fork-context manager (module docstring)."""
+    import multiprocessing as mp
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+    return filesystem_async._results_queue
+
+
 def install() -> bool:
     """Apply the CPU redirections if CUDA is absent. Returns True when they are active."""
     global _INSTALLED
@@ -214,6 +234,9 @@ def install() -> bool:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._get_write_results_queue = _fork_write_results_queue
     mcore_random.initialize_rng_tracker(force_reset=True)
     _INSTALLED = True
     return True
