@@ -123,3 +123,82 @@ def test_shim_is_noop_with_cuda(monkeypatch):
     before = torch.cuda.current_device
     assert cpu_shim.install() is False
     assert torch.cuda.current_device is before
+
+
+
+_HOLDS_A_WRITER_QUEUE = """
+import time
+from megatron_grpo.runtime import cpu_shim
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+assert cpu_shim.install()
+queue = filesystem_async._get_write_results_queue()  # what megatron's first save calls
+print(queue._manager._process.pid, flush=True)
+time.sleep(120)
+"""
+
+_FORKS_IN_AND_OUT_OF_THE_BLOCK = """
+import os, time
+from megatron_grpo.runtime.process import forks_die_with_this_process
+
+def child():
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(120)
+        os._exit(0)
+    return pid
+
+with forks_die_with_this_process():  # as megatron's checkpoint writers are forked
+    inside = child()
+outside = child()
+print(inside, outside, flush=True)
+time.sleep(120)
+"""
+
+
+def _children_after_kill_minus_9(script: str, should_go: int | None = None) -> tuple[list[int], list[int]]:
+    """Run ``script`` (it prints pids of its children on one line), kill it with -9; returns
+    those pids and the ones still running once the first ``should_go`` (default all) are
+    gone, or 30 s later."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                assert int(f.read().rsplit(")", 1)[1].split()[1]) == proc.pid  # a running child
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(map(running, pids[:should_go])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if running(pid)]
+    for pid in left:  # do not leave them behind for the rest of the suite
+        os.kill(pid, signal.SIGKILL)
+    return pids, left
+
+
+def test_checkpoint_writer_manager_is_forked_and_dies_with_its_rank():
+    """The shim's forked manager holds copies of the rank's sockets: it goes when its rank is
+    killed with -9, so the rank's peers see the rank go."""
+    assert _children_after_kill_minus_9(_HOLDS_A_WRITER_QUEUE)[1] == []
+
+
+def test_children_forked_during_a_checkpoint_save_die_with_the_rank():
+    """megatron's checkpoint writers are forked inside ``forks_die_with_this_process``; a
+    child forked outside it is the control that a killed parent alone does not end it."""
+    (inside, outside), left = _children_after_kill_minus_9(_FORKS_IN_AND_OUT_OF_THE_BLOCK, should_go=1)
+    assert left == [outside]  # the control survived its parent (the helper then killed it)

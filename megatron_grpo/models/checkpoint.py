@@ -25,6 +25,7 @@ import torch
 
 from megatron_grpo.models.errors import ModelError
 from megatron_grpo.models.hf_config import load_hf_config, sidecar_files
+from megatron_grpo.runtime.process import forks_die_with_this_process
 
 HF_SUBDIR = "hf"
 META_FILE = "megatron_grpo.json"
@@ -62,7 +63,8 @@ def save_megatron_checkpoint(model_chunks: list, ckpt_dir: str | Path, extra_sta
     state = sharded_state_dict if sharded_state_dict is not None else model_sharded_state_dict(model_chunks)
     if extra_state is not None:
         state = {**state, "extra_state": extra_state}  # a common (non-sharded) entry
-    dist_checkpointing.save(state, str(tmp))
+    with forks_die_with_this_process():  # megatron's forked writers must not outlive a killed rank
+        dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if rank == 0:
         _write_hf_sidecar(tmp / HF_SUBDIR, source, hf_config)

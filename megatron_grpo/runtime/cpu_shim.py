@@ -198,11 +198,19 @@ def _fork_write_results_queue():
     """megatron's ``filesystem_async._get_write_results_queue`` (one manager queue per
     process, created on the first save) with a fork-context manager (module docstring)."""
     import multiprocessing as mp
+    import os
+    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    from megatron_grpo.runtime.process import die_with_parent
+
     if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+        manager = SyncManager(ctx=mp.get_context("fork"))
+        # A forked child holds copies of the rank's sockets (gloo peers, the engine): it must
+        # not outlive a rank killed with -9, or the peers would not see that rank go.
+        manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
     return filesystem_async._results_queue
 
 

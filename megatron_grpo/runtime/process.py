@@ -1,19 +1,24 @@
 """Process helpers shared by the trainer ranks, the rollout server launcher and the tests:
-lifetime (die with the parent) and a free port to listen on."""
+lifetime (die with the parent, also for forked children) and a free port to listen on."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import socket
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent_pid: int | None = None) -> None:
     """Ask Linux to SIGKILL this process when its parent dies (PR_SET_PDEATHSIG).
 
     Used (a) by a trainer rank, whose parent is torchrun's agent: torchrun starts workers in
     their own sessions, so a killed launcher would otherwise leave ranks running that keep
     training and writing checkpoints beside the resumed run; (b) in a launched rollout server
-    before exec, so a trainer killed with -9 leaves no engine holding its port and memory.
+    before exec, so a trainer killed with -9 leaves no engine holding its port and memory;
+    (c) in children forked during a checkpoint save (``forks_die_with_this_process``).
+    ``parent_pid``: the parent this process was started by; if it is already gone (it died
+    before the request was made, which the request cannot catch), die now.
     A no-op where prctl is unavailable.
     """
     try:
@@ -22,7 +27,46 @@ def die_with_parent() -> None:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_forks_die = 0  # > 0 while ``forks_die_with_this_process`` is active
+_hook_registered = False
+_forking_pid = 0  # the pid of the process that forks: a child's parent
+
+
+def _before_fork() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    if _forks_die:
+        die_with_parent(_forking_pid)
+
+
+@contextlib.contextmanager
+def forks_die_with_this_process():
+    """Within this block, every child this process forks (``os.fork``, multiprocessing's fork
+    context) dies when this process dies.
+
+    megatron-core's checkpoint writer forks worker processes from the rank. A rank killed with
+    -9 in the middle of a save would otherwise leave them running, blocked writing results to
+    a queue nobody reads, holding copies of the rank's sockets (gloo peers, the engine): the
+    other ranks would not see the rank go, and the process outlives the run. Scoped to a
+    block, not the whole process, because Linux ties the death signal to the forking *thread*:
+    a child forked by a short-lived thread would die with that thread."""
+    global _forks_die, _hook_registered
+    if not _hook_registered:
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+        _hook_registered = True
+    _forks_die += 1
+    try:
+        yield
+    finally:
+        _forks_die -= 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
