@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install megatron-grpo with its test extras and run the whole test suite (CPU; 37 min measured on 2 shared cores).
+# Install megatron-grpo with its test extras and run the whole test suite (CPU; 35.5 min measured on 2 cores).
 # torch==2.13.0 is installed first: on the project's CPU machines it is a local CPU wheel;
 # an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail
