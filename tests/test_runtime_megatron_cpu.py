@@ -159,27 +159,24 @@ def _children_after_kill_minus_9(script: str, should_go: int | None = None) -> t
     """Run ``script`` (it prints pids of its children on one line), kill it with -9; returns
     those pids and the ones still running once the first ``should_go`` (default all) are
     gone, or 30 s later."""
-    import os
-    import signal
     import subprocess
     import sys
     import time
 
+    import psutil
+
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
-        for pid in pids:
-            with open(f"/proc/{pid}/stat") as f:
-                assert int(f.read().rsplit(")", 1)[1].split()[1]) == proc.pid  # a running child
+        assert all(psutil.Process(pid).ppid() == proc.pid for pid in pids)  # running children
     finally:
-        proc.send_signal(signal.SIGKILL)
+        proc.kill()
         proc.wait()
 
     def running(pid: int) -> bool:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
             return False
 
     deadline = time.monotonic() + 30
@@ -187,7 +184,7 @@ def _children_after_kill_minus_9(script: str, should_go: int | None = None) -> t
         time.sleep(0.1)
     left = [pid for pid in pids if running(pid)]
     for pid in left:  # do not leave them behind for the rest of the suite
-        os.kill(pid, signal.SIGKILL)
+        psutil.Process(pid).kill()
     return pids, left
 
 

@@ -31,9 +31,10 @@ One redirection is for speed, not function: megatron's checkpoint writer collect
 results through a ``multiprocessing`` manager started with the *spawn* method. The spawned
 server is a fresh interpreter that imports torch to unpickle the first result, so the first
 checkpoint a process saves waits for it (2.5 s per training rank on the project's 2-core
-machine, in each of the test suite's ~30 training runs). ``_fork_write_results_queue`` starts that manager with
-*fork* instead: the child inherits the imported modules and serves at once. Kept to the CPU
-path because the GPU path was run and measured with megatron's own spawn manager.
+machine, in each of the test suite's ~30 training runs). ``_fork_write_results_queue``
+starts that manager with *fork* instead: the child inherits the imported modules and serves
+at once, and dies with its rank (``runtime.process.forks_die_with_this_process``). Kept to
+the CPU path because the GPU path was run and measured with megatron's own spawn manager.
 
 ``install()`` redirects exactly these, and only when ``torch.cuda.is_available()`` is
 false, so GPU code paths never see it. It is idempotent and process-local; call it before
@@ -198,18 +199,15 @@ def _fork_write_results_queue():
     """megatron's ``filesystem_async._get_write_results_queue`` (one manager queue per
     process, created on the first save) with a fork-context manager (module docstring)."""
     import multiprocessing as mp
-    import os
-    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megatron_grpo.runtime.process import die_with_parent
+    from megatron_grpo.runtime.process import forks_die_with_this_process
 
     if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=mp.get_context("fork"))
-        # A forked child holds copies of the rank's sockets (gloo peers, the engine): it must
-        # not outlive a rank killed with -9, or the peers would not see that rank go.
-        manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+        # the forked server holds copies of the rank's sockets: it must die with the rank
+        with forks_die_with_this_process():
+            manager = mp.get_context("fork").Manager()
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
     return filesystem_async._results_queue
 
