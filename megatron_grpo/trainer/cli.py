@@ -342,7 +342,7 @@ def quiet_known_cpu_warnings() -> None:
 def _lost_peer(rank: int, detail: str, cfg: ExperimentConfig) -> BaseException:
     """The one-line reason a rank stops when another rank of the run is gone (a node died, or
     went silent for longer than parallel.distributed_timeout_s) instead of its traceback."""
-    from megatron_grpo.trainer.engine_guard import RunAborted
+    from megatron_grpo.runtime.collectives import RunAborted
 
     node = os.environ.get("GROUP_RANK", "0")  # torchrun's node rank
     return RunAborted(
@@ -369,7 +369,7 @@ def rank_main(argv: list[str]) -> int:
     except user_errors() as e:
         return _report(e, rank, args.config, _data_file(args.config, args.overrides))
     from megatron_grpo.trainer.driver import train
-    from megatron_grpo.trainer.engine_guard import RunAborted
+    from megatron_grpo.runtime.collectives import RunAborted
 
     try:
         parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed,

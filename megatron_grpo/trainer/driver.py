@@ -31,7 +31,8 @@ from megatron_grpo.evaluation import Evaluator
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.trainer import checkpoint as ckpt
 from megatron_grpo.trainer.batch import dp_shard, mini_batch_order
-from megatron_grpo.trainer.engine_guard import EngineGuard, RunAborted, broadcast
+from megatron_grpo.runtime.collectives import RunAborted, broadcast
+from megatron_grpo.trainer.engine_guard import EngineGuard
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.trainer.components import build_policy, build_reference, build_rollout_side
 from megatron_grpo.trainer.megatron_step import (ScoringSpec, compute_log_probs, old_log_probs_needed,

@@ -17,27 +17,15 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-import torch.distributed as dist
-
 from megatron_grpo.rollout.types import RolloutError
+from megatron_grpo.runtime.collectives import RunAborted, broadcast
 from megatron_grpo.sync.syncer import WeightSyncError
 
 log = logging.getLogger(__name__)
 
 
-class RunAborted(RuntimeError):
-    """The run cannot continue; ``str(e)`` is one line saying why (exit code 1)."""
-
-
 class EngineUnavailableError(RunAborted):
     """The rollout engine kept failing after every allowed restart or retry."""
-
-
-def broadcast(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class EngineGuard:
