@@ -231,17 +231,19 @@ class _RecordingAdapter:
 def _colocated_guard(rank, world):
     from types import SimpleNamespace
 
-    from megatron_grpo.trainer.engine_guard import EngineGuard
+    from megatron_grpo.rollout.http_engine import HttpEngine
+    from megatron_grpo.trainer.engine_supervisor import EngineSupervisor
 
     calls = []
-    manager = SimpleNamespace(urls=["http://e0", "http://e1"], adapter=_RecordingAdapter(calls))
+    manager = SimpleNamespace(urls=["http://e0", "http://e1"], adapter=_RecordingAdapter(calls), launched=True)
     syncer = SimpleNamespace(sync=lambda modules, step: calls.append(("sync", step)) or "stats")
-    guard = EngineGuard(SimpleNamespace(manager=manager, client=None), syncer, [], max_attempts=1, colocate=True)
+    engine = HttpEngine(manager, None, syncer)
+    guard = EngineSupervisor(engine, [], max_attempts=1, colocate=True, owner=True)
     assert guard.sync(0) == "stats"  # the first sync: the engine holds its memory
     guard.release_memory()
     guard.release_memory()  # once per step
     guard.sync(1)
-    plain = EngineGuard(SimpleNamespace(manager=manager, client=None), syncer, [], max_attempts=1)
+    plain = EngineSupervisor(engine, [], max_attempts=1, owner=True)
     plain.release_memory()  # not colocated: nothing is called
     return calls
 

@@ -14,7 +14,7 @@ from megatron_grpo.config.sections import DataConfig
 from megatron_grpo.rewards import RewardError, RewardSample, RewardScorer
 from megatron_grpo.rollout.types import Sample
 from megatron_grpo.testing.tiny_models import build_tokenizer
-from megatron_grpo.trainer.rollout_step import reward_samples
+from megatron_grpo.rewards.sample import reward_samples
 
 FORMS = """
 import asyncio

@@ -122,6 +122,7 @@ def evaluate_weights(cfg: ExperimentConfig, weights: Weights, out_dir: Path) -> 
     from megatron_grpo.evaluation.runner import Evaluator, load_sets
     from megatron_grpo.rollout.types import SamplingParams
     from megatron_grpo.models.tokenizer import load_tokenizer
+    from megatron_grpo.rollout.http_engine import HttpEngine, start_servers
     from megatron_grpo.trainer.components import build_rollout_side
 
     run_cfg = dataclasses.replace(
@@ -131,9 +132,16 @@ def evaluate_weights(cfg: ExperimentConfig, weights: Weights, out_dir: Path) -> 
     load_sets(run_cfg, tokenizer, SamplingParams())  # bad eval data fails before the engine starts
     side = build_rollout_side(run_cfg, tokenizer, sampler=None)
     try:
-        evaluator = Evaluator(run_cfg, tokenizer, side.client, side.scorer, side.sampling)
+        engine = HttpEngine(*start_servers(run_cfg.rollout, model_dir=run_cfg.model.hf_dir,
+                                           run_dir=run_cfg.trainer.run_dir), receiver=None)
+    except BaseException:
+        side.close()
+        raise
+    try:
+        evaluator = Evaluator(run_cfg, tokenizer, engine, side.scorer, side.sampling)
         results = [evaluator.run_round(weights.step, r) for r in evaluator.rounds()]
     finally:
+        engine.close()
         side.close()
     evaluator.write_samples(out_dir, weights.step, results)
     metrics = evaluator.summarize(results)

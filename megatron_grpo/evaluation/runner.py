@@ -1,7 +1,7 @@
 """Held-out evaluation through the rollout engine: what the trainer does every
 ``eval.every_n_steps`` and what ``megatron-grpo eval`` does for a saved model.
 
-    evaluator = Evaluator(cfg, tokenizer, client, scorer, sampling)   # loads every set
+    evaluator = Evaluator(cfg, tokenizer, engine, scorer, sampling)   # loads every set
     results = [evaluator.run_round(step, r) for r in evaluator.rounds()]
     metrics = evaluator.summarize(results)                             # eval/<set>/... keys
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from megatron_grpo.data import Prompt, load_prompt_dataset
 from megatron_grpo.evaluation.passk import mean_pass_at_k
-from megatron_grpo.rewards.sample import RewardSample
+from megatron_grpo.rewards.sample import reward_samples
 from megatron_grpo.runtime.files import write_text_atomic
 
 SEED_MODULUS = 2**31 - 1
@@ -90,13 +90,14 @@ def set_metrics(name: str, n: int, rows: list[dict], pass_k: list[int]) -> dict[
 
 
 class Evaluator:
-    """Rank 0's evaluation machinery (see the module docstring). ``sampling``: the run's
-    SamplingParams (stop ids, top-p/k); each set sets its temperature and length."""
+    """Rank 0's evaluation machinery (see the module docstring). ``engine``: what generates
+    (a ``rollout.protocol.RolloutEngine``, or anything with its ``generate``); ``sampling``: the
+    run's SamplingParams (stop ids, top-p/k); each set sets its temperature and length."""
 
-    def __init__(self, cfg, tokenizer, client, scorer, sampling):
+    def __init__(self, cfg, tokenizer, engine, scorer, sampling):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.client = client
+        self.engine = engine
         self.scorer = scorer
         self.sets = load_sets(cfg, tokenizer, sampling)
         labels = cfg.reward.labels
@@ -112,13 +113,10 @@ class Evaluator:
         s = self.sets[rnd.set_index]
         prompts = s.prompts[rnd.start:rnd.stop]
         seed = (eval_seed(self.cfg.trainer.seed, step, rnd.set_index) + rnd.start * s.n) % SEED_MODULUS
-        samples = self.client.generate([p.prompt_ids for p in prompts], s.n, s.sampling, sampling_seed=seed)
-        texts = [self.tokenizer.decode(x.output_ids, skip_special_tokens=True) for x in samples]
-        reward_samples = [RewardSample(prompt=prompts[x.prompt_index].text, response=t,
-                                       answer=prompts[x.prompt_index].answer, response_ids=list(x.output_ids),
-                                       prompt_ids=list(x.prompt_ids), finish_reason=x.finish_reason,
-                                       row=prompts[x.prompt_index].fields) for x, t in zip(samples, texts)]
-        scored = self.scorer.score_samples(reward_samples)
+        samples = self.engine.generate([p.prompt_ids for p in prompts], s.n, s.sampling, sampling_seed=seed)
+        to_score = reward_samples(prompts, samples, self.tokenizer)
+        texts = [r.response for r in to_score]
+        scored = self.scorer.score_samples(to_score)
         threshold = self.cfg.eval.correct_threshold
         rows = []
         for j, (x, text) in enumerate(zip(samples, texts)):

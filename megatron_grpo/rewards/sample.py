@@ -8,7 +8,7 @@ whole ``sample`` (or, as a batch function, the list ``samples``).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,3 +43,19 @@ class RewardSample:
 
 SAMPLE_FIELDS: tuple[str, ...] = ("prompt", "response", "answer", "response_ids", "prompt_ids", "finish_reason", "row")
 """Parameter names a reward function can use to receive one field of the sample."""
+
+
+def reward_samples(prompts: Sequence, samples: Sequence, tokenizer) -> list[RewardSample]:
+    """What the reward functions see of each generated sample: the one builder of
+    ``RewardSample``s (training and evaluation alike).
+
+    prompts: the ``data.Prompt``s of one generate call (``text``, ``answer``, ``fields``);
+    samples: the engine's ``rollout.types.Sample``s of them (``prompt_index``, ``output_ids``,
+    ``prompt_ids``, ``finish_reason``); tokenizer: decodes the response, special tokens dropped."""
+    out = []
+    for s in samples:
+        p = prompts[s.prompt_index]
+        out.append(RewardSample(prompt=p.text, response=tokenizer.decode(s.output_ids, skip_special_tokens=True), answer=p.answer,
+                                response_ids=list(s.output_ids), prompt_ids=list(s.prompt_ids),
+                                finish_reason=s.finish_reason, row=p.fields))
+    return out

@@ -40,7 +40,10 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
+from megatron_grpo.models import iter_hf_weights
+from megatron_grpo.models.weights import expert_hf_names
 from megatron_grpo.rollout.client import RolloutClient
 from megatron_grpo.rollout.engines import ENGINES
 from megatron_grpo.rollout.types import RolloutError
@@ -103,8 +106,6 @@ def probe_tokens(vocab_size: int, length: int = _PROBE_LENGTH) -> list[int]:
 def _parallel_ranks() -> tuple[int, int, int, int]:
     """(dp_rank, expert-dp rank, tp_rank, pp_rank) of this process (all 0 without megatron
     parallel state). The expert-dp rank equals the dp rank unless ep > 1."""
-    from megatron.core import parallel_state as ps
-
     if not ps.model_parallel_is_initialized():
         return 0, 0, 0, 0
     return (ps.get_data_parallel_rank(), ps.get_expert_data_parallel_rank(),
@@ -117,9 +118,6 @@ class WeightSyncer:
     def __init__(self, cfg, urls: list[str], hf_config, *, work_dir: Optional[str | Path] = None,
                  master_address: str = "127.0.0.1", client: Optional[RolloutClient] = None,
                  iter_weights: Optional[Callable] = None, probe: Optional[Probe] = None):
-        if cfg.weight_sync_transport not in TRANSPORTS:
-            raise ValueError(f"rollout.weight_sync_transport: unknown {cfg.weight_sync_transport!r}; "
-                             f"expected one of {sorted(TRANSPORTS)}")
         self.cfg = cfg
         self.adapter = ENGINES[cfg.engine]
         self.probe = probe
@@ -135,9 +133,7 @@ class WeightSyncer:
         self.stage = pp_rank
         self.client = client or RolloutClient.from_config(cfg, self.urls)
         self._own_client = client is None
-        if iter_weights is None:
-            from megatron_grpo.models import iter_hf_weights as iter_weights
-        self._iter_weights = iter_weights
+        self._iter_weights = iter_weights or iter_hf_weights
         self.transport = None
         if self.sender:
             self.transport = TRANSPORTS[cfg.weight_sync_transport](
@@ -321,8 +317,6 @@ class WeightSyncer:
         return error
 
     def _expert_names(self) -> frozenset[str]:
-        from megatron_grpo.models.weights import expert_hf_names
-
         if self.hf_config is None:  # weights come from a caller's ``iter_weights``, no model to ask
             return frozenset()
         return expert_hf_names(self.hf_config)

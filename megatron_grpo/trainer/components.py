@@ -1,15 +1,26 @@
 """Build what a run needs from its config: the policy (Megatron chunks + DDP + optimizer),
-the frozen reference, and rank 0's rollout side (engine, client, tokenizer, data, rewards)."""
+the frozen reference, the rollout engine (every rank's ``RolloutEngine``) and rank 0's
+rollout side (sampling parameters, tokenizer, data, rewards)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+from megatron.core import parallel_state
 
 from megatron_grpo.config import ExperimentConfig
+from megatron_grpo.data import PromptSampler
+from megatron_grpo.models import build_model, load_hf_config, load_hf_weights, load_megatron_checkpoint
+from megatron_grpo.models.builder import check_moe_training
+from megatron_grpo.rewards import RewardScorer
+from megatron_grpo.rollout.http_engine import HttpEngine, start_servers
+from megatron_grpo.rollout.types import SamplingParams
+from megatron_grpo.runtime.collectives import broadcast
 from megatron_grpo.runtime.device import cuda_available, resolve_distributed_optimizer
+from megatron_grpo.sync.syncer import Probe, WeightSyncer
+from megatron_grpo.trainer.optim import build_optimizer, wrap_ddp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,27 +33,26 @@ class Policy:
     hf_config: Any
 
 
-def build_policy(cfg: ExperimentConfig) -> Policy:
-    """Policy chunks for this rank, initialised from ``model.megatron_ckpt`` or the HF weights."""
-    from megatron.core import parallel_state
-
-    from megatron_grpo.models import build_model, load_hf_config, load_hf_weights, load_megatron_checkpoint
-    from megatron_grpo.models.builder import check_moe_training
-    from megatron_grpo.trainer.optim import build_optimizer, wrap_ddp
-
-    hf_config = load_hf_config(cfg.model.hf_dir)
-    check_moe_training(hf_config, parallel_state.get_tensor_model_parallel_world_size(),
-                       cfg.parallel.sequence_parallel)
-    modules = build_model(
-        hf_config, dtype=DTYPES[cfg.model.dtype],
-        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-        recompute=cfg.model.recompute_activations, sequence_parallel=cfg.parallel.sequence_parallel,
-        init_weights=False,
-    )
+def _build_and_load(cfg: ExperimentConfig, hf_config, **build_kwargs) -> list:
+    """This rank's model chunks, initialised from ``model.megatron_ckpt`` or the HF weights
+    (the one build-and-load of the policy and the reference)."""
+    modules = build_model(hf_config, dtype=DTYPES[cfg.model.dtype],
+                          make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+                          init_weights=False, **build_kwargs)
     if cfg.model.megatron_ckpt:
         load_megatron_checkpoint(modules, cfg.model.megatron_ckpt)
     else:
         load_hf_weights(modules, cfg.model.hf_dir, hf_config)
+    return modules
+
+
+def build_policy(cfg: ExperimentConfig) -> Policy:
+    """Policy chunks for this rank, initialised from ``model.megatron_ckpt`` or the HF weights."""
+    hf_config = load_hf_config(cfg.model.hf_dir)
+    check_moe_training(hf_config, parallel_state.get_tensor_model_parallel_world_size(),
+                       cfg.parallel.sequence_parallel)
+    modules = _build_and_load(cfg, hf_config, recompute=cfg.model.recompute_activations,
+                              sequence_parallel=cfg.parallel.sequence_parallel)
     use_dist_opt = resolve_distributed_optimizer(cfg.parallel.use_distributed_optimizer, cuda_available())
     chunks = wrap_ddp(modules, use_dist_opt)
     optimizer = build_optimizer(chunks, cfg.optimizer, DTYPES[cfg.model.dtype], use_dist_opt)
@@ -53,16 +63,7 @@ def build_reference(cfg: ExperimentConfig, hf_config) -> Optional[list]:
     """Frozen reference chunks (the initial weights) when the KL loss is on, else None."""
     if cfg.algorithm.kl_loss_coef <= 0:
         return None
-    from megatron_grpo.models import build_model, load_hf_weights, load_megatron_checkpoint
-
-    ref = build_model(
-        hf_config, dtype=DTYPES[cfg.model.dtype],
-        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, init_weights=False,
-    )
-    if cfg.model.megatron_ckpt:
-        load_megatron_checkpoint(ref, cfg.model.megatron_ckpt)
-    else:
-        load_hf_weights(ref, cfg.model.hf_dir, hf_config)
+    ref = _build_and_load(cfg, hf_config)
     for chunk in ref:
         chunk.eval()
         chunk.requires_grad_(False)
@@ -71,34 +72,35 @@ def build_reference(cfg: ExperimentConfig, hf_config) -> Optional[list]:
 
 @dataclass
 class RolloutSide:
-    """Rank 0's rollout machinery."""
+    """Rank 0's rollout machinery besides the engine."""
 
-    manager: Any
-    client: Any
-    sampling: Any
-    tokenizer: Any
-    sampler: Any
-    scorer: Any
+    sampling: SamplingParams
+    tokenizer: Any  # a transformers tokenizer
+    sampler: Optional[PromptSampler]  # None when evaluating a saved model
+    scorer: RewardScorer
 
     def close(self) -> None:
-        self.client.close()
-        self.manager.stop()
         self.scorer.close()
 
 
-def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler) -> RolloutSide:
-    """Start (or connect to) the rollout engine and build the client, sampler and scorer."""
-    from megatron_grpo.rewards import RewardScorer
-    from megatron_grpo.rollout.client import RolloutClient
-    from megatron_grpo.rollout.manager import RolloutServerManager
-    from megatron_grpo.rollout.types import SamplingParams
-
-    scorer = RewardScorer(cfg.reward)  # before the engine starts: a bad reward fails fast
-    manager = RolloutServerManager(cfg.rollout, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir)
-    urls = manager.start()
-    client = RolloutClient.from_config(cfg.rollout, urls)
+def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[PromptSampler]) -> RolloutSide:
+    """The sampling parameters (with the tokenizer's EOS as a stop id), the sampler and the
+    reward scorer (built before the engine starts: a bad reward fails fast)."""
+    scorer = RewardScorer(cfg.reward)
     sampling = SamplingParams.from_rollout_config(cfg.rollout)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in sampling.stop_token_ids:
         sampling.stop_token_ids = [*sampling.stop_token_ids, tokenizer.eos_token_id]
-    return RolloutSide(manager=manager, client=client, sampling=sampling, tokenizer=tokenizer,
-                       sampler=sampler, scorer=scorer)
+    return RolloutSide(sampling=sampling, tokenizer=tokenizer, sampler=sampler, scorer=scorer)
+
+
+def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Optional[Probe] = None) -> HttpEngine:
+    """Collective: rank 0 (``owner``) starts (or connects to) the rollout servers; every rank
+    builds its half of the weight sync into them (``probe``: the trainer's log-probs of the
+    verification sequence, for engines verified by probe)."""
+    manager = client = None
+    if owner:
+        manager, client = start_servers(cfg.rollout, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir)
+    urls = broadcast(manager.urls if owner else None)
+    receiver = WeightSyncer(cfg.rollout, urls, hf_config, work_dir=f"{cfg.trainer.run_dir}/weight_sync",
+                            client=client, probe=probe)
+    return HttpEngine(manager, client, receiver)

@@ -32,7 +32,7 @@ from megatron_grpo.losses import compute_policy_loss, reduce_metrics
 from megatron_grpo.models.forward import causal_logits, run_schedule
 from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.runtime.device import all_finite, collective_tensor, to_device
-from megatron_grpo.trainer.batch import TrainBatch
+from megatron_grpo.trainer.batch import TrainBatch, build_train_batch
 from megatron_grpo.trainer.microbatch import plan_micro_batches, sequence_lengths, split, unsplit
 from megatron_grpo.trainer.moe_metrics import RouterLoad
 from megatron_grpo.trainer.router_replay import RoutingReplay
@@ -225,8 +225,6 @@ def probe_log_probs(model_chunks, token_ids: list[int], spec: ScoringSpec) -> Op
     Collective over the model-parallel group like ``compute_log_probs``; a list of
     len(token_ids) - 1 floats on the last pipeline stage, None on the others.
     """
-    from megatron_grpo.trainer.batch import build_train_batch
-
     batch = build_train_batch([token_ids[:1]], [token_ids[1:]], [[0.0] * (len(token_ids) - 1)],
                               torch.zeros(1), pad_id=0)
     at_t1 = ScoringSpec(temperature=1.0, vocab_size=spec.vocab_size, chunk_size=spec.chunk_size)

@@ -4,7 +4,7 @@ With DAPO's options (``rollout.dynamic_sampling``, ``rollout.overlong``) rewards
 soft overlong penalty, zero-variance groups are replaced by extra generation rounds, and
 truncated responses can be masked out of the loss (``trainer.dynamic_sampling``).
 
-The driver broadcasts the finished RolloutResult to the other ranks, so the rollout engine,
+The trainer broadcasts the finished RolloutResult to the other ranks, so the rollout engine,
 the tokenizer and the reward functions live in one process.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from megatron_grpo.losses import compute_advantages
-from megatron_grpo.rewards.sample import RewardSample
+from megatron_grpo.rewards.sample import reward_samples
 from megatron_grpo.trainer.batch import TrainBatch, build_train_batch, pad_routed_experts
 from megatron_grpo.trainer.dynamic_sampling import choose_groups, informative_groups, overlong_penalty
 
@@ -49,9 +49,9 @@ class _Round:
     reward_s: float
 
 
-def _generate_round(step, round_index, prompts, client, sampling, scorer, tokenizer, cfg) -> _Round:
+def _generate_round(step, round_index, prompts, engine, sampling, scorer, tokenizer, cfg) -> _Round:
     t0 = time.monotonic()
-    samples = client.generate([p.prompt_ids for p in prompts], cfg.rollout.num_generations, sampling,
+    samples = engine.generate([p.prompt_ids for p in prompts], cfg.rollout.num_generations, sampling,
                               sampling_seed=sampling_seed(cfg.trainer.seed, step, round_index),
                               return_routed_experts=cfg.algorithm.router_replay)
     gen_s = time.monotonic() - t0
@@ -66,20 +66,21 @@ def _generate_round(step, round_index, prompts, client, sampling, scorer, tokeni
     return _Round(prompts, samples, rewards + penalty, penalty, scored.per_function, scored.stats, gen_s, reward_s)
 
 
-def generate_and_score(step: int, prompts, client, sampling, scorer, tokenizer, cfg,
+def generate_and_score(step: int, prompts, engine, sampling, scorer, tokenizer, cfg,
                        more_prompts: Optional[Callable[[], list]] = None) -> RolloutResult:
     """Generate ``num_generations`` responses per prompt, score, normalise into advantages.
 
-    prompts: list of data.Prompt (``prompt_ids``, ``answer``); cfg: ExperimentConfig.
+    prompts: list of data.Prompt (``prompt_ids``, ``answer``); engine: what generates (a
+    ``rollout.protocol.RolloutEngine``, or anything with its ``generate``); cfg: ExperimentConfig.
     more_prompts: the next prompts for DAPO dynamic sampling's extra rounds
     (``rollout.dynamic_sampling``; ``trainer.dynamic_sampling`` has the rules).
     """
     n, ds = cfg.rollout.num_generations, cfg.rollout.dynamic_sampling
-    rounds = [_generate_round(step, 0, prompts, client, sampling, scorer, tokenizer, cfg)]
+    rounds = [_generate_round(step, 0, prompts, engine, sampling, scorer, tokenizer, cfg)]
     informative = [informative_groups(rounds[0].rewards, n)]
     if ds.enabled and more_prompts is not None:
         while sum(int(i.sum()) for i in informative) < len(prompts) and len(rounds) <= ds.max_extra_rounds:
-            rounds.append(_generate_round(step, len(rounds), more_prompts(), client, sampling, scorer, tokenizer, cfg))
+            rounds.append(_generate_round(step, len(rounds), more_prompts(), engine, sampling, scorer, tokenizer, cfg))
             informative.append(informative_groups(rounds[-1].rewards, n))
     picks = choose_groups(informative, len(prompts)) if ds.enabled else [(0, g) for g in range(len(prompts))]
     rows = [(r, g * n + j) for r, g in picks for j in range(n)]
@@ -139,17 +140,6 @@ def engine_weight_version(samples) -> int | None:
     sync) that sampled any of ``samples``, as the engine reported it; None if not a step."""
     versions = [s.weight_version for s in samples]
     return min(int(v) for v in versions) if all(str(v).isdigit() for v in versions) else None
-
-
-def reward_samples(prompts, samples, tokenizer) -> list[RewardSample]:
-    """What the reward functions see of each engine ``Sample`` of ``prompts`` (data.Prompt)."""
-    out = []
-    for s in samples:
-        p = prompts[s.prompt_index]
-        out.append(RewardSample(prompt=p.text, response=tokenizer.decode(s.output_ids, skip_special_tokens=True),
-                                answer=p.answer, response_ids=list(s.output_ids), prompt_ids=list(s.prompt_ids),
-                                finish_reason=s.finish_reason, row=p.fields))
-    return out
 
 
 def _pad_id(tokenizer) -> int:

@@ -23,7 +23,7 @@ Departures and choices, documented in docs/off_policy.md:
 * The engine is never written to while it generates: the sync waits for the in-flight batch.
   Evaluation runs after the sync, when nothing is in flight.
 * A failure of the background generation is recovered from exactly as a failed generation in
-  sync mode (``EngineGuard.rollout``): a dead launched engine is restarted, the trainer's
+  sync mode (``EngineSupervisor.rollout``): a dead launched engine is restarted, the trainer's
   current weights are synced and the same prompts are generated again with the same seed; that
   batch then has lag 0 (the engine reports it).
 * A checkpoint written while a batch is prefetched stores the data position from before that
@@ -36,7 +36,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
-from megatron_grpo.trainer.engine_guard import EngineGuard
+from megatron_grpo.trainer.engine_supervisor import EngineSupervisor
 from megatron_grpo.trainer.rollout_step import RolloutResult
 
 Generate = Callable[[int, list], RolloutResult]
@@ -46,13 +46,13 @@ Generate = Callable[[int, list], RolloutResult]
 class RolloutSchedule:
     """``batch_for(step)`` at the start of a step, ``collect_next(step)`` after its update.
 
-    engine: every rank's EngineGuard; sampler: rank 0's PromptSampler (None elsewhere);
+    engine: every rank's EngineSupervisor; sampler: rank 0's PromptSampler (None elsewhere);
     generate: rank 0's Generate (None elsewhere); num_steps: the run's last step (exclusive).
     """
 
-    def __init__(self, mode: str, engine: EngineGuard, sampler, generate: Optional[Generate], num_steps: int):
-        assert mode in ("sync", "one_step_off_policy"), mode  # validated by RolloutConfig
-        self.overlap = mode == "one_step_off_policy"
+    def __init__(self, overlap: bool, engine: EngineSupervisor, sampler, generate: Optional[Generate],
+                 num_steps: int):
+        self.overlap = overlap  # rollout.mode == one_step_off_policy
         self.engine = engine
         self.sampler = sampler
         self.generate = generate

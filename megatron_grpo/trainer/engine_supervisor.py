@@ -1,10 +1,12 @@
-"""Keep the rollout engine usable: detect a dead or unreachable engine, restart it (when this
-run launched it), re-sync the trainer's weights and retry -- a bounded number of times.
+"""``EngineSupervisor``: every call the trainer makes to the rollout engine (generation,
+weight sync, memory release), made collectively and recovered from when the engine fails: a
+dead or unreachable engine is restarted (when this run launched it), the trainer's weights are
+synced into it again and the call is retried -- a bounded number of times.
 
 Every wait underneath is bounded (the client's per-request timeouts and retries, the
 manager's launch deadline, the syncer's collective error agreement), so a dead engine is an
 error within minutes at worst, never a hang. Generation runs on rank 0 only; recovery is
-collective because the weight sync is.
+collective because the weight sync is. The engine is any ``rollout.protocol.RolloutEngine``.
 
 Colocated mode (``rollout.colocate``, GPU only): ``release_memory()`` after generation hands
 the engine's weights and KV cache back to the trainer; ``sync`` takes the weights' memory back
@@ -17,9 +19,10 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
+from megatron_grpo.rollout.protocol import RolloutEngine
 from megatron_grpo.rollout.types import RolloutError
 from megatron_grpo.runtime.collectives import RunAborted, broadcast
-from megatron_grpo.sync.syncer import WeightSyncError
+from megatron_grpo.sync.syncer import SyncStats, WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -28,19 +31,20 @@ class EngineUnavailableError(RunAborted):
     """The rollout engine kept failing after every allowed restart or retry."""
 
 
-class EngineGuard:
-    """``rollout(step, fn)`` and ``sync(step)`` with recovery (see the module docstring).
+class EngineSupervisor:
+    """``rollout(step, fn)``, ``sync(step)`` and ``release_memory()`` with recovery (see the
+    module docstring).
 
-    side: rank 0's RolloutSide (None elsewhere); syncer: the WeightSyncer of every rank;
+    engine: every rank's RolloutEngine (its rank-0 verbs are called on rank 0 only);
     modules: the policy chunks whose weights the engine must serve.
     """
 
-    def __init__(self, side, syncer, modules, max_attempts: int, retry_wait_s: float = 2.0,
-                 colocate: bool = False):
-        self.side = side
+    def __init__(self, engine: RolloutEngine, modules: list, max_attempts: int, retry_wait_s: float = 2.0,
+                 colocate: bool = False, *, owner: bool):
+        self.engine = engine
+        self.owner = owner  # rank 0: generates and talks to the engine
         self.colocate = colocate
         self.released = False  # the engines' memory is released (colocated mode)
-        self.syncer = syncer
         self.modules = modules
         self.max_attempts = max_attempts
         self.retry_wait_s = retry_wait_s
@@ -53,7 +57,7 @@ class EngineGuard:
         the retries call ``fn``."""
         for attempt in range(1, self.max_attempts + 1):
             outcome: Optional[tuple[str, Any]] = None
-            if self.side is not None:
+            if self.owner:
                 try:
                     outcome = ("ok", (first if attempt == 1 and first is not None else fn)())
                 except RolloutError as e:
@@ -69,53 +73,48 @@ class EngineGuard:
         """Colocated mode: the engines free their GPU memory until the next ``sync`` (a no-op
         otherwise). Collective (every rank learns of a failure)."""
         if self.colocate and not self.released:
-            self._on_engines(lambda adapter, client, url: adapter.release_memory(client, url), "release memory")
+            self._on_owner(self.engine.release_memory, "release memory")
             self.released = True
 
-    def _resume_memory(self, tags: list[str]) -> None:
-        self._on_engines(lambda adapter, client, url: adapter.resume_memory(client, url, tags),
-                         f"resume memory ({', '.join(tags)})")
-
-    def _on_engines(self, fn: Callable, what: str) -> None:
-        """Rank 0 calls ``fn(adapter, client, url)`` for every engine; an error stops every rank."""
+    def _on_owner(self, fn: Callable[[], None], what: str) -> None:
+        """Rank 0 calls ``fn``; an error stops every rank."""
         error = None
-        if self.side is not None:
+        if self.owner:
             try:
-                for url in self.side.manager.urls:
-                    fn(self.side.manager.adapter, self.side.client, url)
+                fn()
             except RolloutError as e:
                 error = str(e)
         error = broadcast(error)
         if error is not None:
             raise EngineUnavailableError(f"rollout engine: {what} failed: {error}")
 
-    def sync(self, step: int):
+    def sync(self, step: int) -> SyncStats:
         """Push the weights of ``step`` to the engine(s), recovering from engine failures;
         returns the SyncStats of the sync that succeeded. A released engine (colocated mode)
         takes its weights' memory back first and its KV cache after."""
         if self.released:
-            self._resume_memory(["weights"])
+            self._on_owner(lambda: self.engine.resume_memory(["weights"]), "resume memory (weights)")
         stats = self._sync(step)
         if self.released:
-            self._resume_memory(["kv_cache"])
+            self._on_owner(lambda: self.engine.resume_memory(["kv_cache"]), "resume memory (kv_cache)")
             self.released = False
         return stats
 
-    def _sync(self, step: int):
+    def _sync(self, step: int) -> SyncStats:
         for attempt in range(1, self.max_attempts + 1):
             try:
-                return self.syncer.sync(self.modules, step)
+                return self.engine.receive_weights(self.modules, step)
             except WeightSyncError as e:
                 self._recover(step, f"weight sync failed (attempt {attempt} of {self.max_attempts}): {e}",
                               attempt, resync=False)
 
     def ensure_alive(self, step: int) -> None:
         """Before a rollout: restart a launched engine that died since the last step."""
-        if broadcast(self._restart_if_dead() if self.side is not None else None):
+        if broadcast(self._restart_if_dead() if self.owner else None):
             self._resync(step)
 
     def _restart_if_dead(self) -> bool:
-        restarted = self.side.manager.ensure_alive()
+        restarted = self.engine.restart_if_dead()
         self.restarts += restarted
         return restarted
 
@@ -126,12 +125,12 @@ class EngineGuard:
             raise EngineUnavailableError(f"rollout engine: {what}; giving up")
         log.warning("rollout engine: %s; recovering", what)
         error = None
-        if self.side is not None:
+        if self.owner:
             try:
                 self._restart_if_dead()
             except RolloutError as e:  # restarts used up, or the relaunch failed its deadline
                 error = str(e)
-            if error is None and not self.side.manager.launched:
+            if error is None and not self.engine.restarts_itself:
                 time.sleep(self.retry_wait_s * attempt)  # an external server: give it time
         error = broadcast(error)
         if error is not None:
@@ -139,9 +138,9 @@ class EngineGuard:
         if resync:
             self._resync(step)
         else:
-            self.syncer.reset()
+            self.engine.forget_weights()
 
-    def _resync(self, step: int) -> None:
+    def _resync(self, step: int) -> SyncStats:
         """A restarted engine serves the initial HF weights: forget its state and sync."""
-        self.syncer.reset()
+        self.engine.forget_weights()
         return self._sync(step)

@@ -1,0 +1,76 @@
+"""``HttpEngine``: the ``RolloutEngine`` of engines behind SGLang's HTTP API (the embedded
+engine and SGLang), one or several servers.
+
+Rank 0 holds the server manager (launch, health, restart) and the client (generation, the
+adapter's memory routes); every rank holds the weight receiver (the collective weight sync,
+given by the caller so that this layer does not depend on ``sync/``). URLs, launch commands
+and routes stay in here and in the engine's adapter (``rollout/engines``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from megatron_grpo.rollout.client import RolloutClient
+from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.rollout.protocol import WeightReceiver
+from megatron_grpo.rollout.types import Sample, SamplingParams
+
+
+def start_servers(rollout_cfg, *, model_dir: str, run_dir: str) -> tuple[RolloutServerManager, RolloutClient]:
+    """Launch the servers of ``rollout_cfg`` (a RolloutConfig), or wait for the external ones in
+    ``rollout.urls``, until healthy; returns their manager and a client of them."""
+    manager = RolloutServerManager(rollout_cfg, model_dir=model_dir, run_dir=run_dir)
+    return manager, RolloutClient.from_config(rollout_cfg, manager.start())
+
+
+class HttpEngine:
+    """A ``RolloutEngine`` over HTTP servers. ``manager`` and ``client``: rank 0's (None
+    elsewhere); ``receiver``: every rank's weight sync into those servers (None: the engine
+    serves fixed weights, e.g. when evaluating a saved model)."""
+
+    def __init__(self, manager: Optional[RolloutServerManager], client: Optional[RolloutClient],
+                 receiver: Optional[WeightReceiver]):
+        self.manager = manager
+        self.client = client
+        self.receiver = receiver
+
+    @property
+    def restarts_itself(self) -> bool:
+        return self.manager is not None and self.manager.launched
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams, *,
+                 sampling_seed: Optional[int] = None, return_routed_experts: bool = False) -> list[Sample]:
+        return self.client.generate(prompts, n, sampling, sampling_seed=sampling_seed,
+                                    return_routed_experts=return_routed_experts)
+
+    def receive_weights(self, model_chunks: list, step: int) -> Any:
+        return self.receiver.sync(model_chunks, step)
+
+    def forget_weights(self) -> None:
+        self.receiver.reset()
+
+    def release_memory(self) -> None:
+        for url in self.manager.urls:
+            self.manager.adapter.release_memory(self.client, url)
+
+    def resume_memory(self, tags: Optional[list[str]] = None) -> None:
+        for url in self.manager.urls:
+            self.manager.adapter.resume_memory(self.client, url, tags)
+
+    def restart_if_dead(self) -> bool:
+        return self.manager.ensure_alive()
+
+    @property
+    def urls(self) -> list[str]:
+        """Rank 0: the servers' URLs (for the weight receiver of every rank)."""
+        return self.manager.urls
+
+    def close(self) -> None:
+        """The receiver first (it may hold a group with the servers), then rank 0's client and servers."""
+        if self.receiver is not None:
+            self.receiver.close()
+        if self.client is not None:
+            self.client.close()
+        if self.manager is not None:
+            self.manager.stop()

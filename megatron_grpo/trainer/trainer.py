@@ -1,0 +1,330 @@
+"""The GRPO trainer: its components, built once, and one step as a handful of verbs.
+
+    trainer = Trainer.build(cfg)          # policy, reference, engine, data, logger; resume
+    for step in range(trainer.start_step, cfg.trainer.num_steps):
+        trainer.step(step)                # rollout -> shard -> score -> update -> sync
+                                          #   -> evaluate -> log -> checkpoint
+
+One step, read top to bottom (``Trainer.step``):
+
+1. **rollout**: rank 0 draws prompts, the rollout engine samples ``num_generations`` responses
+   each (token ids + the engine's log-probs), rewards are scored and group-normalised into
+   advantages; the TrainBatch is broadcast to every rank. With ``rollout.mode:
+   one_step_off_policy`` the next step's batch is then generated in the background while this
+   step trains, and waited for before the sync (``trainer/rollouts.py``);
+2. **shard**: the batch is (optionally) shuffled across its mini-batches and each DP rank takes
+   its rows;
+3. **score**: old-policy (and, with a KL loss, reference) log-probs are recomputed by Megatron
+   in forward-only mode with the vocab-parallel op;
+4. **update**: for ``num_iterations`` epochs, every mini-batch is one optimizer step of the
+   corrected GRPO loss (``megatron_step.train_mini_batch``), its learning rate from the run's
+   one schedule (``update_plan.UpdatePlan``);
+5. **sync**: the new weights are resharded into the rollout engine;
+6. **evaluate** (when due: ``eval.every_n_steps``, the last step): rank 0 evaluates the
+   held-out sets on the engine, which now serves these weights, in rounds the other ranks wait
+   for one at a time;
+7. **log** the step's metrics; **checkpoint** when due. An evaluation belongs to its step's
+   metrics entry and happens before that step's checkpoint, so a resumed run neither repeats
+   nor skips one.
+
+Every rank runs the trainer (torchrun); rank 0 also owns the engine's generation, the data
+and the logging. Every engine call goes through ``EngineSupervisor`` (recovery from a failed
+engine), whatever the engine (``rollout.protocol.RolloutEngine``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+import yaml
+from megatron.core import parallel_state as ps
+
+from megatron_grpo.config import ExperimentConfig
+from megatron_grpo.data import PromptSampler, load_prompt_dataset
+from megatron_grpo.evaluation import Evaluator
+from megatron_grpo.losses import reduce_metrics
+from megatron_grpo.metrics_log import MetricsLogger
+from megatron_grpo.models.tokenizer import load_tokenizer
+from megatron_grpo.runtime.collectives import RunAborted, broadcast
+from megatron_grpo.runtime.files import write_text_atomic
+from megatron_grpo.sync.syncer import SyncStats
+from megatron_grpo.trainer import checkpoint as ckpt
+from megatron_grpo.trainer.batch import TrainBatch, dp_shard, mini_batch_order
+from megatron_grpo.trainer.components import (Policy, RolloutSide, build_engine, build_policy, build_reference,
+                                              build_rollout_side)
+from megatron_grpo.trainer.engine_supervisor import EngineSupervisor
+from megatron_grpo.trainer.megatron_step import (ScoringSpec, compute_log_probs, old_log_probs_needed,
+                                                 probe_log_probs, train_mini_batch)
+from megatron_grpo.trainer.moe_metrics import RouterLoad
+from megatron_grpo.trainer.rollout_step import RolloutResult, generate_and_score
+from megatron_grpo.trainer.rollouts import RolloutSchedule
+from megatron_grpo.trainer.router_replay import RoutingReplay
+from megatron_grpo.trainer.step_timer import StepTimer
+from megatron_grpo.trainer.update_plan import UpdatePlan
+
+
+class NonFiniteError(RunAborted):
+    """Too many consecutive steps had a non-finite loss or gradient."""
+
+
+@dataclass
+class Updates:
+    """What the update phase of one step did on this rank."""
+
+    metrics: list[dict] = field(default_factory=list)
+    """One entry per optimizer step this rank reports (the last pipeline stage's)."""
+    skipped: int = 0
+    """Optimizer steps skipped for a non-finite loss or gradient."""
+
+
+@dataclass
+class Trainer:
+    """A run's components (built once by ``build``) and its step (see the module docstring)."""
+
+    cfg: ExperimentConfig
+    rank: int
+    plan: UpdatePlan
+    spec: ScoringSpec
+    policy: Policy
+    reference: Optional[list]
+    """Frozen reference chunks, with a KL loss only."""
+    routing: Optional[RoutingReplay]
+    """MoE router replay (algorithm.router_replay) only."""
+    engine: EngineSupervisor
+    rollouts: RolloutSchedule
+    side: Optional[RolloutSide]
+    """Rank 0's sampling parameters, tokenizer, data and rewards."""
+    evaluator: Optional[Evaluator]
+    """Rank 0's, when eval.sets is set."""
+    logger: MetricsLogger
+    start_step: int = 0
+    nonfinite_streak: int = 0
+    records: list[dict] = field(default_factory=list)
+    """Rank 0's metric records, one per step."""
+
+    # ---- construction ------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, cfg: ExperimentConfig) -> "Trainer":
+        """Build every component (collective), resume from the last checkpoint when there is
+        one, and sync the engine to the policy's weights."""
+        rank, run_dir = dist.get_rank(), cfg.trainer.run_dir
+        tokenizer = load_tokenizer(cfg.model.hf_dir)
+        sampler = PromptSampler(load_prompt_dataset(cfg.data, tokenizer), cfg.rollout.prompts_per_step,
+                                cfg.trainer.seed, cfg.data.shuffle)
+        policy = build_policy(cfg)
+        routing = RoutingReplay(policy.modules, replay=True) if cfg.algorithm.router_replay else None
+        reference = build_reference(cfg, policy.hf_config)
+        spec = ScoringSpec(cfg.rollout.temperature, policy.hf_config.vocab_size, cfg.model.logprob_chunk_size)
+        start_step, trainer_state = _resume(cfg, policy, sampler, rank)
+        logger = MetricsLogger(run_dir, cfg.logging, cfg.trainer.num_steps, rank,
+                               resumed_step=start_step, config_dict=cfg.to_dict())
+        if rank == 0:
+            write_text_atomic(Path(run_dir) / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        side = build_rollout_side(cfg, tokenizer, sampler) if rank == 0 else None
+        http = build_engine(cfg, policy.hf_config, owner=rank == 0,
+                            probe=lambda tokens: probe_log_probs(policy.chunks, tokens, spec))
+        engine = EngineSupervisor(http, policy.modules, max_attempts=cfg.rollout.max_restarts + 1,
+                                  colocate=cfg.rollout.colocate, owner=rank == 0)
+        try:
+            evaluator = (Evaluator(cfg, tokenizer, http, side.scorer, side.sampling)
+                         if side is not None and cfg.eval.sets else None)
+            engine.sync(start_step)  # the engine starts from the HF weights
+        except BaseException:  # nothing this run started outlives a failed start
+            http.close()
+            if side is not None:
+                side.close()
+            raise
+        generate = (lambda step, prompts: generate_and_score(
+            step, prompts, http, side.sampling, side.scorer, side.tokenizer, cfg,
+            more_prompts=side.sampler.next_batch)) if side is not None else None
+        rollouts = RolloutSchedule(cfg.rollout.mode == "one_step_off_policy", engine,
+                                   side.sampler if side is not None else None, generate, cfg.trainer.num_steps)
+        plan = UpdatePlan.from_config(cfg, ps.get_data_parallel_world_size())
+        return cls(cfg=cfg, rank=rank, plan=plan, spec=spec, policy=policy, reference=reference, routing=routing,
+                   engine=engine, rollouts=rollouts, side=side, evaluator=evaluator, logger=logger,
+                   start_step=start_step, nonfinite_streak=trainer_state.get("nonfinite_streak", 0))
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def step(self, step: int) -> None:
+        """One GRPO step (collective; ``step`` is 0-based, its weights become version step+1)."""
+        timer = StepTimer()
+        result = self.rollout(step, timer)
+        batch, local = self.shard(result.batch, step)
+        moe_metrics = self.score(local)
+        timer.lap("logprob")
+        updates = self.update(step, batch, local)
+        timer.lap("train")
+        if self.routing is not None:  # without an old-log-prob pass: the (single) update's forward
+            for key, value in self.routing.take_metrics().items():  # collective; restarts the count
+                moe_metrics.setdefault(key, value)
+        self.rollouts.collect_next(step)  # off-policy: step+1's batch; the engine must be idle to sync
+        timer.lap("idle")
+        synced = self.engine.sync(step + 1)
+        timer.lap("sync")
+        eval_metrics = self.evaluate(step + 1)
+        eval_s = timer.lap("eval")
+        self.nonfinite_streak = self.nonfinite_streak + 1 if updates.skipped else 0
+        record = {**self.record(result.stats, updates, synced), **moe_metrics, **eval_metrics, **timer.finish()}
+        # training throughput: evaluation time is not the step's work
+        record["tokens_per_s"] = float(batch.loss_mask.sum()) / max(record["time/step_s"] - eval_s, 1e-9)
+        if self.rank == 0:
+            self.records.append(self.logger.log(step + 1, record, excluded_s=eval_s))
+        self.check_finite(step + 1)
+        self.checkpoint_if_due(step + 1)
+
+    def rollout(self, step: int, timer: StepTimer) -> RolloutResult:
+        """Step ``step``'s scored batch on every rank (generated now, or collected from the
+        background); colocated engines then hand their memory back."""
+        result, in_order = self.rollouts.batch_for(step)
+        self.engine.release_memory()  # colocated: the GPU is the trainer's until the sync
+        timer.lap("generate")
+        if in_order:  # the scoring was part of that wait (rank 0's; the others wait in the broadcast)
+            timer.move(result.stats["rollout/reward_s"], "generate", "reward")
+        return result
+
+    def shard(self, batch: TrainBatch, step: int) -> tuple[TrainBatch, TrainBatch]:
+        """(the rollout batch in mini-batch order [N rows], this DP rank's rows of it
+        [N / dp rows]); the order is shuffled across mini-batches when configured."""
+        assert batch.num_sequences == self.plan.batch_size, (batch.num_sequences, self.plan.batch_size)
+        if self.cfg.algorithm.shuffle_mini_batches:
+            order = mini_batch_order(batch.num_sequences, self.plan.global_batch_size, self.cfg.trainer.seed, step)
+            batch = batch if order is None else batch.select(order)
+        local = dp_shard(batch, ps.get_data_parallel_rank(), self.plan.dp, self.plan.global_batch_size)
+        return batch, local
+
+    def score(self, local: TrainBatch) -> dict:
+        """Fill ``local.old_log_probs`` (when the update needs pi_old: several optimizer steps
+        per batch) and ``local.ref_log_probs`` (KL loss); returns the MoE routing metrics of
+        that pass ({} for dense models)."""
+        moe_metrics = {}
+        if old_log_probs_needed(self.plan.num_iterations, self.plan.num_mini_batches):
+            router_load = RouterLoad(self.policy.modules)  # counted where the pass runs: pi_old's routing
+            local.old_log_probs = compute_log_probs(
+                self.policy.chunks, local, self.cfg.parallel.micro_batch_size, self.spec,
+                self.cfg.parallel.max_tokens_per_microbatch,
+                router_load=router_load if router_load.active else None, routing=self.routing)
+            moe_metrics = router_load.metrics(self.cfg.parallel.sequence_parallel)  # collective; {} if dense
+            if self.routing is not None:  # the policy that generated: engine vs trainer routing
+                moe_metrics.update(self.routing.take_metrics())
+        if self.reference is not None:
+            local.ref_log_probs = compute_log_probs(self.reference, local, self.cfg.parallel.micro_batch_size,
+                                                    self.spec, self.cfg.parallel.max_tokens_per_microbatch)
+        return moe_metrics
+
+    def update(self, step: int, batch: TrainBatch, local: TrainBatch) -> Updates:
+        """``num_iterations`` epochs over the mini-batches, one optimizer step each. ``batch``:
+        the whole rollout batch (a mini-batch's global token and sequence counts normalise the
+        loss); ``local``: this DP rank's rows, scored."""
+        updates, plan = Updates(), self.plan
+        for it in range(plan.num_iterations):
+            for m in range(plan.num_mini_batches):
+                plan.set_lr(self.policy.optimizer, step, it, m)
+                whole = batch.select(plan.global_rows(m))
+                metrics, applied, grad_norm = train_mini_batch(
+                    self.policy.chunks, self.policy.optimizer, local.select(plan.local_rows(m)), self.cfg.algorithm,
+                    self.spec, self.cfg.parallel.micro_batch_size, int(whole.loss_mask.sum()), whole.num_sequences,
+                    plan.dp, ps.get_data_parallel_group(), self.cfg.parallel.max_tokens_per_microbatch,
+                    routing=self.routing)
+                updates.skipped += not applied
+                if metrics is not None:
+                    updates.metrics.append({**metrics, "grad_norm": grad_norm, "iteration": it})
+        return updates
+
+    def evaluate(self, step: int) -> dict:
+        """Collective, when due: rank 0 evaluates every held-out set on the engine's current
+        weights (those of ``step``), one round at a time; every rank waits only for one round
+        in a broadcast (``engine.rollout``, which also recovers a failed engine). Returns the
+        ``eval/...`` metrics on rank 0 (empty elsewhere) and writes the scored responses."""
+        if not self.cfg.eval.due(step, self.cfg.trainer.num_steps):
+            return {}
+        evaluator = self.evaluator
+        rounds = broadcast(evaluator.rounds() if evaluator is not None else None)
+        results = [self.engine.rollout(step, lambda r=r: evaluator.run_round(step, r)) for r in rounds]
+        if evaluator is None:
+            return {}
+        evaluator.write_samples(Path(self.cfg.trainer.run_dir) / "eval", step, results)
+        return evaluator.summarize(results)
+
+    def record(self, rollout_stats: dict, updates: Updates, synced: SyncStats) -> dict:
+        """The step's metrics (collective): rollout stats, the training metrics pooled over
+        its optimizer steps (sent from the reporting last-stage rank), lr, skipped updates,
+        engine restarts and the sync's verification."""
+        reporter = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+                    and ps.get_data_parallel_rank() == 0)
+        box = [None] * dist.get_world_size()
+        dist.all_gather_object(box, pool_optimizer_steps(updates.metrics) if reporter else None)
+        record = {**rollout_stats, **next(m for m in box if m is not None)}
+        record["lr"] = float(self.policy.optimizer.param_groups[0]["lr"])
+        record["skipped_updates"] = updates.skipped
+        record["engine_restarts"] = self.engine.restarts
+        record["weight_sync_verified"] = int(synced.verified)
+        if synced.probe_logprob_abs_diff is not None:
+            record["weight_sync_probe_logprob_abs_diff"] = synced.probe_logprob_abs_diff
+        return record
+
+    def check_finite(self, step: int) -> None:
+        """Abort after ``trainer.max_consecutive_nonfinite`` steps in a row skipped an update."""
+        limit = self.cfg.trainer.max_consecutive_nonfinite
+        if self.nonfinite_streak >= limit:
+            raise NonFiniteError(
+                f"step {step}: non-finite loss or gradient in {self.nonfinite_streak} consecutive steps "
+                f"(trainer.max_consecutive_nonfinite={limit}); lower optimizer.lr or check the data and rewards")
+
+    def checkpoint_if_due(self, step: int) -> None:
+        """Collective: a training checkpoint at the last step and every checkpoint.save_every."""
+        every = self.cfg.checkpoint.save_every
+        if step != self.cfg.trainer.num_steps and not (every and step % every == 0):
+            return
+        # rank 0's sampler is the one that advanced: every rank saves its state
+        state = broadcast({"step": step, "sampler": self.rollouts.sampler_state() if self.rank == 0 else None,
+                           "nonfinite_streak": self.nonfinite_streak})
+        ckpt.save_training_checkpoint(self.cfg.trainer.run_dir, step, self.policy.modules, self.policy.optimizer,
+                                      state, self.cfg.checkpoint.keep_last)
+
+    def close(self) -> None:
+        """Stop everything the run started (the background rollout before the engine)."""
+        self.rollouts.close()
+        self.logger.close()
+        self.engine.engine.close()
+        if self.side is not None:
+            self.side.close()
+
+
+def _resume(cfg: ExperimentConfig, policy: Policy, sampler: PromptSampler, rank: int) -> tuple[int, dict]:
+    """(first step, trainer state) after loading the last complete checkpoint into the policy
+    and the sampler when ``checkpoint.resume`` finds one; (0, {}) otherwise."""
+    resume_dir = ckpt.find_resume_dir(cfg.trainer.run_dir, cfg.checkpoint.resume)
+    if resume_dir is None:
+        return 0, {}
+    state = ckpt.load_training_checkpoint(resume_dir, policy.modules, policy.optimizer)
+    sampler.load_state_dict(state["sampler"])
+    if rank == 0:
+        print(f"[megatron-grpo] {resume_dir}: resumed from checkpoint step {state['step']}", flush=True)
+    return state["step"], state
+
+
+def pool_optimizer_steps(parts: list[dict]) -> dict:
+    """Pool the optimizer-step metrics of one step (mini-batches x iterations) with the loss
+    package's rules (token-weighted, max of *_max, ...); loss and grad_norm are means over
+    optimizer steps. With num_iterations > 1 the last iteration's clip/KL are also reported
+    (``key/last_iter``): that is where clipping acts."""
+
+    def pool(rows: list[dict]) -> dict:
+        per_step = ("loss", "grad_norm", "iteration")
+        out = reduce_metrics([{k: v for k, v in r.items() if k not in per_step} for r in rows])
+        out["loss"] = sum(r["loss"] for r in rows) / len(rows)
+        out["grad_norm"] = sum(r["grad_norm"] for r in rows) / len(rows)
+        out["padding_fraction"] = 1.0 - out["num_sequence_tokens"] / max(out["num_padded_tokens"], 1.0)
+        return out
+
+    out = pool(parts)
+    last_it = max(p["iteration"] for p in parts)
+    if last_it > 0:
+        last = pool([p for p in parts if p["iteration"] == last_it])
+        out.update({f"{k}/last_iter": last[k] for k in ("loss", "clip_ratio", "ppo_kl", "pg_clipfrac_lower")})
+    return out
