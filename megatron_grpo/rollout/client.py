@@ -368,14 +368,14 @@ class RolloutClient:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, cfg, urls: Optional[Sequence[str]] = None) -> "RolloutClient":
-        """A client for ``urls`` (default ``cfg.urls``) with the timeouts of a RolloutConfig."""
+    def from_config(cls, rollout_cfg, urls: Optional[Sequence[str]] = None) -> "RolloutClient":
+        """A client for ``urls`` (default ``rollout_cfg.urls``) with the timeouts of a RolloutConfig."""
         return cls(
-            list(urls if urls is not None else cfg.urls),
-            api_key=cfg.api_key,
-            request_timeout_s=cfg.request_timeout_s,
-            max_retries=cfg.max_retries,
-            max_inflight_requests=cfg.max_inflight_requests,
+            list(urls if urls is not None else rollout_cfg.urls),
+            api_key=rollout_cfg.api_key,
+            request_timeout_s=rollout_cfg.request_timeout_s,
+            max_retries=rollout_cfg.max_retries,
+            max_inflight_requests=rollout_cfg.max_inflight_requests,
         )
 
     @property

@@ -1,6 +1,6 @@
 """Start, watch, restart and stop the rollout servers a run uses.
 
-``RolloutServerManager(cfg, model_dir=..., run_dir=...)``:
+``RolloutServerManager(rollout_cfg, model_dir=..., run_dir=...)``:
 
 * ``rollout.urls`` set: nothing is launched; ``start()`` waits (deadline
   ``launch_timeout_s``) until every listed server answers /health, then checks that each is of
@@ -72,12 +72,12 @@ class _Server:
 class RolloutServerManager:
     """Owns the rollout servers of a run (see the module docstring)."""
 
-    def __init__(self, cfg, *, model_dir: str, run_dir: str | Path, ranks_on_node: Optional[int] = None):
-        self.cfg = cfg
-        self.adapter = ENGINES[cfg.engine]
+    def __init__(self, rollout_cfg, *, model_dir: str, run_dir: str | Path, ranks_on_node: Optional[int] = None):
+        self.rollout_cfg = rollout_cfg
+        self.adapter = ENGINES[rollout_cfg.engine]
         # GPUs of each launched server (None without CUDA): runtime.placement's layout
-        self.gpu_ids = engine_gpu_ids(cfg, ranks_on_this_node() if ranks_on_node is None else ranks_on_node,
-                                      self.adapter.gpus_per_server(cfg)) if cuda_available() else None
+        self.gpu_ids = engine_gpu_ids(rollout_cfg, ranks_on_this_node() if ranks_on_node is None else ranks_on_node,
+                                      self.adapter.gpus_per_server(rollout_cfg)) if cuda_available() else None
         self.model_dir = str(model_dir)
         self.run_dir = Path(run_dir)
         self.restarts = 0
@@ -85,7 +85,7 @@ class RolloutServerManager:
 
     @property
     def launched(self) -> bool:
-        return not self.cfg.urls
+        return not self.rollout_cfg.urls
 
     @property
     def log_path(self) -> Path:
@@ -98,10 +98,10 @@ class RolloutServerManager:
     @property
     def urls(self) -> list[str]:
         if not self.launched:
-            return [u.rstrip("/") for u in self.cfg.urls]
+            return [u.rstrip("/") for u in self.rollout_cfg.urls]
         if not self._servers:
             raise RuntimeError("the rollout servers are not started")
-        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::") else self.cfg.host
+        host = "127.0.0.1" if self.rollout_cfg.host in ("0.0.0.0", "::") else self.rollout_cfg.host
         return [f"http://{host}:{s.port}" for s in self._servers]
 
     @property
@@ -115,17 +115,17 @@ class RolloutServerManager:
 
     def start(self) -> list[str]:
         """Launch (or wait for the external) servers until healthy; returns their URLs."""
-        deadline = time.monotonic() + self.cfg.launch_timeout_s
+        deadline = time.monotonic() + self.rollout_cfg.launch_timeout_s
         if not self.launched:
             for url in self.urls:
                 wait_healthy(url, deadline)
                 self._check_kind(url)
             return self.urls
         ports: list[int] = []
-        for i in range(self.cfg.num_servers):
-            port = (self.cfg.port + i) if self.cfg.port else free_port(self.cfg.host)
+        for i in range(self.rollout_cfg.num_servers):
+            port = (self.rollout_cfg.port + i) if self.rollout_cfg.port else free_port(self.rollout_cfg.host)
             while port in ports:  # free_port may hand out a port twice before either is bound
-                port = free_port(self.cfg.host)
+                port = free_port(self.rollout_cfg.host)
             ports.append(port)
         self._servers = [_Server(port, self._log_path(i)) for i, port in enumerate(ports)]
         try:
@@ -140,8 +140,9 @@ class RolloutServerManager:
 
     def _check_kind(self, url: str) -> None:
         try:
+            api_key = self.rollout_cfg.api_key
             info = httpx.get(url + "/get_server_info", timeout=10.0,
-                             headers={"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {})
+                             headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
             info.raise_for_status()
             self.adapter.check_server(url, info.json())
         except EngineKindMismatch as e:
@@ -152,10 +153,10 @@ class RolloutServerManager:
     def _spawn(self, server: _Server) -> None:
         try:
             index = self._servers.index(server)
-            cmd = self.adapter.launch_command(self.cfg, self.model_dir, self.cfg.host, server.port,
+            cmd = self.adapter.launch_command(self.rollout_cfg, self.model_dir, self.rollout_cfg.host, server.port,
                                               self.gpu_ids[index] if self.gpu_ids else None)
         except RuntimeError as e:  # e.g. no SGLang environment on this machine
-            raise RolloutError(f"{self.cfg.engine} server", "launch", str(e)) from None
+            raise RolloutError(f"{self.rollout_cfg.engine} server", "launch", str(e)) from None
         server.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(server.log_path, "ab") as logf:
             logf.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launch: {_redact(cmd)}\n".encode())
@@ -164,7 +165,7 @@ class RolloutServerManager:
             # stop() can signal without touching any other process on the machine.
             server.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            start_new_session=True, preexec_fn=die_with_parent,
-                                           env=self.adapter.launch_env(self.cfg, dict(os.environ)))
+                                           env=self.adapter.launch_env(self.rollout_cfg, dict(os.environ)))
         log.info("rollout server pid %d: port %d (log %s)", server.proc.pid, server.port, server.log_path)
 
     def _wait(self, server: _Server, deadline: float) -> None:
@@ -181,17 +182,17 @@ class RolloutServerManager:
         for server in dead:
             code = server.proc.returncode if server.proc is not None else None
             url = self.urls[self._servers.index(server)]
-            if self.restarts >= self.cfg.max_restarts:
+            if self.restarts >= self.rollout_cfg.max_restarts:
                 raise RolloutError(url, "launch", f"the server died (exit code {code}) and "
-                                   f"rollout.max_restarts={self.cfg.max_restarts} restarts are used up"
+                                   f"rollout.max_restarts={self.rollout_cfg.max_restarts} restarts are used up"
                                    f"{_log_tail(server.log_path)}")
             self.restarts += 1
             log.warning("rollout server %s died (exit code %s); restart %d of %d", url, code, self.restarts,
-                        self.cfg.max_restarts)
+                        self.rollout_cfg.max_restarts)
             _stop_process(server.proc)  # children it may have left behind
             self._spawn(server)
             try:
-                self._wait(server, time.monotonic() + self.cfg.launch_timeout_s)
+                self._wait(server, time.monotonic() + self.rollout_cfg.launch_timeout_s)
             except RolloutError:
                 _stop_process(server.proc)
                 raise

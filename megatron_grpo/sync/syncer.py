@@ -115,11 +115,11 @@ def _parallel_ranks() -> tuple[int, int, int, int]:
 class WeightSyncer:
     """Per-step weight sync from Megatron chunks to the engines at ``urls`` (see module doc)."""
 
-    def __init__(self, cfg, urls: list[str], hf_config, *, work_dir: Optional[str | Path] = None,
+    def __init__(self, rollout_cfg, urls: list[str], hf_config, *, work_dir: Optional[str | Path] = None,
                  master_address: str = "127.0.0.1", client: Optional[RolloutClient] = None,
                  iter_weights: Optional[Callable] = None, probe: Optional[Probe] = None):
-        self.cfg = cfg
-        self.adapter = ENGINES[cfg.engine]
+        self.rollout_cfg = rollout_cfg
+        self.adapter = ENGINES[rollout_cfg.engine]
         self.probe = probe
         self.hf_config = hf_config
         self.urls = list(urls)
@@ -131,16 +131,17 @@ class WeightSyncer:
         self.sender = self.participant and dp_rank == 0 and tp_rank == 0
         self.coordinator = self.rank == 0
         self.stage = pp_rank
-        self.client = client or RolloutClient.from_config(cfg, self.urls)
+        self.client = client or RolloutClient.from_config(rollout_cfg, self.urls)
         self._own_client = client is None
         self._iter_weights = iter_weights or iter_hf_weights
         self.transport = None
         if self.sender:
-            self.transport = TRANSPORTS[cfg.weight_sync_transport](
-                self.client, stage=pp_rank, bucket_bytes=cfg.weight_update_bucket_mb * 2**20,
-                timeout_s=cfg.request_timeout_s, master_address=cfg.weight_sync_master_address or master_address,
+            self.transport = TRANSPORTS[rollout_cfg.weight_sync_transport](
+                self.client, stage=pp_rank, bucket_bytes=rollout_cfg.weight_update_bucket_mb * 2**20,
+                timeout_s=rollout_cfg.request_timeout_s,
+                master_address=rollout_cfg.weight_sync_master_address or master_address,
                 work_dir=Path(work_dir) if work_dir else None, hf_config=hf_config,
-                backend=self.adapter.backend(cfg, cuda_available()),
+                backend=self.adapter.backend(rollout_cfg, cuda_available()),
                 tensor_wire=self.adapter.tensor_wire(cuda_available()))
         self.num_syncs = 0
         self._engine_info: Optional[list[dict]] = None
@@ -189,7 +190,8 @@ class WeightSyncer:
     def sync(self, model_chunks: list, step: int) -> SyncStats:
         """Make the engines serve ``model_chunks``' weights as weight_version ``str(step)``."""
         started = time.perf_counter()
-        verify = self.cfg.verify_weights_every > 0 and self.num_syncs % self.cfg.verify_weights_every == 0
+        every = self.rollout_cfg.verify_weights_every
+        verify = every > 0 and self.num_syncs % every == 0
         stats = SyncStats(step=step, verified=verify,
                           role="coordinator+sender" if self.coordinator else
                           "sender" if self.sender else "peer" if self.participant else "idle")
@@ -228,7 +230,7 @@ class WeightSyncer:
         for url in self.urls:
             self.client.pause_generation(url, mode="abort")
             self.client.flush_cache(url)
-            if TRANSPORTS[self.cfg.weight_sync_transport].needs_update_session:
+            if TRANSPORTS[self.rollout_cfg.weight_sync_transport].needs_update_session:
                 self._open_bracket(url)
 
     def _open_bracket(self, url: str) -> None:
@@ -362,10 +364,10 @@ class WeightSyncer:
                     diff = torch.tensor(served, dtype=torch.float64) - torch.tensor(trainer, dtype=torch.float64)
                     mean = float(diff.abs().mean())
                     stats.probe_logprob_abs_diff = max(stats.probe_logprob_abs_diff, mean)
-                    if not mean <= self.cfg.verify_logprob_tolerance:
+                    if not mean <= self.rollout_cfg.verify_logprob_tolerance:
                         problem = (f"engine {url} log-probs on the probe differ from the trainer's by {mean:.3g} "
                                    f"on average after the step {step} sync (rollout.verify_logprob_tolerance="
-                                   f"{self.cfg.verify_logprob_tolerance}; engine dtype "
+                                   f"{self.rollout_cfg.verify_logprob_tolerance}; engine dtype "
                                    f"{self.engine_info()[0].get('dtype', '?')}): it does not serve the trainer's "
                                    "weights, or serves them at a lower precision (then raise the tolerance)")
                         break
