@@ -13,6 +13,18 @@ Differences from SGLang, all deliberate:
 
 Blocking work (waiting for generation, receiving broadcasts, loading weights) runs in worker
 threads so the event loop keeps answering ``/health`` and ``/pause_generation`` meanwhile.
+
+Route groups, each a few methods of ``_Routes`` (which holds the engine) that ``build_app`` registers:
+
+* health and info: ``/health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``;
+* generation: ``/generate``;
+* pause, flush and continue: ``/pause_generation``, ``/flush_cache``, ``/continue_generation``;
+* weight updates: ``/update_weights_from_disk``, and inside a ``/begin_weight_update`` ..
+  ``/end_weight_update`` session ``/update_weights_from_tensor`` and ``/update_weights_from_shm``;
+* the distributed weight-update group: ``/init_weights_update_group``,
+  ``/update_weights_from_distributed``, ``/destroy_weights_update_group``;
+* weight version: ``/get_weight_version``, ``/update_weight_version``;
+* weight inspection: ``/get_weights_by_name``, ``/weights_checksum``.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from megatron_grpo.rollout import routed_experts
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine, EngineError
 from megatron_grpo.rollout.embedded.generation import Sequence
 from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
+from megatron_grpo.wire.serialize import deserialize_named_tensors
 
 # /generate keys that are accepted at these (SGLang default) values only.
 _GENERATE_DEFAULTS: dict[str, Any] = {
@@ -46,9 +59,44 @@ _GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "log
 _NO_SESSION = "{route} must run between begin_weight_update() and end_weight_update()"
 
 
+# ---- shared helpers -------------------------------------------------------------------
+
+
 def _bad_request(message: str) -> JSONResponse:
     return JSONResponse({"object": "error", "message": message, "type": "BadRequest", "code": 400},
                         status_code=400)
+
+
+def _result(success: bool = True, message: str = "ok", **extra: Any) -> JSONResponse:
+    """SGLang's answer to a weight route: ``success`` and ``message``, 400 on failure."""
+    return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
+
+
+async def _body(request: Request) -> dict:
+    """The request's JSON object; anything else is a 400."""
+    try:
+        data = await request.json()
+    except ValueError:
+        raise HTTPException(400, "the request body must be JSON") from None
+    if not isinstance(data, dict):
+        raise HTTPException(400, "the request body must be a JSON object")
+    return data
+
+
+async def _in_thread(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``fn`` in a worker thread (the event loop keeps serving); an ``EngineError`` is a 400."""
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except EngineError as e:
+        raise HTTPException(400, str(e)) from None
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Errors in SGLang's shape: a 400 is a ``BadRequest``, other codes carry only their message."""
+    if exc.status_code == 400:
+        return _bad_request(str(exc.detail))
+    return JSONResponse({"object": "error", "message": str(exc.detail), "code": exc.status_code},
+                        status_code=exc.status_code)
 
 
 def _per_item(value: Any, count: int, key: str) -> list:
@@ -60,157 +108,167 @@ def _per_item(value: Any, count: int, key: str) -> list:
     return [value] * count
 
 
+def _all_finished(items: list[Sequence]) -> asyncio.Future:
+    """A future of the running loop that completes once every sequence of ``items`` has finished."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    remaining = [len(items)]
+
+    def on_finish(_: Sequence) -> None:
+        # Called from the scheduler thread (or from pause/abort): hop to the loop.
+        def tick() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0 and not done.done():
+                done.set_result(None)
+        loop.call_soon_threadsafe(tick)
+
+    for s in items:
+        s.on_finish = on_finish
+    return done
+
+
+# ---- the app ---------------------------------------------------------------------------
+
+
 def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None) -> FastAPI:
     """The HTTP app serving ``engine``; with ``api_key`` every route but /health needs
     ``Authorization: Bearer <api_key>`` (SGLang's rule) and answers 401 otherwise."""
     app = FastAPI(title="megatron-grpo embedded rollout engine", openapi_url=None)
-
+    routes = _Routes(engine, api_key)
     if api_key:
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next: Callable):
-            if request.url.path.startswith("/health") or request.method == "OPTIONS":
-                return await call_next(request)
-            if request.headers.get("Authorization") != f"Bearer {api_key}":
-                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        app.middleware("http")(routes.authenticate)
+    app.exception_handler(HTTPException)(_http_error)
+    for path, methods, endpoint in routes.table():
+        app.add_api_route(path, endpoint, methods=methods)
+    return app
+
+
+class _Routes:
+    """Every route's handler, over one engine. Handlers that only read or flip engine state run on
+    the event loop; those that may block go through ``_in_thread``."""
+
+    def __init__(self, engine: EmbeddedEngine, api_key: Optional[str]) -> None:
+        self.engine = engine
+        self.api_key = api_key
+
+    def table(self) -> list[tuple[str, list[str], Callable]]:
+        """(path, methods, handler) of every route, in registration order."""
+        return [
+            ("/health_generate", ["GET"], self.health), ("/health", ["GET"], self.health),
+            ("/get_model_info", ["GET"], self.model_info), ("/get_server_info", ["GET"], self.server_info),
+            ("/get_weight_version", ["GET"], self.weight_version),
+            ("/generate", ["POST", "PUT"], self.generate),
+            ("/flush_cache", ["GET", "POST"], self.flush_cache),
+            ("/pause_generation", ["POST"], self.pause_generation),
+            ("/continue_generation", ["POST"], self.continue_generation),
+            ("/update_weights_from_disk", ["POST"], self.update_weights_from_disk),
+            ("/begin_weight_update", ["POST"], self.begin_weight_update),
+            ("/end_weight_update", ["POST"], self.end_weight_update),
+            ("/update_weights_from_tensor", ["POST"], self.update_weights_from_tensor),
+            ("/update_weights_from_shm", ["POST"], self.update_weights_from_shm),
+            ("/init_weights_update_group", ["POST"], self.init_weights_update_group),
+            ("/update_weights_from_distributed", ["POST"], self.update_weights_from_distributed),
+            ("/destroy_weights_update_group", ["POST"], self.destroy_weights_update_group),
+            ("/update_weight_version", ["POST"], self.update_weight_version),
+            ("/get_weights_by_name", ["GET", "POST"], self.get_weights_by_name),
+            ("/weights_checksum", ["POST"], self.weights_checksum),
+        ]
+
+    async def authenticate(self, request: Request, call_next: Callable):
+        """HTTP middleware, installed only with an API key; /health stays open for probes."""
+        if request.url.path.startswith("/health") or request.method == "OPTIONS":
             return await call_next(request)
+        if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return await call_next(request)
 
-    async def body(request: Request) -> dict:
-        try:
-            data = await request.json()
-        except ValueError:
-            raise HTTPException(400, "the request body must be JSON") from None
-        if not isinstance(data, dict):
-            raise HTTPException(400, "the request body must be a JSON object")
-        return data
+    def _set_version(self, version: Optional[str]) -> str:
+        """Sets the engine's weight version when given; the sentence to append to the answer."""
+        if version is not None:
+            self.engine.weight_version = str(version)
+            return f" Weight version updated to {version}."
+        return ""
 
-    async def in_thread(fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await asyncio.to_thread(fn, *args, **kwargs)
-        except EngineError as e:
-            raise HTTPException(400, str(e)) from None
+    # ---- health and info ----------------------------------------------------------------
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        if exc.status_code == 400:
-            return _bad_request(str(exc.detail))
-        return JSONResponse({"object": "error", "message": str(exc.detail), "code": exc.status_code},
-                            status_code=exc.status_code)
-
-    def result(success: bool = True, message: str = "ok", **extra: Any) -> JSONResponse:
-        return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
-
-    # ---- info ----------------------------------------------------------------------
-
-    @app.get("/health")
-    @app.get("/health_generate")
-    async def health() -> Response:
+    async def health(self) -> Response:
         return Response(status_code=200)
 
-    @app.get("/get_model_info")
-    async def model_info() -> dict:
+    async def model_info(self) -> dict:
+        engine = self.engine
         return {"model_path": engine.model_dir, "tokenizer_path": engine.model_dir, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": engine.weight_version}
 
-    @app.get("/get_server_info")
-    async def server_info() -> dict:
+    async def server_info(self) -> dict:
+        engine = self.engine
         return {"model_path": engine.model_dir, "tp_size": 1, "dp_size": 1, "engine": "embedded",
                 "device": str(engine.device),
                 "dtype": str(engine.dtype).removeprefix("torch."), "max_batch_size": engine.max_batch_size,
                 "context_length": engine.max_context, "weight_version": engine.weight_version,
                 "paused": engine.paused}
 
-    @app.get("/get_weight_version")
-    async def weight_version() -> dict:
-        return {"weight_version": engine.weight_version}
+    # ---- generation ---------------------------------------------------------------------
 
-    # ---- generation ----------------------------------------------------------------
-
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    async def generate(request: Request):
-        req = await body(request)
+    async def generate(self, request: Request):
+        req = await _body(request)
         try:
-            items, single = _parse_generate(engine, req)
+            items, single = _parse_generate(self.engine, req)
         except (EngineError, ValueError, TypeError) as e:
             return _bad_request(str(e))
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-        remaining = [len(items)]
-
-        def on_finish(_: Sequence) -> None:
-            # Called from the scheduler thread (or from pause/abort): hop to the loop.
-            def tick() -> None:
-                remaining[0] -= 1
-                if remaining[0] == 0 and not done.done():
-                    done.set_result(None)
-            loop.call_soon_threadsafe(tick)
-
-        for s in items:
-            s.on_finish = on_finish
+        done = _all_finished(items)  # set before submitting: a sequence may finish at once
         started = time.monotonic()
         try:
-            engine.submit(items)
+            self.engine.submit(items)
         except EngineError as e:
             return _bad_request(str(e))
         await done
         latency = time.monotonic() - started
         with_text = bool(req.get("return_text_in_logprobs", False))
-        outputs = [_render(engine, s, with_text, latency) for s in items]
+        outputs = [_render(self.engine, s, with_text, latency) for s in items]
         return outputs[0] if single and len(outputs) == 1 else outputs
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
+    # ---- pause, flush and continue ------------------------------------------------------
+
+    async def flush_cache(self) -> Response:
         # No prefix cache outlives the sequences that share it, so there is nothing to flush: report success.
         return Response(content="Cache flushed.\n", status_code=200)
 
-    @app.post("/pause_generation")
-    async def pause_generation(request: Request):
-        req = await body(request)
-        await in_thread(engine.pause, req.get("mode", "abort"))
+    async def pause_generation(self, request: Request):
+        req = await _body(request)
+        await _in_thread(self.engine.pause, req.get("mode", "abort"))
         return {"message": "Generation paused successfully.", "status": "ok"}
 
-    @app.post("/continue_generation")
-    async def continue_generation():
-        engine.resume()
+    async def continue_generation(self):
+        self.engine.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    # ---- weights -------------------------------------------------------------------
+    # ---- weight updates from disk, tensor and shm ---------------------------------------
 
-    def set_version(version: Optional[str]) -> str:
-        if version is not None:
-            engine.weight_version = str(version)
-            return f" Weight version updated to {version}."
-        return ""
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        req = await body(request)
+    async def update_weights_from_disk(self, request: Request):
+        req = await _body(request)
         if not req.get("model_path"):
             return _bad_request("model_path is required")
 
         def load() -> int:
-            with engine.exclusive():
-                return engine.load_from_disk(req["model_path"], compute_checksums=bool(req.get("compute_checksums")))
+            with self.engine.exclusive():
+                return self.engine.load_from_disk(req["model_path"],
+                                                  compute_checksums=bool(req.get("compute_checksums")))
 
-        count = await in_thread(load)
-        return result(True, f"Loaded {count} tensors from {req['model_path']}." + set_version(req.get("weight_version")),
-                      num_paused_requests=0)
+        count = await _in_thread(load)
+        return _result(True, f"Loaded {count} tensors from {req['model_path']}."
+                       + self._set_version(req.get("weight_version")), num_paused_requests=0)
 
-    @app.post("/begin_weight_update")
-    async def begin_weight_update():
-        await in_thread(engine.begin_weight_update)
-        return result(True, "Weight update session started.")
+    async def begin_weight_update(self):
+        await _in_thread(self.engine.begin_weight_update)
+        return _result(True, "Weight update session started.")
 
-    @app.post("/end_weight_update")
-    async def end_weight_update():
-        engine.end_weight_update()
-        return result(True, "Weight update session ended.")
+    async def end_weight_update(self):
+        self.engine.end_weight_update()
+        return _result(True, "Weight update session ended.")
 
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request):
-        from megatron_grpo.wire.serialize import deserialize_named_tensors
-
-        req = await body(request)
-        if not engine.in_update_session:
+    async def update_weights_from_tensor(self, request: Request):
+        req = await _body(request)
+        if not self.engine.in_update_session:
             return _bad_request(_NO_SESSION.format(route="update_weights_from_tensor"))
         if req.get("load_format") not in (None, "direct"):
             return _bad_request(f"load_format {req.get('load_format')!r} is not supported (null)")
@@ -219,96 +277,101 @@ def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None) -> FastA
             return _bad_request("serialized_named_tensors must be a non-empty list (one entry per TP rank)")
 
         def load() -> int:
+            # Deserializing maps the sender's shared memory: in the thread, with the load.
             try:
                 named = deserialize_named_tensors(serialized[0])  # this engine is TP rank 0
             except ValueError as e:
                 raise EngineError(str(e)) from None
-            with engine.exclusive():
-                return engine.load_weights(named, compute_checksums=bool(req.get("compute_checksums")))
+            with self.engine.exclusive():
+                return self.engine.load_weights(named, compute_checksums=bool(req.get("compute_checksums")))
 
-        count = await in_thread(load)
-        return result(True, f"Loaded {count} tensors." + set_version(req.get("weight_version")))
+        count = await _in_thread(load)
+        return _result(True, f"Loaded {count} tensors." + self._set_version(req.get("weight_version")))
 
-    @app.post("/update_weights_from_shm")
-    async def update_weights_from_shm(request: Request):
+    async def update_weights_from_shm(self, request: Request):
         # embedded only: the CPU tensor transport's cheaper wire (wire/shm.py)
-        req = await body(request)
-        if not engine.in_update_session:
+        req = await _body(request)
+        if not self.engine.in_update_session:
             return _bad_request(_NO_SESSION.format(route="update_weights_from_shm"))
         try:
             kwargs = dict(path=str(req["path"]), names=list(req["names"]), dtypes=list(req["dtypes"]),
                           shapes=[list(s) for s in req["shapes"]])
         except (KeyError, TypeError) as e:
             return _bad_request(f"bad update_weights_from_shm request: {type(e).__name__}: {e}")
-        count = await in_thread(engine.receive_shm, **kwargs, compute_checksums=bool(req.get("compute_checksums")))
-        return result(True, f"Loaded {count} tensors." + set_version(req.get("weight_version")))
+        count = await _in_thread(self.engine.receive_shm, **kwargs,
+                                 compute_checksums=bool(req.get("compute_checksums")))
+        return _result(True, f"Loaded {count} tensors." + self._set_version(req.get("weight_version")))
 
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request):
-        req = await body(request)
+    # ---- the distributed weight-update group --------------------------------------------
+
+    async def init_weights_update_group(self, request: Request):
+        req = await _body(request)
         try:
             kwargs = dict(master_address=str(req["master_address"]), master_port=int(req["master_port"]),
                           rank_offset=int(req["rank_offset"]), world_size=int(req["world_size"]),
                           backend=str(req.get("backend", "gloo")))
         except (KeyError, TypeError, ValueError) as e:
             return _bad_request(f"bad init_weights_update_group request: {e}")
-        if kwargs["backend"] not in engine.backends:
+        if kwargs["backend"] not in self.engine.backends:
             return _bad_request(f"backend {kwargs['backend']!r} is not supported on this engine "
-                                f"({', '.join(engine.backends)} on {engine.device})")
+                                f"({', '.join(self.engine.backends)} on {self.engine.device})")
         group_name = str(req.get("group_name", "weight_update_group"))
+        # Not _in_thread: a failed rendezvous is a success=false answer, not a raised 400.
         try:
-            await asyncio.to_thread(engine.init_group, group_name, **kwargs)
+            await asyncio.to_thread(self.engine.init_group, group_name, **kwargs)
         except EngineError as e:
             return _bad_request(str(e))
         except Exception as e:  # noqa: BLE001 - rendezvous failures are the caller's to see
-            return result(False, f"Failed to init group {group_name}: {type(e).__name__}: {e}")
-        return result(True, f"Initialized weight update group {group_name}.")
+            return _result(False, f"Failed to init group {group_name}: {type(e).__name__}: {e}")
+        return _result(True, f"Initialized weight update group {group_name}.")
 
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request):
-        req = await body(request)
-        if not engine.in_update_session:
+    async def update_weights_from_distributed(self, request: Request):
+        req = await _body(request)
+        if not self.engine.in_update_session:
             return _bad_request(_NO_SESSION.format(route="update_weights_from_distributed"))
         try:
-            count = await in_thread(engine.receive_distributed, names=list(req["names"]),
-                                    dtypes=list(req["dtypes"]), shapes=[list(s) for s in req["shapes"]],
-                                    group_name=str(req.get("group_name", "weight_update_group")),
-                                    load_format=req.get("load_format"),
-                                    compute_checksums=bool(req.get("compute_checksums")))
+            count = await _in_thread(self.engine.receive_distributed, names=list(req["names"]),
+                                     dtypes=list(req["dtypes"]), shapes=[list(s) for s in req["shapes"]],
+                                     group_name=str(req.get("group_name", "weight_update_group")),
+                                     load_format=req.get("load_format"),
+                                     compute_checksums=bool(req.get("compute_checksums")))
         except KeyError as e:
             return _bad_request(f"missing key {e}")
-        except HTTPException:
+        except HTTPException:  # an EngineError, already a 400
             raise
         except Exception as e:  # noqa: BLE001 - a broken broadcast: report, stay alive
-            return result(False, f"Failed to update parameter online: {type(e).__name__}: {e}")
-        return result(True, f"Loaded {count} tensors." + set_version(req.get("weight_version")))
+            return _result(False, f"Failed to update parameter online: {type(e).__name__}: {e}")
+        return _result(True, f"Loaded {count} tensors." + self._set_version(req.get("weight_version")))
 
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request):
-        req = await body(request)
-        await in_thread(engine.destroy_group, str(req.get("group_name", "weight_update_group")))
-        return result(True, "Destroyed weight update group.")
+    async def destroy_weights_update_group(self, request: Request):
+        req = await _body(request)
+        await _in_thread(self.engine.destroy_group, str(req.get("group_name", "weight_update_group")))
+        return _result(True, "Destroyed weight update group.")
 
-    @app.post("/update_weight_version")
-    async def update_weight_version(request: Request):
-        req = await body(request)
+    # ---- weight version -----------------------------------------------------------------
+
+    async def weight_version(self) -> dict:
+        return {"weight_version": self.engine.weight_version}
+
+    async def update_weight_version(self, request: Request):
+        req = await _body(request)
         if "new_version" not in req:
             return _bad_request("new_version is required")
-        set_version(req["new_version"])
-        return result(True, f"Weight version updated to {req['new_version']}", new_version=str(req["new_version"]))
+        self._set_version(req["new_version"])
+        return _result(True, f"Weight version updated to {req['new_version']}", new_version=str(req["new_version"]))
 
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
-    async def get_weights_by_name(request: Request):
-        req = await body(request)
-        return await in_thread(engine.weights_by_name, str(req.get("name")), int(req.get("truncate_size", 100)))
+    # ---- weight inspection and checksums ------------------------------------------------
 
-    @app.post("/weights_checksum")
-    async def weights_checksum(request: Request):
-        req = await body(request)
+    async def get_weights_by_name(self, request: Request):
+        req = await _body(request)
+        return await _in_thread(self.engine.weights_by_name, str(req.get("name")),
+                                int(req.get("truncate_size", 100)))
+
+    async def weights_checksum(self, request: Request):
+        req = await _body(request)
         names = req.get("names")
-        return {"weight_version": engine.weight_version, "checksums": await in_thread(engine.checksums, names)}
-
-    return app
+        return {"weight_version": self.engine.weight_version,
+                "checksums": await _in_thread(self.engine.checksums, names)}
 
 
 def _parse_generate(engine: EmbeddedEngine, req: dict) -> tuple[list[Sequence], bool]:
