@@ -35,8 +35,20 @@ Padded vocabulary: columns at or beyond ``vocab_size`` (Megatron pads V to a mul
 They are excluded from every reduction, i.e. they get probability exactly 0 and gradient 0,
 and never produce NaN (not even on a rank that holds only padding).
 
+Truncated sampling (``kept_ids``): an engine sampling with top-k/top-p/min-p draws from
+``q = p * 1[x in K] / sum_K p``, the renormalised distribution over its kept set ``K``. Given
+``K`` per token (global ids, the engine's own set: never re-derived here from a threshold), the
+op returns ``log q(target)`` and ``H(q)`` with their gradients: every column outside ``K`` is
+filled with a very negative finite logit before the local sums, so its exp falls below the
+exp floor (a contribution of at most ~1e-35 each) and its gradient is exactly 0 (the fill's
+backward); a rank holding none of ``K`` contributes nothing (its max is the fill value, scaled
+by exp(fill - M) = 0 in the combine). The collectives do not change. A token whose row of
+``kept_ids`` is all -1 is not truncated. The masked copy costs one logits shard; the op then
+works in place on that copy.
+
 Precision: float32 arithmetic on the logits, float64 for the per-token statistics.
-Preconditions (not checked, to avoid a device sync): ``0 <= targets < vocab_size``.
+Preconditions (not checked, to avoid a device sync): ``0 <= targets < vocab_size``, and the
+target is in its kept set when one is given.
 """
 
 from __future__ import annotations
@@ -77,6 +89,20 @@ def auto_chunk_size(num_cols: int, num_tokens: int, device: torch.device) -> int
     small next to a small logits shard too."""
     budget = _AUTO_CHUNK_ELEMENTS.get(device.type, _DEFAULT_CHUNK_ELEMENTS)
     return max(1, min(budget // max(1, num_cols), -(-num_tokens // 16)))
+
+
+def kept_column_mask(kept_NK: torch.Tensor, vocab_start: int, shard: int) -> torch.Tensor:
+    """Which of this rank's columns each token keeps: kept_NK long [N, K] global ids (-1 pads;
+    a row of -1 only = no truncation, every column kept) -> bool [N, shard] over the columns
+    ``[vocab_start, vocab_start + shard)``."""
+    num_tokens = kept_NK.shape[0]
+    local = kept_NK - vocab_start
+    inside = (kept_NK >= 0) & (local >= 0) & (local < shard)
+    keep = torch.zeros(num_tokens, shard + 1, dtype=torch.bool, device=kept_NK.device)
+    keep.scatter_(1, torch.where(inside, local, shard), True)  # column ``shard``: the discard slot
+    keep = keep[:, :shard]
+    keep[(kept_NK < 0).all(dim=-1)] = True
+    return keep
 
 
 def _group_size_and_rank(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
@@ -285,6 +311,7 @@ def vocab_parallel_log_probs(
     *,
     with_entropy: bool = True,
     inplace: bool = False,
+    kept_ids: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probability of ``targets`` and entropy under ``softmax(logits / temperature)``.
 
@@ -305,6 +332,9 @@ def vocab_parallel_log_probs(
         (fine when they come straight from the output layer, whose backward does not need
         them). The entropy gradient then uses log(exps): same float32 accuracy, but with
         bf16/fp16 logits it is only as exact as the stored exps.
+    kept_ids: ``[..., K]`` long, each token's kept set (global ids, -1 padding; all -1: not
+        truncated): the log-prob and entropy are those of softmax(logits / T) renormalised
+        over the set (see the module docstring). None: the full distribution.
 
     Returns ``(log_probs [...], entropy [...] or None)``, float32, differentiable w.r.t. logits.
     """
@@ -331,6 +361,15 @@ def vocab_parallel_log_probs(
     if chunk_size is None:
         chunk_size = auto_chunk_size(shard, logits.numel() // max(1, shard), logits.device)
     logits_2d = logits.reshape(-1, shard)
+    if kept_ids is not None:
+        if kept_ids.shape[:-1] != logits.shape[:-1]:
+            raise ValueError(f"kept_ids shape {tuple(kept_ids.shape)} must be logits' leading shape "
+                             f"{tuple(logits.shape[:-1])} + [K]")
+        keep = kept_column_mask(kept_ids.reshape(-1, kept_ids.shape[-1]).long(), rank * shard, shard)
+        # A fresh tensor (out of place: autograd gives the filled columns gradient 0), so the
+        # op may overwrite it.
+        logits_2d = logits_2d.masked_fill(~keep, torch.finfo(logits.dtype).min / 4)
+        inplace = True
     log_probs, entropy = _VocabParallelLogProbs.apply(
         logits_2d, targets.reshape(-1).long(), group, tp, rank, 1.0 / temperature,
         num_valid, chunk_size, with_entropy, inplace,

@@ -227,11 +227,14 @@ class AsyncRolloutClient:
         body.update(return_logprob=True, logprob_start_len=-1)
         if return_routed_experts:  # only then: SGLang without the feature rejects the key
             body["return_routed_experts"] = True
+        with_mask = sampling.sampling_mask_max_kept > 0
+        if with_mask:  # likewise: the embedded engine's extension
+            body.update(return_sampling_mask=True, sampling_mask_max_kept=sampling.sampling_mask_max_kept)
         server, items = await self._call("generate", body, url=None, timeout_s=None, retry=True)
         if not isinstance(items, list) or len(items) != n:
             got = len(items) if isinstance(items, list) else type(items).__name__
             raise RolloutError(server, "POST /generate", f"expected {n} responses, got {got}")
-        return [parse_generate_item(item, prompt, prompt_index, j, server, return_routed_experts)
+        return [parse_generate_item(item, prompt, prompt_index, j, server, return_routed_experts, with_mask)
                 for j, item in enumerate(items)]
 
     # ---- control and weight routes (thin wrappers; bodies as SGLang 0.5.23 expects) ----
@@ -320,8 +323,22 @@ class AsyncRolloutClient:
         return str((await self.call("get_model_info", url=url))["weight_version"])
 
 
+def parse_sampling_mask(meta: dict, output_ids: list[int]) -> tuple[list[Optional[list[int]]], list[float]]:
+    """(kept ids, log kept masses) per output token from ``meta_info["sampling_mask"]``;
+    ValueError when missing, of the wrong length, or a sent set lacks its sampled token."""
+    mask = meta["sampling_mask"]
+    kept, mass = mask["kept_ids"], [float(m) for m in mask["log_kept_mass"]]
+    if len(kept) != len(output_ids) or len(mass) != len(output_ids):
+        raise ValueError(f"{len(kept)} kept sets and {len(mass)} masses for {len(output_ids)} tokens")
+    kept = [None if ids is None else [int(i) for i in ids] for ids in kept]
+    for j, (ids, token) in enumerate(zip(kept, output_ids)):
+        if ids is not None and token not in ids:
+            raise ValueError(f"token {j} ({token}) is not in its own kept set")
+    return kept, mass
+
+
 def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample_index: int,
-                        server: str, with_routing: bool = False) -> Sample:
+                        server: str, with_routing: bool = False, with_mask: bool = False) -> Sample:
     """One SGLang /generate answer item -> Sample (checks the log-probs match the tokens)."""
     route = "POST /generate"
     try:
@@ -341,6 +358,12 @@ def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample
             routed = routed_experts.decode(meta["routed_experts"], len(prompt) + len(output_ids) - 1)
         except (KeyError, TypeError, ValueError) as e:
             raise RolloutError(server, route, f"routed_experts missing or malformed ({type(e).__name__}: {e})") from None
+    kept = mass = None
+    if with_mask:
+        try:
+            kept, mass = parse_sampling_mask(meta, output_ids)
+        except (KeyError, TypeError, ValueError) as e:
+            raise RolloutError(server, route, f"sampling_mask missing or malformed ({type(e).__name__}: {e})") from None
     return Sample(
         prompt_index=prompt_index,
         sample_index=sample_index,
@@ -351,6 +374,8 @@ def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample
         weight_version=weight_version,
         server=server,
         routed_experts=routed,
+        kept_ids=kept,
+        log_kept_mass=mass,
     )
 
 

@@ -33,6 +33,9 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    sampling_mask_max_kept: int = 0
+    """> 0: ask the engine for each draw's kept set (at most this many ids per position) and
+    log kept mass, for sampling-mask replay (the embedded engine's extension; 0: not asked)."""
 
     def to_json(self, *, sampling_seed: Optional[int] = None) -> dict[str, Any]:
         """The ``sampling_params`` dict of one /generate item (n is expanded by the client)."""
@@ -83,6 +86,13 @@ class Sample:
     routed_experts: Optional[Any] = None
     """Only when requested (router replay): the engine's MoE routing, int32 tensor
     [prompt + response - 1, num_moe_layers * k] (``rollout.routed_experts``)."""
+    kept_ids: Optional[list[Optional[list[int]]]] = None
+    """Only when requested (sampling-mask replay): per output token, the ids its draw could
+    pick (the engine's top-k/top-p/min-p kept set, holding the token), or None where the set
+    was over the request's budget and not sent."""
+    log_kept_mass: Optional[list[float]] = None
+    """With ``kept_ids``: per output token, log of the kept set's probability under the
+    unfiltered distribution (0 when nothing was cut)."""
 
     @property
     def num_output_tokens(self) -> int:

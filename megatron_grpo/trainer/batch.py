@@ -9,6 +9,9 @@ Layout (N sequences, S = longest prompt+response of the rollout batch, T = S - 1
   given ``tokens[:, :t+1]``. ``loss_mask[i, t] = 1`` iff ``tokens[i, t+1]`` is a response token.
 * ``rollout_log_probs[N, T]``: the engine's log-probs on the response positions, 0 elsewhere.
 * ``advantages[N]``: one per sequence (outcome reward).
+* ``kept_ids[N, T, K]`` (sampling-mask replay only): the ids the engine's draw of the token at
+  t+1 could pick (its top-k/top-p/min-p kept set), -1 padded; a position whose row is all -1
+  is scored on the full distribution (not a response token, or a set over the budget);
 * ``routed_experts[N, T, L * k]`` (router replay only): the experts the engine routed the input
   token of position t to, MoE layer l's k experts at ``[l * k, (l + 1) * k)`` (the engine's
   layout: the batch is built without the model's k); -1 where the engine routed nothing.
@@ -34,6 +37,7 @@ class TrainBatch:
     old_log_probs: torch.Tensor | None = None  # float[N, T], filled by the trainer
     ref_log_probs: torch.Tensor | None = None  # float[N, T], only with a KL loss
     routed_experts: torch.Tensor | None = None  # int32[N, T, L*k], only with router replay
+    kept_ids: torch.Tensor | None = None  # long[N, T, K], only with sampling-mask replay
 
     @property
     def num_sequences(self) -> int:
@@ -84,6 +88,28 @@ def build_train_batch(
             rollout_lp[i, len(p) - 1 : len(p) - 1 + len(o)] = torch.tensor(lp, dtype=torch.float32)
     return TrainBatch(tokens=tokens, loss_mask=loss_mask, rollout_log_probs=rollout_lp,
                       advantages=advantages.float())
+
+
+def pad_kept_ids(prompt_lengths: Sequence[int], kept: Sequence[Sequence[Sequence[int] | None]],
+                 seq_length: int) -> torch.Tensor:
+    """N samples' kept sets (per response token: ids, or None when not sent) -> long
+    [N, seq_length - 1, K] at the shifted positions of ``build_train_batch`` (response token j
+    of row i at ``prompt_lengths[i] - 1 + j``), -1 elsewhere; K = the largest set (>= 1)."""
+    width = max([len(ids) for row in kept for ids in row if ids is not None], default=1)
+    out = torch.full((len(kept), seq_length - 1, width), -1, dtype=torch.long)
+    for i, (start, row) in enumerate(zip(prompt_lengths, kept)):
+        for j, ids in enumerate(row):
+            if ids is not None:
+                out[i, start - 1 + j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out
+
+
+def truncated_log_probs(log_probs: Sequence[float], kept: Sequence[Sequence[int] | None],
+                        log_kept_mass: Sequence[float]) -> list[float]:
+    """The engine's log-probs of one response under the distribution it sampled from:
+    ``log q = log p - log sum_K p`` where the kept set was sent (the trainer then masks to the
+    same set), the unfiltered ``log p`` where it was not (scored on the full distribution)."""
+    return [lp - m if ids is not None else lp for lp, ids, m in zip(log_probs, kept, log_kept_mass)]
 
 
 def pad_routed_experts(routed: Sequence[torch.Tensor], seq_length: int) -> torch.Tensor:

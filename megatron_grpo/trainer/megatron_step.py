@@ -49,11 +49,14 @@ class ScoringSpec:
 
 def _token_scores(logits_BSv: torch.Tensor, mb: TrainBatch, spec: ScoringSpec, with_entropy: bool):
     """Vocab-parallel logits [B, S_pad, V/tp] (S_pad >= S: sequence-parallel padding) ->
-    (log_probs [B, T], entropy [B, T] or None), T = S - 1."""
+    (log_probs [B, T], entropy [B, T] or None), T = S - 1. With the engine's kept sets
+    (``mb.kept_ids``, sampling-mask replay) both describe the truncated distribution the
+    engine sampled from -- for pi_old, the reference and the updated policy alike."""
     return vocab_parallel_log_probs(
         logits_BSv[:, : mb.seq_length - 1], mb.tokens[:, 1:], temperature=spec.temperature,
         vocab_size=spec.vocab_size, chunk_size=spec.chunk_size, with_entropy=with_entropy,
         inplace=True,  # the logits are the output layer's fresh output, read only here
+        kept_ids=mb.kept_ids,
     )
 
 

@@ -19,7 +19,8 @@ import torch
 
 from megatron_grpo.losses import compute_advantages
 from megatron_grpo.rewards.sample import reward_samples
-from megatron_grpo.trainer.batch import TrainBatch, build_train_batch, pad_routed_experts
+from megatron_grpo.trainer.batch import (TrainBatch, build_train_batch, pad_kept_ids, pad_routed_experts,
+                                         truncated_log_probs)
 from megatron_grpo.trainer.dynamic_sampling import choose_groups, informative_groups, overlong_penalty
 
 
@@ -87,16 +88,24 @@ def generate_and_score(step: int, prompts, engine, sampling, scorer, tokenizer, 
     samples = [rounds[r].samples[i] for r, i in rows]
     rewards = torch.stack([rounds[r].rewards[i] for r, i in rows])
     advantages = compute_advantages(rewards, n, cfg.algorithm)
+    replay = sampling.sampling_mask_max_kept > 0  # the engine reported its kept sets
     batch = build_train_batch(
         [s.prompt_ids for s in samples], [s.output_ids for s in samples],
-        [s.output_logprobs for s in samples], advantages, pad_id=_pad_id(tokenizer),
+        [truncated_log_probs(s.output_logprobs, s.kept_ids, s.log_kept_mass) if replay else s.output_logprobs
+         for s in samples],
+        advantages, pad_id=_pad_id(tokenizer),
     )
+    if replay:  # the trainer scores the same truncated distribution (trainer.batch, ops.vocab_parallel)
+        batch.kept_ids = pad_kept_ids([len(s.prompt_ids) for s in samples], [s.kept_ids for s in samples],
+                                      batch.seq_length)
     if cfg.algorithm.router_replay:  # the engine's routing, replayed by the trainer (trainer.router_replay)
         batch.routed_experts = pad_routed_experts([s.routed_experts for s in samples], batch.seq_length)
     truncated = torch.tensor([s.finish_reason == "length" for s in samples])
     if cfg.rollout.overlong.filter:
         batch.loss_mask[truncated] = 0.0  # out of the loss and of its token count
     stats = _stats(samples, rewards, truncated, rounds, n)
+    if replay:
+        stats.update(_mask_stats(samples))
     for label in rounds[0].per_function:
         stats[f"reward/{label}"] = float(np.mean([rounds[r].per_function[label][i] for r, i in rows]))
     for key in rounds[0].stats:
@@ -133,6 +142,16 @@ def _stats(samples, rewards: torch.Tensor, truncated: torch.Tensor, rounds: list
         # every prompt drawn for this step, extra dynamic-sampling rounds included
         "rollout/prompt_indices": ",".join(str(p.index) for rd in rounds for p in rd.prompts),
     }
+
+
+def _mask_stats(samples) -> dict[str, float]:
+    """Sampling-mask replay over every response token: the mean log kept mass (0 when nothing
+    is cut; how far the sampled distribution is from the full one) and the fraction of tokens
+    whose set was over the budget (scored on the full distribution)."""
+    masses = [m for s in samples for m in s.log_kept_mass]
+    unsent = sum(ids is None for s in samples for ids in s.kept_ids)
+    return {"rollout/log_kept_mass_mean": float(np.mean(masses)) if masses else 0.0,
+            "rollout/sampling_mask_unsent_frac": unsent / max(len(masses), 1)}
 
 
 def engine_weight_version(samples) -> int | None:

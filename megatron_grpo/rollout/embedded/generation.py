@@ -32,6 +32,12 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     input_logprobs: Optional[list[Optional[float]]] = None
+    return_sampling_mask: bool = False
+    """Also report each draw's kept set and log kept mass (``sampling.sample_tokens``)."""
+    max_kept: int = 0
+    """Kept sets longer than this are not sent (their log kept mass is)."""
+    output_kept_ids: list[Optional[list[int]]] = field(default_factory=list)
+    output_log_kept_mass: list[float] = field(default_factory=list)
     return_routed_experts: bool = False
     routed_blocks: list[torch.Tensor] = field(default_factory=list)
     """Routing of the positions fed so far, int32 [L_fwd, num_moe_layers, k] per forward

@@ -9,6 +9,14 @@
 * the returned log-prob is ``log_softmax(logits / T)`` of the drawn token, computed BEFORE the
   top-k/top-p filtering (what SGLang reports, and what the trainer must score).
 
+With ``return_sampling_mask`` (this engine's extension of SGLang's /generate) the engine also
+reports each draw's kept set ``K`` -- the ids the draw could pick, in the order the draw sorted
+them -- and ``log sum_K p``, the log of the kept mass under softmax(logits / T): the trainer
+then scores ``log q = log p - log sum_K p`` over the same set (sampling-mask replay, see
+docs/loss_spec.md). The set is the engine's own, never rebuilt by the trainer from a threshold
+on its (slightly different) logits. A set longer than the request's budget is not sent (None);
+its log kept mass still is.
+
 Randomness comes from one uniform number per row (inverse-CDF sampling), so a sequence with
 its own seeded generator draws the same tokens whatever else is in the batch.
 """
@@ -140,27 +148,80 @@ def inverse_cdf(probs_BV: torch.Tensor, uniform_B: torch.Tensor) -> torch.Tensor
     return torch.minimum(col, last_nonzero)
 
 
-def sample_next(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
-                top_p_B: torch.Tensor, min_p_B: torch.Tensor,
-                uniform_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; returns (token ids [B] int64, log-probs [B] float32).
+@dataclass
+class Truncation:
+    """What each row's draw could pick (see the module docstring)."""
 
-    ``top_k_B == 1`` rows are greedy (argmax of the logits). The log-prob is that of the
-    temperature-scaled, unfiltered distribution (see the module docstring).
+    kept_ids: list[Optional[list[int]]]
+    """Per row: the kept ids in descending-probability order, or None when over the budget."""
+    log_kept_mass: list[float]
+    """Per row: log of the kept ids' total probability under softmax(logits / T) (<= 0)."""
+
+
+@dataclass
+class Draw:
+    tokens: torch.Tensor
+    """int64 [B]."""
+    logprobs: torch.Tensor
+    """float32 [B]: log softmax(logits / T) of the token, unfiltered (SGLang's definition)."""
+    truncation: Optional[Truncation] = None
+    """With ``with_kept`` only."""
+
+
+def _truncation(kept_sorted_BV: torch.Tensor, order_BV: torch.Tensor, max_kept: int) -> Truncation:
+    """Kept sets from the filtered, descending-sorted probabilities (the kept ids are a prefix
+    of the order: every filter cuts a tail) and their log mass."""
+    num_kept = (kept_sorted_BV > 0).sum(dim=-1).tolist()
+    mass = kept_sorted_BV.double().sum(dim=-1).log().tolist()
+    ids = [order_BV[b, :n].tolist() if n <= max_kept else None for b, n in enumerate(num_kept)]
+    return Truncation(kept_ids=ids, log_kept_mass=mass)
+
+
+def kept_sets(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor,
+              min_p_B: torch.Tensor, max_kept: int) -> Truncation:
+    """The kept set of each row of ``logits_BV`` [B, V] under SGLang's filters (no draw)."""
+    sorted_probs, order = scaled_logprobs(logits_BV, temperature_B).exp().sort(dim=-1, descending=True)
+    return _truncation(filter_sorted_probs(sorted_probs, top_k_B, top_p_B, min_p_B), order, max_kept)
+
+
+def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
+                  top_p_B: torch.Tensor, min_p_B: torch.Tensor, uniform_B: torch.Tensor, *,
+                  with_kept: bool = False, max_kept: int = 0) -> Draw:
+    """Draw one token per row from logits [B, V]; with ``with_kept`` also each row's kept set
+    (at most ``max_kept`` ids sent) and log kept mass.
+
+    ``top_k_B == 1`` rows are greedy (argmax of the logits; their kept set is that token).
+    The log-prob is that of the temperature-scaled, unfiltered distribution (see the module
+    docstring).
     """
     logprobs_BV = scaled_logprobs(logits_BV, temperature_B)
     probs_BV = logprobs_BV.exp()
     needs_filter = bool(((top_k_B < probs_BV.shape[-1]) | (top_p_B < 1.0) | (min_p_B > 0)).any())
-    if needs_filter:
+    truncation = None
+    if needs_filter or with_kept:
         sorted_probs, order = probs_BV.sort(dim=-1, descending=True)
         kept = filter_sorted_probs(sorted_probs, top_k_B, top_p_B, min_p_B)
         tokens = order.gather(1, inverse_cdf(kept, uniform_B).unsqueeze(1)).squeeze(1)
+        if with_kept:
+            truncation = _truncation(kept, order, max_kept)
     else:
         tokens = inverse_cdf(probs_BV, uniform_B)
     greedy = top_k_B == 1
     if bool(greedy.any()):
         tokens = torch.where(greedy, logits_BV.argmax(dim=-1), tokens)
-    return tokens, logprobs_BV.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        if truncation is not None:  # argmax may break a tie differently from the sort
+            for b in greedy.nonzero().flatten().tolist():
+                truncation.kept_ids[b] = [int(tokens[b])]
+                truncation.log_kept_mass[b] = float(logprobs_BV[b, tokens[b]])
+    return Draw(tokens, logprobs_BV.gather(1, tokens.unsqueeze(1)).squeeze(1), truncation)
+
+
+def sample_next(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
+                top_p_B: torch.Tensor, min_p_B: torch.Tensor,
+                uniform_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample_tokens`` without kept sets: (token ids [B] int64, log-probs [B] float32)."""
+    draw = sample_tokens(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, uniform_B)
+    return draw.tokens, draw.logprobs
 
 
 def draw_uniforms(generators: list[Optional[torch.Generator]], shared: torch.Generator) -> torch.Tensor:

@@ -6,7 +6,7 @@ One loop (``run_continuous``) owns a ``RunningBatch`` (``batch.py``):
    engine for up to that many queued sequences, prefills them in their own forward and
    merges their KV rows into the running batch (left padding + mask zeros, explicit
    position ids), so a long response no longer holds back the queue;
-2. sample one token per row (``sampling.sample_next``, one uniform per row from the row's
+2. sample one token per row (``sampling.sample_tokens``, one uniform per row from the row's
    own generator when seeded: a seeded sequence draws the same tokens whatever else is in
    the batch, and whenever it joined);
 3. drop finished rows once they are a quarter of the batch (or before a merge);
@@ -35,7 +35,7 @@ import torch
 from megatron_grpo.rollout.embedded.batch import RunningBatch
 from megatron_grpo.rollout.embedded.generation import Sequence, finish_reason_for, left_pad, prompt_logprobs
 from megatron_grpo.rollout.embedded.routing import RoutingRecorder, moe_routers
-from megatron_grpo.rollout.embedded.sampling import draw_uniforms, sample_next
+from megatron_grpo.rollout.embedded.sampling import draw_uniforms, sample_tokens
 
 
 class StepControl:
@@ -99,18 +99,23 @@ def sample_step(batch: RunningBatch, *, shared_generator: torch.Generator, eos_i
     done. Returns the tokens, int64 [B] (finished rows' entries are never used)."""
     seqs, device = batch.seqs, batch.last_logits_BV.device
     uniforms = draw_uniforms([s.generator for s in seqs], shared_generator).to(device)
-    tokens, logprobs = sample_next(
+    with_kept = any(s.return_sampling_mask for s in seqs)
+    draw = sample_tokens(
         batch.last_logits_BV,
         torch.tensor([s.params.temperature for s in seqs], device=device),
         torch.tensor([s.params.top_k for s in seqs], device=device),
         torch.tensor([s.params.top_p for s in seqs], device=device),
         torch.tensor([s.params.min_p for s in seqs], device=device),
-        uniforms)
-    for s, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+        uniforms, with_kept=with_kept, max_kept=max((s.max_kept for s in seqs), default=0))
+    for b, (s, token, logprob) in enumerate(zip(seqs, draw.tokens.tolist(), draw.logprobs.tolist())):
         if s.finished:
             continue
         s.output_ids.append(token)
         s.output_logprobs.append(logprob)
+        if s.return_sampling_mask:
+            kept = draw.truncation.kept_ids[b]
+            s.output_kept_ids.append(kept if kept is None or len(kept) <= s.max_kept else None)
+            s.output_log_kept_mass.append(draw.truncation.log_kept_mass[b])
         reason = finish_reason_for(s, token, eos_ids, max_context)
         if reason is not None:
             s.finish(reason, weight_version())

@@ -51,7 +51,8 @@ _GENERATE_DEFAULTS: dict[str, Any] = {
     "log_metrics": True, "modalities": None, "data_parallel_rank": None,
 }
 _GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
-                  "return_text_in_logprobs", "rid", "return_routed_experts"} | set(_GENERATE_DEFAULTS)
+                  "return_text_in_logprobs", "rid", "return_routed_experts",
+                  "return_sampling_mask", "sampling_mask_max_kept"} | set(_GENERATE_DEFAULTS)
 
 
 # SGLang 0.5.23 loads tensor and distributed updates only inside a begin/end bracket (its
@@ -400,15 +401,21 @@ def _parse_generate(engine: EmbeddedEngine, req: dict) -> tuple[list[Sequence], 
     starts = _per_item(req.get("logprob_start_len", -1), count, "logprob_start_len")
     returns = _per_item(req.get("return_logprob", False), count, "return_logprob")
     routed = _per_item(req.get("return_routed_experts", False), count, "return_routed_experts")
+    masks = _per_item(req.get("return_sampling_mask", False), count, "return_sampling_mask")
+    budgets = _per_item(req.get("sampling_mask_max_kept", 1024), count, "sampling_mask_max_kept")
     rid = str(req.get("rid") or uuid.uuid4().hex)
     seqs = []
-    for i, (prompt, p, start, ret, rout) in enumerate(zip(prompts, params, starts, returns, routed)):
+    for i, (prompt, p, start, ret, rout, mask, budget) in enumerate(
+            zip(prompts, params, starts, returns, routed, masks, budgets)):
         start = int(start if start is not None else -1)
         if start >= len(prompt):
             raise EngineError(f"logprob_start_len {start} must be < the prompt length {len(prompt)}")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise EngineError(f"sampling_mask_max_kept must be an integer >= 1, got {budget!r}")
         for j in range(p.n):
             seqs.append(Sequence(rid=f"{rid}-{i}-{j}", prompt_ids=list(prompt), params=p,
                                  return_logprob=bool(ret), logprob_start_len=start if ret else -1,
+                                 return_sampling_mask=bool(mask), max_kept=budget,
                                  return_routed_experts=bool(rout)))
     return seqs, single
 
@@ -434,6 +441,8 @@ def _render(engine: EmbeddedEngine, s: Sequence, with_text: bool, latency: float
         if s.input_logprobs is not None:
             tokens = s.prompt_ids[s.logprob_start_len:]
             meta["input_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in zip(s.input_logprobs, tokens)]
+    if s.return_sampling_mask:  # this engine's extension: what each draw could pick
+        meta["sampling_mask"] = {"kept_ids": s.output_kept_ids, "log_kept_mass": s.output_log_kept_mass}
     if s.return_routed_experts and s.routed_blocks:
         meta["routed_experts"] = routed_experts.encode(s.routed_experts)
     return {"text": text, "output_ids": list(s.output_ids), "meta_info": meta}
