@@ -13,6 +13,14 @@ the file and key/line on stderr and exit code 2. Pre-flight catches them before 
 written to the run directory; the few that only show during training (a reward function
 that raises on a real response) are recorded by the rank that hit them, and ``train``
 prints that one line instead of torchrun's failure report.
+
+Imports sit at the top except the driver's (``rank_main``): importing it (megatron-core's
+optimizer, schedules and DDP) more than doubles the start-up, 3.0-3.7 s -> 7.2-7.4 s for
+``import megatron_grpo.trainer.cli`` (2 busy CPU cores, measured for issue #24), which every
+``megatron-grpo train`` pays before it can report a bad config (2.4-2.6 s now), and it
+would print megatron-core's apex/TransformerEngine warnings before ``quiet_library_warnings``
+runs. ``megatron-grpo --help`` imports no sub-command (0.1-0.2 s); ``validate-config`` takes
+2.4-2.7 s.
 """
 
 from __future__ import annotations
@@ -219,9 +227,8 @@ def rank_main(argv: list[str]) -> int:
             check_run(cfg)
     except user_errors() as e:
         return _report(e, rank, args.config, _data_file(args.config, args.overrides))
-    # Deferred, measured: importing the driver (the whole trainer: megatron-core models,
-    # schedules, optimizer, sync) is most of `megatron-grpo train`'s start-up; see the
-    # module docstring for the times.
+    # Deferred, measured (module docstring): the driver's import is most of a rank's start-up,
+    # and megatron-core warns at import, so it comes after quiet_library_warnings().
     from megatron_grpo.trainer.driver import train
 
     try:
