@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_grpo.config import AlgorithmConfig, ConfigError, load_config
+from megatron_grpo.config import AlgorithmConfig, ConfigError
 from megatron_grpo.config.experiment import apply_overrides
+from megatron_grpo.preflight import load_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "yaml_configs").glob("*.yaml"))
@@ -28,7 +29,7 @@ def with_change(dotted, value):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_validate(path):
-    cfg = load_config(path)
+    cfg = load_experiment(path)
     assert cfg.trainer.run_dir
 
 
@@ -75,7 +76,7 @@ MALFORMED = [
 def test_malformed_config_names_key(tmp_path, dotted, value, key, fragment):
     path = write(tmp_path, with_change(dotted, value))
     with pytest.raises(ConfigError) as info:
-        load_config(path)
+        load_experiment(path)
     line = str(info.value)
     assert "\n" not in line
     assert line.startswith(f"{path}: {key}: "), line
@@ -87,10 +88,10 @@ def test_off_policy_mode_with_colocate_names_both_keys(tmp_path):
     raw["rollout"].update(colocate=True, weight_sync_transport="tensor")
     path = write(tmp_path, raw)
     with pytest.raises(ConfigError) as info:
-        load_config(path)
+        load_experiment(path)
     line = str(info.value)
     assert line.startswith(f"{path}: rollout.mode: one_step_off_policy ") and "rollout.colocate: true" in line, line
-    assert load_config(write(tmp_path, with_change("rollout.mode", "one_step_off_policy"), "ok.yaml")).rollout.mode \
+    assert load_experiment(write(tmp_path, with_change("rollout.mode", "one_step_off_policy"), "ok.yaml")).rollout.mode \
         == "one_step_off_policy"
 
 
@@ -98,64 +99,64 @@ def test_missing_required_section(tmp_path):
     raw = dict(BASE)
     raw.pop("data")
     with pytest.raises(ConfigError, match=r"exp.yaml: .*data"):
-        load_config(write(tmp_path, raw))
+        load_experiment(write(tmp_path, raw))
 
 
 def test_yaml_syntax_error_names_line(tmp_path):
     path = write(tmp_path, "model:\n  hf_dir: x\n  dtype: [float32\n")
     with pytest.raises(ConfigError, match=r"exp.yaml: line \d+, column \d+: YAML syntax error"):
-        load_config(path)
+        load_experiment(path)
 
 
 def test_empty_and_non_mapping_files(tmp_path):
     with pytest.raises(ConfigError, match="empty"):
-        load_config(write(tmp_path, ""))
+        load_experiment(write(tmp_path, ""))
     with pytest.raises(ConfigError, match="top level must be a mapping"):
-        load_config(write(tmp_path, "- a\n- b\n"))
+        load_experiment(write(tmp_path, "- a\n- b\n"))
     with pytest.raises(ConfigError, match="file not found"):
-        load_config(tmp_path / "nope.yaml")
+        load_experiment(tmp_path / "nope.yaml")
 
 
 def test_overrides_are_validated_like_the_file(tmp_path):
     path = write(tmp_path, BASE)
-    cfg = load_config(path, ["algorithm.eps_clip_high=0.28", "trainer.num_steps=7"])
+    cfg = load_experiment(path, ["algorithm.eps_clip_high=0.28", "trainer.num_steps=7"])
     assert cfg.algorithm.eps_clip_high == 0.28 and cfg.trainer.num_steps == 7
     with pytest.raises(ConfigError, match=r"algorithm.eps_clip_high: expected a number"):
-        load_config(path, ["algorithm.eps_clip_high=high"])
+        load_experiment(path, ["algorithm.eps_clip_high=high"])
     with pytest.raises(ConfigError, match=r"algorithm.eps_clip_hi: unknown key"):
-        load_config(path, ["algorithm.eps_clip_hi=0.3"])
+        load_experiment(path, ["algorithm.eps_clip_hi=0.3"])
 
 
 def test_override_errors_name_the_override_not_the_file(tmp_path):
     path = write(tmp_path, BASE)
     with pytest.raises(ConfigError) as e:
-        load_config(path, ["trainer.num_steps=3", "trainer.num_steps=abc"])
+        load_experiment(path, ["trainer.num_steps=3", "trainer.num_steps=abc"])
     assert str(e.value) == ("override 'trainer.num_steps=abc': trainer.num_steps: expected an integer, "
                             "got str 'abc'")
     with pytest.raises(ConfigError, match=r"^override 'rollout=\{a: 1\}': rollout.a: unknown key"):
-        load_config(path, ["rollout={a: 1}"])
+        load_experiment(path, ["rollout={a: 1}"])
     # a bad value from the file still names the file, overrides or not
     bad = write(tmp_path, with_change("trainer.num_steps", "abc"))
     with pytest.raises(ConfigError, match=rf"^{bad}: trainer.num_steps: expected an integer"):
-        load_config(bad, ["algorithm.eps_clip_high=0.28"])
+        load_experiment(bad, ["algorithm.eps_clip_high=0.28"])
 
 
 def test_values_are_never_changed(tmp_path):
     raw = with_change("optimizer.lr", 1)  # an int where a float is declared is kept as given
-    cfg = load_config(write(tmp_path, raw))
+    cfg = load_experiment(write(tmp_path, raw))
     assert cfg.optimizer.lr == 1
     assert cfg.to_dict()["rollout"]["temperature"] == BASE["rollout"]["temperature"]
 
 
 def test_world_size_from_launcher(tmp_path):
     path = write(tmp_path, with_change("parallel.world_size", None))
-    assert load_config(path, world_size=4).parallel.tp == 2
+    assert load_experiment(path, world_size=4).parallel.tp == 2
     with pytest.raises(ConfigError, match=r"parallel.tp: tp\*pp = 2\*1 does not divide the world size 3"):
-        load_config(path, world_size=3)
+        load_experiment(path, world_size=3)
     ep4 = write(tmp_path, apply_overrides(with_change("parallel.world_size", None), ["parallel.ep=4"]), "ep.yaml")
-    assert load_config(ep4, world_size=8).parallel.ep == 4
+    assert load_experiment(ep4, world_size=8).parallel.ep == 4
     with pytest.raises(ConfigError, match=r"parallel.ep: 4 does not divide dp = world size/\(tp\*pp\) = 2"):
-        load_config(ep4, world_size=4)
+        load_experiment(ep4, world_size=4)
 
 
 def test_deprecated_tis_keys_map_with_warning():
@@ -204,5 +205,5 @@ def test_unknown_subcommand():
 
 def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
     # YAML 1.2 reading: PyYAML's default would make these strings and reject them
-    cfg = load_config(write(tmp_path, BASE), ["optimizer.lr=2e-3", "optimizer.adam_eps=1E-8"])
+    cfg = load_experiment(write(tmp_path, BASE), ["optimizer.lr=2e-3", "optimizer.adam_eps=1E-8"])
     assert cfg.optimizer.lr == 2e-3 and cfg.optimizer.adam_eps == 1e-8

@@ -11,7 +11,7 @@
   launch script passes ``bash -n``;
 * every config a command names (``--config F``, the config argument of ``validate-config`` and
   of the launch scripts, ``demo_cpu.yaml`` for ``launch/demo_cpu.sh``) validates with its
-  ``key=value`` overrides through ``load_config``, without starting anything;
+  ``key=value`` overrides through ``load_experiment``, without starting anything;
 * every ```yaml block validates when merged onto ``yaml_configs/demo_cpu.yaml``.
 
 Each check asserts it found a minimum number of items, so a parser that silently finds nothing
@@ -34,8 +34,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo.config import ConfigError, load_config
-from megatron_grpo.config.experiment import build_experiment, yaml_load
+from megatron_grpo.config import ConfigError
+from megatron_grpo.config.experiment import yaml_load
+from megatron_grpo.preflight import build_experiment, load_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -342,7 +343,7 @@ def test_every_config_a_command_names_validates():
             continue
         checked += 1
         try:
-            load_config(ROOT / config, overrides_of(found[1]))
+            load_experiment(ROOT / config, overrides_of(found[1]))
         except ConfigError as e:
             problems.append(f"{cmd.where}\n    {e.one_line()}")
     assert checked >= 12, f"only {checked} commands with a config found"

@@ -1,5 +1,5 @@
 """The GPU-side decisions that a CPU can check: where launched engines go and which layouts
-are refused (runtime/placement.py), the launch commands, the tensor transport's payload
+are refused (runtime/placement.py, preflight/layout.py), the launch commands, the tensor transport's payload
 (CUDA IPC handles carry GPU UUIDs), the RNG state in checkpoints, the colocated mode's order
 of calls, and the smoke script's answer on a machine without CUDA.
 
@@ -15,6 +15,7 @@ import torch
 
 from megatron_grpo.config import ExperimentConfig, RolloutConfig
 from megatron_grpo.config.base import ConfigError, build_section
+from megatron_grpo.preflight import check_rollout, layout_problem
 from megatron_grpo.rollout.engines import ENGINES
 from megatron_grpo.runtime import placement
 
@@ -32,8 +33,8 @@ def _rollout(**kwargs) -> RolloutConfig:
 
 
 def _problem(cfg, cuda=True, num_gpus=8, ranks_on_node=2, te=True):
-    return placement.layout_problem(cfg, cuda=cuda, num_gpus=num_gpus, ranks_on_node=ranks_on_node,
-                                    transformer_engine=te)
+    return layout_problem(cfg, cuda=cuda, num_gpus=num_gpus, ranks_on_node=ranks_on_node,
+                          transformer_engine=te)
 
 
 # ---- placement ------------------------------------------------------------------------------
@@ -94,18 +95,18 @@ def test_a_remote_engine_is_not_told_to_connect_to_loopback(url, address, bad):
     kwargs = dict(urls=[url], weight_sync_master_address=address)
     if bad:
         with pytest.raises(ConfigError, match=r"rollout.weight_sync_master_address: .* is on another host"):
-            build_section(RolloutConfig, kwargs, "rollout")
+            check_rollout(build_section(RolloutConfig, kwargs, "rollout"))
         # the disk and tensor transports do not connect back
-        build_section(RolloutConfig, {**kwargs, "weight_sync_transport": "disk"}, "rollout")
+        check_rollout(build_section(RolloutConfig, {**kwargs, "weight_sync_transport": "disk"}, "rollout"))
     else:
-        build_section(RolloutConfig, kwargs, "rollout")
+        check_rollout(build_section(RolloutConfig, kwargs, "rollout"))
 
 
 def test_colocate_needs_the_tensor_transport_and_an_engine_that_releases_memory():
     with pytest.raises(ConfigError, match="rollout.colocate: needs weight_sync_transport: tensor"):
-        build_section(RolloutConfig, {"engine": "sglang", "colocate": True}, "rollout")
+        check_rollout(build_section(RolloutConfig, {"engine": "sglang", "colocate": True}, "rollout"))
     with pytest.raises(ConfigError, match="rollout.colocate: rollout.engine='embedded' cannot release"):
-        build_section(RolloutConfig, {"colocate": True, "weight_sync_transport": "tensor"}, "rollout")
+        check_rollout(build_section(RolloutConfig, {"colocate": True, "weight_sync_transport": "tensor"}, "rollout"))
 
 
 def test_the_master_address_reaches_the_transport():

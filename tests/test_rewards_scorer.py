@@ -6,6 +6,7 @@ import pytest
 
 from megatron_grpo.config.base import ConfigError, build_section
 from megatron_grpo.config.sections import RewardConfig
+from megatron_grpo.preflight import check_reward
 from megatron_grpo.rewards import RewardError, RewardScorer
 
 USER_MODULE = """
@@ -114,5 +115,5 @@ def test_broken_user_module_import_is_one_line(tmp_path, monkeypatch):
 ])
 def test_reward_config_validation_without_importing(raw, expected):
     with pytest.raises(ConfigError) as e:
-        build_section(RewardConfig, raw, "reward")
+        check_reward(build_section(RewardConfig, raw, "reward"))
     assert str(e.value) == expected

@@ -230,13 +230,14 @@ def test_trainer_replays_engine_routing_ep2(rollout, moe_model):
 def test_router_replay_config_checks(tmp_path):
     import yaml
 
-    from megatron_grpo.config import ConfigError, load_config
+    from megatron_grpo.config import ConfigError
+    from megatron_grpo.preflight import load_experiment
     from tests.test_config import with_change
 
     def load(raw, name):
         p = tmp_path / name
         p.write_text(yaml.safe_dump(raw))
-        return p, lambda: load_config(p)
+        return p, lambda: load_experiment(p)
 
     raw = with_change("algorithm.router_replay", True)
     assert load(raw, "ok.yaml")[1]().algorithm.router_replay is True

@@ -8,7 +8,7 @@ import sys
 import yaml
 
 from megatron_grpo.config.base import ConfigError
-from megatron_grpo.config.experiment import load_config
+from megatron_grpo.preflight import load_experiment
 
 
 def main(argv: list[str]) -> int:
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--world-size", type=int, default=None, help="check against this many ranks")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides, world_size=args.world_size)
+        cfg = load_experiment(args.config, args.overrides, world_size=args.world_size)
     except ConfigError as e:
         print(f"error: {e.one_line()}", file=sys.stderr)
         return 2

@@ -81,8 +81,10 @@ class ExperimentConfig:
                 f"rollout.max_new_tokens = {self.rollout.max_new_tokens}",
             )
 
-        if self.algorithm.router_replay:
-            self._check_router_replay()
+        # router_replay against the engine kind: preflight/rules.py (check_experiment)
+        check(not (self.algorithm.router_replay and self.model.recompute_activations), "algorithm.router_replay",
+              "cannot be combined with model.recompute_activations (the recomputed forward would "
+              "route after later micro-batches set their targets)")
 
         labels = self.reward.labels
         check(
@@ -90,18 +92,6 @@ class ExperimentConfig:
             "eval.correct_function",
             f"{self.eval.correct_function!r} is not a reward function label; labels: {', '.join(labels)}",
         )
-
-    def _check_router_replay(self) -> None:
-        # Imported here for the reason config.rollout gives (the adapters import config modules).
-        # SGLang's return_routed_experts (its PR 12162) is not verified here, so it is refused.
-        from megatron_grpo.rollout.engines import ENGINES
-
-        check(ENGINES[self.rollout.engine].returns_routing, "algorithm.router_replay",
-              f"needs an engine that returns its MoE routing; rollout.engine={self.rollout.engine!r} "
-              "does not here (use rollout.engine: embedded)")
-        check(not self.model.recompute_activations, "algorithm.router_replay",
-              "cannot be combined with model.recompute_activations (the recomputed forward would "
-              "route after later micro-batches set their targets)")
 
     @property
     def mini_batches_per_step(self) -> int:

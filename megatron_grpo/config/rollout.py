@@ -7,7 +7,6 @@ from typing import Literal, Optional
 
 from megatron_grpo.config.base import check
 from megatron_grpo.config.dapo import DynamicSamplingConfig, OverlongConfig
-from megatron_grpo.runtime.placement import remote_engine_problem
 
 
 @dataclass(kw_only=True)
@@ -195,20 +194,9 @@ class RolloutConfig:
         check(self.base_gpu_id is None or self.base_gpu_id >= 0, "base_gpu_id", f"must be >= 0, got {self.base_gpu_id}")
         check(self.weight_sync_master_address is None or bool(self.weight_sync_master_address.strip()),
               "weight_sync_master_address", "must be an address or null")
-        check(not self.colocate or self.weight_sync_transport == "tensor", "colocate",
-              f"needs weight_sync_transport: tensor (got {self.weight_sync_transport!r}): a colocated engine "
-              "receives CUDA IPC handles of the trainer's weights")
-        check(not (self.colocate and self.mode != "sync"), "mode",
-              f"{self.mode} needs the engine to generate while the trainer trains, so it cannot be combined "
-              "with rollout.colocate: true (the engine's GPU memory is released during training); "
-              "set rollout.mode: sync or rollout.colocate: false")
-        problem = remote_engine_problem(self)
-        check(problem is None, "weight_sync_master_address", problem or "")
-        # What the engine kind can do (transports, backends) is its adapter's to say. Imported
-        # here, not at the top: the adapters import this module's neighbours (no import cycle).
-        from megatron_grpo.rollout.engines import ENGINES
-
-        ENGINES[self.engine].check_config(self)
+        # colocate, the engine kind's transports and backends, and engines in urls on other
+        # hosts are checked against the engine adapters and the network by the pre-flight
+        # (preflight/rules.py: check_rollout).
 
     @property
     def batch_size(self) -> int:

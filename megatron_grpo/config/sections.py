@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from megatron_grpo.config.base import check
+
+REMOTE = "remote"
+"""The reward function name of the HTTP reward kind (``reward.functions[i].remote``)."""
 
 
 @dataclass(kw_only=True)
@@ -112,8 +116,6 @@ class RemoteRewardConfig:
     """Name of an environment variable holding a key sent as `Authorization: Bearer <key>`."""
 
     def __post_init__(self):
-        import math
-
         check(self.url.startswith(("http://", "https://")), "url", f"must start with http:// or https://, got {self.url!r}")
         check(math.isfinite(self.timeout_s) and self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
         check(self.max_retries >= 0, "max_retries", f"must be >= 0, got {self.max_retries}")
@@ -142,15 +144,7 @@ class RewardFunctionConfig:
     """The HTTP server of a `remote` reward (required then, and only then)."""
 
     def __post_init__(self):
-        import math
-
-        # Lazy import: the registry pulls in the reward modules, which the config must not
-        # need at import time. Dotted and file paths are only checked for shape here; they are
-        # loaded when the trainer builds its RewardScorer, before step 1.
-        from megatron_grpo.rewards.registry import REMOTE, name_problem
-
-        problem = name_problem(self.name)
-        check(problem is None, "name", problem or "")
+        # Whether the name is one the reward registry resolves: preflight/rules.py (check_reward).
         check(math.isfinite(self.weight), "weight", f"must be a finite number, got {self.weight}")
         check(self.max_concurrency >= 1, "max_concurrency", f"must be >= 1, got {self.max_concurrency}")
         if self.name == REMOTE:

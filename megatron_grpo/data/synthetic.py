@@ -2,10 +2,11 @@
 
 Each line is ``{"prompt": "what is 7 + 5 ?", "answer": "12"}``. Operands are drawn from
 ``0..max_operand`` (subtraction only when the result is >= 0), so every answer is an integer
-in 0..199: ONE token of the tiny tokenizer (``megatron_grpo/testing/tiny_models.py``) and
-the task is solved by emitting one right token. ``chance_reward`` is the best reward a policy
-ignoring the question can reach (always answering the most frequent answer); the generator
-refuses a task where it exceeds 0.2, so a demo that reaches 0.9 has learned arithmetic.
+in 0..MAX_NUMBER = 199: ONE token of the tiny tokenizer (``megatron_grpo/testing/tiny_models.py``
+takes its numbers from ``MAX_NUMBER`` here) and the task is solved by emitting one right token.
+``chance_reward`` is the best reward a policy ignoring the question can reach (always answering
+the most frequent answer); the generator refuses a task where it exceeds 0.2, so a demo that
+reaches 0.9 has learned arithmetic.
 
     python -m megatron_grpo.data.synthetic --out data/arith.jsonl --num 2000 --seed 0
 """
@@ -20,7 +21,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from megatron_grpo.testing.tiny_models import MAX_NUMBER
+MAX_NUMBER = 199
+"""Largest answer of the task; the tiny tokenizer has one token for each of 0..MAX_NUMBER."""
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 """Operator symbol -> result; each symbol is one token of the tiny tokenizer."""

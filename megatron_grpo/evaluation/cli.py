@@ -28,12 +28,22 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_grpo.config import ConfigError, ExperimentConfig, load_config
+from megatron_grpo.config import ConfigError, ExperimentConfig
+from megatron_grpo.evaluation.runner import Evaluator, load_sets
+from megatron_grpo.models.checkpoint import STATE_FILE
+from megatron_grpo.models.convert_cli import megatron_to_hf, megatron_to_hf_parser
+from megatron_grpo.models.errors import ModelError
+from megatron_grpo.models.tokenizer import load_tokenizer
+from megatron_grpo.preflight import load_experiment
+from megatron_grpo.preflight.errors import USER_ERRORS, describe_user_error
+from megatron_grpo.rollout.types import RolloutError, SamplingParams
+from megatron_grpo.rollout.http_engine import HttpEngine, start_servers
+from megatron_grpo.runtime import parallel
 from megatron_grpo.runtime.files import write_text_atomic
+from megatron_grpo.runtime.library_warnings import quiet_library_warnings
+from megatron_grpo.trainer import checkpoint as ckpt
+from megatron_grpo.trainer.components import build_rollout_side
 
-# Imports of megatron-core, torch models and the engine stay inside the functions that need
-# them: bad input (a wrong path, an empty eval section) is reported in about a second instead
-# of after the ~10 s megatron-core import.
 METRICS_FILE = "eval_metrics.jsonl"
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1
 
@@ -76,22 +86,16 @@ def checkpoint_kind(path: Path) -> str:
 
 
 def _step_of(ckpt: Path) -> int:
-    from megatron_grpo.trainer.checkpoint import STATE_FILE
-
     state = ckpt / STATE_FILE
     return int(json.loads(state.read_text())["step"]) if state.is_file() else 0
 
 
 def megatron_to_hf_dir(ckpt: Path, out: Path) -> Path:
     """Convert Megatron checkpoint ``ckpt`` into the HF directory ``out`` (this process, tp=pp=1)."""
-    from megatron_grpo.models import ModelError
-    from megatron_grpo.models.convert_cli import _quiet_library_warnings, megatron_to_hf, megatron_to_hf_parser
-    from megatron_grpo.runtime import parallel
-
     # the converter's own parser: every option it reads gets its default
     args = megatron_to_hf_parser().parse_args(["--ckpt-dir", str(ckpt), "--output-dir", str(out),
                                                "--no-self-check"])
-    _quiet_library_warnings()
+    quiet_library_warnings()
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the metrics only
             megatron_to_hf(args)
@@ -104,8 +108,6 @@ def megatron_to_hf_dir(ckpt: Path, out: Path) -> Path:
 
 def resolve_weights(path: Path, scratch: Path) -> Weights:
     """The HF weights to evaluate for ``--checkpoint path`` (converted into ``scratch`` if needed)."""
-    from megatron_grpo.trainer import checkpoint as ckpt
-
     kind = checkpoint_kind(path)
     if kind == "hf":
         return Weights(path, 0)
@@ -119,12 +121,6 @@ def resolve_weights(path: Path, scratch: Path) -> Weights:
 
 def evaluate_weights(cfg: ExperimentConfig, weights: Weights, out_dir: Path) -> list[dict]:
     """Start the engine on ``weights``, evaluate every set; returns one metrics dict per set."""
-    from megatron_grpo.evaluation.runner import Evaluator, load_sets
-    from megatron_grpo.rollout.types import SamplingParams
-    from megatron_grpo.models.tokenizer import load_tokenizer
-    from megatron_grpo.rollout.http_engine import HttpEngine, start_servers
-    from megatron_grpo.trainer.components import build_rollout_side
-
     run_cfg = dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, hf_dir=str(weights.hf_dir), megatron_ckpt=None),
         trainer=dataclasses.replace(cfg.trainer, run_dir=str(out_dir)))
@@ -155,13 +151,10 @@ def _fail(message: str, code: int = EXIT_USER_ERROR) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from megatron_grpo.rollout.types import RolloutError
-    from megatron_grpo.trainer.cli import describe_user_error, quiet_known_cpu_warnings, user_errors
-
     args = _parse(argv)
-    quiet_known_cpu_warnings()
+    quiet_library_warnings()
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_experiment(args.config, args.overrides)
         if not cfg.eval.sets:
             raise ConfigError("eval.sets", "is empty: nothing to evaluate (list held-out sets: name, path, n, ...)",
                               args.config)
@@ -174,7 +167,7 @@ def main(argv: list[str]) -> int:
             rows = evaluate_weights(cfg, weights, out_dir)
     except CheckpointError as e:
         return _fail(str(e))
-    except user_errors() as e:
+    except USER_ERRORS as e:
         return _fail(describe_user_error(e, args.config))
     except RolloutError as e:
         return _fail(" ".join(str(e).split()), EXIT_FAILED)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_grpo.models.architectures import get_architecture
+from megatron_grpo.models.architectures.moe import MoEMLP
 from megatron_grpo.models.errors import ModelError
 from megatron_grpo.runtime import cpu_shim
 from megatron_grpo.runtime.device import compute_device, cuda_available
@@ -76,8 +77,6 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, recompu
 def check_moe_parallel(hf_config, arch, runtime: dict) -> None:
     """ModelError (one line, naming the parallel key) for expert-parallel sizes the model
     cannot use: ep > 1 on a dense model, ep not dividing the experts."""
-    from megatron_grpo.models.architectures.moe import MoEMLP
-
     ep = runtime["expert_model_parallel_size"]
     if not isinstance(arch, MoEMLP):
         if ep > 1:
@@ -102,8 +101,6 @@ def check_pipeline_layers(hf_config, pp: int, vpp: int | None) -> None:
 def check_moe_training(hf_config, tp: int, sequence_parallel: bool) -> None:
     """Training an MoE model at tp > 1 needs sequence parallelism (megatron-core's MoE layer
     raises at the first training forward otherwise; forward-only use is fine without)."""
-    from megatron_grpo.models.architectures.moe import MoEMLP
-
     if isinstance(get_architecture(hf_config.model_type), MoEMLP) and tp > 1 and not sequence_parallel:
         raise ModelError(f"parallel.sequence_parallel must be true to train the mixture-of-experts "
                          f"model {hf_config.model_type!r} at tp={tp} (megatron-core's MoE layer "

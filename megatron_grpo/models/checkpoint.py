@@ -30,6 +30,11 @@ from megatron_grpo.runtime.process import forks_die_with_this_process
 HF_SUBDIR = "hf"
 META_FILE = "megatron_grpo.json"
 FORMAT = "megatron_grpo.model_checkpoint"
+MARKER = "COMPLETE"
+"""Written last into a training checkpoint (``trainer/checkpoint.py``): a directory without it
+is never resumed from (the pre-flight checks ``checkpoint.resume`` for it)."""
+STATE_FILE = "trainer_state.json"
+"""The training checkpoint's step, data position and metrics count."""
 
 
 def model_sharded_state_dict(model_chunks: list) -> dict:

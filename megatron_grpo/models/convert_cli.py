@@ -19,7 +19,21 @@ from pathlib import Path
 import torch
 
 from megatron_grpo.models.errors import ModelError
-from megatron_grpo.models.self_check import DEFAULT_TOLERANCE
+from megatron_grpo.models.builder import build_model
+from megatron_grpo.models.checkpoint import (
+    HF_SUBDIR,
+    checkpoint_dtype,
+    checkpoint_hf_config,
+    dir_bytes,
+    load_megatron_checkpoint,
+    save_megatron_checkpoint,
+)
+from megatron_grpo.models.hf_config import load_hf_config
+from megatron_grpo.models.hf_export import config_dtype, save_hf_checkpoint
+from megatron_grpo.models.self_check import DEFAULT_TOLERANCE, round_params_, run_self_check
+from megatron_grpo.models.weights import SafetensorsReader, load_hf_weights
+from megatron_grpo.runtime import parallel
+from megatron_grpo.runtime.library_warnings import quiet_library_warnings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,13 +71,6 @@ def megatron_to_hf_parser() -> argparse.ArgumentParser:
 
 
 def hf_to_megatron(args) -> int:
-    from megatron_grpo.models.builder import build_model
-    from megatron_grpo.models.checkpoint import dir_bytes, load_megatron_checkpoint, save_megatron_checkpoint
-    from megatron_grpo.models.hf_config import load_hf_config
-    from megatron_grpo.models.hf_export import config_dtype
-    from megatron_grpo.models.self_check import run_self_check
-    from megatron_grpo.models.weights import SafetensorsReader, load_hf_weights
-
     hf_config = load_hf_config(args.hf_dir)
     SafetensorsReader(args.hf_dir)  # fail now on missing weights, before starting ranks
     _check_output(args.output_dir, args.overwrite, args.hf_dir)
@@ -94,11 +101,6 @@ def hf_to_megatron(args) -> int:
 
 
 def megatron_to_hf(args) -> int:
-    from megatron_grpo.models.builder import build_model
-    from megatron_grpo.models.checkpoint import HF_SUBDIR, checkpoint_dtype, checkpoint_hf_config, load_megatron_checkpoint
-    from megatron_grpo.models.hf_export import config_dtype, save_hf_checkpoint
-    from megatron_grpo.models.self_check import round_params_, run_self_check
-
     hf_config = checkpoint_hf_config(args.ckpt_dir)
     _check_output(args.output_dir, args.overwrite, args.ckpt_dir)
     out_dtype = DTYPES.get(args.dtype) or config_dtype(hf_config)
@@ -136,11 +138,9 @@ def run_command(name: str, argv: list[str]) -> int:
     """Entry point of both sub-commands (``megatron_grpo.cli`` and tools/ call this)."""
     import torch.distributed as dist
 
-    from megatron_grpo.runtime import parallel
-
     make_parser, run = COMMANDS[name]
     args = make_parser().parse_args(argv)
-    _quiet_library_warnings()
+    quiet_library_warnings()
     started_here = not dist.is_initialized()
     try:
         return run(args)
@@ -152,22 +152,8 @@ def run_command(name: str, argv: list[str]) -> int:
             parallel.destroy()
 
 
-def _quiet_library_warnings() -> None:
-    """The tools' output should be their own lines: megatron-core warns at import that apex /
-    transformer-engine are absent (expected on CPU) and torch's checkpoint code about its own
-    deprecations; neither is actionable for a user converting a model."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*", category=UserWarning)
-    warnings.filterwarnings("ignore", message=".*(cuda_graph_scope|CUDA_DEVICE_MAX_CONNECTIONS).*",
-                            category=UserWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch\.distributed|megatron)")
-
-
 def _initialize(tp: int, pp: int, ep: int = 1) -> None:
     import torch.distributed as dist
-
-    from megatron_grpo.runtime import parallel
 
     if tp < 1 or pp < 1 or ep < 1:
         raise ModelError(f"--tp/--pp/--ep must be >= 1, got --tp {tp} --pp {pp} --ep {ep}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_grpo.models.architectures import get_architecture
 from megatron_grpo.models.errors import ModelError
 
 # Files copied along with the weights (into Megatron checkpoints and back into HF exports):
@@ -20,8 +21,6 @@ def load_hf_config(hf_dir: str | Path):
     """``transformers.PretrainedConfig`` of ``hf_dir``; ModelError (one line) if the directory
     or its config.json is missing or unreadable, or the model_type is not supported."""
     from transformers import AutoConfig
-
-    from megatron_grpo.models.architectures import get_architecture
 
     path = Path(hf_dir)
     config_file = path / "config.json"

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.models.architectures import TE_ALIASES, ParamMapping, get_architecture
+from megatron_grpo.models.architectures.moe import MoEMLP
 from megatron_grpo.models.errors import ModelError
 
 
@@ -186,8 +187,6 @@ def exports_weights() -> bool:
 
 def expert_hf_names(hf_config) -> frozenset[str]:
     """HF names of every expert weight of the model (empty for a dense model)."""
-    from megatron_grpo.models.architectures.moe import MoEMLP
-
     arch = get_architecture(hf_config.model_type)
     if not isinstance(arch, MoEMLP):
         return frozenset()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megatron_grpo.config.base import ConfigError, _check_value
+from megatron_grpo.config.sections import REMOTE
 from megatron_grpo.rewards.builtin import format_reward, math_exact_match
 from megatron_grpo.rewards.calling import RewardCall, plan_call
 from megatron_grpo.rewards.remote import RemoteReward
@@ -39,9 +40,6 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "format": format_reward,
 }
 """Built-in reward name -> function."""
-
-REMOTE = "remote"
-"""The name of the HTTP reward kind."""
 
 DOTTED_PATH_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 FILE_PATH_RE = re.compile(r"^(?P<path>.+\.py):(?P<attr>[A-Za-z_]\w*)$")

@@ -14,10 +14,12 @@ import os
 import sys
 from typing import Optional
 
+import torch
+import uvicorn
 
-API_KEY_ENV = "MEGATRON_GRPO_API_KEY"
-"""Environment variable holding the API key (used when --api-key is not given; keeps the key
-out of the process list)."""
+from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
+from megatron_grpo.rollout.embedded.server import build_app
+from megatron_grpo.rollout.engines.embedded import API_KEY_ENV
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -45,12 +47,6 @@ def main(argv: Optional[list[str]] = None) -> int:
               "model directory)", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    import torch
-    import uvicorn
-
-    from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
-    from megatron_grpo.rollout.embedded.server import build_app
-
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,

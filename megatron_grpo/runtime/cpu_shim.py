@@ -48,6 +48,8 @@ import types
 
 import torch
 
+from megatron_grpo.runtime.process import forks_die_with_this_process
+
 _INSTALLED = False
 
 # megatron-core modules that create tensors with a hard-wired device="cuda" on paths the
@@ -201,8 +203,6 @@ def _fork_write_results_queue():
     import multiprocessing as mp
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from megatron_grpo.runtime.process import forks_die_with_this_process
 
     if filesystem_async._results_queue is None:
         # the forked server holds copies of the rank's sockets: it must die with the rank

@@ -27,6 +27,8 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.config.base import ConfigError
+
 
 def cuda_available() -> bool:
     """True when this process can use a CUDA device (the single test every branch uses)."""
@@ -108,8 +110,6 @@ def resolve_distributed_optimizer(setting, cuda: bool) -> bool:
     """``parallel.use_distributed_optimizer`` (auto | true | false) on a machine with or
     without CUDA -> whether megatron-core's DistributedOptimizer is used. Never a silent
     drop: true without CUDA is a ConfigError (the pre-flight reports it before any rank starts)."""
-    from megatron_grpo.config.base import ConfigError
-
     if setting == "auto":
         return cuda
     if setting is True and not cuda:

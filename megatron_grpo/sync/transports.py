@@ -33,7 +33,9 @@ import torch
 
 from megatron_grpo.rollout.types import RolloutError
 from megatron_grpo.runtime.device import collective_device, compute_device
+from megatron_grpo.runtime.process import free_port
 from megatron_grpo.wire.buckets import Bucket, unflatten
+from megatron_grpo.wire.group import destroy_custom_process_group, init_custom_process_group
 from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_system_sharing
 from megatron_grpo.wire.shm import ShmSegment, remove_stale_segments
 
@@ -102,9 +104,6 @@ class DistributedTransport(Transport):
         self._buffer: Optional[torch.Tensor] = None
 
     def _init_group(self) -> None:
-        from megatron_grpo.runtime.process import free_port
-        from megatron_grpo.wire.group import init_custom_process_group
-
         backend = self.backend
         tp_sizes = self.engine_tp_sizes()
         world_size = 1 + sum(tp_sizes)
@@ -164,8 +163,6 @@ class DistributedTransport(Transport):
         work.wait()
 
     def reset(self) -> None:
-        from megatron_grpo.wire.group import destroy_custom_process_group
-
         self._tp_sizes = None
         group, self.group = self.group, None
         if group is not None:

@@ -27,12 +27,12 @@ import time
 import traceback
 from typing import Any, Callable
 
+from megatron_grpo.runtime import cpu_shim, parallel
 from megatron_grpo.runtime.process import free_port  # noqa: F401 - re-exported for tests
 
 
 class RankFailure(RuntimeError):
     """One or more ranks raised; the message holds each failing rank's traceback."""
-
 
 def _worker(fn, rank, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs, results):
     os.environ.update(
@@ -49,13 +49,9 @@ def _worker(fn, rank, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         if tp is not None or pp is not None or ep is not None:
-            from megatron_grpo.runtime import parallel
-
             parallel.initialize(tp or 1, pp or 1, seed=seed, ep=ep or 1, vpp=vpp, etp=etp)
         else:
             import torch.distributed as dist
-
-            from megatron_grpo.runtime import cpu_shim
 
             cpu_shim.install()
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -65,8 +61,6 @@ def _worker(fn, rank, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs
         results.put((rank, False, traceback.format_exc()))
     finally:
         try:
-            from megatron_grpo.runtime import parallel
-
             parallel.destroy()
         except Exception:  # noqa: BLE001
             pass

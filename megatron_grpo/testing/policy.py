@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from megatron_grpo.trainer.components import build_policy
+
 
 def build_test_policy(model, optimizer):
     """``build_policy`` for a ``ModelConfig`` and an ``OptimizerConfig``, with the plain
     megatron optimizer and no sequence parallelism (the CPU path)."""
-    from megatron_grpo.trainer.components import build_policy
-
     parallel = SimpleNamespace(use_distributed_optimizer=False, sequence_parallel=False)
     return build_policy(SimpleNamespace(model=model, optimizer=optimizer, parallel=parallel))

@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_grpo.data.synthetic import MAX_NUMBER  # the demo task's answers, one token each
+
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>"]
 WORDS = (
     "what is the answer to question solve compute plus minus times equals please reply with "
     "only a number final boxed result sum of and add subtract multiply"
 ).split()
 SYMBOLS = list("+-*/=?.,:;()[]{}#\\$") + ["####", "\\boxed"]
-MAX_NUMBER = 199
 
 # A minimal chat template: enough for `apply_chat_template(..., add_generation_prompt=True)`.
 CHAT_TEMPLATE = (

@@ -30,12 +30,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_grpo.models.checkpoint import MARKER, STATE_FILE
 from megatron_grpo.runtime.device import cuda_available
 from megatron_grpo.runtime.files import write_text_atomic
+from megatron_grpo.models import model_sharded_state_dict, save_megatron_checkpoint
 
 CKPT_RE = re.compile(r"^step_(\d{6,})$")
-MARKER = "COMPLETE"
-STATE_FILE = "trainer_state.json"
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -104,8 +104,6 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 def training_sharded_state_dict(model_chunks, optimizer, *, is_loading: bool = False) -> dict:
     """Model and optimizer sharded state of this rank (megatron-core dist_checkpointing);
     the optimizer's is megatron's sharded optimizer state dict, plain or distributed."""
-    from megatron_grpo.models import model_sharded_state_dict
-
     model_sd = model_sharded_state_dict(model_chunks)
     state = dict(model_sd)
     state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
@@ -141,8 +139,6 @@ def save_training_checkpoint(
     run_dir: str | Path, step: int, model_chunks, optimizer, trainer_state: dict[str, Any], keep_last: int
 ) -> Path:
     """Collective: save a complete checkpoint of ``step`` and rotate old ones."""
-    from megatron_grpo.models import save_megatron_checkpoint
-
     rank = dist.get_rank()
     final = step_dir(run_dir, step)
     if rank == 0:

@@ -13,13 +13,19 @@ the file and key/line on stderr and exit code 2. Pre-flight catches them before 
 written to the run directory; the few that only show during training (a reward function
 that raises on a real response) are recorded by the rank that hit them, and ``train``
 prints that one line instead of torchrun's failure report.
+
+Imports sit at the top except the driver's (``rank_main``): importing it (megatron-core's
+optimizer, schedules and DDP) more than doubles the start-up, 3.0-3.7 s -> 7.2-7.4 s for
+``import megatron_grpo.trainer.cli`` (2 busy CPU cores, measured for issue #24), which every
+``megatron-grpo train`` pays before it can report a bad config (2.4-2.6 s now), and it
+would print megatron-core's apex/TransformerEngine warnings before ``quiet_library_warnings``
+runs. ``megatron-grpo --help`` imports no sub-command (0.1-0.2 s); ``validate-config`` takes
+2.4-2.7 s.
 """
 
 from __future__ import annotations
 
 import argparse
-import warnings
-import importlib.util
 import os
 import signal
 import subprocess
@@ -28,157 +34,23 @@ import tempfile
 from pathlib import Path
 
 from megatron_grpo.config import ConfigError, ExperimentConfig, load_config
+from megatron_grpo.preflight import load_experiment
+from megatron_grpo.preflight.errors import USER_ERRORS, describe_user_error
+from megatron_grpo.preflight.run import check_run
+from megatron_grpo.runtime import parallel
+from megatron_grpo.runtime.collectives import RunAborted
+from megatron_grpo.runtime.library_warnings import quiet_library_warnings
+from megatron_grpo.runtime.process import die_with_parent
 from megatron_grpo.trainer import nodes
 
 EXIT_USER_ERROR = 2
 EXIT_RUN_ABORTED = 1
 ERROR_FILE_ENV = "MEGATRON_GRPO_USER_ERROR_FILE"  # where a rank records its user error for `train`
-# Vocabulary files of the tokenizer formats transformers reads (one is enough).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "spiece.model")
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types whose message is a complete one-line user-facing error."""
-    from megatron_grpo.data import DataError
-    from megatron_grpo.models import ModelError
-    from megatron_grpo.rewards import RewardError
-
-    return (ConfigError, DataError, ModelError, RewardError)
-
-
-def describe_user_error(e: BaseException, config_path: str, data_file: str | None = None) -> str:
-    """The one line printed for user error ``e``. It starts with the file that is wrong: the
-    dataset for a bad line (``data.jsonl:17: ...``), else the config (``run.yaml: key: ...``)."""
-    from megatron_grpo.data import DataError
-
-    text = " ".join(str(e).split())
-    if isinstance(e, ConfigError):
-        return e.one_line() if e.source else e.with_source(config_path).one_line()
-    if isinstance(e, DataError) and data_file and text.startswith(data_file):
-        return text
-    return f"{config_path}: {text}"
-
-
-def _in_key(key: str, error: BaseException | str) -> ConfigError:
-    """``error`` (about a file named by config key ``key``) as a ConfigError naming the key."""
-    return ConfigError(key, " ".join(str(error).split()))
-
-
-def _check_model_dir(cfg: ExperimentConfig):
-    """config.json (supported architecture, sizes that split over tp/pp), the safetensors
-    weights and the tokenizer of ``model.hf_dir``; returns (hf_config, tokenizer)."""
-    from megatron_grpo.models import ModelError, get_architecture, load_hf_config
-    from megatron_grpo.models.weights import SafetensorsReader
-    from megatron_grpo.models.tokenizer import load_tokenizer
-
-    hf_dir = cfg.model.hf_dir
-    try:
-        hf_config = load_hf_config(hf_dir)
-    except ModelError as e:
-        raise _in_key("model.hf_dir", e) from None
-    except Exception as e:  # noqa: BLE001 - transformers rejects a malformed config.json many ways
-        raise ConfigError("model.hf_dir", f"{hf_dir}/config.json: transformers cannot read it: "
-                                          f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
-    try:
-        get_architecture(hf_config.model_type).transformer_config_kwargs(hf_config)
-    except ModelError as e:
-        raise _in_key("model.hf_dir", f"{hf_dir}/config.json: {e}") from None
-    par = cfg.parallel
-    for count, name, size, key in ((hf_config.num_attention_heads, "num_attention_heads", par.tp, "parallel.tp"),
-                                   (hf_config.num_key_value_heads, "num_key_value_heads", par.tp, "parallel.tp"),
-                                   (hf_config.num_hidden_layers, "num_hidden_layers", par.pp, "parallel.pp")):
-        if count % size:
-            raise ConfigError(key, f"{size} does not divide the model's {name} = {count} ({hf_dir}/config.json)")
-    # A partial download (config.json but no or unreadable weights) must fail here, not after
-    # the ranks and the rollout engine have started.
-    try:
-        reader = SafetensorsReader(hf_dir)
-        missing = sorted({f for f in reader.weight_map.values() if not (reader.dir / f).is_file()})
-    except ModelError as e:
-        raise _in_key("model.hf_dir", e) from None
-    except Exception as e:  # noqa: BLE001 - a corrupt safetensors header or index
-        raise ConfigError("model.hf_dir", f"{hf_dir}: unreadable weights: {type(e).__name__}: "
-                                          f"{' '.join(str(e).split())[:200]}") from None
-    if missing:
-        raise ConfigError("model.hf_dir", f"{hf_dir}: {missing[0]} is listed in model.safetensors.index.json "
-                                          f"but missing ({len(missing)} shard(s) missing: a partial download?)")
-    # Without vocabulary files transformers silently builds an empty tokenizer for the
-    # model_type (every prompt would tokenize to nothing): require one.
-    if not any(any(Path(hf_dir).glob(pattern)) for pattern in TOKENIZER_FILES):
-        raise ConfigError("model.hf_dir", f"{hf_dir}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
-    try:
-        tokenizer = load_tokenizer(hf_dir)
-    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad dir
-        raise ConfigError("model.hf_dir", f"{hf_dir}: cannot load the tokenizer: "
-                                          f"{' '.join(str(e).split())[:200]}") from None
-    if len(tokenizer) > hf_config.vocab_size:
-        raise ConfigError(
-            "model.hf_dir", f"{hf_dir}: the tokenizer has {len(tokenizer)} tokens but config.json's vocab_size is "
-            f"{hf_config.vocab_size}: tokenizer and model do not belong together")
-    return hf_config, tokenizer
-
-
-def _check_checkpoints(cfg: ExperimentConfig) -> None:
-    """``model.megatron_ckpt`` and an explicit ``checkpoint.resume`` path must be checkpoints."""
-    from megatron_grpo.models import ModelError
-    from megatron_grpo.models.checkpoint import checkpoint_path
-    from megatron_grpo.trainer.checkpoint import MARKER
-
-    if cfg.model.megatron_ckpt:
-        try:
-            checkpoint_path(cfg.model.megatron_ckpt)
-        except ModelError as e:
-            raise _in_key("model.megatron_ckpt", e) from None
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "never") and not (Path(resume) / MARKER).is_file():
-        raise ConfigError("checkpoint.resume", f"{resume} is not a complete checkpoint (no {MARKER} file); "
-                                               "expected auto, never or a checkpoint directory")
-
-
-def preflight(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
-    """Check, without writing anything, every input the run reads at start-up: the model
-    directory (config, weights, tokenizer vs vocabulary, tp/pp vs head and layer counts),
-    checkpoints to load, the dataset (every line), the reward functions (imported), the
-    rollout engine's environment (an SGLang to launch), the GPU layout on this machine
-    (``ranks_on_node`` trainer ranks, default torchrun's LOCAL_WORLD_SIZE) and the logging
-    sinks. Raises a user error (see ``user_errors``)."""
-    from megatron_grpo.data import DataError, load_prompt_dataset
-    from megatron_grpo.rewards import RewardScorer
-    from megatron_grpo.rollout.engines import ENGINES
-
-    engine_problem = ENGINES[cfg.rollout.engine].preflight(cfg.rollout)
-    if engine_problem:
-        raise ConfigError("", engine_problem)  # the problem names its key
-    check_machine(cfg, ranks_on_node)
-    hf_config, tokenizer = _check_model_dir(cfg)
-    _check_checkpoints(cfg)
-    dataset = load_prompt_dataset(cfg.data, tokenizer)
-    context = getattr(hf_config, "max_position_embeddings", None)
-    too_long = [p for p in dataset.prompts if context and len(p.prompt_ids) >= context]
-    if too_long:  # the engine would reject it mid-run; say which line now
-        raise DataError(f"{too_long[0].where}: prompt is {len(too_long[0].prompt_ids)} tokens, no room to generate "
-                        f"in the model's context of {context} (max_position_embeddings, {cfg.model.hf_dir}/config.json)")
-    for i, s in enumerate(cfg.eval.sets):
-        load_prompt_dataset(cfg.data, tokenizer, s.path, key=f"eval.sets[{i}].path")
-    RewardScorer(cfg.reward).close()
-    if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("logging.wandb_project", "is set but wandb is not installed; pip install wandb or set it to null")
-
-
-def check_machine(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
-    """The GPU layout of ``cfg`` can work on this machine (``runtime.placement``)."""
-    import torch  # deferred like the other torch users here: `--help` and bad configs stay fast
-
-    from megatron_grpo.models.builder import use_transformer_engine
-    from megatron_grpo.runtime.device import cuda_available
-    from megatron_grpo.runtime.placement import layout_problem, ranks_on_this_node
-
-    cuda = cuda_available()
-    problem = layout_problem(cfg, cuda=cuda, num_gpus=torch.cuda.device_count() if cuda else 0,
-                             ranks_on_node=ranks_on_this_node() if ranks_on_node is None else ranks_on_node,
-                             transformer_engine=use_transformer_engine())
-    if problem is not None:
-        raise ConfigError(*problem)
+    return USER_ERRORS
 
 
 def _parse(argv: list[str], prog: str, launcher: bool = False) -> argparse.Namespace:
@@ -293,10 +165,10 @@ def main(argv: list[str]) -> int:
     if args.nproc is not None and args.nproc < 1:
         return _fail(f"--nproc must be >= 1, got {args.nproc}")
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_experiment(args.config, args.overrides)
         nproc = args.nproc or _ranks_per_node(cfg, node.nnodes)
-        cfg = load_config(args.config, args.overrides, world_size=nproc * node.nnodes)
-        preflight(cfg, nproc)  # on every node: each reads the model and data from its own disk
+        cfg = load_experiment(args.config, args.overrides, world_size=nproc * node.nnodes)
+        check_run(cfg, nproc)  # on every node: each reads the model and data from its own disk
     except user_errors() as e:
         return _fail(describe_user_error(e, args.config, _data_file(args.config, args.overrides)))
     cmd = [sys.executable, "-m", "torch.distributed.run", *node.torchrun_args(cfg.parallel.distributed_timeout_s),
@@ -331,19 +203,9 @@ def _report(e: BaseException, rank: int, config_path: str, data_file: str | None
     return _fail(line, code) if int(os.environ.get("LOCAL_RANK", rank)) == 0 else code
 
 
-def quiet_known_cpu_warnings() -> None:
-    """Silence megatron-core's start-up warnings that only say the GPU stack is absent (they
-    repeat per rank and module and would bury the run's own output)."""
-    for pattern in (r".*(Apex|Transformer Engine) (is|and Apex are) not installed.*",
-                    r".*CUDA_DEVICE_MAX_CONNECTIONS.*", r"full scope is deprecated.*"):
-        warnings.filterwarnings("ignore", message=pattern)
-
-
 def _lost_peer(rank: int, detail: str, cfg: ExperimentConfig) -> BaseException:
     """The one-line reason a rank stops when another rank of the run is gone (a node died, or
     went silent for longer than parallel.distributed_timeout_s) instead of its traceback."""
-    from megatron_grpo.runtime.collectives import RunAborted
-
     node = os.environ.get("GROUP_RANK", "0")  # torchrun's node rank
     return RunAborted(
         f"rank {rank} on node {node} lost contact with the other ranks: {detail} (a node died, or was silent "
@@ -353,23 +215,21 @@ def _lost_peer(rank: int, detail: str, cfg: ExperimentConfig) -> BaseException:
 
 def rank_main(argv: list[str]) -> int:
     """One rank (under torchrun). User errors end every rank with exit code 2 (see ``_report``)."""
-    from megatron_grpo.runtime import parallel
-    from megatron_grpo.runtime.process import die_with_parent
-
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()  # never outlive torchrun's agent (see runtime/process.py)
-    quiet_known_cpu_warnings()
+    quiet_library_warnings()
     args = _parse(argv, "python -m megatron_grpo.train")
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        cfg = load_config(args.config, args.overrides, world_size=world)
+        cfg = load_experiment(args.config, args.overrides, world_size=world)
         if rank == 0 and not os.environ.get("MEGATRON_GRPO_PREFLIGHT_DONE"):
-            preflight(cfg)
+            check_run(cfg)
     except user_errors() as e:
         return _report(e, rank, args.config, _data_file(args.config, args.overrides))
+    # Deferred, measured (module docstring): the driver's import is most of a rank's start-up,
+    # and megatron-core warns at import, so it comes after quiet_library_warnings().
     from megatron_grpo.trainer.driver import train
-    from megatron_grpo.runtime.collectives import RunAborted
 
     try:
         parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed,

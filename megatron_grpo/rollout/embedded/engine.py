@@ -31,12 +31,15 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from megatron_grpo.models.tokenizer import load_tokenizer
+from megatron_grpo.models.weights import SafetensorsReader
 from megatron_grpo.rollout.embedded.generation import Sequence
 from megatron_grpo.rollout.embedded.scheduler import StepControl, run_continuous
-from megatron_grpo.models.weights import SafetensorsReader
 from megatron_grpo.rollout.embedded.served_names import served_tensors
+from megatron_grpo.runtime.device import collective_device
 from megatron_grpo.wire.buckets import unflatten
 from megatron_grpo.wire.checksum import tensor_checksum
+from megatron_grpo.wire.group import destroy_custom_process_group, init_custom_process_group
 from megatron_grpo.wire.shm import open_segment
 
 log = logging.getLogger(__name__)
@@ -55,8 +58,6 @@ class EmbeddedEngine:
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", max_batch_size: int = 64,
                  seed: int = 0, batch_window_s: float = 0.005, device: str = "auto"):
         from transformers import AutoModelForCausalLM
-
-        from megatron_grpo.models.tokenizer import load_tokenizer
 
         self.model_dir = str(model_dir)
         self.device = engine_device(device)
@@ -322,8 +323,6 @@ class EmbeddedEngine:
 
     def init_group(self, group_name: str, *, master_address: str, master_port: int, rank_offset: int,
                    world_size: int, backend: str, timeout_s: float = 300.0) -> None:
-        from megatron_grpo.wire.group import init_custom_process_group
-
         if backend not in self.backends:
             raise EngineError(f"backend {backend!r} is not supported by this engine on {self.device} "
                               f"({', '.join(self.backends)})")
@@ -335,8 +334,6 @@ class EmbeddedEngine:
         )
 
     def destroy_group(self, group_name: str) -> None:
-        from megatron_grpo.wire.group import destroy_custom_process_group
-
         group = self._groups.pop(group_name, None)
         self._recv_buffers.pop(group_name, None)
         if group is None:
@@ -351,8 +348,6 @@ class EmbeddedEngine:
         back to back (SGLang's FlattenedTensorBucket layout); otherwise one broadcast per tensor.
         """
         import torch.distributed as dist
-
-        from megatron_grpo.runtime.device import collective_device
 
         group = self._groups.get(group_name)
         if group is None:

@@ -3,8 +3,9 @@
 ``ENGINES[rollout.engine]`` is an ``EngineAdapter`` (see ``base.py``). The server manager asks
 it for the launch command and environment; the weight sync asks it which transports and
 process-group backends the engine accepts, which extra keys its update requests take, and how
-to verify what it serves; the config asks it at load time whether a combination can work. No
-other module branches on the engine kind.
+to verify what it serves; the pre-flight (``preflight/rules.py``) checks the config against
+what it declares (transports, backends, memory release, MoE routing). No other module
+branches on the engine kind.
 """
 
 from megatron_grpo.rollout.engines.base import EngineAdapter, EngineKindMismatch

@@ -1,13 +1,14 @@
 """What every rollout-engine adapter provides (the interface the manager and the sync use).
 
-Kept free of torch and HTTP imports: the config loader consults ``check_config`` at load time.
+Kept free of torch and HTTP imports: the pre-flight (``preflight/rules.py``) checks a config
+against the capabilities declared here when the config is loaded.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-from megatron_grpo.config.base import check
+from megatron_grpo.config.rollout import RolloutConfig
 
 # Verifier signature: (client, url, expected checksums {name: hex}, first rows {name: tensor})
 # -> names whose served values differ from what the trainer sent.
@@ -32,36 +33,25 @@ class EngineAdapter:
     """True: /generate answers ``return_routed_experts`` with the MoE routing of every position
     (``meta_info.routed_experts``; algorithm.router_replay needs it)."""
 
-    # ---- config-load checks -------------------------------------------------------------
+    # ---- what the pre-flight asks ---------------------------------------------------------
 
-    def check_config(self, cfg) -> None:
-        """Raise ConfigValueError (naming the rollout key) for a combination that cannot work."""
-        check(cfg.weight_sync_transport in self.transports, "weight_sync_transport",
-              f"{cfg.weight_sync_transport!r} is not supported by rollout.engine={self.name!r} "
-              f"(supported: {', '.join(sorted(self.transports))})")
-        check(cfg.weight_sync_backend in ("auto", *self.backends), "weight_sync_backend",
-              f"{cfg.weight_sync_backend!r} is not accepted by rollout.engine={self.name!r} "
-              f"(accepted: auto, {', '.join(sorted(self.backends))})")
-        check(not cfg.colocate or self.supports_memory_release, "colocate",
-              f"rollout.engine={self.name!r} cannot release its GPU memory between rollouts (use rollout.engine: sglang)")
-
-    def gpus_per_server(self, cfg) -> int:
+    def gpus_per_server(self, rollout_cfg: RolloutConfig) -> int:
         """CUDA devices one launched server uses (its tensor-parallel size)."""
         return 1
 
-    def preflight(self, cfg) -> Optional[str]:
+    def preflight(self, rollout_cfg: RolloutConfig) -> Optional[str]:
         """A one-line problem with this machine's setup for launching (None if fine)."""
         return None
 
     # ---- launching ------------------------------------------------------------------------
 
-    def launch_command(self, cfg, model_dir: str, host: str, port: int,
+    def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,
                        gpu_ids: Optional[list[int]] = None) -> list[str]:
         """The server's command line; ``gpu_ids``: the CUDA devices it runs on (None without
         CUDA), from ``runtime.placement.engine_gpu_ids``."""
         raise NotImplementedError
 
-    def launch_env(self, cfg, env: dict[str, str]) -> dict[str, str]:
+    def launch_env(self, rollout_cfg: RolloutConfig, env: dict[str, str]) -> dict[str, str]:
         """The launched server's environment, from the trainer's ``env``."""
         return dict(env)
 
@@ -70,10 +60,10 @@ class EngineAdapter:
     def check_server(self, url: str, server_info: dict) -> None:
         """Raise EngineKindMismatch if ``/get_server_info`` does not describe this kind."""
 
-    def backend(self, cfg, cuda_available: bool) -> str:
+    def backend(self, rollout_cfg: RolloutConfig, cuda_available: bool) -> str:
         """The resolved weight_sync_backend for this engine on this machine."""
-        if cfg.weight_sync_backend != "auto":
-            return cfg.weight_sync_backend
+        if rollout_cfg.weight_sync_backend != "auto":
+            return rollout_cfg.weight_sync_backend
         return "nccl" if cuda_available and "nccl" in self.backends else "gloo"
 
     def tensor_wire(self, cuda_available: bool) -> str:

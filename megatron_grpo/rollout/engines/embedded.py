@@ -6,8 +6,13 @@ import sys
 
 from typing import Optional
 
+from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.rollout.engines.base import EngineAdapter, EngineKindMismatch
-from megatron_grpo.rollout.serve import API_KEY_ENV
+from megatron_grpo.wire.checksum import compare_checksums
+
+API_KEY_ENV = "MEGATRON_GRPO_API_KEY"
+"""Environment variable holding the launched engine's API key (``megatron-grpo serve`` reads it
+when --api-key is not given; keeps the key out of the process list)."""
 
 
 class EmbeddedAdapter(EngineAdapter):
@@ -17,18 +22,18 @@ class EmbeddedAdapter(EngineAdapter):
     backends = frozenset({"gloo", "nccl"})
     returns_routing = True  # rollout.embedded.routing
 
-    def launch_command(self, cfg, model_dir: str, host: str, port: int,
+    def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,
                        gpu_ids: Optional[list[int]] = None) -> list[str]:
         # The API key travels in the environment (launch_env), not argv, where `ps` shows it.
         device = f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"
         return [sys.executable, "-m", "megatron_grpo.rollout.serve", "--model-dir", model_dir, "--host", host,
-                "--port", str(port), "--dtype", cfg.dtype, "--max-batch-size", str(cfg.embedded.max_batch_size),
-                "--device", device]
+                "--port", str(port), "--dtype", rollout_cfg.dtype,
+                "--max-batch-size", str(rollout_cfg.embedded.max_batch_size), "--device", device]
 
-    def launch_env(self, cfg, env: dict[str, str]) -> dict[str, str]:
+    def launch_env(self, rollout_cfg: RolloutConfig, env: dict[str, str]) -> dict[str, str]:
         out = dict(env)
-        if cfg.api_key:
-            out[API_KEY_ENV] = cfg.api_key
+        if rollout_cfg.api_key:
+            out[API_KEY_ENV] = rollout_cfg.api_key
         return out
 
     def check_server(self, url: str, server_info: dict) -> None:
@@ -48,8 +53,6 @@ class EmbeddedAdapter(EngineAdapter):
 
     def verify(self, client, url: str, expected: dict[str, str], samples: dict) -> list[str]:
         """Exact per-tensor checksums of the served weights (``/weights_checksum``)."""
-        from megatron_grpo.wire.checksum import compare_checksums
-
         answer = client.call("weights_checksum", {"names": sorted(expected)}, url=url)["checksums"]
         return compare_checksums(expected, {n: v["checksum"] for n, v in answer.items()})
 

@@ -15,7 +15,7 @@ Facts about SGLang 0.5.23 that this adapter (and the sync) rely on, checked by
   log-probs are always at temperature 1;
 * ``/release_memory_occupation`` calls CUDA and kills a CPU server: used only with
   ``rollout.colocate``, which the pre-flight refuses without a GPU
-  (``runtime.placement.layout_problem``); ``/resume_memory_occupation`` takes ``tags``
+  (``preflight.layout_problem``); ``/resume_memory_occupation`` takes ``tags``
   (``weights``, ``kv_cache``) so weights can come back before the sync and the KV cache after;
 * ``--base-gpu-id N`` puts a server's tp ranks on devices N .. N+tp-1 of those it sees.
 
@@ -34,7 +34,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.rollout.engines.base import EngineAdapter, EngineKindMismatch
+from megatron_grpo.rollout.types import RolloutError
 
 log = logging.getLogger(__name__)
 
@@ -105,36 +107,37 @@ class SGLangAdapter(EngineAdapter):
     backends = frozenset({"gloo", "nccl"})
     supports_memory_release = True
 
-    def gpus_per_server(self, cfg) -> int:
-        return cfg.sglang.tp
+    def gpus_per_server(self, rollout_cfg: RolloutConfig) -> int:
+        return rollout_cfg.sglang.tp
 
-    def preflight(self, cfg) -> Optional[str]:
-        if cfg.urls:
+    def preflight(self, rollout_cfg: RolloutConfig) -> Optional[str]:
+        if rollout_cfg.urls:
             return None
-        return find_sglang_python(cfg.sglang.python)[1] or None
+        return find_sglang_python(rollout_cfg.sglang.python)[1] or None
 
-    def launch_command(self, cfg, model_dir: str, host: str, port: int,
+    def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,
                        gpu_ids: Optional[list[int]] = None) -> list[str]:
-        python, problem = find_sglang_python(cfg.sglang.python)
+        python, problem = find_sglang_python(rollout_cfg.sglang.python)
         if python is None:
             raise RuntimeError(problem)
+        sglang_cfg = rollout_cfg.sglang
         cmd = [python, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host, "--port", str(port),
-               "--tp-size", str(cfg.sglang.tp), "--mem-fraction-static", str(cfg.sglang.mem_fraction_static),
-               "--dtype", checkpoint_dtype(model_dir) if cfg.dtype == "auto" else cfg.dtype]
+               "--tp-size", str(sglang_cfg.tp), "--mem-fraction-static", str(sglang_cfg.mem_fraction_static),
+               "--dtype", checkpoint_dtype(model_dir) if rollout_cfg.dtype == "auto" else rollout_cfg.dtype]
         if not _cuda_available():
             cmd += CPU_ARGS
         elif gpu_ids:
             cmd += ["--base-gpu-id", str(gpu_ids[0])]
-        if cfg.colocate:
+        if rollout_cfg.colocate:
             cmd += ["--enable-memory-saver"]  # what /release_memory_occupation needs
         # SGLang takes the key only as a flag; the manager redacts it in the log.
-        return cmd + (["--api-key", cfg.api_key] if cfg.api_key else []) + list(cfg.sglang.extra_args)
+        return cmd + (["--api-key", rollout_cfg.api_key] if rollout_cfg.api_key else []) + list(sglang_cfg.extra_args)
 
-    def launch_env(self, cfg, env: dict[str, str]) -> dict[str, str]:
+    def launch_env(self, rollout_cfg: RolloutConfig, env: dict[str, str]) -> dict[str, str]:
         out = dict(env)
         # The trainer's own PYTHONPATH (an editable install, test helpers) must not shadow the
         # packages of another interpreter's environment.
-        python, _ = find_sglang_python(cfg.sglang.python)
+        python, _ = find_sglang_python(rollout_cfg.sglang.python)
         if python is not None and python != sys.executable:
             out.pop("PYTHONPATH", None)
         if not _cuda_available():
@@ -152,8 +155,6 @@ class SGLangAdapter(EngineAdapter):
         """The first rows of each tensor through ``/get_weights_by_name`` (partial: see the module
         docstring; a tensor the route cannot return is logged, and the probe covers it)."""
         import torch
-
-        from megatron_grpo.rollout.types import RolloutError
 
         bad, unverifiable = [], 0
         for name, rows in samples.items():

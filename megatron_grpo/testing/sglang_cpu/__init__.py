@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 
+from megatron_grpo.rollout.engines import find_sglang_python
+
 
 def require_sglang() -> str:
     """The interpreter that runs SGLang; without one, fail under CI (``CI`` set: the SGLang
     tests must run there) and skip elsewhere, naming the reason and the fix."""
     import pytest
-
-    from megatron_grpo.rollout.engines import find_sglang_python
 
     python, problem = find_sglang_python(None)
     if python is None:

@@ -1,0 +1,95 @@
+"""The config rules that need another package: what the engine kind can do (its adapter in
+``rollout/engines``), colocation, where a remote engine connects back to, the reward
+registry's names and MoE router replay. No machine facts here (see ``layout.py``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+from urllib.parse import urlsplit
+
+from megatron_grpo.config.base import ConfigError
+from megatron_grpo.config.experiment import ExperimentConfig
+from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.config.sections import RewardConfig
+from megatron_grpo.rewards.registry import name_problem
+from megatron_grpo.rollout.engines import ENGINES, EngineAdapter
+from megatron_grpo.runtime.placement import is_loopback
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def colocate_problem(rollout_cfg: RolloutConfig, adapter: EngineAdapter,
+                     cuda: Optional[bool] = None) -> Optional[tuple[str, str]]:
+    """(dotted key, message) of the first ``rollout.colocate`` rule the config breaks, or None.
+    Every colocate rule is here: the transport, the mode, the engine's memory release and,
+    when ``cuda`` is known (the run's pre-flight), the GPU."""
+    if not rollout_cfg.colocate:
+        return None
+    if rollout_cfg.weight_sync_transport != "tensor":
+        return ("rollout.colocate", f"needs weight_sync_transport: tensor (got {rollout_cfg.weight_sync_transport!r}): "
+                "a colocated engine receives CUDA IPC handles of the trainer's weights")
+    if rollout_cfg.mode != "sync":
+        return ("rollout.mode", f"{rollout_cfg.mode} needs the engine to generate while the trainer trains, so it "
+                "cannot be combined with rollout.colocate: true (the engine's GPU memory is released during "
+                "training); set rollout.mode: sync or rollout.colocate: false")
+    if not adapter.supports_memory_release:
+        return ("rollout.colocate", f"rollout.engine={adapter.name!r} cannot release its GPU memory between rollouts "
+                "(use rollout.engine: sglang)")
+    if cuda is False:
+        return "rollout.colocate", "needs CUDA (the engine releases GPU memory); this machine has no usable GPU"
+    return None
+
+
+def remote_engine_problem(rollout_cfg: RolloutConfig) -> Optional[str]:
+    """Why the engines in ``rollout.urls`` cannot join the weight-update group, or None.
+
+    With the distributed transport each engine connects to ``weight_sync_master_address``;
+    a loopback (or unset) address points an engine on another host at itself.
+    """
+    if rollout_cfg.weight_sync_transport != "distributed" or not is_loopback(rollout_cfg.weight_sync_master_address):
+        return None
+    for i, url in enumerate(rollout_cfg.urls):
+        if not is_loopback(urlsplit(url).hostname):
+            return (f"is {rollout_cfg.weight_sync_master_address or 'null (127.0.0.1)'} but rollout.urls[{i}] = "
+                    f"{url} is on another host, which would connect to itself; set it to an address of this "
+                    "machine that the engine can reach")
+    return None
+
+
+def check_rollout(rollout_cfg: RolloutConfig) -> None:
+    """The ``rollout:`` section against its engine kind's adapter (transports, process-group
+    backends, memory release) and the network; ConfigError naming the ``rollout.`` key."""
+    adapter = ENGINES[rollout_cfg.engine]
+    colocate = colocate_problem(rollout_cfg, adapter)
+    if colocate is not None:
+        raise ConfigError(*colocate)
+    problem = remote_engine_problem(rollout_cfg)
+    _check(problem is None, "rollout.weight_sync_master_address", problem or "")
+    _check(rollout_cfg.weight_sync_transport in adapter.transports, "rollout.weight_sync_transport",
+           f"{rollout_cfg.weight_sync_transport!r} is not supported by rollout.engine={adapter.name!r} "
+           f"(supported: {', '.join(sorted(adapter.transports))})")
+    _check(rollout_cfg.weight_sync_backend in ("auto", *adapter.backends), "rollout.weight_sync_backend",
+           f"{rollout_cfg.weight_sync_backend!r} is not accepted by rollout.engine={adapter.name!r} "
+           f"(accepted: auto, {', '.join(sorted(adapter.backends))})")
+
+
+def check_reward(reward_cfg: RewardConfig) -> None:
+    """Every ``reward.functions[i].name`` is one the registry can resolve (by its shape: dotted
+    and file paths are imported when the trainer builds its RewardScorer, before step 1)."""
+    for i, fn_cfg in enumerate(reward_cfg.functions):
+        problem = name_problem(fn_cfg.name)
+        _check(problem is None, f"reward.functions[{i}].name", problem or "")
+
+
+def check_experiment(cfg: ExperimentConfig) -> None:
+    """Every rule above on a built experiment config, plus MoE router replay against the
+    engine. SGLang's return_routed_experts (its PR 12162) is not verified here, so it is refused."""
+    check_rollout(cfg.rollout)
+    check_reward(cfg.reward)
+    if cfg.algorithm.router_replay:
+        _check(ENGINES[cfg.rollout.engine].returns_routing, "algorithm.router_replay",
+               f"needs an engine that returns its MoE routing; rollout.engine={cfg.rollout.engine!r} "
+               "does not here (use rollout.engine: embedded)")

@@ -1,0 +1,134 @@
+"""The run's pre-flight on this machine: every input a run reads at start-up, checked before
+anything is written to the run directory or any rank starts.
+
+Imports the model and data code (torch, transformers): ``megatron_grpo.preflight`` itself
+does not, so loading a config stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from megatron_grpo.config.base import ConfigError
+from megatron_grpo.config.experiment import ExperimentConfig
+from megatron_grpo.data import DataError, load_prompt_dataset
+from megatron_grpo.models import ModelError, get_architecture, load_hf_config
+from megatron_grpo.models.builder import use_transformer_engine
+from megatron_grpo.models.checkpoint import MARKER, checkpoint_path
+from megatron_grpo.models.tokenizer import load_tokenizer
+from megatron_grpo.models.weights import SafetensorsReader
+from megatron_grpo.preflight.layout import layout_problem
+from megatron_grpo.rewards import RewardScorer
+from megatron_grpo.rollout.engines import ENGINES
+from megatron_grpo.runtime.device import cuda_available
+from megatron_grpo.runtime.placement import ranks_on_this_node
+
+# Vocabulary files of the tokenizer formats transformers reads (one is enough).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "spiece.model")
+
+
+def _in_key(key: str, error: BaseException | str) -> ConfigError:
+    """``error`` (about a file named by config key ``key``) as a ConfigError naming the key."""
+    return ConfigError(key, " ".join(str(error).split()))
+
+
+def check_model_dir(cfg: ExperimentConfig):
+    """config.json (supported architecture, sizes that split over tp/pp), the safetensors
+    weights and the tokenizer of ``model.hf_dir``; returns (hf_config, tokenizer)."""
+    hf_dir = cfg.model.hf_dir
+    try:
+        hf_config = load_hf_config(hf_dir)
+    except ModelError as e:
+        raise _in_key("model.hf_dir", e) from None
+    except Exception as e:  # noqa: BLE001 - transformers rejects a malformed config.json many ways
+        raise ConfigError("model.hf_dir", f"{hf_dir}/config.json: transformers cannot read it: "
+                                          f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+    try:
+        get_architecture(hf_config.model_type).transformer_config_kwargs(hf_config)
+    except ModelError as e:
+        raise _in_key("model.hf_dir", f"{hf_dir}/config.json: {e}") from None
+    parallel_cfg = cfg.parallel
+    for count, name, size, key in ((hf_config.num_attention_heads, "num_attention_heads", parallel_cfg.tp, "parallel.tp"),
+                                   (hf_config.num_key_value_heads, "num_key_value_heads", parallel_cfg.tp, "parallel.tp"),
+                                   (hf_config.num_hidden_layers, "num_hidden_layers", parallel_cfg.pp, "parallel.pp")):
+        if count % size:
+            raise ConfigError(key, f"{size} does not divide the model's {name} = {count} ({hf_dir}/config.json)")
+    # A partial download (config.json but no or unreadable weights) must fail here, not after
+    # the ranks and the rollout engine have started.
+    try:
+        reader = SafetensorsReader(hf_dir)
+        missing = sorted({f for f in reader.weight_map.values() if not (reader.dir / f).is_file()})
+    except ModelError as e:
+        raise _in_key("model.hf_dir", e) from None
+    except Exception as e:  # noqa: BLE001 - a corrupt safetensors header or index
+        raise ConfigError("model.hf_dir", f"{hf_dir}: unreadable weights: {type(e).__name__}: "
+                                          f"{' '.join(str(e).split())[:200]}") from None
+    if missing:
+        raise ConfigError("model.hf_dir", f"{hf_dir}: {missing[0]} is listed in model.safetensors.index.json "
+                                          f"but missing ({len(missing)} shard(s) missing: a partial download?)")
+    # Without vocabulary files transformers silently builds an empty tokenizer for the
+    # model_type (every prompt would tokenize to nothing): require one.
+    if not any(any(Path(hf_dir).glob(pattern)) for pattern in TOKENIZER_FILES):
+        raise ConfigError("model.hf_dir", f"{hf_dir}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
+    try:
+        tokenizer = load_tokenizer(hf_dir)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad dir
+        raise ConfigError("model.hf_dir", f"{hf_dir}: cannot load the tokenizer: "
+                                          f"{' '.join(str(e).split())[:200]}") from None
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ConfigError(
+            "model.hf_dir", f"{hf_dir}: the tokenizer has {len(tokenizer)} tokens but config.json's vocab_size is "
+            f"{hf_config.vocab_size}: tokenizer and model do not belong together")
+    return hf_config, tokenizer
+
+
+def check_checkpoints(cfg: ExperimentConfig) -> None:
+    """``model.megatron_ckpt`` and an explicit ``checkpoint.resume`` path must be checkpoints."""
+    if cfg.model.megatron_ckpt:
+        try:
+            checkpoint_path(cfg.model.megatron_ckpt)
+        except ModelError as e:
+            raise _in_key("model.megatron_ckpt", e) from None
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "never") and not (Path(resume) / MARKER).is_file():
+        raise ConfigError("checkpoint.resume", f"{resume} is not a complete checkpoint (no {MARKER} file); "
+                                               "expected auto, never or a checkpoint directory")
+
+
+def check_machine(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
+    """The GPU layout of ``cfg`` can work on this machine (``layout.layout_problem``)."""
+    cuda = cuda_available()
+    problem = layout_problem(cfg, cuda=cuda, num_gpus=torch.cuda.device_count() if cuda else 0,
+                             ranks_on_node=ranks_on_this_node() if ranks_on_node is None else ranks_on_node,
+                             transformer_engine=use_transformer_engine())
+    if problem is not None:
+        raise ConfigError(*problem)
+
+
+def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
+    """Check, without writing anything, every input the run reads at start-up: the rollout
+    engine's environment (an SGLang to launch), the GPU layout on this machine
+    (``ranks_on_node`` trainer ranks, default torchrun's LOCAL_WORLD_SIZE), the model
+    directory (config, weights, tokenizer vs vocabulary, tp/pp vs head and layer counts),
+    checkpoints to load, the dataset (every line), the reward functions (imported) and the
+    logging sinks. Raises ConfigError, DataError, ModelError or RewardError (one line each)."""
+    engine_problem = ENGINES[cfg.rollout.engine].preflight(cfg.rollout)
+    if engine_problem:
+        raise ConfigError("", engine_problem)  # the problem names its key
+    check_machine(cfg, ranks_on_node)
+    hf_config, tokenizer = check_model_dir(cfg)
+    check_checkpoints(cfg)
+    dataset = load_prompt_dataset(cfg.data, tokenizer)
+    context = getattr(hf_config, "max_position_embeddings", None)
+    too_long = [p for p in dataset.prompts if context and len(p.prompt_ids) >= context]
+    if too_long:  # the engine would reject it mid-run; say which line now
+        raise DataError(f"{too_long[0].where}: prompt is {len(too_long[0].prompt_ids)} tokens, no room to generate "
+                        f"in the model's context of {context} (max_position_embeddings, {cfg.model.hf_dir}/config.json)")
+    for i, s in enumerate(cfg.eval.sets):
+        load_prompt_dataset(cfg.data, tokenizer, s.path, key=f"eval.sets[{i}].path")
+    RewardScorer(cfg.reward).close()
+    if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb_project", "is set but wandb is not installed; pip install wandb or set it to null")
