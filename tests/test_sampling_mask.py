@@ -231,3 +231,39 @@ def test_a_kept_set_without_its_token_is_refused():
         parse_sampling_mask(meta, [4, 8])
     with pytest.raises(ValueError, match="3 tokens"):
         parse_sampling_mask(meta, [4, 7, 9])
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_demo_with_top_p_logs_the_kept_mass_and_an_fp32_mismatch(demo, tmp_path):
+    """The real `megatron-grpo train` (TP=2, embedded engine) at top_p 0.7: both sides describe
+    the truncated distribution, so the logged mismatch stays at fp32 level while the kept mass
+    shows the truncation."""
+    import subprocess
+
+    from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(train_cmd(demo, run_dir, 4, "rollout.top_p=0.7", "eval.every_n_steps=0"), cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert len(records) == 4
+    for r in records:
+        assert r["rollout/log_kept_mass_mean"] < -0.05
+        assert r["rollout/sampling_mask_unsent_frac"] == 0.0
+        assert r["rollout_train_logprobs_abs_diff_mean"] < 1e-5
+
+
+def test_sglang_with_truncation_needs_replay_off():
+    from megatron_grpo.config.base import ConfigError
+    from megatron_grpo.config.rollout import RolloutConfig
+    from megatron_grpo.preflight.rules import check_rollout
+
+    with pytest.raises(ConfigError, match="rollout.sampling_mask_replay.*does not report"):
+        check_rollout(RolloutConfig(engine="sglang", top_p=0.8))
+    check_rollout(RolloutConfig(engine="sglang", top_p=0.8, sampling_mask_replay=False))
+    check_rollout(RolloutConfig(engine="sglang"))  # no truncation: nothing to replay
+    check_rollout(RolloutConfig(engine="embedded", top_k=5))

@@ -87,6 +87,21 @@ class RolloutConfig:
     top_k: int = -1
     """Top-k sampling (-1 = off)."""
 
+    min_p: float = 0.0
+    """Min-p sampling: tokens below min_p times the most likely token's probability are cut (0 = off)."""
+
+    sampling_mask_replay: bool = True
+    """With truncated sampling (top_p < 1, top_k > 0 or min_p > 0): the engine reports the set of
+    tokens each draw could pick and the trainer scores the same renormalised, truncated
+    distribution (the log-probs, ratios, KL and entropy of the policy that generated the data;
+    docs/loss_spec.md). false: both sides report the full distribution, as SGLang does (the
+    ratios are then computed against a distribution the engine did not sample from). Needs an
+    engine that reports its kept sets (rollout.engine: embedded)."""
+
+    sampling_mask_max_kept: int = 1024
+    """Most kept-set ids the engine sends per sampled token; a larger set is not sent and that
+    token is scored on the full distribution (counted in rollout/sampling_mask_unsent_frac)."""
+
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra token ids that end a response (the tokenizer's EOS always does)."""
 
@@ -180,6 +195,9 @@ class RolloutConfig:
         check(self.temperature > 0, "temperature", f"must be > 0, got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 or >= 1, got {self.top_k}")
+        check(0 <= self.min_p < 1, "min_p", f"must be in [0, 1), got {self.min_p}")
+        check(self.sampling_mask_max_kept >= 1, "sampling_mask_max_kept",
+              f"must be >= 1, got {self.sampling_mask_max_kept}")
         check(self.port is None or 0 < self.port < 65536, "port", f"must be in 1..65535, got {self.port}")
         check(self.num_servers >= 1, "num_servers", f"must be >= 1, got {self.num_servers}")
         check(self.verify_logprob_tolerance > 0, "verify_logprob_tolerance", "must be > 0")
@@ -197,6 +215,11 @@ class RolloutConfig:
         # colocate, the engine kind's transports and backends, and engines in urls on other
         # hosts are checked against the engine adapters and the network by the pre-flight
         # (preflight/rules.py: check_rollout).
+
+    @property
+    def truncates(self) -> bool:
+        """The engine samples from a truncated distribution (top-k, top-p or min-p)."""
+        return self.top_p < 1 or self.top_k != -1 or self.min_p > 0
 
     @property
     def batch_size(self) -> int:

@@ -74,6 +74,13 @@ def check_rollout(rollout_cfg: RolloutConfig) -> None:
     _check(rollout_cfg.weight_sync_backend in ("auto", *adapter.backends), "rollout.weight_sync_backend",
            f"{rollout_cfg.weight_sync_backend!r} is not accepted by rollout.engine={adapter.name!r} "
            f"(accepted: auto, {', '.join(sorted(adapter.backends))})")
+    # SGLang 0.5.23 reports no kept sets (its top-logprobs could return a top-k set exactly; not
+    # wired): training it with truncation and replay on would score a distribution it never sent.
+    _check(not (rollout_cfg.truncates and rollout_cfg.sampling_mask_replay) or adapter.reports_sampling_mask,
+           "rollout.sampling_mask_replay",
+           f"is on and rollout.top_p/top_k/min_p truncate sampling, but rollout.engine={adapter.name!r} does not "
+           "report the tokens each draw could pick; set rollout.sampling_mask_replay: false (both sides then score "
+           "the full distribution, which the engine did not sample from), or use rollout.engine: embedded")
 
 
 def check_reward(reward_cfg: RewardConfig) -> None:

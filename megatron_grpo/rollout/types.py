@@ -55,13 +55,17 @@ class SamplingParams:
 
     @classmethod
     def from_rollout_config(cls, cfg) -> "SamplingParams":
-        """The sampling parameters of a ``RolloutConfig``."""
+        """The sampling parameters of a ``RolloutConfig`` (kept sets asked for when it
+        truncates and replays the sampling mask)."""
+        replay = cfg.sampling_mask_replay and cfg.truncates
         return cls(
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k,
+            min_p=cfg.min_p,
             max_new_tokens=cfg.max_new_tokens,
             stop_token_ids=list(cfg.stop_token_ids),
+            sampling_mask_max_kept=cfg.sampling_mask_max_kept if replay else 0,
         )
 
 

@@ -29,6 +29,9 @@ class EngineAdapter:
     """Process-group backends the engine's /init_weights_update_group accepts."""
     supports_memory_release: bool = False
     """True: the engine can give its GPU memory back between rollouts (rollout.colocate)."""
+    reports_sampling_mask: bool = False
+    """True: /generate answers ``return_sampling_mask`` with each draw's kept set and log kept
+    mass (``meta_info.sampling_mask``; rollout.sampling_mask_replay needs it)."""
     returns_routing: bool = False
     """True: /generate answers ``return_routed_experts`` with the MoE routing of every position
     (``meta_info.routed_experts``; algorithm.router_replay needs it)."""

@@ -21,6 +21,7 @@ class EmbeddedAdapter(EngineAdapter):
     # gloo on the CPU; NCCL once the model is on a GPU (the engine refuses NCCL on a CPU).
     backends = frozenset({"gloo", "nccl"})
     returns_routing = True  # rollout.embedded.routing
+    reports_sampling_mask = True  # rollout.embedded.sampling
 
     def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,
                        gpu_ids: Optional[list[int]] = None) -> list[str]:
