@@ -83,6 +83,8 @@ class ExperimentConfig:
 
         if self.algorithm.router_replay:
             self._check_router_replay()
+        check(self.rollout.environment is None or not self.algorithm.router_replay, "algorithm.router_replay",
+              "is not supported with rollout.environment (multi-turn episodes): set one of them off")
 
         labels = self.reward.labels
         check(
