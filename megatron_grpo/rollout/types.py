@@ -83,6 +83,10 @@ class Sample:
     routed_experts: Optional[Any] = None
     """Only when requested (router replay): the engine's MoE routing, int32 tensor
     [prompt + response - 1, num_moe_layers * k] (``rollout.routed_experts``)."""
+    output_mask: Optional[list[int]] = None
+    """Multi-turn episodes: 1 where ``output_ids[i]`` is a model token (the engine's, with its
+    log-prob), 0 where it is an observation token (context: log-prob 0, no loss). None: every
+    output token is the model's."""
 
     @property
     def num_output_tokens(self) -> int:

@@ -7,7 +7,6 @@
 * ``builtin``: the calculator and guess-the-number environments.
 """
 
-from megatron_grpo.rollout.environments.worker import (EnvCallError, EnvContractError, EnvProcess, check_environment,
-                                                      start_method)
+from megatron_grpo.rollout.environments.worker import EnvCallError, EnvContractError, EnvProcess, check_environment
 
-__all__ = ["EnvCallError", "EnvContractError", "EnvProcess", "check_environment", "start_method"]
+__all__ = ["EnvCallError", "EnvContractError", "EnvProcess", "check_environment"]

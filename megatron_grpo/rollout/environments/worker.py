@@ -1,31 +1,46 @@
 """One environment instance per worker process: a hung or crashing environment is killed
 alone, and the trainer's process never runs the user's environment code.
 
-``EnvProcess(spec, row, timeout_s)`` starts a process (multiprocessing ``forkserver``: forked
-from a small server that has imported only this module, never from the trainer's threaded
-process), which loads ``spec``, constructs the environment with ``row`` and then answers
-``step(response)`` calls; an ``async def step`` runs on the worker's own event loop. Every call
-the parent makes waits at most ``timeout_s`` (the worker's start-up has its own allowance):
-past it the process is killed (SIGKILL, which even a sync ``while True`` cannot ignore) and
-the call raises ``EnvCallError("timeout")``. An exception inside the environment raises
-``EnvCallError("error")`` with the file:line where it was raised. A broken contract (no such
-file or class, no ``step``, a ``step`` answer of the wrong shape) raises ``EnvContractError``:
-a one-line user error that stops the run.
+Workers are forked by a small fork server: a plain ``python`` subprocess that imports only
+this module (not the trainer's main module, torch or megatron) and forks one worker per
+environment on request, over an authenticated Unix socket (``multiprocessing.connection``).
+Forking there is safe (the server is single-purpose) and fast (no interpreter start per
+episode); the server exits when the trainer's process does (its stdin closes), and a worker
+exits when its connection closes.
+
+``EnvProcess(spec, row, timeout_s)`` gets a worker, which loads ``spec``, constructs the
+environment with ``row`` and then answers ``step(response)`` calls; an ``async def step`` runs
+on the worker's own event loop. Every call waits at most ``timeout_s`` (the worker's start-up
+has its own allowance): past it the worker is killed (SIGKILL, which even a sync
+``while True`` cannot ignore) and the call raises ``EnvCallError("timeout")``. An exception
+inside the environment raises ``EnvCallError("error")`` with the file:line where it was
+raised. A broken contract (no such file or class, no ``step``, a ``step`` answer of the
+wrong shape) raises ``EnvContractError``: a one-line user error that stops the run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import inspect
-import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 import traceback
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
 from typing import Any, Optional
 
 from megatron_grpo.rollout.environments.loading import (check_step_result, class_problem, describe,
                                                         load_environment_class, one_line)
 
 STARTUP_TIMEOUT_S = 60.0
-"""Allowance for a worker process to start (not the environment's: it has not run yet)."""
+"""Allowance for the fork server and a worker to start (not the environment's: it has not run yet)."""
 
 
 class EnvContractError(ValueError):
@@ -43,11 +58,84 @@ class EnvCallError(RuntimeError):
         super().__init__(f"{where}: {message}")
 
 
-def start_method():
-    """The multiprocessing context of environment workers (forkserver preloading this module)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ctx
+class _ForkServer:
+    """The fork server process and its socket (see the module docstring)."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="megatron-grpo-env-")
+        self.address = os.path.join(self.dir, "fork.sock")
+        self.authkey = os.urandom(16)
+        package_root = str(Path(__file__).resolve().parents[3])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from megatron_grpo.rollout.environments.worker import _server_main; _server_main()",
+             self.address], stdin=subprocess.PIPE, env=env)
+        self.proc.stdin.write(self.authkey.hex().encode() + b"\n")
+        self.proc.stdin.flush()  # stdin stays open: the server exits when it closes (this process ended)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not os.path.exists(self.address):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the environment fork server did not start (exit code {self.proc.returncode})")
+            time.sleep(0.02)
+
+    def connect(self, request: tuple) -> tuple[Connection, int]:
+        """A new worker serving ``request``: (its connection, its pid)."""
+        conn = Client(self.address, family="AF_UNIX", authkey=self.authkey)
+        conn.send(request)
+        if not conn.poll(STARTUP_TIMEOUT_S):
+            conn.close()
+            raise EnvCallError("error", "a worker process did not start", str(request[1]))
+        return conn, conn.recv()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_server: Optional[_ForkServer] = None
+_server_lock = threading.Lock()
+
+
+def _fork_server() -> _ForkServer:
+    global _server
+    with _server_lock:
+        if _server is None or _server.proc.poll() is not None:
+            _server = _ForkServer()
+            atexit.register(_server.close)
+        return _server
+
+
+def _server_main() -> None:
+    """The fork server: accept a connection, fork a worker for it, repeat (until stdin closes)."""
+    address = sys.argv[1]
+    authkey = bytes.fromhex(sys.stdin.readline().strip())
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    listener = Listener(address, family="AF_UNIX", authkey=authkey)
+    threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
+    while True:
+        try:
+            conn = listener.accept()
+        except Exception:  # a client that failed the handshake
+            continue
+        if os.fork() == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.close(listener._listener._socket.fileno())  # not listener.close(): that unlinks the socket
+            try:
+                request = conn.recv()
+                conn.send(os.getpid())
+                if request[0] == "serve":
+                    _serve(conn, request[1], request[2])
+                else:
+                    _check(conn, request[1])
+            except (EOFError, OSError):
+                pass
+            finally:
+                os._exit(0)
+        conn.close()
 
 
 def _raise_site(e: BaseException, env_file: str) -> str:
@@ -59,7 +147,7 @@ def _raise_site(e: BaseException, env_file: str) -> str:
 
 
 def _serve(conn, spec: str, row: dict) -> None:
-    """The worker process: load, construct, then answer ("step", response) until ("close", _)."""
+    """A worker: load, construct, then answer ("step", response) until ("close", _)."""
     conn.send(("ready", None))
     where = describe(spec)
     try:
@@ -117,32 +205,33 @@ def _check(conn, spec: str) -> None:
 def check_environment(spec: str, timeout_s: float) -> None:
     """Pre-flight, in a worker process: ``spec`` loads and names an environment class.
     EnvContractError (one line: file, class, what is wrong) otherwise."""
-    ctx = start_method()
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_check, args=(child, spec), daemon=True, name="megatron-grpo-env-check")
-    proc.start()
-    child.close()
+    conn, pid = _fork_server().connect(("check", spec))
     try:
-        if not parent.poll(STARTUP_TIMEOUT_S + timeout_s):
+        if not conn.poll(timeout_s):
             raise EnvContractError(f"rollout.environment {describe(spec)}: loading the file took longer than "
-                                   f"{STARTUP_TIMEOUT_S + timeout_s:.0f}s")
+                                   f"{timeout_s:g}s (rollout.multi_turn.env_timeout_s)")
         try:
-            problem = parent.recv()
-        except EOFError:
-            raise EnvContractError(f"rollout.environment {describe(spec)}: loading the file killed its process "
-                                   f"(exit code {proc.exitcode})") from None
+            problem = conn.recv()
+        except (EOFError, OSError):
+            raise EnvContractError(f"rollout.environment {describe(spec)}: loading the file killed its "
+                                   "process") from None
         if problem is not None:
             raise EnvContractError(problem)
     finally:
-        _stop(proc)
-        parent.close()
+        _kill(pid)
+        conn.close()
 
 
-def _stop(proc, grace_s: float = 2.0) -> None:
-    proc.join(timeout=grace_s)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(timeout=5.0)
+def _kill(pid: int, wait_s: float = 2.0) -> None:
+    """SIGKILL ``pid`` and wait (bounded) until the fork server's kernel reaping has removed it."""
+    deadline = time.monotonic() + wait_s
+    try:
+        os.kill(pid, signal.SIGKILL)
+        while time.monotonic() < deadline:
+            os.kill(pid, 0)
+            time.sleep(0.01)
+    except ProcessLookupError:
+        pass
 
 
 class EnvProcess:
@@ -152,11 +241,7 @@ class EnvProcess:
     def __init__(self, spec: str, row: dict, timeout_s: float):
         self.where = describe(spec)
         self.timeout_s = timeout_s
-        ctx = start_method()
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, spec, row), daemon=True, name="megatron-grpo-env")
-        self._proc.start()
-        child.close()
+        self._conn, self.pid = _fork_server().connect(("serve", spec, row))
         self._closed = False
         self._await("start-up", STARTUP_TIMEOUT_S)
         self._await("the constructor", timeout_s)
@@ -167,8 +252,7 @@ class EnvProcess:
             self._conn.send(("step", response))
         except (BrokenPipeError, OSError):
             self.kill()
-            raise EnvCallError("error", f"the worker process is gone (exit code {self._proc.exitcode})",
-                               self.where) from None
+            raise EnvCallError("error", "the worker process is gone", self.where) from None
         return self._await("step", self.timeout_s)
 
     def _await(self, what: str, timeout_s: float) -> Any:
@@ -180,8 +264,7 @@ class EnvProcess:
             kind, payload = self._conn.recv()
         except (EOFError, OSError):
             self.kill()
-            raise EnvCallError("error", f"the worker process died during {what} (exit code {self._proc.exitcode})",
-                               self.where) from None
+            raise EnvCallError("error", f"the worker process died during {what}", self.where) from None
         if kind in ("ok", "ready"):
             return payload
         self.close()
@@ -189,26 +272,18 @@ class EnvProcess:
             raise EnvContractError(payload)
         raise EnvCallError("error", payload["message"], payload["where"])
 
-    @property
-    def pid(self) -> Optional[int]:
-        return self._proc.pid
-
     def kill(self) -> None:
         """Stop the worker now (SIGKILL)."""
-        if self._proc.is_alive():
-            self._proc.kill()
-        self._proc.join(timeout=5.0)
+        _kill(self.pid)
         self._closed = True
         self._conn.close()
 
     def close(self) -> None:
-        """Let the worker end (it gets 2 s), then kill it."""
+        """Ask the worker to end, then make sure it has (SIGKILL)."""
         if self._closed:
             return
         try:
             self._conn.send(("close", None))
         except (BrokenPipeError, OSError):
             pass
-        _stop(self._proc)
-        self._closed = True
-        self._conn.close()
+        self.kill()
