@@ -267,3 +267,19 @@ def test_sglang_with_truncation_needs_replay_off():
     check_rollout(RolloutConfig(engine="sglang", top_p=0.8, sampling_mask_replay=False))
     check_rollout(RolloutConfig(engine="sglang"))  # no truncation: nothing to replay
     check_rollout(RolloutConfig(engine="embedded", top_k=5))
+
+
+def test_multi_turn_observation_tokens_carry_no_set_and_no_mass():
+    """An episode's observation tokens (output_mask 0) are context: no kept set (scored on the
+    full distribution, with no loss), log-prob 0, and out of the kept-mass metrics."""
+    from megatron_grpo.rollout.types import Sample
+    from megatron_grpo.trainer.batch import pad_kept_ids, truncated_log_probs
+    from megatron_grpo.trainer.rollout_step import _mask_stats
+
+    episode = Sample(prompt_index=0, sample_index=0, prompt_ids=[1, 2], output_ids=[5, 9, 9, 6],
+                     output_logprobs=[-1.0, 0.0, 0.0, -2.0], finish_reason="stop", weight_version="0",
+                     output_mask=[1, 0, 0, 1], kept_ids=[[5, 7], None, None, [6]], log_kept_mass=[-0.5, 0.0, 0.0, -0.25])
+    assert truncated_log_probs(episode.output_logprobs, episode.kept_ids, episode.log_kept_mass) == [-0.5, 0.0, 0.0, -1.75]
+    assert _mask_stats([episode]) == {"rollout/log_kept_mass_mean": -0.375, "rollout/sampling_mask_unsent_frac": 0.0}
+    kept = pad_kept_ids([2], [episode.kept_ids], 6)
+    assert kept[0, :, 0].tolist() == [-1, 5, -1, -1, 6] and kept[0, 1].tolist() == [5, 7]

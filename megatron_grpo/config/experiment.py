@@ -85,6 +85,8 @@ class ExperimentConfig:
         check(not (self.algorithm.router_replay and self.model.recompute_activations), "algorithm.router_replay",
               "cannot be combined with model.recompute_activations (the recomputed forward would "
               "route after later micro-batches set their targets)")
+        check(self.rollout.environment is None or not self.algorithm.router_replay, "algorithm.router_replay",
+              "is not supported with rollout.environment (multi-turn episodes): set one of them off")
 
         labels = self.reward.labels
         check(

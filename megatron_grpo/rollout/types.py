@@ -97,6 +97,10 @@ class Sample:
     log_kept_mass: Optional[list[float]] = None
     """With ``kept_ids``: per output token, log of the kept set's probability under the
     unfiltered distribution (0 when nothing was cut)."""
+    output_mask: Optional[list[int]] = None
+    """Multi-turn episodes: 1 where ``output_ids[i]`` is a model token (the engine's, with its
+    log-prob), 0 where it is an observation token (context: log-prob 0, no loss). None: every
+    output token is the model's."""
 
     @property
     def num_output_tokens(self) -> int:

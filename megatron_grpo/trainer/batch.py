@@ -7,6 +7,8 @@ Layout (N sequences, S = longest prompt+response of the rollout batch, T = S - 1
   at later padding), so no attention mask is needed.
 * every per-token field is over the T *shifted* positions: position t scores ``tokens[:, t+1]``
   given ``tokens[:, :t+1]``. ``loss_mask[i, t] = 1`` iff ``tokens[i, t+1]`` is a response token.
+  In a multi-turn episode the response interleaves model and observation tokens; only the
+  model's count (``output_masks``), observation tokens are context.
 * ``rollout_log_probs[N, T]``: the engine's log-probs on the response positions, 0 elsewhere.
 * ``advantages[N]``: one per sequence (outcome reward).
 * ``kept_ids[N, T, K]`` (sampling-mask replay only): the ids the engine's draw of the token at
@@ -65,11 +67,14 @@ def build_train_batch(
     output_logprobs: Sequence[Sequence[float]],
     advantages: torch.Tensor,
     pad_id: int,
+    output_masks: Sequence[Sequence[int] | None] | None = None,
 ) -> TrainBatch:
     """Pack N (prompt, response) pairs into a TrainBatch (see the module docstring).
 
     prompt_ids / output_ids / output_logprobs: N lists; output_logprobs[i] has the length of
-    output_ids[i]. advantages: float[N].
+    output_ids[i]. advantages: float[N]. output_masks: None, or N entries each None (every
+    response token trains) or a {0,1} list of output_ids[i]'s length (1: model token; 0:
+    observation token, which gets loss_mask 0 and rollout log-prob 0).
     """
     n = len(prompt_ids)
     assert len(output_ids) == n == len(output_logprobs) == advantages.shape[0]
@@ -86,6 +91,13 @@ def build_train_batch(
             # response token j sits at position len(p)+j, scored at shifted position len(p)+j-1
             loss_mask[i, len(p) - 1 : len(p) - 1 + len(o)] = 1.0
             rollout_lp[i, len(p) - 1 : len(p) - 1 + len(o)] = torch.tensor(lp, dtype=torch.float32)
+            mask = output_masks[i] if output_masks is not None else None
+            if mask is not None:
+                assert len(mask) == len(o), f"sample {i}: {len(o)} tokens but an output mask of {len(mask)}"
+                model = torch.tensor(mask, dtype=torch.bool)
+                span = slice(len(p) - 1, len(p) - 1 + len(o))
+                loss_mask[i, span] = model.float()
+                rollout_lp[i, span] = torch.where(model, rollout_lp[i, span], 0.0)
     return TrainBatch(tokens=tokens, loss_mask=loss_mask, rollout_log_probs=rollout_lp,
                       advantages=advantages.float())
 

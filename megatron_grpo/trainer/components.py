@@ -15,7 +15,9 @@ from megatron_grpo.data import PromptSampler
 from megatron_grpo.models import build_model, load_hf_config, load_hf_weights, load_megatron_checkpoint
 from megatron_grpo.models.builder import check_moe_training
 from megatron_grpo.rewards import RewardScorer
+from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rollout.http_engine import HttpEngine, start_servers
+from megatron_grpo.rollout.multi_turn import EpisodeRunner
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.runtime.collectives import broadcast
 from megatron_grpo.runtime.device import cuda_available, resolve_distributed_optimizer
@@ -78,19 +80,25 @@ class RolloutSide:
     tokenizer: Any  # a transformers tokenizer
     sampler: Optional[PromptSampler]  # None when evaluating a saved model
     scorer: RewardScorer
+    multi_turn: Optional[EpisodeRunner] = None  # rollout.environment's episodes, when set
 
     def close(self) -> None:
         self.scorer.close()
 
 
 def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[PromptSampler]) -> RolloutSide:
-    """The sampling parameters (with the tokenizer's EOS as a stop id), the sampler and the
-    reward scorer (built before the engine starts: a bad reward fails fast)."""
+    """The sampling parameters (with the tokenizer's EOS as a stop id), the sampler, the
+    reward scorer and, with ``rollout.environment``, the episode runner (built before the
+    engine starts: a bad reward or environment fails fast)."""
     scorer = RewardScorer(cfg.reward)
+    multi_turn = None
+    if cfg.rollout.environment is not None:
+        use_template = cfg.data.apply_chat_template and has_chat_template(tokenizer)
+        multi_turn = EpisodeRunner.build(cfg.rollout, tokenizer, use_template=use_template)
     sampling = SamplingParams.from_rollout_config(cfg.rollout)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in sampling.stop_token_ids:
         sampling.stop_token_ids = [*sampling.stop_token_ids, tokenizer.eos_token_id]
-    return RolloutSide(sampling=sampling, tokenizer=tokenizer, sampler=sampler, scorer=scorer)
+    return RolloutSide(sampling=sampling, tokenizer=tokenizer, sampler=sampler, scorer=scorer, multi_turn=multi_turn)
 
 
 def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Optional[Probe] = None) -> HttpEngine:

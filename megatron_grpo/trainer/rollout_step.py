@@ -2,7 +2,9 @@
 
 With DAPO's options (``rollout.dynamic_sampling``, ``rollout.overlong``) rewards get the
 soft overlong penalty, zero-variance groups are replaced by extra generation rounds, and
-truncated responses can be masked out of the loss (``trainer.dynamic_sampling``).
+truncated responses can be masked out of the loss (``trainer.dynamic_sampling``). With
+``rollout.environment`` each response is a multi-turn episode (``rollout/multi_turn.py``): its
+observation tokens are masked out of the loss and the environment's reward joins the score.
 
 The trainer broadcasts the finished RolloutResult to the other ranks, so the rollout engine,
 the tokenizer and the reward functions live in one process.
@@ -19,6 +21,7 @@ import torch
 
 from megatron_grpo.losses import compute_advantages
 from megatron_grpo.rewards.sample import reward_samples
+from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_rewards, episode_stats
 from megatron_grpo.trainer.batch import (TrainBatch, build_train_batch, pad_kept_ids, pad_routed_experts,
                                          truncated_log_probs)
 from megatron_grpo.trainer.dynamic_sampling import choose_groups, informative_groups, overlong_penalty
@@ -48,40 +51,55 @@ class _Round:
     stats: dict[str, float]
     gen_s: float
     reward_s: float
+    episodes: Optional[list] = None  # multi-turn: the Episode of each sample
+    dropped: Optional[torch.Tensor] = None  # multi-turn: bool[G * n], out of the loss (on_env_error: drop)
 
 
-def _generate_round(step, round_index, prompts, engine, sampling, scorer, tokenizer, cfg) -> _Round:
+def _generate_round(step, round_index, prompts, engine, sampling, scorer, tokenizer, cfg,
+                    multi_turn: Optional[EpisodeRunner] = None) -> _Round:
     t0 = time.monotonic()
-    samples = engine.generate([p.prompt_ids for p in prompts], cfg.rollout.num_generations, sampling,
-                              sampling_seed=sampling_seed(cfg.trainer.seed, step, round_index),
-                              return_routed_experts=cfg.algorithm.router_replay)
+    seed, n = sampling_seed(cfg.trainer.seed, step, round_index), cfg.rollout.num_generations
+    if multi_turn is None:
+        episodes = None
+        samples = engine.generate([p.prompt_ids for p in prompts], n, sampling, sampling_seed=seed,
+                                  return_routed_experts=cfg.algorithm.router_replay)
+    else:
+        episodes = multi_turn.run(engine, prompts, n, sampling, sampling_seed=seed)
+        samples = [e.sample for e in episodes]
     gen_s = time.monotonic() - t0
     scored = scorer.score_samples(reward_samples(prompts, samples, tokenizer))
     reward_s = time.monotonic() - t0 - gen_s
     rewards = torch.tensor(scored.rewards, dtype=torch.float32)
+    dropped = None
+    if episodes is not None:
+        rewards, dropped = episode_rewards(scored.rewards, episodes, n, cfg.rollout.multi_turn)
     penalty = torch.zeros_like(rewards)
     over = cfg.rollout.overlong
     if over.buffer_length is not None:
         lengths = torch.tensor([len(s.output_ids) for s in samples])
         penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, over.buffer_length, over.penalty_factor)
-    return _Round(prompts, samples, rewards + penalty, penalty, scored.per_function, scored.stats, gen_s, reward_s)
+    return _Round(prompts, samples, rewards + penalty, penalty, scored.per_function, scored.stats, gen_s, reward_s,
+                  episodes, dropped)
 
 
 def generate_and_score(step: int, prompts, engine, sampling, scorer, tokenizer, cfg,
-                       more_prompts: Optional[Callable[[], list]] = None) -> RolloutResult:
+                       more_prompts: Optional[Callable[[], list]] = None,
+                       multi_turn: Optional[EpisodeRunner] = None) -> RolloutResult:
     """Generate ``num_generations`` responses per prompt, score, normalise into advantages.
 
     prompts: list of data.Prompt (``prompt_ids``, ``answer``); engine: what generates (a
     ``rollout.protocol.RolloutEngine``, or anything with its ``generate``); cfg: ExperimentConfig.
     more_prompts: the next prompts for DAPO dynamic sampling's extra rounds
-    (``rollout.dynamic_sampling``; ``trainer.dynamic_sampling`` has the rules).
+    (``rollout.dynamic_sampling``; ``trainer.dynamic_sampling`` has the rules). multi_turn:
+    rank 0's EpisodeRunner when ``rollout.environment`` is set (None: single-turn).
     """
     n, ds = cfg.rollout.num_generations, cfg.rollout.dynamic_sampling
-    rounds = [_generate_round(step, 0, prompts, engine, sampling, scorer, tokenizer, cfg)]
+    rounds = [_generate_round(step, 0, prompts, engine, sampling, scorer, tokenizer, cfg, multi_turn)]
     informative = [informative_groups(rounds[0].rewards, n)]
     if ds.enabled and more_prompts is not None:
         while sum(int(i.sum()) for i in informative) < len(prompts) and len(rounds) <= ds.max_extra_rounds:
-            rounds.append(_generate_round(step, len(rounds), more_prompts(), engine, sampling, scorer, tokenizer, cfg))
+            rounds.append(_generate_round(step, len(rounds), more_prompts(), engine, sampling, scorer, tokenizer, cfg,
+                                          multi_turn))
             informative.append(informative_groups(rounds[-1].rewards, n))
     picks = choose_groups(informative, len(prompts)) if ds.enabled else [(0, g) for g in range(len(prompts))]
     rows = [(r, g * n + j) for r, g in picks for j in range(n)]
@@ -93,7 +111,7 @@ def generate_and_score(step: int, prompts, engine, sampling, scorer, tokenizer, 
         [s.prompt_ids for s in samples], [s.output_ids for s in samples],
         [truncated_log_probs(s.output_logprobs, s.kept_ids, s.log_kept_mass) if replay else s.output_logprobs
          for s in samples],
-        advantages, pad_id=_pad_id(tokenizer),
+        advantages, pad_id=_pad_id(tokenizer), output_masks=[s.output_mask for s in samples],
     )
     if replay:  # the trainer scores the same truncated distribution (trainer.batch, ops.vocab_parallel)
         batch.kept_ids = pad_kept_ids([len(s.prompt_ids) for s in samples], [s.kept_ids for s in samples],
@@ -106,6 +124,9 @@ def generate_and_score(step: int, prompts, engine, sampling, scorer, tokenizer, 
     stats = _stats(samples, rewards, truncated, rounds, n)
     if replay:
         stats.update(_mask_stats(samples))
+    if multi_turn is not None:
+        batch.loss_mask[torch.stack([rounds[r].dropped[i] for r, i in rows])] = 0.0
+        stats.update(episode_stats([rounds[r].episodes[i] for r, i in rows]))
     for label in rounds[0].per_function:
         stats[f"reward/{label}"] = float(np.mean([rounds[r].per_function[label][i] for r, i in rows]))
     for key in rounds[0].stats:
@@ -145,11 +166,14 @@ def _stats(samples, rewards: torch.Tensor, truncated: torch.Tensor, rounds: list
 
 
 def _mask_stats(samples) -> dict[str, float]:
-    """Sampling-mask replay over every response token: the mean log kept mass (0 when nothing
+    """Sampling-mask replay over every model token: the mean log kept mass (0 when nothing
     is cut; how far the sampled distribution is from the full one) and the fraction of tokens
     whose set was over the budget (scored on the full distribution)."""
-    masses = [m for s in samples for m in s.log_kept_mass]
-    unsent = sum(ids is None for s in samples for ids in s.kept_ids)
+    def model_tokens(s, values):  # multi-turn: observation tokens are context, not draws
+        return values if s.output_mask is None else [v for v, m in zip(values, s.output_mask) if m]
+
+    masses = [m for s in samples for m in model_tokens(s, s.log_kept_mass)]
+    unsent = sum(ids is None for s in samples for ids in model_tokens(s, s.kept_ids))
     return {"rollout/log_kept_mass_mean": float(np.mean(masses)) if masses else 0.0,
             "rollout/sampling_mask_unsent_frac": unsent / max(len(masses), 1)}
 

@@ -140,7 +140,7 @@ class Trainer:
             raise
         generate = (lambda step, prompts: generate_and_score(
             step, prompts, http, side.sampling, side.scorer, side.tokenizer, cfg,
-            more_prompts=side.sampler.next_batch)) if side is not None else None
+            more_prompts=side.sampler.next_batch, multi_turn=side.multi_turn)) if side is not None else None
         rollouts = RolloutSchedule(cfg.rollout.mode == "one_step_off_policy", engine,
                                    side.sampler if side is not None else None, generate, cfg.trainer.num_steps)
         plan = UpdatePlan.from_config(cfg, ps.get_data_parallel_world_size())

@@ -1,0 +1,289 @@
+"""One environment instance per worker process: a hung or crashing environment is killed
+alone, and the trainer's process never runs the user's environment code.
+
+Workers are forked by a small fork server: a plain ``python`` subprocess that imports only
+this module (not the trainer's main module, torch or megatron) and forks one worker per
+environment on request, over an authenticated Unix socket (``multiprocessing.connection``).
+Forking there is safe (the server is single-purpose) and fast (no interpreter start per
+episode); the server exits when the trainer's process does (its stdin closes), and a worker
+exits when its connection closes.
+
+``EnvProcess(spec, row, timeout_s)`` gets a worker, which loads ``spec``, constructs the
+environment with ``row`` and then answers ``step(response)`` calls; an ``async def step`` runs
+on the worker's own event loop. Every call waits at most ``timeout_s`` (the worker's start-up
+has its own allowance): past it the worker is killed (SIGKILL, which even a sync
+``while True`` cannot ignore) and the call raises ``EnvCallError("timeout")``. An exception
+inside the environment raises ``EnvCallError("error")`` with the file:line where it was
+raised. A broken contract (no such file or class, no ``step``, a ``step`` answer of the
+wrong shape) raises ``EnvContractError``: a one-line user error that stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import inspect
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_grpo.rollout.environments.loading import (check_step_result, class_problem, describe,
+                                                        load_environment_class, one_line)
+
+STARTUP_TIMEOUT_S = 60.0
+"""Allowance for the fork server and a worker to start (not the environment's: it has not run yet)."""
+
+
+class EnvContractError(ValueError):
+    """The environment does not follow the interface; ``str(e)`` is one line naming it."""
+
+
+class EnvCallError(RuntimeError):
+    """An environment call failed: ``kind`` is ``error`` (it raised, or its process died) or
+    ``timeout``; ``where`` is ``file:line`` of the raise (or the environment's name)."""
+
+    def __init__(self, kind: str, message: str, where: str):
+        self.kind = kind
+        self.message = message
+        self.where = where
+        super().__init__(f"{where}: {message}")
+
+
+class _ForkServer:
+    """The fork server process and its socket (see the module docstring)."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="megatron-grpo-env-")
+        self.address = os.path.join(self.dir, "fork.sock")
+        self.authkey = os.urandom(16)
+        package_root = str(Path(__file__).resolve().parents[3])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from megatron_grpo.rollout.environments.worker import _server_main; _server_main()",
+             self.address], stdin=subprocess.PIPE, env=env)
+        self.proc.stdin.write(self.authkey.hex().encode() + b"\n")
+        self.proc.stdin.flush()  # stdin stays open: the server exits when it closes (this process ended)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not os.path.exists(self.address):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the environment fork server did not start (exit code {self.proc.returncode})")
+            time.sleep(0.02)
+
+    def connect(self, request: tuple) -> tuple[Connection, int]:
+        """A new worker serving ``request``: (its connection, its pid)."""
+        conn = Client(self.address, family="AF_UNIX", authkey=self.authkey)
+        conn.send(request)
+        if not conn.poll(STARTUP_TIMEOUT_S):
+            conn.close()
+            raise EnvCallError("error", "a worker process did not start", str(request[1]))
+        return conn, conn.recv()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_server: Optional[_ForkServer] = None
+_server_lock = threading.Lock()
+
+
+def _fork_server() -> _ForkServer:
+    global _server
+    with _server_lock:
+        if _server is None or _server.proc.poll() is not None:
+            _server = _ForkServer()
+            atexit.register(_server.close)
+        return _server
+
+
+def _server_main() -> None:
+    """The fork server: accept a connection, fork a worker for it, repeat (until stdin closes)."""
+    address = sys.argv[1]
+    authkey = bytes.fromhex(sys.stdin.readline().strip())
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    listener = Listener(address, family="AF_UNIX", authkey=authkey)
+    threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
+    while True:
+        try:
+            conn = listener.accept()
+        except Exception:  # a client that failed the handshake
+            continue
+        if os.fork() == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.close(listener._listener._socket.fileno())  # not listener.close(): that unlinks the socket
+            try:
+                request = conn.recv()
+                conn.send(os.getpid())
+                if request[0] == "serve":
+                    _serve(conn, request[1], request[2])
+                else:
+                    _check(conn, request[1])
+            except (EOFError, OSError):
+                pass
+            finally:
+                os._exit(0)
+        conn.close()
+
+
+def _raise_site(e: BaseException, env_file: str) -> str:
+    """``file:line`` of the deepest frame in the environment's file, else of the deepest frame."""
+    frames = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in frames if f.filename == env_file]
+    frame = (mine or frames)[-1] if frames else None
+    return f"{frame.filename}:{frame.lineno}" if frame else env_file
+
+
+def _serve(conn, spec: str, row: dict) -> None:
+    """A worker: load, construct, then answer ("step", response) until ("close", _)."""
+    conn.send(("ready", None))
+    where = describe(spec)
+    try:
+        cls = load_environment_class(spec)
+    except ValueError as e:
+        conn.send(("contract", str(e)))
+        return
+    problem = class_problem(cls, where)
+    if problem is not None:
+        conn.send(("contract", problem))
+        return
+    try:
+        env_file = inspect.getsourcefile(cls) or where
+    except TypeError:
+        env_file = where
+    try:
+        env = cls(row)
+    except Exception as e:  # the user's constructor: reported, the episode ends
+        conn.send(("error", {"message": f"constructor raised {one_line(e)}", "where": _raise_site(e, env_file)}))
+        return
+    conn.send(("ok", None))
+    loop: Optional[asyncio.AbstractEventLoop] = None
+    while True:
+        try:
+            op, arg = conn.recv()
+        except EOFError:
+            return
+        if op == "close":
+            return
+        try:
+            out = env.step(arg)
+            if inspect.isawaitable(out):
+                loop = loop or asyncio.new_event_loop()
+                out = loop.run_until_complete(out)
+        except Exception as e:  # the user's step: reported, the episode ends
+            conn.send(("error", {"message": f"step raised {one_line(e)}", "where": _raise_site(e, env_file)}))
+            continue
+        try:
+            conn.send(("ok", check_step_result(out, where)))
+        except ValueError as e:
+            conn.send(("contract", str(e)))
+            return
+
+
+def _check(conn, spec: str) -> None:
+    """Pre-flight worker: load ``spec`` and check its class; sends the problem or None."""
+    try:
+        cls = load_environment_class(spec)
+    except ValueError as e:
+        conn.send(str(e))
+        return
+    conn.send(class_problem(cls, describe(spec)))
+
+
+def check_environment(spec: str, timeout_s: float) -> None:
+    """Pre-flight, in a worker process: ``spec`` loads and names an environment class.
+    EnvContractError (one line: file, class, what is wrong) otherwise."""
+    conn, pid = _fork_server().connect(("check", spec))
+    try:
+        if not conn.poll(timeout_s):
+            raise EnvContractError(f"rollout.environment {describe(spec)}: loading the file took longer than "
+                                   f"{timeout_s:g}s (rollout.multi_turn.env_timeout_s)")
+        try:
+            problem = conn.recv()
+        except (EOFError, OSError):
+            raise EnvContractError(f"rollout.environment {describe(spec)}: loading the file killed its "
+                                   "process") from None
+        if problem is not None:
+            raise EnvContractError(problem)
+    finally:
+        _kill(pid)
+        conn.close()
+
+
+def _kill(pid: int, wait_s: float = 2.0) -> None:
+    """SIGKILL ``pid`` and wait (bounded) until the fork server's kernel reaping has removed it."""
+    deadline = time.monotonic() + wait_s
+    try:
+        os.kill(pid, signal.SIGKILL)
+        while time.monotonic() < deadline:
+            os.kill(pid, 0)
+            time.sleep(0.01)
+    except ProcessLookupError:
+        pass
+
+
+class EnvProcess:
+    """One environment instance in its own worker process (see the module docstring).
+    Blocking: every call returns within its timeout."""
+
+    def __init__(self, spec: str, row: dict, timeout_s: float):
+        self.where = describe(spec)
+        self.timeout_s = timeout_s
+        self._conn, self.pid = _fork_server().connect(("serve", spec, row))
+        self._closed = False
+        self._await("start-up", STARTUP_TIMEOUT_S)
+        self._await("the constructor", timeout_s)
+
+    def step(self, response: str) -> dict:
+        """The environment's ``{"observation", "done", "reward"}`` for ``response``."""
+        try:
+            self._conn.send(("step", response))
+        except (BrokenPipeError, OSError):
+            self.kill()
+            raise EnvCallError("error", "the worker process is gone", self.where) from None
+        return self._await("step", self.timeout_s)
+
+    def _await(self, what: str, timeout_s: float) -> Any:
+        if not self._conn.poll(timeout_s):
+            self.kill()
+            raise EnvCallError("timeout", f"{what} took longer than {timeout_s:g}s; its worker process was killed",
+                               self.where)
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):
+            self.kill()
+            raise EnvCallError("error", f"the worker process died during {what}", self.where) from None
+        if kind in ("ok", "ready"):
+            return payload
+        self.close()
+        if kind == "contract":
+            raise EnvContractError(payload)
+        raise EnvCallError("error", payload["message"], payload["where"])
+
+    def kill(self) -> None:
+        """Stop the worker now (SIGKILL)."""
+        _kill(self.pid)
+        self._closed = True
+        self._conn.close()
+
+    def close(self) -> None:
+        """Ask the worker to end, then make sure it has (SIGKILL)."""
+        if self._closed:
+            return
+        try:
+            self._conn.send(("close", None))
+        except (BrokenPipeError, OSError):
+            pass
+        self.kill()

@@ -1,0 +1,259 @@
+"""Multi-turn episodes: the model and an environment (``rollout.environment``) take turns.
+
+For each prompt, ``n`` episodes run; each one is
+
+    env = the environment, constructed with the dataset row        (its own worker process)
+    loop:  model turn   = engine.generate(prompt + everything so far)   token ids in, ids + log-probs out
+           answer       = env.step(the turn's text)                     observation, done, reward
+           stop on done, no observation, rollout.multi_turn.max_turns or the token budget
+           append the observation's ids (rollout/turns.py: the template's delta render)
+
+Token-in/token-out: every model turn is a ``generate`` on the exact token ids of the episode
+so far, never re-tokenized text, and the episode's ``Sample`` keeps those ids: model tokens
+with the engine's log-probs (``output_mask`` 1), observation tokens with log-prob 0
+(``output_mask`` 0), so the trainer scores bit-for-bit what the engine saw.
+
+Failures of the environment do not stop the run: an environment that raises, hangs past
+``env_timeout_s`` (its worker is killed) or sends an observation with unknown tokens ends its
+episode, which is then scored as ``on_env_error`` says; each failure site is printed once
+(file:line) and counted in the step's metrics. A broken contract (``EnvContractError``: the
+file, class or ``step`` answer's shape) stops the run with one line.
+
+Episodes run concurrently (at most ``rollout.max_inflight_requests`` at once) on an asyncio
+loop of the calling thread; the blocking calls (the engine's ``generate``, a worker's pipe)
+run on a thread pool of that size, and no user code runs in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from megatron_grpo.config.base import ConfigError
+from megatron_grpo.data.prompts import has_chat_template
+from megatron_grpo.rewards.registry import load_file
+from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
+from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
+from megatron_grpo.rollout.types import Sample, SamplingParams
+
+_SEED_MODULUS = 2**31 - 1
+
+
+@dataclass
+class Episode:
+    """One finished episode: its sample (the whole token sequence) and what the loop saw."""
+
+    sample: Sample
+    num_turns: int
+    """Model turns."""
+    env_reward: float
+    """Sum of the environment's per-step rewards."""
+    error: Optional[str] = None
+    """None, or why the episode ended early: ``error`` (the environment raised or died),
+    ``timeout`` or ``observation`` (an observation with unknown tokens)."""
+    env_s: float = 0.0
+    """Seconds in environment calls (construction and steps)."""
+    generate_s: float = 0.0
+    """Seconds in the engine's generate calls."""
+
+    @property
+    def num_model_tokens(self) -> int:
+        mask = self.sample.output_mask
+        return len(self.sample.output_ids) if mask is None else int(sum(mask))
+
+    @property
+    def num_observation_tokens(self) -> int:
+        return len(self.sample.output_ids) - self.num_model_tokens
+
+
+class EpisodeRunner:
+    """Rank 0's multi-turn rollouts. ``EpisodeRunner.build(rollout_cfg, tokenizer,
+    use_template)`` checks everything that can be checked before a rank trains (pre-flight);
+    ``run(engine, prompts, n, sampling, sampling_seed)`` -> ``n`` Episodes per prompt, prompt-major."""
+
+    def __init__(self, rollout_cfg, renderer: TurnRenderer):
+        self.spec = rollout_cfg.environment
+        self.cfg = rollout_cfg.multi_turn
+        self.max_inflight = rollout_cfg.max_inflight_requests
+        self.renderer = renderer
+        self.tokenizer = renderer.tokenizer
+        self._reported: set[tuple[str, str]] = set()
+
+    @classmethod
+    def build(cls, rollout_cfg, tokenizer, *, use_template: bool) -> "EpisodeRunner":
+        """Pre-flight: the environment class loads (in a worker process), the formatter loads,
+        the chat template renders observation turns prefix-stably. One-line errors."""
+        mt = rollout_cfg.multi_turn
+        try:
+            check_environment(rollout_cfg.environment, mt.env_timeout_s)
+        except EnvContractError as e:
+            raise ConfigError("", str(e)) from None
+        formatter = (load_file(mt.observation_formatter, "rollout.multi_turn.observation_formatter")
+                     if mt.observation_formatter else None)
+        renderer = TurnRenderer(tokenizer, mt.observation_role, formatter=formatter,
+                                use_template=use_template and has_chat_template(tokenizer))
+        return cls(rollout_cfg, renderer)
+
+    def run(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
+            sampling_seed: Optional[int] = None) -> list[Episode]:
+        """``n`` episodes per prompt (data.Prompt: ``prompt_ids``, ``text``, ``answer``, ``fields``)
+        on ``engine`` (a RolloutEngine), prompt-major, like ``engine.generate``."""
+        jobs = [(i * n + j, i, j, p) for i, p in enumerate(prompts) for j in range(n)]
+        with ThreadPoolExecutor(max_workers=min(self.max_inflight, len(jobs)) or 1,
+                                thread_name_prefix="episode") as pool:
+            results = asyncio.run(self._run_all(engine, jobs, sampling, sampling_seed, pool))
+        for r in results:  # a broken contract first: it is the user's bug, not a transient failure
+            if isinstance(r, EnvContractError):
+                raise r
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    async def _run_all(self, engine, jobs, sampling, sampling_seed, pool) -> list:
+        limit = asyncio.Semaphore(self.max_inflight)
+
+        async def bounded(job):
+            async with limit:
+                return await self._episode(engine, *job, sampling, sampling_seed, pool)
+
+        return await asyncio.gather(*(bounded(job) for job in jobs), return_exceptions=True)
+
+    async def _episode(self, engine, index: int, prompt_index: int, sample_index: int, prompt, sampling: SamplingParams,
+                       sampling_seed: Optional[int], pool) -> Episode:
+        loop = asyncio.get_running_loop()
+        cfg = self.cfg
+        row = {**prompt.fields, "prompt": prompt.text, "answer": prompt.answer}
+        context = list(prompt.prompt_ids)
+        out_ids: list[int] = []
+        out_lps: list[float] = []
+        mask: list[int] = []
+        kept: list[Optional[list[int]]] = []  # sampling-mask replay: the engine's kept sets
+        masses: list[float] = []
+        versions: list[str] = []
+        server, finish, error, env_reward, turns = "", "stop", None, 0.0, 0
+        env_s = gen_s = 0.0
+        env: Optional[EnvProcess] = None
+        t0 = time.monotonic()
+        try:
+            env = await loop.run_in_executor(pool, EnvProcess, self.spec, row, cfg.env_timeout_s)
+            env_s += time.monotonic() - t0
+            while True:
+                left = cfg.max_episode_tokens - len(out_ids)
+                turn_sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, left))
+                seed = None if sampling_seed is None else (sampling_seed + index * cfg.max_turns + turns) % _SEED_MODULUS
+                t0 = time.monotonic()
+                (s,) = await loop.run_in_executor(pool, lambda: engine.generate([list(context)], 1, turn_sampling,
+                                                                                 sampling_seed=seed))
+                gen_s += time.monotonic() - t0
+                turns += 1
+                out_ids += s.output_ids
+                out_lps += s.output_logprobs
+                mask += [1] * len(s.output_ids)
+                if s.kept_ids is not None:
+                    kept += s.kept_ids
+                    masses += s.log_kept_mass
+                context += s.output_ids
+                versions.append(s.weight_version)
+                server, finish = s.server, s.finish_reason
+                if finish == "abort":
+                    break
+                text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
+                t0 = time.monotonic()
+                answer = await loop.run_in_executor(pool, env.step, text)
+                env_s += time.monotonic() - t0
+                env_reward += answer["reward"]
+                if answer["done"] or answer["observation"] is None or turns >= cfg.max_turns:
+                    break
+                obs = self.renderer.observation_ids(s.output_ids, answer["observation"])
+                if len(out_ids) + len(obs) >= cfg.max_episode_tokens:  # no room for another model token
+                    finish = "length"
+                    break
+                out_ids += obs
+                out_lps += [0.0] * len(obs)
+                mask += [0] * len(obs)
+                kept += [None] * len(obs)  # context: no set, no mass
+                masses += [0.0] * len(obs)
+                context += obs
+        except EnvCallError as e:
+            env_s += time.monotonic() - t0
+            error = e.kind
+            self._report(e.kind, e.where, e.message)
+        except ObservationError as e:
+            error = "observation"
+            self._report("observation", self.spec, str(e))
+        finally:
+            if env is not None:
+                await loop.run_in_executor(pool, env.close)
+        sample = Sample(prompt_index=prompt_index, sample_index=sample_index,
+                        prompt_ids=list(prompt.prompt_ids), output_ids=out_ids,
+                        output_logprobs=out_lps, finish_reason=finish,
+                        weight_version=_oldest(versions), server=server, output_mask=mask,
+                        kept_ids=kept if sampling.sampling_mask_max_kept > 0 else None,
+                        log_kept_mass=masses if sampling.sampling_mask_max_kept > 0 else None)
+        return Episode(sample=sample, num_turns=turns, env_reward=env_reward, error=error, env_s=env_s,
+                       generate_s=gen_s)
+
+    def _report(self, kind: str, where: str, message: str) -> None:
+        """Print a failure once per (kind, site); every occurrence is counted in the metrics."""
+        if (kind, where) in self._reported:
+            return
+        self._reported.add((kind, where))
+        print(f"[megatron-grpo] rollout.environment {kind} at {where}: {message} (the episode ends and is scored "
+              f"as rollout.multi_turn.on_env_error={self.cfg.on_env_error!r}; further ones here are only counted)",
+              file=sys.stderr, flush=True)
+
+
+def _oldest(versions: list[str]) -> str:
+    """The oldest weight version that sampled any turn (as ``engine_weight_version`` reads them)."""
+    if versions and all(str(v).isdigit() for v in versions):
+        return str(min(int(v) for v in versions))
+    return versions[0] if versions else ""
+
+
+def episode_rewards(scored: Sequence[float], episodes: Sequence[Episode], n: int,
+                    multi_turn_cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rewards float[G * n], dropped bool[G * n]): the reward functions' ``scored`` combined
+    with each episode's environment reward (``env_reward``: add or replace), failed episodes
+    scored as ``on_env_error`` says (zero_reward: 0; drop: their group's mean over its
+    other episodes, and dropped from the loss)."""
+    env = torch.tensor([e.env_reward for e in episodes], dtype=torch.float32)
+    rewards = env if multi_turn_cfg.env_reward == "replace" else torch.tensor(scored, dtype=torch.float32) + env
+    failed = torch.tensor([e.error is not None for e in episodes])
+    dropped = torch.zeros_like(failed)
+    if multi_turn_cfg.on_env_error == "zero_reward":
+        rewards = torch.where(failed, torch.zeros_like(rewards), rewards)
+    else:
+        dropped = failed
+        groups_r, groups_f = rewards.view(-1, n), failed.view(-1, n)
+        for g in range(groups_r.shape[0]):
+            ok = ~groups_f[g]
+            fill = groups_r[g][ok].mean() if ok.any() else torch.tensor(0.0)
+            groups_r[g][groups_f[g]] = fill
+        rewards = groups_r.reshape(-1)
+    return rewards, dropped
+
+
+def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
+    """The step's ``multi_turn/...`` metrics over ``episodes``."""
+    turns = np.array([e.num_turns for e in episodes], dtype=np.float64)
+    return {
+        "multi_turn/turns_mean": float(turns.mean()),
+        "multi_turn/turns_max": float(turns.max()),
+        "multi_turn/model_tokens_mean": float(np.mean([e.num_model_tokens for e in episodes])),
+        "multi_turn/observation_tokens_mean": float(np.mean([e.num_observation_tokens for e in episodes])),
+        "multi_turn/env_reward_mean": float(np.mean([e.env_reward for e in episodes])),
+        "multi_turn/env_errors": float(sum(e.error == "error" for e in episodes)),
+        "multi_turn/env_timeouts": float(sum(e.error == "timeout" for e in episodes)),
+        "multi_turn/observations_refused": float(sum(e.error == "observation" for e in episodes)),
+        "multi_turn/env_s": float(sum(e.env_s for e in episodes)),
+        "multi_turn/generate_s": float(sum(e.generate_s for e in episodes)),
+    }

@@ -1,0 +1,122 @@
+"""The turn boundary of a multi-turn episode: which token ids follow a model turn.
+
+A model turn's tokens are exactly what the engine generated (its end-of-turn / EOS token
+included when it stopped on it); they are never re-rendered or re-tokenized. Everything the
+chat template adds around an observation belongs to the observation side (masked out of the
+loss): the rest of the template's end of the assistant turn (e.g. the newline after Qwen's
+``<|im_end|>``, or the whole end-of-turn when the turn was cut for length or ended on a tool
+call's stop token), the observation turn (header, content, separators) and the next
+assistant header.
+
+The observation turn is a **delta render** on a fixed one-turn conversation ``[user u,
+assistant a]`` (``u``, ``a``: one placeholder token each):
+
+    ids(render([u, a, observation], add_generation_prompt=True))  minus  ids(render([u, a]))
+
+with a prefix-stability check (the longer render must start with the shorter one's ids).
+At pre-flight the chain render([u], gen) ⊑ render([u, a]) ⊑ render([u, a, o], gen) ⊑
+render([u, a, o, a]) ⊑ render([u, a, o, a, o], gen) must be prefix-stable: a template that
+rewrites earlier turns (drops earlier reasoning, re-numbers tool calls) is refused with one
+line, unless ``rollout.multi_turn.observation_formatter`` supplies the ids instead. The
+template's end of an assistant turn ("closing") is what ``render([u, a])`` adds after the
+content ``a``.
+
+An observation whose ids contain the tokenizer's unknown token is refused
+(``ObservationError``): the episode ends and is counted, the observation is never trained on.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+from megatron_grpo.config.base import ConfigError
+from megatron_grpo.data.prompts import has_chat_template
+
+PLACEHOLDER = "1"
+"""Content of the placeholder turns: one token in every vocabulary we know (a digit)."""
+
+Formatter = Callable[[str, object], Sequence[int]]
+"""``fn(observation, tokenizer) -> token ids`` following a model turn."""
+
+
+class ObservationError(ValueError):
+    """An observation that cannot be trained on as context (unknown tokens)."""
+
+
+def _is_prefix(short: Sequence[int], long: Sequence[int]) -> bool:
+    return len(long) >= len(short) and list(long[: len(short)]) == list(short)
+
+
+class TurnRenderer:
+    """``observation_ids(model_ids, text)``: the ids after a model turn (see the module docstring).
+
+    tokenizer: a transformers tokenizer; role: ``rollout.multi_turn.observation_role``;
+    formatter: the loaded ``observation_formatter`` (None: the chat template's delta render);
+    use_template: whether prompts are rendered with the chat template (data.apply_chat_template
+    and a tokenizer with one). ConfigError at construction when the template cannot be used.
+    """
+
+    KEY = "rollout.multi_turn.observation_formatter"
+
+    def __init__(self, tokenizer, role: str, *, formatter: Optional[Formatter] = None, use_template: bool = True):
+        self.tokenizer = tokenizer
+        self.role = role
+        self.formatter = formatter
+        self.unk_id = getattr(tokenizer, "unk_token_id", None)
+        self.closing: list[int] = []
+        self._base: list[int] = []
+        if formatter is None:
+            if not (use_template and has_chat_template(tokenizer)):
+                raise ConfigError(self.KEY, "is needed: rollout.environment renders observations with the chat "
+                                            "template, and " + ("data.apply_chat_template is false"
+                                                                if has_chat_template(tokenizer)
+                                                                else "the tokenizer has no chat template"))
+            self._preflight()
+
+    def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _preflight(self) -> None:
+        u, a = {"role": "user", "content": PLACEHOLDER}, {"role": "assistant", "content": PLACEHOLDER}
+        o = {"role": self.role, "content": PLACEHOLDER}
+        chain = [([u], True), ([u, a], False), ([u, a, o], True), ([u, a, o, a], False), ([u, a, o, a, o], True)]
+        try:
+            renders = [self._ids(m, g) for m, g in chain]
+        except Exception as e:  # a Jinja error of the template (e.g. a role it refuses)
+            raise ConfigError("rollout.multi_turn.observation_role",
+                              f"the chat template cannot render a {self.role!r} turn after an assistant turn: "
+                              f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+        for (m_short, _), (m_long, _), short, long in zip(chain, chain[1:], renders, renders[1:]):
+            if not _is_prefix(short, long):
+                roles = "/".join(x["role"] for x in m_long)
+                raise ConfigError(self.KEY, f"is needed: the chat template is not prefix-stable (rendering "
+                                            f"{roles} changes the tokens of the earlier turns), so observations "
+                                            "cannot be appended as a delta render")
+        content = list(self.tokenizer(PLACEHOLDER, add_special_tokens=False)["input_ids"])
+        body = renders[1][len(renders[0]):]
+        if not _is_prefix(content, body):
+            raise ConfigError(self.KEY, "is needed: the chat template's assistant turn does not start right "
+                                        "after its generation prompt")
+        self.closing = body[len(content):]
+        self._base = renders[1]
+
+    def observation_ids(self, model_ids: Sequence[int], text: str) -> list[int]:
+        """Token ids after the model turn ``model_ids`` (the engine's tokens) that add the
+        observation ``text`` and open the next assistant turn. ObservationError on unknown tokens."""
+        if self.formatter is not None:
+            ids = [int(t) for t in self.formatter(text, self.tokenizer)]
+            turn = ids
+        else:
+            full = self._ids([{"role": "user", "content": PLACEHOLDER}, {"role": "assistant", "content": PLACEHOLDER},
+                              {"role": self.role, "content": text}], True)
+            if not _is_prefix(self._base, full):
+                raise ObservationError("the chat template rewrote the earlier turns for this observation")
+            turn = full[len(self._base):]
+            # the template's end of the assistant turn, less what the engine generated of it
+            closed = bool(self.closing) and bool(model_ids) and model_ids[-1] == self.closing[0]
+            ids = (self.closing[1:] if closed else self.closing) + turn
+        if self.unk_id is not None and self.unk_id in turn:
+            raise ObservationError(f"the observation {text[:60]!r} tokenizes to the unknown token "
+                                   f"{self.tokenizer.convert_ids_to_tokens(self.unk_id)!r}")
+        return ids

@@ -1,0 +1,444 @@
+"""Multi-turn episodes (rollout.environment, docs/multi_turn.md): the turn boundary, the token
+identity with the real embedded engine, the loss over model tokens only, environment failures
+(errors, timeouts, a hung sync environment killed) and the one-line errors of bad input."""
+
+import os
+import textwrap
+import time
+
+import pytest
+import torch
+
+from megatron_grpo.config.base import ConfigError
+from megatron_grpo.config.dapo import OverlongConfig
+from megatron_grpo.config.rollout import BUILTIN_ENVIRONMENTS, MultiTurnConfig, RolloutConfig
+from megatron_grpo.data.prompts import Prompt, render_prompt
+from megatron_grpo.losses import compute_policy_loss
+from megatron_grpo.config.algorithm import AlgorithmConfig, OffPolicyCorrectionConfig
+from megatron_grpo.rollout.client import RolloutClient
+from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
+from megatron_grpo.rollout.environments.builtin import BUILTINS, Calculator, GuessNumber
+from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_rewards, episode_stats
+from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
+from megatron_grpo.rollout.types import Sample, SamplingParams
+from megatron_grpo.testing.tiny_models import build_tokenizer, save_tiny_model
+from megatron_grpo.trainer.batch import build_train_batch
+
+ENV_SOURCE = '''
+import asyncio, time
+
+class Scripted:
+    """Answers by the row's script: 'obs' -> an observation, 'raise', 'hang', 'sleep', 'bad', 'done'."""
+    def __init__(self, row):
+        self.script = row.get("script", "obs obs done").split()
+        self.turn = 0
+
+    def step(self, response):
+        action = self.script[min(self.turn, len(self.script) - 1)]
+        self.turn += 1
+        if action == "raise":
+            raise KeyError("boom")
+        if action == "hang":
+            while True:
+                pass
+        if action == "bad":
+            return {"observation": 3, "done": False}
+        if action == "unk":
+            return {"observation": "zebra", "done": False}
+        if action == "done":
+            return {"observation": None, "done": True, "reward": 1.0}
+        return {"observation": "result 7", "done": False, "reward": 0.25}
+
+class AsyncScripted(Scripted):
+    async def step(self, response):
+        await asyncio.sleep(0)
+        return Scripted.step(self, response)
+
+class NoStep:
+    def __init__(self, row):
+        pass
+
+class BadInit:
+    def __init__(self, row):
+        raise RuntimeError("no such tool")
+
+    def step(self, response):
+        return {"observation": None, "done": True}
+'''
+
+
+@pytest.fixture(scope="module")
+def env_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("envs") / "envs.py"
+    path.write_text(ENV_SOURCE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def make_prompt(tok, index=0, question="what is 3 plus 4", answer="7", **fields):
+    text, prompt_ids = render_prompt(question, tok, use_template=True, system_prompt=None, where="test")
+    return Prompt(index=index, where="test", text=text, prompt_ids=prompt_ids, answer=answer, fields=fields)
+
+
+class ScriptedEngine:
+    """A RolloutEngine stand-in: every turn answers ``reply`` (cut to max_new_tokens) with
+    log-prob -0.5 per token, and records every prompt it was given."""
+
+    def __init__(self, tok, reply="compute 3 + 4 <eos>"):
+        self.reply = ids(tok, reply)
+        self.eos = tok.eos_token_id
+        self.calls = []
+
+    def generate(self, prompts, n, sampling, *, sampling_seed=None, return_routed_experts=False):
+        assert n == 1 and len(prompts) == 1
+        self.calls.append(list(prompts[0]))
+        out = self.reply[: sampling.max_new_tokens]
+        finish = "stop" if out and out[-1] == self.eos else "length"
+        return [Sample(prompt_index=0, sample_index=0, prompt_ids=list(prompts[0]), output_ids=list(out),
+                       output_logprobs=[-0.5] * len(out), finish_reason=finish, weight_version="3")]
+
+
+def runner(tok, environment, **multi_turn):
+    cfg = RolloutConfig(environment=environment,
+                        multi_turn=MultiTurnConfig(observation_role="user", **{"env_timeout_s": 5.0, **multi_turn}))
+    return EpisodeRunner.build(cfg, tok, use_template=True)
+
+
+# ---- the turn boundary --------------------------------------------------------------------
+
+
+def test_delta_render_is_the_templates_turn_with_the_closing_on_the_observation_side(tok):
+    r = TurnRenderer(tok, "user")
+    assert tok.convert_ids_to_tokens(r.closing) == ["<eos>"]
+    after_eos = r.observation_ids(ids(tok, "5 <eos>"), "result 7")
+    assert tok.convert_ids_to_tokens(after_eos) == ["<|user|>", "result", "7", "<|assistant|>"]
+    # a turn cut for length (no end-of-turn generated): the template's <eos> is the observation's
+    after_cut = r.observation_ids(ids(tok, "5 6"), "result 7")
+    assert tok.convert_ids_to_tokens(after_cut) == ["<eos>", "<|user|>", "result", "7", "<|assistant|>"]
+    # the whole conversation rendered by the template == prompt + model tokens + observation ids
+    prompt = make_prompt(tok)
+    model = ids(tok, "compute 3 + 4 <eos>")
+    rendered = tok.apply_chat_template([{"role": "user", "content": "what is 3 plus 4"},
+                                        {"role": "assistant", "content": "compute 3 + 4"},
+                                        {"role": "user", "content": "result 7"}],
+                                       tokenize=False, add_generation_prompt=True)
+    assert prompt.prompt_ids + model + r.observation_ids(model, "result 7") == ids(tok, rendered)
+
+
+def test_unknown_tokens_are_refused(tok):
+    with pytest.raises(ObservationError, match="unknown token"):
+        TurnRenderer(tok, "user").observation_ids(ids(tok, "5 <eos>"), "zebra")
+
+
+def test_template_that_rewrites_earlier_turns_is_refused_in_one_line(tok):
+    rewriting = build_tokenizer()
+    # like templates that strip earlier reasoning: only the LAST assistant turn keeps its content
+    rewriting.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}<|user|> {{ m['content'] }} "
+        "{% else %}<|assistant|> {% if loop.last %}{{ m['content'] }} {% endif %}<eos> {% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    with pytest.raises(ConfigError) as e:
+        TurnRenderer(rewriting, "user")
+    assert "prefix-stable" in str(e.value) and "observation_formatter" in str(e.value) and "\n" not in str(e.value)
+    # a formatter takes over (and its ids are still checked for unknown tokens)
+    fmt = TurnRenderer(rewriting, "user", formatter=lambda text, t: ids(t, f"<|user|> {text} <|assistant|>"))
+    assert tok.convert_ids_to_tokens(fmt.observation_ids([5], "result 7")) == ["<|user|>", "result", "7",
+                                                                               "<|assistant|>"]
+
+
+def test_no_template_needs_a_formatter(tok):
+    with pytest.raises(ConfigError, match="observation_formatter: is needed.*apply_chat_template is false"):
+        TurnRenderer(tok, "user", use_template=False)
+
+
+# ---- episodes (scripted engine; real environment workers) -----------------------------------
+
+
+def test_episode_tokens_masks_and_limits(tok, env_file):
+    engine = ScriptedEngine(tok)
+    prompt = make_prompt(tok, script="obs obs obs obs")
+    episodes = runner(tok, f"{env_file}:Scripted", max_turns=3).run(engine, [prompt], 2, SamplingParams(
+        max_new_tokens=16), sampling_seed=5)
+    assert len(episodes) == 2 and [e.sample.sample_index for e in episodes] == [0, 1]
+    e = episodes[0]
+    model, obs = ids(tok, "compute 3 + 4 <eos>"), ids(tok, "<|user|> result 7 <|assistant|>")
+    assert e.num_turns == 3 and e.error is None and e.env_reward == pytest.approx(0.75)
+    assert e.sample.output_ids == model + obs + model + obs + model
+    assert e.sample.output_mask == [1] * 5 + [0] * 4 + [1] * 5 + [0] * 4 + [1] * 5
+    assert e.sample.output_logprobs == [-0.5] * 5 + [0.0] * 4 + [-0.5] * 5 + [0.0] * 4 + [-0.5] * 5
+    # each turn was generated on exactly the tokens of the episode so far
+    p = prompt.prompt_ids
+    assert sorted(engine.calls, key=len) == [p, p, p + model + obs, p + model + obs,
+                                             p + (model + obs) * 2, p + (model + obs) * 2]
+    stats = episode_stats(episodes)
+    assert stats["multi_turn/turns_mean"] == 3 and stats["multi_turn/observation_tokens_mean"] == 8
+    assert stats["multi_turn/model_tokens_mean"] == 15
+
+    # token budget: 12 tokens after the prompt -> turn 1 (5) + obs (4) + a turn cut to 3 (length)
+    cut = runner(tok, f"{env_file}:Scripted", max_turns=5, max_episode_tokens=12).run(
+        ScriptedEngine(tok), [prompt], 1, SamplingParams(max_new_tokens=16))[0]
+    assert len(cut.sample.output_ids) == 12 and cut.sample.finish_reason == "length"
+
+
+def test_async_step_and_done(tok, env_file):
+    (e,) = runner(tok, f"{env_file}:AsyncScripted").run(ScriptedEngine(tok), [make_prompt(tok, script="obs done")],
+                                                       1, SamplingParams(max_new_tokens=16))
+    assert e.num_turns == 2 and e.env_reward == pytest.approx(1.25) and e.error is None
+
+
+def test_calculator_and_guess_number():
+    calc = Calculator({"answer": "7"})
+    assert calc.step("compute ( 3 + 4 ) * 2") == {"observation": "result 14", "done": False, "reward": 0.0}
+    assert calc.step("compute __import__('os')")["observation"] == "result ?"
+    assert calc.step("the answer is 7") == {"observation": None, "done": True, "reward": 1.0}
+    assert calc.step("8")["reward"] == 0.0
+    game = GuessNumber({"answer": 42})
+    assert [game.step(g)["observation"] for g in ("50", "10", "no idea")] == ["lower", "higher", "a number please"]
+    assert game.step("42") == {"observation": None, "done": True, "reward": 1.0}
+    assert set(BUILTINS) == set(BUILTIN_ENVIRONMENTS)
+
+
+def test_env_errors_are_counted_scored_and_reported_once(tok, env_file, capfd):
+    prompts = [make_prompt(tok, index=0, script="obs raise"), make_prompt(tok, index=1, script="obs unk")]
+    r = runner(tok, f"{env_file}:Scripted")
+    episodes = r.run(ScriptedEngine(tok), prompts, 2, SamplingParams(max_new_tokens=16))
+    assert [e.error for e in episodes] == ["error", "error", "observation", "observation"]
+    # the refused observation is never in the sample
+    assert all(0 not in e.sample.output_mask[-5:] for e in episodes)
+    err = capfd.readouterr().err
+    assert err.count("KeyError: 'boom'") == 1 and err.count("unknown token") == 1
+    assert f"{env_file}:" in err  # file:line of the raise
+    stats = episode_stats(episodes)
+    assert stats["multi_turn/env_errors"] == 2 and stats["multi_turn/observations_refused"] == 2
+    rewards, dropped = episode_rewards([1.0, 2.0, 3.0, 4.0], episodes, 2, MultiTurnConfig())
+    assert rewards.tolist() == [0.0] * 4 and not dropped.any()
+
+
+def test_reward_add_replace_and_drop(tok):
+    class E:
+        def __init__(self, env_reward, error=None):
+            self.env_reward, self.error = env_reward, error
+
+    eps = [E(1.0), E(0.5, "timeout"), E(2.0), E(0.0)]
+    add, _ = episode_rewards([1.0, 1.0, 1.0, 1.0], eps, 2, MultiTurnConfig(on_env_error="zero_reward"))
+    assert add.tolist() == [2.0, 0.0, 3.0, 1.0]
+    rep, _ = episode_rewards([1.0, 1.0, 1.0, 1.0], eps, 2, MultiTurnConfig(env_reward="replace"))
+    assert rep.tolist() == [1.0, 0.0, 2.0, 0.0]
+    drop, dropped = episode_rewards([1.0, 1.0, 1.0, 1.0], eps, 2, MultiTurnConfig(on_env_error="drop"))
+    assert drop.tolist() == [2.0, 2.0, 3.0, 1.0] and dropped.tolist() == [False, True, False, False]
+
+
+def test_hung_sync_env_is_killed_within_the_timeout(tok, env_file):
+    env = EnvProcess(f"{env_file}:Scripted", {"script": "hang"}, timeout_s=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(EnvCallError) as e:
+        env.step("anything")
+    assert e.value.kind == "timeout" and 1.5 <= time.monotonic() - t0 < 5.0
+    with pytest.raises(ProcessLookupError):
+        os.kill(env.pid, 0)
+    # in an episode: ends, counted as a timeout, reward 0, the run goes on
+    (ep,) = runner(tok, f"{env_file}:Scripted", env_timeout_s=1.0).run(
+        ScriptedEngine(tok), [make_prompt(tok, script="hang")], 1, SamplingParams(max_new_tokens=16))
+    assert ep.error == "timeout" and ep.num_turns == 1 and episode_stats([ep])["multi_turn/env_timeouts"] == 1
+
+
+def test_constructor_error_ends_the_episode(tok, env_file):
+    (ep,) = runner(tok, f"{env_file}:BadInit").run(ScriptedEngine(tok), [make_prompt(tok)], 1,
+                                                  SamplingParams(max_new_tokens=16))
+    assert ep.error == "error" and ep.num_turns == 0 and ep.sample.output_ids == []
+
+
+# ---- bad input: one line naming the file, the class and what is wrong -------------------------
+
+
+def test_bad_environment_one_liners(tok, env_file, tmp_path):
+    with pytest.raises(ValueError) as e:  # ConfigValueError; the loader adds the file and the section
+        RolloutConfig(environment=str(tmp_path / "missing.py") + ":Env")
+    assert "missing.py" in str(e.value) and "not found" in str(e.value)
+    with pytest.raises(ValueError, match="neither a built-in"):
+        RolloutConfig(environment="calculater")
+    with pytest.raises(EnvContractError, match=r"envs.py:NoStep: the class has no method step"):
+        check_environment(f"{env_file}:NoStep", 5.0)
+    with pytest.raises(EnvContractError, match=r"envs.py:Nope: the file has no attribute 'Nope'"):
+        check_environment(f"{env_file}:Nope", 5.0)
+    with pytest.raises(ConfigError, match="NoStep: the class has no method step"):
+        runner(tok, f"{env_file}:NoStep")
+    # a step answer of the wrong shape: at the first episode, the run stops with one line
+    with pytest.raises(EnvContractError) as e:
+        runner(tok, f"{env_file}:Scripted").run(ScriptedEngine(tok), [make_prompt(tok, script="bad")], 1,
+                                                SamplingParams(max_new_tokens=16))
+    assert "envs.py:Scripted: step returned observation of type int" in str(e.value) and "\n" not in str(e.value)
+
+
+
+
+
+def test_config_refuses_the_overlong_penalty_with_an_environment():
+    with pytest.raises(ValueError, match="overlong.buffer_length"):
+        RolloutConfig(environment="calculator", overlong=OverlongConfig(buffer_length=4))
+
+
+# ---- the loss over model tokens only ---------------------------------------------------------
+
+
+def _interleaved_and_compacted(seed=0):
+    """Two batches of the same episodes: with observation tokens (mask 0) interleaved, and with
+    them removed (the model tokens only, contiguous); plus per-token inputs aligned on both."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [[2, 5, 6], [2, 7], [2, 8, 9, 10]]
+    masks = [[1, 1, 0, 0, 0, 1, 1, 1], [1, 0, 0, 1], [1, 1, 1, 0, 1, 0, 0, 1, 1]]
+    outputs = [[int(t) for t in torch.randint(11, 200, (len(m),), generator=g)] for m in masks]
+    lps = [[(-torch.rand((), generator=g)).item() if k else 0.0 for k in m] for m in masks]
+    adv = torch.tensor([0.7, -1.2, 0.4])
+    inter = build_train_batch(prompts, outputs, lps, adv, pad_id=0, output_masks=masks)
+    comp = build_train_batch(prompts, [[t for t, k in zip(o, m) if k] for o, m in zip(outputs, masks)],
+                             [[lp for lp, k in zip(l, m) if k] for l, m in zip(lps, masks)], adv, pad_id=0)
+    # the same per-model-token values on both layouts
+    model_tokens = int(inter.loss_mask.sum())
+    values = {name: torch.randn(model_tokens, generator=g, dtype=torch.float64) * 0.3 for name in ("lp", "lo", "ref")}
+    ent = torch.rand(model_tokens, generator=g, dtype=torch.float64)
+
+    def place(batch, flat):
+        out = torch.full(batch.loss_mask.shape, float("nan"), dtype=torch.float64)  # never read where mask 0
+        out[batch.loss_mask.bool()] = flat
+        return out
+
+    def inputs(batch):
+        lp = batch.rollout_log_probs.double()
+        return dict(log_probs=place(batch, values["lp"] + lp[batch.loss_mask.bool()]),
+                    old_log_probs=place(batch, values["lo"] + lp[batch.loss_mask.bool()]),
+                    ref_log_probs=place(batch, values["ref"] + lp[batch.loss_mask.bool()]),
+                    entropy=place(batch, ent), rollout_log_probs=batch.rollout_log_probs.double(),
+                    advantages=batch.advantages.double(), loss_mask=batch.loss_mask)
+
+    return inter, comp, inputs(inter), inputs(comp), masks
+
+
+def test_observation_tokens_get_mask_0_and_log_prob_0():
+    inter, comp, _, _, masks = _interleaved_and_compacted()
+    assert int(inter.loss_mask.sum()) == sum(map(sum, masks)) == int(comp.loss_mask.sum())
+    for i, m in enumerate(masks):
+        p = 3 if i == 0 else (2 if i == 1 else 4)
+        assert inter.loss_mask[i, p - 1: p - 1 + len(m)].tolist() == [float(k) for k in m]
+        assert all(inter.rollout_log_probs[i, p - 1 + j] == 0 for j, k in enumerate(m) if not k)
+
+
+OFF_POLICY = [
+    {},
+    {"tis_ratio_type": "token", "token_tis_ratio_clip_high": 1.5},
+    {"tis_ratio_type": "sequence", "sequence_tis_ratio_clip_high": 1.3},
+    {"sequence_mask_metric": "geometric", "geo_mask_low": 0.9, "geo_mask_high": 1.05},
+    {"sequence_mask_metric": "product", "product_mask_low": 0.5, "product_mask_high": 1.5},
+    {"outlier_token_is_threshold_high": 1.4, "outlier_token_is_threshold_low": 0.6},
+]
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                                       "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("opc", OFF_POLICY, ids=lambda o: ",".join(o) or "none")
+def test_every_reduction_and_correction_counts_model_tokens_only(reduction, opc):
+    """The loss, its gradient and every metric of a batch with interleaved observation tokens
+    equal those of the same episodes with the observations cut out."""
+    _, _, a, b, _ = _interleaved_and_compacted(seed=1)
+    cfg = AlgorithmConfig(loss_reduction=reduction, max_response_length=16, kl_loss_coef=0.1, entropy_coef=0.01,
+                          off_policy_correction=OffPolicyCorrectionConfig(**opc))
+    results = []
+    for x in (a, b):
+        lp = x["log_probs"].clone().requires_grad_(True)
+        loss, metrics = compute_policy_loss(**{**x, "log_probs": lp}, config=cfg)
+        loss.backward()
+        results.append((loss.detach(), metrics, lp.grad[x["loss_mask"].bool()]))
+    (la, ma, ga), (lb, mb, gb) = results
+    assert torch.allclose(la, lb, rtol=1e-12, atol=1e-12), (la, lb)
+    assert torch.allclose(ga, gb, rtol=1e-12, atol=1e-12)
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        assert ma[k] == pytest.approx(mb[k], rel=1e-10, abs=1e-12), k
+
+
+def test_seq_mean_token_mean_by_hand():
+    """L_i is the model-token count: rows with 5/8, 2/4 and 6/9 model tokens."""
+    inter, _, a, _, masks = _interleaved_and_compacted(seed=2)
+    cfg = AlgorithmConfig(loss_reduction="seq_mean_token_mean")
+    loss, metrics = compute_policy_loss(a["log_probs"], a["old_log_probs"], a["advantages"], a["loss_mask"], cfg)
+    # num_iterations 1 semantics do not matter here: ppo value at r = exp(lp - lo)
+    r = torch.exp(a["log_probs"] - a["old_log_probs"])
+    adv = a["advantages"].unsqueeze(-1)
+    per_token = torch.maximum(-adv * r, -adv * r.clamp(0.8, 1.2))
+    m = a["loss_mask"].bool()
+    hand = sum(per_token[i][m[i]].sum() / sum(masks[i]) for i in range(3)) / 3
+    assert loss.item() == pytest.approx(hand.item(), rel=1e-12)
+    assert metrics["num_valid_tokens"] == 13
+
+
+# ---- token-in/token-out against the real embedded engine ------------------------------------
+
+
+class Recording:
+    """A RolloutEngine that records what each generate call was given and returned."""
+
+    def __init__(self, client):
+        self.client, self.calls = client, []
+
+    def generate(self, prompts, n, sampling, **kw):
+        out = self.client.generate(prompts, n, sampling, **kw)
+        self.calls.append((list(prompts[0]), out[0]))
+        return out
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=3)
+    cfg = RolloutConfig(dtype="float32", launch_timeout_s=300)
+    with RolloutServerManager(cfg, model_dir=model_dir, run_dir=tmp_path_factory.mktemp("run")) as manager:
+        client = RolloutClient.from_config(cfg, manager.urls)
+        yield client
+        client.close()
+
+
+@pytest.mark.slow
+def test_trainer_tokens_are_the_engines_tokens_plus_observations(tok, env_file, embedded):
+    engine = Recording(embedded)
+    prompts = [make_prompt(tok, index=i, script="obs obs obs") for i in range(2)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=[tok.eos_token_id])
+    episodes = runner(tok, f"{env_file}:Scripted", max_turns=3).run(engine, prompts, 2, sampling, sampling_seed=11)
+    assert all(e.error is None and e.num_turns == 3 for e in episodes)
+    batch = build_train_batch([e.sample.prompt_ids for e in episodes], [e.sample.output_ids for e in episodes],
+                              [e.sample.output_logprobs for e in episodes], torch.zeros(4), pad_id=0,
+                              output_masks=[e.sample.output_mask for e in episodes])
+    renderer = TurnRenderer(tok, "user")
+    for row, e in enumerate(episodes):
+        full = e.sample.prompt_ids + e.sample.output_ids
+        # this episode's generate calls: those whose input and output are a prefix of its sequence
+        turns = {len(given): got for given, got in engine.calls
+                 if given + got.output_ids == full[: len(given) + len(got.output_ids)]}
+        turns = [turns[k] for k in sorted(turns)]
+        assert len(turns) == 3
+        # turn k's input is exactly turn k-1's input + its output + the observation ids, and the
+        # trainer's row is the last input + output: the trainer scores what the engine saw
+        context, expected_lp, expected_mask = list(e.sample.prompt_ids), [], []
+        for k, got in enumerate(turns):
+            assert got.prompt_ids == context
+            context += got.output_ids
+            expected_lp += got.output_logprobs
+            expected_mask += [1] * len(got.output_ids)
+            if k < 2:
+                obs = renderer.observation_ids(got.output_ids, "result 7")
+                context += obs
+                expected_lp += [0.0] * len(obs)
+                expected_mask += [0] * len(obs)
+        n = len(context)
+        assert n == len(full) and batch.tokens[row, :n].tolist() == context
+        p = len(e.sample.prompt_ids)
+        assert batch.loss_mask[row, p - 1: n - 1].tolist() == [float(k) for k in expected_mask]
+        assert batch.loss_mask[row, n - 1:].sum() == 0 and batch.loss_mask[row, : p - 1].sum() == 0
+        assert batch.rollout_log_probs[row, p - 1: n - 1].tolist() == torch.tensor(expected_lp).tolist()
