@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megatron_grpo.ops.quantize import QuantizedWeight, QuantScheme, dequantize, quantize_weight, quantized_linear, \
-    scaled_mm_supported
+from megatron_grpo.ops.quantize import (QuantizedWeight, QuantScheme, dequantize, quantize_weight, quantized_linear,
+                                        scaled_mm_supported)
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

@@ -88,8 +88,8 @@ class EngineAdapter:
     def verify(self, client, url: str, expected: dict[str, str], samples: dict, *,
                quantized: bool = False) -> list[str]:
         """Names of tensors the engine at ``url`` serves differently from what was sent
-        (``quantized``: the engine runs rollout.quantization, and still holds what was sent as
-        its source of truth, or holds only its quantized copy)."""
+        (``quantized``: the engine runs rollout.quantization; an adapter whose engine then keeps
+        only its quantized copy cannot compare values and leaves the check to the probe)."""
         raise NotImplementedError
 
     def release_memory(self, client, url: str) -> None:
