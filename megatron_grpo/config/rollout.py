@@ -183,6 +183,20 @@ class RolloutConfig:
     weights are cast once to it in the weight sync); any difference shows as a train/rollout
     log-prob mismatch (docs/off_policy.md measures bf16 against float32)."""
 
+    quantization: Optional[Literal["fp8", "int8"]] = None
+    """Serve the decoder's attention and MLP projections quantized (docs/off_policy.md,
+    "Quantized rollouts"): fp8: weights (one scale per output channel) and activations (one per
+    token, dynamic) in 8-bit floating point, as SGLang's --quantization fp8 (passed to a launched
+    SGLang; needs CUDA there); int8: weights only (embedded engine). The engine quantizes every
+    weight update it receives; the trainer keeps training in its own dtype, so the difference
+    shows as train/rollout log-prob mismatch. Embeddings, norms and lm_head stay unquantized.
+    null: the engine serves the weights as sent."""
+
+    fp8_format: Literal["e4m3", "e5m2"] = "e4m3"
+    """Float8 format of quantization: fp8. e4m3 (3 mantissa bits, max 448) is what inference
+    engines use; e5m2 (2 mantissa bits, max 57344; embedded engine only) roughly doubles the
+    rounding error, for studying a larger mismatch."""
+
     max_restarts: int = 3
     """Times a launched server that died is restarted before the run stops with an error."""
 
@@ -281,6 +295,8 @@ class RolloutConfig:
         check(self.launch_timeout_s > 0, "launch_timeout_s", "must be > 0")
         check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         check(self.max_retries >= 1, "max_retries", f"must be >= 1, got {self.max_retries}")
+        check(self.fp8_format == "e4m3" or self.quantization == "fp8", "fp8_format",
+              f"{self.fp8_format!r} needs quantization: fp8 (got quantization: {self.quantization})")
         check(self.verify_weights_every >= 0, "verify_weights_every", "must be >= 0")
         for i, url in enumerate(self.urls):
             check(url.startswith(("http://", "https://")), f"urls[{i}]", f"must start with http:// or https://, got {url!r}")

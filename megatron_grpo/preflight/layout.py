@@ -8,9 +8,10 @@ can check it for any machine. Where each GPU goes is ``runtime.placement``'s to 
 * the NCCL weight-update group (distributed transport, NCCL backend) joins trainer rank 0 and
   every engine rank: an engine GPU that is also a trainer GPU puts two NCCL ranks on one
   device, which NCCL rejects (or deadlocks on);
-* ``rollout.colocate`` (``rules.colocate_problem``), the NCCL backend and the distributed
-  optimizer need CUDA; sequence parallelism needs TransformerEngine's layer specs
-  (megatron-core's local spec refuses it);
+* ``rollout.colocate`` (``rules.colocate_problem``), the NCCL backend, the distributed
+  optimizer and a quantization the engine runs only on GPUs (SGLang's fp8) need CUDA;
+  sequence parallelism needs TransformerEngine's layer specs (megatron-core's local spec
+  refuses it);
 * a launched engine's GPUs must exist.
 """
 
@@ -41,6 +42,10 @@ def layout_problem(cfg: ExperimentConfig, *, cuda: bool, num_gpus: int, ranks_on
         colocate = colocate_problem(rollout_cfg, adapter, cuda=False)
         if colocate is not None:
             return colocate
+        if rollout_cfg.quantization and adapter.quantization_needs_cuda:
+            return ("rollout.quantization", f"{rollout_cfg.quantization} on rollout.engine={adapter.name!r} needs CUDA "
+                    "(its quantized kernels); this machine has no usable GPU (use rollout.engine: embedded, which "
+                    "fake-quantizes on the CPU, or null)")
         if rollout_cfg.weight_sync_backend == "nccl":
             return "rollout.weight_sync_backend", "nccl needs CUDA; this machine has no usable GPU (use auto or gloo)"
         if cfg.parallel.use_distributed_optimizer is True:

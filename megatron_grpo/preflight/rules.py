@@ -74,6 +74,12 @@ def check_rollout(rollout_cfg: RolloutConfig) -> None:
     _check(rollout_cfg.weight_sync_backend in ("auto", *adapter.backends), "rollout.weight_sync_backend",
            f"{rollout_cfg.weight_sync_backend!r} is not accepted by rollout.engine={adapter.name!r} "
            f"(accepted: auto, {', '.join(sorted(adapter.backends))})")
+    _check(rollout_cfg.quantization is None or rollout_cfg.quantization in adapter.quantizations,
+           "rollout.quantization", f"{rollout_cfg.quantization!r} is not served by rollout.engine={adapter.name!r} "
+           f"(supported: null, {', '.join(sorted(adapter.quantizations))})")
+    _check(rollout_cfg.quantization != "fp8" or rollout_cfg.fp8_format in adapter.fp8_formats,
+           "rollout.fp8_format", f"{rollout_cfg.fp8_format!r} is not served by rollout.engine={adapter.name!r} "
+           f"(supported: {', '.join(sorted(adapter.fp8_formats))})")
     # SGLang 0.5.23 reports no kept sets (its top-logprobs could return a top-k set exactly; not
     # wired): training it with truncation and replay on would score a distribution it never sent.
     _check(not (rollout_cfg.truncates and rollout_cfg.sampling_mask_replay) or adapter.reports_sampling_mask,

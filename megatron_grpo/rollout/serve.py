@@ -18,6 +18,7 @@ import torch
 import uvicorn
 
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
+from megatron_grpo.ops.quantize import FP8_DTYPES, scheme_of
 from megatron_grpo.rollout.embedded.server import build_app
 from megatron_grpo.rollout.engines.embedded import API_KEY_ENV
 
@@ -31,6 +32,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    f"(default: ${API_KEY_ENV}, which keeps the key out of `ps`)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="parameter dtype (auto: the checkpoint's)")
+    p.add_argument("--quantization", default=None, choices=["fp8", "int8"],
+                   help="serve the decoder's attention and MLP projections quantized: fp8 (weights per output "
+                        "channel, activations per token) or int8 (weights only); default: as loaded")
+    p.add_argument("--fp8-format", default="e4m3", choices=sorted(FP8_DTYPES),
+                   help="float8 format of --quantization fp8 (e5m2: fewer mantissa bits, a larger mismatch)")
     p.add_argument("--device", default="auto", help="where the model runs: auto (the GPU when CUDA is available, "
                    "else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together (the running batch)")
@@ -50,7 +56,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,
-                            device=args.device)
+                            device=args.device, quantization=scheme_of(args.quantization, args.fp8_format))
     app = build_app(engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
     print(f"megatron-grpo serve: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
     try:

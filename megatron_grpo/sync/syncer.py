@@ -22,7 +22,9 @@
    ``probe`` (the trainer's own forward, collective) on a fixed probe sequence and the
    coordinator compares its log-probs with each engine's prompt log-probs of the same
    sequence: a weight the row check could not see, or a layout the engine's loader
-   misreads, shows as a mean |difference| above ``rollout.verify_logprob_tolerance``.
+   misreads, shows as a mean |difference| above ``rollout.verify_logprob_tolerance``. With
+   ``rollout.quantization`` the trainer's probe forward runs through the engine's fake
+   quantization (``models.fake_quant``), so the tolerance stays that of unquantized weights.
 
 Failures are agreed on collectively (an ``all_gather_object`` after each phase), so every rank
 raises the same one-line error instead of some ranks waiting forever in the next collective.
@@ -331,7 +333,8 @@ class WeightSyncer:
             c0 = time.perf_counter()
             try:
                 for url in self.urls:
-                    bad = self.adapter.verify(self.client, url, expected, samples)
+                    bad = self.adapter.verify(self.client, url, expected, samples,
+                                              quantized=self.rollout_cfg.quantization is not None)
                     if bad:
                         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
                         problem = (f"{bad[0]}{more} differs between the trainer and engine {url} after the "

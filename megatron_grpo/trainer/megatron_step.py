@@ -29,8 +29,10 @@ import torch.distributed as dist
 
 from megatron_grpo.config.algorithm import AlgorithmConfig
 from megatron_grpo.losses import compute_policy_loss, reduce_metrics
+from megatron_grpo.models.fake_quant import fake_quantized
 from megatron_grpo.models.forward import causal_logits, run_schedule
 from megatron_grpo.ops import vocab_parallel_log_probs
+from megatron_grpo.ops.quantize import QuantScheme
 from megatron_grpo.runtime.device import all_finite, collective_tensor, to_device
 from megatron_grpo.trainer.batch import TrainBatch, build_train_batch
 from megatron_grpo.trainer.microbatch import plan_micro_batches, sequence_lengths, split, unsplit
@@ -222,14 +224,19 @@ def _all_finite(model_chunks, outs) -> bool:
     return all_finite(grads, extra_ok=losses_ok)
 
 
-def probe_log_probs(model_chunks, token_ids: list[int], spec: ScoringSpec) -> Optional[list[float]]:
+def probe_log_probs(model_chunks, token_ids: list[int], spec: ScoringSpec,
+                    quantization: Optional[QuantScheme] = None) -> Optional[list[float]]:
     """The policy's log-probs of ``token_ids[1:]`` at temperature 1 (the weight-sync probe).
 
-    Collective over the model-parallel group like ``compute_log_probs``; a list of
-    len(token_ids) - 1 floats on the last pipeline stage, None on the others.
+    ``quantization``: the engine's (``rollout.quantization``): the forward runs through the same
+    fake quantization (``models.fake_quant``), so a quantized engine is held to the probe's
+    tolerance instead of a wider one. Collective over the model-parallel group like
+    ``compute_log_probs``; a list of len(token_ids) - 1 floats on the last pipeline stage,
+    None on the others.
     """
     batch = build_train_batch([token_ids[:1]], [token_ids[1:]], [[0.0] * (len(token_ids) - 1)],
                               torch.zeros(1), pad_id=0)
     at_t1 = ScoringSpec(temperature=1.0, vocab_size=spec.vocab_size, chunk_size=spec.chunk_size)
-    out = compute_log_probs(model_chunks, batch, 1, at_t1)
+    with fake_quantized(model_chunks, quantization):
+        out = compute_log_probs(model_chunks, batch, 1, at_t1)
     return None if out is None else out[0, : len(token_ids) - 1].tolist()

@@ -48,6 +48,7 @@ from megatron_grpo.evaluation import Evaluator
 from megatron_grpo.losses import reduce_metrics
 from megatron_grpo.metrics_log import MetricsLogger
 from megatron_grpo.models.tokenizer import load_tokenizer
+from megatron_grpo.ops.quantize import scheme_of
 from megatron_grpo.runtime.collectives import RunAborted, broadcast
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.sync.syncer import SyncStats
@@ -119,6 +120,7 @@ class Trainer:
         routing = RoutingReplay(policy.modules, replay=True) if cfg.algorithm.router_replay else None
         reference = build_reference(cfg, policy.hf_config)
         spec = ScoringSpec(cfg.rollout.temperature, policy.hf_config.vocab_size, cfg.model.logprob_chunk_size)
+        quantization = scheme_of(cfg.rollout.quantization, cfg.rollout.fp8_format)  # the probe's, as the engine's
         start_step, trainer_state = _resume(cfg, policy, sampler, rank)
         logger = MetricsLogger(run_dir, cfg.logging, cfg.trainer.num_steps, rank,
                                resumed_step=start_step, config_dict=cfg.to_dict())
@@ -126,7 +128,7 @@ class Trainer:
             write_text_atomic(Path(run_dir) / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         side = build_rollout_side(cfg, tokenizer, sampler) if rank == 0 else None
         http = build_engine(cfg, policy.hf_config, owner=rank == 0,
-                            probe=lambda tokens: probe_log_probs(policy.chunks, tokens, spec))
+                            probe=lambda tokens: probe_log_probs(policy.chunks, tokens, spec, quantization))
         engine = EngineSupervisor(http, policy.modules, max_attempts=cfg.rollout.max_restarts + 1,
                                   colocate=cfg.rollout.colocate, owner=rank == 0)
         try:

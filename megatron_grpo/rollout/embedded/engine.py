@@ -33,7 +33,9 @@ import torch
 
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.models.weights import SafetensorsReader
+from megatron_grpo.ops.quantize import QuantScheme
 from megatron_grpo.rollout.embedded.generation import Sequence
+from megatron_grpo.rollout.embedded.quantize import quantize_decoder_linears
 from megatron_grpo.rollout.embedded.scheduler import StepControl, run_continuous
 from megatron_grpo.rollout.embedded.served_names import served_tensors
 from megatron_grpo.runtime.device import collective_device
@@ -56,7 +58,10 @@ class EmbeddedEngine:
     """Serves one HF model directory; thread-safe."""
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", max_batch_size: int = 64,
-                 seed: int = 0, batch_window_s: float = 0.005, device: str = "auto"):
+                 seed: int = 0, batch_window_s: float = 0.005, device: str = "auto",
+                 quantization: Optional[QuantScheme] = None):
+        """``quantization``: serve the decoder's projections from a quantized copy of the weights
+        (``rollout/embedded/quantize.py``), rebuilt at every load; None: as loaded."""
         from transformers import AutoModelForCausalLM
 
         self.model_dir = str(model_dir)
@@ -65,6 +70,9 @@ class EmbeddedEngine:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch_dtype).eval()
         self.model.to(self.device)
         self.model.requires_grad_(False)
+        self.quantization = quantization
+        # id(weight parameter) -> the QuantizedLinear serving it (empty when not quantized)
+        self._quantized = quantize_decoder_linears(self.model, quantization) if quantization else {}
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -258,11 +266,13 @@ class EmbeddedEngine:
         """Copy tensors into the parameters of the same HF name (cast to the engine dtype).
 
         Call inside ``exclusive()``. With ``compute_checksums`` the loaded parameters'
-        checksums are computed in the background for a later ``checksums()``. Returns the
-        number of tensors loaded, once the copies are complete (GPU sources included).
+        checksums are computed in the background for a later ``checksums()`` (of the parameters
+        as loaded: a quantized engine's quantized copies are rebuilt from them, not checksummed).
+        Returns the number of tensors loaded, once the copies are complete (GPU sources included).
         """
         count = 0
         source_devices = set()
+        touched = []
         for name, tensor in named_tensors:
             param = self._params.get(name)
             if param is None:
@@ -273,6 +283,8 @@ class EmbeddedEngine:
             if pending is not None:
                 pending.result()  # never overwrite a parameter that is being checksummed
             param.copy_(tensor)
+            if id(param) in self._quantized:
+                touched.append(self._quantized[id(param)])
             if tensor.is_cuda:
                 source_devices.add(tensor.device)
             if compute_checksums:
@@ -282,6 +294,8 @@ class EmbeddedEngine:
         # reuses (overwrites) that memory as soon as this request is answered.
         for device in source_devices:
             torch.cuda.synchronize(device)
+        for module in touched:
+            module.requantize()
         return count
 
     def load_from_disk(self, model_path: str, *, compute_checksums: bool = False) -> int:

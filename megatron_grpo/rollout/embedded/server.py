@@ -206,7 +206,9 @@ class _Routes:
                 "device": str(engine.device),
                 "dtype": str(engine.dtype).removeprefix("torch."), "max_batch_size": engine.max_batch_size,
                 "context_length": engine.max_context, "weight_version": engine.weight_version,
-                "paused": engine.paused}
+                "paused": engine.paused,
+                # SGLang's key; fp8-e4m3, fp8-e5m2 or int8 (null: unquantized)
+                "quantization": engine.quantization.describe() if engine.quantization else None}
 
     # ---- generation ---------------------------------------------------------------------
 

@@ -32,6 +32,12 @@ class EngineAdapter:
     reports_sampling_mask: bool = False
     """True: /generate answers ``return_sampling_mask`` with each draw's kept set and log kept
     mass (``meta_info.sampling_mask``; rollout.sampling_mask_replay needs it)."""
+    quantizations: frozenset[str] = frozenset()
+    """rollout.quantization values the engine serves (besides null)."""
+    fp8_formats: frozenset[str] = frozenset()
+    """rollout.fp8_format values its fp8 accepts."""
+    quantization_needs_cuda: bool = False
+    """True: a quantized engine runs only on a GPU (SGLang's fp8 kernels)."""
     returns_routing: bool = False
     """True: /generate answers ``return_routed_experts`` with the MoE routing of every position
     (``meta_info.routed_experts``; algorithm.router_replay needs it)."""
@@ -79,8 +85,11 @@ class EngineAdapter:
         is verified)."""
         return {}
 
-    def verify(self, client, url: str, expected: dict[str, str], samples: dict) -> list[str]:
-        """Names of tensors the engine at ``url`` serves differently from what was sent."""
+    def verify(self, client, url: str, expected: dict[str, str], samples: dict, *,
+               quantized: bool = False) -> list[str]:
+        """Names of tensors the engine at ``url`` serves differently from what was sent
+        (``quantized``: the engine runs rollout.quantization; an adapter whose engine then keeps
+        only its quantized copy cannot compare values and leaves the check to the probe)."""
         raise NotImplementedError
 
     def release_memory(self, client, url: str) -> None:

@@ -22,14 +22,19 @@ class EmbeddedAdapter(EngineAdapter):
     backends = frozenset({"gloo", "nccl"})
     returns_routing = True  # rollout.embedded.routing
     reports_sampling_mask = True  # rollout.embedded.sampling
+    quantizations = frozenset({"fp8", "int8"})  # rollout.embedded.quantize, on CPU and GPU
+    fp8_formats = frozenset({"e4m3", "e5m2"})
 
     def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,
                        gpu_ids: Optional[list[int]] = None) -> list[str]:
         # The API key travels in the environment (launch_env), not argv, where `ps` shows it.
         device = f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"
-        return [sys.executable, "-m", "megatron_grpo.rollout.serve", "--model-dir", model_dir, "--host", host,
-                "--port", str(port), "--dtype", rollout_cfg.dtype,
-                "--max-batch-size", str(rollout_cfg.embedded.max_batch_size), "--device", device]
+        cmd = [sys.executable, "-m", "megatron_grpo.rollout.serve", "--model-dir", model_dir, "--host", host,
+               "--port", str(port), "--dtype", rollout_cfg.dtype,
+               "--max-batch-size", str(rollout_cfg.embedded.max_batch_size), "--device", device]
+        if rollout_cfg.quantization:
+            cmd += ["--quantization", rollout_cfg.quantization, "--fp8-format", rollout_cfg.fp8_format]
+        return cmd
 
     def launch_env(self, rollout_cfg: RolloutConfig, env: dict[str, str]) -> dict[str, str]:
         out = dict(env)
@@ -52,8 +57,10 @@ class EmbeddedAdapter(EngineAdapter):
         # The engine checksums what it loaded in the background, overlapping the next bucket.
         return {"compute_checksums": True} if verify else {}
 
-    def verify(self, client, url: str, expected: dict[str, str], samples: dict) -> list[str]:
-        """Exact per-tensor checksums of the served weights (``/weights_checksum``)."""
+    def verify(self, client, url: str, expected: dict[str, str], samples: dict, *,
+               quantized: bool = False) -> list[str]:
+        """Exact per-tensor checksums of the served weights (``/weights_checksum``); a quantized
+        engine checksums the weights as received, which its quantized copy is rebuilt from."""
         answer = client.call("weights_checksum", {"names": sorted(expected)}, url=url)["checksums"]
         return compare_checksums(expected, {n: v["checksum"] for n, v in answer.items()})
 
