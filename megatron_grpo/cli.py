@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from megatron_grpo.runtime.library_warnings import quiet_library_warnings
+
 # name -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_grpo.trainer.cli", "run a GRPO experiment from a YAML config"),
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean '{close[0]}'?" if close else ""
         print(f"megatron-grpo: unknown command '{name}'{hint}\n\n{usage()}", file=sys.stderr)
         return 2
+    quiet_library_warnings()  # before the import: megatron-core warns while it is imported
     module = importlib.import_module(COMMANDS[name][0])
     if hasattr(module, "run_command"):  # modules serving several sub-commands
         return int(module.run_command(name, rest) or 0)
