@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=128, help="hidden size")
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--warmup-steps", type=int, default=600, help="supervised steps (stopped early on purpose)")
+    parser.add_argument("--warmup-steps", type=int, default=800, help="supervised steps (stopped early on purpose)")
     parser.add_argument("--warmup-lr", type=float, default=3e-3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-digits", type=int, default=AdditionTask.max_digits)
