@@ -160,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         for split, rows in (("train", probe_train), ("heldout", heldout_rows[:args.probe])):
             acc = sampled_accuracy(model, tokenizer, rows, max_new_tokens=args.max_new_tokens, seed=args.seed)
             report[split] = acc
+            by_length = ", ".join(f"{name} {acc[key]:.3f}" for name, key in
+                                  (("<= 4 digits", "pass@1_short"), ("longer", "pass@1_long")) if acc[key] is not None)
             print(f"starting pass@1 ({split} split, {len(rows)} problems, temperature 1): {acc['pass@1']:.3f} "
-                  f"(<= 4 digits {acc['pass@1_short']:.3f}, longer {acc['pass@1_long']:.3f}); response tokens "
+                  f"({by_length}); response tokens "
                   f"mean {acc['length_mean']:.0f}, p50 {acc['length_p50']}, p90 {acc['length_p90']}, "
                   f"max {acc['length_max']}", flush=True)
 
