@@ -4,6 +4,8 @@ trainer on a reduced model."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import random
 import re
@@ -122,6 +124,36 @@ def reward():
 ])
 def test_reward_checks_only_the_final_answer(reward, response, answer, expected):
     assert reward(response, answer) == expected
+
+
+# ---- the build tool ---------------------------------------------------------------------------
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("make_reasoning_model", ROOT / "tools" / "make_reasoning_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tokenizer_has_every_word_of_the_format():
+    tokenizer = load_tool().reasoning_tokenizer()
+    row = generate(1, 0)[0]
+    ids = tokenizer(f"{row['prompt']} {row['chain']}", add_special_tokens=False)["input_ids"]
+    assert tokenizer.unk_token_id not in ids
+    assert len(ids) == len(f"{row['prompt']} {row['chain']}".split()) + 3  # "####" is four "#" tokens
+
+
+def test_build_is_deterministic_given_the_seed(tmp_path, capsys):
+    tool = load_tool()
+    args = ["--hidden", "32", "--warmup-steps", "3", "--num-train", "40", "--num-heldout", "4", "--probe", "0"]
+    for name in ("a", "b"):
+        assert tool.main(["--out", str(tmp_path / name), *args]) == 0
+    digest = lambda name: [hashlib.sha1((tmp_path / name / f).read_bytes()).hexdigest()
+                           for f in ("model/model.safetensors", "train.jsonl", "heldout.jsonl")]
+    assert digest("a") == digest("b")
+    assert tool.main(["--out", str(tmp_path / "a"), *args]) == 0  # already built: kept
+    assert "already in" in capsys.readouterr().out
 
 
 # ---- slow: build a reduced model and run GRPO steps with the real trainer ---------------------

@@ -11,8 +11,9 @@ writes ``OUT/model/`` (a Qwen2-architecture HF checkpoint + tokenizer), ``OUT/tr
 The model starts from random weights and gets a supervised warm-up on worked chains of
 training-split problems (``7 + 8 + 0 = 15 write 5 carry 1 , ... #### 5 2 5``), stopped after
 ``--warmup-steps`` steps, well before it has learned the task: it then writes the format
-reliably but slips on some columns, so that sampled at temperature 1 it solves roughly a
-third of the problems (the long ones least often). The script measures that starting point
+reliably but slips on some columns, so that sampled at temperature 1 it solves about a
+fifth of the problems (measured with the defaults: 0.22 on both splits; the short ones most
+often, those of 5+ digits never). The script measures that starting point
 the way GRPO sees it, by sampling (``--probe`` problems of each split, one sample each at
 temperature 1), and prints it with the response-length distribution.
 
