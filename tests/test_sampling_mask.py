@@ -199,6 +199,8 @@ def test_engine_and_trainer_both_score_the_truncated_distribution(served):
                               sampling_mask_max_kept=64)
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
     samples = client.generate(prompts, 4, sampling, sampling_seed=11)
+    assert all(s.finish_reason in ("stop", "length") for s in samples), [s.finish_reason for s in samples]
+    assert max(len(s.output_ids) for s in samples) == 10
     masses = [m for s in samples for m in s.log_kept_mass]
     assert max(masses) <= 1e-6 and sum(masses) / len(masses) < -0.05  # top_p 0.7 cuts real mass
     rollout_lp = [truncated_log_probs(s.output_logprobs, s.kept_ids, s.log_kept_mass) for s in samples]

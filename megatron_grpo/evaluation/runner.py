@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_grpo.config import ExperimentConfig
 from megatron_grpo.data import Prompt, load_prompt_dataset
 from megatron_grpo.evaluation.passk import mean_pass_at_k
 from megatron_grpo.rewards.sample import reward_samples
@@ -62,7 +63,7 @@ def eval_seed(seed: int, step: int, set_index: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + (set_index + 1) * 104_729 + 12_345_701) % SEED_MODULUS
 
 
-def load_sets(cfg, tokenizer, sampling) -> list[EvalSet]:
+def load_sets(cfg: ExperimentConfig, tokenizer, sampling) -> list[EvalSet]:
     """Every ``eval.sets[i]``, tokenized like the training data; DataError naming ``eval.sets[i].path``."""
     sets = []
     for i, s in enumerate(cfg.eval.sets):
@@ -94,7 +95,7 @@ class Evaluator:
     (a ``rollout.protocol.RolloutEngine``, or anything with its ``generate``); ``sampling``: the
     run's SamplingParams (stop ids, top-p/k); each set sets its temperature and length."""
 
-    def __init__(self, cfg, tokenizer, engine, scorer, sampling):
+    def __init__(self, cfg: ExperimentConfig, tokenizer, engine, scorer, sampling):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.engine = engine

@@ -54,18 +54,18 @@ class SamplingParams:
         return out
 
     @classmethod
-    def from_rollout_config(cls, cfg) -> "SamplingParams":
+    def from_rollout_config(cls, rollout_cfg) -> "SamplingParams":
         """The sampling parameters of a ``RolloutConfig`` (kept sets asked for when it
         truncates and replays the sampling mask)."""
-        replay = cfg.sampling_mask_replay and cfg.truncates
+        replay = rollout_cfg.sampling_mask_replay and rollout_cfg.truncates
         return cls(
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            min_p=cfg.min_p,
-            max_new_tokens=cfg.max_new_tokens,
-            stop_token_ids=list(cfg.stop_token_ids),
-            sampling_mask_max_kept=cfg.sampling_mask_max_kept if replay else 0,
+            temperature=rollout_cfg.temperature,
+            top_p=rollout_cfg.top_p,
+            top_k=rollout_cfg.top_k,
+            min_p=rollout_cfg.min_p,
+            max_new_tokens=rollout_cfg.max_new_tokens,
+            stop_token_ids=list(rollout_cfg.stop_token_ids),
+            sampling_mask_max_kept=rollout_cfg.sampling_mask_max_kept if replay else 0,
         )
 
 

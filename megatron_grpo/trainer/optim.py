@@ -29,7 +29,8 @@ def wrap_ddp(model_chunks, use_distributed_optimizer: bool):
     return wrapped
 
 
-def build_optimizer(model_chunks, cfg: OptimizerConfig, dtype: torch.dtype, use_distributed_optimizer: bool):
+def build_optimizer(model_chunks, optimizer_cfg: OptimizerConfig, dtype: torch.dtype,
+                    use_distributed_optimizer: bool):
     """megatron-core optimizer over DDP-wrapped chunks.
 
     For bf16/fp16 parameters this is megatron-core's mixed-precision optimizer
@@ -45,31 +46,32 @@ def build_optimizer(model_chunks, cfg: OptimizerConfig, dtype: torch.dtype, use_
     from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
+    o = optimizer_cfg
     mcfg = McoreOptimizerConfig(
-        optimizer=cfg.name, lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-        clip_grad=cfg.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        optimizer=o.name, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         params_dtype=dtype, use_distributed_optimizer=use_distributed_optimizer,
     )
     with tensor_type_names_cuda():  # CPU: the constructor sorts parameters by CUDA type names
         return get_megatron_optimizer(mcfg, model_chunks)
 
 
-def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
+def lr_at(step: int, optimizer_cfg: OptimizerConfig, total_steps: int) -> float:
     """Learning rate of optimizer step ``step`` (0-based) of ``total_steps``: linear warm-up
     from lr/warmup to lr over ``lr_warmup_steps``, then constant, linear or cosine decay to
     ``min_lr`` at the last step."""
-    if cfg.lr_warmup_steps > 0 and step < cfg.lr_warmup_steps:
-        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
-    if cfg.lr_decay_style == "constant":
-        return cfg.lr
-    span = max(total_steps - cfg.lr_warmup_steps - 1, 1)
-    progress = min(max(step - cfg.lr_warmup_steps, 0) / span, 1.0)
-    if cfg.lr_decay_style == "linear":
+    if optimizer_cfg.lr_warmup_steps > 0 and step < optimizer_cfg.lr_warmup_steps:
+        return optimizer_cfg.lr * (step + 1) / optimizer_cfg.lr_warmup_steps
+    if optimizer_cfg.lr_decay_style == "constant":
+        return optimizer_cfg.lr
+    span = max(total_steps - optimizer_cfg.lr_warmup_steps - 1, 1)
+    progress = min(max(step - optimizer_cfg.lr_warmup_steps, 0) / span, 1.0)
+    if optimizer_cfg.lr_decay_style == "linear":
         factor = 1.0 - progress
     else:  # cosine
         factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
+    return optimizer_cfg.min_lr + (optimizer_cfg.lr - optimizer_cfg.min_lr) * factor
 
 
 def set_lr(optimizer, lr: float) -> None:

@@ -119,7 +119,7 @@ def sample_step(batch: RunningBatch, *, shared_generator: torch.Generator, eos_i
         reason = finish_reason_for(s, token, eos_ids, max_context)
         if reason is not None:
             s.finish(reason, weight_version())
-    return tokens
+    return draw.tokens
 
 
 @torch.inference_mode()
