@@ -294,6 +294,7 @@ def test_trainer_rows_are_the_engines_tokens_plus_observations(fn_file, tok, emb
     (first_in, _, first), (second_in, _, second) = engine.calls
     obs = tok(" <|user|> please reply with only a number <|assistant|>", add_special_tokens=False)["input_ids"]
     batch = result.batch
+    assert all(s.finish_reason != "abort" for s in first + second)
     for row in range(4):
         a, b = first[row], second[row]
         assert second_in[row] == a.prompt_ids + a.output_ids + obs  # turn 2 is generated on turn 1's exact ids
