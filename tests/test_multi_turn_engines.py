@@ -178,7 +178,8 @@ def test_episodes_on_the_real_sglang_are_token_in_token_out(tok, env_file, tmp_p
     p = len(episode.sample.prompt_ids)
     for turn in _turn_positions(episode):  # SGLang's log-probs of each turn = its log-probs of the whole episode
         for i in turn:
-            assert abs(episode.sample.output_logprobs[i - p] - lp[i - 1]) <= 1e-4, (i, episode.sample.output_logprobs[i - p], lp[i - 1])
+            got = episode.sample.output_logprobs[i - p]
+            assert abs(got - lp[i - 1]) <= 1e-4, (i, got, lp[i - 1])
 
 
 OFF_POLICY = ("rollout.mode=one_step_off_policy", "rollout.multi_turn.observation_role=user",

@@ -174,7 +174,8 @@ def _mutations():
         ("a dict", lambda out: [dataclasses.asdict(out[0])] + out[1:], "items of type Sample, dict"),
         ("prompt changed", item(2, prompt_ids=[1, 2, 3]), "item 2: prompt_ids differ from prompts[1].prompt_ids"),
         ("logprob count", item(1, output_logprobs=[-0.5] * 2), "item 1: 2 output_logprobs for 3 output_ids"),
-        ("nan logprob", item(0, output_logprobs=[-0.5, math.nan, -0.5]), "item 0: output_logprobs[1]=nan; expected a finite"),
+        ("nan logprob", item(0, output_logprobs=[-0.5, math.nan, -0.5]),
+         "item 0: output_logprobs[1]=nan; expected a finite"),
         ("positive logprob", item(3, output_logprobs=[-0.5, 0.3, -0.5]), "output_logprobs[1]=0.3 on a model token"),
         ("mask length", item(0, output_mask=[1, 0]), "item 0: 2 output_mask entries for 3 output_ids"),
         ("mask value", item(0, output_mask=[1, 2, 1]), "item 0: output_mask holds 2; expected 1"),
@@ -201,9 +202,13 @@ def test_a_bad_output_is_one_line_naming_the_file_and_function(fn_file, tok, tmp
 
 
 def test_observation_tokens_may_carry_any_finite_logprob_but_model_tokens_not(fn_file, tok):
-    ok = [dataclasses.replace(s, output_mask=[1, 0, 1], output_logprobs=[-0.5, 0.0, -0.5])
-          for s in FakeEngine().generate([[1]], 2, None)]
-    check_rollout_output(ok, [SimpleNamespace(prompt_ids=[1])], 2, SamplingParams(), "x")
+    samples = FakeEngine().generate([[1]], 2, None)
+    prompts = [SimpleNamespace(prompt_ids=[1])]
+    ok = [dataclasses.replace(s, output_mask=[1, 0, 1], output_logprobs=[-0.5, 0.7, -0.5]) for s in samples]
+    check_rollout_output(ok, prompts, 2, SamplingParams(), "x")  # context: never trained, never compared
+    bad = [dataclasses.replace(s, output_mask=[1, 1, 1], output_logprobs=[-0.5, 0.7, -0.5]) for s in samples]
+    with pytest.raises(RolloutFunctionError, match="output_logprobs.1.=0.7 on a model token"):
+        check_rollout_output(bad, prompts, 2, SamplingParams(), "x")
 
 
 def test_sampling_mask_replay_needs_the_kept_sets(fn_file, tok):

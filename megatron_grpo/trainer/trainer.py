@@ -124,7 +124,8 @@ class Trainer:
                                resumed_step=start_step, config_dict=cfg.to_dict())
         if rank == 0:
             write_text_atomic(Path(run_dir) / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        side = build_rollout_side(cfg, tokenizer, sampler, vocab_size=policy.hf_config.vocab_size) if rank == 0 else None
+        side = (build_rollout_side(cfg, tokenizer, sampler, vocab_size=policy.hf_config.vocab_size)
+                if rank == 0 else None)
         http = build_engine(cfg, policy.hf_config, owner=rank == 0,
                             probe=lambda tokens: probe_log_probs(policy.chunks, tokens, spec))
         engine = EngineSupervisor(http, policy.modules, max_attempts=cfg.rollout.max_restarts + 1,
