@@ -1,4 +1,4 @@
-"""Build the tool demo's starting model and dataset (yaml_configs/demo_cpu_tools.yaml; no downloads).
+"""Build the tool demo's starting model and dataset (yaml_configs/demo_cpu_tools.yaml; no downloads, ~4 min).
 
     python tools/make_tool_demo_model.py --out runs/demo_cpu_tools
 
