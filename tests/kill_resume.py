@@ -4,7 +4,12 @@ resume it with `checkpoint.resume: auto` each time, and check that
 * every resume starts from the newest COMPLETE checkpoint that existed at the kill (never a
   partial one, never an older one: "checkpoints lost" counts the times the newest complete
   checkpoint went backwards across a kill),
-* the finished run's metrics equal an uninterrupted run with the same seed.
+* the finished run's metrics equal an uninterrupted run with the same seed, and every step drew
+  the same prompts (``rollout/prompt_indices``: no prompt lost or repeated across a kill).
+
+With ``--extra KEY=VALUE`` (repeatable) both runs get more overrides: an environment
+(``rollout.environment=...``) makes every response a multi-turn episode whose environment
+workers die with the run (tests/test_kill_resume.py).
 
     python tests/kill_resume.py --kills 20          # the full version (several minutes)
     python tests/kill_resume.py --kills 3 --steps 8 # what CI runs (tests/test_kill_resume.py, with
@@ -33,10 +38,10 @@ COMPARED = ("reward_mean", "reward_std", "loss", "ppo_kl", "clip_ratio", "entrop
             "rollout_train_logprobs_abs_diff_mean", "is_ratio_mean", "response_length_mean", "lr")
 
 
-def run_cmd(demo: Path, run_dir: Path, steps: int) -> list[str]:
+def run_cmd(demo: Path, run_dir: Path, steps: int, extra: tuple[str, ...] = ()) -> list[str]:
     # shuffled mini-batches (4 per step in the demo): a resumed step must cut its batch the same way
     return train_cmd(demo, run_dir, steps, "checkpoint.save_every=1", "checkpoint.keep_last=2", "logging.plot=false",
-                     "algorithm.shuffle_mini_batches=true")
+                     "algorithm.shuffle_mini_batches=true", *extra)
 
 
 def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
@@ -98,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", default=None, help="default: a temporary directory")
     parser.add_argument("--max-seconds", type=float, default=3600)
+    parser.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for both runs (repeatable)")
     parser.add_argument("--demo", default=None,
                         help="an existing tools/make_demo_model.py output to use (only read); default: build one "
                              "with 50 warm-up steps in the work directory")
@@ -108,13 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.max_seconds
 
     straight = work / "straight"
-    ref = start(run_cmd(demo, straight, args.steps), work / "straight.log")
+    ref = start(run_cmd(demo, straight, args.steps, tuple(args.extra)), work / "straight.log")
     if ref.wait() != 0:
         print(f"the uninterrupted run failed; see {work / 'straight.log'}")
         return 1
 
     run_dir, log_path = work / "killed", work / "killed.log"
-    cmd = run_cmd(demo, run_dir, args.steps)
+    cmd = run_cmd(demo, run_dir, args.steps, tuple(args.extra))
     kills = resumes = lost = 0
     expected_resumes: list[int] = []
     while True:
@@ -158,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     a, b = read_metrics(straight), read_metrics(run_dir)
     equal = [r["step"] for r in a] == [r["step"] for r in b] and all(
         abs(ra[k] - rb[k]) <= 1e-6 * max(1.0, abs(ra[k])) for ra, rb in zip(a, b) for k in COMPARED)
-    ok = equal and lost == 0 and reported == expected_resumes
+    # each step's prompts, as drawn: none lost or repeated across the kills
+    same_prompts = [r["rollout/prompt_indices"] for r in a] == [r["rollout/prompt_indices"] for r in b]
+    ok = equal and same_prompts and lost == 0 and reported == expected_resumes
     print(f"kills: {kills}, resumes: {resumes}, checkpoints lost: {lost}, "
           f"resumes from the newest complete checkpoint: {'yes' if reported == expected_resumes else 'no'}, "
-          f"metrics equal: {'yes' if equal else 'no'}")
+          f"metrics equal: {'yes' if equal else 'no'}, prompts equal: {'yes' if same_prompts else 'no'}")
     if reported != expected_resumes:
         print(f"resumed from {reported}, expected {expected_resumes}")
     return 0 if ok else 1

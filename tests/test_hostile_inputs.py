@@ -323,6 +323,11 @@ CASES: dict[str, Case] = {
     "dataset_prompt_longer_than_model_context": _data_case(
         _lines(DATA_LINES[0], {"prompt": " ".join(map(str, range(199))) * 3, "answer": "1"}), ":2:",
         "model's context of 512", data_key={"max_prompt_length": 4096}),
+    "episode_longer_than_model_context": _cfg_case(
+        lambda cfg: [_set("rollout.environment", "calculator")(cfg),
+                     _set("rollout.multi_turn.max_episode_tokens", 600)(cfg)],
+        "rollout.multi_turn.max_episode_tokens", "600 after the longest prompt", "model's context of 512",
+        "set it to at most"),
     # ---- reward functions ------------------------------------------------------------------
     "reward_unknown_builtin": _reward_case(None, "exact_match", "unknown reward function",
                                            "did you mean 'math_exact_match'"),

@@ -1,7 +1,10 @@
 """CI's short version of tests/kill_resume.py: kill -9 the demo run (once during a checkpoint
-save when the dice say so), resume, and require the uninterrupted run's metrics and no process
-left behind."""
+save when the dice say so), resume, and require the uninterrupted run's metrics and prompts and
+no process left behind; once single-turn, once with multi-turn episodes of an environment."""
 
+import time
+
+import psutil
 import pytest
 
 from tests.kill_resume import main
@@ -14,7 +17,53 @@ def test_kill_minus_9_and_resume(demo, tmp_path, capsys):
                  "--demo", str(demo)])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "checkpoints lost: 0" in out and "metrics equal: yes" in out
+    assert "checkpoints lost: 0" in out and "metrics equal: yes" in out and "prompts equal: yes" in out
     # nothing outlives the kills: not the ranks, not the engine, not the checkpoint writers a
     # rank forked when it was killed during a save (they hold copies of its sockets)
     assert running_with(str(tmp_path)) == []
+
+
+NUDGE = '''
+class Nudge:
+    """Turn 1: asks again; turn 2: done, reward 1 when the last word is the answer."""
+    def __init__(self, row):
+        self.answer, self.turn = str(row["answer"]), 0
+
+    def step(self, response):
+        self.turn += 1
+        if self.turn == 1:
+            return {"observation": "please reply with only a number", "done": False}
+        words = response.split()
+        return {"observation": None, "done": True, "reward": float(bool(words) and words[-1] == self.answer)}
+'''
+
+
+@pytest.mark.slow
+def test_kill_minus_9_and_resume_with_an_environment(demo, tmp_path, capsys):
+    started = time.time()
+    env_file = tmp_path / "nudge.py"
+    env_file.write_text(NUDGE)
+    extra = [f"rollout.environment={env_file}:Nudge", "rollout.multi_turn.observation_role=user",
+             "rollout.multi_turn.max_episode_tokens=64",
+             "rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=8",
+             "parallel.micro_batch_size=4", "eval.every_n_steps=0"]
+    code = main(["--kills", "2", "--steps", "6", "--seed", "2", "--workdir", str(tmp_path), "--max-seconds", "900",
+                 "--demo", str(demo), *(f"--extra={e}" for e in extra)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "checkpoints lost: 0" in out and "metrics equal: yes" in out and "prompts equal: yes" in out
+    # the environments' fork servers and workers died with the killed runs: none orphaned
+    assert running_with(str(tmp_path)) == []
+    assert _orphaned_env_processes(started) == []
+
+
+def _orphaned_env_processes(since: float) -> list[int]:
+    """Environment fork servers / workers started after ``since`` whose parent is gone (other
+    sessions' live ones on a shared machine are not counted)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "create_time", "ppid", "status"]):
+        line = " ".join(p.info["cmdline"] or [])
+        if ("megatron_grpo.rollout.environments" in line and p.info["create_time"] >= since
+                and p.info["ppid"] == 1 and p.info["status"] != psutil.STATUS_ZOMBIE):
+            found.append(p.pid)
+    return found

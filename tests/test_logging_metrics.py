@@ -199,3 +199,24 @@ def test_progress_bar_shows_the_step_time_breakdown(tmp_path, capsys):
     log.close()
     err = capsys.readouterr().err
     assert "time=step 3.1s: gen 1.2 train 1.5 idle 0.44" in err, err  # phases under 5 ms left out
+
+
+MULTI_TURN = {"multi_turn/turns_mean": 2.5, "multi_turn/turns_max": 4.0, "multi_turn/env_errors": 1.0,
+              "multi_turn/env_timeouts": 2.0, "multi_turn/observations_refused": 0.0}
+
+
+def test_multi_turn_runs_show_turns_and_env_failures_in_bar_plot_and_summary(tmp_path, capsys):
+    log = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False), total_steps=2)
+    for step in (1, 2):
+        log.log(step, step_metrics(step) | MULTI_TURN)
+    summary = log.finish()
+    err = capsys.readouterr().err
+    assert "turns=2.5" in err and "env_err=3" in err, err
+    assert "turns" in summary.splitlines()[0].split()
+    assert png_size(tmp_path / "plot.png") == (1200, 1333)  # 4 rows of panels: turns and failed episodes
+    # a single-turn run's bar and plot are unchanged
+    log = MetricsLogger(tmp_path / "single", LoggingConfig(tensorboard=False), total_steps=1)
+    log.log(1, step_metrics(1))
+    log.finish()
+    assert "turns=" not in capsys.readouterr().err
+    assert png_size(tmp_path / "single" / "plot.png") == (1200, 1000)

@@ -30,6 +30,7 @@ def test_two_steps_with_an_environment_log_the_multi_turn_metrics(demo, tmp_path
     run_dir = tmp_path / "run"
     cmd = train_cmd(demo, run_dir, 2, f"rollout.environment={env_file}:Nudge",
                     "rollout.multi_turn.observation_role=user", "rollout.multi_turn.max_turns=3",
+                    "rollout.multi_turn.max_episode_tokens=64",
                     "rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=16",
                     "parallel.micro_batch_size=8", "eval.every_n_steps=0", "logging.plot=false")
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)

@@ -87,6 +87,8 @@ class ExperimentConfig:
               "route after later micro-batches set their targets)")
         check(self.rollout.environment is None or not self.algorithm.router_replay, "algorithm.router_replay",
               "is not supported with rollout.environment (multi-turn episodes): set one of them off")
+        check(self.rollout.rollout_function is None or not self.algorithm.router_replay, "algorithm.router_replay",
+              "is not supported with rollout.rollout_function (its samples carry no routing): set one of them off")
 
         labels = self.reward.labels
         check(

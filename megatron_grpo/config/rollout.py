@@ -55,6 +55,17 @@ ENVIRONMENT_FILE_RE = re.compile(r"^(?P<path>.+\.py):(?P<attr>[A-Za-z_]\w*)$")
 """``path/to/env.py:ClassName``: an environment class loaded from a file (no PYTHONPATH)."""
 
 
+def rollout_function_problem(spec: str) -> Optional[str]:
+    """Why ``spec`` cannot name a rollout function (None if it can); checks the file exists, imports nothing."""
+    m = ENVIRONMENT_FILE_RE.match(spec)
+    if m is None:
+        return f"{spec!r} is not a file path path/to/file.py:fn"
+    path = Path(m["path"]).expanduser().resolve()
+    if not path.is_file():
+        return f"rollout function file {path} not found (a relative path is resolved against the current directory)"
+    return None
+
+
 def environment_problem(spec: str) -> Optional[str]:
     """Why ``spec`` cannot name an environment (None if it can); checks the file exists, imports nothing."""
     if spec in BUILTIN_ENVIRONMENTS:
@@ -273,6 +284,12 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Turn limits, observation rendering and environment failures of `environment` episodes."""
 
+    rollout_function: Optional[str] = None
+    """`path/to/file.py:fn`, a function that generates each step's samples instead of the
+    built-in loop (docs/multi_turn.md, "Custom rollout functions"): fn(engine, prompts, n,
+    sampling, seed) -> n Samples per prompt, prompt-major (token ids, the engine's log-probs,
+    output_mask), checked every call. null: single-turn, or the `environment` episode loop."""
+
     def __post_init__(self):
         bl = self.overlong.buffer_length
         check(bl is None or bl <= self.max_new_tokens, "overlong.buffer_length",
@@ -312,6 +329,12 @@ class RolloutConfig:
             check(bl is None, "overlong.buffer_length",
                   "the overlong penalty counts response tokens, which in an environment episode include "
                   "observations; set it to null with rollout.environment")
+        if self.rollout_function is not None:
+            problem = rollout_function_problem(self.rollout_function)
+            check(problem is None, "rollout_function", problem or "")
+            check(self.environment is None, "rollout_function",
+                  "cannot be combined with rollout.environment (the environment's episode loop is the built-in "
+                  "rollout function); set one of them to null")
 
     @property
     def truncates(self) -> bool:

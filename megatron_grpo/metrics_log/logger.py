@@ -36,8 +36,10 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "plot.png"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
-PROGRESS_KEYS = [("reward_mean", "reward"), ("loss", "loss"), ("ppo_kl", "kl")]
-"""(metric, label) shown next to the progress bar."""
+PROGRESS_KEYS = [("reward_mean", "reward"), ("loss", "loss"), ("ppo_kl", "kl"), ("multi_turn/turns_mean", "turns")]
+"""(metric, label) shown next to the progress bar (when the record has it)."""
+ENV_FAILURE_KEYS = ("multi_turn/env_errors", "multi_turn/env_timeouts", "multi_turn/observations_refused")
+"""Multi-turn runs: their sum is shown as ``env_err`` next to the progress bar."""
 TIME_KEYS = [("time/step_s", "step"), ("time/generate_s", "gen"), ("time/reward_s", "rew"),
              ("time/logprob_s", "lp"), ("time/train_s", "train"), ("time/idle_s", "idle"),
              ("time/sync_s", "sync"), ("time/eval_s", "eval")]
@@ -115,6 +117,8 @@ class ProgressSink:
 
     def log(self, step: int, record: dict) -> None:
         shown = {label: f"{record[k]:.3g}" for k, label in PROGRESS_KEYS if isinstance(record.get(k), float)}
+        if all(isinstance(record.get(k), (int, float)) for k in ENV_FAILURE_KEYS):
+            shown["env_err"] = str(int(sum(record[k] for k in ENV_FAILURE_KEYS)))
         for key, value in record.items():  # held-out accuracy stays shown until the next eval
             if key.startswith("eval/") and key.endswith(EVAL_PASS_SUFFIX) and isinstance(value, (int, float)):
                 self.evals[f"eval:{key[len('eval/'):-len(EVAL_PASS_SUFFIX)]}"] = f"{value:.3g}"

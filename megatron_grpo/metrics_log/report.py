@@ -22,6 +22,14 @@ PLOT_PANELS: list[tuple[str, str]] = [
 """(metric key, panel title) of the six panels of plot.png; a key with ``*`` draws every
 matching metric as its own line (one per eval set and k)."""
 
+MULTI_TURN_PANELS: list[tuple[str, str]] = [
+    ("multi_turn/turns_mean|multi_turn/turns_max", "model turns per episode"),
+    ("multi_turn/env_errors|multi_turn/env_timeouts|multi_turn/observations_refused",
+     "failed episodes per step (environment)"),
+]
+"""Two more panels when the run has multi-turn episodes (``multi_turn/turns_mean`` logged);
+``a|b`` draws each of the keys as its own line."""
+
 SUMMARY_COLUMNS: list[tuple[str, str]] = [
     ("step", "step"),
     ("reward_mean", "reward"),
@@ -32,6 +40,7 @@ SUMMARY_COLUMNS: list[tuple[str, str]] = [
     ("entropy", "entropy"),
     ("rollout_train_logprobs_abs_diff_mean", "mismatch"),
     ("response_length_mean", "resp_len"),
+    ("multi_turn/turns_mean", "turns"),
     ("elapsed_s", "elapsed_s"),
     ("train_elapsed_s", "train_s"),
 ]
@@ -50,7 +59,10 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def matching_keys(records: list[dict], pattern: str) -> list[str]:
-    """Metric keys of ``records`` matching ``pattern`` (``*`` wildcards), in first-seen order."""
+    """Metric keys of ``records`` matching ``pattern`` (``*`` wildcards; ``a|b``: each of them), in
+    first-seen order."""
+    if "|" in pattern:
+        return [key for alternative in pattern.split("|") for key in matching_keys(records, alternative)]
     if "*" not in pattern:
         return [pattern]
     seen: dict[str, None] = {}
@@ -65,10 +77,12 @@ def write_plot(records: list[dict], path: str | Path, title: str = "") -> Path:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(12, 10), dpi=100)
+    panels = PLOT_PANELS + (MULTI_TURN_PANELS if series(records, "multi_turn/turns_mean")[0] else [])
+    rows = (len(panels) + 1) // 2
+    fig = Figure(figsize=(12, 10 * rows / 3), dpi=100)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(3, 2).ravel()
-    for ax, (pattern, panel_title) in zip(axes, PLOT_PANELS):
+    axes = fig.subplots(rows, 2).ravel()
+    for ax, (pattern, panel_title) in zip(axes, panels):
         ax.set_title(panel_title, fontsize=10)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -78,10 +92,11 @@ def write_plot(records: list[dict], path: str | Path, title: str = "") -> Path:
         if not lines:
             ax.text(0.5, 0.5, f"{pattern}: not logged", ha="center", va="center", transform=ax.transAxes)
             continue
+        several = "*" in pattern or "|" in pattern
         for key, steps, values in lines:
             ax.plot(steps, values, marker="." if len(steps) < 50 else None,
-                    label=key.removeprefix("eval/") if "*" in pattern else None)
-        if "*" in pattern:
+                    label=key.removeprefix("eval/").removeprefix("multi_turn/") if several else None)
+        if several:
             ax.legend(loc="lower right", fontsize=8)
             continue
         key, steps, values = lines[0]

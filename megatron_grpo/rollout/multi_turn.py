@@ -102,6 +102,11 @@ class EpisodeRunner:
                                 use_template=use_template and has_chat_template(tokenizer))
         return cls(rollout_cfg, renderer)
 
+    def __call__(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
+                 sampling_seed: Optional[int] = None) -> list[Episode]:
+        """The built-in rollout function (``rollout/rollout_function.py``): ``run``."""
+        return self.run(engine, prompts, n, sampling, sampling_seed)
+
     def run(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
             sampling_seed: Optional[int] = None) -> list[Episode]:
         """``n`` episodes per prompt (data.Prompt: ``prompt_ids``, ``text``, ``answer``, ``fields``)

@@ -18,6 +18,7 @@ from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rollout.http_engine import HttpEngine, start_servers
 from megatron_grpo.rollout.multi_turn import EpisodeRunner
+from megatron_grpo.rollout.rollout_function import RolloutFunction
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.runtime.collectives import broadcast
 from megatron_grpo.runtime.device import cuda_available, resolve_distributed_optimizer
@@ -80,25 +81,32 @@ class RolloutSide:
     tokenizer: Any  # a transformers tokenizer
     sampler: Optional[PromptSampler]  # None when evaluating a saved model
     scorer: RewardScorer
-    multi_turn: Optional[EpisodeRunner] = None  # rollout.environment's episodes, when set
+    rollout_function: Optional[Callable] = None
+    """What generates instead of the engine's generate: rollout.environment's EpisodeRunner or
+    rollout.rollout_function's RolloutFunction (None: single-turn)."""
 
     def close(self) -> None:
         self.scorer.close()
 
 
-def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[PromptSampler]) -> RolloutSide:
+def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[PromptSampler], *,
+                       vocab_size: Optional[int] = None) -> RolloutSide:
     """The sampling parameters (with the tokenizer's EOS as a stop id), the sampler, the
-    reward scorer and, with ``rollout.environment``, the episode runner (built before the
-    engine starts: a bad reward or environment fails fast)."""
+    reward scorer and, with ``rollout.environment`` or ``rollout.rollout_function``, the
+    rollout function (built before the engine starts: a bad reward, environment or rollout
+    function fails fast). ``vocab_size``: the model's, the bound of a rollout function's ids."""
     scorer = RewardScorer(cfg.reward)
-    multi_turn = None
+    rollout_function = None
     if cfg.rollout.environment is not None:
         use_template = cfg.data.apply_chat_template and has_chat_template(tokenizer)
-        multi_turn = EpisodeRunner.build(cfg.rollout, tokenizer, use_template=use_template)
+        rollout_function = EpisodeRunner.build(cfg.rollout, tokenizer, use_template=use_template)
+    elif cfg.rollout.rollout_function is not None:
+        rollout_function = RolloutFunction.load(cfg.rollout.rollout_function, tokenizer, vocab_size=vocab_size)
     sampling = SamplingParams.from_rollout_config(cfg.rollout)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in sampling.stop_token_ids:
         sampling.stop_token_ids = [*sampling.stop_token_ids, tokenizer.eos_token_id]
-    return RolloutSide(sampling=sampling, tokenizer=tokenizer, sampler=sampler, scorer=scorer, multi_turn=multi_turn)
+    return RolloutSide(sampling=sampling, tokenizer=tokenizer, sampler=sampler, scorer=scorer,
+                       rollout_function=rollout_function)
 
 
 def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Optional[Probe] = None) -> HttpEngine:

@@ -5,6 +5,8 @@ soft overlong penalty, zero-variance groups are replaced by extra generation rou
 truncated responses can be masked out of the loss (``trainer.dynamic_sampling``). With
 ``rollout.environment`` each response is a multi-turn episode (``rollout/multi_turn.py``): its
 observation tokens are masked out of the loss and the environment's reward joins the score.
+With ``rollout.rollout_function`` the user's function generates the samples
+(``rollout/rollout_function.py``); the episode loop is the built-in one.
 
 The trainer broadcasts the finished RolloutResult to the other ranks, so the rollout engine,
 the tokenizer and the reward functions live in one process.
@@ -21,10 +23,15 @@ import torch
 
 from megatron_grpo.losses import compute_advantages
 from megatron_grpo.rewards.sample import reward_samples
-from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_rewards, episode_stats
+from megatron_grpo.rollout.multi_turn import episode_rewards, episode_stats
+from megatron_grpo.rollout.rollout_function import samples_of
 from megatron_grpo.trainer.batch import (TrainBatch, build_train_batch, pad_kept_ids, pad_routed_experts,
                                          truncated_log_probs)
 from megatron_grpo.trainer.dynamic_sampling import choose_groups, informative_groups, overlong_penalty
+
+
+RolloutFn = Callable[..., list]
+"""``fn(engine, prompts, n, sampling, seed)`` -> n Samples or Episodes per prompt (rollout/rollout_function.py)."""
 
 
 @dataclass
@@ -51,21 +58,20 @@ class _Round:
     stats: dict[str, float]
     gen_s: float
     reward_s: float
-    episodes: Optional[list] = None  # multi-turn: the Episode of each sample
+    episodes: Optional[list] = None  # multi-turn: the Episode of each sample (a rollout function's Episodes)
     dropped: Optional[torch.Tensor] = None  # multi-turn: bool[G * n], out of the loss (on_env_error: drop)
 
 
 def _generate_round(step, round_index, prompts, engine, sampling, scorer, tokenizer, cfg,
-                    multi_turn: Optional[EpisodeRunner] = None) -> _Round:
+                    rollout_function: Optional[RolloutFn] = None) -> _Round:
     t0 = time.monotonic()
     seed, n = sampling_seed(cfg.trainer.seed, step, round_index), cfg.rollout.num_generations
-    if multi_turn is None:
+    if rollout_function is None:
         episodes = None
         samples = engine.generate([p.prompt_ids for p in prompts], n, sampling, sampling_seed=seed,
                                   return_routed_experts=cfg.algorithm.router_replay)
     else:
-        episodes = multi_turn.run(engine, prompts, n, sampling, sampling_seed=seed)
-        samples = [e.sample for e in episodes]
+        samples, episodes = samples_of(rollout_function(engine, prompts, n, sampling, seed))
     gen_s = time.monotonic() - t0
     scored = scorer.score_samples(reward_samples(prompts, samples, tokenizer))
     reward_s = time.monotonic() - t0 - gen_s
@@ -84,22 +90,24 @@ def _generate_round(step, round_index, prompts, engine, sampling, scorer, tokeni
 
 def generate_and_score(step: int, prompts, engine, sampling, scorer, tokenizer, cfg,
                        more_prompts: Optional[Callable[[], list]] = None,
-                       multi_turn: Optional[EpisodeRunner] = None) -> RolloutResult:
+                       rollout_function: Optional[RolloutFn] = None) -> RolloutResult:
     """Generate ``num_generations`` responses per prompt, score, normalise into advantages.
 
     prompts: list of data.Prompt (``prompt_ids``, ``answer``); engine: what generates (a
     ``rollout.protocol.RolloutEngine``, or anything with its ``generate``); cfg: ExperimentConfig.
     more_prompts: the next prompts for DAPO dynamic sampling's extra rounds
-    (``rollout.dynamic_sampling``; ``trainer.dynamic_sampling`` has the rules). multi_turn:
-    rank 0's EpisodeRunner when ``rollout.environment`` is set (None: single-turn).
+    (``rollout.dynamic_sampling``; ``trainer.dynamic_sampling`` has the rules). rollout_function:
+    what generates instead of ``engine.generate`` (rank 0's EpisodeRunner with
+    ``rollout.environment``, the user's RolloutFunction with ``rollout.rollout_function``; None:
+    single-turn), called ``(engine, prompts, n, sampling, seed)`` -> Samples or Episodes.
     """
     n, ds = cfg.rollout.num_generations, cfg.rollout.dynamic_sampling
-    rounds = [_generate_round(step, 0, prompts, engine, sampling, scorer, tokenizer, cfg, multi_turn)]
+    rounds = [_generate_round(step, 0, prompts, engine, sampling, scorer, tokenizer, cfg, rollout_function)]
     informative = [informative_groups(rounds[0].rewards, n)]
     if ds.enabled and more_prompts is not None:
         while sum(int(i.sum()) for i in informative) < len(prompts) and len(rounds) <= ds.max_extra_rounds:
             rounds.append(_generate_round(step, len(rounds), more_prompts(), engine, sampling, scorer, tokenizer, cfg,
-                                          multi_turn))
+                                          rollout_function))
             informative.append(informative_groups(rounds[-1].rewards, n))
     picks = choose_groups(informative, len(prompts)) if ds.enabled else [(0, g) for g in range(len(prompts))]
     rows = [(r, g * n + j) for r, g in picks for j in range(n)]
@@ -124,7 +132,7 @@ def generate_and_score(step: int, prompts, engine, sampling, scorer, tokenizer, 
     stats = _stats(samples, rewards, truncated, rounds, n)
     if replay:
         stats.update(_mask_stats(samples))
-    if multi_turn is not None:
+    if rounds[0].episodes is not None:
         batch.loss_mask[torch.stack([rounds[r].dropped[i] for r, i in rows])] = 0.0
         stats.update(episode_stats([rounds[r].episodes[i] for r, i in rows]))
     for label in rounds[0].per_function:

@@ -126,7 +126,8 @@ class Trainer:
                                resumed_step=start_step, config_dict=cfg.to_dict())
         if rank == 0:
             write_text_atomic(Path(run_dir) / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        side = build_rollout_side(cfg, tokenizer, sampler) if rank == 0 else None
+        side = (build_rollout_side(cfg, tokenizer, sampler, vocab_size=policy.hf_config.vocab_size)
+                if rank == 0 else None)
         http = build_engine(cfg, policy.hf_config, owner=rank == 0,
                             probe=lambda tokens: probe_log_probs(policy.chunks, tokens, spec, quantization))
         engine = EngineSupervisor(http, policy.modules, max_attempts=cfg.rollout.max_restarts + 1,
@@ -142,7 +143,7 @@ class Trainer:
             raise
         generate = (lambda step, prompts: generate_and_score(
             step, prompts, http, side.sampling, side.scorer, side.tokenizer, cfg,
-            more_prompts=side.sampler.next_batch, multi_turn=side.multi_turn)) if side is not None else None
+            more_prompts=side.sampler.next_batch, rollout_function=side.rollout_function)) if side is not None else None
         rollouts = RolloutSchedule(cfg.rollout.mode == "one_step_off_policy", engine,
                                    side.sampler if side is not None else None, generate, cfg.trainer.num_steps)
         plan = UpdatePlan.from_config(cfg, ps.get_data_parallel_world_size())

@@ -1,0 +1,175 @@
+"""Rollout functions: what turns a step's prompts into the samples the trainer trains on.
+
+A rollout function is called on rank 0 once per generation round as
+
+    fn(engine, prompts, n, sampling, seed)  ->  n Samples (or Episodes) per prompt, prompt-major
+
+engine: anything with ``RolloutEngine.generate`` (``rollout/protocol.py``): token ids in, token
+ids and the engine's log-probs out; prompts: ``data.Prompt`` (``prompt_ids``, ``text``,
+``answer``, ``fields``); sampling: the run's ``SamplingParams``; seed: the round's sampling
+seed (a resumed run passes the same one). A function whose signature has a ``tokenizer``
+parameter also gets the run's tokenizer. It may be ``async def``.
+
+Three kinds, one call:
+
+* no ``rollout.rollout_function`` and no ``rollout.environment``: single-turn, the engine's own
+  ``generate`` (``trainer/rollout_step.py`` calls it directly, unchanged);
+* ``rollout.environment``: the built-in episode loop, ``EpisodeRunner`` (``rollout/multi_turn.py``),
+  which returns ``Episode``s;
+* ``rollout.rollout_function: path/to/file.py:fn``: the user's function (slime's
+  ``--rollout-function-path``), loaded by path like reward files (no ``PYTHONPATH``).
+
+What a rollout function returns is checked every round (``check_rollout_output``) before the
+trainer sees it: count, prompt-major order, the prompt's ids, token ids, log-probs (finite, and
+<= 0 on the model's tokens), ``output_mask``, the kept sets of sampling-mask replay. A failure
+is one ``RolloutFunctionError`` line naming the file and the function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from megatron_grpo.config.base import ConfigError
+from megatron_grpo.config.rollout import ENVIRONMENT_FILE_RE
+from megatron_grpo.rewards.registry import load_file
+from megatron_grpo.rollout.multi_turn import Episode
+from megatron_grpo.rollout.types import Sample, SamplingParams
+
+FINISH_REASONS = ("stop", "length", "abort")
+EPISODE_ERRORS = (None, "error", "timeout", "observation")
+_LOGPROB_SLACK = 1e-4  # a log-prob above 0 is not a probability's; float rounding of log(1) is below this
+
+
+class RolloutFunctionError(ValueError):
+    """A rollout function returned something the trainer cannot train on (one line)."""
+
+
+class RolloutFunction:
+    """``rollout.rollout_function`` loaded and checked: ``fn(engine, prompts, n, sampling, seed)``
+    whose output is validated on every call."""
+
+    def __init__(self, fn: Callable, where: str, tokenizer: Any = None, *, vocab_size: Optional[int] = None):
+        self.fn = fn
+        self.where = where
+        """``<absolute file>:<fn>`` for errors."""
+        self.vocab_size = vocab_size
+        try:
+            params = inspect.signature(fn).parameters
+        except ValueError:  # no signature (a builtin): called with the five arguments
+            params = {}
+        takes_tokenizer = "tokenizer" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        self.extra = {"tokenizer": tokenizer} if takes_tokenizer else {}
+
+    @classmethod
+    def load(cls, spec: str, tokenizer: Any = None, *, vocab_size: Optional[int] = None) -> "RolloutFunction":
+        """Load ``path/to/file.py:fn`` (pre-flight: the file loads, ``fn`` takes the five
+        arguments); ConfigError naming ``rollout.rollout_function`` otherwise."""
+        key = "rollout.rollout_function"
+        m = ENVIRONMENT_FILE_RE.match(spec)
+        if m is None:
+            raise ConfigError(key, f"{spec!r} is not a file path path/to/file.py:fn")
+        fn = load_file(spec, key)
+        where = f"{Path(m['path']).expanduser().resolve()}:{m['attr']}"
+        made = cls(fn, where, tokenizer, vocab_size=vocab_size)
+        try:
+            inspect.signature(fn).bind(None, [], 1, None, 0, **made.extra)
+        except TypeError as e:
+            raise ConfigError(key, f"{where} must take (engine, prompts, n, sampling, seed) and optionally "
+                                   f"tokenizer: {e}") from None
+        except ValueError:
+            pass  # no signature (a builtin): the first call tells
+        return made
+
+    def __call__(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
+                 sampling_seed: Optional[int] = None) -> list:
+        out = self.fn(engine, prompts, n, sampling, sampling_seed, **self.extra)
+        if inspect.iscoroutine(out):
+            out = asyncio.run(out)
+        check_rollout_output(out, prompts, n, sampling, f"rollout.rollout_function {self.where}",
+                             vocab_size=self.vocab_size)
+        return list(out)
+
+
+def check_rollout_output(out: Any, prompts: Sequence, n: int, sampling: SamplingParams, where: str, *,
+                         vocab_size: Optional[int] = None) -> None:
+    """RolloutFunctionError (one line, starting with ``where``) unless ``out`` is ``n`` Samples,
+    or ``n`` Episodes, per prompt of ``prompts``, prompt-major, each trainable as it stands."""
+    def fail(msg: str):
+        raise RolloutFunctionError(f"{where}: {msg}")
+
+    if not isinstance(out, (list, tuple)):
+        fail(f"returned a {type(out).__name__}; expected a list of Sample (rollout/types.py) or Episode")
+    expected = len(prompts) * n
+    if len(out) != expected:
+        fail(f"returned {len(out)} items; expected {expected} (n={n} per prompt for {len(prompts)} prompts, "
+             "prompt-major)")
+    kinds = {type(x) for x in out}
+    if not (kinds <= {Sample} or kinds <= {Episode}):
+        names = sorted(k.__name__ for k in kinds)
+        fail(f"returned items of type {', '.join(names)}; expected all Sample (rollout/types.py) or all Episode "
+             "(rollout/multi_turn.py)")
+    replay = sampling.sampling_mask_max_kept > 0
+    for i, item in enumerate(out):
+        at = f"item {i}"
+        if isinstance(item, Episode):
+            if not isinstance(item.num_turns, int) or item.num_turns < 0:
+                fail(f"{at}: Episode.num_turns={item.num_turns!r}; expected an int >= 0")
+            if not _finite(item.env_reward):
+                fail(f"{at}: Episode.env_reward={item.env_reward!r}; expected a finite number")
+            if item.error not in EPISODE_ERRORS:
+                fail(f"{at}: Episode.error={item.error!r}; expected one of {EPISODE_ERRORS}")
+            item = item.sample
+            if not isinstance(item, Sample):
+                fail(f"{at}: Episode.sample is a {type(item).__name__}; expected a Sample")
+        if (item.prompt_index, item.sample_index) != (i // n, i % n):
+            fail(f"{at} has prompt_index={item.prompt_index}, sample_index={item.sample_index}; expected "
+                 f"{i // n}, {i % n} (prompt-major: the n samples of prompt 0 first, then prompt 1's, ...)")
+        if list(item.prompt_ids) != list(prompts[i // n].prompt_ids):
+            fail(f"{at}: prompt_ids differ from prompts[{i // n}].prompt_ids (the trainer scores the dataset's "
+                 "prompt; put anything added after it in output_ids with output_mask 0)")
+        num = len(item.output_ids)
+        for k, t in enumerate(item.output_ids):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 or \
+                    (vocab_size is not None and t >= vocab_size):
+                fail(f"{at}: output_ids[{k}]={t!r}; expected a token id in [0, {vocab_size or 'vocab size'})")
+        if len(item.output_logprobs) != num:
+            fail(f"{at}: {len(item.output_logprobs)} output_logprobs for {num} output_ids; expected one per token")
+        mask = item.output_mask
+        if mask is not None:
+            if len(mask) != num:
+                fail(f"{at}: {len(mask)} output_mask entries for {num} output_ids; expected one per token")
+            bad = [m for m in mask if m not in (0, 1)]
+            if bad:
+                fail(f"{at}: output_mask holds {bad[0]!r}; expected 1 (a model token) or 0 (an observation token)")
+        for k, lp in enumerate(item.output_logprobs):
+            if not _finite(lp):
+                fail(f"{at}: output_logprobs[{k}]={lp!r}; expected a finite number (the engine's log-prob; "
+                     "0 on observation tokens)")
+            if (mask is None or mask[k]) and lp > _LOGPROB_SLACK:
+                fail(f"{at}: output_logprobs[{k}]={lp!r} on a model token; a log-prob is <= 0")
+        if item.finish_reason not in FINISH_REASONS:
+            fail(f"{at}: finish_reason={item.finish_reason!r}; expected one of {', '.join(FINISH_REASONS)}")
+        if replay:
+            if item.kept_ids is None or item.log_kept_mass is None:
+                fail(f"{at}: no kept_ids / log_kept_mass, but sampling-mask replay is on (rollout.sampling_mask_replay "
+                     "with top_p/top_k/min_p): pass the engine's, as engine.generate returns them (None and 0.0 on "
+                     "observation tokens), or set rollout.sampling_mask_replay: false")
+            if len(item.kept_ids) != num or len(item.log_kept_mass) != num:
+                fail(f"{at}: {len(item.kept_ids)} kept_ids and {len(item.log_kept_mass)} log_kept_mass for {num} "
+                     "output_ids; expected one each per token")
+
+
+def samples_of(out: Sequence) -> tuple[list[Sample], Optional[list[Episode]]]:
+    """(the samples, the episodes or None) of a checked rollout function's output."""
+    if out and isinstance(out[0], Episode):
+        return [e.sample for e in out], list(out)
+    return list(out), None
+
+
+def _finite(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, numbers.Real) and math.isfinite(float(x))

@@ -1,0 +1,363 @@
+"""Custom rollout functions (rollout.rollout_function, docs/multi_turn.md#custom-rollout-functions):
+loading and its one-line errors, the check of what a function returns (one line naming the file
+and the function for each way it can be wrong), Samples and Episodes through
+``generate_and_score``, and token-in/token-out identity with the real embedded engine (the
+documented example, docs/examples/retry_rollout.py, included)."""
+
+import dataclasses
+import subprocess
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_grpo.config.algorithm import AlgorithmConfig
+from megatron_grpo.config.base import ConfigError
+from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.data.prompts import Prompt, render_prompt
+from megatron_grpo.rewards.scorer import ScoredBatch
+from megatron_grpo.rollout.client import RolloutClient
+from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.rollout.multi_turn import Episode, EpisodeRunner
+from megatron_grpo.rollout.rollout_function import RolloutFunction, RolloutFunctionError, check_rollout_output
+from megatron_grpo.rollout.types import Sample, SamplingParams
+from megatron_grpo.testing.tiny_models import build_tokenizer, save_tiny_model
+from megatron_grpo.trainer.rollout_step import generate_and_score
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "docs" / "examples" / "retry_rollout.py"
+
+FUNCTIONS = '''
+import asyncio
+from megatron_grpo.rollout.multi_turn import Episode
+from megatron_grpo.rollout.types import Sample
+
+def passthrough(engine, prompts, n, sampling, seed):
+    return engine.generate([p.prompt_ids for p in prompts], n, sampling, sampling_seed=seed)
+
+async def async_passthrough(engine, prompts, n, sampling, seed):
+    await asyncio.sleep(0)
+    return passthrough(engine, prompts, n, sampling, seed)
+
+def with_tokenizer(engine, prompts, n, sampling, seed, tokenizer):
+    assert tokenizer.eos_token == "<eos>"
+    return passthrough(engine, prompts, n, sampling, seed)
+
+def always_twice(engine, prompts, n, sampling, seed, tokenizer):
+    """Every response: a first turn, a fixed observation, a second turn (one batched call each)."""
+    obs = tokenizer(" <|user|> please reply with only a number <|assistant|>", add_special_tokens=False)["input_ids"]
+    first = engine.generate([p.prompt_ids for p in prompts], n, sampling, sampling_seed=seed)
+    second = engine.generate([s.prompt_ids + s.output_ids + obs for s in first], 1, sampling,
+                             sampling_seed=seed + 1)
+    out = []
+    for a, b in zip(first, second):
+        replay = a.kept_ids is not None
+        out.append(Sample(prompt_index=a.prompt_index, sample_index=a.sample_index, prompt_ids=a.prompt_ids,
+                          output_ids=a.output_ids + obs + b.output_ids,
+                          output_logprobs=a.output_logprobs + [0.0] * len(obs) + b.output_logprobs,
+                          output_mask=[1] * len(a.output_ids) + [0] * len(obs) + [1] * len(b.output_ids),
+                          finish_reason=b.finish_reason, weight_version=a.weight_version, server=b.server,
+                          kept_ids=a.kept_ids + [None] * len(obs) + b.kept_ids if replay else None,
+                          log_kept_mass=a.log_kept_mass + [0.0] * len(obs) + b.log_kept_mass if replay else None))
+    return out
+
+def as_episodes(engine, prompts, n, sampling, seed):
+    return [Episode(sample=s, num_turns=1, env_reward=0.5 * (s.sample_index % 2),
+                    error="timeout" if s.sample_index == 1 else None)
+            for s in passthrough(engine, prompts, n, sampling, seed)]
+
+def two_args(engine, prompts):
+    return []
+'''
+
+
+@pytest.fixture(scope="module")
+def fn_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fns") / "fns.py"
+    path.write_text(FUNCTIONS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def make_prompt(tok, index, question="what is 3 plus 4", answer="7"):
+    text, prompt_ids = render_prompt(question, tok, use_template=True, system_prompt=None, where="test")
+    return Prompt(index=index, where="test", text=text, prompt_ids=prompt_ids, answer=answer, fields={})
+
+
+class FakeEngine:
+    """``generate``: per prompt, n responses of tokens 10, 11, 12 + the sample index, log-prob -0.5."""
+
+    def __init__(self, kept: bool = False):
+        self.kept = kept
+
+    def generate(self, prompts, n, sampling, *, sampling_seed=None, return_routed_experts=False):
+        out = []
+        for i, p in enumerate(prompts):
+            for j in range(n):
+                ids = [10, 11, 12 + j]
+                out.append(Sample(prompt_index=i, sample_index=j, prompt_ids=list(p), output_ids=ids,
+                                  output_logprobs=[-0.5] * 3, finish_reason="stop", weight_version="2",
+                                  kept_ids=[[t] for t in ids] if self.kept else None,
+                                  log_kept_mass=[0.0] * 3 if self.kept else None))
+        return out
+
+
+def load(fn_file, name, tok=None, **kw):
+    return RolloutFunction.load(f"{fn_file}:{name}", tok, **kw)
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+
+def test_config_key_is_checked_at_load(fn_file, tmp_path):
+    assert RolloutConfig(rollout_function=f"{fn_file}:passthrough").rollout_function.endswith(":passthrough")
+    with pytest.raises(ValueError, match="rollout_function.*not found"):
+        RolloutConfig(rollout_function=f"{tmp_path}/missing.py:fn")
+    with pytest.raises(ValueError, match="rollout_function.*not a file path"):
+        RolloutConfig(rollout_function="pkg.module.fn")
+    with pytest.raises(ValueError, match="rollout_function.*cannot be combined with rollout.environment"):
+        RolloutConfig(rollout_function=f"{fn_file}:passthrough", environment="calculator")
+
+
+def test_load_errors_are_one_line_naming_the_file(fn_file, tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout.rollout_function: .*fns.py:two_args must take \(engine, prompts, "
+                                          r"n, sampling, seed\)"):
+        load(fn_file, "two_args")
+    with pytest.raises(ConfigError, match="rollout.rollout_function: .* has no attribute 'nope'"):
+        load(fn_file, "nope")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import no_such_module_here\n")
+    with pytest.raises(ConfigError, match=r"rollout.rollout_function: cannot load .*broken.py: ModuleNotFoundError"):
+        RolloutFunction.load(f"{broken}:fn")
+    with pytest.raises(ConfigError) as e:
+        load(fn_file, "two_args")
+    assert "\n" not in str(e.value)
+
+
+def test_sync_async_and_tokenizer_functions(fn_file, tok):
+    prompts = [make_prompt(tok, 0), make_prompt(tok, 1)]
+    sampling = SamplingParams(max_new_tokens=3)
+    for name in ("passthrough", "async_passthrough", "with_tokenizer"):
+        out = load(fn_file, name, tok)(FakeEngine(), prompts, 2, sampling, 7)
+        assert [(s.prompt_index, s.sample_index) for s in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_the_builtin_episode_loop_is_a_rollout_function(tok):
+    runner = EpisodeRunner.build(RolloutConfig(environment="calculator"), tok, use_template=True)
+    prompts = [make_prompt(tok, 0), make_prompt(tok, 1)]
+    out = runner(FakeEngine(), prompts, 2, SamplingParams(max_new_tokens=3), 7)  # the same call
+    check_rollout_output(out, prompts, 2, SamplingParams(), "the built-in loop")
+    assert all(isinstance(e, Episode) and e.num_turns == 1 for e in out)
+
+
+# ---- what a function returns ------------------------------------------------------------------
+
+
+def _mutations():
+    """(name, how to spoil a valid output, what the one-line error says)."""
+    def item(k, **changes):
+        return lambda out: [dataclasses.replace(s, **changes) if i == k else s for i, s in enumerate(out)]
+
+    return [
+        ("not a list", lambda out: {"samples": out}, "returned a dict; expected a list of Sample"),
+        ("too few", lambda out: out[:-1], "returned 3 items; expected 4 (n=2 per prompt for 2 prompts, prompt-major)"),
+        ("order", lambda out: [out[0], out[2], out[1], out[3]],
+         "item 1 has prompt_index=1, sample_index=0; expected 0, 1 (prompt-major"),
+        ("mixed types", lambda out: [Episode(sample=out[0], num_turns=1, env_reward=0.0)] + out[1:],
+         "items of type Episode, Sample"),
+        ("a dict", lambda out: [dataclasses.asdict(out[0])] + out[1:], "items of type Sample, dict"),
+        ("prompt changed", item(2, prompt_ids=[1, 2, 3]), "item 2: prompt_ids differ from prompts[1].prompt_ids"),
+        ("logprob count", item(1, output_logprobs=[-0.5] * 2), "item 1: 2 output_logprobs for 3 output_ids"),
+        ("nan logprob", item(0, output_logprobs=[-0.5, math.nan, -0.5]),
+         "item 0: output_logprobs[1]=nan; expected a finite"),
+        ("positive logprob", item(3, output_logprobs=[-0.5, 0.3, -0.5]), "output_logprobs[1]=0.3 on a model token"),
+        ("mask length", item(0, output_mask=[1, 0]), "item 0: 2 output_mask entries for 3 output_ids"),
+        ("mask value", item(0, output_mask=[1, 2, 1]), "item 0: output_mask holds 2; expected 1"),
+        ("negative id", item(0, output_ids=[10, -1, 12]), "item 0: output_ids[1]=-1; expected a token id in [0, 64)"),
+        ("id past vocab", item(0, output_ids=[10, 64, 12]), "output_ids[1]=64; expected a token id in [0, 64)"),
+        ("float id", item(0, output_ids=[10, 11.0, 12]), "output_ids[1]=11.0"),
+        ("finish", item(0, finish_reason="eos"), "finish_reason='eos'; expected one of stop, length, abort"),
+    ]
+
+
+@pytest.mark.parametrize("name,spoil,message", _mutations(), ids=[m[0] for m in _mutations()])
+def test_a_bad_output_is_one_line_naming_the_file_and_function(fn_file, tok, tmp_path, name, spoil, message):
+    spoiled = tmp_path / "spoiled.py"
+    spoiled.write_text("SPOIL = None\ndef fn(engine, prompts, n, sampling, seed):\n"
+                       "    return SPOIL(engine.generate([p.prompt_ids for p in prompts], n, sampling))\n")
+    rf = RolloutFunction.load(f"{spoiled}:fn", vocab_size=64)
+    rf.fn.__globals__["SPOIL"] = spoil
+    with pytest.raises(RolloutFunctionError) as e:
+        rf(FakeEngine(), [make_prompt(tok, 0), make_prompt(tok, 1)], 2, SamplingParams(max_new_tokens=3), 1)
+    text = str(e.value)
+    assert text.startswith(f"rollout.rollout_function {spoiled.resolve()}:fn: "), text
+    assert message in text, text
+    assert "\n" not in text
+
+
+def test_observation_tokens_may_carry_any_finite_logprob_but_model_tokens_not(fn_file, tok):
+    samples = FakeEngine().generate([[1]], 2, None)
+    prompts = [SimpleNamespace(prompt_ids=[1])]
+    ok = [dataclasses.replace(s, output_mask=[1, 0, 1], output_logprobs=[-0.5, 0.7, -0.5]) for s in samples]
+    check_rollout_output(ok, prompts, 2, SamplingParams(), "x")  # context: never trained, never compared
+    bad = [dataclasses.replace(s, output_mask=[1, 1, 1], output_logprobs=[-0.5, 0.7, -0.5]) for s in samples]
+    with pytest.raises(RolloutFunctionError, match="output_logprobs.1.=0.7 on a model token"):
+        check_rollout_output(bad, prompts, 2, SamplingParams(), "x")
+
+
+def test_sampling_mask_replay_needs_the_kept_sets(fn_file, tok):
+    replay = SamplingParams(top_p=0.7, sampling_mask_max_kept=16)
+    prompts = [make_prompt(tok, 0)]
+    load(fn_file, "passthrough")(FakeEngine(kept=True), prompts, 2, replay, 1)  # the engine's sets: fine
+    with pytest.raises(RolloutFunctionError, match="item 0: no kept_ids / log_kept_mass, but sampling-mask replay "
+                                                   "is on .* or set rollout.sampling_mask_replay: false"):
+        load(fn_file, "passthrough")(FakeEngine(kept=False), prompts, 2, replay, 1)
+
+
+def test_bad_episode_fields(fn_file, tok):
+    samples = FakeEngine().generate([[1]], 1, None)
+    prompts = [SimpleNamespace(prompt_ids=[1])]
+    for episode, message in [(Episode(sample=samples[0], num_turns=-1, env_reward=0.0), "num_turns=-1"),
+                             (Episode(sample=samples[0], num_turns=1, env_reward=math.inf), "env_reward=inf"),
+                             (Episode(sample=samples[0], num_turns=1, env_reward=0.0, error="oops"), "error='oops'")]:
+        with pytest.raises(RolloutFunctionError, match=message):
+            check_rollout_output([episode], prompts, 1, SamplingParams(), "f")
+
+
+# ---- through generate_and_score -----------------------------------------------------------------
+
+
+class ByLastToken:
+    """Reward: the last response token's id / 100 (so groups have variance)."""
+
+    def score_samples(self, samples):
+        rewards = [s.response_ids[-1] / 100 for s in samples]
+        return ScoredBatch(rewards=rewards, per_function={"r": rewards})
+
+
+def _cfg(**rollout):
+    return SimpleNamespace(rollout=RolloutConfig(num_generations=2, max_new_tokens=3, **rollout),
+                           algorithm=AlgorithmConfig(), trainer=SimpleNamespace(seed=3))
+
+
+def test_samples_and_episodes_through_generate_and_score(fn_file, tok):
+    prompts = [make_prompt(tok, 0), make_prompt(tok, 1)]
+    sampling = SamplingParams(max_new_tokens=3)
+    plain = generate_and_score(0, prompts, FakeEngine(), sampling, ByLastToken(), tok, _cfg(),
+                               rollout_function=load(fn_file, "passthrough"))
+    direct = generate_and_score(0, prompts, FakeEngine(), sampling, ByLastToken(), tok, _cfg())
+    assert torch.equal(plain.batch.tokens, direct.batch.tokens)  # a passthrough function is the single-turn path
+    assert torch.equal(plain.batch.advantages, direct.batch.advantages)
+    assert not any(k.startswith("multi_turn/") for k in plain.stats)
+    # Episodes: the environment's reward is added, a failed episode scored by on_env_error (zero_reward)
+    episodes = generate_and_score(0, prompts, FakeEngine(), sampling, ByLastToken(), tok, _cfg(),
+                                  rollout_function=load(fn_file, "as_episodes"))
+    assert episodes.stats["multi_turn/turns_mean"] == 1 and episodes.stats["multi_turn/env_timeouts"] == 2
+    # rewards: sample 0 of each prompt 0.12 + 0; sample 1 timed out: 0 -> each group's advantages +-
+    assert episodes.stats["reward_mean"] == pytest.approx(0.06)
+
+
+# ---- token-in/token-out with the real embedded engine ---------------------------------------------
+
+
+class Recording:
+    def __init__(self, client):
+        self.client, self.calls = client, []
+
+    def generate(self, prompts, n, sampling, **kw):
+        out = self.client.generate(prompts, n, sampling, **kw)
+        self.calls.append(([list(p) for p in prompts], n, out))
+        return out
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=3)
+    cfg = RolloutConfig(dtype="float32", launch_timeout_s=300)
+    with RolloutServerManager(cfg, model_dir=model_dir, run_dir=tmp_path_factory.mktemp("run")) as manager:
+        client = RolloutClient.from_config(cfg, manager.urls)
+        yield client
+        client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_p", [1.0, 0.7], ids=["full", "replay"])
+def test_trainer_rows_are_the_engines_tokens_plus_observations(fn_file, tok, embedded, top_p):
+    engine = Recording(embedded)
+    prompts = [make_prompt(tok, 0), make_prompt(tok, 1, "what is 5 plus 1", "6")]
+    cfg = _cfg(top_p=top_p)
+    sampling = SamplingParams.from_rollout_config(cfg.rollout)
+    sampling.stop_token_ids = [tok.eos_token_id]
+    result = generate_and_score(0, prompts, engine, sampling, ByLastToken(), tok, cfg,
+                                rollout_function=load(fn_file, "always_twice", tok))
+    (first_in, _, first), (second_in, _, second) = engine.calls
+    obs = tok(" <|user|> please reply with only a number <|assistant|>", add_special_tokens=False)["input_ids"]
+    batch = result.batch
+    assert all(s.finish_reason != "abort" for s in first + second)
+    for row in range(4):
+        a, b = first[row], second[row]
+        assert second_in[row] == a.prompt_ids + a.output_ids + obs  # turn 2 is generated on turn 1's exact ids
+        full = a.prompt_ids + a.output_ids + obs + b.output_ids
+        p, n = len(a.prompt_ids), len(full)
+        assert batch.tokens[row, :n].tolist() == full
+        mask = [1] * len(a.output_ids) + [0] * len(obs) + [1] * len(b.output_ids)
+        assert batch.loss_mask[row, p - 1: n - 1].tolist() == mask
+        lps = torch.tensor(a.output_logprobs + [0.0] * len(obs) + b.output_logprobs)
+        if top_p == 1.0:
+            assert torch.equal(batch.rollout_log_probs[row, p - 1: n - 1], lps)
+        else:  # the kept sets travel with the model tokens, none on the observation
+            assert batch.kept_ids is not None
+            assert result.stats["rollout/log_kept_mass_mean"] < 0
+
+
+@pytest.mark.slow
+def test_the_documented_example_runs_on_the_real_engine(tok, embedded):
+    engine = Recording(embedded)
+    prompts = [make_prompt(tok, i) for i in range(3)]
+    sampling = SamplingParams(max_new_tokens=1, stop_token_ids=[tok.eos_token_id])
+    rf = RolloutFunction.load(f"{EXAMPLE}:retry_once", tok, vocab_size=len(tok))
+    out = rf(engine, prompts, 8, sampling, 5)  # 24 one-token replies of a random model: some are no number
+    retried = [s for s in out if s.output_mask is not None]
+    assert len(engine.calls) == 2
+    (retry_in, _, again) = engine.calls[1]
+    assert len(retried) == len(retry_in) == len(again) >= 1
+    for s, given, got in zip(retried, retry_in, again):  # the retry is generated on the exact ids so far
+        cut = len(given) - len(s.prompt_ids)
+        assert s.prompt_ids + s.output_ids[:cut] == given
+        assert s.output_ids[cut:] == got.output_ids and s.output_logprobs[cut:] == got.output_logprobs
+        assert s.output_mask == [1] + [0] * (cut - 1) + [1] * len(got.output_ids)
+
+
+# ---- megatron-grpo train --------------------------------------------------------------------------
+
+SMALL = ("rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=16",
+         "parallel.micro_batch_size=8", "eval.every_n_steps=0", "logging.plot=false")
+
+
+@pytest.mark.slow
+def test_train_with_the_documented_rollout_function_and_a_broken_one(demo, tmp_path):
+    from tests.demo_run import ENV, read_metrics, train_cmd
+
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(demo, run_dir, 2, f"rollout.rollout_function={EXAMPLE}:retry_once", *SMALL)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    # a retried episode is 1 + 6 + 1 tokens long (max_new_tokens 1), only its 2 model tokens trained
+    for r in rows:
+        assert 1 <= r["response_length_mean"] <= 8 and 16 <= r["num_valid_tokens"] <= 32
+    broken = tmp_path / "broken.py"
+    broken.write_text("def fn(engine, prompts, n, sampling, seed):\n"
+                      "    return engine.generate([p.prompt_ids for p in prompts], n, sampling)[1:]\n")
+    cmd = train_cmd(demo, tmp_path / "run2", 1, f"rollout.rollout_function={broken}:fn", *SMALL)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    assert out.returncode != 0
+    line = f"rollout.rollout_function {broken}:fn: returned 15 items; expected 16 (n=4 per prompt for 4 prompts"
+    assert line in out.stderr, out.stderr[-3000:]
