@@ -19,7 +19,7 @@ import torch
 
 from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.ops.vocab_parallel import kept_column_mask
-from megatron_grpo.rollout.embedded.sampling import kept_sets, sample_tokens
+from megatron_grpo.rollout.embedded.sampling import sample_tokens
 from megatron_grpo.testing.distributed import run_distributed
 
 PADDED, VOCAB, TEMPERATURE, K = 64, 58, 0.7, 9
@@ -154,8 +154,8 @@ def test_the_engines_set_keeps_a_sampled_token_the_trainers_logits_would_cut():
                                    torch.zeros(1), torch.tensor([0.999]), with_kept=True, max_kept=8).truncation
     assert 2 in truncation.kept_ids[0]
     trainer_logits = engine_logits + torch.tensor([[0.0, 0.004, -0.004, 0.0, 0.0]])  # bf16-sized
-    rebuilt = kept_sets(trainer_logits, torch.ones(1), torch.tensor([1 << 30]), torch.tensor([top_p]),
-                        torch.zeros(1), max_kept=8).kept_ids[0]
+    rebuilt = sample_tokens(trainer_logits, torch.ones(1), torch.tensor([1 << 30]), torch.tensor([top_p]),
+                            torch.zeros(1), torch.tensor([0.5]), with_kept=True, max_kept=8).truncation.kept_ids[0]
     assert 2 not in rebuilt  # the failure the engine's set avoids
     kept = torch.tensor([truncation.kept_ids[0] + [-1] * (8 - len(truncation.kept_ids[0]))])
     lp, _ = vocab_parallel_log_probs(trainer_logits, torch.tensor([2]), kept_ids=kept)

@@ -35,12 +35,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import os
 import random
 import sys
 from dataclasses import dataclass
-from pathlib import Path
+
+from megatron_grpo.data.synthetic import write_jsonl
 
 WORDS = ("what", "is", "write", "carry")
 """Words of the prompt and chain besides numbers and symbols."""
@@ -124,18 +123,6 @@ def generate(num: int, seed: int, task: AdditionTask = AdditionTask(), *, held_o
         rows.append({"prompt": prompt_of(a, b), "answer": str(a + b), "chain": chain_of(a, b),
                      "digits": max(len(str(a)), len(str(b)))})
     return rows
-
-
-def write_jsonl(records: list[dict], out: str | Path) -> Path:
-    """Write ``records`` one JSON object a line, atomically (temp file + rename)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, out)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,11 +61,6 @@ class HttpEngine:
     def restart_if_dead(self) -> bool:
         return self.manager.ensure_alive()
 
-    @property
-    def urls(self) -> list[str]:
-        """Rank 0: the servers' URLs (for the weight receiver of every rank)."""
-        return self.manager.urls
-
     def close(self) -> None:
         """The receiver first (it may hold a group with the servers), then rank 0's client and servers."""
         if self.receiver is not None:

@@ -140,6 +140,10 @@ class EngineSupervisor:
         else:
             self.engine.forget_weights()
 
+    def close(self) -> None:
+        """Stop what the run started for the engine (every rank)."""
+        self.engine.close()
+
     def _resync(self, step: int) -> SyncStats:
         """A restarted engine serves the initial HF weights: forget its state and sync."""
         self.engine.forget_weights()

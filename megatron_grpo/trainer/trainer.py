@@ -293,7 +293,7 @@ class Trainer:
         """Stop everything the run started (the background rollout before the engine)."""
         self.rollouts.close()
         self.logger.close()
-        self.engine.engine.close()
+        self.engine.close()
         if self.side is not None:
             self.side.close()
 

@@ -177,13 +177,6 @@ def _truncation(kept_sorted_BV: torch.Tensor, order_BV: torch.Tensor, max_kept: 
     return Truncation(kept_ids=ids, log_kept_mass=mass)
 
 
-def kept_sets(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor,
-              min_p_B: torch.Tensor, max_kept: int) -> Truncation:
-    """The kept set of each row of ``logits_BV`` [B, V] under SGLang's filters (no draw)."""
-    sorted_probs, order = scaled_logprobs(logits_BV, temperature_B).exp().sort(dim=-1, descending=True)
-    return _truncation(filter_sorted_probs(sorted_probs, top_k_B, top_p_B, min_p_B), order, max_kept)
-
-
 def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
                   top_p_B: torch.Tensor, min_p_B: torch.Tensor, uniform_B: torch.Tensor, *,
                   with_kept: bool = False, max_kept: int = 0) -> Draw:
