@@ -13,6 +13,10 @@ if ROOT not in sys.path:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
+from megatron_grpo.config.rollout import RolloutConfig  # noqa: E402  (after the warning filter above)
+from megatron_grpo.rollout.client import RolloutClient  # noqa: E402
+from megatron_grpo.rollout.manager import RolloutServerManager  # noqa: E402
+from megatron_grpo.testing.tiny_models import save_tiny_model  # noqa: E402
 from tests.demo_run import make_demo  # noqa: E402  (needs ROOT on sys.path, set just above)
 
 
@@ -23,6 +27,18 @@ def demo(tmp_path_factory):
     model, not the full demo's learning curve, read it; none writes into it.
     tests/test_trainer_e2e.py builds the real demo's (150 warm-up steps) for its learning check."""
     return make_demo(tmp_path_factory.mktemp("demo"), warmup_steps=20)
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    """A client of a launched embedded engine serving a tiny Qwen2 (fp32), one per module that
+    asks for it (the multi-turn and rollout-function modules' real engine)."""
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=3)
+    cfg = RolloutConfig(dtype="float32", launch_timeout_s=300)
+    with RolloutServerManager(cfg, model_dir=model_dir, run_dir=tmp_path_factory.mktemp("run")) as manager:
+        client = RolloutClient.from_config(cfg, manager.urls)
+        yield client
+        client.close()
 
 
 @pytest.fixture

@@ -38,3 +38,20 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# An environment for the demo model (it answers one token): turn 1 asks again, so every episode
+# has an observation between two model turns. The multi-turn end-to-end tests write it to a file.
+NUDGE = '''
+class Nudge:
+    """Turn 1: asks again; turn 2: done, reward 1 when the last word is the answer."""
+    def __init__(self, row):
+        self.answer, self.turn = str(row["answer"]), 0
+
+    def step(self, response):
+        self.turn += 1
+        if self.turn == 1:
+            return {"observation": "please reply with only a number", "done": False}
+        words = response.split()
+        return {"observation": None, "done": True, "reward": float(bool(words) and words[-1] == self.answer)}
+'''

@@ -7,6 +7,7 @@ import time
 import psutil
 import pytest
 
+from tests.demo_run import NUDGE
 from tests.kill_resume import main
 from tests.launch_nodes import running_with
 
@@ -21,21 +22,6 @@ def test_kill_minus_9_and_resume(demo, tmp_path, capsys):
     # nothing outlives the kills: not the ranks, not the engine, not the checkpoint writers a
     # rank forked when it was killed during a save (they hold copies of its sockets)
     assert running_with(str(tmp_path)) == []
-
-
-NUDGE = '''
-class Nudge:
-    """Turn 1: asks again; turn 2: done, reward 1 when the last word is the answer."""
-    def __init__(self, row):
-        self.answer, self.turn = str(row["answer"]), 0
-
-    def step(self, response):
-        self.turn += 1
-        if self.turn == 1:
-            return {"observation": "please reply with only a number", "done": False}
-        words = response.split()
-        return {"observation": None, "done": True, "reward": float(bool(words) and words[-1] == self.answer)}
-'''
 
 
 @pytest.mark.slow

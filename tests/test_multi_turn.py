@@ -15,14 +15,12 @@ from megatron_grpo.config.rollout import BUILTIN_ENVIRONMENTS, MultiTurnConfig, 
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from megatron_grpo.losses import compute_policy_loss
 from megatron_grpo.config.algorithm import AlgorithmConfig, OffPolicyCorrectionConfig
-from megatron_grpo.rollout.client import RolloutClient
 from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
 from megatron_grpo.rollout.environments.builtin import BUILTINS, Calculator, GuessNumber
-from megatron_grpo.rollout.manager import RolloutServerManager
 from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_rewards, episode_stats
 from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
 from megatron_grpo.rollout.types import Sample, SamplingParams
-from megatron_grpo.testing.tiny_models import build_tokenizer, save_tiny_model
+from megatron_grpo.testing.tiny_models import build_tokenizer
 from megatron_grpo.trainer.batch import build_train_batch
 
 ENV_SOURCE = '''
@@ -393,16 +391,6 @@ class Recording:
         out = self.client.generate(prompts, n, sampling, **kw)
         self.calls.append((list(prompts[0]), out[0]))
         return out
-
-
-@pytest.fixture(scope="module")
-def embedded(tmp_path_factory):
-    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=3)
-    cfg = RolloutConfig(dtype="float32", launch_timeout_s=300)
-    with RolloutServerManager(cfg, model_dir=model_dir, run_dir=tmp_path_factory.mktemp("run")) as manager:
-        client = RolloutClient.from_config(cfg, manager.urls)
-        yield client
-        client.close()
 
 
 @pytest.mark.slow

@@ -6,22 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
-
-NUDGE = '''
-class Nudge:
-    """Turn 1: asks again; turn 2: done, reward 1 when the last number is the answer."""
-    def __init__(self, row):
-        self.answer, self.turn = str(row["answer"]), 0
-
-    def step(self, response):
-        self.turn += 1
-        if self.turn == 1:
-            return {"observation": "please reply with only a number", "done": False}
-        words = response.split()
-        return {"observation": None, "done": True, "reward": float(bool(words) and words[-1] == self.answer)}
-'''
-
+from tests.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
 
 @pytest.mark.slow
 def test_two_steps_with_an_environment_log_the_multi_turn_metrics(demo, tmp_path):

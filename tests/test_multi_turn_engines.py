@@ -22,7 +22,7 @@ from megatron_grpo.rollout.turns import TurnRenderer
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.testing.sglang_cpu import require_sglang
 from megatron_grpo.testing.tiny_models import build_tokenizer, save_tiny_model
-from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+from tests.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -37,20 +37,6 @@ class ThreeTurns:
         if self.turn < 3:
             return {"observation": "result 7", "done": False, "reward": 0.25}
         return {"observation": None, "done": True, "reward": 1.0}
-'''
-
-NUDGE = '''
-class Nudge:
-    """Turn 1: asks again; turn 2: done, reward 1 when the last word is the answer."""
-    def __init__(self, row):
-        self.answer, self.turn = str(row["answer"]), 0
-
-    def step(self, response):
-        self.turn += 1
-        if self.turn == 1:
-            return {"observation": "please reply with only a number", "done": False}
-        words = response.split()
-        return {"observation": None, "done": True, "reward": float(bool(words) and words[-1] == self.answer)}
 '''
 
 

@@ -15,7 +15,6 @@ The short real run with ``rollout.quantization=fp8`` is ``test_quantized_demo_ru
 """
 
 import math
-import threading
 
 import pytest
 import torch
@@ -23,12 +22,11 @@ import torch
 from megatron_grpo.ops.quantize import (QuantScheme, dequantize, fake_quantize, quantize, quantize_weight,
                                         quantized_linear, scales_from, row_absmax)
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
-from megatron_grpo.rollout.embedded.generation import Sequence
 from megatron_grpo.rollout.embedded.quantize import QuantizedLinear
-from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
 from megatron_grpo.testing.distributed import run_distributed
 from megatron_grpo.testing.tiny_models import save_tiny_model
 from megatron_grpo.wire.checksum import tensor_checksum
+from tests.engine_runs import run
 
 FP8 = QuantScheme("fp8")
 E5M2 = QuantScheme("fp8", "e5m2")
@@ -125,17 +123,6 @@ def fp8_engine(model_dir):
     eng.shutdown()
 
 
-def _run(engine, prompts, params, logprob_start_len=-1):
-    done = threading.Semaphore(0)
-    seqs = [Sequence(rid=str(i), prompt_ids=list(p), params=resolve_sampling_params(params),
-                     return_logprob=True, logprob_start_len=logprob_start_len, on_finish=lambda s: done.release())
-            for i, p in enumerate(prompts)]
-    engine.submit(seqs)
-    for _ in seqs:
-        assert done.acquire(timeout=120), "generation did not finish"
-    return seqs
-
-
 def _own_fake_quant(x: torch.Tensor, fp8_dtype, per_row_absmax=None) -> torch.Tensor:
     """This file's own per-row fp8 quantize-dequantize (independent of ops/quantize.py)."""
     fmax = torch.finfo(fp8_dtype).max
@@ -182,7 +169,7 @@ def test_engine_quantizes_the_decoder_projections_only(fp8_engine):
 
 def test_engine_fp8_logprobs_equal_fake_quantized_reference(fp8_engine, model_dir):
     params = {"temperature": 0.8, "max_new_tokens": 10}
-    seqs = _run(fp8_engine, PROMPTS * 2, params)
+    seqs = run(fp8_engine, PROMPTS * 2, params)
     quantized_ref, plain_ref = _hf_reference(model_dir, torch.float8_e4m3fn), _hf_reference(model_dir)
     to_ref, to_plain = [], []
     for s in seqs:
@@ -238,7 +225,7 @@ def _probe_worker(rank, world_size, model_dir):
 
 
 def test_probe_through_fake_quant_equals_fp8_engine_at_tp2(fp8_engine, model_dir):
-    served = _run(fp8_engine, [PROBE], {"temperature": 1.0, "max_new_tokens": 1}, logprob_start_len=0)[0]
+    served = run(fp8_engine, [PROBE], {"temperature": 1.0, "max_new_tokens": 1}, logprob_start_len=0)[0]
     engine_lp = torch.tensor(served.input_logprobs[1:], dtype=torch.float64)
     results = run_distributed(_probe_worker, 2, str(model_dir), tp=2, timeout_s=300)
     for r in results:
@@ -261,7 +248,7 @@ def test_mismatch_by_setting_on_tiny_model(model_dir):
     for label, scheme in (("none", None), ("int8", INT8), ("fp8-e4m3", FP8), ("fp8-e5m2", E5M2)):
         engine = EmbeddedEngine(model_dir, dtype="float32", max_batch_size=16, seed=0, quantization=scheme)
         try:
-            seqs = _run(engine, PROMPTS * 4, params)
+            seqs = run(engine, PROMPTS * 4, params)
         finally:
             engine.shutdown()
         diffs = torch.cat([(torch.tensor(s.output_logprobs, dtype=torch.float64)
@@ -311,7 +298,7 @@ def test_preflight_and_launch_commands():
 # ---- a real run ------------------------------------------------------------------------
 
 
-def test_quantized_demo_run(demo, tmp_path):
+def test_quantized_demorun(demo, tmp_path):
     """2 steps of `megatron-grpo train` on the demo (TP2, embedded engine, verified syncs) with
     rollout.quantization=fp8: finite metrics, the quantization in the resolved config, and a
     mismatch far above the fp32 level an unquantized run logs (< 1e-5, tests/test_sampling_mask.py)."""

@@ -14,6 +14,7 @@ from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
 from megatron_grpo.rollout.embedded.generation import Sequence
 from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
 from megatron_grpo.testing.tiny_models import save_tiny_model
+from tests.engine_runs import run
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20]]
 
@@ -24,18 +25,6 @@ def engine(tmp_path_factory):
     eng = EmbeddedEngine(model_dir, dtype="float32", max_batch_size=16, seed=0)
     yield eng
     eng.shutdown()
-
-
-def run(engine, prompts, params: dict, logprob_start_len=-1, timeout_s=120):
-    """Submit sequences and wait for all of them."""
-    done = threading.Semaphore(0)
-    seqs = [Sequence(rid=str(i), prompt_ids=list(p), params=resolve_sampling_params(params),
-                     return_logprob=True, logprob_start_len=logprob_start_len, on_finish=lambda s: done.release())
-            for i, p in enumerate(prompts)]
-    engine.submit(seqs)
-    for _ in seqs:
-        assert done.acquire(timeout=timeout_s), "generation did not finish"
-    return seqs
 
 
 def reference_logprobs(model, seq: Sequence, temperature: float) -> torch.Tensor:

@@ -18,12 +18,10 @@ from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from megatron_grpo.rewards.scorer import ScoredBatch
-from megatron_grpo.rollout.client import RolloutClient
-from megatron_grpo.rollout.manager import RolloutServerManager
 from megatron_grpo.rollout.multi_turn import Episode, EpisodeRunner
 from megatron_grpo.rollout.rollout_function import RolloutFunction, RolloutFunctionError, check_rollout_output
 from megatron_grpo.rollout.types import Sample, SamplingParams
-from megatron_grpo.testing.tiny_models import build_tokenizer, save_tiny_model
+from megatron_grpo.testing.tiny_models import build_tokenizer
 from megatron_grpo.trainer.rollout_step import generate_and_score
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -274,16 +272,6 @@ class Recording:
         out = self.client.generate(prompts, n, sampling, **kw)
         self.calls.append(([list(p) for p in prompts], n, out))
         return out
-
-
-@pytest.fixture(scope="module")
-def embedded(tmp_path_factory):
-    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=3)
-    cfg = RolloutConfig(dtype="float32", launch_timeout_s=300)
-    with RolloutServerManager(cfg, model_dir=model_dir, run_dir=tmp_path_factory.mktemp("run")) as manager:
-        client = RolloutClient.from_config(cfg, manager.urls)
-        yield client
-        client.close()
 
 
 @pytest.mark.slow
