@@ -192,9 +192,28 @@ def _nproc_not_divisible(ctx):
     return ["--config", path, "--nproc", "3"], [path, "parallel.tp", "does not divide the world size 3"]
 
 
-def _bad_override(ctx):
-    path = ctx.config()
-    return ["--config", path, "trainer.num_steps"], [path, "trainer.num_steps", "section.key=value"]
+def _override_case(override: str, *needles) -> Case:
+    """A good config with one bad command-line override: the line must blame the override."""
+    def case(ctx):
+        return ["--config", ctx.config(), override], [f"override {override!r}", *needles]
+    return case
+
+
+def _yaml_case(text: str, *needles) -> Case:
+    """The good config with raw YAML ``text`` appended (a second document body at top level)."""
+    def case(ctx):
+        good = yaml.safe_dump(ctx.base(), sort_keys=False)
+        path = ctx.config(good + text)
+        return ["--config", path], [path, *needles]
+    return case
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    """~1 KB of YAML whose nested aliases expand to 9^levels values ("billion laughs"),
+    placed where a mapping of anything is allowed (a reward function's kwargs)."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "reward:\n  functions:\n  - name: format\n    kwargs:\n" + "".join(f"      {line}\n" for line in lines)
 
 
 def _dataset_missing(ctx):
@@ -262,7 +281,27 @@ CASES: dict[str, Case] = {
     "bad_enum_dtype": _cfg_case(_set("model.dtype", "fp8"), "model.dtype", "'bfloat16'"),
     "negative_learning_rate": _cfg_case(_set("optimizer.lr", -1e-3), "optimizer.lr", "must be > 0"),
     "zero_temperature": _cfg_case(_set("rollout.temperature", 0), "rollout.temperature", "must be > 0"),
-    "bad_override": _bad_override,
+    "bad_override": _override_case("trainer.num_steps", "section.key=value"),
+    "override_into_a_scalar": _override_case("trainer.num_steps.x=1", "trainer.num_steps", "is not a section"),
+    "override_inf_temperature": _override_case("rollout.temperature=.inf", "rollout.temperature",
+                                               "expected a finite number, got inf"),
+    "override_nan_learning_rate": _override_case("optimizer.lr=.nan", "optimizer.lr", "expected a finite number"),
+    "override_negative_seed": _override_case("trainer.seed=-1", "trainer.seed", "[0, 2^32 - 1]"),
+    "override_max_new_tokens_beyond_context": _override_case("rollout.max_new_tokens=600", "rollout.max_new_tokens",
+                                                             "model's context of 512", "set it to at most"),
+    "inf_learning_rate": _cfg_case(_set("optimizer.lr", float("inf")), "optimizer.lr", "expected a finite number"),
+    "inf_timeout": _cfg_case(_set("rollout.request_timeout_s", float("inf")), "rollout.request_timeout_s",
+                             "expected a finite number"),
+    "nan_coefficient": _cfg_case(_set("algorithm.kl_loss_coef", float("nan")), "algorithm.kl_loss_coef",
+                                 "expected a finite number"),
+    "seed_past_int64": _cfg_case(_set("trainer.seed", 2**70), "trainer.seed", "does not fit a 64-bit integer"),
+    "yaml_alias_bomb": _yaml_case(_alias_bomb(), "line ", "expand this value to more than 100000 values"),
+    "yaml_deep_nesting": _yaml_case("eval: " + "[" * 5000 + "]" * 5000 + "\n", "line ", "nested deeper than 64"),
+    "yaml_duplicate_key": _yaml_case("trainer: {run_dir: elsewhere, num_steps: 3}\n", "line ",
+                                     "duplicate key 'trainer' (first given at line"),
+    "eval_max_new_tokens_beyond_context": _cfg_case(
+        lambda cfg: _set("eval.sets", [{"name": "held", "path": cfg["data"]["train_file"], "max_new_tokens": 600}])(cfg),
+        "eval.sets[0].max_new_tokens", "model's context of 512"),
     # ---- impossible parallel sizes -------------------------------------------------------
     "tp_not_dividing_world_size": _cfg_case(lambda c: c["parallel"].update(tp=2, world_size=3),
                                             "parallel.world_size", "not divisible by tp*pp"),
@@ -310,6 +349,18 @@ CASES: dict[str, Case] = {
     "dataset_custom_key_missing": _data_case(_lines(*DATA_LINES), ":1:", "missing field 'question'",
                                              data_key={"prompt_key": "question"}),
     "dataset_empty": _data_case(b"", "the dataset is empty"),
+    "dataset_duplicate_key": _data_case(_lines(DATA_LINES[0], '{"prompt": "x", "answer": "1", "answer": "2"}'),
+                                        ":2:", "duplicate key 'answer'"),
+    "dataset_deep_nesting": _data_case(_lines(DATA_LINES[0], '{"prompt": "x", "answer": "1", "meta": '
+                                              + "[" * 100_000 + "]" * 100_000 + "}"), ":2:", "nested too deeply"),
+    "dataset_huge_integer": _data_case(_lines(DATA_LINES[0], '{"prompt": "x", "answer": ' + "9" * 5000 + "}"),
+                                       ":2:", "an integer has more than 4300 digits"),
+    "dataset_lone_surrogate": _data_case(_lines(DATA_LINES[0], '{"prompt": "x \\ud800 y", "answer": "1"}'),
+                                         ":2:", "lone UTF-16 surrogate"),
+    "dataset_nan_literal": _data_case(_lines(DATA_LINES[0], '{"prompt": "x", "answer": NaN}'), ":2:",
+                                      "NaN is not valid JSON"),
+    "dataset_10mb_line": _data_case(_lines(DATA_LINES[0], {"prompt": "word " * 2_000_000, "answer": "1"}), ":2:",
+                                    "(its first 16384 characters), longer than data.max_prompt_length = 512"),
     "dataset_only_blank_lines": _data_case("\n  \n\n", "the dataset is empty"),
     "dataset_line_not_an_object": _data_case(_lines(DATA_LINES[0], '["what is 1", "2"]'), ":2:",
                                              "expected a JSON object"),
@@ -350,7 +401,8 @@ SUBPROCESS_CASES = {
     "yaml_syntax_error", "unknown_top_level_key", "negative_learning_rate", "nproc_not_divisible_by_tp",
     "global_batch_not_dividing_rollout_batch", "model_dir_missing", "partial_model_dir_no_weights",
     "tokenizer_bigger_than_vocab", "dataset_missing", "dataset_bad_json_line", "dataset_missing_answer_field",
-    "dataset_empty", "reward_module_does_not_import",
+    "dataset_empty", "reward_module_does_not_import", "yaml_alias_bomb", "override_inf_temperature",
+    "dataset_10mb_line",
 }
 
 
@@ -393,6 +445,31 @@ def test_rejected_by_the_command(name, world, tmp_path):
                           text=True, env=env, cwd=tmp_path, timeout=120)
     assert_rejected(proc.returncode, proc.stderr, ctx, needles)
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--world-size", "0"], "--world-size must be >= 1, got 0"),
+    (["--world-size", "-2"], "--world-size must be >= 1, got -2"),
+    ([], "expand this value to more than 100000 values"),
+])
+def test_validate_config_refuses_in_one_line(argv, needle, world, tmp_path):
+    """`validate-config` prints the resolved config, so an alias bomb once hung it expanding
+    the aliases; a world size below 1 once raised ZeroDivisionError."""
+    ctx = Ctx(tmp_path, world)
+    path = ctx.config(yaml.safe_dump(ctx.base(), sort_keys=False) + (_alias_bomb() if not argv else ""))
+    proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "validate-config", *argv, path],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stderr)
+    assert proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+
+
+def test_the_docs_table_counts_these_cases():
+    """docs/fault_tolerance.md's table of hostile inputs sums to the cases here."""
+    text = (ROOT / "docs" / "fault_tolerance.md").read_text()
+    assert f"covers {len(CASES)} such inputs ({len(SUBPROCESS_CASES)} through the real command" in text
+    table = text[text.index("| class | what was tried | cases |"):].split("\n\n")[0].splitlines()[2:]
+    assert sum(int(row.rsplit("|", 2)[1].split()[0]) for row in table) == len(CASES)
 
 
 def test_at_least_30_cases_and_8_through_the_command():

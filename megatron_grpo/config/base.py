@@ -9,6 +9,9 @@ docstring (a string literal right below the field, torchtitan style). This modul
   loader adds the file name;
 * never changes a value: an int is accepted where a float is declared (YAML writes ``1`` for
   ``1.0``), and that is the only conversion;
+* refuses a non-finite float (``.inf``, ``.nan``) in every float field: a learning rate,
+  temperature, timeout or coefficient is never meaningfully infinite, and a field whose limit
+  can be switched off takes ``null``;
 * reads the field docstrings back (``field_docs``) for the generated reference.
 
 Sections signal a bad value with ``raise ConfigValueError("key", "message")`` (or a plain
@@ -21,6 +24,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -130,10 +134,15 @@ def _check_value(value: Any, tp: Any, where: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(where, f"expected an integer, got {type(value).__name__} {value!r}")
+        if not -(2**63) <= value < 2**63:  # torch and numpy overflow past int64
+            raise ConfigError(where, f"{value} does not fit a 64-bit integer")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(where, f"expected a number, got {type(value).__name__} {value!r}")
+        if isinstance(value, int) and abs(value) >= 2**63 or not math.isfinite(value):
+            # no field means "unbounded" by inf: those take null
+            raise ConfigError(where, f"expected a finite number, got {value!r}")
         return value
     if tp is str:
         if not isinstance(value, str):

@@ -20,6 +20,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.eps_clip_high=0.28")
     parser.add_argument("--world-size", type=int, default=None, help="check against this many ranks")
     args = parser.parse_args(argv)
+    if args.world_size is not None and args.world_size < 1:
+        print(f"error: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+        return 2
     try:
         cfg = load_experiment(args.config, args.overrides, world_size=args.world_size)
     except ConfigError as e:

@@ -106,9 +106,70 @@ class ExperimentConfig:
         return to_dict(self)
 
 
+MAX_YAML_DEPTH = 64
+"""Deepest nesting of mappings and lists a config may have (real ones are 4 deep); deeper
+input would hit Python's recursion limit inside PyYAML."""
+
+MAX_YAML_VALUES = 100_000
+"""Most values a config may hold once its aliases (``*name``) are expanded (real ones hold a
+few hundred). A 1 KB file of nested aliases ("billion laughs") expands to 10^9 values, which
+every later walk of the tree (the checks, the printed and saved resolved config) would visit."""
+
+
 class YamlLoader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 floats: ``1e-6`` is a number (PyYAML's YAML 1.1 resolver
-    needs ``1.0e-6`` and would hand the string "1e-6" to a float field)."""
+    """SafeLoader with YAML 1.2 floats (``1e-6`` is a number: PyYAML's YAML 1.1 resolver needs
+    ``1.0e-6`` and would hand the string "1e-6" to a float field), and three refusals with the
+    line: a key given twice in one mapping (PyYAML keeps the last one silently), nesting deeper
+    than ``MAX_YAML_DEPTH``, and aliases that expand past ``MAX_YAML_VALUES`` values."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+        self._expanded: dict[int, int] = {}  # id(node) -> values it holds once aliases are expanded
+
+    def compose_node(self, parent, index):
+        mark = self.peek_event().start_mark
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", mark)
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if self._expanded_size(node) > MAX_YAML_VALUES:
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases (*name) expand this value to more than {MAX_YAML_VALUES} values", mark)
+        return node
+
+    def _expanded_size(self, node) -> int:
+        """Values under ``node`` with every alias expanded, memoised per node: an alias is the
+        same node object as its anchor, so this costs one visit per distinct node."""
+        key = id(node)
+        if key not in self._expanded:
+            if isinstance(node, yaml.MappingNode):
+                children = [n for pair in node.value for n in pair]
+            elif isinstance(node, yaml.SequenceNode):
+                children = node.value
+            else:
+                children = []
+            self._expanded[key] = 1 + sum(self._expanded_size(c) for c in children)
+        return self._expanded[key]
+
+    def construct_mapping(self, node, deep=False):
+        first_line: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: explicit keys may override it
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = first_line.get(key)
+            except TypeError:  # an unhashable key: the base class reports it with its line
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first given at line {first})", key_node.start_mark)
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 YamlLoader.add_implicit_resolver(
@@ -128,12 +189,13 @@ def yaml_load(text: str):
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"a.b=1"`` -> (["a", "b"], 1); the value is parsed as a YAML scalar or flow list."""
+    source = f"override {text!r}"
     if "=" not in text:
-        raise ConfigError("", f"override {text!r} must look like section.key=value")
+        raise ConfigError("", "must look like section.key=value", source)
     key, value = text.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise ConfigError(key, f"override {text!r} has an empty key part")
+        raise ConfigError(key, "has an empty key part", source)
     try:
         parsed = yaml_load(value) if value.strip() else None
     except yaml.YAMLError:
@@ -154,7 +216,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(".".join(parts[: i + 1]), f"is not a section, cannot set {'.'.join(parts)}")
+                raise ConfigError(".".join(parts[: i + 1]), f"is not a section, cannot set {'.'.join(parts)}",
+                                  f"override {text!r}")
             node = child
         node[parts[-1]] = value
     return raw
@@ -170,6 +233,8 @@ def build_experiment(raw: Any, world_size: Optional[int] = None) -> ExperimentCo
         raise ConfigError("", f"the top level must be a mapping of sections, got {type(raw).__name__}")
     cfg = build_section(ExperimentConfig, raw)
     if world_size is not None:
+        if world_size < 1:  # the launchers refuse it first; this guards the arithmetic below
+            raise ConfigError("parallel.world_size", f"the launcher's world size must be >= 1, got {world_size}")
         par = cfg.parallel
         if par.world_size is not None and par.world_size != world_size:
             raise ConfigError(
@@ -212,15 +277,16 @@ def load_config(
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(where, f"YAML syntax error: {problem}", str(path)) from None
+        kind = "YAML syntax error" if isinstance(e, (yaml.scanner.ScannerError, yaml.parser.ParserError)) else "YAML"
+        raise ConfigError(where, f"{kind}: {problem}", str(path)) from None
     if raw is None:
         raise ConfigError("", "the file is empty", str(path))
     try:
         if isinstance(raw, dict):
             raw = apply_overrides(raw, overrides or [])
         return build_experiment(raw, world_size)
-    except ConfigError as e:
-        raise e.with_source(error_source(e.where, overrides or [], str(path))) from None
+    except ConfigError as e:  # an override's own mistake already names the override
+        raise e.with_source(e.source or error_source(e.where, overrides or [], str(path))) from None
 
 
 def error_source(where: str, overrides: list[str], path: str) -> str:

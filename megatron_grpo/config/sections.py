@@ -230,4 +230,5 @@ class TrainerConfig:
     def __post_init__(self):
         check(bool(self.run_dir), "run_dir", "must name a directory")
         check(self.num_steps >= 1, "num_steps", f"must be >= 1, got {self.num_steps}")
+        check(0 <= self.seed < 2**32, "seed", f"must be in [0, 2^32 - 1] (numpy's seed range), got {self.seed}")
         check(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite", "must be >= 1")

@@ -119,6 +119,24 @@ def render_prompt(prompt: str | list[dict], tokenizer, *, use_template: bool, sy
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+CHARS_PER_TOKEN_BOUND = 32
+"""A prompt longer than ``data.max_prompt_length`` times this many characters is first
+tokenized by a prefix of that length: real tokenizers average 3-5 characters a token, so that
+prefix alone is over the limit and a 10 MB line is refused in milliseconds, not tokenized whole."""
+
+
+def prefix_tokens_over(prompt: str | list[dict], tokenizer, max_prompt_length: int) -> int | None:
+    """Tokens in the first ``max_prompt_length * CHARS_PER_TOKEN_BOUND`` characters of a prompt
+    (its messages' contents, concatenated) when that prefix alone is over the limit; None when
+    the prompt must be tokenized whole to know."""
+    text = prompt if isinstance(prompt, str) else "".join(str(m.get("content", "")) for m in prompt)
+    limit = max_prompt_length * CHARS_PER_TOKEN_BOUND
+    if len(text) <= limit:
+        return None
+    count = len(tokenizer(text[:limit], add_special_tokens=False)["input_ids"])
+    return count if count > max_prompt_length else None
+
+
 def build_prompts(records: list[RawRecord], tokenizer, *, prompt_key: str, answer_key: str,
                   apply_chat_template: bool, system_prompt: str | None, max_prompt_length: int) -> list[Prompt]:
     """Validate, render and tokenize every record; the first bad one raises DataError."""
@@ -129,6 +147,11 @@ def build_prompts(records: list[RawRecord], tokenizer, *, prompt_key: str, answe
     prompts = []
     for index, rec in enumerate(records):
         prompt, answer = check_record(rec, prompt_key, answer_key)
+        prefix = prefix_tokens_over(prompt, tokenizer, max_prompt_length)
+        if prefix is not None:
+            raise DataError(f"{rec.where}: prompt is more than {prefix} tokens (its first "
+                            f"{max_prompt_length * CHARS_PER_TOKEN_BOUND} characters), longer than "
+                            f"data.max_prompt_length = {max_prompt_length}")
         text, ids = render_prompt(prompt, tokenizer, use_template=use_template, system_prompt=system_prompt,
                                   where=rec.where)
         if len(ids) > max_prompt_length:

@@ -44,6 +44,44 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    """``object_pairs_hook``: the json module keeps the last of two equal keys silently."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _refuse_constant(name: str):
+    """``parse_constant``: NaN and Infinity are not JSON, though Python's parser accepts them."""
+    raise ValueError(f"{name} is not valid JSON (use null or a string)")
+
+
+def parse_json_line(line: str, where: str) -> Any:
+    """One JSONL line -> its value; every way it can fail is a DataError starting with ``where``:
+    bad syntax, duplicate keys, NaN/Infinity, integers past Python's 4300-digit limit, nesting
+    past the recursion limit, and lone UTF-16 surrogates (``"\\ud800"``), which parse but are
+    not text a tokenizer can encode."""
+    try:
+        obj = json.loads(line, object_pairs_hook=_refuse_duplicates, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise DataError(f"{where}: invalid JSON: nested too deeply") from None
+    except ValueError as e:  # our hooks, and int() past sys.get_int_max_str_digits()
+        reason = "an integer has more than 4300 digits" if "integer string conversion" in str(e) else _one_line(e)
+        raise DataError(f"{where}: invalid JSON: {reason}") from None
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: holds a lone UTF-16 surrogate ({e.object[e.start:e.end]!a}), not valid text") from None
+    except RecursionError:
+        raise DataError(f"{where}: invalid JSON: nested too deeply") from None
+    return obj
+
+
 def read_jsonl(path: Path, prompt_key: str, answer_key: str) -> list[RawRecord]:
     """Parse ``path`` line by line; raises DataError naming the first bad line."""
     records = []
@@ -56,10 +94,7 @@ def read_jsonl(path: Path, prompt_key: str, answer_key: str) -> list[RawRecord]:
                 raise DataError(f"{where}: not valid UTF-8 ({_one_line(e.reason)} at byte {e.start})") from None
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
+            obj = parse_json_line(line, where)
             if not isinstance(obj, dict):
                 raise DataError(
                     f"{where}: expected a JSON object with '{prompt_key}' and '{answer_key}', "

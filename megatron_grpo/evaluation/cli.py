@@ -168,7 +168,7 @@ def main(argv: list[str]) -> int:
     except CheckpointError as e:
         return _fail(str(e))
     except USER_ERRORS as e:
-        return _fail(describe_user_error(e, args.config))
+        return _fail(describe_user_error(e, args.config, overrides=args.overrides))
     except RolloutError as e:
         return _fail(" ".join(str(e).split()), EXIT_FAILED)
     lines = [json.dumps({"checkpoint": str(args.checkpoint), **row}) for row in rows]

@@ -7,6 +7,7 @@ package imports megatron-core.
 from __future__ import annotations
 
 from megatron_grpo.config.base import ConfigError
+from megatron_grpo.config.experiment import error_source
 from megatron_grpo.data import DataError
 from megatron_grpo.models.errors import ModelError
 from megatron_grpo.rewards import RewardError
@@ -15,12 +16,15 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelErr
 """Exception types whose message is a complete one-line user-facing error."""
 
 
-def describe_user_error(e: BaseException, config_path: str, data_file: str | None = None) -> str:
-    """The one line printed for user error ``e``. It starts with the file that is wrong: the
-    dataset for a bad line (``data.jsonl:17: ...``), else the config (``run.yaml: key: ...``)."""
+def describe_user_error(e: BaseException, config_path: str, data_file: str | None = None,
+                        overrides: list[str] | None = None) -> str:
+    """The one line printed for user error ``e``. It starts with what is wrong: the dataset for
+    a bad line (``data.jsonl:17: ...``), the command-line override that set a bad key, else the
+    config (``run.yaml: key: ...``)."""
     text = " ".join(str(e).split())
     if isinstance(e, ConfigError):
-        return e.one_line() if e.source else e.with_source(config_path).one_line()
+        return e.one_line() if e.source else e.with_source(
+            error_source(e.where, overrides or [], config_path)).one_line()
     if isinstance(e, DataError) and data_file and text.startswith(data_file):
         return text
     return f"{config_path}: {text}"

@@ -127,23 +127,33 @@ def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
     if too_long:  # the engine would reject it mid-run; say which line now
         raise DataError(f"{too_long[0].where}: prompt is {len(too_long[0].prompt_ids)} tokens, no room to generate "
                         f"in the model's context of {context} (max_position_embeddings, {cfg.model.hf_dir}/config.json)")
-    if context and cfg.rollout.environment is not None and dataset.prompts:
-        check_episode_fits(dataset.prompts, cfg.rollout.multi_turn.max_episode_tokens, context, cfg.model.hf_dir)
+    if context and cfg.rollout.environment is not None:
+        check_fits(dataset.prompts, cfg.rollout.multi_turn.max_episode_tokens, "rollout.multi_turn.max_episode_tokens",
+                   context, cfg.model.hf_dir)
+    elif context:
+        check_fits(dataset.prompts, cfg.rollout.max_new_tokens, "rollout.max_new_tokens", context, cfg.model.hf_dir)
     for i, s in enumerate(cfg.eval.sets):
-        load_prompt_dataset(cfg.data, tokenizer, s.path, key=f"eval.sets[{i}].path")
+        eval_prompts = load_prompt_dataset(cfg.data, tokenizer, s.path, key=f"eval.sets[{i}].path").prompts
+        if context and cfg.rollout.environment is None:
+            check_fits(eval_prompts, s.max_new_tokens or cfg.rollout.max_new_tokens,
+                       f"eval.sets[{i}].max_new_tokens" if s.max_new_tokens else "rollout.max_new_tokens",
+                       context, cfg.model.hf_dir)
     RewardScorer(cfg.reward).close()
     if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb_project", "is set but wandb is not installed; pip install wandb or set it to null")
 
 
-def check_episode_fits(prompts, max_episode_tokens: int, context: int, hf_dir: str) -> None:
-    """The longest prompt plus a whole episode (``rollout.multi_turn.max_episode_tokens``: model
-    and observation tokens) fits the model's context; else one line naming that prompt's line."""
+def check_fits(prompts, new_tokens: int, key: str, context: int, hf_dir: str) -> None:
+    """The longest prompt plus ``new_tokens`` (``key``: a response's ``rollout.max_new_tokens``,
+    or a whole episode's model and observation tokens) fits the model's context; else one line
+    naming the key and that prompt's line. An engine would cut or refuse it mid-run."""
+    if not prompts:
+        return
     longest = max(prompts, key=lambda p: len(p.prompt_ids))
-    need = len(longest.prompt_ids) + max_episode_tokens
+    need = len(longest.prompt_ids) + new_tokens
     if need > context:
-        raise ConfigError("rollout.multi_turn.max_episode_tokens", (
-            f"{max_episode_tokens} after the longest prompt ({len(longest.prompt_ids)} tokens, {longest.where}) is "
+        raise ConfigError(key, (
+            f"{new_tokens} after the longest prompt ({len(longest.prompt_ids)} tokens, {longest.where}) is "
             f"{need} tokens, more than the model's context of {context} (max_position_embeddings, "
             f"{hf_dir}/config.json); set it to at most {context - len(longest.prompt_ids)} or lower "
             "data.max_prompt_length"))

@@ -170,7 +170,7 @@ def main(argv: list[str]) -> int:
         cfg = load_experiment(args.config, args.overrides, world_size=nproc * node.nnodes)
         check_run(cfg, nproc)  # on every node: each reads the model and data from its own disk
     except user_errors() as e:
-        return _fail(describe_user_error(e, args.config, _data_file(args.config, args.overrides)))
+        return _fail(describe_user_error(e, args.config, _data_file(args.config, args.overrides), args.overrides))
     cmd = [sys.executable, "-m", "torch.distributed.run", *node.torchrun_args(cfg.parallel.distributed_timeout_s),
            f"--nproc_per_node={nproc}", "-m", "megatron_grpo.train", "--config", args.config, *args.overrides]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
