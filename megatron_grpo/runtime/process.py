@@ -18,7 +18,9 @@ def die_with_parent(parent_pid: int | None = None) -> None:
     before exec, so a trainer killed with -9 leaves no engine holding its port and memory;
     (c) in children forked during a checkpoint save (``forks_die_with_this_process``).
     ``parent_pid``: the parent this process was started by; if it is already gone (it died
-    before the request was made, which the request cannot catch), die now.
+    before the request was made, which the request cannot catch), die now. Without it, a
+    parent of pid 1 means the same (an orphan is re-parented to init, or to a container's
+    pid 1); a process whose parent is legitimately init never calls this.
     A no-op where prctl is unavailable.
     """
     try:
@@ -28,7 +30,7 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except OSError:
         return
-    if parent_pid is not None and os.getppid() != parent_pid:
+    if os.getppid() != parent_pid if parent_pid is not None else os.getppid() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -26,6 +26,7 @@ runs. ``megatron-grpo --help`` imports no sub-command (0.1-0.2 s); ``validate-co
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import subprocess
@@ -102,7 +103,9 @@ def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
     for the other nodes, say), its exception is repeated as the last line."""
     with tempfile.TemporaryDirectory(prefix="megatron-grpo-") as tmp:
         error_file = Path(tmp) / "user_error"
-        proc = subprocess.Popen(cmd, env={**env, ERROR_FILE_ENV: str(error_file)}, stderr=subprocess.PIPE)
+        # torchrun dies with this process (a kill -9 of the launcher alone), and its ranks with it.
+        proc = subprocess.Popen(cmd, env={**env, ERROR_FILE_ENV: str(error_file)}, stderr=subprocess.PIPE,
+                                preexec_fn=functools.partial(die_with_parent, os.getpid()))
         # A SIGTERM for this process goes on to torchrun, which stops its ranks cleanly; the
         # ranks' stderr is this pipe, so dying here would otherwise kill them at their next write.
         previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))

@@ -1,0 +1,110 @@
+"""No process outlives `megatron-grpo train`: kill -9 its process group (what a terminal or a
+job scheduler does), or the launcher alone, at each moment of a run's life, and count what
+is still alive seconds later.
+
+The moments are recognised from the process tree, not from timers, so the test means the
+same on a quiet and a loaded machine: torchrun just started; the ranks just started (still
+importing the trainer, before any rendezvous); a rank has started a child (the engine server,
+during the rendezvous and the engine's start-up); the first step has been logged. Every
+process of the launcher's tree, snapshotted at the kill, must be gone within ``GRACE_S``.
+Before runtime/process.die_with_parent ran first thing in a rank, a kill while the ranks were
+importing left both alive (parent 1), blocked in the rendezvous for its whole timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+import psutil
+import pytest
+
+from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+
+GRACE_S = 15.0
+"""Seconds the killed tree may take to go (the kernel's parent-death signals are immediate;
+this covers a loaded machine)."""
+
+DEADLINE_S = 300.0
+"""Longest wait for a moment to come (a cold start on a loaded 2-core machine)."""
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _ranks(tree: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in tree if "megatron_grpo.train" in _cmdline(p)]
+
+
+MOMENTS: dict[str, Callable[[list[psutil.Process], Path], bool]] = {
+    "torchrun started": lambda tree, run: any("torch.distributed.run" in _cmdline(p) for p in tree),
+    "ranks importing": lambda tree, run: len(_ranks(tree)) >= 1,
+    "engine starting": lambda tree, run: any(c for r in _ranks(tree) for c in _children(r)),
+    "training": lambda tree, run: len(read_metrics(run)) >= 1,
+}
+
+
+def _children(p: psutil.Process) -> list[psutil.Process]:
+    try:
+        return p.children()
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_at(moment: str, whole_group: bool, demo: Path, tmp_path: Path) -> list[str]:
+    """Start a run, SIGKILL it (its process group, or only the launcher) once ``moment`` is
+    reached, and return the command lines of its processes still alive after ``GRACE_S``."""
+    run_dir = tmp_path / "run"
+    log = open(tmp_path / "train.log", "wb")
+    proc = subprocess.Popen(train_cmd(demo, run_dir, 20, "logging.plot=false"), cwd=ROOT, env=ENV,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not MOMENTS[moment](tree := _tree(proc.pid), run_dir):
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{moment!r} not reached in {DEADLINE_S:.0f} s"
+            time.sleep(0.05)
+        tree = _tree(proc.pid)  # everything that exists at the kill
+        if whole_group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _, alive = psutil.wait_procs(tree, timeout=GRACE_S)
+        return [_cmdline(p)[:120] for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        for p in _tree(proc.pid) + [q for q in psutil.process_iter() if str(run_dir) in _cmdline(q)]:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment, whole_group", [
+    ("torchrun started", True),
+    ("ranks importing", True),
+    ("ranks importing", False),
+    ("engine starting", True),
+    ("training", False),
+])
+def test_nothing_outlives_a_killed_launcher(moment, whole_group, demo, tmp_path):
+    survivors = _kill_at(moment, whole_group, demo, tmp_path)
+    assert survivors == [], f"alive {GRACE_S:.0f} s after a kill -9 at {moment!r}: {survivors}"
