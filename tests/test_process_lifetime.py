@@ -108,3 +108,60 @@ def _kill_at(moment: str, whole_group: bool, demo: Path, tmp_path: Path) -> list
 def test_nothing_outlives_a_killed_launcher(moment, whole_group, demo, tmp_path):
     survivors = _kill_at(moment, whole_group, demo, tmp_path)
     assert survivors == [], f"alive {GRACE_S:.0f} s after a kill -9 at {moment!r}: {survivors}"
+
+
+def _stop_with(signum: int, to_group: bool, demo: Path, tmp_path: Path) -> tuple[int, str, Path]:
+    """Start a 20-step run, send ``signum`` (to the launcher, or to its process group as a
+    terminal's Ctrl-C does) once two steps are logged; returns (exit code, what the launcher
+    wrote on stderr after the signal, run dir), after checking every process is gone."""
+    run_dir = tmp_path / "run"
+    out, err = open(tmp_path / "stdout", "wb"), open(tmp_path / "stderr", "wb")
+    proc = subprocess.Popen(train_cmd(demo, run_dir, 20, "logging.plot=false", "checkpoint.save_every=0"),
+                            cwd=ROOT, env=ENV, stdout=out, stderr=err, start_new_session=True)
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while len(read_metrics(run_dir)) < 2:
+            assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+            assert time.monotonic() < deadline, "two steps not logged in time"
+            time.sleep(0.1)
+        tree = _tree(proc.pid)
+        err.flush()
+        offset = (tmp_path / "stderr").stat().st_size
+        (os.killpg if to_group else os.kill)(proc.pid, signum)
+        code = proc.wait(timeout=DEADLINE_S)
+        _, alive = psutil.wait_procs(tree, timeout=GRACE_S)
+        assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+        return code, (tmp_path / "stderr").read_bytes()[offset:].decode(), run_dir
+    finally:
+        for p in _tree(proc.pid):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        out.close()
+        err.close()
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_finished_step_and_the_same_command_resumes_there(demo, tmp_path):
+    from megatron_grpo.trainer.checkpoint import complete_checkpoints
+
+    code, said, run_dir = _stop_with(signal.SIGTERM, False, demo, tmp_path)
+    lines = said.strip().splitlines()
+    assert code == 143 and len(lines) == 1, said
+    assert lines[0].startswith("error: stopped by SIGTERM after step ") and "saved a checkpoint of step" in lines[0]
+    stopped_at = int(lines[0].split("after step ")[1].split()[0])
+    assert stopped_at >= 2 and complete_checkpoints(run_dir)[-1][0] == stopped_at
+    assert len(read_metrics(run_dir)) == stopped_at
+    resumed = subprocess.run(train_cmd(demo, run_dir, stopped_at + 1, "logging.plot=false"), cwd=ROOT, env=ENV,
+                             capture_output=True, text=True, timeout=DEADLINE_S)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from checkpoint step {stopped_at}" in resumed.stdout + resumed.stderr
+    assert len(read_metrics(run_dir)) == stopped_at + 1
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_in_one_line(demo, tmp_path):
+    code, said, run_dir = _stop_with(signal.SIGINT, True, demo, tmp_path)
+    lines = said.strip().splitlines()
+    assert code == 130 and len(lines) == 1 and lines[0].startswith("error: stopped by SIGINT after step "), said

@@ -188,8 +188,19 @@ class CheckpointConfig:
     """auto: continue from the run directory's latest complete checkpoint if any; never: start
     fresh; or a checkpoint directory path."""
 
+    save_on_stop: bool = True
+    """On SIGTERM or Ctrl-C (what Slurm sends before preemption), finish the current step, save
+    a checkpoint of it (unless one was just saved) and stop, so the relaunched job resumes
+    there. false: stop after the step without saving (the last complete checkpoint stays)."""
+
+    stop_timeout_s: float = 120.0
+    """Seconds `megatron-grpo train` gives the ranks, after a stop signal, to finish their step
+    and save before they are killed (torchrun's shutdown timeout). Keep it below the
+    scheduler's own grace period (Slurm's GraceTime / KillWait)."""
+
     def __post_init__(self):
         check(self.save_every >= 0, "save_every", f"must be >= 0, got {self.save_every}")
+        check(self.stop_timeout_s > 0, "stop_timeout_s", f"must be > 0, got {self.stop_timeout_s}")
         check(self.keep_last >= 1, "keep_last", f"must be >= 1, got {self.keep_last}")
         check(bool(self.resume), "resume", "must be auto, never or a checkpoint path")
 

@@ -38,7 +38,7 @@ from megatron_grpo.config import ConfigError, ExperimentConfig, load_config
 from megatron_grpo.preflight import load_experiment
 from megatron_grpo.preflight.errors import USER_ERRORS, describe_user_error
 from megatron_grpo.preflight.run import check_run
-from megatron_grpo.runtime import parallel
+from megatron_grpo.runtime import parallel, stop
 from megatron_grpo.runtime.collectives import RunAborted
 from megatron_grpo.runtime.library_warnings import quiet_library_warnings
 from megatron_grpo.runtime.process import die_with_parent
@@ -108,9 +108,15 @@ def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
                                 preexec_fn=functools.partial(die_with_parent, os.getpid()))
         # A SIGTERM for this process goes on to torchrun, which stops its ranks cleanly; the
         # ranks' stderr is this pipe, so dying here would otherwise kill them at their next write.
-        previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+        stopping: list[int] = []  # the stop signal received, once one was
+
+        def forward_stop(signum, frame):
+            stopping.append(signum)
+            proc.send_signal(signal.SIGTERM)
+
+        previous = signal.signal(signal.SIGTERM, forward_stop)
         try:
-            tail = _forward_stderr(proc, error_file)
+            tail = _forward_stderr(proc, error_file, stopping)
             code = proc.wait()
         finally:
             signal.signal(signal.SIGTERM, previous)
@@ -119,27 +125,34 @@ def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
             if recorded.exists():
                 recorded_code, line = recorded.read_text().strip().split(" ", 1)
                 return _fail(line, int(recorded_code))
+        if stopping:  # the ranks were killed before they could say where they stopped
+            name = stop.signal_name(stopping[0])
+            return _fail(f"stopped by {name} before the ranks finished their step and saved (within "
+                         "checkpoint.stop_timeout_s); the newest complete checkpoint is kept, and the same "
+                         "command resumes from it", stop.exit_code(stopping[0]))
         reason = _launcher_exception(tail) if code != 0 else None
         return _fail(f"torchrun stopped (exit code {code}): {reason}", code) if reason else code
 
 
-def _forward_stderr(proc: subprocess.Popen, error_file: Path, keep_bytes: int = 4096) -> bytes:
+def _forward_stderr(proc: subprocess.Popen, error_file: Path, stopping: list[int], keep_bytes: int = 4096) -> bytes:
     """Copy ``proc``'s stderr to ours until it closes, except after a rank recorded its error
-    in ``error_file``; returns the last ``keep_bytes`` of it."""
+    in ``error_file`` or a stop signal came (``stopping``: torchrun's shutdown report follows,
+    and the ranks record where they stopped); returns the last ``keep_bytes`` of it. A second
+    Ctrl-C leaves at once: this process exits and every rank dies with it."""
     out = getattr(sys.stderr, "buffer", None)
-    interrupted, tail = False, b""
+    tail = b""
     while True:
         try:
             chunk = os.read(proc.stderr.fileno(), 65536)
         except KeyboardInterrupt:
-            if interrupted:
+            if signal.SIGINT in stopping:
                 raise
-            interrupted = True  # torchrun got the SIGINT too and stops its ranks: keep draining
+            stopping.append(signal.SIGINT)  # torchrun got it too and passes it to its ranks
             continue
         if not chunk:
             return tail
         tail = (tail + chunk)[-keep_bytes:]
-        if not error_file.exists():
+        if not error_file.exists() and not stopping:
             if out is not None:
                 out.write(chunk)
                 out.flush()
@@ -177,7 +190,9 @@ def main(argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", *node.torchrun_args(cfg.parallel.distributed_timeout_s),
            f"--nproc_per_node={nproc}", "-m", "megatron_grpo.train", "--config", args.config, *args.overrides]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "MEGATRON_GRPO_PREFLIGHT_DONE": "1"}
+           "MEGATRON_GRPO_PREFLIGHT_DONE": "1",
+           # how long torchrun lets the ranks finish a step and save after a stop signal
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, round(cfg.checkpoint.stop_timeout_s)))}
     return _launch_ranks(cmd, env)
 
 
@@ -220,6 +235,7 @@ def rank_main(argv: list[str]) -> int:
     """One rank (under torchrun). User errors end every rank with exit code 2 (see ``_report``)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()  # never outlive torchrun's agent (see runtime/process.py)
+    stop.install()  # SIGTERM / Ctrl-C: stop after the step in progress (driver.stop_before)
     quiet_library_warnings()
     args = _parse(argv, "python -m megatron_grpo.train")
     rank = int(os.environ.get("RANK", "0"))
@@ -243,6 +259,8 @@ def rank_main(argv: list[str]) -> int:
         return _report(e, rank, args.config, cfg.data.train_file)
     except RunAborted as e:
         return _report(e, rank, args.config, cfg.data.train_file, code=EXIT_RUN_ABORTED)
+    except stop.RunStopped as e:
+        return _report(e, rank, args.config, cfg.data.train_file, code=stop.exit_code(e.signum))
     except Exception as e:  # noqa: BLE001 - only a lost peer becomes one line; anything else is a bug
         detail = parallel.peer_failure(e)
         if detail is None:

@@ -8,17 +8,44 @@ the logging.
 from __future__ import annotations
 
 from megatron_grpo.config import ExperimentConfig
+from megatron_grpo.runtime import stop
+from megatron_grpo.trainer import checkpoint as ckpt
 from megatron_grpo.trainer.trainer import Trainer
 
 
 def train(cfg: ExperimentConfig) -> list[dict]:
-    """Run the experiment; returns rank 0's metric records (empty on other ranks)."""
+    """Run the experiment; returns rank 0's metric records (empty on other ranks). A stop
+    signal (``runtime/stop.py``) ends it after the step in progress: ``RunStopped``."""
     trainer = Trainer.build(cfg)
     try:
         trainer.logger.begin_training()
+        stop_before(trainer, trainer.start_step)
         for step in range(trainer.start_step, cfg.trainer.num_steps):
             trainer.step(step)
+            if step + 1 < cfg.trainer.num_steps:  # after the last step the run is done anyway
+                stop_before(trainer, step + 1)
         trainer.logger.finish(print_summary=True)
     finally:
         trainer.close()
     return trainer.records
+
+
+def stop_before(trainer: Trainer, steps_done: int) -> None:
+    """Collective: raise ``RunStopped`` when any rank received a stop signal, after saving a
+    checkpoint of the ``steps_done`` finished steps (``checkpoint.save_on_stop``) unless this
+    step's own checkpoint, or the one resumed from, already holds them."""
+    signum = stop.agreed_signal()
+    if not signum:
+        return
+    cfg = trainer.cfg
+    name = stop.signal_name(signum)
+    if steps_done == trainer.start_step or trainer.checkpoint_due(steps_done):
+        saved = f"the newest checkpoint already holds step {steps_done}" if steps_done else "no step had finished"
+    elif cfg.checkpoint.save_on_stop:
+        trainer.save_checkpoint(steps_done)
+        saved = f"saved a checkpoint of step {steps_done}"
+    else:
+        saved = "saved nothing (checkpoint.save_on_stop is false)"
+    raise stop.RunStopped(
+        f"stopped by {name} after step {steps_done} of {cfg.trainer.num_steps}: {saved} in "
+        f"{ckpt.checkpoints_dir(cfg.trainer.run_dir)}; the same command resumes from the newest one", signum)

@@ -278,11 +278,18 @@ class Trainer:
                 f"step {step}: non-finite loss or gradient in {self.nonfinite_streak} consecutive steps "
                 f"(trainer.max_consecutive_nonfinite={limit}); lower optimizer.lr or check the data and rewards")
 
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether ``checkpoint_if_due(step)`` saves: the last step and every checkpoint.save_every."""
+        every = self.cfg.checkpoint.save_every
+        return step == self.cfg.trainer.num_steps or bool(every and step % every == 0)
+
     def checkpoint_if_due(self, step: int) -> None:
         """Collective: a training checkpoint at the last step and every checkpoint.save_every."""
-        every = self.cfg.checkpoint.save_every
-        if step != self.cfg.trainer.num_steps and not (every and step % every == 0):
-            return
+        if self.checkpoint_due(step):
+            self.save_checkpoint(step)
+
+    def save_checkpoint(self, step: int) -> None:
+        """Collective: a training checkpoint of the state after ``step`` steps."""
         # rank 0's sampler is the one that advanced: every rank saves its state
         state = broadcast({"step": step, "sampler": self.rollouts.sampler_state() if self.rank == 0 else None,
                            "nonfinite_streak": self.nonfinite_streak})
