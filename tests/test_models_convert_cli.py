@@ -171,6 +171,16 @@ def test_user_errors_are_one_line_with_exit_2(qwen2_dir, tmp_path, capsys):
     assert run_in_process(h2m, "--hf-dir", qwen2_dir, "--output-dir", busy) == 2
     assert "exists and is not empty (pass --overwrite" in one_line_error(capsys, h2m)
 
+    # --overwrite of a directory that holds (or lies inside) the input would delete the input
+    parent = tmp_path / "parent"
+    shutil.copytree(qwen2_dir, parent / "model")
+    assert run_in_process(h2m, "--hf-dir", parent / "model", "--output-dir", parent, "--overwrite") == 2
+    assert "contains the input directory" in one_line_error(capsys, h2m)
+    assert run_in_process(h2m, "--hf-dir", parent / "model", "--output-dir", parent / "model" / "out",
+                          "--overwrite") == 2
+    assert "is inside the input directory" in one_line_error(capsys, h2m)
+    assert (parent / "model" / "model.safetensors").is_file() and not (parent / "model" / "out").exists()
+
     assert run_in_process(h2m, "--hf-dir", qwen2_dir, "--output-dir", tmp_path / "o", "--tp", 2) == 2
     assert "run under torchrun --nproc-per-node 2" in one_line_error(capsys, h2m)
 

@@ -170,8 +170,15 @@ def _initialize(tp: int, pp: int, ep: int = 1) -> None:
 
 
 def _check_output(out: Path, overwrite: bool, source: Path) -> None:
-    if out.resolve() == source.resolve():
+    """Refuse an output that is, holds, or lies inside the input: replacing it (``--overwrite``)
+    would delete the input, or the new checkpoint would be written into the one being read."""
+    out_r, src_r = out.resolve(), source.resolve()
+    if out_r == src_r:
         raise ModelError(f"--output-dir {out} is the input directory")
+    if out_r in src_r.parents:
+        raise ModelError(f"--output-dir {out} contains the input directory {source}; choose another directory")
+    if src_r in out_r.parents:
+        raise ModelError(f"--output-dir {out} is inside the input directory {source}; choose another directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ModelError(f"--output-dir {out} exists and is not empty (pass --overwrite to replace it)")
 
