@@ -2,6 +2,7 @@
 fields on the wire, concurrent requests, counted retries, and one-line errors for a server
 that hangs, answers garbage or refuses; never a hang."""
 
+import gzip
 import json
 import threading
 import time
@@ -12,6 +13,9 @@ import pytest
 from megatron_grpo.config.base import ConfigError, build_section
 from megatron_grpo.config.sections import RewardConfig
 from megatron_grpo.rewards import RewardError, RewardSample, RewardScorer
+
+
+BOMB = gzip.compress(b"0" * 20_000_000)
 
 
 class Server:
@@ -47,6 +51,17 @@ class Server:
                         return self.reply(500, b"alone")
                 if route == "/badjson":
                     return self.reply(200, b"<html>oops</html>")
+                if route == "/huge":  # 2 MiB, its length declared
+                    return self.reply(200, b" " * (2 << 20))
+                if route == "/gzipbomb":  # 20 KB on the wire, 20 MB once decompressed
+                    return self.reply(200, BOMB, {"Content-Encoding": "gzip"})
+                if route == "/trickle":  # no Content-Length: 2 MiB in chunks until the connection closes
+                    self.send_response(200)
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    for _ in range(32):
+                        self.wfile.write(b" " * (64 << 10))
+                    return None
                 if route == "/flaky" and tries == 1:
                     return self.reply(503, b"busy")
                 if route == "/denied":
@@ -56,8 +71,10 @@ class Server:
                 reward = len(body["response_ids"]) + body["row"].get("bonus", 0)
                 return self.reply(200, json.dumps({"reward": reward}).encode())
 
-            def reply(self, code, payload):
+            def reply(self, code, payload, headers=None):
                 self.send_response(code)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)
@@ -130,6 +147,11 @@ def test_a_hanging_server_is_a_bounded_one_line_error(server):
     ("/badjson", "the answer is not JSON: '<html>oops</html>'; expected {\"reward\": <number>}"),
     ("/denied", "HTTP 400: no such task second line"),
     ("/auth", "HTTP 401: bad key"),
+    ("/huge", "the answer is too large (Content-Length 2097152; the limit is 1048576 bytes); "
+              "expected {\"reward\": <number>}"),
+    ("/gzipbomb", "the answer is too large (once decompressed; the limit is 1048576 bytes); "
+                  "expected {\"reward\": <number>}"),
+    ("/trickle", "the answer is too large (as sent; the limit is 1048576 bytes); expected {\"reward\": <number>}"),
 ])
 def test_bad_answers_fail_at_once(server, route, expected):
     with pytest.raises(RewardError) as e:

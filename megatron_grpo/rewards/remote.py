@@ -14,7 +14,9 @@ and expects ``{"reward": <finite number>}`` back (HTTP 200). Every wait is bound
   a short back-off; each retry is counted (``reward/<label>/retries`` in metrics.jsonl);
   when the retries are used up, a one-line ``RewardError``;
 * any other HTTP status, a body that is not JSON, or JSON without a finite ``reward``: a
-  one-line ``RewardError`` at once (retrying a server bug would only hide it).
+  one-line ``RewardError`` at once (retrying a server bug would only hide it);
+* an answer over ``MAX_ANSWER_BYTES``, as sent or once decompressed (a gzip bomb is read a
+  chunk at a time and dropped at the limit): "too large", at once.
 
 So a hung server costs at most ``timeout_s * (max_retries + 1)`` plus the back-off per
 response, and the run stops with a line naming the URL and the sample, never a hang.
@@ -35,6 +37,9 @@ from megatron_grpo.config.base import ConfigError
 from megatron_grpo.rewards.sample import RewardSample
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+MAX_ANSWER_BYTES = 1 << 20
+"""Largest answer read, compressed or not: ``{"reward": 0.5}`` is 15 bytes; 1 MiB leaves room
+for servers that echo the sample back."""
 BACKOFF_S = 0.5
 MAX_BACKOFF_S = 8.0
 
@@ -72,35 +77,52 @@ class RemoteReward:
                 self.retries += 1
                 await asyncio.sleep(min(BACKOFF_S * 2 ** (attempt - 1), MAX_BACKOFF_S))
             try:
-                response = await asyncio.wait_for(self._post(body), self.timeout_s)
+                status, answer = await asyncio.wait_for(self._post(body), self.timeout_s)
             except (asyncio.TimeoutError, httpx.TimeoutException):
                 last = f"no answer within timeout_s={self.timeout_s:g}"
                 continue
             except httpx.HTTPError as e:
                 last = f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
                 continue
-            if response.status_code in RETRY_STATUSES:
-                last = f"HTTP {response.status_code}"
+            if status in RETRY_STATUSES:
+                last = f"HTTP {status}"
                 continue
-            return self._parse(response)
+            return self._parse(status, answer)
         raise RemoteRewardFailure(f"{self.url}: {last} after {self.max_retries + 1} attempt(s) "
                                   f"(remote.max_retries={self.max_retries})")
 
-    async def _post(self, body: bytes) -> httpx.Response:
+    async def _post(self, body: bytes) -> tuple[int, bytes]:
+        """(HTTP status, decoded answer), reading at most ``MAX_ANSWER_BYTES`` either way."""
         if self._client is None:  # made on the scorer's event loop, where it is used and closed
             timeout = httpx.Timeout(self.timeout_s)
             self._client = httpx.AsyncClient(timeout=timeout, trust_env=False)
-        return await self._client.post(self.url, content=body, headers=self.headers)
+        async with self._client.stream("POST", self.url, content=body, headers=self.headers) as response:
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
+                raise self._too_large(f"Content-Length {int(declared)}")
+            chunks, size = [], 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > MAX_ANSWER_BYTES or response.num_bytes_downloaded > MAX_ANSWER_BYTES:
+                    raise self._too_large("as sent" if response.num_bytes_downloaded > MAX_ANSWER_BYTES
+                                          else "once decompressed")
+                chunks.append(chunk)
+            return response.status_code, b"".join(chunks)
 
-    def _parse(self, response: httpx.Response) -> float:
-        """The reward in a 200 response; RemoteRewardFailure naming what is wrong otherwise."""
-        if response.status_code != 200:
-            text = " ".join(response.text.split())[:120]
-            raise RemoteRewardFailure(f"{self.url}: HTTP {response.status_code}: {text}")
+    def _too_large(self, how: str) -> RemoteRewardFailure:
+        """The one-line failure for an answer over ``MAX_ANSWER_BYTES`` (``how``: which measure)."""
+        return RemoteRewardFailure(f"{self.url}: the answer is too large ({how}; the limit is {MAX_ANSWER_BYTES} "
+                                   'bytes); expected {"reward": <number>}')
+
+    def _parse(self, status: int, answer: bytes) -> float:
+        """The reward in a 200 answer; RemoteRewardFailure naming what is wrong otherwise."""
+        text = answer.decode("utf-8", errors="replace")
+        if status != 200:
+            raise RemoteRewardFailure(f"{self.url}: HTTP {status}: {' '.join(text.split())[:120]}")
         try:
-            data: Any = response.json()
-        except ValueError:
-            text = " ".join(response.text.split())[:60]
+            data: Any = json.loads(text)
+        except (ValueError, RecursionError):
+            text = " ".join(text.split())[:60]
             raise RemoteRewardFailure(f"{self.url}: the answer is not JSON: {text!r}; "
                                       'expected {"reward": <number>}') from None
         value = data.get("reward") if isinstance(data, dict) else None
