@@ -155,3 +155,21 @@ def test_each_engine_kind_names_its_tensor_wire():
     assert {name: (a.tensor_wire(False), a.tensor_wire(True)) for name, a in ENGINES.items()} == {
         "embedded": ("shm_bucket", "named_tensors"), "sglang": ("named_tensors", "named_tensors")}
     assert all(a.tensor_wire(c) in TENSOR_WIRES for a in ENGINES.values() for c in (False, True))
+
+
+def test_the_sweep_leaves_other_users_segments_alone(tmp_path):
+    """A dead sender's segment of this user is swept; one owned by another user is skipped,
+    whatever its pid (before: PermissionError in /dev/shm's sticky directory ended the sweep
+    and with it the run's start)."""
+    from megatron_grpo.wire.shm import remove_stale_segments
+
+    if os.getuid() != 0:
+        pytest.skip("only root can hand a file to another user (CI and this machine run as root)")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    mine, theirs = (tmp_path / f"{PREFIX}{dead}_{c * 16}" for c in "ab")
+    for path in (mine, theirs):
+        path.write_bytes(b"x")
+    os.chown(theirs, os.getuid() + 4242, -1)
+    removed = remove_stale_segments(tmp_path)
+    assert removed == [mine.name] and not mine.exists() and theirs.exists()

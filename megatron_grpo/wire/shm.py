@@ -45,16 +45,19 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_segments(directory: Path = SHM_DIR) -> list[str]:
-    """Unlink bucket segments whose creating process is gone; returns their names."""
+    """Unlink this user's bucket segments whose creating process is gone; returns their names.
+    Another user's segments are left alone (their pid may live in another pid namespace, and
+    /dev/shm's sticky bit refuses the unlink anyway): they are theirs to clean."""
     removed = []
     for path in directory.glob(PREFIX + "*"):
         match = _NAME.match(path.name)
-        if match and not _pid_alive(int(match.group(1))):
-            try:
-                path.unlink()
-                removed.append(path.name)
-            except FileNotFoundError:
-                pass
+        try:
+            if not match or path.stat().st_uid != os.getuid() or _pid_alive(int(match.group(1))):
+                continue
+            path.unlink()
+            removed.append(path.name)
+        except (FileNotFoundError, PermissionError):  # gone meanwhile, or not ours to remove
+            pass
     return removed
 
 
