@@ -141,6 +141,15 @@ def test_override_errors_name_the_override_not_the_file(tmp_path):
         load_experiment(bad, ["algorithm.eps_clip_high=0.28"])
 
 
+def test_the_api_key_is_redacted_wherever_the_config_is_shown(tmp_path):
+    """to_dict feeds validate-config's print, the run's config.yaml, TensorBoard and wandb."""
+    cfg = load_experiment(write(tmp_path, with_change("rollout.api_key", "hunter2")))
+    assert cfg.rollout.api_key == "hunter2"
+    assert cfg.to_dict()["rollout"]["api_key"] == "<redacted>" and "hunter2" not in repr(cfg.to_dict())
+    assert cfg.to_dict(redact=False)["rollout"]["api_key"] == "hunter2"
+    assert load_experiment(write(tmp_path, BASE)).to_dict()["rollout"]["api_key"] is None
+
+
 def test_values_are_never_changed(tmp_path):
     raw = with_change("optimizer.lr", 1)  # an int where a float is declared is kept as given
     cfg = load_experiment(write(tmp_path, raw))

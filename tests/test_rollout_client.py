@@ -117,6 +117,15 @@ def test_api_key_is_enforced(server):
         assert url in str(info.value) and info.value.status == 401
 
 
+def test_the_key_is_on_no_command_line(server):
+    """Every local user can read every process's command line (`ps`): the launched server gets
+    the key through its environment (embedded) or a 0600 file (SGLang's --config)."""
+    import psutil
+
+    shown = [p.pid for p in psutil.process_iter(["cmdline"]) if API_KEY in " ".join(p.info["cmdline"] or [])]
+    assert shown == []
+
+
 def test_control_routes(server, client):
     _, url = server
     assert client.model_info(url)["is_generation"] is True

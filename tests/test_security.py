@@ -127,6 +127,31 @@ def _routes() -> list[tuple[str, str]]:
 
 
 @pytest.mark.slow
+def test_a_launched_engine_gets_a_per_run_key_on_no_command_line(tiny_model, tmp_path):
+    """No key configured: the server the run launches still enforces one, random per run,
+    known to the run's own client only (and never on a command line)."""
+    import psutil
+
+    from megatron_grpo.config import RolloutConfig
+    from megatron_grpo.rollout.http_engine import start_servers
+    from megatron_grpo.rollout.types import SamplingParams
+
+    manager, client = start_servers(RolloutConfig(launch_timeout_s=180, dtype="float32"), model_dir=str(tiny_model),
+                                    run_dir=tmp_path)
+    try:
+        key = manager.rollout_cfg.api_key
+        assert key and len(key) >= 32
+        assert len(client.generate([[1, 2, 3]], 1, SamplingParams(max_new_tokens=2))) == 1
+        (url,) = manager.urls
+        anonymous = httpx.post(url + "/generate", json={"input_ids": [1, 2, 3]}, timeout=30)
+        assert anonymous.status_code == 401
+        assert [p.pid for p in psutil.process_iter(["cmdline"]) if key in " ".join(p.info["cmdline"] or [])] == []
+    finally:
+        client.close()
+        manager.stop()
+
+
+@pytest.mark.slow
 def test_launched_engine_listens_on_loopback_only(engine):
     port = int(engine.rsplit(":", 1)[1])
     assert _listen_addresses(port) == {LOOPBACK_V4}

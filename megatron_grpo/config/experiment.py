@@ -102,8 +102,20 @@ class ExperimentConfig:
         """Optimizer steps per rollout batch and iteration."""
         return self.rollout.batch_size // self.parallel.global_batch_size
 
-    def to_dict(self) -> dict:
-        return to_dict(self)
+    def to_dict(self, redact: bool = True) -> dict:
+        """The config as plain data, secrets (``SECRET_KEYS``) replaced by ``REDACTED``: what
+        is printed, saved to the run directory and sent to TensorBoard/wandb."""
+        out = to_dict(self)
+        for section, key in SECRET_KEYS if redact else ():
+            if out[section].get(key) is not None:
+                out[section][key] = REDACTED
+        return out
+
+
+SECRET_KEYS = (("rollout", "api_key"),)
+"""(section, key) of the values that never leave the process."""
+
+REDACTED = "<redacted>"
 
 
 MAX_YAML_DEPTH = 64

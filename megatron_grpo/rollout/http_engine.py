@@ -9,6 +9,8 @@ and routes stay in here and in the engine's adapter (``rollout/engines``).
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 from typing import Any, Optional, Sequence
 
 from megatron_grpo.rollout.client import RolloutClient
@@ -17,9 +19,21 @@ from megatron_grpo.rollout.protocol import WeightReceiver
 from megatron_grpo.rollout.types import Sample, SamplingParams
 
 
+def run_api_key(rollout_cfg) -> Optional[str]:
+    """The key the run's rollout servers enforce: ``rollout.api_key`` when set; else, for
+    servers this run launches, a fresh random one, so no other local user or process can drive
+    them (generate, load weights, join the weight-update group); None for external servers
+    (``rollout.urls``) that were given none."""
+    if rollout_cfg.api_key or rollout_cfg.urls:
+        return rollout_cfg.api_key
+    return secrets.token_urlsafe(32)
+
+
 def start_servers(rollout_cfg, *, model_dir: str, run_dir: str) -> tuple[RolloutServerManager, RolloutClient]:
     """Launch the servers of ``rollout_cfg`` (a RolloutConfig), or wait for the external ones in
-    ``rollout.urls``, until healthy; returns their manager and a client of them."""
+    ``rollout.urls``, until healthy; returns their manager and a client of them. Launched
+    servers without a configured key get a per-run one (``run_api_key``)."""
+    rollout_cfg = dataclasses.replace(rollout_cfg, api_key=run_api_key(rollout_cfg))
     manager = RolloutServerManager(rollout_cfg, model_dir=model_dir, run_dir=run_dir)
     return manager, RolloutClient.from_config(rollout_cfg, manager.start())
 

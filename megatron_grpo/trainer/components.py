@@ -4,6 +4,8 @@ rollout side (sampling parameters, tokenizer, data, rewards)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -16,7 +18,7 @@ from megatron_grpo.models import build_model, load_hf_config, load_hf_weights, l
 from megatron_grpo.models.builder import check_moe_training
 from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.data.prompts import has_chat_template
-from megatron_grpo.rollout.http_engine import HttpEngine, start_servers
+from megatron_grpo.rollout.http_engine import HttpEngine, run_api_key, start_servers
 from megatron_grpo.rollout.multi_turn import EpisodeRunner
 from megatron_grpo.rollout.rollout_function import RolloutFunction
 from megatron_grpo.rollout.types import SamplingParams
@@ -114,9 +116,12 @@ def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Option
     builds its half of the weight sync into them (``probe``: the trainer's log-probs of the
     verification sequence, for engines verified by probe)."""
     manager = client = None
+    # the per-run key of launched servers (run_api_key) lives only in this copy, never in cfg,
+    # so neither the saved nor the logged config can hold it
+    rollout_cfg = dataclasses.replace(cfg.rollout, api_key=broadcast(run_api_key(cfg.rollout) if owner else None))
     if owner:
-        manager, client = start_servers(cfg.rollout, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir)
+        manager, client = start_servers(rollout_cfg, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir)
     urls = broadcast(manager.urls if owner else None)
-    receiver = WeightSyncer(cfg.rollout, urls, hf_config, work_dir=f"{cfg.trainer.run_dir}/weight_sync",
+    receiver = WeightSyncer(rollout_cfg, urls, hf_config, work_dir=f"{cfg.trainer.run_dir}/weight_sync",
                             client=client, probe=probe)
     return HttpEngine(manager, client, receiver)

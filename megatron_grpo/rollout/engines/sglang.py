@@ -26,13 +26,17 @@ On a machine without CUDA the server runs on CPU through SGLang's CPU engine
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
+
+import yaml
 
 from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.rollout.engines.base import EngineAdapter, EngineKindMismatch
@@ -101,6 +105,24 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _key_file(api_key: str) -> str:
+    """A 0600 YAML file (``api-key: ...``) for SGLang's ``--config``, which merges it into its
+    arguments in memory, so the key never appears on a command line. Removed when this
+    process exits; a SIGKILL leaves it, readable by its owner only."""
+    fd, path = tempfile.mkstemp(prefix="megatron-grpo-sglang-", suffix=".yaml")  # mode 0600
+    with os.fdopen(fd, "w") as f:
+        f.write(yaml.safe_dump({"api-key": api_key}))  # SGLang passes each key on as --<key>
+    atexit.register(_remove, path)
+    return path
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class SGLangAdapter(EngineAdapter):
     name = "sglang"
     transports = frozenset({"distributed", "tensor", "disk"})
@@ -137,8 +159,9 @@ class SGLangAdapter(EngineAdapter):
             cmd += ["--quantization", rollout_cfg.quantization]
         if rollout_cfg.colocate:
             cmd += ["--enable-memory-saver"]  # what /release_memory_occupation needs
-        # SGLang takes the key only as a flag; the manager redacts it in the log.
-        return cmd + (["--api-key", rollout_cfg.api_key] if rollout_cfg.api_key else []) + list(sglang_cfg.extra_args)
+        if rollout_cfg.api_key:  # a 0600 file, not argv, where `ps` shows it to every local user
+            cmd += ["--config", _key_file(rollout_cfg.api_key)]
+        return cmd + list(sglang_cfg.extra_args)
 
     def launch_env(self, rollout_cfg: RolloutConfig, env: dict[str, str]) -> dict[str, str]:
         out = dict(env)
