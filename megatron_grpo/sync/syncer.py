@@ -229,8 +229,11 @@ class WeightSyncer:
         return stats
 
     def _prepare_engines(self) -> None:
+        # async rollouts: sequences in flight are retracted and resume with the new weights
+        # (re-prefilled; each token records its version), instead of being aborted
+        mode = "retract" if self.rollout_cfg.mode == "async" else "abort"
         for url in self.urls:
-            self.client.pause_generation(url, mode="abort")
+            self.client.pause_generation(url, mode=mode)
             self.client.flush_cache(url)
             if TRANSPORTS[self.rollout_cfg.weight_sync_transport].needs_update_session:
                 self._open_bracket(url)
