@@ -115,3 +115,32 @@ def test_multi_turn_episodes_carry_token_versions(demo, tmp_path):
     check_bound(rows, log, k, b=4)
     assert max(r["rollout/policy_lag"] for r in rows) == k
     assert all(r["multi_turn/turns_mean"] > 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_engine_killed_mid_flight_is_restarted_and_its_groups_regenerated(demo, tmp_path):
+    import psutil
+
+    k, steps = 2, 5
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(cmd(demo, run_dir, steps, k, "rollout.request_timeout_s=20", "rollout.max_retries=2"),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while len(read_metrics(run_dir)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "step 2 not reached"
+            time.sleep(0.01)
+        (engine,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                     if "megatron_grpo.rollout.serve" in " ".join(p.cmdline())]
+        engine.kill()
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    rows, log = read_metrics(run_dir), groups(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert rows[-1]["engine_restarts"] == 1
+    check_bound(rows, log, k)
+    # groups cut by the death were generated again, never trained half-done: each id once
+    trained = [g["gid"] for g in log if g["fate"] == "trained"]
+    assert sorted(trained) == list(range(steps * B))

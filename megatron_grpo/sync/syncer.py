@@ -3,7 +3,8 @@
 ``WeightSyncer.sync(model_chunks, step)`` is collective over ALL trainer ranks:
 
 1. the coordinator (global rank 0) pauses generation on every engine (SGLang's default
-   ``abort`` mode: a synchronous trainer has nothing running then), flushes the KV cache, and
+   ``abort`` mode: a synchronous trainer has nothing running then; ``retract`` with
+   ``rollout.mode: async``, whose sequences resume with the new weights), flushes the KV cache, and
    opens the ``/begin_weight_update`` bracket when the transport needs it;
 2. on data-parallel replica 0, every pipeline stage iterates ``models.iter_hf_weights`` (the
    single HF <-> Megatron mapping, collective over the stage's TP group; with expert
