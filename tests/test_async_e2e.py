@@ -53,24 +53,6 @@ def check_bound(rows: list[dict], log: list[dict], k: int, b: int = B) -> None:
 
 
 @pytest.mark.slow
-def test_async_run_stays_within_the_bound(demo, tmp_path):
-    k, steps = 2, 6
-    run_dir = tmp_path / "run"
-    run(cmd(demo, run_dir, steps, k))
-    rows, log = read_metrics(run_dir), groups(run_dir)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    check_bound(rows, log, k)
-    # really asynchronous: the engine ran ahead (lag k reached), the first batch fresh
-    assert rows[0]["rollout/policy_lag"] == 0 and max(r["rollout/policy_lag"] for r in rows) == k
-    # stale samples: rho = pi_old / mu departs from 1 where the lag is > 0 (fp32 rounding: ~1e-7)
-    assert max(abs(r["is_ratio_mean"] - 1) for r in rows if r["rollout/policy_lag"] > 0) > 1e-4
-    # every group of the run trained exactly once, in draw order of ids, none dropped
-    trained = [g["gid"] for g in log if g["fate"] == "trained"]
-    assert sorted(trained) == list(range(steps * B))
-    assert sum(r["async/groups_dropped"] for r in rows) == 0
-
-
-@pytest.mark.slow
 def test_kill_minus_9_mid_flight_and_resume_trains_each_prompt_once(demo, tmp_path):
     k, steps = 2, 6
     run_dir = tmp_path / "run"
@@ -79,12 +61,18 @@ def test_kill_minus_9_mid_flight_and_resume_trains_each_prompt_once(demo, tmp_pa
                             start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while len(read_metrics(run_dir)) < 3:  # groups of later steps are in flight by now
+        while len(read_metrics(run_dir)) < 3:  # groups of steps 4 and 5 are in flight by now
             assert proc.poll() is None and time.monotonic() < deadline, "step 3 not reached"
             time.sleep(0.05)
     finally:
         kill_tree(proc)
-    before = groups(run_dir)
+    before, straight = groups(run_dir), read_metrics(run_dir)
+    # up to the kill, an uninterrupted run: within the bound, and really asynchronous (the
+    # engine ran ahead: lag k reached by step 3), the first batch fresh; stale samples show in
+    # rho = pi_old / mu (fp32 rounding alone: ~1e-7)
+    check_bound(straight, before, k)
+    assert straight[0]["rollout/policy_lag"] == 0 and max(r["rollout/policy_lag"] for r in straight) == k
+    assert max(abs(r["is_ratio_mean"] - 1) for r in straight if r["rollout/policy_lag"] > 0) > 1e-4
     run(command + ["checkpoint.resume=auto"])
     rows = read_metrics(run_dir)
     after = groups(run_dir)[len(before):]
@@ -99,6 +87,7 @@ def test_kill_minus_9_mid_flight_and_resume_trains_each_prompt_once(demo, tmp_pa
     steps_logged = [r["step"] for r in rows]
     assert steps_logged[-1] == steps and first_after >= 3, (steps_logged, first_after)
     check_bound([r for r in rows if r["step"] >= first_after], after, k)
+    assert sum(r["async/groups_dropped"] for r in rows) == 0
     assert running_with(str(tmp_path)) == []
 
 
@@ -123,7 +112,7 @@ def test_engine_killed_mid_flight_is_restarted_and_its_groups_regenerated(demo, 
 
     k, steps = 2, 5
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(cmd(demo, run_dir, steps, k, "rollout.request_timeout_s=20", "rollout.max_retries=2"),
+    proc = subprocess.Popen(cmd(demo, run_dir, steps, k, "rollout.request_timeout_s=10", "rollout.max_retries=2"),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         deadline = time.monotonic() + 300
