@@ -11,7 +11,9 @@ One step, read top to bottom (``Trainer.step``):
    each (token ids + the engine's log-probs), rewards are scored and group-normalised into
    advantages; the TrainBatch is broadcast to every rank. With ``rollout.mode:
    one_step_off_policy`` the next step's batch is then generated in the background while this
-   step trains, and waited for before the sync (``trainer/rollouts.py``);
+   step trains, and waited for before the sync (``trainer/rollouts.py``); with ``async`` the
+   engine generates groups continuously and the step takes the first fresh whole groups to
+   finish (``trainer/async_rollouts.py``);
 2. **shard**: the batch is (optionally) shuffled across its mini-batches and each DP rank takes
    its rows;
 3. **score**: old-policy (and, with a KL loss, reference) log-probs are recomputed by Megatron
