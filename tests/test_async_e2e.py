@@ -112,7 +112,7 @@ def test_engine_killed_mid_flight_is_restarted_and_its_groups_regenerated(demo, 
 
     k, steps = 2, 5
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(cmd(demo, run_dir, steps, k, "rollout.request_timeout_s=10", "rollout.max_retries=2"),
+    proc = subprocess.Popen(cmd(demo, run_dir, steps, k, "rollout.request_timeout_s=20", "rollout.max_retries=2"),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         deadline = time.monotonic() + 300
