@@ -58,7 +58,7 @@ MALFORMED = [
     ("rollout.weight_sync_transport", "nccl", "rollout.weight_sync_transport", "expected one of"),
     ("rollout.urls", ["localhost:3000"], "rollout.urls[0]", "http://"),
     ("rollout.num_generations", 0, "rollout.num_generations", ">= 1"),
-    ("rollout.mode", "async", "rollout.mode", "expected one of"),
+    ("rollout.mode", "two_step_off_policy", "rollout.mode", "expected one of"),
     ("optimizer.lr", 0, "optimizer.lr", "> 0"),
     ("optimizer.lr_decay_style", "step", "optimizer.lr_decay_style", "expected one of"),
     ("data.train_file", "data.csv", "data.train_file", ".jsonl or .parquet"),

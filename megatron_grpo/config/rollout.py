@@ -250,12 +250,26 @@ class RolloutConfig:
     next weight sync (SGLang's memory release and resume routes, --enable-memory-saver). Needs
     CUDA, rollout.engine sglang and weight_sync_transport tensor (CUDA IPC, no copy)."""
 
-    mode: Literal["sync", "one_step_off_policy"] = "sync"
+    mode: Literal["sync", "one_step_off_policy", "async"] = "sync"
     """sync: every step generates with the weights trained so far, then trains (policy lag 0).
     one_step_off_policy: the engine generates step k+1's batch while the trainer trains on step
     k, so every batch after the first is sampled by weights one step old (policy lag 1); the
     loss's pi_old is the trainer's recomputed log-probs and the engine's log-probs are the
-    behaviour policy (turn on algorithm.off_policy_correction). Not with colocate."""
+    behaviour policy (turn on algorithm.off_policy_correction). Not with colocate.
+    async: rank 0 keeps the engine generating groups continuously; each step trains on the
+    first prompts_per_step whole groups to finish, none started more than max_staleness
+    versions before the trained one; a weight sync retracts the sequences in flight, which
+    resume with the new weights, each token recording its version and log-prob
+    (docs/off_policy.md, "Asynchronous rollouts"). Embedded engine only; not with colocate
+    or dynamic_sampling."""
+
+    max_staleness: int = 1
+    """rollout.mode async: the largest policy lag of a trained token (step s trains only samples
+    whose first token was drawn by weights of version >= s - max_staleness). >= 1."""
+
+    stale_groups: Literal["regenerate", "drop"] = "regenerate"
+    """rollout.mode async: what happens to a finished group over max_staleness: regenerate its
+    prompt with the current weights, or drop it (the prompt is skipped). Counted either way."""
 
     weight_update_bucket_mb: int = 512
     """Size of one weight-sync bucket in MiB."""
@@ -315,6 +329,10 @@ class RolloutConfig:
         check(self.fp8_format == "e4m3" or self.quantization == "fp8", "fp8_format",
               f"{self.fp8_format!r} needs quantization: fp8 (got quantization: {self.quantization})")
         check(self.verify_weights_every >= 0, "verify_weights_every", "must be >= 0")
+        check(self.max_staleness >= 1, "max_staleness", f"must be >= 1, got {self.max_staleness}")
+        check(self.mode != "async" or not self.dynamic_sampling.enabled, "mode",
+              "async cannot be combined with dynamic_sampling.enabled (a group is trained as it finishes; "
+              "there are no extra rounds); set one of them off")
         for i, url in enumerate(self.urls):
             check(url.startswith(("http://", "https://")), f"urls[{i}]", f"must start with http:// or https://, got {url!r}")
         check(self.base_gpu_id is None or self.base_gpu_id >= 0, "base_gpu_id", f"must be >= 0, got {self.base_gpu_id}")

@@ -347,10 +347,14 @@ def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample
         output_ids = [int(t) for t in item.get("output_ids", [tok for _, tok, _ in token_logprobs])]
         finish = meta["finish_reason"]
         weight_version = str(meta.get("weight_version", ""))
+        versions = meta.get("output_token_versions")  # the embedded engine's extension
+        versions = None if versions is None else [str(v) for v in versions]
     except (KeyError, TypeError, ValueError) as e:
         raise RolloutError(server, route, f"malformed answer item ({type(e).__name__}: {e})") from None
     if [int(tok) for _, tok, _ in token_logprobs] != output_ids:
         raise RolloutError(server, route, "output_token_logprobs do not match output_ids")
+    if versions is not None and len(versions) != len(output_ids):
+        raise RolloutError(server, route, f"{len(versions)} output_token_versions for {len(output_ids)} output tokens")
     reason = finish.get("type", "unknown") if isinstance(finish, dict) else str(finish or "unknown")
     routed = None
     if with_routing:
@@ -372,6 +376,7 @@ def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample
         output_logprobs=[float(lp) for lp, _, _ in token_logprobs],
         finish_reason=reason,
         weight_version=weight_version,
+        output_versions=versions,
         server=server,
         routed_experts=routed,
         kept_ids=kept,

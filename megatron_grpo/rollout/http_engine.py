@@ -72,6 +72,13 @@ class HttpEngine:
         for url in self.manager.urls:
             self.manager.adapter.resume_memory(self.client, url, tags)
 
+    def abort_generation(self) -> None:
+        """Rank 0: end every request in flight (answered with finish_reason abort); the engine
+        then takes requests again. Used to stop async rollouts at the end of a run."""
+        for url in self.manager.urls:
+            self.client.pause_generation(url, mode="abort")
+            self.client.continue_generation(url)
+
     def restart_if_dead(self) -> bool:
         return self.manager.ensure_alive()
 

@@ -144,6 +144,7 @@ class EpisodeRunner:
         kept: list[Optional[list[int]]] = []  # sampling-mask replay: the engine's kept sets
         masses: list[float] = []
         versions: list[str] = []
+        token_versions: list[Optional[str]] = []  # per output token (None: observation, or not reported)
         server, finish, error, env_reward, turns = "", "stop", None, 0.0, 0
         env_s = gen_s = 0.0
         env: Optional[EnvProcess] = None
@@ -163,6 +164,7 @@ class EpisodeRunner:
                 out_ids += s.output_ids
                 out_lps += s.output_logprobs
                 mask += [1] * len(s.output_ids)
+                token_versions += s.output_versions or [None] * len(s.output_ids)
                 if s.kept_ids is not None:
                     kept += s.kept_ids
                     masses += s.log_kept_mass
@@ -185,6 +187,7 @@ class EpisodeRunner:
                 out_ids += obs
                 out_lps += [0.0] * len(obs)
                 mask += [0] * len(obs)
+                token_versions += [None] * len(obs)
                 kept += [None] * len(obs)  # context: no set, no mass
                 masses += [0.0] * len(obs)
                 context += obs
@@ -202,6 +205,7 @@ class EpisodeRunner:
                         prompt_ids=list(prompt.prompt_ids), output_ids=out_ids,
                         output_logprobs=out_lps, finish_reason=finish,
                         weight_version=_oldest(versions), server=server, output_mask=mask,
+                        output_versions=token_versions if any(v is not None for v in token_versions) else None,
                         kept_ids=kept if sampling.sampling_mask_max_kept > 0 else None,
                         log_kept_mass=masses if sampling.sampling_mask_max_kept > 0 else None)
         return Episode(sample=sample, num_turns=turns, env_reward=env_reward, error=error, env_s=env_s,

@@ -9,6 +9,7 @@ over all of them; the other verbs are rank 0's (the rank that owns generation):
     receive_weights(modules, step)        the weight sync, its transport and verification inside
     forget_weights()                      after a restart: the engine serves its initial weights
     release_memory() / resume_memory()    give the accelerator back while the trainer trains
+    abort_generation()                    end the requests in flight (async rollouts' end)
     restart_if_dead()                     health: restart what died (when this run launched it)
     close()
 
@@ -60,6 +61,9 @@ class RolloutEngine(Protocol):
 
     def resume_memory(self, tags: Optional[list[str]] = None) -> None:
         """Rank 0: take the memory back (``tags``: only these kinds, e.g. ["weights"])."""
+
+    def abort_generation(self) -> None:
+        """Rank 0: end the requests in flight (finish_reason abort); new ones are accepted."""
 
     def restart_if_dead(self) -> bool:
         """Rank 0: restart a dead engine this run launched; True if one was restarted."""

@@ -97,6 +97,11 @@ class Sample:
     log_kept_mass: Optional[list[float]] = None
     """With ``kept_ids``: per output token, log of the kept set's probability under the
     unfiltered distribution (0 when nothing was cut)."""
+    output_versions: Optional[list[Optional[str]]] = None
+    """Per output token, the weight version that drew it (its ``output_logprobs`` entry is
+    that version's behaviour log-prob): the embedded engine's ``output_token_versions``
+    (rollout.mode async, where a weight update may fall between two tokens of one response);
+    None where the engine does not report them; None entries for observation tokens."""
     output_mask: Optional[list[int]] = None
     """Multi-turn episodes: 1 where ``output_ids[i]`` is a model token (the engine's, with its
     log-prob), 0 where it is an observation token (context: log-prob 0, no loss). None: every

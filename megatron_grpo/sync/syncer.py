@@ -3,7 +3,8 @@
 ``WeightSyncer.sync(model_chunks, step)`` is collective over ALL trainer ranks:
 
 1. the coordinator (global rank 0) pauses generation on every engine (SGLang's default
-   ``abort`` mode: a synchronous trainer has nothing running then), flushes the KV cache, and
+   ``abort`` mode: a synchronous trainer has nothing running then; ``retract`` with
+   ``rollout.mode: async``, whose sequences resume with the new weights), flushes the KV cache, and
    opens the ``/begin_weight_update`` bracket when the transport needs it;
 2. on data-parallel replica 0, every pipeline stage iterates ``models.iter_hf_weights`` (the
    single HF <-> Megatron mapping, collective over the stage's TP group; with expert
@@ -229,8 +230,11 @@ class WeightSyncer:
         return stats
 
     def _prepare_engines(self) -> None:
+        # async rollouts: sequences in flight are retracted and resume with the new weights
+        # (re-prefilled; each token records its version), instead of being aborted
+        mode = "retract" if self.rollout_cfg.mode == "async" else "abort"
         for url in self.urls:
-            self.client.pause_generation(url, mode="abort")
+            self.client.pause_generation(url, mode=mode)
             self.client.flush_cache(url)
             if TRANSPORTS[self.rollout_cfg.weight_sync_transport].needs_update_session:
                 self._open_bracket(url)

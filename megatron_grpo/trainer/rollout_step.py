@@ -63,9 +63,12 @@ class _Round:
 
 
 def _generate_round(step, round_index, prompts, engine, sampling, scorer, tokenizer, cfg,
-                    rollout_function: Optional[RolloutFn] = None) -> _Round:
+                    rollout_function: Optional[RolloutFn] = None, seed: Optional[int] = None) -> _Round:
+    """``seed``: the sampler seed of the round's first response (default: the step's and
+    round's ``sampling_seed``; async rollouts give each group its own)."""
     t0 = time.monotonic()
-    seed, n = sampling_seed(cfg.trainer.seed, step, round_index), cfg.rollout.num_generations
+    n = cfg.rollout.num_generations
+    seed = sampling_seed(cfg.trainer.seed, step, round_index) if seed is None else seed
     if rollout_function is None:
         episodes = None
         samples = engine.generate([p.prompt_ids for p in prompts], n, sampling, sampling_seed=seed,
@@ -109,7 +112,31 @@ def generate_and_score(step: int, prompts, engine, sampling, scorer, tokenizer, 
             rounds.append(_generate_round(step, len(rounds), more_prompts(), engine, sampling, scorer, tokenizer, cfg,
                                           rollout_function))
             informative.append(informative_groups(rounds[-1].rewards, n))
-    picks = choose_groups(informative, len(prompts)) if ds.enabled else [(0, g) for g in range(len(prompts))]
+    return result_from_rounds(rounds, informative, len(prompts), sampling, tokenizer, cfg)
+
+
+def merge_rounds(rounds: list[_Round]) -> _Round:
+    """One round holding the groups of ``rounds`` in order (async rollouts generate each
+    group as its own round); times are summed."""
+    def cat(values):
+        return None if values[0] is None else torch.cat(values)
+
+    return _Round([p for r in rounds for p in r.prompts], [s for r in rounds for s in r.samples],
+                  torch.cat([r.rewards for r in rounds]), torch.cat([r.penalty for r in rounds]),
+                  {k: [v for r in rounds for v in r.per_function[k]] for k in rounds[0].per_function},
+                  {k: sum(r.stats.get(k, 0.0) for r in rounds) for k in rounds[0].stats},
+                  sum(r.gen_s for r in rounds), sum(r.reward_s for r in rounds),
+                  None if rounds[0].episodes is None else [e for r in rounds for e in r.episodes],
+                  cat([r.dropped for r in rounds]))
+
+
+def result_from_rounds(rounds: list[_Round], informative: list[torch.Tensor], num_prompts: int, sampling,
+                       tokenizer, cfg) -> RolloutResult:
+    """The TrainBatch and stats of ``num_prompts`` groups chosen from generated rounds (all of
+    round 0's without dynamic sampling); ``informative``: per round, bool [G] (non-zero reward
+    variance)."""
+    n, ds = cfg.rollout.num_generations, cfg.rollout.dynamic_sampling
+    picks = choose_groups(informative, num_prompts) if ds.enabled else [(0, g) for g in range(num_prompts)]
     rows = [(r, g * n + j) for r, g in picks for j in range(n)]
     samples = [rounds[r].samples[i] for r, i in rows]
     rewards = torch.stack([rounds[r].rewards[i] for r, i in rows])

@@ -108,6 +108,10 @@ class RolloutSchedule:
         that a resumed run draws those prompts again."""
         return self._state_before_draw if self._state_before_draw is not None else self.sampler.state_dict()
 
+    def resume_state(self) -> None:
+        """Nothing beyond the sampler's position (``AsyncRolloutSchedule`` has more)."""
+        return None
+
     def close(self) -> None:
         """No thread outlives the run: wait for an in-flight generation (bounded by the client's
         timeouts) and drop its result."""

@@ -11,7 +11,9 @@ One step, read top to bottom (``Trainer.step``):
    each (token ids + the engine's log-probs), rewards are scored and group-normalised into
    advantages; the TrainBatch is broadcast to every rank. With ``rollout.mode:
    one_step_off_policy`` the next step's batch is then generated in the background while this
-   step trains, and waited for before the sync (``trainer/rollouts.py``);
+   step trains, and waited for before the sync (``trainer/rollouts.py``); with ``async`` the
+   engine generates groups continuously and the step takes the first fresh whole groups to
+   finish (``trainer/async_rollouts.py``);
 2. **shard**: the batch is (optionally) shuffled across its mini-batches and each DP rank takes
    its rows;
 3. **score**: old-policy (and, with a KL loss, reference) log-probs are recomputed by Megatron
@@ -53,6 +55,7 @@ from megatron_grpo.runtime.collectives import RunAborted, broadcast
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.sync.syncer import SyncStats
 from megatron_grpo.trainer import checkpoint as ckpt
+from megatron_grpo.trainer.async_rollouts import AsyncRolloutSchedule
 from megatron_grpo.trainer.batch import TrainBatch, dp_shard, mini_batch_order
 from megatron_grpo.trainer.components import (Policy, RolloutSide, build_engine, build_policy, build_reference,
                                               build_rollout_side)
@@ -95,7 +98,7 @@ class Trainer:
     routing: Optional[RoutingReplay]
     """MoE router replay (algorithm.router_replay) only."""
     engine: EngineSupervisor
-    rollouts: RolloutSchedule
+    rollouts: RolloutSchedule | AsyncRolloutSchedule
     side: Optional[RolloutSide]
     """Rank 0's sampling parameters, tokenizer, data and rewards."""
     evaluator: Optional[Evaluator]
@@ -144,8 +147,12 @@ class Trainer:
         generate = (lambda step, prompts: generate_and_score(
             step, prompts, http, side.sampling, side.scorer, side.tokenizer, cfg,
             more_prompts=side.sampler.next_batch, rollout_function=side.rollout_function)) if side is not None else None
-        rollouts = RolloutSchedule(cfg.rollout.mode == "one_step_off_policy", engine,
-                                   side.sampler if side is not None else None, generate, cfg.trainer.num_steps)
+        if cfg.rollout.mode == "async":
+            rollouts = AsyncRolloutSchedule(cfg, engine, http if side is not None else None, side, start_step,
+                                            trainer_state.get("rollouts"))
+        else:
+            rollouts = RolloutSchedule(cfg.rollout.mode == "one_step_off_policy", engine,
+                                       side.sampler if side is not None else None, generate, cfg.trainer.num_steps)
         plan = UpdatePlan.from_config(cfg, ps.get_data_parallel_world_size())
         return cls(cfg=cfg, rank=rank, plan=plan, spec=spec, policy=policy, reference=reference, routing=routing,
                    engine=engine, rollouts=rollouts, side=side, evaluator=evaluator, logger=logger,
@@ -292,6 +299,7 @@ class Trainer:
         """Collective: a training checkpoint of the state after ``step`` steps."""
         # rank 0's sampler is the one that advanced: every rank saves its state
         state = broadcast({"step": step, "sampler": self.rollouts.sampler_state() if self.rank == 0 else None,
+                           "rollouts": self.rollouts.resume_state() if self.rank == 0 else None,
                            "nonfinite_streak": self.nonfinite_streak})
         ckpt.save_training_checkpoint(self.cfg.trainer.run_dir, step, self.policy.modules, self.policy.optimizer,
                                       state, self.cfg.checkpoint.keep_last)

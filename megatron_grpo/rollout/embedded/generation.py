@@ -31,6 +31,10 @@ class Sequence:
     generator: Optional[torch.Generator] = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[str] = field(default_factory=list)
+    """Per output token, the weight version whose logits it was drawn from (a weight update
+    between two tokens of a retracted sequence shows here; ``output_logprobs`` are that
+    version's)."""
     input_logprobs: Optional[list[Optional[float]]] = None
     return_sampling_mask: bool = False
     """Also report each draw's kept set and log kept mass (``sampling.sample_tokens``)."""

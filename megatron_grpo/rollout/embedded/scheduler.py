@@ -100,6 +100,7 @@ def sample_step(batch: RunningBatch, *, shared_generator: torch.Generator, eos_i
     seqs, device = batch.seqs, batch.last_logits_BV.device
     uniforms = draw_uniforms([s.generator for s in seqs], shared_generator).to(device)
     with_kept = any(s.return_sampling_mask for s in seqs)
+    version = weight_version()  # the weights that computed last_logits_BV (no update mid-step)
     draw = sample_tokens(
         batch.last_logits_BV,
         torch.tensor([s.params.temperature for s in seqs], device=device),
@@ -112,6 +113,7 @@ def sample_step(batch: RunningBatch, *, shared_generator: torch.Generator, eos_i
             continue
         s.output_ids.append(token)
         s.output_logprobs.append(logprob)
+        s.output_versions.append(version)
         if s.return_sampling_mask:
             kept = draw.truncation.kept_ids[b]
             s.output_kept_ids.append(kept if kept is None or len(kept) <= s.max_kept else None)

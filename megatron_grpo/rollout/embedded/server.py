@@ -440,6 +440,8 @@ def _render(engine: EmbeddedEngine, s: Sequence, with_text: bool, latency: float
             return tok.decode([t]) if with_text else None
 
         meta["output_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in zip(s.output_logprobs, s.output_ids)]
+        # this engine's extension: the weight version of each token's draw (rollout.mode async)
+        meta["output_token_versions"] = list(s.output_versions)
         if s.input_logprobs is not None:
             tokens = s.prompt_ids[s.logprob_start_len:]
             meta["input_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in zip(s.input_logprobs, tokens)]

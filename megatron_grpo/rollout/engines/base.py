@@ -39,6 +39,10 @@ class EngineAdapter:
     quantization_needs_cuda: bool = False
     """True: a quantized engine runs only on a GPU (SGLang's fp8 kernels)."""
     returns_routing: bool = False
+    reports_token_versions: bool = False
+    """True: /generate answers with the weight version of each output token
+    (``meta_info.output_token_versions``) and ``/pause_generation`` mode ``retract`` re-prefills
+    the retracted sequences with the new weights (rollout.mode async needs both)."""
     """True: /generate answers ``return_routed_experts`` with the MoE routing of every position
     (``meta_info.routed_experts``; algorithm.router_replay needs it)."""
 

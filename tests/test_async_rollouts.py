@@ -1,0 +1,157 @@
+"""``rollout.mode: async``: the engine side (per-token weight versions and behaviour log-probs
+across weight updates that land mid-sequence) and the scheduler's pure rules (the staleness
+bound, admission, group selection), plus the configuration errors.
+
+The reference for the engine test is independent of the engine: each weight version is an HF
+model directory loaded fresh by transformers, and every token is scored by a full forward
+(no cache, no padding) of the model whose weights drew it, in float64.
+The trainer runs are in tests/test_async_e2e.py.
+"""
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_grpo.config import ConfigError, RolloutConfig, load_config
+from megatron_grpo.preflight.rules import check_rollout
+from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
+from megatron_grpo.rollout.embedded.generation import Sequence
+from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
+from megatron_grpo.trainer.async_rollouts import (Group, admission_limit, is_stale, start_version, take_groups,
+                                                  token_lags)
+from tests.models_fixtures import hf_tensors, make_hf_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20]]
+LONG = {"temperature": 1.0, "max_new_tokens": 160, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def versions(tmp_path_factory):
+    """Three HF directories of one architecture with different weights: versions 0, 1, 2."""
+    root = tmp_path_factory.mktemp("versions")
+    return [make_hf_model(root / f"v{v}", "qwen2", tied=False, seed=10 + v) for v in range(3)]
+
+
+def _update(engine: EmbeddedEngine, hf_dir, version: str) -> None:
+    """What a weight sync does to the engine in async mode: retract, load, version, continue."""
+    engine.pause("retract")
+    with engine.exclusive():
+        engine.load_weights(hf_tensors(hf_dir).items())
+    engine.weight_version = version
+    engine.resume()
+
+
+def _reference(hf_dir, seq: Sequence, upto: int) -> list[float]:
+    """float64 log-probs of ``seq.output_ids[:upto]`` under the HF model of ``hf_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([seq.prompt_ids + seq.output_ids[:upto]])).logits[0].double()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    n = len(seq.prompt_ids)
+    return [logprobs[n - 1 + i, t].item() for i, t in enumerate(seq.output_ids[:upto])]
+
+
+def test_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_them(versions):
+    engine = EmbeddedEngine(versions[0], dtype="float32", max_batch_size=8, seed=0)
+    try:
+        engine.weight_version = "0"
+        done = threading.Semaphore(0)
+        seqs = [Sequence(rid=str(i), prompt_ids=p, params=resolve_sampling_params({**LONG, "sampling_seed": 7 + i}),
+                         return_logprob=True, on_finish=lambda s: done.release()) for i, p in enumerate(PROMPTS)]
+        engine.submit(seqs)
+        for version in ("1", "2"):  # two updates, each while every sequence is mid-flight
+            deadline = time.monotonic() + 60
+            target = 20 if version == "1" else 60
+            while min(len(s.output_ids) for s in seqs) < target:
+                assert time.monotonic() < deadline, "generation too slow"
+                time.sleep(0.001)
+            _update(engine, versions[int(version)], version)
+        for _ in seqs:
+            assert done.acquire(timeout=120), "generation did not finish"
+    finally:
+        engine.shutdown()
+    worst = 0.0
+    for s in seqs:
+        assert len(s.output_versions) == len(s.output_ids) == len(s.output_logprobs) == 160
+        spans = [s.output_versions.count(v) for v in ("0", "1", "2")]
+        assert all(spans), spans  # each sequence saw all three versions
+        assert s.output_versions == sorted(s.output_versions)  # monotone: no token went back
+        for v in range(3):
+            first, last = s.output_versions.index(str(v)), len(s.output_versions) - s.output_versions[::-1].index(str(v))
+            ref = _reference(versions[v], s, last)[first:]
+            got = s.output_logprobs[first:last]
+            worst = max(worst, max(abs(a - b) for a, b in zip(got, ref)))
+    assert worst <= 1e-5, worst
+    # the reference can tell the versions apart: scoring version-1 tokens with version 0 fails
+    s = seqs[0]
+    first = s.output_versions.index("1")
+    wrong = _reference(versions[0], s, first + 1)[first]
+    assert abs(wrong - s.output_logprobs[first]) > 1e-3
+
+
+# ---- the scheduler's rules (pure) -------------------------------------------------------------
+
+
+def _group(gid: int, token_versions: list[list[str]]) -> Group:
+    samples = [SimpleNamespace(output_versions=v) for v in token_versions]
+    return Group(gid=gid, draw=0, prompt=None, round=SimpleNamespace(samples=samples))
+
+
+def test_start_version_and_token_lags_read_every_model_token():
+    samples = [SimpleNamespace(output_versions=["3", "4", None]), SimpleNamespace(output_versions=["5"]),
+               SimpleNamespace(output_versions=None)]
+    assert start_version(samples) == 3
+    assert token_lags(samples, 5) == [2, 1, 0]
+    assert start_version([SimpleNamespace(output_versions=[])]) is None
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_no_group_past_the_bound_is_taken(k):
+    step = 10
+    # arrival order mixes fresh groups with groups started 1 .. k+2 versions ago; one sample of
+    # an otherwise fresh group started too early makes the whole group stale
+    arrived = [_group(i, [[str(step - lag)] * 3, [str(step)]]) for i, lag in enumerate(range(k + 3))]
+    arrived.append(_group(99, [[str(step)], [str(step - k - 1), str(step)]]))
+    arrived += [_group(100 + i, [[str(step)]]) for i in range(3)]
+    chosen, stale, rest = take_groups(arrived, step, k, count=k + 2)
+    assert all(not is_stale(g.start_version, step, k) for g in chosen)
+    assert max(step - g.start_version for g in chosen) <= k
+    assert [g.gid for g in stale] == [k + 1, k + 2, 99]
+    assert [g.gid for g in chosen] == list(range(k + 1)) + [100]  # arrival order, whole groups
+    assert [g.gid for g in rest] == [101, 102]
+
+
+def test_admission_keeps_at_most_k_plus_one_batches_and_stops_at_the_run_end():
+    assert admission_limit(version=5, first_version=5, max_staleness=1, prompts_per_step=8, num_steps=100) == 16
+    assert admission_limit(version=7, first_version=5, max_staleness=2, prompts_per_step=8, num_steps=100) == 40
+    assert admission_limit(version=9, first_version=5, max_staleness=4, prompts_per_step=8, num_steps=10) == 40
+
+
+# ---- configuration --------------------------------------------------------------------------
+
+
+def _load(tmp_path, **rollout):
+    path = tmp_path / "c.yaml"
+    lines = [f"  {k}: {v}" for k, v in rollout.items()]
+    path.write_text("model:\n  hf_dir: m\ndata:\n  train_file: d.jsonl\nrollout:\n" + "\n".join(lines) + "\n")
+    return load_config(str(path))
+
+
+def test_bad_async_settings_are_one_line_errors(tmp_path):
+    with pytest.raises(ConfigError, match="max_staleness: must be >= 1, got 0"):
+        _load(tmp_path, mode="async", max_staleness=0)
+    with pytest.raises(ConfigError, match="async cannot be combined with dynamic_sampling.enabled"):
+        _load(tmp_path, mode="async", dynamic_sampling="{enabled: true}")
+    with pytest.raises(ConfigError, match="stale_groups"):
+        _load(tmp_path, mode="async", stale_groups="keep")
+
+
+def test_async_with_sglang_is_refused_at_preflight(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.mode.*async needs per-token weight versions"):
+        check_rollout(RolloutConfig(mode="async", engine="sglang"))
+    check_rollout(RolloutConfig(mode="async", engine="embedded"))
