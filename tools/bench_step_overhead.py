@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (demo / "model" / "config.json").is_file():
         subprocess.run([sys.executable, "tools/make_demo_model.py", "--out", str(demo)], check=True, cwd=ROOT,
                        stdout=subprocess.DEVNULL)
-    models = {"tiny": demo / "model", "small": build_small(demo / "model", out / "small_model")}
+    models = {"tiny": demo / "model"}
+    if "small" in args.sizes:
+        models["small"] = build_small(demo / "model", out / "small_model")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     work = {size: model_work(models[size], demo, 16 if args.demo_batch else PROMPTS_PER_STEP) for size in args.sizes}
     results = {}
