@@ -146,3 +146,16 @@ def test_in_memory_sync_serves_the_trainers_weights(model_dir, tp, pp, corrupt):
         for r in results:
             assert "model.layers.1.mlp.up_proj.weight differs between the trainer and the in-process engine" \
                 in r["corrupt"], r["corrupt"]
+
+
+def test_preflight_refuses_servers_for_the_in_process_engine():
+    from megatron_grpo.config import ConfigError
+    from megatron_grpo.preflight.rules import check_rollout
+
+    with pytest.raises(ConfigError, match="rollout.urls.*runs inside the trainer"):
+        check_rollout(RolloutConfig(engine="inprocess", urls=["http://127.0.0.1:30000"]))
+    with pytest.raises(ConfigError, match="rollout.num_servers.*must be 1"):
+        check_rollout(RolloutConfig(engine="inprocess", num_servers=2))
+    with pytest.raises(ConfigError, match="rollout.colocate"):
+        check_rollout(RolloutConfig(engine="inprocess", colocate=True, weight_sync_transport="tensor"))
+    check_rollout(RolloutConfig(engine="inprocess", quantization="int8", top_p=0.8))  # what it serves
