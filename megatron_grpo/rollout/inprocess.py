@@ -69,6 +69,8 @@ def to_sample(seq: EngineSequence, prompt_index: int, sample_index: int, with_ma
             raise RolloutError(SERVER, "generate", f"sampling mask malformed: {e}") from None
     routed = None
     if with_routing:
+        if not seq.routed_blocks:  # a dense model: nothing was routed
+            raise RolloutError(SERVER, "generate", "routed_experts asked for, but the model has no MoE layers")
         # int32 [prompt + response - 1, num_moe_layers * k], as routed_experts.decode gives it
         routed = seq.routed_experts.reshape(len(seq.prompt_ids) + len(seq.output_ids) - 1, -1).clone()
     reason = seq.finish_reason.get("type", "unknown") if isinstance(seq.finish_reason, dict) else "unknown"
