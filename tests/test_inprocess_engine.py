@@ -159,3 +159,26 @@ def test_preflight_refuses_servers_for_the_in_process_engine():
     with pytest.raises(ConfigError, match="rollout.colocate"):
         check_rollout(RolloutConfig(engine="inprocess", colocate=True, weight_sync_transport="tensor"))
     check_rollout(RolloutConfig(engine="inprocess", quantization="int8", top_p=0.8))  # what it serves
+
+
+def test_int8_rollouts_keep_their_own_quantized_copy(model_dir):
+    """rollout.quantization: the in-process engine serves the decoder's projections from its own
+    int8 copy: the same draws and log-probs as the embedded engine's quantized path (which
+    tests/test_quantized_rollouts.py checks against a fake-quantized reference)."""
+    from megatron_grpo.ops.quantize import scheme_of
+
+    cfg = RolloutConfig(dtype="float32", quantization="int8")
+    engine = InProcessEngine(start_inprocess(cfg, model_dir=model_dir), None, timeout_s=120)
+    other = EmbeddedEngine(model_dir, dtype="float32", quantization=scheme_of("int8"))
+    try:
+        params = SamplingParams(temperature=1.0, max_new_tokens=6)
+        samples = engine.generate(PROMPTS, 2, params, sampling_seed=3)
+        direct = [run(other, [p], dict(params.to_json(), sampling_seed=3 + 2 * i + j))[0]
+                  for i, p in enumerate(PROMPTS) for j in range(2)]
+    finally:
+        engine.close()
+        other.shutdown()
+    assert [s.output_ids for s in samples] == [d.output_ids for d in direct]
+    mine = torch.tensor([lp for s in samples for lp in s.output_logprobs])
+    assert (mine - torch.tensor([lp for d in direct for lp in d.output_logprobs])).abs().max().item() <= 1e-6
+    assert engine.engine is None  # closed: its scheduler thread joined
