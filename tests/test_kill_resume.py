@@ -1,6 +1,7 @@
 """CI's short version of tests/kill_resume.py: kill -9 the demo run (once during a checkpoint
 save when the dice say so), resume, and require the uninterrupted run's metrics and prompts and
-no process left behind; once single-turn, once with multi-turn episodes of an environment."""
+no process left behind; single-turn with the embedded and the in-process engine, and with
+multi-turn episodes of an environment."""
 
 import time
 
@@ -13,9 +14,10 @@ from tests.launch_nodes import running_with
 
 
 @pytest.mark.slow
-def test_kill_minus_9_and_resume(demo, tmp_path, capsys):
+@pytest.mark.parametrize("engine", ["embedded", "inprocess"])
+def test_kill_minus_9_and_resume(demo, tmp_path, capsys, engine):
     code = main(["--kills", "3", "--steps", "8", "--seed", "1", "--workdir", str(tmp_path), "--max-seconds", "900",
-                 "--demo", str(demo)])
+                 "--demo", str(demo), f"--extra=rollout.engine={engine}"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "checkpoints lost: 0" in out and "metrics equal: yes" in out and "prompts equal: yes" in out

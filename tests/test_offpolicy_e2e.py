@@ -55,6 +55,22 @@ def test_batches_are_one_step_stale_and_the_breakdown_sums(straight):
 
 
 @pytest.mark.slow
+def test_in_process_engine_generates_from_a_snapshot(demo, straight, tmp_path):
+    """The in-process engine generates step s+1's batch while the optimizer changes the
+    trainer's weights: it must sample from its own copy of the synced weights, so the run equals
+    the launched engine's, metric for metric."""
+    from tests.kill_resume import COMPARED
+
+    run_dir = tmp_path / "run"
+    run(cmd(demo, run_dir, 6, "checkpoint.save_every=2", "checkpoint.keep_last=3", "rollout.engine=inprocess"))
+    mine, launched = read_metrics(run_dir), read_metrics(straight)
+    assert [r["rollout/weight_version"] for r in mine] == [0, 0, 1, 2, 3, 4]
+    assert [r["rollout/prompt_indices"] for r in mine] == [r["rollout/prompt_indices"] for r in launched]
+    for key in COMPARED:  # the engines' log-probs differ by fp32 rounding (threads), the samples not at all
+        assert [r[key] for r in mine] == pytest.approx([r[key] for r in launched], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
 def test_resume_mid_run_draws_each_prompt_once(demo, straight, tmp_path):
     # resume from the step-2 checkpoint, written while step 3's batch was already drawn
     saved = tmp_path / "step_000002"

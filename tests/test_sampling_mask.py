@@ -239,16 +239,18 @@ def test_a_kept_set_without_its_token_is_refused():
 
 
 @pytest.mark.slow
-def test_demo_with_top_p_logs_the_kept_mass_and_an_fp32_mismatch(demo, tmp_path):
-    """The real `megatron-grpo train` (TP=2, embedded engine) at top_p 0.7: both sides describe
-    the truncated distribution, so the logged mismatch stays at fp32 level while the kept mass
-    shows the truncation."""
+@pytest.mark.parametrize("engine", ["embedded", "inprocess"])
+def test_demo_with_top_p_logs_the_kept_mass_and_an_fp32_mismatch(demo, tmp_path, engine):
+    """The real `megatron-grpo train` (TP=2, embedded or in-process engine) at top_p 0.7: both
+    sides describe the truncated distribution, so the logged mismatch stays at fp32 level while
+    the kept mass shows the truncation."""
     import subprocess
 
     from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
 
     run_dir = tmp_path / "run"
-    proc = subprocess.run(train_cmd(demo, run_dir, 4, "rollout.top_p=0.7", "eval.every_n_steps=0"), cwd=ROOT,
+    proc = subprocess.run(train_cmd(demo, run_dir, 4, "rollout.top_p=0.7", "eval.every_n_steps=0",
+                                    f"rollout.engine={engine}"), cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(run_dir)

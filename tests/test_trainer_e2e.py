@@ -1,6 +1,6 @@
 """The whole pipeline, really started: `megatron-grpo train` on the demo task (TP=2 on 2 gloo
-ranks + the embedded rollout engine + distributed weight sync). Kill -9 and resume are in
-tests/test_kill_resume.py."""
+ranks + the embedded rollout engine + distributed weight sync; and the same with the in-process
+engine and its in-memory sync). Kill -9 and resume are in tests/test_kill_resume.py."""
 
 import subprocess
 
@@ -21,11 +21,12 @@ def run_train(cmd, timeout=600):
 
 
 @pytest.mark.slow
-def test_short_demo_learns_and_writes_everything(demo_inputs, tmp_path):
+@pytest.mark.parametrize("engine", ["embedded", "inprocess"])
+def test_short_demo_learns_and_writes_everything(demo_inputs, tmp_path, engine):
     run_dir = tmp_path / "run"
     # a faster schedule than the full demo's, so that 60 steps show learning
     out = run_train(train_cmd(demo_inputs, run_dir, 60, "checkpoint.save_every=30", "optimizer.lr=2e-3",
-                              "optimizer.lr_decay_style=constant"))
+                              "optimizer.lr_decay_style=constant", f"rollout.engine={engine}"))
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 61))
     first = sum(r["reward_mean"] for r in rows[:15]) / 15

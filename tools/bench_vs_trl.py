@@ -1,14 +1,15 @@
 """megatron-grpo vs TRL's GRPOTrainer: wall time per rollout batch and time to a reward.
 
     bash tools/setup_trl_venv.sh                     # once: .venv-trl with torch 2.13.0 + trl
-    python tools/bench_vs_trl.py [--batches 150] [--seeds 1234 1235] [--tp 1 2] [--trl-in-order]
+    python tools/bench_vs_trl.py [--batches 150] [--seeds 1234 1235] [--tp 1 2] [--engines embedded inprocess]
 
 Both sides train the CPU demo's model (``tools/make_demo_model.py``: a tiny Qwen2 at chance
 on single-token addition) on the same prompts with the same hyper-parameters: 16 prompts x
 16 generations per rollout batch, 4 optimizer steps of 64 sequences per batch, Adam lr 5e-4
 (5 warm-up steps, cosine to 5e-5), clip 0.2/0.28, token-mean loss, entropy bonus 0.02, no KL,
-group-normalised advantages. megatron-grpo runs ``yaml_configs/demo_cpu.yaml`` (embedded
-engine in its own process, TP ranks over gloo) at each ``--tp``; TRL runs in one process
+group-normalised advantages. megatron-grpo runs ``yaml_configs/demo_cpu.yaml`` (TP ranks over
+gloo) at each ``--tp`` with each ``--engines`` (embedded: the engine in its own process, the
+default; inprocess: in trainer rank 0's process); TRL runs in one process
 with both cores (``--trl-threads``; ``tools/bench_trl_worker.py``, in ``.venv-trl``), generating with
 ``model.generate`` between optimizer steps.
 
@@ -63,14 +64,15 @@ def _reward_rows(path: Path) -> list[dict]:
 
 
 def run_ours(tp: int, mbs: int, seed: int, batches: int, demo: Path, out: Path,
-             reuse: bool = False, shuffled: bool = False) -> tuple[dict, dict]:
-    run_dir = out / f"ours_tp{tp}_mbs{mbs}_seed{seed}{'_shuffled' if shuffled else ''}"
+             reuse: bool = False, shuffled: bool = False, engine: str = "embedded") -> tuple[dict, dict]:
+    tag = "" if engine == "embedded" else f"_{engine}"  # the embedded runs keep their directories (--reuse)
+    run_dir = out / f"ours_tp{tp}_mbs{mbs}_seed{seed}{'_shuffled' if shuffled else ''}{tag}"
     overrides = [
         f"model.hf_dir={demo}/model", f"data.train_file={demo}/arithmetic.jsonl",
         f"trainer.run_dir={run_dir}", f"trainer.num_steps={batches}", f"trainer.seed={seed}",
         f"parallel.tp={tp}", f"parallel.world_size={tp}", f"parallel.micro_batch_size={mbs}", "eval.sets=[]", "checkpoint.save_every=0",
         "checkpoint.resume=never", "logging.progress_bar=false", "logging.plot=false",
-        f"algorithm.shuffle_mini_batches={str(shuffled).lower()}",
+        f"algorithm.shuffle_mini_batches={str(shuffled).lower()}", f"rollout.engine={engine}",
     ]
     rows = _reward_rows(run_dir / "metrics.jsonl") if reuse else []
     if not rows or rows[-1]["step"] != batches:
@@ -124,6 +126,9 @@ def main() -> int:
     p.add_argument("--micro-batch-size", type=int, nargs="+", default=[64],
                    help="megatron-grpo micro-batch sizes to run (64: one micro-batch per optimizer step, as "
                         "TRL's per-device batch; the demo config uses 16)")
+    p.add_argument("--engines", nargs="+", default=["embedded"], choices=["embedded", "inprocess", "sglang"],
+                   help="megatron-grpo rollout engines to run (rollout.engine): embedded in its own process, "
+                        "inprocess in trainer rank 0's")
     p.add_argument("--target", type=float, default=0.5, help="rolling mean reward to reach")
     p.add_argument("--window", type=int, default=10, help="batches in the rolling mean")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"),
@@ -166,11 +171,12 @@ def main() -> int:
                                 reuse=args.reuse, stop_after=args.stop_after), args.stop_after)
             results.setdefault("TRL, optimizer steps in generation order", []).append(
                 summarize(raw["walls"], raw["rewards"], args.window, args.target))
-        for tp, mbs, shuffled in itertools.product(args.tp, args.micro_batch_size,
-                                                   [False, True] if args.ours_shuffled else [False]):
-            raw, times = run_ours(tp, mbs, seed, args.batches, demo, out, args.reuse, shuffled)
+        for engine, tp, mbs, shuffled in itertools.product(args.engines, args.tp, args.micro_batch_size,
+                                                           [False, True] if args.ours_shuffled else [False]):
+            raw, times = run_ours(tp, mbs, seed, args.batches, demo, out, args.reuse, shuffled, engine)
             raw = first(raw, args.stop_after)
-            name = f"megatron-grpo TP={tp}, micro-batch {mbs}" + (", shuffled mini-batches" if shuffled else "")
+            name = (f"megatron-grpo {engine}, TP={tp}, micro-batch {mbs}"
+                    + (", shuffled mini-batches" if shuffled else ""))
             results.setdefault(name, []).append(summarize(raw["walls"], raw["rewards"], args.window, args.target))
             breakdown[name] = times
         print(f"seed {seed} done", flush=True)

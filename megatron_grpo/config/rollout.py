@@ -125,10 +125,13 @@ class MultiTurnConfig:
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    engine: Literal["embedded", "sglang"] = "embedded"
+    engine: Literal["embedded", "sglang", "inprocess"] = "embedded"
     """The kind of rollout server: embedded (the package's own HTTP engine, transformers) or
     sglang. Launched by the trainer unless `urls` is set; with `urls` it names the kind of the
-    servers there (checked when the run starts)."""
+    servers there (checked when the run starts). inprocess: the embedded engine's generation
+    code inside trainer rank 0's process, no server (single machine; the weight sync is an
+    in-memory copy and the weight_sync_transport/backend keys are not used;
+    docs/rollout_engines.md)."""
 
     urls: list[str] = field(default_factory=list)
     """Servers started elsewhere (http://host:port); used round-robin instead of launching any."""

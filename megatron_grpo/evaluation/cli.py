@@ -37,7 +37,9 @@ from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.preflight import load_experiment
 from megatron_grpo.preflight.errors import USER_ERRORS, describe_user_error
 from megatron_grpo.rollout.types import RolloutError, SamplingParams
+from megatron_grpo.rollout.engines import ENGINES
 from megatron_grpo.rollout.http_engine import HttpEngine, start_servers
+from megatron_grpo.rollout.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.runtime import parallel
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.runtime.library_warnings import quiet_library_warnings
@@ -128,8 +130,12 @@ def evaluate_weights(cfg: ExperimentConfig, weights: Weights, out_dir: Path) -> 
     load_sets(run_cfg, tokenizer, SamplingParams())  # bad eval data fails before the engine starts
     side = build_rollout_side(run_cfg, tokenizer, sampler=None)
     try:
-        engine = HttpEngine(*start_servers(run_cfg.rollout, model_dir=run_cfg.model.hf_dir,
-                                           run_dir=run_cfg.trainer.run_dir), receiver=None)
+        if ENGINES[run_cfg.rollout.engine].in_process:  # no server: the engine in this process
+            engine = InProcessEngine(start_inprocess(run_cfg.rollout, model_dir=run_cfg.model.hf_dir), None,
+                                     timeout_s=run_cfg.rollout.request_timeout_s)
+        else:
+            engine = HttpEngine(*start_servers(run_cfg.rollout, model_dir=run_cfg.model.hf_dir,
+                                               run_dir=run_cfg.trainer.run_dir), receiver=None)
     except BaseException:
         side.close()
         raise

@@ -52,7 +52,7 @@ def layout_problem(cfg: ExperimentConfig, *, cuda: bool, num_gpus: int, ranks_on
             return ("parallel.use_distributed_optimizer", "true needs CUDA (megatron-core's DistributedOptimizer); "
                     "this machine has no usable GPU (use auto or false)")
         return None
-    if rollout_cfg.urls:
+    if rollout_cfg.urls or adapter.in_process:  # no launched engine to place (in-process: rank 0's GPU)
         return None
     servers = engine_gpu_ids(rollout_cfg, ranks_on_node, adapter.gpus_per_server(rollout_cfg))
     used = sorted({g for ids in servers for g in ids})

@@ -63,6 +63,12 @@ def check_rollout(rollout_cfg: RolloutConfig) -> None:
     """The ``rollout:`` section against its engine kind's adapter (transports, process-group
     backends, memory release) and the network; ConfigError naming the ``rollout.`` key."""
     adapter = ENGINES[rollout_cfg.engine]
+    _check(not (adapter.in_process and rollout_cfg.urls), "rollout.urls",
+           f"names servers, but rollout.engine={adapter.name!r} runs inside the trainer (no server); "
+           "set rollout.urls: [] or name the servers' kind (embedded, sglang)")
+    _check(not adapter.in_process or rollout_cfg.num_servers == 1, "rollout.num_servers",
+           f"must be 1 with rollout.engine={adapter.name!r} (one engine, in trainer rank 0's process); "
+           f"got {rollout_cfg.num_servers}: use rollout.engine: embedded to scale out")
     colocate = colocate_problem(rollout_cfg, adapter)
     if colocate is not None:
         raise ConfigError(*colocate)

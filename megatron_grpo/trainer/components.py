@@ -18,12 +18,16 @@ from megatron_grpo.models import build_model, load_hf_config, load_hf_weights, l
 from megatron_grpo.models.builder import check_moe_training
 from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.data.prompts import has_chat_template
+from megatron_grpo.rollout.engines import ENGINES
 from megatron_grpo.rollout.http_engine import HttpEngine, run_api_key, start_servers
+from megatron_grpo.rollout.inprocess import InProcessEngine, start_inprocess
+from megatron_grpo.rollout.protocol import RolloutEngine
 from megatron_grpo.rollout.multi_turn import EpisodeRunner
 from megatron_grpo.rollout.rollout_function import RolloutFunction
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.runtime.collectives import broadcast
 from megatron_grpo.runtime.device import cuda_available, resolve_distributed_optimizer
+from megatron_grpo.sync.in_memory import InMemorySyncer
 from megatron_grpo.sync.syncer import Probe, WeightSyncer
 from megatron_grpo.trainer.optim import build_optimizer, wrap_ddp
 
@@ -111,10 +115,15 @@ def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[Promp
                        rollout_function=rollout_function)
 
 
-def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Optional[Probe] = None) -> HttpEngine:
+def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Optional[Probe] = None) -> RolloutEngine:
     """Collective: rank 0 (``owner``) starts (or connects to) the rollout servers; every rank
     builds its half of the weight sync into them (``probe``: the trainer's log-probs of the
-    verification sequence, for engines verified by probe)."""
+    verification sequence, for engines verified by probe). An in-process engine kind
+    (``rollout.engine: inprocess``) is built in rank 0's process instead, synced in memory."""
+    if ENGINES[cfg.rollout.engine].in_process:
+        engine = start_inprocess(cfg.rollout, model_dir=cfg.model.hf_dir) if owner else None
+        return InProcessEngine(engine, InMemorySyncer(cfg.rollout, hf_config, engine),
+                               timeout_s=cfg.rollout.request_timeout_s)
     manager = client = None
     # the per-run key of launched servers (run_api_key) lives only in this copy, never in cfg,
     # so neither the saved nor the logged config can hold it

@@ -10,12 +10,14 @@ branches on the engine kind.
 
 from megatron_grpo.rollout.engines.base import EngineAdapter, EngineKindMismatch
 from megatron_grpo.rollout.engines.embedded import EmbeddedAdapter
+from megatron_grpo.rollout.engines.inprocess import InProcessAdapter
 from megatron_grpo.rollout.engines.sglang import SGLangAdapter, default_sglang_venv, find_sglang_python
 
 # rollout.engine -> adapter (the Literal of RolloutConfig.engine is pinned to these keys by a test)
 ENGINES: dict[str, EngineAdapter] = {
     "embedded": EmbeddedAdapter(),
     "sglang": SGLangAdapter(),
+    "inprocess": InProcessAdapter(),
 }
 
 __all__ = ["ENGINES", "EngineAdapter", "EngineKindMismatch", "default_sglang_venv", "find_sglang_python"]

@@ -38,6 +38,9 @@ class EngineAdapter:
     """rollout.fp8_format values its fp8 accepts."""
     quantization_needs_cuda: bool = False
     """True: a quantized engine runs only on a GPU (SGLang's fp8 kernels)."""
+    in_process: bool = False
+    """True: the engine runs inside trainer rank 0's process (``rollout/inprocess.py``): nothing
+    is launched, ``rollout.urls`` cannot name it, and the weight sync is an in-memory copy."""
     returns_routing: bool = False
     reports_token_versions: bool = False
     """True: /generate answers with the weight version of each output token
