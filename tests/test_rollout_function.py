@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -230,6 +231,9 @@ def crashes(engine, prompts, n, sampling, seed):
 def pid(engine, prompts, n, sampling, seed):
     return os.getpid()
 
+def sleeps(engine, prompts, n, sampling, seed):
+    time.sleep(3600)
+
 time.sleep(float(os.environ.get("MGRPO_TEST_LOAD_SLEEP", "0")))
 '''
 
@@ -282,6 +286,30 @@ def test_a_raising_or_crashing_function_is_one_line(bad_file, tok):
     with pytest.raises(RolloutFunctionError, match=r"bad.py:crashes: its worker process died"):
         rf(FakeEngine(), [make_prompt(tok, 0)], 1, SamplingParams(), 1)
     assert not _alive(rf.pid)
+
+
+def test_a_hung_worker_dies_with_a_trainer_killed_by_sigkill(bad_file, tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import sys\n"
+        "from megatron_grpo.rollout.rollout_function import RolloutFunction\n"
+        "from megatron_grpo.rollout.types import SamplingParams\n"
+        f"rf = RolloutFunction.load({str(bad_file) + ':sleeps'!r}, timeout_s=3600)\n"
+        "print(rf.pid, flush=True)\n"
+        "rf(None, [], 1, SamplingParams(), 1)\n")
+    trainer = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        worker = int(trainer.stdout.readline())
+        time.sleep(0.5)  # the worker is in time.sleep(3600)
+        assert _alive(worker)
+    finally:
+        trainer.kill()  # kill -9: no atexit, no close
+        trainer.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker)  # its fork server saw stdin close and exited; the parent-death signal did the rest
 
 
 def test_a_file_that_hangs_while_loading_is_refused_within_its_deadline(bad_file, monkeypatch):
