@@ -5,13 +5,16 @@ import subprocess
 import sys
 import time
 from math import comb
+from types import SimpleNamespace
 
 import pytest
 
 from megatron_grpo.config.base import ConfigError, build_section
 from megatron_grpo.config.evaluation import EvalConfig
+from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.config.sections import LoggingConfig
 from megatron_grpo.evaluation import mean_pass_at_k, pass_at_k, set_metrics
+from megatron_grpo.evaluation.runner import episode_row
 from megatron_grpo.metrics_log import MetricsLogger, format_summary, read_metrics
 from megatron_grpo.metrics_log.report import matching_keys
 from tests.demo_run import ENV, ROOT
@@ -116,3 +119,40 @@ def test_eval_cli_bad_input_is_one_line(tmp_path, args, expected):
     out = run_eval_cli("--config", "yaml_configs/demo_cpu.yaml", *[a.format(tmp=tmp_path) for a in args])
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == expected.format(tmp=tmp_path) and out.stdout == ""
+
+
+# ---- evaluation episodes (rollout.environment, docs/multi_turn.md#held-out-evaluation-with-an-environment) ----
+
+
+def test_an_episode_row_combines_rewards_as_in_training():
+    ok = SimpleNamespace(error=None, env_reward=1.0, num_turns=2)
+    values = {"exact": 0.5}
+    assert episode_row(0.5, values, ok, "add") == {"reward": 1.5, "turns": 2, "env_error": None}
+    assert values == {"exact": 0.5, "environment": 1.0}
+    assert episode_row(0.5, {"exact": 0.5}, ok, "replace")["reward"] == 1.0
+    failed = SimpleNamespace(error="timeout", env_reward=1.0, num_turns=1)
+    values = {"exact": 1.0}
+    assert episode_row(1.0, values, failed, "add") == {"reward": 0.0, "turns": 1, "env_error": "timeout"}
+    assert values["environment"] == 0.0
+    rows = [{"correct": True, "length": 9, "finish_reason": "stop", "reward": 1.0, "rewards": {"e": 1.0},
+             "turns": 2, "env_error": None},
+            {"correct": False, "length": 4, "finish_reason": "stop", "reward": 0.0, "rewards": {"e": 0.0},
+             "turns": 1, "env_error": "error"}]
+    m = set_metrics("s", 2, rows, [1])
+    assert m["eval/s/turns_mean"] == 1.5 and m["eval/s/env_failures"] == 1 and m["eval/s/pass@1"] == 0.5
+
+
+def _experiment(environment="calculator", **eval_raw):
+    raw = {"model": {"hf_dir": "m"}, "data": {"train_file": "d.jsonl"}, "trainer": {"run_dir": "r"},
+           "rollout": {"environment": environment}, "eval": eval_raw}
+    return build_section(ExperimentConfig, raw)
+
+
+def test_the_environment_may_decide_correct_but_only_for_episodes():
+    sets = [{"name": "a", "path": "x.jsonl"}]
+    assert _experiment(sets=sets, correct_function="environment").eval.correct_function == "environment"
+    with pytest.raises(ConfigError, match="eval.correct_function: environment decides only episodes, but set 'b' "
+                                          "has single_turn: true"):
+        _experiment(sets=sets + [{"name": "b", "path": "x.jsonl", "single_turn": True}], correct_function="environment")
+    with pytest.raises(ConfigError, match="eval.correct_function: 'environment' is not a reward function label"):
+        _experiment(None, sets=sets, correct_function="environment")

@@ -5,8 +5,11 @@ and the function for each way it can be wrong), Samples and Episodes through
 documented example, docs/examples/retry_rollout.py, included)."""
 
 import dataclasses
-import subprocess
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -106,7 +109,7 @@ class FakeEngine:
         return out
 
 
-def load(fn_file, name, tok=None, **kw):
+def load(fn_file, name, tok=None, **kw) -> RolloutFunction:
     return RolloutFunction.load(f"{fn_file}:{name}", tok, **kw)
 
 
@@ -184,19 +187,144 @@ def _mutations():
     ]
 
 
+class SpoilingEngine(FakeEngine):
+    """FakeEngine whose answers are spoiled here, so that ``passthrough`` (in its worker
+    process) returns exactly the spoiled output."""
+
+    def __init__(self, spoil):
+        super().__init__()
+        self.spoil = spoil
+
+    def generate(self, prompts, n, sampling, **kw):
+        return self.spoil(super().generate(prompts, n, sampling, **kw))
+
+
 @pytest.mark.parametrize("name,spoil,message", _mutations(), ids=[m[0] for m in _mutations()])
-def test_a_bad_output_is_one_line_naming_the_file_and_function(fn_file, tok, tmp_path, name, spoil, message):
-    spoiled = tmp_path / "spoiled.py"
-    spoiled.write_text("SPOIL = None\ndef fn(engine, prompts, n, sampling, seed):\n"
-                       "    return SPOIL(engine.generate([p.prompt_ids for p in prompts], n, sampling))\n")
-    rf = RolloutFunction.load(f"{spoiled}:fn", vocab_size=64)
-    rf.fn.__globals__["SPOIL"] = spoil
+def test_a_bad_output_is_one_line_naming_the_file_and_function(fn_file, tok, name, spoil, message):
+    rf = load(fn_file, "passthrough", vocab_size=64)
     with pytest.raises(RolloutFunctionError) as e:
-        rf(FakeEngine(), [make_prompt(tok, 0), make_prompt(tok, 1)], 2, SamplingParams(max_new_tokens=3), 1)
+        rf(SpoilingEngine(spoil), [make_prompt(tok, 0), make_prompt(tok, 1)], 2, SamplingParams(max_new_tokens=3), 1)
+    rf.close()
     text = str(e.value)
-    assert text.startswith(f"rollout.rollout_function {spoiled.resolve()}:fn: "), text
+    assert text.startswith(f"rollout.rollout_function {fn_file.resolve()}:passthrough: "), text
     assert message in text, text
     assert "\n" not in text
+
+
+# ---- the worker process: a hung, raising or crashing function ---------------------------------------
+
+MISBEHAVING = '''
+import os, time
+
+def hangs_after_one_call(engine, prompts, n, sampling, seed):
+    engine.generate([p.prompt_ids for p in prompts], n, sampling)
+    while True:  # a sync busy loop: nothing but SIGKILL ends it
+        pass
+
+def raises(engine, prompts, n, sampling, seed):
+    out = engine.generate([p.prompt_ids for p in prompts], n, sampling)
+    return out[0].no_such_field
+
+def crashes(engine, prompts, n, sampling, seed):
+    os._exit(3)
+
+def pid(engine, prompts, n, sampling, seed):
+    return os.getpid()
+
+def sleeps(engine, prompts, n, sampling, seed):
+    time.sleep(3600)
+
+time.sleep(float(os.environ.get("MGRPO_TEST_LOAD_SLEEP", "0")))
+'''
+
+
+@pytest.fixture(scope="module")
+def bad_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bad") / "bad.py"
+    path.write_text(MISBEHAVING)
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_the_function_runs_in_a_worker_process_not_the_trainers(bad_file, tok):
+    rf = load(bad_file, "pid")
+    with pytest.raises(RolloutFunctionError, match="returned a int"):  # its pid is not samples
+        rf(FakeEngine(), [make_prompt(tok, 0)], 1, SamplingParams(), 1)
+    assert rf.pid != os.getpid()
+    assert not _alive(rf.pid)  # a failed round ends the worker
+
+
+def test_a_hung_function_is_killed_within_its_deadline(bad_file, tok):
+    rf = load(bad_file, "hangs_after_one_call", timeout_s=2.0)
+    engine = Recording(FakeEngine())
+    t0 = time.monotonic()
+    with pytest.raises(RolloutFunctionError) as e:
+        rf(engine, [make_prompt(tok, 0)], 2, SamplingParams(), 1)
+    took = time.monotonic() - t0
+    assert 2.0 <= took < 6.0, took  # the deadline counts from its last engine.generate
+    assert len(engine.calls) == 1
+    assert str(e.value) == (f"rollout.rollout_function {bad_file.resolve()}:hangs_after_one_call: the function ran, "
+                            "without returning or calling engine.generate, longer than 2s "
+                            "(rollout.rollout_function_timeout_s); its worker process was killed")
+    assert not _alive(rf.pid)
+
+
+def test_a_raising_or_crashing_function_is_one_line(bad_file, tok):
+    rf = load(bad_file, "raises")
+    with pytest.raises(RolloutFunctionError) as e:
+        rf(FakeEngine(), [make_prompt(tok, 0)], 1, SamplingParams(), 1)
+    assert str(e.value) == (f"rollout.rollout_function {bad_file.resolve()}:raises: raised AttributeError: 'Sample' "
+                            f"object has no attribute 'no_such_field' (at {bad_file.resolve()}:11)")
+    rf = load(bad_file, "crashes")
+    with pytest.raises(RolloutFunctionError, match=r"bad.py:crashes: its worker process died"):
+        rf(FakeEngine(), [make_prompt(tok, 0)], 1, SamplingParams(), 1)
+    assert not _alive(rf.pid)
+
+
+def test_a_hung_worker_dies_with_a_trainer_killed_by_sigkill(bad_file, tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import sys\n"
+        "from megatron_grpo.rollout.rollout_function import RolloutFunction\n"
+        "from megatron_grpo.rollout.types import SamplingParams\n"
+        f"rf = RolloutFunction.load({str(bad_file) + ':sleeps'!r}, timeout_s=3600)\n"
+        "print(rf.pid, flush=True)\n"
+        "rf(None, [], 1, SamplingParams(), 1)\n")
+    trainer = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        worker = int(trainer.stdout.readline())
+        time.sleep(0.5)  # the worker is in time.sleep(3600)
+        assert _alive(worker)
+    finally:
+        trainer.kill()  # kill -9: no atexit, no close
+        trainer.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker)  # its fork server saw stdin close and exited; the parent-death signal did the rest
+
+
+def test_a_file_that_hangs_while_loading_is_refused_within_its_deadline(bad_file, monkeypatch):
+    from megatron_grpo.rollout.environments import worker
+    worker.fork_server().close()  # a new fork server that sees the variable below
+    monkeypatch.setenv("MGRPO_TEST_LOAD_SLEEP", "30")
+    worker.fork_server()  # started before the clock: its own start-up has its own allowance
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ConfigError, match=r"rollout.rollout_function: .*bad.py:pid: loading the file took "
+                                              r"longer than 1s \(rollout.rollout_function_timeout_s\)"):
+            load(bad_file, "pid", timeout_s=1.0)
+        assert time.monotonic() - t0 < 10  # 1 s, plus the worker's imports on a busy machine
+    finally:
+        worker.fork_server().close()  # the next one starts without the variable
 
 
 def test_observation_tokens_may_carry_any_finite_logprob_but_model_tokens_not(fn_file, tok):

@@ -33,6 +33,11 @@ class EvalSetConfig:
     max_samples: Optional[int] = None
     """Evaluate only the first N prompts of the file (null = all)."""
 
+    single_turn: bool = False
+    """Generate each response with one engine call even when the run has rollout.environment
+    (or rollout.rollout_function). false: the set's responses are episodes generated as the
+    training rollouts are, so pass@k measures tool use (docs/multi_turn.md)."""
+
     def __post_init__(self):
         check(bool(SET_NAME_RE.match(self.name)), "name",
               f"must be letters, digits, '_', '.' or '-' (it is part of metric keys), got {self.name!r}")
@@ -62,7 +67,8 @@ class EvalConfig:
 
     correct_function: Optional[str] = None
     """Label of the reward function that decides whether a response is correct (its value >=
-    `correct_threshold`); null = the first of reward.functions."""
+    `correct_threshold`); null = the first of reward.functions. With rollout.environment it may
+    be `environment`: an evaluation episode's reward from the environment."""
 
     correct_threshold: float = 1.0
     """A response is correct when the deciding function's value is at least this."""

@@ -91,6 +91,12 @@ class ExperimentConfig:
               "is not supported with rollout.rollout_function (its samples carry no routing): set one of them off")
 
         labels = self.reward.labels
+        if self.rollout.environment is not None:  # an evaluation episode's own reward (evaluation/runner.py)
+            labels = [*labels, "environment"]
+            plain = next((s.name for s in self.eval.sets if s.single_turn), None)
+            check(self.eval.correct_function != "environment" or plain is None, "eval.correct_function",
+                  f"environment decides only episodes, but set {plain!r} has single_turn: true; name a reward "
+                  "function or set single_turn: false")
         check(
             self.eval.correct_function is None or self.eval.correct_function in labels,
             "eval.correct_function",

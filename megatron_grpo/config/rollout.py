@@ -307,6 +307,12 @@ class RolloutConfig:
     sampling, seed) -> n Samples per prompt, prompt-major (token ids, the engine's log-probs,
     output_mask), checked every call. null: single-turn, or the `environment` episode loop."""
 
+    rollout_function_timeout_s: float = 300.0
+    """Deadline of rollout_function's own code: loading its file, and each stretch in which it
+    neither returns nor calls engine.generate (the engine's calls have request_timeout_s).
+    The function runs in a worker process; past the deadline the worker is killed and the run
+    stops with one line naming the file and the function."""
+
     def __post_init__(self):
         bl = self.overlong.buffer_length
         check(bl is None or bl <= self.max_new_tokens, "overlong.buffer_length",
@@ -328,6 +334,7 @@ class RolloutConfig:
         check(self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1")
         check(self.launch_timeout_s > 0, "launch_timeout_s", "must be > 0")
         check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        check(self.rollout_function_timeout_s > 0, "rollout_function_timeout_s", "must be > 0")
         check(self.max_retries >= 1, "max_retries", f"must be >= 1, got {self.max_retries}")
         check(self.fp8_format == "e4m3" or self.quantization == "fp8", "fp8_format",
               f"{self.fp8_format!r} needs quantization: fp8 (got quantization: {self.quantization})")

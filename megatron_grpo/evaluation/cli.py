@@ -140,7 +140,7 @@ def evaluate_weights(cfg: ExperimentConfig, weights: Weights, out_dir: Path) -> 
         side.close()
         raise
     try:
-        evaluator = Evaluator(run_cfg, tokenizer, engine, side.scorer, side.sampling)
+        evaluator = Evaluator(run_cfg, tokenizer, engine, side.scorer, side.sampling, side.rollout_function)
         results = [evaluator.run_round(weights.step, r) for r in evaluator.rounds()]
     finally:
         engine.close()

@@ -17,7 +17,9 @@ Three kinds, one call:
 * ``rollout.environment``: the built-in episode loop, ``EpisodeRunner`` (``rollout/multi_turn.py``),
   which returns ``Episode``s;
 * ``rollout.rollout_function: path/to/file.py:fn``: the user's function (slime's
-  ``--rollout-function-path``), loaded by path like reward files (no ``PYTHONPATH``).
+  ``--rollout-function-path``), loaded by path like reward files (no ``PYTHONPATH``), run in
+  a worker process (``rollout/function_worker.py``) so that a hung or crashing function is
+  killed and reported in one line instead of blocking the trainer.
 
 What a rollout function returns is checked every round (``check_rollout_output``) before the
 trainer sees it: count, prompt-major order, the prompt's ids, token ids, log-probs (finite, and
@@ -27,22 +29,24 @@ is one ``RolloutFunctionError`` line naming the file and the function.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
+import atexit
 import math
 import numbers
+import threading
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.rollout import ENVIRONMENT_FILE_RE
-from megatron_grpo.rewards.registry import load_file
+from megatron_grpo.rollout.environments.worker import fork_server, kill_worker
 from megatron_grpo.rollout.multi_turn import Episode
 from megatron_grpo.rollout.types import Sample, SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort")
 EPISODE_ERRORS = (None, "error", "timeout", "observation")
 _LOGPROB_SLACK = 1e-4  # a log-prob above 0 is not a probability's; float rounding of log(1) is below this
+KEY = "rollout.rollout_function"
+DEFAULT_TIMEOUT_S = 300.0
 
 
 class RolloutFunctionError(ValueError):
@@ -50,49 +54,106 @@ class RolloutFunctionError(ValueError):
 
 
 class RolloutFunction:
-    """``rollout.rollout_function`` loaded and checked: ``fn(engine, prompts, n, sampling, seed)``
-    whose output is validated on every call."""
+    """``rollout.rollout_function`` running in its own worker process
+    (``rollout/function_worker.py``): ``fn(engine, prompts, n, sampling, seed)`` whose output is
+    validated on every call. The engine stays here; the worker's ``engine.generate`` calls are
+    answered by this process. Each wait on the worker (for the file to load, or for the function
+    to call the engine or return) has a deadline, ``timeout_s``: past it the worker is killed and
+    the call raises RolloutFunctionError (one line naming the file and the function)."""
 
-    def __init__(self, fn: Callable, where: str, tokenizer: Any = None, *, vocab_size: Optional[int] = None):
-        self.fn = fn
+    def __init__(self, conn, pid: int, where: str, *, vocab_size: Optional[int], timeout_s: float):
+        self._conn = conn
+        self.pid = pid
         self.where = where
         """``<absolute file>:<fn>`` for errors."""
         self.vocab_size = vocab_size
-        try:
-            params = inspect.signature(fn).parameters
-        except ValueError:  # no signature (a builtin): called with the five arguments
-            params = {}
-        takes_tokenizer = "tokenizer" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-        self.extra = {"tokenizer": tokenizer} if takes_tokenizer else {}
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()  # one round at a time through the worker's connection
+        self._closed = False
+        atexit.register(self.close)
 
     @classmethod
-    def load(cls, spec: str, tokenizer: Any = None, *, vocab_size: Optional[int] = None) -> "RolloutFunction":
-        """Load ``path/to/file.py:fn`` (pre-flight: the file loads, ``fn`` takes the five
-        arguments); ConfigError naming ``rollout.rollout_function`` otherwise."""
-        key = "rollout.rollout_function"
+    def load(cls, spec: str, tokenizer: Any = None, *, vocab_size: Optional[int] = None,
+             timeout_s: float = DEFAULT_TIMEOUT_S) -> "RolloutFunction":
+        """Start the worker and load ``path/to/file.py:fn`` there (pre-flight: the file loads,
+        ``fn`` takes the five arguments); ConfigError naming ``rollout.rollout_function`` otherwise."""
         m = ENVIRONMENT_FILE_RE.match(spec)
         if m is None:
-            raise ConfigError(key, f"{spec!r} is not a file path path/to/file.py:fn")
-        fn = load_file(spec, key)
-        where = f"{Path(m['path']).expanduser().resolve()}:{m['attr']}"
-        made = cls(fn, where, tokenizer, vocab_size=vocab_size)
+            raise ConfigError(KEY, f"{spec!r} is not a file path path/to/file.py:fn")
+        path = Path(m["path"]).expanduser().resolve()
+        where = f"{path}:{m['attr']}"
+        conn, pid = fork_server().connect(("run", "megatron_grpo.rollout.function_worker:serve",
+                                            (f"{path}:{m['attr']}", where, tokenizer)))
+        made = cls(conn, pid, where, vocab_size=vocab_size, timeout_s=timeout_s)
         try:
-            inspect.signature(fn).bind(None, [], 1, None, 0, **made.extra)
-        except TypeError as e:
-            raise ConfigError(key, f"{where} must take (engine, prompts, n, sampling, seed) and optionally "
-                                   f"tokenizer: {e}") from None
-        except ValueError:
-            pass  # no signature (a builtin): the first call tells
+            kind, payload = made._receive("loading the file took longer than")
+        except RolloutFunctionError as e:
+            raise ConfigError(KEY, str(e)[len(KEY) + 1:]) from None  # "<where>: ..."
+        if kind == "problem":
+            made.close()
+            raise ConfigError(KEY, payload)
         return made
 
     def __call__(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
                  sampling_seed: Optional[int] = None) -> list:
-        out = self.fn(engine, prompts, n, sampling, sampling_seed, **self.extra)
-        if inspect.iscoroutine(out):
-            out = asyncio.run(out)
-        check_rollout_output(out, prompts, n, sampling, f"rollout.rollout_function {self.where}",
-                             vocab_size=self.vocab_size)
+        with self._lock:
+            out = self._call(engine, prompts, n, sampling, sampling_seed)
+        try:
+            check_rollout_output(out, prompts, n, sampling, f"{KEY} {self.where}", vocab_size=self.vocab_size)
+        except RolloutFunctionError:
+            self.close()  # the run stops: its worker with it
+            raise
         return list(out)
+
+    def _call(self, engine, prompts, n, sampling, sampling_seed) -> Any:
+        """One round in the worker; the engine calls it asks for are made here."""
+        if self._closed:
+            raise RolloutFunctionError(f"{KEY} {self.where}: its worker process was closed")
+        self._send(("call", (list(prompts), n, sampling, sampling_seed)))
+        while True:
+            kind, payload = self._receive("the function ran, without returning or calling engine.generate, "
+                                          "longer than")
+            if kind == "done":
+                return payload
+            if kind == "error":
+                self.close()
+                raise RolloutFunctionError(f"{KEY} {self.where}: {payload['message']} (at {payload['where']})")
+            args, kwargs = payload  # "generate"
+            try:
+                samples = engine.generate(*args, **kwargs)
+            except BaseException:
+                self.close()  # the engine's error is the run's, as without a rollout function
+                raise
+            self._send(("generated", samples))
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self._conn.send(message)
+        except (BrokenPipeError, OSError):
+            self.close()
+            raise RolloutFunctionError(f"{KEY} {self.where}: its worker process is gone") from None
+
+    def _receive(self, late: str) -> tuple:
+        """The worker's next message within ``timeout_s``; RolloutFunctionError (worker killed)
+        otherwise, ``late`` saying what took too long."""
+        if not self._conn.poll(self.timeout_s):
+            self.close()
+            raise RolloutFunctionError(f"{KEY} {self.where}: {late} {self.timeout_s:g}s "
+                                       "(rollout.rollout_function_timeout_s); its worker process was killed")
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self.close()
+            raise RolloutFunctionError(f"{KEY} {self.where}: its worker process died (the function crashed it "
+                                       "or it was killed)") from None
+
+    def close(self) -> None:
+        """End the worker (SIGKILL: it may be stuck in the user's code)."""
+        if self._closed:
+            return
+        self._closed = True
+        kill_worker(self.pid)
+        self._conn.close()
 
 
 def check_rollout_output(out: Any, prompts: Sequence, n: int, sampling: SamplingParams, where: str, *,

@@ -93,6 +93,8 @@ class RolloutSide:
 
     def close(self) -> None:
         self.scorer.close()
+        if isinstance(self.rollout_function, RolloutFunction):
+            self.rollout_function.close()  # its worker process
 
 
 def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[PromptSampler], *,
@@ -107,7 +109,8 @@ def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[Promp
         use_template = cfg.data.apply_chat_template and has_chat_template(tokenizer)
         rollout_function = EpisodeRunner.build(cfg.rollout, tokenizer, use_template=use_template)
     elif cfg.rollout.rollout_function is not None:
-        rollout_function = RolloutFunction.load(cfg.rollout.rollout_function, tokenizer, vocab_size=vocab_size)
+        rollout_function = RolloutFunction.load(cfg.rollout.rollout_function, tokenizer, vocab_size=vocab_size,
+                                                timeout_s=cfg.rollout.rollout_function_timeout_s)
     sampling = SamplingParams.from_rollout_config(cfg.rollout)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in sampling.stop_token_ids:
         sampling.stop_token_ids = [*sampling.stop_token_ids, tokenizer.eos_token_id]

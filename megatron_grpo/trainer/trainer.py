@@ -136,7 +136,7 @@ class Trainer:
         engine = EngineSupervisor(http, policy.modules, max_attempts=cfg.rollout.max_restarts + 1,
                                   colocate=cfg.rollout.colocate, owner=rank == 0)
         try:
-            evaluator = (Evaluator(cfg, tokenizer, http, side.scorer, side.sampling)
+            evaluator = (Evaluator(cfg, tokenizer, http, side.scorer, side.sampling, side.rollout_function)
                          if side is not None and cfg.eval.sets else None)
             engine.sync(start_step)  # the engine starts from the HF weights
         except BaseException:  # nothing this run started outlives a failed start

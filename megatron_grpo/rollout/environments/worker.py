@@ -6,7 +6,9 @@ this module (not the trainer's main module, torch or megatron) and forks one wor
 environment on request, over an authenticated Unix socket (``multiprocessing.connection``).
 Forking there is safe (the server is single-purpose) and fast (no interpreter start per
 episode); the server exits when the trainer's process does (its stdin closes), and a worker
-exits when its connection closes.
+exits when its connection closes or its fork server exits (a hung one too: Linux's parent-death
+signal). The same server forks the worker of a custom rollout function (``run`` requests:
+``rollout/function_worker.py``).
 
 ``EnvProcess(spec, row, timeout_s)`` gets a worker, which loads ``spec``, constructs the
 environment with ``row`` and then answers ``step(response)`` calls; an ``async def step`` runs
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import ctypes
+import importlib
 import inspect
 import os
 import shutil
@@ -99,7 +103,7 @@ _server: Optional[_ForkServer] = None
 _server_lock = threading.Lock()
 
 
-def _fork_server() -> _ForkServer:
+def fork_server() -> _ForkServer:
     global _server
     with _server_lock:
         if _server is None or _server.proc.poll() is not None:
@@ -121,16 +125,21 @@ def _server_main() -> None:
             conn = listener.accept()
         except Exception:  # a client that failed the handshake
             continue
+        server_pid = os.getpid()
         if os.fork() == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.close(listener._listener._socket.fileno())  # not listener.close(): that unlinks the socket
+            _die_with_parent(server_pid)
             try:
                 request = conn.recv()
                 conn.send(os.getpid())
                 if request[0] == "serve":
                     _serve(conn, request[1], request[2])
-                else:
+                elif request[0] == "check":
                     _check(conn, request[1])
+                else:  # ("run", "module:function", args): function(conn, *args), e.g. rollout/function_worker.py
+                    module, _, name = request[1].partition(":")
+                    getattr(importlib.import_module(module), name)(conn, *request[2])
             except (EOFError, OSError):
                 pass
             finally:
@@ -138,7 +147,18 @@ def _server_main() -> None:
         conn.close()
 
 
-def _raise_site(e: BaseException, env_file: str) -> str:
+def _die_with_parent(server_pid: int) -> None:
+    """SIGKILL this worker when the fork server exits (which it does when the trainer's process
+    ends), even if the user's code hangs and never reads its connection again. Linux only."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: a worker still exits when its connection closes
+    if os.getppid() != server_pid:  # the server exited before the signal was armed
+        os._exit(0)
+
+
+def raise_site(e: BaseException, env_file: str) -> str:
     """``file:line`` of the deepest frame in the environment's file, else of the deepest frame."""
     frames = traceback.extract_tb(e.__traceback__)
     mine = [f for f in frames if f.filename == env_file]
@@ -166,7 +186,7 @@ def _serve(conn, spec: str, row: dict) -> None:
     try:
         env = cls(row)
     except Exception as e:  # the user's constructor: reported, the episode ends
-        conn.send(("error", {"message": f"constructor raised {one_line(e)}", "where": _raise_site(e, env_file)}))
+        conn.send(("error", {"message": f"constructor raised {one_line(e)}", "where": raise_site(e, env_file)}))
         return
     conn.send(("ok", None))
     loop: Optional[asyncio.AbstractEventLoop] = None
@@ -183,7 +203,7 @@ def _serve(conn, spec: str, row: dict) -> None:
                 loop = loop or asyncio.new_event_loop()
                 out = loop.run_until_complete(out)
         except Exception as e:  # the user's step: reported, the episode ends
-            conn.send(("error", {"message": f"step raised {one_line(e)}", "where": _raise_site(e, env_file)}))
+            conn.send(("error", {"message": f"step raised {one_line(e)}", "where": raise_site(e, env_file)}))
             continue
         try:
             conn.send(("ok", check_step_result(out, where)))
@@ -205,7 +225,7 @@ def _check(conn, spec: str) -> None:
 def check_environment(spec: str, timeout_s: float) -> None:
     """Pre-flight, in a worker process: ``spec`` loads and names an environment class.
     EnvContractError (one line: file, class, what is wrong) otherwise."""
-    conn, pid = _fork_server().connect(("check", spec))
+    conn, pid = fork_server().connect(("check", spec))
     try:
         if not conn.poll(timeout_s):
             raise EnvContractError(f"rollout.environment {describe(spec)}: loading the file took longer than "
@@ -218,11 +238,11 @@ def check_environment(spec: str, timeout_s: float) -> None:
         if problem is not None:
             raise EnvContractError(problem)
     finally:
-        _kill(pid)
+        kill_worker(pid)
         conn.close()
 
 
-def _kill(pid: int, wait_s: float = 2.0) -> None:
+def kill_worker(pid: int, wait_s: float = 2.0) -> None:
     """SIGKILL ``pid`` and wait (bounded) until the fork server's kernel reaping has removed it."""
     deadline = time.monotonic() + wait_s
     try:
@@ -241,7 +261,7 @@ class EnvProcess:
     def __init__(self, spec: str, row: dict, timeout_s: float):
         self.where = describe(spec)
         self.timeout_s = timeout_s
-        self._conn, self.pid = _fork_server().connect(("serve", spec, row))
+        self._conn, self.pid = fork_server().connect(("serve", spec, row))
         self._closed = False
         self._await("start-up", STARTUP_TIMEOUT_S)
         self._await("the constructor", timeout_s)
@@ -274,7 +294,7 @@ class EnvProcess:
 
     def kill(self) -> None:
         """Stop the worker now (SIGKILL)."""
-        _kill(self.pid)
+        kill_worker(self.pid)
         self._closed = True
         self._conn.close()
 
