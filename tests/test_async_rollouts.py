@@ -147,6 +147,10 @@ def test_bad_async_settings_are_one_line_errors(tmp_path):
         _load(tmp_path, mode="async", max_staleness=0)
     with pytest.raises(ConfigError, match="async cannot be combined with dynamic_sampling.enabled"):
         _load(tmp_path, mode="async", dynamic_sampling="{enabled: true}")
+    fn = tmp_path / "fn.py"
+    fn.write_text("async def fn(engine, prompts, sampling):\n    return []\n")
+    with pytest.raises(ConfigError, match="async cannot be combined with rollout.rollout_function"):
+        _load(tmp_path, mode="async", rollout_function=f"{fn}:fn")
     with pytest.raises(ConfigError, match="stale_groups"):
         _load(tmp_path, mode="async", stale_groups="keep")
 

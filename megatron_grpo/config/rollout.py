@@ -343,6 +343,11 @@ class RolloutConfig:
         check(self.mode != "async" or not self.dynamic_sampling.enabled, "mode",
               "async cannot be combined with dynamic_sampling.enabled (a group is trained as it finishes; "
               "there are no extra rounds); set one of them off")
+        # async generates groups from several threads at once, and the rollout function's
+        # worker process serves one call at a time
+        check(self.mode != "async" or self.rollout_function is None, "mode",
+              "async cannot be combined with rollout.rollout_function yet (its worker runs one call at a "
+              "time; async calls it for several groups at once); use rollout.mode: one_step_off_policy")
         for i, url in enumerate(self.urls):
             check(url.startswith(("http://", "https://")), f"urls[{i}]", f"must start with http:// or https://, got {url!r}")
         check(self.base_gpu_id is None or self.base_gpu_id >= 0, "base_gpu_id", f"must be >= 0, got {self.base_gpu_id}")
