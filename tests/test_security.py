@@ -415,8 +415,10 @@ def test_plugins_are_imported_only_when_named(plugin_package):
 
 def test_dynamic_imports_only_from_fixed_registries_or_config():
     """Every importlib.import_module / __import__ call site is one of the known ones: the CLI's
-    sub-command registry, the reward registry (config-named paths), the CPU shim's fixed list."""
-    allowed = {"megatron_grpo/cli.py", "megatron_grpo/rewards/registry.py", "megatron_grpo/runtime/cpu_shim.py"}
+    sub-command registry, the reward registry (config-named paths), the CPU shim's fixed list,
+    the environments' fork server's fixed RUN_TARGETS."""
+    allowed = {"megatron_grpo/cli.py", "megatron_grpo/rewards/registry.py", "megatron_grpo/runtime/cpu_shim.py",
+               "megatron_grpo/rollout/environments/worker.py"}
     sites = set()
     for path, tree in _package_sources().items():
         for node in ast.walk(tree):
@@ -424,3 +426,28 @@ def test_dynamic_imports_only_from_fixed_registries_or_config():
                                                                    "import_module", "entry_points"):
                 sites.add(path)
     assert sites <= allowed, sites - allowed
+
+
+MALFORMED = [
+    ("/generate", {"input_ids": "abc"}), ("/generate", {"input_ids": [1, "x"]}),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": "x"}),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}}),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": "x"}}),
+    ("/generate", {"text": 5}), ("/generate", {"input_ids": [10**30]}),
+    ("/update_weights_from_disk", {"model_path": 5}), ("/update_weights_from_tensor", {"serialized_named_tensors": 5}),
+    ("/init_weights_update_group", {"master_address": 5}), ("/pause_generation", {"mode": 7}),
+    ("/update_weights_from_shm", {"path": 3}), ("/get_weights_by_name", {"name": 5}),
+]
+
+
+@pytest.mark.slow
+def test_malformed_fields_are_a_400_with_one_line_never_a_500(engine):
+    """Wrong types on the engine's routes: a BadRequest naming the problem, not an internal
+    error with a traceback in the log (model_path: 5 was a 500)."""
+    with httpx.Client(base_url=engine, timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        for route, body in MALFORMED:
+            r = http.post(route, json=body)
+            assert r.status_code == 400, (route, body, r.status_code, r.text[:200])
+            message = r.json()["message"]
+            assert message and "\n" not in message and "Traceback" not in message, (route, message)

@@ -82,7 +82,7 @@ class RolloutFunction:
             raise ConfigError(KEY, f"{spec!r} is not a file path path/to/file.py:fn")
         path = Path(m["path"]).expanduser().resolve()
         where = f"{path}:{m['attr']}"
-        conn, pid = fork_server().connect(("run", "megatron_grpo.rollout.function_worker:serve",
+        conn, pid = fork_server().connect(("run", "rollout_function",
                                             (f"{path}:{m['attr']}", where, tokenizer)))
         made = cls(conn, pid, where, vocab_size=vocab_size, timeout_s=timeout_s)
         try:

@@ -249,8 +249,8 @@ class _Routes:
 
     async def update_weights_from_disk(self, request: Request):
         req = await _body(request)
-        if not req.get("model_path"):
-            return _bad_request("model_path is required")
+        if not isinstance(req.get("model_path"), str) or not req["model_path"]:
+            return _bad_request("model_path is required (a directory path string)")
 
         def load() -> int:
             with self.engine.exclusive():

@@ -137,14 +137,20 @@ def _server_main() -> None:
                     _serve(conn, request[1], request[2])
                 elif request[0] == "check":
                     _check(conn, request[1])
-                else:  # ("run", "module:function", args): function(conn, *args), e.g. rollout/function_worker.py
-                    module, _, name = request[1].partition(":")
+                else:  # ("run", target, args): RUN_TARGETS[target](conn, *args)
+                    module, _, name = RUN_TARGETS[request[1]].partition(":")
                     getattr(importlib.import_module(module), name)(conn, *request[2])
             except (EOFError, OSError):
                 pass
             finally:
                 os._exit(0)
         conn.close()
+
+
+RUN_TARGETS = {"rollout_function": "megatron_grpo.rollout.function_worker:serve"}
+"""What a ("run", target, args) request may start in a forked worker: a fixed list, so the
+socket (authenticated, the trainer's only) cannot name arbitrary code. Imported when run,
+because function_worker imports this module."""
 
 
 def _die_with_parent(server_pid: int) -> None:
