@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,3 +56,24 @@ class Nudge:
         words = response.split()
         return {"observation": None, "done": True, "reward": float(bool(words) and words[-1] == self.answer)}
 '''
+
+
+def kill_engine_after(proc: subprocess.Popen, run_dir: Path, steps: int, settle_s: float = 0.0,
+                      deadline_s: float = 300.0) -> str:
+    """SIGKILL the engine server of the running ``megatron-grpo train`` ``proc`` once ``steps``
+    steps are logged (and ``settle_s`` more seconds), then wait for the run; returns its stderr.
+    The run is killed if the test fails first."""
+    import psutil
+
+    try:
+        deadline = time.monotonic() + deadline_s
+        while len(read_metrics(run_dir)) < steps:
+            assert proc.poll() is None and time.monotonic() < deadline, f"step {steps} not reached"
+            time.sleep(0.01)
+        time.sleep(settle_s)
+        (engine,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                     if "megatron_grpo.rollout.serve" in " ".join(p.cmdline())]
+        engine.kill()
+        return proc.communicate(timeout=deadline_s)[1]
+    finally:
+        proc.kill()

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from tests.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
+from tests.demo_run import ENV, NUDGE, ROOT, kill_engine_after, read_metrics, train_cmd
 from tests.kill_resume import kill_tree
 from tests.launch_nodes import running_with
 
@@ -108,23 +108,11 @@ def test_multi_turn_episodes_carry_token_versions(demo, tmp_path):
 
 @pytest.mark.slow
 def test_engine_killed_mid_flight_is_restarted_and_its_groups_regenerated(demo, tmp_path):
-    import psutil
-
     k, steps = 2, 5
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(cmd(demo, run_dir, steps, k, "rollout.request_timeout_s=20", "rollout.max_retries=2"),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        deadline = time.monotonic() + 300
-        while len(read_metrics(run_dir)) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "step 2 not reached"
-            time.sleep(0.01)
-        (engine,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                     if "megatron_grpo.rollout.serve" in " ".join(p.cmdline())]
-        engine.kill()
-        _, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
+    err = kill_engine_after(proc, run_dir, 2)
     assert proc.returncode == 0, err[-3000:]
     rows, log = read_metrics(run_dir), groups(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))

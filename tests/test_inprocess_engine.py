@@ -19,7 +19,7 @@ from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.testing.distributed import run_distributed
 from megatron_grpo.testing.tiny_models import save_tiny_model
 from tests.engine_runs import run
-from tests.test_sync_weights import NUM_HF_TENSORS, PROMPT, TEMPERATURE, perturb, trainer_logprobs
+from tests.test_sync_weights import NUM_HF_TENSORS, engine_vs_trainer, perturb
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
 TRUNCATED = SamplingParams(temperature=1.2, top_p=0.8, top_k=40, min_p=0.02, max_new_tokens=10,
@@ -77,8 +77,6 @@ def test_bad_input_is_one_rollout_error(engine):
 
 
 def _worker(rank, world_size, model_dir, corrupt):
-    import torch.distributed as dist
-
     from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
     from megatron_grpo.sync.in_memory import InMemorySyncer
     from megatron_grpo.sync.syncer import WeightSyncError
@@ -92,16 +90,7 @@ def _worker(rank, world_size, model_dir, corrupt):
     out = {}
 
     def probe(step):
-        """(mean |engine - trainer| log-prob over the engine's samples or None, served versions)."""
-        holder = [engine.generate([PROMPT], 4, SamplingParams(temperature=TEMPERATURE, max_new_tokens=8),
-                                  sampling_seed=step) if rank == 0 else None]
-        dist.broadcast_object_list(holder, src=0)
-        deltas = []
-        for s in holder[0]:
-            ref = trainer_logprobs(chunks, hf_config, s.prompt_ids, s.output_ids)
-            if ref is not None:
-                deltas.append((torch.tensor(s.output_logprobs, dtype=torch.float64) - ref).abs())
-        return (torch.cat(deltas).mean().item() if deltas else None), {s.weight_version for s in holder[0]}
+        return engine_vs_trainer(engine if rank == 0 else None, chunks, hf_config, step)
 
     try:
         perturb(chunks, 7)

@@ -6,12 +6,10 @@ regenerated. The sync mode's side of the same checks is in tests/test_trainer_e2
 
 import shutil
 import subprocess
-import time
 
-import psutil
 import pytest
 
-from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+from tests.demo_run import ENV, ROOT, kill_engine_after, read_metrics, train_cmd
 
 OFF = "rollout.mode=one_step_off_policy"
 PHASES = ("generate", "reward", "logprob", "train", "idle", "sync", "eval", "other")
@@ -92,20 +90,8 @@ def test_engine_killed_during_background_generation_is_recovered(demo, tmp_path)
     proc = subprocess.Popen(cmd(demo, run_dir, 6, "checkpoint.save_every=0", "rollout.prompts_per_step=32",
                                 "rollout.request_timeout_s=20", "rollout.max_retries=2"),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        path = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 300
-        while not (path.is_file() and len(path.read_text().splitlines()) >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, "step 2 not reached"
-            time.sleep(0.01)
-        # step 3 starts right after step 2's entry and sends step 4's prompts to the engine
-        time.sleep(0.1)
-        (engine,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                     if "megatron_grpo.rollout.serve" in " ".join(p.cmdline())]
-        engine.kill()
-        _, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
+    # step 3 starts right after step 2's entry and sends step 4's prompts to the engine
+    err = kill_engine_after(proc, run_dir, 2, settle_s=0.1)
     assert proc.returncode == 0, err[-3000:]
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 7))

@@ -7,9 +7,11 @@ the wire is caught by the same sync's verification, naming a tensor.
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.testing.distributed import run_distributed
 from megatron_grpo.testing.tiny_models import save_tiny_model
 
@@ -50,6 +52,24 @@ def perturb(chunks, step: int) -> None:
             param.add_(0.02 * torch.randn(param.shape, generator=g, dtype=param.dtype))
 
 
+def engine_vs_trainer(engine, chunks, hf_config, step: int) -> tuple[float | None, set]:
+    """Collective: rank 0's ``engine`` (a client or a RolloutEngine; None elsewhere) samples
+    4 responses to PROMPT; every rank scores them with the trainer's forward. Returns (mean
+    |engine - trainer| log-prob over the samples or None, the weight versions served)."""
+    samples = None
+    if engine is not None:
+        samples = engine.generate([PROMPT], 4, SamplingParams(temperature=TEMPERATURE, max_new_tokens=8),
+                                  sampling_seed=step)
+    holder = [samples]
+    dist.broadcast_object_list(holder, src=0)
+    deltas = []
+    for s in holder[0]:
+        ref = trainer_logprobs(chunks, hf_config, s.prompt_ids, s.output_ids)
+        if ref is not None:
+            deltas.append((torch.tensor(s.output_logprobs, dtype=torch.float64) - ref).abs())
+    return (torch.cat(deltas).mean().item() if deltas else None), {s.weight_version for s in holder[0]}
+
+
 def trainer_logprobs(chunks, hf_config, prompt, output) -> torch.Tensor | None:
     """log_softmax(logits / T) of ``output`` after ``prompt`` (last PP stage; None elsewhere)."""
     from megatron_grpo.models import forward_logits, gather_vocab
@@ -64,10 +84,8 @@ def trainer_logprobs(chunks, hf_config, prompt, output) -> torch.Tensor | None:
 
 
 def _sync_worker(rank, world_size, url, model_dir, work_dir, transports, corrupt):
-    import torch.distributed as dist
-
     from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
-    from megatron_grpo.rollout import RolloutClient, SamplingParams
+    from megatron_grpo.rollout import RolloutClient
     from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
 
     hf_config = load_hf_config(model_dir)
@@ -77,19 +95,7 @@ def _sync_worker(rank, world_size, url, model_dir, work_dir, transports, corrupt
     out = {"deltas": {}, "versions": {}, "stats": {}}
 
     def probe(step):
-        """(mean |engine - trainer| log-prob over the engine's samples or None, served versions)."""
-        samples = None
-        if rank == 0:
-            samples = client.generate([PROMPT], 4, SamplingParams(temperature=TEMPERATURE, max_new_tokens=8),
-                                      sampling_seed=step)
-        holder = [samples]
-        dist.broadcast_object_list(holder, src=0)
-        deltas = []
-        for s in holder[0]:
-            ref = trainer_logprobs(chunks, hf_config, s.prompt_ids, s.output_ids)
-            if ref is not None:
-                deltas.append((torch.tensor(s.output_logprobs, dtype=torch.float64) - ref).abs())
-        return (torch.cat(deltas).mean().item() if deltas else None), {s.weight_version for s in holder[0]}
+        return engine_vs_trainer(client if rank == 0 else None, chunks, hf_config, step)
 
     for i, transport in enumerate(transports):
         step = 100 * (world_size + len(transports)) + i + 1  # distinct per call
