@@ -37,5 +37,5 @@ setup(
         "wandb": ["wandb"],
         "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard"],  # tensorboard: its logging test
     },
-    entry_points={"console_scripts": ["megatron-grpo=megatron_grpo.cli:main"]},
+    entry_points={"console_scripts": ["megatron-grpo=megatron_grpo.cli:run"]},
 )

@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from megatron_grpo.runtime.library_warnings import quiet_library_warnings
+from megatron_grpo.runtime.process import exit_now
 
 # name -> (module with a `main(argv) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -51,5 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     return int(module.main(rest) or 0)
 
 
+def run() -> None:
+    """The ``megatron-grpo`` console script: ``main`` as a process, ended without the
+    interpreter's teardown (``runtime.process.exit_now``: a sub-command that imported torch
+    otherwise spends most of a second exiting). ``main`` itself returns, for callers in-process."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

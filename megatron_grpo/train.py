@@ -2,13 +2,14 @@
 
 The first thing a rank does, before the trainer's imports (seconds on a busy machine), is ask
 to die with torchrun's agent: a launcher killed during that window would otherwise leave the
-rank orphaned, blocked for the whole rendezvous timeout in ``init_process_group``.
+rank orphaned, blocked for the whole rendezvous timeout in ``init_process_group``. The last
+is to exit without the interpreter's teardown (``runtime.process.exit_now``).
 """
 
 import os
 import sys
 
-from megatron_grpo.runtime.process import die_with_parent
+from megatron_grpo.runtime.process import die_with_parent, exit_now
 
 if __name__ == "__main__":
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -16,4 +17,6 @@ if __name__ == "__main__":
 
     from megatron_grpo.trainer.cli import rank_main
 
-    sys.exit(rank_main(sys.argv[1:]))
+    # rank_main returns once everything the rank started is closed; an exception (a bug)
+    # propagates with its traceback and the normal exit
+    exit_now(rank_main(sys.argv[1:]))

@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=3600)
     parser.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for both runs (repeatable)")
+    parser.add_argument("--straight", default=None,
+                        help="the run directory of an uninterrupted run of the same command to compare with "
+                             "(only read); default: run one in the work directory")
     parser.add_argument("--demo", default=None,
                         help="an existing tools/make_demo_model.py output to use (only read); default: build one "
                              "with 50 warm-up steps in the work directory")
@@ -114,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     demo = Path(args.demo) if args.demo else make_demo(work / "demo", warmup_steps=50)
     deadline = time.monotonic() + args.max_seconds
 
-    straight = work / "straight"
-    ref = start(run_cmd(demo, straight, args.steps, tuple(args.extra)), work / "straight.log")
-    if ref.wait() != 0:
-        print(f"the uninterrupted run failed; see {work / 'straight.log'}")
-        return 1
+    straight = Path(args.straight) if args.straight else work / "straight"
+    if not args.straight:
+        ref = start(run_cmd(demo, straight, args.steps, tuple(args.extra)), work / "straight.log")
+        if ref.wait() != 0:
+            print(f"the uninterrupted run failed; see {work / 'straight.log'}")
+            return 1
 
     run_dir, log_path = work / "killed", work / "killed.log"
     cmd = run_cmd(demo, run_dir, args.steps, tuple(args.extra))

@@ -1,23 +1,34 @@
 """CI's short version of tests/kill_resume.py: kill -9 the demo run (once during a checkpoint
 save when the dice say so), resume, and require the uninterrupted run's metrics and prompts and
-no process left behind; single-turn with the embedded and the in-process engine, and with
-multi-turn episodes of an environment."""
+no process left behind; single-turn with the embedded and the in-process engine (both against
+one uninterrupted run), and with multi-turn episodes of an environment."""
 
+import subprocess
 import time
 
 import psutil
 import pytest
 
-from tests.demo_run import NUDGE
-from tests.kill_resume import main
+from tests.demo_run import ENV, NUDGE, ROOT
+from tests.kill_resume import main, run_cmd
 from tests.launch_nodes import running_with
 
 
+@pytest.fixture(scope="module")
+def straight(demo, tmp_path_factory):
+    """The uninterrupted 8-step run (embedded engine) both engines' killed runs must equal: the
+    in-process engine takes the embedded run's steps (tests/test_trainer_e2e.py), within the
+    comparison's 1e-6."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    assert subprocess.run(run_cmd(demo, run_dir, 8), cwd=ROOT, env=ENV, capture_output=True).returncode == 0
+    return run_dir
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["embedded", "inprocess"])
-def test_kill_minus_9_and_resume(demo, tmp_path, capsys, engine):
-    code = main(["--kills", "3", "--steps", "8", "--seed", "1", "--workdir", str(tmp_path), "--max-seconds", "900",
-                 "--demo", str(demo), f"--extra=rollout.engine={engine}"])
+@pytest.mark.parametrize("engine,kills", [("embedded", 3), ("inprocess", 2)])
+def test_kill_minus_9_and_resume(demo, straight, tmp_path, capsys, engine, kills):
+    code = main(["--kills", str(kills), "--steps", "8", "--seed", "1", "--workdir", str(tmp_path), "--max-seconds",
+                 "900", "--demo", str(demo), f"--straight={straight}", f"--extra=rollout.engine={engine}"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "checkpoints lost: 0" in out and "metrics equal: yes" in out and "prompts equal: yes" in out

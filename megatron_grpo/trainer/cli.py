@@ -38,6 +38,7 @@ from megatron_grpo.config import ConfigError, ExperimentConfig, load_config
 from megatron_grpo.preflight import load_experiment
 from megatron_grpo.preflight.errors import USER_ERRORS, describe_user_error
 from megatron_grpo.preflight.run import check_run
+from megatron_grpo.rollout.http_engine import spawn_servers
 from megatron_grpo.runtime import parallel, stop
 from megatron_grpo.runtime.collectives import RunAborted
 from megatron_grpo.runtime.library_warnings import quiet_library_warnings
@@ -246,15 +247,19 @@ def rank_main(argv: list[str]) -> int:
             check_run(cfg)
     except user_errors() as e:
         return _report(e, rank, args.config, _data_file(args.config, args.overrides))
-    # Deferred, measured (module docstring): the driver's import is most of a rank's start-up,
-    # and megatron-core warns at import, so it comes after quiet_library_warnings().
-    from megatron_grpo.trainer.driver import train
-
+    # Rank 0's rollout servers boot from here, beside the driver's import and the model build
+    # (rollout.http_engine.spawn_servers); the trainer adopts them, and stops them at its end.
+    spawned = (spawn_servers(cfg.rollout, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir)
+               if rank == 0 else None)
     try:
+        # Deferred, measured (module docstring): the driver's import is most of a rank's
+        # start-up, and megatron-core warns at import, so it comes after quiet_library_warnings().
+        from megatron_grpo.trainer.driver import train
+
         parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed,
                             timeout_s=cfg.parallel.distributed_timeout_s, ep=cfg.parallel.ep,
                             vpp=cfg.parallel.vpp, etp=cfg.parallel.etp)
-        train(cfg)
+        train(cfg, spawned)
     except user_errors() as e:
         return _report(e, rank, args.config, cfg.data.train_file)
     except RunAborted as e:
@@ -268,5 +273,7 @@ def rank_main(argv: list[str]) -> int:
         return _report(_lost_peer(rank, detail, cfg), rank, args.config, cfg.data.train_file,
                        code=EXIT_RUN_ABORTED, lost_peer=True)
     finally:
+        if spawned is not None:
+            spawned.stop()  # a run that failed before the trainer adopted them (idempotent)
         parallel.destroy()
     return 0

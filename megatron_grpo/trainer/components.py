@@ -21,6 +21,7 @@ from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rollout.engines import ENGINES
 from megatron_grpo.rollout.http_engine import HttpEngine, run_api_key, start_servers
 from megatron_grpo.rollout.inprocess import InProcessEngine, start_inprocess
+from megatron_grpo.rollout.manager import RolloutServerManager
 from megatron_grpo.rollout.protocol import RolloutEngine
 from megatron_grpo.rollout.multi_turn import EpisodeRunner
 from megatron_grpo.rollout.rollout_function import RolloutFunction
@@ -118,11 +119,13 @@ def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[Promp
                        rollout_function=rollout_function)
 
 
-def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Optional[Probe] = None) -> RolloutEngine:
+def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Optional[Probe] = None,
+                 spawned: Optional[RolloutServerManager] = None) -> RolloutEngine:
     """Collective: rank 0 (``owner``) starts (or connects to) the rollout servers; every rank
     builds its half of the weight sync into them (``probe``: the trainer's log-probs of the
     verification sequence, for engines verified by probe). An in-process engine kind
-    (``rollout.engine: inprocess``) is built in rank 0's process instead, synced in memory."""
+    (``rollout.engine: inprocess``) is built in rank 0's process instead, synced in memory.
+    ``spawned``: rank 0's servers already started at its start-up (``spawn_servers``)."""
     if ENGINES[cfg.rollout.engine].in_process:
         engine = start_inprocess(cfg.rollout, model_dir=cfg.model.hf_dir) if owner else None
         return InProcessEngine(engine, InMemorySyncer(cfg.rollout, hf_config, engine),
@@ -130,9 +133,11 @@ def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Option
     manager = client = None
     # the per-run key of launched servers (run_api_key) lives only in this copy, never in cfg,
     # so neither the saved nor the logged config can hold it
-    rollout_cfg = dataclasses.replace(cfg.rollout, api_key=broadcast(run_api_key(cfg.rollout) if owner else None))
+    key = (spawned.rollout_cfg.api_key if spawned is not None else run_api_key(cfg.rollout)) if owner else None
+    rollout_cfg = dataclasses.replace(cfg.rollout, api_key=broadcast(key))
     if owner:
-        manager, client = start_servers(rollout_cfg, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir)
+        manager, client = start_servers(rollout_cfg, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir,
+                                        spawned=spawned)
     urls = broadcast(manager.urls if owner else None)
     receiver = WeightSyncer(rollout_cfg, urls, hf_config, work_dir=f"{cfg.trainer.run_dir}/weight_sync",
                             client=client, probe=probe)

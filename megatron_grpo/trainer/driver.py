@@ -7,16 +7,20 @@ the logging.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megatron_grpo.config import ExperimentConfig
+from megatron_grpo.rollout.manager import RolloutServerManager
 from megatron_grpo.runtime import stop
 from megatron_grpo.trainer import checkpoint as ckpt
 from megatron_grpo.trainer.trainer import Trainer
 
 
-def train(cfg: ExperimentConfig) -> list[dict]:
+def train(cfg: ExperimentConfig, spawned: Optional[RolloutServerManager] = None) -> list[dict]:
     """Run the experiment; returns rank 0's metric records (empty on other ranks). A stop
-    signal (``runtime/stop.py``) ends it after the step in progress: ``RunStopped``."""
-    trainer = Trainer.build(cfg)
+    signal (``runtime/stop.py``) ends it after the step in progress: ``RunStopped``.
+    ``spawned``: rank 0's rollout servers, started at its start-up (``Trainer.build``)."""
+    trainer = Trainer.build(cfg, spawned)
     try:
         trainer.logger.begin_training()
         stop_before(trainer, trainer.start_step)

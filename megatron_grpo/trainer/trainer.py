@@ -51,6 +51,7 @@ from megatron_grpo.losses import reduce_metrics
 from megatron_grpo.metrics_log import MetricsLogger
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.ops.quantize import scheme_of
+from megatron_grpo.rollout.manager import RolloutServerManager
 from megatron_grpo.runtime.collectives import RunAborted, broadcast
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.sync.syncer import SyncStats
@@ -112,9 +113,10 @@ class Trainer:
     # ---- construction ------------------------------------------------------------------
 
     @classmethod
-    def build(cls, cfg: ExperimentConfig) -> "Trainer":
+    def build(cls, cfg: ExperimentConfig, spawned: Optional[RolloutServerManager] = None) -> "Trainer":
         """Build every component (collective), resume from the last checkpoint when there is
-        one, and sync the engine to the policy's weights."""
+        one, and sync the engine to the policy's weights. ``spawned``: rank 0's rollout
+        servers, already booting (``rollout.http_engine.spawn_servers``)."""
         rank, run_dir = dist.get_rank(), cfg.trainer.run_dir
         tokenizer = load_tokenizer(cfg.model.hf_dir)
         sampler = PromptSampler(load_prompt_dataset(cfg.data, tokenizer), cfg.rollout.prompts_per_step,
@@ -132,7 +134,8 @@ class Trainer:
         side = (build_rollout_side(cfg, tokenizer, sampler, vocab_size=policy.hf_config.vocab_size)
                 if rank == 0 else None)
         http = build_engine(cfg, policy.hf_config, owner=rank == 0,
-                            probe=lambda tokens: probe_log_probs(policy.chunks, tokens, spec, quantization))
+                            probe=lambda tokens: probe_log_probs(policy.chunks, tokens, spec, quantization),
+                            spawned=spawned)
         engine = EngineSupervisor(http, policy.modules, max_attempts=cfg.rollout.max_restarts + 1,
                                   colocate=cfg.rollout.colocate, owner=rank == 0)
         try:
