@@ -91,6 +91,7 @@ def _other_address() -> str:
 
 # ---- the weight-update rendezvous --------------------------------------------------------------
 
+@pytest.mark.slow  # shares one launched engine (~20 s to start on 2 busy cores)
 def test_a_request_cannot_steer_the_weight_update_rendezvous(http):
     port = _free_port()
     base = {"master_port": port, "group_name": "hostile", "backend": "gloo"}
@@ -113,6 +114,7 @@ def test_a_request_cannot_steer_the_weight_update_rendezvous(http):
 
 # ---- bounded work per request ------------------------------------------------------------------
 
+@pytest.mark.slow  # shares one launched engine (~20 s to start on 2 busy cores)
 def test_oversized_requests_are_a_413_with_one_line(http):
     big = b'{"input_ids": [1], "pad": "' + b"x" * (MAX_MB * 2**20) + b'"}'
     assert "--max-request-bytes" in _one_line(http.post("/generate", content=big), 413)
@@ -136,6 +138,7 @@ def test_oversized_requests_are_a_413_with_one_line(http):
     assert r.status_code == 200 and len(r.json()) == MAX_SEQUENCES
 
 
+@pytest.mark.slow  # shares one launched engine (~20 s to start on 2 busy cores)
 def test_health_answers_within_a_second_while_a_huge_text_is_tokenized(launched, http):
     """A text just under the body limit takes seconds to tokenize (then exceeds the token
     bound: 413); /health, polled meanwhile, answers within a second. Tokenized on the event
@@ -169,6 +172,7 @@ def test_health_answers_within_a_second_while_a_huge_text_is_tokenized(launched,
 
 # ---- weights only from trusted directories -----------------------------------------------------
 
+@pytest.mark.slow  # shares one launched engine (~20 s to start on 2 busy cores)
 def test_weights_load_only_from_the_trusted_directories(launched, http, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -224,6 +228,7 @@ def hostile_segments(tmp_path):
         p.unlink(missing_ok=True)
 
 
+@pytest.mark.slow  # shares one launched engine (~20 s to start on 2 busy cores)
 def test_every_shm_route_refuses_hostile_names(http, hostile_segments):
     names, shapes = ["model.norm.weight"], [[64]]
     assert http.post("/begin_weight_update").status_code == 200
