@@ -16,7 +16,7 @@ import pytest
 from megatron_grpo.config.rollout import MultiTurnConfig, RolloutConfig, SGLangConfig
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from megatron_grpo.rollout.client import RolloutClient
-from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.rollout.manager import RolloutServerManager, weight_sync_dir
 from megatron_grpo.rollout.multi_turn import EpisodeRunner
 from megatron_grpo.rollout.turns import TurnRenderer
 from megatron_grpo.rollout.types import SamplingParams
@@ -108,7 +108,8 @@ def test_an_episode_spanning_a_weight_update_is_scored_by_the_new_weights(tok, e
     (prefix sharing is only among the n samples of one request, which a weight update waits
     for), so turn 2, generated after the update, is the new weights' from its first token."""
     old = save_tiny_model(tmp_path / "old", "qwen2", seed=3)
-    new = save_tiny_model(tmp_path / "new", "qwen2", seed=4)
+    # in the run's weight-sync directory: a launched engine loads weights from there only
+    new = save_tiny_model(weight_sync_dir(tmp_path / "run") / "new", "qwen2", seed=4)
     cfg = RolloutConfig(dtype="float32", launch_timeout_s=300)
     with RolloutServerManager(cfg, model_dir=old, run_dir=tmp_path / "run") as manager:
         client = RolloutClient.from_config(cfg, manager.urls)

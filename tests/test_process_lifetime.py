@@ -110,28 +110,51 @@ def test_nothing_outlives_a_killed_launcher(moment, whole_group, demo, tmp_path)
     assert survivors == [], f"alive {GRACE_S:.0f} s after a kill -9 at {moment!r}: {survivors}"
 
 
-def _stop_with(signum: int, to_group: bool, demo: Path, tmp_path: Path) -> tuple[int, str, Path]:
-    """Start a 20-step run, send ``signum`` (to the launcher, or to its process group as a
-    terminal's Ctrl-C does) once two steps are logged; returns (exit code, what the launcher
-    wrote on stderr after the signal, run dir), after checking every process is gone."""
+def _signal_every_process(tree: list[psutil.Process], signum: int) -> None:
+    """``signum`` to each process of ``tree`` at once, as Slurm delivers a job step's signal."""
+    for p in tree:
+        try:
+            p.send_signal(signum)
+        except psutil.Error:
+            pass
+
+
+def _two_steps_logged(run_dir: Path) -> bool:
+    return len(read_metrics(run_dir)) >= 2
+
+
+def _stop_with(signum: int, to: str, demo: Path, tmp_path: Path, *,
+               ready: Callable[[Path], bool] = _two_steps_logged,
+               overrides: tuple[str, ...] = ("checkpoint.save_every=0",)) -> tuple[int, str, Path, float]:
+    """Start a 20-step run, send ``signum`` once ``ready(run_dir)`` (two steps logged): to the
+    launcher (``to="launcher"``), to its process group as a terminal's Ctrl-C does
+    (``"group"``), or to every process of its tree, the engine server included (``"job
+    step"``, as Slurm does); returns (exit code, what the launcher wrote on stderr after the
+    signal, run dir, seconds from the signal to the launcher's exit), after checking every
+    process is gone."""
     run_dir = tmp_path / "run"
     out, err = open(tmp_path / "stdout", "wb"), open(tmp_path / "stderr", "wb")
-    proc = subprocess.Popen(train_cmd(demo, run_dir, 20, "logging.plot=false", "checkpoint.save_every=0"),
+    proc = subprocess.Popen(train_cmd(demo, run_dir, 20, "logging.plot=false", *overrides),
                             cwd=ROOT, env=ENV, stdout=out, stderr=err, start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
     try:
-        while len(read_metrics(run_dir)) < 2:
+        while not ready(run_dir):
             assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
-            assert time.monotonic() < deadline, "two steps not logged in time"
+            assert time.monotonic() < deadline, f"{ready.__name__} not reached in time"
             time.sleep(0.1)
         tree = _tree(proc.pid)
         err.flush()
         offset = (tmp_path / "stderr").stat().st_size
-        (os.killpg if to_group else os.kill)(proc.pid, signum)
+        signalled = time.monotonic()
+        if to == "job step":
+            _signal_every_process(tree, signum)
+        else:
+            (os.killpg if to == "group" else os.kill)(proc.pid, signum)
         code = proc.wait(timeout=DEADLINE_S)
+        seconds = time.monotonic() - signalled
         _, alive = psutil.wait_procs(tree, timeout=GRACE_S)
         assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
-        return code, (tmp_path / "stderr").read_bytes()[offset:].decode(), run_dir
+        return code, (tmp_path / "stderr").read_bytes()[offset:].decode(), run_dir, seconds
     finally:
         for p in _tree(proc.pid):
             try:
@@ -146,7 +169,7 @@ def _stop_with(signum: int, to_group: bool, demo: Path, tmp_path: Path) -> tuple
 def test_sigterm_saves_the_finished_step_and_the_same_command_resumes_there(demo, tmp_path):
     from megatron_grpo.trainer.checkpoint import complete_checkpoints
 
-    code, said, run_dir = _stop_with(signal.SIGTERM, False, demo, tmp_path)
+    code, said, run_dir, _ = _stop_with(signal.SIGTERM, "launcher", demo, tmp_path)
     lines = said.strip().splitlines()
     assert code == 143 and len(lines) == 1, said
     assert lines[0].startswith("error: stopped by SIGTERM after step ") and "saved a checkpoint of step" in lines[0]
@@ -162,6 +185,45 @@ def test_sigterm_saves_the_finished_step_and_the_same_command_resumes_there(demo
 
 @pytest.mark.slow
 def test_ctrl_c_stops_in_one_line(demo, tmp_path):
-    code, said, run_dir = _stop_with(signal.SIGINT, True, demo, tmp_path)
+    code, said, run_dir, _ = _stop_with(signal.SIGINT, "group", demo, tmp_path)
     lines = said.strip().splitlines()
     assert code == 130 and len(lines) == 1 and lines[0].startswith("error: stopped by SIGINT after step "), said
+
+
+@pytest.mark.slow
+def test_slurms_sigterm_to_every_process_saves_and_the_same_command_resumes(demo, tmp_path):
+    """Slurm's stop (``scancel --signal=TERM``, preemption): SIGTERM to every process of the job
+    step at about the same time: the launcher, torchrun, the ranks AND the engine server, which
+    exits of it while the ranks finish their step. Emulated here by signalling each process of
+    the launcher's tree at once, not with real Slurm: the emulated cluster of
+    tests/test_launch_scripts.py tracks a job's processes by process group (proctrack/pgid),
+    which would miss the engine (its own session), while clusters track them by cgroup and
+    reach it. The run must stop within seconds in one line with every process gone, keep the
+    previous complete checkpoint, save the last finished step without the engine, and resume
+    there with the same command."""
+    from megatron_grpo.trainer.checkpoint import complete_checkpoints
+
+    def step_2_saved(run_dir: Path) -> bool:  # then the signal comes during step 3, which is not due
+        return any(step == 2 for step, _ in complete_checkpoints(run_dir))
+
+    code, said, run_dir, seconds = _stop_with(signal.SIGTERM, "job step", demo, tmp_path, ready=step_2_saved,
+                                              overrides=("checkpoint.save_every=2",))
+    lines = said.strip().splitlines()
+    assert code == 143 and len(lines) == 1 and lines[0].startswith("error: stopped by SIGTERM after step "), said
+    stopped_at = int(lines[0].split("after step ")[1].split()[0])
+    checkpoints = [step for step, _ in complete_checkpoints(run_dir)]
+    assert stopped_at >= 3 and checkpoints[-1] == stopped_at, (checkpoints, said)
+    assert len(checkpoints) == 2 and checkpoints[0] % 2 == 0, checkpoints  # the previous one, intact
+    if stopped_at % 2:  # usually: step 3, saved on stop (an even step's checkpoint was due anyway)
+        assert f"saved a checkpoint of step {stopped_at}" in lines[0], lines[0]
+    assert len(read_metrics(run_dir)) == stopped_at
+    launches = (run_dir / "rollout" / "server.log").read_text().count(" launch: ")
+    assert launches == 1, f"the engine was relaunched {launches - 1} times while the run stopped"
+    # the step in progress, a checkpoint and the shutdown: seconds, far from stop_timeout_s
+    assert seconds < 60, seconds
+    print(f"stopped {seconds:.1f} s after the signal: {lines[0]}")
+    resumed = subprocess.run(train_cmd(demo, run_dir, stopped_at + 1, "logging.plot=false"), cwd=ROOT, env=ENV,
+                             capture_output=True, text=True, timeout=DEADLINE_S)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from checkpoint step {stopped_at}" in resumed.stdout + resumed.stderr
+    assert len(read_metrics(run_dir)) == stopped_at + 1

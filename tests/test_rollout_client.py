@@ -8,13 +8,14 @@ References are transformers' own forward of the same checkpoint in this process.
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_grpo.config.rollout import RolloutConfig, SGLangConfig
 from megatron_grpo.rollout import RolloutClient, RolloutError, SamplingParams
-from megatron_grpo.rollout.manager import RolloutServerManager, free_port
+from megatron_grpo.rollout.manager import RolloutServerManager, free_port, weight_sync_dir
 from megatron_grpo.wire.buckets import plan_buckets
 from megatron_grpo.wire.checksum import tensor_checksum
 from megatron_grpo.wire.group import destroy_custom_process_group, init_custom_process_group
@@ -37,11 +38,14 @@ def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+RUN_DIRS: dict[str, Path] = {}  # kind -> run directory of the launched server
+
+
 @pytest.fixture(scope="module", params=["embedded", "sglang"])
 def server(request, model_dir, tmp_path_factory):
     """(kind, url) of a launched server with API key ``API_KEY``."""
     kind = request.param
-    run_dir = tmp_path_factory.mktemp(f"run_{kind}")
+    run_dir = RUN_DIRS[kind] = tmp_path_factory.mktemp(f"run_{kind}")
     if kind == "sglang":
         require_sglang()
     cfg = RolloutConfig(engine=kind, api_key=API_KEY, dtype="float32", launch_timeout_s=600, request_timeout_s=120,
@@ -159,10 +163,19 @@ def assert_served(client, server, hf_model, state, tol):
     assert deltas.mean().item() <= tol
 
 
-def test_update_weights_from_disk(server, client, hf_model, perturbed, tmp_path):
+@pytest.fixture
+def weight_dir(server, tmp_path):
+    """A fresh directory inside the server's run's weight-sync directory (which it trusts)."""
+    path = weight_sync_dir(RUN_DIRS[server[0]]) / tmp_path.name
+    path.mkdir(parents=True)
+    return path
+
+
+def test_update_weights_from_disk(server, client, hf_model, perturbed, weight_dir):
     from safetensors.torch import save_file
 
     kind, url = server
+    tmp_path = weight_dir
     save_file({k: v.contiguous() for k, v in perturbed.items()}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(hf_model.config.to_json_string())
     client.run(client.aio.update_weights_from_disk(url, str(tmp_path), weight_version="7"))
@@ -294,7 +307,7 @@ def test_release_memory_occupation_is_never_called_without_a_gpu():
 
 
 @pytest.mark.parametrize("transport", ["distributed", "tensor", "disk"])
-def test_weight_syncer_transport_against_the_server(server, client, hf_model, perturbed, tmp_path, transport):
+def test_weight_syncer_transport_against_the_server(server, client, hf_model, perturbed, weight_dir, transport):
     """The trainer's own WeightSyncer (buckets, bracket, every transport, the engine's
     verifier and, on SGLang, the log-prob probe) pushing weights into the real server."""
     from megatron_grpo.sync.syncer import WeightSyncer
@@ -310,7 +323,7 @@ def test_weight_syncer_transport_against_the_server(server, client, hf_model, pe
     cfg = RolloutConfig(engine=kind, api_key=API_KEY, weight_sync_transport=transport, weight_update_bucket_mb=1,
                         request_timeout_s=120, verify_logprob_tolerance=1e-5)
     named = [(k, v.contiguous()) for k, v in perturbed.items()]
-    syncer = WeightSyncer(cfg, [url], hf_model.config, work_dir=tmp_path, client=client,
+    syncer = WeightSyncer(cfg, [url], hf_model.config, work_dir=weight_dir, client=client,
                           iter_weights=lambda chunks, hf_config: iter(named), probe=probe)
     try:
         stats = syncer.sync([], step=42)

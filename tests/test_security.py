@@ -300,19 +300,16 @@ def test_safe_unpickler_rejects_arbitrary_globals(tmp_path):
         with pytest.raises(ValueError, match="is not allowed"):
             deserialize_named_tensors(base64.b64encode(payload).decode())
         assert not marker.exists(), name
-    # the allow-list is torch's tensor-rebuild machinery and nothing else (pinned: growing it
-    # is a security decision, not a refactoring)
+    # the allow-list is exactly what the trainer's sender produces (pinned: growing it is a
+    # security decision, not a refactoring; tests/test_security_engine.py derives it from the
+    # sender), plus the two rebuild functions replaced by checked versions
     assert _ALLOWED_GLOBALS == {
         ("torch.multiprocessing.reductions", "rebuild_tensor"),
         ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-        ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
-        ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
         ("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "UntypedStorage"),
         # the storage class a CUDA tensor's reduction carries (found on a GPU); as a callable it
         # can only build a storage, as UntypedStorage already can
         ("torch.storage", "TypedStorage"),
-        ("torch.nn.parameter", "Parameter"),
     }
     for bad in ("not base64!", base64.b64encode(pickle.dumps({"a": 1})).decode()):
         with pytest.raises(ValueError):

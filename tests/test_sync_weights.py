@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.config.rollout import RolloutConfig
-from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.rollout.manager import RolloutServerManager, weight_sync_dir
 from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.testing.distributed import run_distributed
 from megatron_grpo.testing.tiny_models import save_tiny_model
@@ -28,9 +28,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine_url(model_dir, tmp_path_factory):
+    """(url, the run's weight-sync directory: the disk transport's work_dir, which it trusts)."""
     cfg = RolloutConfig(dtype="float32", launch_timeout_s=180)
-    with RolloutServerManager(cfg, model_dir=model_dir, run_dir=tmp_path_factory.mktemp("run")) as manager:
-        yield manager.urls[0]
+    run_dir = tmp_path_factory.mktemp("run")
+    with RolloutServerManager(cfg, model_dir=model_dir, run_dir=run_dir) as manager:
+        yield manager.urls[0], str(weight_sync_dir(run_dir))
 
 
 @torch.no_grad()
@@ -83,7 +85,7 @@ def trainer_logprobs(chunks, hf_config, prompt, output) -> torch.Tensor | None:
     return torch.stack([lp[len(prompt) - 1 + i, t] for i, t in enumerate(output)])
 
 
-def _sync_worker(rank, world_size, url, model_dir, work_dir, transports, corrupt):
+def _sync_worker(rank, world_size, url, work_dir, model_dir, transports, corrupt):
     from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
     from megatron_grpo.rollout import RolloutClient
     from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
@@ -162,16 +164,16 @@ def _check(results, transports, world_size):
 
 
 @pytest.mark.slow
-def test_sync_tp1_dp2_all_transports(engine_url, model_dir, tmp_path):
-    results = run_distributed(_sync_worker, 2, engine_url, model_dir, str(tmp_path), TRANSPORTS, False,
+def test_sync_tp1_dp2_all_transports(engine_url, model_dir):
+    results = run_distributed(_sync_worker, 2, *engine_url, model_dir, TRANSPORTS, False,
                               tp=1, pp=1, timeout_s=400)
     assert _check(results, TRANSPORTS, 2) == ["coordinator+sender", "idle"]  # DP replica 1 sends nothing
     assert results[0]["stats"]["distributed"][1] == NUM_HF_TENSORS
 
 
 @pytest.mark.slow
-def test_sync_tp2_all_transports_and_corruption(engine_url, model_dir, tmp_path):
-    results = run_distributed(_sync_worker, 2, engine_url, model_dir, str(tmp_path), TRANSPORTS, True,
+def test_sync_tp2_all_transports_and_corruption(engine_url, model_dir):
+    results = run_distributed(_sync_worker, 2, *engine_url, model_dir, TRANSPORTS, True,
                               tp=2, pp=1, timeout_s=400)
     assert _check(results, TRANSPORTS, 2) == ["coordinator+sender", "peer"]
     for r in results:  # every rank raises the same error, naming a tensor
@@ -191,15 +193,16 @@ def tied_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tied_engine_url(tied_model_dir, tmp_path_factory):
     cfg = RolloutConfig(dtype="float32", launch_timeout_s=180)
-    with RolloutServerManager(cfg, model_dir=tied_model_dir, run_dir=tmp_path_factory.mktemp("run")) as manager:
-        yield manager.urls[0]
+    run_dir = tmp_path_factory.mktemp("run")
+    with RolloutServerManager(cfg, model_dir=tied_model_dir, run_dir=run_dir) as manager:
+        yield manager.urls[0], str(weight_sync_dir(run_dir))
 
 
 @pytest.mark.slow
-def test_sync_pp2_tied_embeddings_all_transports(tied_engine_url, tied_model_dir, tmp_path):
+def test_sync_pp2_tied_embeddings_all_transports(tied_engine_url, tied_model_dir):
     """PP2 with tied embeddings: the word embedding lives on stage 0 and the output layer on
     stage 1; the tied tensor is sent once (by stage 0) and serves both in the engine."""
-    results = run_distributed(_sync_worker, 2, tied_engine_url, tied_model_dir, str(tmp_path), TRANSPORTS, False,
+    results = run_distributed(_sync_worker, 2, *tied_engine_url, tied_model_dir, TRANSPORTS, False,
                               tp=1, pp=2, timeout_s=400)
     assert _check(results, TRANSPORTS, 2) == ["coordinator+sender", "sender"]
     num_tied_llama = 1 + 2 * 9 + 1  # embed, 2 layers x (2 norms, q, k, v, o, gate, up, down), norm

@@ -44,8 +44,21 @@ class EmbeddedConfig:
     """Rows of the embedded engine's running decode batch; queued sequences join it as rows
     finish (continuous batching)."""
 
+    max_request_sequences: int = 256
+    """Most sequences (inputs times n) the launched engine accepts in one /generate request; more
+    is a 413 (a bound on the work one request can queue). The trainer asks for
+    rollout.num_generations per request and an eval set's n: both must fit (checked at pre-flight)."""
+
+    max_request_tokens: int = 1048576
+    """Most tokens one /generate request may put in flight on the launched engine: per sequence
+    its prompt tokens plus max_new_tokens; more is a 413."""
+
+    max_request_mb: int = 16
+    """Largest request body (MiB) the launched engine reads; a larger one is a 413."""
+
     def __post_init__(self):
-        check(self.max_batch_size >= 1, "max_batch_size", f"must be >= 1, got {self.max_batch_size}")
+        for key in ("max_batch_size", "max_request_sequences", "max_request_tokens", "max_request_mb"):
+            check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
 
 
 BUILTIN_ENVIRONMENTS = ("calculator", "guess_number")

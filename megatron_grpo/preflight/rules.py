@@ -108,11 +108,30 @@ def check_reward(reward_cfg: RewardConfig) -> None:
         _check(problem is None, f"reward.functions[{i}].name", problem or "")
 
 
+def check_request_bounds(cfg: ExperimentConfig) -> None:
+    """A launched embedded engine accepts every /generate the run sends: one request per prompt
+    with rollout.num_generations (or an eval set's n) sequences, each at most
+    data.max_prompt_length + rollout.max_new_tokens tokens (rollout.embedded.max_request_*)."""
+    if cfg.rollout.engine != "embedded" or cfg.rollout.urls:
+        return
+    bounds = cfg.rollout.embedded
+    for key, n in [("rollout.num_generations", cfg.rollout.num_generations),
+                   *((f"eval.sets[{i}].n", s.n) for i, s in enumerate(cfg.eval.sets))]:
+        _check(n <= bounds.max_request_sequences, key,
+               f"{n} exceeds rollout.embedded.max_request_sequences = {bounds.max_request_sequences} (the most "
+               "sequences the launched engine accepts in one request); raise that bound")
+    tokens = cfg.rollout.num_generations * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    _check(tokens <= bounds.max_request_tokens, "rollout.embedded.max_request_tokens",
+           f"{bounds.max_request_tokens} is below the {tokens} tokens one rollout request may hold "
+           "(num_generations x (data.max_prompt_length + max_new_tokens)); raise it")
+
+
 def check_experiment(cfg: ExperimentConfig) -> None:
     """Every rule above on a built experiment config, plus MoE router replay against the
     engine. SGLang's return_routed_experts (its PR 12162) is not verified here, so it is refused."""
     check_rollout(cfg.rollout)
     check_reward(cfg.reward)
+    check_request_bounds(cfg)
     if cfg.algorithm.router_replay:
         _check(ENGINES[cfg.rollout.engine].returns_routing, "algorithm.router_replay",
                f"needs an engine that returns its MoE routing; rollout.engine={cfg.rollout.engine!r} "

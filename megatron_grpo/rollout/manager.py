@@ -37,6 +37,14 @@ from megatron_grpo.runtime.process import die_with_parent, free_port  # noqa: F4
 
 log = logging.getLogger(__name__)
 
+WEIGHT_SYNC_SUBDIR = "weight_sync"
+
+
+def weight_sync_dir(run_dir: str | Path) -> Path:
+    """Where the disk transport writes a run's weights for the engines: a launched engine loads
+    from this directory and the model directory only (``--trusted-weight-dir``)."""
+    return Path(run_dir) / WEIGHT_SYNC_SUBDIR
+
 
 def wait_healthy(url: str, deadline: float, *, alive: Callable[[], bool] = lambda: True,
                  describe: Callable[[], str] = lambda: "") -> None:
@@ -168,7 +176,8 @@ class RolloutServerManager:
         try:
             index = self._servers.index(server)
             cmd = self.adapter.launch_command(self.rollout_cfg, self.model_dir, self.rollout_cfg.host, server.port,
-                                              self.gpu_ids[index] if self.gpu_ids else None)
+                                              self.gpu_ids[index] if self.gpu_ids else None,
+                                              trusted_weight_dirs=[str(weight_sync_dir(self.run_dir))])
         except RuntimeError as e:  # e.g. no SGLang environment on this machine
             raise RolloutError(f"{self.rollout_cfg.engine} server", "launch", str(e)) from None
         server.log_path.parent.mkdir(parents=True, exist_ok=True)

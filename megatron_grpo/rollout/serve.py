@@ -3,7 +3,9 @@
     megatron-grpo serve --model-dir HF_DIR --host 127.0.0.1 --port PORT [--api-key KEY]
 
 Binds loopback by default (anything else exposes the weight-update routes to the network;
-use --api-key then). Also started by the trainer as ``python -m megatron_grpo.rollout.serve``.
+use --api-key then). Also started by the trainer as ``python -m megatron_grpo.rollout.serve``,
+with the request bounds of ``rollout.embedded``, the run's weight-sync directory as a trusted
+weight directory and the run's weight-update master address (``rollout/embedded/policy.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import uvicorn
 
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
 from megatron_grpo.ops.quantize import FP8_DTYPES, scheme_of
+from megatron_grpo.rollout.embedded.policy import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES,
+                                                   DEFAULT_MAX_REQUEST_TOKENS, ServerPolicy)
 from megatron_grpo.rollout.embedded.server import build_app
 from megatron_grpo.rollout.engines.embedded import API_KEY_ENV
 
@@ -42,6 +46,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together (the running batch)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without sampling_seed")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body in bytes; larger ones are a 413 (default: %(default)s)")
+    p.add_argument("--max-request-sequences", type=int, default=DEFAULT_MAX_REQUEST_SEQUENCES,
+                   help="most sequences (inputs x n) one /generate may ask for (default: %(default)s)")
+    p.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS,
+                   help="most tokens one /generate may put in flight: per sequence its prompt plus "
+                        "max_new_tokens (default: %(default)s)")
+    p.add_argument("--trusted-weight-dir", action="append", default=[], metavar="DIR",
+                   help="a directory /update_weights_from_disk may load from (repeatable; the model "
+                        "directory always is); anything outside them is a 403")
+    p.add_argument("--weight-sync-master-address", default=None, metavar="ADDR",
+                   help="the one master address /init_weights_update_group may name (the trainer's "
+                        "rollout.weight_sync_master_address); default: loopback addresses only")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -55,9 +72,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    try:
+        policy = ServerPolicy(max_request_bytes=args.max_request_bytes,
+                              max_request_sequences=args.max_request_sequences,
+                              max_request_tokens=args.max_request_tokens,
+                              trusted_weight_dirs=(args.model_dir, *args.trusted_weight_dir),
+                              weight_sync_master_address=args.weight_sync_master_address)
+    except ValueError as e:
+        print(f"megatron-grpo serve: {e}", file=sys.stderr)
+        return 2
     engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,
                             device=args.device, quantization=scheme_of(args.quantization, args.fp8_format))
-    app = build_app(engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+    app = build_app(engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, policy=policy)
     print(f"megatron-grpo serve: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

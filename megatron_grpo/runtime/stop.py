@@ -66,3 +66,9 @@ class RunStopped(Exception):
     def __init__(self, line: str, signum: int):
         super().__init__(line)
         self.signum = signum
+
+
+class StepInterrupted(Exception):
+    """A stop signal came and the rollout engine failed during the step in progress (under
+    Slurm the engine gets the same SIGTERM as the ranks): the step cannot finish without it,
+    so the run stops after the previous, finished step instead of restarting the engine."""

@@ -21,7 +21,7 @@ from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rollout.engines import ENGINES
 from megatron_grpo.rollout.http_engine import HttpEngine, run_api_key, start_servers
 from megatron_grpo.rollout.inprocess import InProcessEngine, start_inprocess
-from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.rollout.manager import RolloutServerManager, weight_sync_dir
 from megatron_grpo.rollout.protocol import RolloutEngine
 from megatron_grpo.rollout.multi_turn import EpisodeRunner
 from megatron_grpo.rollout.rollout_function import RolloutFunction
@@ -139,6 +139,6 @@ def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Option
         manager, client = start_servers(rollout_cfg, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir,
                                         spawned=spawned)
     urls = broadcast(manager.urls if owner else None)
-    receiver = WeightSyncer(rollout_cfg, urls, hf_config, work_dir=f"{cfg.trainer.run_dir}/weight_sync",
+    receiver = WeightSyncer(rollout_cfg, urls, hf_config, work_dir=weight_sync_dir(cfg.trainer.run_dir),
                             client=client, probe=probe)
     return HttpEngine(manager, client, receiver)

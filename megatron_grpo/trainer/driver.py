@@ -25,7 +25,11 @@ def train(cfg: ExperimentConfig, spawned: Optional[RolloutServerManager] = None)
         trainer.logger.begin_training()
         stop_before(trainer, trainer.start_step)
         for step in range(trainer.start_step, cfg.trainer.num_steps):
-            trainer.step(step)
+            try:
+                trainer.step(step)
+            except stop.StepInterrupted:  # the engine died with the stop signal mid-rollout
+                stop_before(trainer, step)  # raises RunStopped: the finished steps are saved
+                raise
             if step + 1 < cfg.trainer.num_steps:  # after the last step the run is done anyway
                 stop_before(trainer, step + 1)
         trainer.logger.finish(print_summary=True)

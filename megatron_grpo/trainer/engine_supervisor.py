@@ -8,6 +8,13 @@ manager's launch deadline, the syncer's collective error agreement), so a dead e
 error within minutes at worst, never a hang. Generation runs on rank 0 only; recovery is
 collective because the weight sync is. The engine is any ``rollout.protocol.RolloutEngine``.
 
+Stopping (``runtime/stop.py``): once any rank received a stop signal, a failed engine is not
+restarted. Under Slurm the engine server gets the same SIGTERM as the ranks and exits; the
+trainer must stop cleanly without it. A failed generation then raises ``StepInterrupted`` (the
+step cannot finish; the driver stops after the previous one), and a failed weight sync is
+skipped (the step's training is done and is what the stop's checkpoint saves; a resumed run
+syncs a fresh engine first).
+
 Colocated mode (``rollout.colocate``, GPU only): ``release_memory()`` after generation hands
 the engine's weights and KV cache back to the trainer; ``sync`` takes the weights' memory back
 before sending them and the KV cache after, so the engine is whole again before generation.
@@ -21,6 +28,7 @@ from typing import Any, Callable, Optional
 
 from megatron_grpo.rollout.protocol import RolloutEngine
 from megatron_grpo.rollout.types import RolloutError
+from megatron_grpo.runtime import stop
 from megatron_grpo.runtime.collectives import RunAborted, broadcast
 from megatron_grpo.sync.syncer import SyncStats, WeightSyncError
 
@@ -65,6 +73,8 @@ class EngineSupervisor:
             kind, payload = broadcast(outcome)
             if kind == "ok":
                 return payload
+            if stop.agreed_signal():  # collective: every rank is here, after the broadcast
+                raise stop.StepInterrupted(f"generation failed while stopping: {payload}")
             self._recover(step, f"generation failed (attempt {attempt} of {self.max_attempts}): {payload}",
                           attempt)
         raise AssertionError("unreachable")
@@ -104,7 +114,11 @@ class EngineSupervisor:
         for attempt in range(1, self.max_attempts + 1):
             try:
                 return self.engine.receive_weights(self.modules, step)
-            except WeightSyncError as e:
+            except WeightSyncError as e:  # raised on every rank (the syncer agrees on errors)
+                if stop.agreed_signal():
+                    log.warning("weight sync skipped: the run is stopping and the engine failed (%s)", e)
+                    self.engine.forget_weights()
+                    return SyncStats(step=step)
                 self._recover(step, f"weight sync failed (attempt {attempt} of {self.max_attempts}): {e}",
                               attempt, resync=False)
 

@@ -52,6 +52,7 @@ from megatron_grpo.metrics_log import MetricsLogger
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.ops.quantize import scheme_of
 from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.runtime import stop
 from megatron_grpo.runtime.collectives import RunAborted, broadcast
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.sync.syncer import SyncStats
@@ -257,7 +258,10 @@ class Trainer:
             return {}
         evaluator = self.evaluator
         rounds = broadcast(evaluator.rounds() if evaluator is not None else None)
-        results = [self.engine.rollout(step, lambda r=r: evaluator.run_round(step, r)) for r in rounds]
+        try:
+            results = [self.engine.rollout(step, lambda r=r: evaluator.run_round(step, r)) for r in rounds]
+        except stop.StepInterrupted:  # the engine is gone and the run stops: the step's training stands
+            return {}
         if evaluator is None:
             return {}
         evaluator.write_samples(Path(self.cfg.trainer.run_dir) / "eval", step, results)

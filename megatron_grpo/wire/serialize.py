@@ -15,8 +15,9 @@ base64-encodes the bytes for JSON. Two kinds of handle:
   The receiver maps the UUID back to its own index. The sender must keep the tensor alive
   until the receiver has loaded it (the tensor transport waits for the answer).
 
-The receiver unpickles with an allow-list of the globals torch's reductions use, so a
-request cannot run arbitrary code through pickle.
+The receiver unpickles with an allow-list of exactly the globals the sender produces, so a
+request cannot run arbitrary code through pickle, and maps a CPU tensor's segment only after
+the check every shared-memory route applies (``shm.segment_problem``).
 """
 
 from __future__ import annotations
@@ -32,18 +33,19 @@ import torch
 import torch.multiprocessing as torch_mp
 import torch.multiprocessing.reductions as reductions
 
+from megatron_grpo.wire.shm import torch_segment_problem
+
+# Exactly the globals the trainer's own sender (``serialize_named_tensors`` of views of one
+# packed bucket) produces: a CPU tensor (file_system sharing) and a CUDA tensor (its reduction
+# carries its storage's class, ``type(tensor._typed_storage())``). Pinned by
+# tests/test_security.py: growing it is a security decision, not a refactoring.
 _ALLOWED_GLOBALS = {
     ("torch.multiprocessing.reductions", "rebuild_tensor"),
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
-    ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
     ("torch", "Tensor"),
     ("torch", "Size"),
     ("torch.storage", "UntypedStorage"),
-    # A CUDA tensor's reduction carries its storage's class (``type(tensor._typed_storage())``).
     ("torch.storage", "TypedStorage"),
-    ("torch.nn.parameter", "Parameter"),
 }
 
 # Position of the storage device in ``rebuild_cuda_tensor``'s arguments (the tuple that
@@ -110,10 +112,23 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> st
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def rebuild_storage_filename_checked(cls, manager, handle, size, dtype=None):
+    """torch's ``rebuild_storage_filename``, once the segment and its manager socket pass the
+    check every shared-memory route applies (``shm.torch_segment_problem``): a payload cannot
+    make the receiver map another user's segment, a file outside /dev/shm, or talk to an
+    arbitrary socket."""
+    problem = torch_segment_problem(manager, handle)
+    if problem is not None:
+        raise pickle.UnpicklingError(problem)
+    return reductions.rebuild_storage_filename(cls, manager, handle, size, dtype)
+
+
 class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
             return rebuild_cuda_tensor_by_uuid
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_storage_filename"):
+            return rebuild_storage_filename_checked
         if (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -125,7 +140,7 @@ def deserialize_named_tensors(text: str) -> list[tuple[str, torch.Tensor]]:
     """Inverse of ``serialize_named_tensors`` (allow-listed unpickling); ValueError if malformed."""
     try:
         data = _SafeUnpickler(io.BytesIO(base64.b64decode(text, validate=True))).load()
-    except (pickle.UnpicklingError, ValueError, EOFError, TypeError) as e:
+    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, RuntimeError, OSError) as e:
         raise ValueError(f"cannot deserialize named tensors: {e}") from None
     if not isinstance(data, list) or not all(
         isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)

@@ -22,16 +22,69 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 import uuid
 import warnings
 import weakref
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "megatron_grpo_bucket_"
 _NAME = re.compile(rf"^{PREFIX}(\d+)_[0-9a-f]{{16}}$")
+
+TORCH_SEGMENT = re.compile(r"^torch_\d+_\d+_\d+$")
+"""A torch ``file_system`` sharing segment (``/dev/shm/torch_<pid>_<random>_<counter>``): what
+SGLang's tensor format names for a CPU tensor (``serialize.py``)."""
+
+TORCH_MANAGER_SOCKET = re.compile(r"^/(?:[^/\0]+/)*torch-shm-dir-[A-Za-z0-9_]+/manager\.sock$")
+"""torch_shm_manager's socket, which the receiver of a torch segment registers it with."""
+
+_KIND = {_NAME: "megatron-grpo bucket", TORCH_SEGMENT: "torch shared-memory"}
+
+
+def segment_problem(path: str | Path, pattern: re.Pattern, directory: Path = SHM_DIR) -> Optional[str]:
+    """Why a request may not make this process map ``path`` (None: it may). The one check every
+    route that takes a shared-memory name applies: a file named like ``pattern`` directly in
+    ``directory`` (no ``..``, no other directory), a regular file and not a link, owned by this
+    process's user. Another user's segment is refused even when readable; this user's other
+    processes are the same trust domain (they could read this process's memory anyway)."""
+    p = Path(path)
+    if p.parent != directory or not pattern.match(p.name):
+        return f"shm name {str(path)!r} is not a {_KIND.get(pattern, 'shared-memory')} segment in {directory}"
+    try:
+        st = os.lstat(p)
+    except OSError as e:
+        return f"cannot open shm segment {p}: {e.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"shm segment {p} is not a regular file"
+    if st.st_uid != os.getuid():
+        return f"shm segment {p} belongs to another user"
+    return None
+
+
+def torch_segment_problem(manager: bytes | str, handle: bytes | str) -> Optional[str]:
+    """``segment_problem`` for a torch ``file_system`` handle (``/torch_...``, the name given to
+    shm_open) and the manager socket it is registered with (this user's socket, named as
+    torch_shm_manager names it); None when both may be used."""
+    manager = os.fsdecode(manager)
+    handle = os.fsdecode(handle)
+    if not handle.startswith("/"):
+        return f"shm name {handle!r} is not a torch shared-memory segment in {SHM_DIR}"
+    problem = segment_problem(SHM_DIR / handle[1:], TORCH_SEGMENT)
+    if problem is not None:
+        return problem
+    if not TORCH_MANAGER_SOCKET.match(manager) or "/../" in manager or "/./" in manager:
+        return f"shm manager {manager!r} is not a torch_shm_manager socket"
+    try:
+        st = os.lstat(manager)
+    except OSError as e:
+        return f"cannot use shm manager {manager}: {e.strerror}"
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+        return f"shm manager {manager} is not a socket of this user"
+    return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -96,19 +149,23 @@ class ShmSegment:
 def open_segment(path: str, nbytes: int, directory: Path = SHM_DIR) -> tuple[mmap.mmap, torch.Tensor]:
     """The receiver's read-only mapping of a sender's segment: (mmap, uint8 tensor [size]).
 
-    Only files named like a ``ShmSegment`` directly in ``directory`` are opened (a request
-    cannot make the engine map an arbitrary file); ValueError otherwise or if the file holds
-    fewer than ``nbytes`` bytes.
+    Only this user's files named like a ``ShmSegment`` directly in ``directory`` are opened
+    (``segment_problem``: a request cannot make the engine map an arbitrary file); ValueError
+    otherwise or if the file holds fewer than ``nbytes`` bytes.
     """
+    problem = segment_problem(path, _NAME, directory)
+    if problem is not None:
+        raise ValueError(problem)
     p = Path(path)
-    if p.parent != directory or not _NAME.match(p.name):
-        raise ValueError(f"shm path {path!r} is not a megatron-grpo bucket segment in {directory}")
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         raise ValueError(f"cannot open shm segment {path}: {e.strerror}") from None
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():  # swapped in after the check
+            raise ValueError(f"shm segment {path} belongs to another user")
+        size = st.st_size
         if size < nbytes:
             raise ValueError(f"shm segment {path} holds {size} bytes, the bucket needs {nbytes}")
         # MAP_POPULATE: map every page now, not one fault per 4 KiB during the first copy

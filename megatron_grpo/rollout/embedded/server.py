@@ -11,8 +11,13 @@ Differences from SGLang, all deliberate:
   400 naming the key unless left at SGLang's default;
 * ``input_token_logprobs`` use the request's temperature, like the output log-probs.
 
-Blocking work (waiting for generation, receiving broadcasts, loading weights) runs in worker
-threads so the event loop keeps answering ``/health`` and ``/pause_generation`` meanwhile.
+Blocking work (tokenizing and checking a /generate body, waiting for generation, receiving
+broadcasts, loading weights) runs in worker threads so the event loop keeps answering
+``/health`` and ``/pause_generation`` meanwhile.
+
+What a request may make the server do is bounded by its ``ServerPolicy`` (``policy.py``): the
+body's size (413), a /generate's sequences and tokens in flight (413), the directories
+/update_weights_from_disk loads from (403) and the weight-update group a request may join (400).
 
 Route groups, each a few methods of ``_Routes`` (which holds the engine) that ``build_app`` registers:
 
@@ -30,6 +35,7 @@ Route groups, each a few methods of ``_Routes`` (which holds the engine) that ``
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from typing import Any, Callable, Optional
@@ -40,6 +46,8 @@ from fastapi.responses import JSONResponse, Response
 from megatron_grpo.rollout import routed_experts
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine, EngineError
 from megatron_grpo.rollout.embedded.generation import Sequence
+from megatron_grpo.rollout.embedded.policy import (ServerPolicy, rendezvous_problem, request_size_problem,
+                                                   trusted_weight_dir, untrusted_weight_path_message)
 from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
 from megatron_grpo.wire.serialize import deserialize_named_tensors
 
@@ -73,11 +81,27 @@ def _result(success: bool = True, message: str = "ok", **extra: Any) -> JSONResp
     return JSONResponse({"success": success, "message": message, **extra}, status_code=200 if success else 400)
 
 
-async def _body(request: Request) -> dict:
-    """The request's JSON object; anything else is a 400."""
+class RequestTooLarge(ValueError):
+    """A request past one of the server's bounds (HTTP 413)."""
+
+
+async def _body(request: Request, max_bytes: int) -> dict:
+    """The request's JSON object, read only up to ``max_bytes`` (413 past it, whatever the
+    Content-Length header claims); anything but a JSON object is a 400."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise HTTPException(413, f"the request body of {int(declared)} bytes exceeds this server's limit of "
+                                 f"{max_bytes} bytes (--max-request-bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise HTTPException(413, f"the request body exceeds this server's limit of {max_bytes} bytes "
+                                     "(--max-request-bytes)")
+        chunks.append(chunk)
     try:
-        data = await request.json()
-    except ValueError:
+        data = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         raise HTTPException(400, "the request body must be JSON") from None
     if not isinstance(data, dict):
         raise HTTPException(400, "the request body must be a JSON object")
@@ -131,11 +155,13 @@ def _all_finished(items: list[Sequence]) -> asyncio.Future:
 # ---- the app ---------------------------------------------------------------------------
 
 
-def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None) -> FastAPI:
+def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None,
+              policy: ServerPolicy = ServerPolicy()) -> FastAPI:
     """The HTTP app serving ``engine``; with ``api_key`` every route but /health needs
-    ``Authorization: Bearer <api_key>`` (SGLang's rule) and answers 401 otherwise."""
+    ``Authorization: Bearer <api_key>`` (SGLang's rule) and answers 401 otherwise. ``policy``
+    bounds what one request may make it do (``policy.py``)."""
     app = FastAPI(title="megatron-grpo embedded rollout engine", openapi_url=None)
-    routes = _Routes(engine, api_key)
+    routes = _Routes(engine, api_key, policy)
     if api_key:
         app.middleware("http")(routes.authenticate)
     app.exception_handler(HTTPException)(_http_error)
@@ -148,9 +174,13 @@ class _Routes:
     """Every route's handler, over one engine. Handlers that only read or flip engine state run on
     the event loop; those that may block go through ``_in_thread``."""
 
-    def __init__(self, engine: EmbeddedEngine, api_key: Optional[str]) -> None:
+    def __init__(self, engine: EmbeddedEngine, api_key: Optional[str], policy: ServerPolicy) -> None:
         self.engine = engine
         self.api_key = api_key
+        self.policy = policy
+
+    async def _body(self, request: Request) -> dict:
+        return await _body(request, self.policy.max_request_bytes)
 
     def table(self) -> list[tuple[str, list[str], Callable]]:
         """(path, methods, handler) of every route, in registration order."""
@@ -213,9 +243,11 @@ class _Routes:
     # ---- generation ---------------------------------------------------------------------
 
     async def generate(self, request: Request):
-        req = await _body(request)
-        try:
-            items, single = _parse_generate(self.engine, req)
+        req = await self._body(request)
+        try:  # in a thread: tokenizing a long text must not stall the event loop
+            items, single = await asyncio.to_thread(_parse_generate, self.engine, req, self.policy)
+        except RequestTooLarge as e:
+            raise HTTPException(413, str(e)) from None
         except (EngineError, ValueError, TypeError) as e:
             return _bad_request(str(e))
         done = _all_finished(items)  # set before submitting: a sequence may finish at once
@@ -237,7 +269,7 @@ class _Routes:
         return Response(content="Cache flushed.\n", status_code=200)
 
     async def pause_generation(self, request: Request):
-        req = await _body(request)
+        req = await self._body(request)
         await _in_thread(self.engine.pause, req.get("mode", "abort"))
         return {"message": "Generation paused successfully.", "status": "ok"}
 
@@ -248,14 +280,16 @@ class _Routes:
     # ---- weight updates from disk, tensor and shm ---------------------------------------
 
     async def update_weights_from_disk(self, request: Request):
-        req = await _body(request)
+        req = await self._body(request)
         if not isinstance(req.get("model_path"), str) or not req["model_path"]:
             return _bad_request("model_path is required (a directory path string)")
+        directory = trusted_weight_dir(self.policy, req["model_path"])
+        if directory is None:
+            raise HTTPException(403, untrusted_weight_path_message(self.policy))
 
         def load() -> int:
             with self.engine.exclusive():
-                return self.engine.load_from_disk(req["model_path"],
-                                                  compute_checksums=bool(req.get("compute_checksums")))
+                return self.engine.load_from_disk(str(directory), compute_checksums=bool(req.get("compute_checksums")))
 
         count = await _in_thread(load)
         return _result(True, f"Loaded {count} tensors from {req['model_path']}."
@@ -270,7 +304,7 @@ class _Routes:
         return _result(True, "Weight update session ended.")
 
     async def update_weights_from_tensor(self, request: Request):
-        req = await _body(request)
+        req = await self._body(request)
         if not self.engine.in_update_session:
             return _bad_request(_NO_SESSION.format(route="update_weights_from_tensor"))
         if req.get("load_format") not in (None, "direct"):
@@ -293,7 +327,7 @@ class _Routes:
 
     async def update_weights_from_shm(self, request: Request):
         # embedded only: the CPU tensor transport's cheaper wire (wire/shm.py)
-        req = await _body(request)
+        req = await self._body(request)
         if not self.engine.in_update_session:
             return _bad_request(_NO_SESSION.format(route="update_weights_from_shm"))
         try:
@@ -308,13 +342,17 @@ class _Routes:
     # ---- the distributed weight-update group --------------------------------------------
 
     async def init_weights_update_group(self, request: Request):
-        req = await _body(request)
+        req = await self._body(request)
         try:
             kwargs = dict(master_address=str(req["master_address"]), master_port=int(req["master_port"]),
                           rank_offset=int(req["rank_offset"]), world_size=int(req["world_size"]),
                           backend=str(req.get("backend", "gloo")))
         except (KeyError, TypeError, ValueError) as e:
             return _bad_request(f"bad init_weights_update_group request: {e}")
+        problem = rendezvous_problem(self.policy, master_address=kwargs["master_address"],
+                                     rank_offset=kwargs["rank_offset"], world_size=kwargs["world_size"])
+        if problem is not None:
+            return _bad_request(problem)
         if kwargs["backend"] not in self.engine.backends:
             return _bad_request(f"backend {kwargs['backend']!r} is not supported on this engine "
                                 f"({', '.join(self.engine.backends)} on {self.engine.device})")
@@ -329,7 +367,7 @@ class _Routes:
         return _result(True, f"Initialized weight update group {group_name}.")
 
     async def update_weights_from_distributed(self, request: Request):
-        req = await _body(request)
+        req = await self._body(request)
         if not self.engine.in_update_session:
             return _bad_request(_NO_SESSION.format(route="update_weights_from_distributed"))
         try:
@@ -347,7 +385,7 @@ class _Routes:
         return _result(True, f"Loaded {count} tensors." + self._set_version(req.get("weight_version")))
 
     async def destroy_weights_update_group(self, request: Request):
-        req = await _body(request)
+        req = await self._body(request)
         await _in_thread(self.engine.destroy_group, str(req.get("group_name", "weight_update_group")))
         return _result(True, "Destroyed weight update group.")
 
@@ -357,7 +395,7 @@ class _Routes:
         return {"weight_version": self.engine.weight_version}
 
     async def update_weight_version(self, request: Request):
-        req = await _body(request)
+        req = await self._body(request)
         if "new_version" not in req:
             return _bad_request("new_version is required")
         self._set_version(req["new_version"])
@@ -366,19 +404,20 @@ class _Routes:
     # ---- weight inspection and checksums ------------------------------------------------
 
     async def get_weights_by_name(self, request: Request):
-        req = await _body(request)
+        req = await self._body(request)
         return await _in_thread(self.engine.weights_by_name, str(req.get("name")),
                                 int(req.get("truncate_size", 100)))
 
     async def weights_checksum(self, request: Request):
-        req = await _body(request)
+        req = await self._body(request)
         names = req.get("names")
         return {"weight_version": self.engine.weight_version,
                 "checksums": await _in_thread(self.engine.checksums, names)}
 
 
-def _parse_generate(engine: EmbeddedEngine, req: dict) -> tuple[list[Sequence], bool]:
-    """A /generate body -> the sequences to run (prompt-major with n) and whether it was single."""
+def _parse_generate(engine: EmbeddedEngine, req: dict, policy: ServerPolicy) -> tuple[list[Sequence], bool]:
+    """A /generate body -> the sequences to run (prompt-major with n) and whether it was single.
+    RequestTooLarge past ``policy``'s bounds, checked before any sequence is built."""
     unknown = sorted(set(req) - _GENERATE_KEYS)
     if unknown:
         raise EngineError(f"unknown /generate key(s) {unknown}")
@@ -399,7 +438,14 @@ def _parse_generate(engine: EmbeddedEngine, req: dict) -> tuple[list[Sequence], 
     if not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
         raise EngineError("input_ids must be a non-empty list of token ids or a list of such lists")
     count = len(prompts)
+    too_large = request_size_problem(policy, count, 0)  # every input is at least one sequence
+    if too_large:
+        raise RequestTooLarge(too_large)
     params = [resolve_sampling_params(p) for p in _per_item(req.get("sampling_params"), count, "sampling_params")]
+    too_large = request_size_problem(policy, sum(p.n for p in params),
+                                     sum(p.n * (len(prompt) + p.max_new_tokens) for prompt, p in zip(prompts, params)))
+    if too_large:
+        raise RequestTooLarge(too_large)
     starts = _per_item(req.get("logprob_start_len", -1), count, "logprob_start_len")
     returns = _per_item(req.get("return_logprob", False), count, "return_logprob")
     routed = _per_item(req.get("return_routed_experts", False), count, "return_routed_experts")

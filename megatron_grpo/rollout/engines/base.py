@@ -6,7 +6,7 @@ against the capabilities declared here when the config is loaded.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from megatron_grpo.config.rollout import RolloutConfig
 
@@ -62,9 +62,11 @@ class EngineAdapter:
     # ---- launching ------------------------------------------------------------------------
 
     def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,
-                       gpu_ids: Optional[list[int]] = None) -> list[str]:
+                       gpu_ids: Optional[list[int]] = None, trusted_weight_dirs: Sequence[str] = ()) -> list[str]:
         """The server's command line; ``gpu_ids``: the CUDA devices it runs on (None without
-        CUDA), from ``runtime.placement.engine_gpu_ids``."""
+        CUDA), from ``runtime.placement.engine_gpu_ids``; ``trusted_weight_dirs``: the
+        directories /update_weights_from_disk may load from besides the model directory (the
+        run's weight-sync directory), for engines that can restrict it."""
         raise NotImplementedError
 
     def launch_env(self, rollout_cfg: RolloutConfig, env: dict[str, str]) -> dict[str, str]:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import sys
-
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.rollout.engines.base import EngineAdapter, EngineKindMismatch
@@ -27,12 +26,21 @@ class EmbeddedAdapter(EngineAdapter):
     fp8_formats = frozenset({"e4m3", "e5m2"})
 
     def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,
-                       gpu_ids: Optional[list[int]] = None) -> list[str]:
+                       gpu_ids: Optional[list[int]] = None, trusted_weight_dirs: Sequence[str] = ()) -> list[str]:
         # The API key travels in the environment (launch_env), not argv, where `ps` shows it.
         device = f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"
+        embedded = rollout_cfg.embedded
         cmd = [sys.executable, "-m", "megatron_grpo.rollout.serve", "--model-dir", model_dir, "--host", host,
                "--port", str(port), "--dtype", rollout_cfg.dtype,
-               "--max-batch-size", str(rollout_cfg.embedded.max_batch_size), "--device", device]
+               "--max-batch-size", str(embedded.max_batch_size), "--device", device,
+               # what one request may make the server do (rollout/embedded/policy.py)
+               "--max-request-sequences", str(embedded.max_request_sequences),
+               "--max-request-tokens", str(embedded.max_request_tokens),
+               "--max-request-bytes", str(embedded.max_request_mb * 2**20)]
+        for directory in trusted_weight_dirs:
+            cmd += ["--trusted-weight-dir", str(directory)]
+        if rollout_cfg.weight_sync_master_address:  # null: the trainer's 127.0.0.1, the server's default
+            cmd += ["--weight-sync-master-address", rollout_cfg.weight_sync_master_address]
         if rollout_cfg.quantization:
             cmd += ["--quantization", rollout_cfg.quantization, "--fp8-format", rollout_cfg.fp8_format]
         return cmd

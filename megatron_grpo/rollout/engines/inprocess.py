@@ -4,7 +4,7 @@ run inside trainer rank 0's process (``rollout/inprocess.py``), synced by an in-
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.rollout.engines.base import EngineAdapter
@@ -26,5 +26,5 @@ class InProcessAdapter(EngineAdapter):
         return 0  # it runs on trainer rank 0's device
 
     def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,
-                       gpu_ids: Optional[list[int]] = None) -> list[str]:
+                       gpu_ids: Optional[list[int]] = None, trusted_weight_dirs: Sequence[str] = ()) -> list[str]:
         raise ValueError("rollout.engine=inprocess is not a server: nothing is launched (the trainer builds it)")

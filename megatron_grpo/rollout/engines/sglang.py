@@ -34,7 +34,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import yaml
 
@@ -143,7 +143,9 @@ class SGLangAdapter(EngineAdapter):
         return find_sglang_python(rollout_cfg.sglang.python)[1] or None
 
     def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,
-                       gpu_ids: Optional[list[int]] = None) -> list[str]:
+                       gpu_ids: Optional[list[int]] = None, trusted_weight_dirs: Sequence[str] = ()) -> list[str]:
+        # trusted_weight_dirs: SGLang has no option to restrict /update_weights_from_disk
+        # (docs/fault_tolerance.md, "Security defaults", says what remains open)
         python, problem = find_sglang_python(rollout_cfg.sglang.python)
         if python is None:
             raise RuntimeError(problem)

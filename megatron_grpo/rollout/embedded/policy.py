@@ -1,0 +1,118 @@
+"""What one request may make the embedded engine's server do, decided before the engine acts.
+
+A request comes from whoever holds the API key (or anyone, on a server started without one),
+so the server checks every request against what it was told at launch (``megatron-grpo
+serve``'s options; the trainer passes them from its config) instead of trusting the body:
+
+* **bounded work**: a body of at most ``max_request_bytes`` (413), at most
+  ``max_request_sequences`` sequences (the inputs times their ``n``) and at most
+  ``max_request_tokens`` tokens in flight (each sequence's prompt plus its ``max_new_tokens``);
+  past a bound the answer is a 413 naming it, before anything is queued;
+* **weights from trusted directories only**: ``/update_weights_from_disk`` loads a directory
+  inside one of ``trusted_weight_dirs`` (the model directory and the run's weight-sync
+  directory), after resolving symbolic links, and reads nothing elsewhere;
+* **the weight-update rendezvous the trainer configured**: ``/init_weights_update_group``
+  joins a group only as a non-zero rank (rank 0, the trainer's sender, hosts the group's store:
+  this engine never listens for it) of a group of consistent size, at the master address the
+  server was launched with (``weight_sync_master_address``; loopback when not given).
+
+Each check is a small pure function returning the one-line problem (None when fine), so the
+HTTP layer (``server.py``) only maps problems to status codes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from megatron_grpo.runtime.placement import is_loopback
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+DEFAULT_MAX_REQUEST_SEQUENCES = 256
+DEFAULT_MAX_REQUEST_TOKENS = 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerPolicy:
+    """The launch-time bounds of the embedded engine's server (see the module docstring)."""
+
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Largest request body in bytes (413 past it)."""
+
+    max_request_sequences: int = DEFAULT_MAX_REQUEST_SEQUENCES
+    """Most sequences one /generate may ask for: its inputs times their ``n``."""
+
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+    """Most tokens one /generate may put in flight: the sum over its sequences of the prompt's
+    tokens plus ``max_new_tokens``."""
+
+    trusted_weight_dirs: tuple[str, ...] = ()
+    """Directories /update_weights_from_disk may load from (and anything inside them)."""
+
+    weight_sync_master_address: Optional[str] = None
+    """The one master address /init_weights_update_group may name; None: loopback addresses only."""
+
+    def __post_init__(self):
+        for key in ("max_request_bytes", "max_request_sequences", "max_request_tokens"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+
+
+def request_size_problem(policy: ServerPolicy, num_sequences: int, num_tokens: int) -> Optional[str]:
+    """Why a /generate of ``num_sequences`` sequences holding ``num_tokens`` tokens in all
+    (prompts plus max_new_tokens, per sequence) is too large for ``policy`` (None: it is not)."""
+    if num_sequences > policy.max_request_sequences:
+        return (f"the request asks for {num_sequences} sequences (inputs x n); this server accepts at most "
+                f"{policy.max_request_sequences} per request (--max-request-sequences)")
+    if num_tokens > policy.max_request_tokens:
+        return (f"the request puts {num_tokens} tokens in flight (prompt + max_new_tokens, per sequence); this "
+                f"server accepts at most {policy.max_request_tokens} per request (--max-request-tokens)")
+    return None
+
+
+def trusted_weight_dir(policy: ServerPolicy, model_path: str) -> Optional[Path]:
+    """``model_path`` resolved (symbolic links followed), when it lies inside a trusted weight
+    directory; None otherwise (the caller refuses it without reading anything there)."""
+    try:
+        resolved = Path(os.path.realpath(model_path))
+    except (OSError, ValueError):  # an embedded NUL byte, a path too long
+        return None
+    for trusted in policy.trusted_weight_dirs:
+        root = Path(os.path.realpath(trusted))
+        if resolved == root or root in resolved.parents:
+            return resolved
+    return None
+
+
+def untrusted_weight_path_message(policy: ServerPolicy) -> str:
+    """The one line answering a load from outside the trusted directories (it names neither the
+    path's contents nor any tensor: what lies there is not the requester's to learn)."""
+    dirs = ", ".join(policy.trusted_weight_dirs) or "none"
+    return (f"model_path is outside the directories this server loads weights from ({dirs}); start it with "
+            "--trusted-weight-dir DIR to add one")
+
+
+def rendezvous_problem(policy: ServerPolicy, *, master_address: str, rank_offset: int, world_size: int,
+                       tp_size: int = 1) -> Optional[str]:
+    """Why this engine (``tp_size`` ranks) must not join the group a request describes (None: it may).
+
+    Rank 0 is the trainer's sending rank, which hosts the group's store: an engine rank 0
+    would listen on ``master_address``, which a request must not choose. The master address
+    must be the one the server was launched with (loopback when none was given).
+    """
+    if world_size < 1 + tp_size:
+        return f"world_size must be >= {1 + tp_size} (the trainer's rank 0 and this engine's {tp_size}), got {world_size}"
+    if not 1 <= rank_offset <= world_size - tp_size:
+        return (f"rank_offset must be in [1, {world_size - tp_size}] for world_size {world_size}: rank 0 is the "
+                f"trainer's sender, which hosts the group's store (got {rank_offset})")
+    allowed = policy.weight_sync_master_address
+    if allowed is None:
+        if not is_loopback(master_address):
+            return (f"master_address {master_address!r} is not a loopback address; this server joins weight-update "
+                    "groups on loopback only (start it with --weight-sync-master-address ADDR to allow ADDR)")
+    elif master_address != allowed:
+        return (f"master_address {master_address!r} is not the weight-update master address this server was "
+                f"started with ({allowed})")
+    return None
