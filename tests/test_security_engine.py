@@ -142,8 +142,8 @@ def test_oversized_requests_are_a_413_with_one_line(http):
 def test_health_answers_within_a_second_while_a_huge_text_is_tokenized(launched, http):
     """A text just under the body limit takes seconds to tokenize (then exceeds the token
     bound: 413); /health, polled meanwhile, answers within a second. Tokenized on the event
-    loop, one probe would wait for the whole tokenization (> 3 s): the slowest probe must stay
-    well under the tokenization's time. A loaded shared machine can delay any single probe by
+    loop, one probe would wait for the whole tokenization: the slowest probe must stay well
+    under the tokenization's time. A loaded shared machine can delay any single probe by
     a scheduling slice (one took 1.44 s at load 13 on 2 cores, and 2 of 7 runs then failed a
     95th-percentile bound), so the one-second bound is on the median probe."""
     url = launched[0]
@@ -163,10 +163,11 @@ def test_health_answers_within_a_second_while_a_huge_text_is_tokenized(launched,
             started = time.monotonic()
             assert probe.get("/health").status_code == 200
             probes.append(time.monotonic() - started)
-            time.sleep(0.05)
+            time.sleep(0.02)
     thread.join()
     assert "--max-request-tokens" in _one_line(answer["response"], 413)
-    assert answer["seconds"] > 3.0 and len(probes) >= 10, (answer["seconds"], probes)  # it was in flight
+    # it was in flight for many probes (2.7 s on a quiet 2-core machine, 5-11 s loaded)
+    assert len(probes) >= 10, (answer["seconds"], probes)
     probes.sort()
     assert probes[len(probes) // 2] < 1.0 and probes[-1] < answer["seconds"] / 2, probes
 
