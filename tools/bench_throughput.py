@@ -84,14 +84,14 @@ def build_task(out: Path, steps: int, seed: int) -> Path:
     from transformers import AutoModelForCausalLM
 
     from megatron_grpo.data.synthetic import all_problems, generate, write_jsonl
-    from megatron_grpo.testing.tiny_models import WORDS, build_tokenizer, tiny_config
+    from megatron_grpo.testing.tiny_models import DEMO_ARCH, WORDS, build_tokenizer, tiny_config
     from megatron_grpo.testing.warmup import supervised_step
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = build_tokenizer()
     model = AutoModelForCausalLM.from_config(
-        tiny_config("qwen2", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2),
+        tiny_config("qwen2", **DEMO_ARCH),
         dtype=torch.float32)
     problems = all_problems(MAX_OPERAND, ["+"])
     answers = sorted({a for _, a in problems})

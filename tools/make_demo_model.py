@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from megatron_grpo.data.synthetic import all_problems, generate, held_out_problems, write_jsonl
-from megatron_grpo.testing.tiny_models import build_tokenizer, tiny_config
+from megatron_grpo.testing.tiny_models import DEMO_ARCH, build_tokenizer, tiny_config
 from megatron_grpo.testing.warmup import supervised_step
 
 MAX_OPERAND = 5  # sums 0..10: 36 problems; a uniform guess scores 1/11, the best question-blind answer 1/6
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     tokenizer = build_tokenizer()
-    config = tiny_config("qwen2", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
+    config = tiny_config("qwen2", **DEMO_ARCH)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     problems = all_problems(args.max_operand, ["+"])
     prompts = [p for p, _ in problems]

@@ -31,7 +31,7 @@ import torch
 
 from megatron_grpo.data.synthetic import write_jsonl
 from megatron_grpo.rollout.turns import TurnRenderer
-from megatron_grpo.testing.tiny_models import build_tokenizer, tiny_config
+from megatron_grpo.testing.tiny_models import DEMO_ARCH, build_tokenizer, tiny_config
 
 MAX_OPERAND = 99
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     tokenizer = build_tokenizer()
-    config = tiny_config("qwen2", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
+    config = tiny_config("qwen2", **DEMO_ARCH)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     loss = warmup(model, tokenizer, args.warmup_steps, args.tool_fraction, args.seed)
     stats = greedy_tool_episode(model, tokenizer, TurnRenderer(tokenizer, "user"), random.Random(args.seed + 1), 100)
