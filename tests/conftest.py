@@ -1,5 +1,6 @@
 """Shared pytest setup: the repo root on sys.path (so spawned ranks can import test helpers),
-quiet megatron/TE warnings, and the small demo model the end-to-end modules share."""
+quiet megatron/TE warnings, the small demo model the end-to-end modules share, and the
+session's shared SGLang servers."""
 
 import os
 import sys
@@ -16,8 +17,10 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 from megatron_grpo.config.rollout import RolloutConfig  # noqa: E402  (after the warning filter above)
 from megatron_grpo.rollout.client import RolloutClient  # noqa: E402
 from megatron_grpo.rollout.manager import RolloutServerManager  # noqa: E402
+from megatron_grpo.testing.sglang_cpu import require_sglang  # noqa: E402
 from megatron_grpo.testing.tiny_models import save_tiny_model  # noqa: E402
 from tests.demo_run import make_demo  # noqa: E402  (needs ROOT on sys.path, set just above)
+from tests.sglang_shared import SGLangServers  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +30,18 @@ def demo(tmp_path_factory):
     model, not the full demo's learning curve, read it; none writes into it.
     tests/test_trainer_e2e.py builds the real demo's (150 warm-up steps) for its learning check."""
     return make_demo(tmp_path_factory.mktemp("demo"), warmup_steps=20)
+
+
+@pytest.fixture(scope="session")
+def sglang_servers(tmp_path_factory):
+    """The session's real SGLang servers (tests/sglang_shared.py): ``sglang_servers.serve(model_dir)``
+    resets the one of ``model_dir``'s architecture (launched on first use) to ``model_dir``'s
+    weights, verifies it and returns its URL. Stopped when the session ends; its teardown fails
+    if any of their processes outlives them."""
+    require_sglang()
+    servers = SGLangServers(tmp_path_factory.mktemp("sglang_shared"))
+    yield servers
+    servers.close()
 
 
 @pytest.fixture(scope="module")

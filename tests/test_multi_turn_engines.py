@@ -7,22 +7,24 @@
   and the engine's log-probs of the model tokens are SGLang's own log-probs of the final sequence;
 * `megatron-grpo train` with an environment in one_step_off_policy mode (policy lag 1), on the
   embedded engine and on the real SGLang.
+
+The SGLang tests use the session's shared server (tests/sglang_shared.py), reset before each.
 """
 
 import subprocess
 
 import pytest
 
-from megatron_grpo.config.rollout import MultiTurnConfig, RolloutConfig, SGLangConfig
+from megatron_grpo.config.rollout import MultiTurnConfig, RolloutConfig
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from megatron_grpo.rollout.client import RolloutClient
 from megatron_grpo.rollout.manager import RolloutServerManager, weight_sync_dir
 from megatron_grpo.rollout.multi_turn import EpisodeRunner
 from megatron_grpo.rollout.turns import TurnRenderer
 from megatron_grpo.rollout.types import SamplingParams
-from megatron_grpo.testing.sglang_cpu import require_sglang
-from megatron_grpo.testing.tiny_models import build_tokenizer, save_tiny_model
+from megatron_grpo.testing.tiny_models import DEMO_ARCH, build_tokenizer, save_tiny_model
 from tests.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
+from tests.sglang_shared import API_KEY
 
 pytestmark = pytest.mark.slow
 
@@ -144,21 +146,18 @@ def test_an_episode_spanning_a_weight_update_is_scored_by_the_new_weights(tok, e
     assert max(abs(engine_lp[i] - lp_old[i - 1]) for i in later) > 1e-2
 
 
-def test_episodes_on_the_real_sglang_are_token_in_token_out(tok, env_file, tmp_path):
-    require_sglang()
-    model = save_tiny_model(tmp_path / "model", "qwen2", seed=3)
-    cfg = RolloutConfig(engine="sglang", dtype="float32", launch_timeout_s=600,
-                        sglang=SGLangConfig(mem_fraction_static=0.1))
-    with RolloutServerManager(cfg, model_dir=model, run_dir=tmp_path / "run") as manager:
-        client = RolloutClient.from_config(cfg, manager.urls)
-        (url,) = manager.urls
+def test_episodes_on_the_real_sglang_are_token_in_token_out(tok, env_file, tmp_path, sglang_servers):
+    """On the session's shared SGLang server (tests/sglang_shared.py), reset to a tiny Qwen2 of
+    the demo models' size."""
+    model = save_tiny_model(tmp_path / "model", "qwen2", seed=3, **DEMO_ARCH)
+    url = sglang_servers.serve(model)
+    with RolloutClient([url], api_key=API_KEY, request_timeout_s=120) as client:
         engine = Recording(client)
         sampling = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=[tok.eos_token_id])
         (episode,) = runner(tok, f"{env_file}:ThreeTurns").run(engine, [make_prompt(tok)], 1, sampling,
                                                                 sampling_seed=5)
         full = episode.sample.prompt_ids + episode.sample.output_ids
         lp = client.prompt_logprobs(url, full)
-        client.close()
     assert episode.error is None and episode.num_turns == 3
     assert all(got.finish_reason != "abort" for _, got in engine.calls)
     _check_token_in_token_out(engine, episode, tok)
@@ -194,9 +193,10 @@ def test_train_one_step_off_policy_with_an_environment(demo, tmp_path, env_file)
     _train_off_policy(demo, tmp_path, env_file)
 
 
-def test_train_on_the_real_sglang_one_step_off_policy_with_an_environment(demo, tmp_path, env_file):
-    require_sglang()
-    rows = _train_off_policy(demo, tmp_path, env_file, "rollout.engine=sglang",
-                             "rollout.sglang.mem_fraction_static=0.1", "rollout.launch_timeout_s=600", timeout=1200)
+def test_train_on_the_real_sglang_one_step_off_policy_with_an_environment(demo, tmp_path, env_file, sglang_servers):
+    """On the session's shared SGLang server (tests/sglang_shared.py) in rollout.urls, reset to
+    the demo model; the run syncs its weights into it before the first step and after each."""
+    url = sglang_servers.serve(demo / "model")
+    rows = _train_off_policy(demo, tmp_path, env_file, *sglang_servers.train_overrides(url))
     for r in rows:
         assert r["weight_sync_verified"] == 1

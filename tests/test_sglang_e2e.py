@@ -1,7 +1,7 @@
 """The trainer end to end on the real SGLang 0.5.23 (CPU build from launch/setup_sglang_cpu.sh):
 two launched servers for the demo task at TP=2 with a distributed weight sync every step,
 verified by the log-prob probe, one server killed mid-run; an external server given in
-rollout.urls.
+rollout.urls (the session's shared server, tests/sglang_shared.py).
 
 Each run is a few steps of `megatron-grpo train` in a subprocess, as a user starts it. The
 launched-server checks (the dtype resolved from the checkpoint, a sync every step) are made on
@@ -16,11 +16,10 @@ import time
 import psutil
 import pytest
 
-from megatron_grpo.config.rollout import RolloutConfig, SGLangConfig
 from megatron_grpo.rollout import RolloutClient
-from megatron_grpo.rollout.manager import RolloutServerManager
 from megatron_grpo.testing.sglang_cpu import require_sglang
 from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+from tests.sglang_shared import API_KEY
 
 SGLANG = ["rollout.engine=sglang", "rollout.sglang.mem_fraction_static=0.1", "rollout.launch_timeout_s=600"]
 
@@ -48,21 +47,20 @@ def assert_healthy_steps(rows, steps):
         assert all(v == v for v in (r["reward_mean"], r["loss"], r["k3_kl"] if "k3_kl" in r else 0.0))
 
 
-def test_external_sglang_in_rollout_urls(demo, tmp_path):
-    cfg = RolloutConfig(engine="sglang", dtype="float32", launch_timeout_s=600,
-                        sglang=SGLangConfig(mem_fraction_static=0.1))
-    with RolloutServerManager(cfg, model_dir=str(demo / "model"), run_dir=tmp_path / "external") as server:
-        (url,) = server.urls
-        run_dir = tmp_path / "run"
-        run_train(train_cmd(demo, run_dir, 3, "rollout.engine=sglang", f"rollout.urls=[{url}]"))
-        assert_healthy_steps(read_metrics(run_dir), 3)
-        with RolloutClient([url]) as client:
-            assert client.weight_version(url) == "3"  # the server serves the last step's weights
-        # the wrong kind named for an external server is a one-line error, not a failed sync
-        out = subprocess.run(train_cmd(demo, tmp_path / "wrong", 1, "rollout.engine=embedded", f"rollout.urls=[{url}]"),
-                             cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-        assert out.returncode != 0 and "is not a megatron-grpo embedded engine" in out.stderr
-    assert not _sglang_processes()
+def test_external_sglang_in_rollout_urls(demo, tmp_path, sglang_servers):
+    """The session's shared SGLang server (tests/sglang_shared.py), reset to the demo model, is
+    a server started elsewhere: the run uses it, launches none, and leaves it running."""
+    url = sglang_servers.serve(demo / "model")
+    run_dir = tmp_path / "run"
+    run_train(train_cmd(demo, run_dir, 3, *sglang_servers.train_overrides(url)))
+    assert_healthy_steps(read_metrics(run_dir), 3)
+    assert not (run_dir / "rollout" / "server.log").exists()  # nothing launched
+    with RolloutClient([url], api_key=API_KEY) as client:
+        assert client.weight_version(url) == "3"  # the server serves the last step's weights
+    # the wrong kind named for an external server is a one-line error, not a failed sync
+    out = subprocess.run(train_cmd(demo, tmp_path / "wrong", 1, *sglang_servers.train_overrides(url, "embedded")),
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert out.returncode != 0 and "is not a megatron-grpo embedded engine" in out.stderr
 
 
 def test_two_launched_servers_train_at_tp2_share_the_work_and_survive_a_death(demo, tmp_path):
@@ -94,14 +92,17 @@ def test_two_launched_servers_train_at_tp2_share_the_work_and_survive_a_death(de
     # the server never killed got every sync: 6 (start + 5 steps), 1+ bucket each
     assert logs[0].count("POST /update_weights_from_distributed") >= 6
     assert logs[1].count("=== ") == 2  # launched, then relaunched after the kill
-    assert not _sglang_processes()
+    ports = {m for log in logs for m in re.findall(r"--port (\d+)", log)}
+    assert not _sglang_processes(ports)
 
 
-def _sglang_processes(grace_s: float = 10.0) -> list[psutil.Process]:
-    """SGLang processes still running after ``grace_s`` (the kernel reaps killed ones async)."""
+def _sglang_processes(ports: set[str], grace_s: float = 10.0) -> list[psutil.Process]:
+    """SGLang processes on ``ports`` still running after ``grace_s`` (the kernel reaps killed
+    ones async); the session's shared servers run on other ports."""
     deadline = time.monotonic() + grace_s
     while True:
-        found = _sglang_processes_now()
+        found = [p for p in _sglang_processes_now() if any(f"--port {port} " in " ".join(p.cmdline()) + " "
+                                                           for port in ports)]
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.5)
