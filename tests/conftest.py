@@ -1,5 +1,5 @@
 """Shared pytest setup: the repo root on sys.path (so spawned ranks can import test helpers),
-quiet megatron/TE warnings, the small demo model the end-to-end modules share, and the
+quiet megatron/TE warnings, the small demo models the end-to-end modules share, and the
 session's shared SGLang servers."""
 
 import os
@@ -19,7 +19,7 @@ from megatron_grpo.rollout.client import RolloutClient  # noqa: E402
 from megatron_grpo.rollout.manager import RolloutServerManager  # noqa: E402
 from megatron_grpo.testing.sglang_cpu import require_sglang  # noqa: E402
 from megatron_grpo.testing.tiny_models import save_tiny_model  # noqa: E402
-from tests.demo_run import make_demo  # noqa: E402  (needs ROOT on sys.path, set just above)
+from tests.demo_run import make_demo, make_tool_demo  # noqa: E402  (needs ROOT on sys.path, set just above)
 from tests.sglang_shared import SGLangServers  # noqa: E402
 
 
@@ -30,6 +30,14 @@ def demo(tmp_path_factory):
     model, not the full demo's learning curve, read it; none writes into it.
     tests/test_trainer_e2e.py builds the real demo's (150 warm-up steps) for its learning check."""
     return make_demo(tmp_path_factory.mktemp("demo"), warmup_steps=20)
+
+
+@pytest.fixture(scope="session")
+def tool_demo(tmp_path_factory):
+    """The tool demo's model and data set (tools/make_tool_demo_model.py with the shorter
+    warm-up ``demo_run.TOOL_DEMO_WARMUP``), built once for the session (~1-2 min on 2 busy
+    cores)."""
+    return make_tool_demo(tmp_path_factory.mktemp("tool_demo"))
 
 
 @pytest.fixture(scope="session")

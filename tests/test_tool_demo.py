@@ -1,17 +1,22 @@
-"""The tool demo's warm-up (tools/make_tool_demo_model.py, yaml_configs/demo_cpu_tools.yaml) teaches
-the call syntax, not the answers: a tool row is the exact token sequence the episode loop builds
-(the call, the calculator's observation as the delta render gives it, untrained, then the
-result copied), and a guess row never holds the question's answer except by chance."""
+"""The tool demo (tools/make_tool_demo_model.py, yaml_configs/demo_cpu_tools.yaml).
+
+Its warm-up teaches the call syntax, not the answers: a tool row is the exact token sequence the
+episode loop builds (the call, the calculator's observation as the delta render gives it,
+untrained, then the result copied), and a guess row never holds the question's answer except
+by chance. And the demo learns on the real SGLang, in a run short enough for CI
+(docs/multi_turn.md#in-ci-on-the-real-sglang)."""
 
 import importlib.util
 import random
-from pathlib import Path
+import subprocess
+import sys
+
+import pytest
 
 from megatron_grpo.rollout.environments.builtin import Calculator
 from megatron_grpo.rollout.turns import TurnRenderer
 from megatron_grpo.testing.tiny_models import build_tokenizer
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.demo_run import ENV, ROOT, read_metrics, tool_demo_overrides
 
 
 def _tool_module():
@@ -49,3 +54,43 @@ def test_warmup_rows_are_the_episode_loops_tokens_and_never_the_answer_without_t
             right_guesses += response == [str(a + b)]
         assert labels[:p] == [-100] * p
     assert 40 <= tool_rows <= 80 and right_guesses <= 3
+
+
+# ---- the tool demo learns on the real SGLang -------------------------------------------------
+
+LEARNING_STEPS = 12
+LEARNING_RUN = ("optimizer.lr=1e-3", "optimizer.min_lr=5e-4", "optimizer.lr_warmup_steps=1")
+"""The demo's run (16 prompts, 128 episodes per step), shortened for CI: 12 steps instead of 100,
+at twice the learning rate with a 1-step warm-up."""
+LEARNING_MARGIN = 0.10
+"""Required rise of the mean reward from the first third of the steps to the last (measured
+rises 0.29-0.43 over seeds: docs/multi_turn.md#in-ci-on-the-real-sglang)."""
+
+
+@pytest.mark.slow
+def test_the_tool_demo_learns_on_the_real_sglang(tool_demo, tmp_path, sglang_servers):
+    """`megatron-grpo train` on the tool demo (yaml_configs/demo_cpu_tools.yaml with
+    LEARNING_RUN; the warm-up model of demo_run.TOOL_DEMO_WARMUP) against the session's shared
+    SGLang server (tests/sglang_shared.py) in rollout.urls: in LEARNING_STEPS steps the mean
+    reward of the last third rises by LEARNING_MARGIN over the first third, the model calls the
+    tool in more of its episodes, and every weight sync is verified (checksums and the log-prob
+    probe)."""
+    url = sglang_servers.serve(tool_demo / "model")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_grpo.cli", "train", "--config", "yaml_configs/demo_cpu_tools.yaml",
+           *tool_demo_overrides(tool_demo, run_dir, LEARNING_STEPS, *LEARNING_RUN),
+           *sglang_servers.train_overrides(url)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, LEARNING_STEPS + 1))
+    for r in rows:
+        assert r["weight_sync_verified"] == 1 and r["weight_sync_probe_logprob_abs_diff"] <= 1e-5, r
+    third = LEARNING_STEPS // 3
+    reward = [r["reward_mean"] for r in rows]
+    turns = [r["multi_turn/turns_mean"] for r in rows]
+    first, last = sum(reward[:third]) / third, sum(reward[-third:]) / third
+    print(f"\ntool demo on SGLang: reward first third {first:.3f}, last third {last:.3f}; turns "
+          f"{sum(turns[:third]) / third:.2f} -> {sum(turns[-third:]) / third:.2f}")
+    assert last >= first + LEARNING_MARGIN, reward
+    assert sum(turns[-third:]) > sum(turns[:third]), turns
