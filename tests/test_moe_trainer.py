@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_grpo.config.rollout import RolloutConfig
-from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.rollout.manager import RolloutServerManager, weight_sync_dir
 from megatron_grpo.testing.distributed import run_distributed
 from megatron_grpo.testing.tiny_models import save_tiny_model
 from tests.models_fixtures import hf_tensors
@@ -71,15 +71,17 @@ def test_ep2_step_matches_ep1(moe_dir, ep1_reference):
 # ---- weight sync ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def moe_engine_url(moe_dir, tmp_path_factory):
+    """(url, the run's weight-sync directory, which the engine trusts)."""
     cfg = RolloutConfig(dtype="float32", launch_timeout_s=180)
-    with RolloutServerManager(cfg, model_dir=moe_dir, run_dir=tmp_path_factory.mktemp("run")) as manager:
-        yield manager.urls[0]
+    run_dir = tmp_path_factory.mktemp("run")
+    with RolloutServerManager(cfg, model_dir=moe_dir, run_dir=run_dir) as manager:
+        yield manager.urls[0], str(weight_sync_dir(run_dir))
 
 
 @pytest.mark.slow
 def test_sync_from_ep2_ranks_engine_logprobs_match(moe_engine_url, moe_dir, tmp_path):
     transports = ["distributed", "tensor"]
-    results = run_distributed(_sync_worker, 2, moe_engine_url, moe_dir, str(tmp_path), transports, False,
+    results = run_distributed(_sync_worker, 2, *moe_engine_url, moe_dir, transports, False,
                               tp=1, pp=1, ep=2, timeout_s=400)
     # rank 1 holds half the experts: it takes part (a peer), rank 0 sends everything
     assert _check(results, transports, 2) == ["coordinator+sender", "peer"]

@@ -20,7 +20,7 @@ from megatron_grpo.config.base import ConfigValueError
 from megatron_grpo.config.model import ParallelConfig
 from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.models.errors import ModelError
-from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.rollout.manager import RolloutServerManager, weight_sync_dir
 from megatron_grpo.testing.distributed import run_distributed
 from megatron_grpo.testing.tiny_models import save_tiny_model
 from tests.models_fixtures import hf_reference_logits, make_hf_model
@@ -149,7 +149,8 @@ def test_sync_from_vpp2_ranks_engine_logprobs_match(models, tmp_path):
     transports = ["distributed", "tensor"]
     cfg = RolloutConfig(dtype="float32", launch_timeout_s=180)
     with RolloutServerManager(cfg, model_dir=hf_dir, run_dir=tmp_path / "run") as manager:
-        results = run_distributed(_sync_worker, 2, manager.urls[0], hf_dir, str(tmp_path), transports, False,
+        results = run_distributed(_sync_worker, 2, manager.urls[0], str(weight_sync_dir(tmp_path / "run")), hf_dir,
+                                  transports, False,
                                   tp=1, pp=2, vpp=2, timeout_s=500)
     assert _check(results, transports, 2) == ["coordinator+sender", "sender"]
     # every HF tensor of the tied model is sent exactly once over the two stages' four chunks
