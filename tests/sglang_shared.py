@@ -3,8 +3,10 @@ than a launch to watch (the ``sglang`` fixture in tests/conftest.py).
 
 One SGLang launch costs 30-90 s on 2 CPU cores, more than most tests that use it. So the
 session launches one server per model architecture on first use (the demo models' Qwen2,
-``DEMO_ARCH``, serves the multi-turn, external-server and tool-demo tests; the rollout client's
-tiny Llama its own) and stops them all when it ends. ``SGLangServers.serve(model_dir)``
+``DEMO_ARCH``, serves the multi-turn, external-server and tool-demo tests) and stops them all
+when it ends. tests/test_rollout_client.py launches its own tiny Llama server: on a shared one
+reset from disk, its tensor-update test failed when run alone (it passed only after the
+module's earlier tests), so it keeps a fresh launch per module. ``SGLangServers.serve(model_dir)``
 resets the server of ``model_dir``'s architecture before each use, so tests stay
 order-independent:
 

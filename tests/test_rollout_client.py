@@ -3,11 +3,7 @@
 ``launch/setup_sglang_cpu.sh`` builds (CI builds it first); without it these tests fail in
 CI and are skipped, with the reason, elsewhere.
 
-References are transformers' own forward of the same checkpoint in this process. The SGLang
-server is the session's shared one for this tiny Llama (tests/sglang_shared.py: reset to the
-checkpoint and verified by a probe when the module starts; the tests that change its weights
-load the checkpoint back), launched, like the embedded engine here, by the manager with an
-API key.
+References are transformers' own forward of the same checkpoint in this process.
 """
 
 import os
@@ -17,16 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.config.rollout import RolloutConfig, SGLangConfig
 from megatron_grpo.rollout import RolloutClient, RolloutError, SamplingParams
 from megatron_grpo.rollout.manager import RolloutServerManager, free_port, weight_sync_dir
 from megatron_grpo.wire.buckets import plan_buckets
 from megatron_grpo.wire.checksum import tensor_checksum
 from megatron_grpo.wire.group import destroy_custom_process_group, init_custom_process_group
 from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_system_sharing
+from megatron_grpo.testing.sglang_cpu import require_sglang
 from megatron_grpo.testing.tiny_models import save_tiny_model
-from tests.sglang_shared import API_KEY
 
+API_KEY = "test-key"
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
 
 @pytest.fixture(scope="module")
@@ -46,15 +43,13 @@ RUN_DIRS: dict[str, Path] = {}  # kind -> run directory of the launched server
 
 @pytest.fixture(scope="module", params=["embedded", "sglang"])
 def server(request, model_dir, tmp_path_factory):
-    """(kind, url) of a launched server with API key ``API_KEY``: an embedded engine of this
-    module's own, or the session's shared SGLang server reset to ``model_dir``."""
+    """(kind, url) of a launched server with API key ``API_KEY``."""
     kind = request.param
-    # SGLang loads weights from any directory: its run_dir only holds the tests' weight files
     run_dir = RUN_DIRS[kind] = tmp_path_factory.mktemp(f"run_{kind}")
     if kind == "sglang":
-        yield kind, request.getfixturevalue("sglang_servers").serve(model_dir)
-        return
-    cfg = RolloutConfig(engine=kind, api_key=API_KEY, dtype="float32", launch_timeout_s=600, request_timeout_s=120)
+        require_sglang()
+    cfg = RolloutConfig(engine=kind, api_key=API_KEY, dtype="float32", launch_timeout_s=600, request_timeout_s=120,
+                        sglang=SGLangConfig(mem_fraction_static=0.1))
     manager = RolloutServerManager(cfg, model_dir=model_dir, run_dir=run_dir)
     try:
         (url,) = manager.start()
