@@ -269,8 +269,10 @@ def test_the_safe_unpickler_is_the_only_unpickler():
     assert "_SafeUnpickler" in calls
 
 
-class _Exploit:
-    """Unpickling this calls ``open(path, "w")``: a file appearing means code ran."""
+class PickledCall:
+    """Pickles as a call of ``fn(*args)``, by reference as torch's own reductions do (unpickling
+    ``PickledCall(open, path, "w")`` creates a file: a file appearing means code ran).
+    tests/test_security_engine.py builds sender-shaped payloads with it too."""
 
     def __init__(self, fn, *args):
         self.fn, self.args = fn, args
@@ -283,12 +285,12 @@ def _payloads(marker: Path) -> dict[str, bytes]:
     import torch.multiprocessing.reductions as reductions
 
     return {
-        "builtins.open": pickle.dumps([("w", _Exploit(open, str(marker), "w"))]),
-        "os.system": pickle.dumps([("w", _Exploit(os.system, f"touch {marker}"))]),
-        "torch.save": pickle.dumps([("w", _Exploit(torch.save, {}, str(marker)))]),
-        "torch.load": pickle.dumps([("w", _Exploit(torch.load, str(marker)))]),
-        "rebuild_storage_fd": pickle.dumps([("w", _Exploit(reductions.rebuild_storage_fd, None, None, 0))]),
-        "pathlib.Path.touch": pickle.dumps([("w", _Exploit(Path.touch, marker))]),
+        "builtins.open": pickle.dumps([("w", PickledCall(open, str(marker), "w"))]),
+        "os.system": pickle.dumps([("w", PickledCall(os.system, f"touch {marker}"))]),
+        "torch.save": pickle.dumps([("w", PickledCall(torch.save, {}, str(marker)))]),
+        "torch.load": pickle.dumps([("w", PickledCall(torch.load, str(marker)))]),
+        "rebuild_storage_fd": pickle.dumps([("w", PickledCall(reductions.rebuild_storage_fd, None, None, 0))]),
+        "pathlib.Path.touch": pickle.dumps([("w", PickledCall(Path.touch, marker))]),
     }
 
 
@@ -342,7 +344,7 @@ def test_malicious_pytorch_bin_is_not_executed_by_the_engine_loader(tiny_model, 
     shutil.copytree(tiny_model, bad)
     (bad / "model.safetensors").unlink()
     marker = tmp_path / "pwned"
-    torch.save({"model.embed_tokens.weight": _Exploit(open, str(marker), "w")}, bad / "pytorch_model.bin")
+    torch.save({"model.embed_tokens.weight": PickledCall(open, str(marker), "w")}, bad / "pytorch_model.bin")
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         EmbeddedEngine(bad)
     assert not marker.exists()
@@ -358,7 +360,7 @@ def test_malicious_checkpoint_files_are_not_executed(tmp_path):
     (ckpt / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                     "common_backend": "torch", "common_backend_version": 1}))
     marker = tmp_path / "pwned"
-    torch.save({"step": _Exploit(open, str(marker), "w")}, ckpt / "common.pt")
+    torch.save({"step": PickledCall(open, str(marker), "w")}, ckpt / "common.pt")
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         dist_checkpointing.load_common_state_dict(str(ckpt))
     assert not marker.exists()

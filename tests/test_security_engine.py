@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.multiprocessing.reductions as reductions
 
-from tests.test_security import LOOPBACK_V4, _listen_addresses
+from tests.test_security import LOOPBACK_V4, PickledCall, _listen_addresses
 
 API_KEY = "engine-hardening-key"
 MAX_SEQUENCES = 8
@@ -247,16 +247,6 @@ def test_every_shm_route_refuses_hostile_names(http, hostile_segments):
         http.post("/end_weight_update")
 
 
-class _Rebuild:
-    """Pickles as a call of ``fn(*args)`` (by reference, as torch's own reductions do)."""
-
-    def __init__(self, fn, *args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
-
-
 def _torch_payloads(path: str) -> dict[str, str]:
     """Payloads in the sender's format whose CPU handle names ``path`` (as its shm_open name),
     with a genuine-looking manager socket, or a real handle with a hostile manager socket."""
@@ -265,9 +255,10 @@ def _torch_payloads(path: str) -> dict[str, str]:
     handle = "/" + os.path.relpath(path, SHM_DIR) if path.startswith(str(SHM_DIR)) else path
 
     def payload(manager: bytes, name: bytes) -> str:
-        storage = _Rebuild(reductions.rebuild_storage_filename, torch.UntypedStorage, manager, name, 64)
-        tensor = _Rebuild(reductions.rebuild_tensor, torch.Tensor,
-                          _Rebuild(reductions.rebuild_typed_storage, storage, torch.float32), (0, (16,), (1,), False))
+        storage = PickledCall(reductions.rebuild_storage_filename, torch.UntypedStorage, manager, name, 64)
+        tensor = PickledCall(reductions.rebuild_tensor, torch.Tensor,
+                             PickledCall(reductions.rebuild_typed_storage, storage, torch.float32),
+                             (0, (16,), (1,), False))
         return base64.b64encode(pickle.dumps([("model.norm.weight", tensor)])).decode()
 
     return {"handle": payload(b"/tmp/torch-shm-dir-abcdef/manager.sock", handle.encode()),
@@ -299,4 +290,4 @@ def test_the_payload_allow_list_is_what_the_sender_produces():
     for fn, args in [(reductions.rebuild_storage_empty, (torch.UntypedStorage,)),
                      (torch.nn.parameter.Parameter, ())]:
         with pytest.raises(ValueError, match="is not allowed"):
-            deserialize_named_tensors(base64.b64encode(pickle.dumps([("a", _Rebuild(fn, *args))])).decode())
+            deserialize_named_tensors(base64.b64encode(pickle.dumps([("a", PickledCall(fn, *args))])).decode())

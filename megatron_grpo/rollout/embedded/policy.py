@@ -27,11 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from megatron_grpo.config.rollout import EmbeddedConfig
 from megatron_grpo.runtime.placement import is_loopback
 
-DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
-DEFAULT_MAX_REQUEST_SEQUENCES = 256
-DEFAULT_MAX_REQUEST_TOKENS = 2**20
+# ``megatron-grpo serve``'s defaults are the config's (rollout.embedded.max_request_*), so a
+# server started by hand bounds requests as one the trainer launches
+_CONFIG = EmbeddedConfig()
+DEFAULT_MAX_REQUEST_BYTES = _CONFIG.max_request_mb * 2**20
+DEFAULT_MAX_REQUEST_SEQUENCES = _CONFIG.max_request_sequences
+DEFAULT_MAX_REQUEST_TOKENS = _CONFIG.max_request_tokens
 
 
 @dataclass(frozen=True, kw_only=True)
