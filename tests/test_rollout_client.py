@@ -112,6 +112,43 @@ def test_seeded_generation_is_reproducible(server, client):
     assert [s.output_ids for s in a] != [s.output_ids for s in c]
 
 
+def test_packed_requests_give_the_samples_of_one_request_per_prompt(server):
+    """sequences_per_request (what the launched embedded engine's adapter sets) packs whole
+    prompt groups into a request: the same samples, in the same order, with the same seeds."""
+    kind, url = server
+    if kind == "sglang":
+        pytest.skip("the client packs requests only for the embedded engine (its adapter's choice)")
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    per_prompt = RolloutClient([url], api_key=API_KEY, request_timeout_s=120)
+    two_groups = RolloutClient([url], api_key=API_KEY, request_timeout_s=120, sequences_per_request=6)
+    all_in_one = RolloutClient([url], api_key=API_KEY, request_timeout_s=120, sequences_per_request=256)
+    try:
+        runs = [c.generate(PROMPTS, 3, params, sampling_seed=11) for c in (per_prompt, two_groups, all_in_one)]
+        unseeded = all_in_one.generate(PROMPTS, 3, params)
+    finally:
+        for c in (per_prompt, two_groups, all_in_one):
+            c.close()
+    for samples in runs[1:]:
+        assert [(s.prompt_index, s.sample_index, s.prompt_ids, s.output_ids) for s in samples] == \
+            [(s.prompt_index, s.sample_index, s.prompt_ids, s.output_ids) for s in runs[0]]
+        for a, b in zip(samples, runs[0]):
+            assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) <= 1e-5
+    assert [(s.prompt_index, s.sample_index, s.prompt_ids) for s in unseeded] == \
+        [(i, j, PROMPTS[i]) for i in range(3) for j in range(3)]
+
+
+def test_request_chunks():
+    from megatron_grpo.rollout.client import request_chunks
+
+    assert request_chunks(3, 4, None, 1) == [(0, 1), (1, 2), (2, 3)]  # one request per prompt
+    assert request_chunks(8, 16, 256, 1) == [(0, 8)]  # the whole batch in one request
+    assert request_chunks(20, 16, 256, 1) == [(0, 10), (10, 20)]  # within the bound, even halves
+    assert request_chunks(8, 16, 256, 2) == [(0, 4), (4, 8)]  # every server gets some
+    assert request_chunks(3, 16, 256, 4) == [(0, 1), (1, 2), (2, 3)]  # fewer prompts than servers
+    assert request_chunks(5, 300, 256, 1) == [(i, i + 1) for i in range(5)]  # a group over the bound: alone
+    assert request_chunks(0, 16, 256, 1) == []
+
+
 def test_api_key_is_enforced(server):
     _, url = server
     with RolloutClient([url], request_timeout_s=30, max_retries=1) as anonymous:

@@ -90,6 +90,24 @@ def test_sampling_seed_is_reproducible_whatever_the_batch(engine):
     assert alone.output_ids != other.output_ids
 
 
+def test_a_request_that_holds_everything_skips_the_batching_window(engine):
+    """hold=False (the client's skip_batch_window) admits at once; held sequences wait the
+    window, and the same seeds give the same tokens either way."""
+    params = {"temperature": 1.0, "max_new_tokens": 2, "sampling_seed": 5}
+    window, engine.batch_window_s = engine.batch_window_s, 1.0
+    try:
+        t0 = time.monotonic()
+        now = run(engine, PROMPTS, params, hold=False)
+        t1 = time.monotonic()
+        held = run(engine, PROMPTS, params)
+        t2 = time.monotonic()
+    finally:
+        engine.batch_window_s = window
+    assert t2 - t1 >= 1.0  # the window was waited
+    assert t1 - t0 < 0.5, t1 - t0  # tiny model, 2 tokens: far below the window however loaded
+    assert [s.output_ids for s in now] == [s.output_ids for s in held]
+
+
 def start(engine, prompt, params):
     """Submit one sequence; returns it and an Event set when it finishes."""
     finished = threading.Event()

@@ -434,6 +434,7 @@ MALFORMED = [
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}}),
     ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": "x"}}),
     ("/generate", {"text": 5}), ("/generate", {"input_ids": [10**30]}),
+    ("/generate", {"input_ids": [1, 2], "skip_batch_window": "yes"}),
     ("/update_weights_from_disk", {"model_path": 5}), ("/update_weights_from_tensor", {"serialized_named_tensors": 5}),
     ("/init_weights_update_group", {"master_address": 5}), ("/pause_generation", {"mode": 7}),
     ("/update_weights_from_shm", {"path": 3}), ("/get_weights_by_name", {"name": 5}),

@@ -92,10 +92,12 @@ class AsyncRolloutClient:
         max_retries: int = 3,
         max_inflight_requests: int = 64,
         backoff_s: float = 0.5,
+        sequences_per_request: Optional[int] = None,
     ):
         if not urls:
             raise ValueError("AsyncRolloutClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
+        self.sequences_per_request = sequences_per_request
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -202,40 +204,52 @@ class AsyncRolloutClient:
         """``n`` responses for each prompt, prompt-major (``[p0s0, p0s1, ..., p1s0, ...]``).
         ``return_routed_experts``: ask for the MoE routing (``Sample.routed_experts``).
 
-        One request per prompt, all in flight at once, spread round-robin over the servers.
-        With ``sampling_seed`` every response gets its own seed ``sampling_seed + k`` (k its
-        index in the returned list), so a run is reproducible whatever the batching; SGLang
-        would otherwise give the ``n`` copies of a request the same seed and the same answer.
+        One request per prompt (or, with ``sequences_per_request``, per run of consecutive
+        prompts whose ``n`` samples fit it, and at least one per server), all in flight at
+        once, spread round-robin over the servers. With ``sampling_seed`` every response gets
+        its own seed ``sampling_seed + k`` (k its index in the returned list), so a run is
+        reproducible whatever the batching; SGLang would otherwise give the ``n`` copies of a
+        request the same seed and the same answer. ``sequences_per_request`` is for the embedded
+        engine, whose extension ``skip_batch_window`` such requests also set: each holds all
+        this call sends to its server, so the engine's batching window would only delay it.
         """
+        chunks = request_chunks(len(prompts), n, self.sequences_per_request, len(self.urls))
         tasks = [
-            self._generate_group(i, list(p), n, sampling,
-                                 None if sampling_seed is None else sampling_seed + i * n, return_routed_experts)
-            for i, p in enumerate(prompts)
+            self._generate_groups(range(start, stop), [list(prompts[i]) for i in range(start, stop)], n, sampling,
+                                  None if sampling_seed is None else sampling_seed + start * n,
+                                  return_routed_experts)
+            for start, stop in chunks
         ]
         groups = await asyncio.gather(*tasks)
         return [s for group in groups for s in group]
 
-    async def _generate_group(self, prompt_index: int, prompt: list[int], n: int,
-                              sampling: SamplingParams, seed: Optional[int],
-                              return_routed_experts: bool = False) -> list[Sample]:
+    async def _generate_groups(self, indices: range, prompts: list[list[int]], n: int,
+                               sampling: SamplingParams, seed: Optional[int],
+                               return_routed_experts: bool = False) -> list[Sample]:
+        """The ``n`` samples of each of ``prompts`` (prompt-major) from one request;
+        ``indices``: their prompt indices, ``seed``: the first sample's seed."""
         if seed is None:
             params = dict(sampling.to_json(), n=n)
-            body = {"input_ids": [prompt], "sampling_params": params}
+            body = {"input_ids": prompts, "sampling_params": params}
         else:
-            body = {"input_ids": [prompt] * n,
-                    "sampling_params": [sampling.to_json(sampling_seed=seed + j) for j in range(n)]}
+            body = {"input_ids": [p for p in prompts for _ in range(n)],
+                    "sampling_params": [sampling.to_json(sampling_seed=seed + k) for k in range(len(prompts) * n)]}
         body.update(return_logprob=True, logprob_start_len=-1)
+        if self.sequences_per_request:  # the embedded engine's extension: nothing else is coming
+            body["skip_batch_window"] = True
         if return_routed_experts:  # only then: SGLang without the feature rejects the key
             body["return_routed_experts"] = True
         with_mask = sampling.sampling_mask_max_kept > 0
         if with_mask:  # likewise: the embedded engine's extension
             body.update(return_sampling_mask=True, sampling_mask_max_kept=sampling.sampling_mask_max_kept)
         server, items = await self._call("generate", body, url=None, timeout_s=None, retry=True)
-        if not isinstance(items, list) or len(items) != n:
+        expected = len(prompts) * n
+        if not isinstance(items, list) or len(items) != expected:
             got = len(items) if isinstance(items, list) else type(items).__name__
-            raise RolloutError(server, "POST /generate", f"expected {n} responses, got {got}")
-        return [parse_generate_item(item, prompt, prompt_index, j, server, return_routed_experts, with_mask)
-                for j, item in enumerate(items)]
+            raise RolloutError(server, "POST /generate", f"expected {expected} responses, got {got}")
+        return [parse_generate_item(item, prompts[k // n], indices[k // n], k % n, server, return_routed_experts,
+                                    with_mask)
+                for k, item in enumerate(items)]
 
     # ---- control and weight routes (thin wrappers; bodies as SGLang 0.5.23 expects) ----
     # ``extra`` adds engine-specific keys (the embedded engine's ``compute_checksums``); SGLang
@@ -337,6 +351,20 @@ def parse_sampling_mask(meta: dict, output_ids: list[int]) -> tuple[list[Optiona
     return kept, mass
 
 
+def request_chunks(num_prompts: int, n: int, sequences_per_request: Optional[int],
+                   num_servers: int) -> list[tuple[int, int]]:
+    """[start, stop) prompt ranges, one /generate request each: one prompt per request without
+    ``sequences_per_request``; else as few requests as hold ``n`` samples of every prompt
+    within the bound (always whole groups, at least one prompt each), but at least one per
+    server so that round-robin keeps every server busy. Consecutive and in order."""
+    if not sequences_per_request:
+        return [(i, i + 1) for i in range(num_prompts)]
+    per = max(1, sequences_per_request // max(n, 1))
+    count = min(num_prompts, max(-(-num_prompts // per), num_servers))
+    bounds = [round(i * num_prompts / count) for i in range(count + 1)] if count else [0]
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
 def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample_index: int,
                         server: str, with_routing: bool = False, with_mask: bool = False) -> Sample:
     """One SGLang /generate answer item -> Sample (checks the log-probs match the tokens)."""
@@ -398,14 +426,17 @@ class RolloutClient:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, rollout_cfg, urls: Optional[Sequence[str]] = None) -> "RolloutClient":
-        """A client for ``urls`` (default ``rollout_cfg.urls``) with the timeouts of a RolloutConfig."""
+    def from_config(cls, rollout_cfg, urls: Optional[Sequence[str]] = None, *,
+                    sequences_per_request: Optional[int] = None) -> "RolloutClient":
+        """A client for ``urls`` (default ``rollout_cfg.urls``) with the timeouts of a
+        RolloutConfig; ``sequences_per_request``: see ``AsyncRolloutClient.generate``."""
         return cls(
             list(urls if urls is not None else rollout_cfg.urls),
             api_key=rollout_cfg.api_key,
             request_timeout_s=rollout_cfg.request_timeout_s,
             max_retries=rollout_cfg.max_retries,
             max_inflight_requests=rollout_cfg.max_inflight_requests,
+            sequences_per_request=sequences_per_request,
         )
 
     @property

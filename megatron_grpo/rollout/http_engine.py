@@ -41,7 +41,9 @@ def start_servers(rollout_cfg, *, model_dir: str, run_dir: str,
         spawned = RolloutServerManager(rollout_cfg, model_dir=model_dir, run_dir=run_dir)
     elif spawned.rollout_cfg.api_key != rollout_cfg.api_key:
         raise ValueError("start_servers: rollout_cfg must carry the spawned servers' API key")
-    return spawned, RolloutClient.from_config(spawned.rollout_cfg, spawned.start())
+    urls = spawned.start()
+    per_request = spawned.adapter.sequences_per_request(spawned.rollout_cfg)
+    return spawned, RolloutClient.from_config(spawned.rollout_cfg, urls, sequences_per_request=per_request)
 
 
 def spawn_servers(rollout_cfg, *, model_dir: str, run_dir: str) -> Optional[RolloutServerManager]:

@@ -7,7 +7,8 @@ Concurrency (one model, several actors):
 * the scheduler thread runs one continuous batch (``scheduler.run_continuous``): queued
   sequences join the running batch whenever a quarter of it is free and leave it as they
   finish; a sequence is admitted once it has waited ``batch_window_s`` (so requests arriving
-  together share one prefill, and the ``n`` samples of a prompt share their prompt's);
+  together share one prefill, and the ``n`` samples of a prompt share their prompt's), unless
+  submitted with ``hold=False`` (a request that holds everything its client sends at once);
 * ``pause(mode)`` follows SGLang: ``abort`` ends running and queued sequences with
   ``finish_reason.type == "abort"``; ``in_place`` parks the running batch between two decode
   steps (its KV cache kept) until ``resume()``; ``retract`` stops the batch and re-queues its
@@ -122,8 +123,10 @@ class EmbeddedEngine:
 
     # ---- generation ------------------------------------------------------------------
 
-    def submit(self, seqs: list[Sequence]) -> None:
-        """Queue sequences; each calls its ``on_finish`` when done."""
+    def submit(self, seqs: list[Sequence], hold: bool = True) -> None:
+        """Queue sequences; each calls its ``on_finish`` when done. ``hold``: they wait the
+        batching window for other requests to join (False: admitted at once, for a caller
+        that sends everything it has in one call)."""
         for s in seqs:
             if len(s.prompt_ids) >= self.max_context:
                 raise EngineError(f"prompt of {len(s.prompt_ids)} tokens does not fit the context "
@@ -132,6 +135,8 @@ class EmbeddedEngine:
                 raise EngineError(f"input_ids must be in [0, {self.model.config.vocab_size})")
             if s.params.seed is not None:
                 s.generator = torch.Generator().manual_seed(s.params.seed)
+            if not hold:
+                s.created -= self.batch_window_s
         with self._cond:
             self._queue.extend(seqs)
             self._cond.notify_all()
@@ -143,7 +148,10 @@ class EmbeddedEngine:
                                                            and not self._updating))
                 if self._stop:
                     return
-            time.sleep(self.batch_window_s)  # let concurrent requests share the first prefill
+                # let concurrent requests share the first prefill: wait out the oldest's window
+                wait = self.batch_window_s - (time.monotonic() - self._queue[0].created)
+            if wait > 0:
+                time.sleep(wait)
             with self._cond:
                 if self._paused is not None or self._updating or not self._queue:
                     continue

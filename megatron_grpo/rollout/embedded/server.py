@@ -60,7 +60,7 @@ _GENERATE_DEFAULTS: dict[str, Any] = {
 }
 _GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
                   "return_text_in_logprobs", "rid", "return_routed_experts",
-                  "return_sampling_mask", "sampling_mask_max_kept"} | set(_GENERATE_DEFAULTS)
+                  "return_sampling_mask", "sampling_mask_max_kept", "skip_batch_window"} | set(_GENERATE_DEFAULTS)
 
 
 # SGLang 0.5.23 loads tensor and distributed updates only inside a begin/end bracket (its
@@ -253,14 +253,18 @@ class _Routes:
         done = _all_finished(items)  # set before submitting: a sequence may finish at once
         started = time.monotonic()
         try:
-            self.engine.submit(items)
+            # this engine's extension: the client sends all it has in this one request, so
+            # holding it for the batching window would only add the window to its latency
+            self.engine.submit(items, hold=not req.get("skip_batch_window", False))
         except EngineError as e:
             return _bad_request(str(e))
         await done
         latency = time.monotonic() - started
         with_text = bool(req.get("return_text_in_logprobs", False))
         outputs = [_render(self.engine, s, with_text, latency) for s in items]
-        return outputs[0] if single and len(outputs) == 1 else outputs
+        # A Response, not the list: FastAPI would walk every log-prob through its
+        # jsonable_encoder first, which was a third of the server's time for short responses.
+        return JSONResponse(outputs[0] if single and len(outputs) == 1 else outputs)
 
     # ---- pause, flush and continue ------------------------------------------------------
 
@@ -451,6 +455,8 @@ def _parse_generate(engine: EmbeddedEngine, req: dict, policy: ServerPolicy) -> 
     routed = _per_item(req.get("return_routed_experts", False), count, "return_routed_experts")
     masks = _per_item(req.get("return_sampling_mask", False), count, "return_sampling_mask")
     budgets = _per_item(req.get("sampling_mask_max_kept", 1024), count, "sampling_mask_max_kept")
+    if not isinstance(req.get("skip_batch_window", False), bool):
+        raise EngineError(f"skip_batch_window must be true or false, got {req['skip_batch_window']!r}")
     rid = str(req.get("rid") or uuid.uuid4().hex)
     seqs = []
     for i, (prompt, p, start, ret, rout, mask, budget) in enumerate(

@@ -59,6 +59,12 @@ class EngineAdapter:
         """A one-line problem with this machine's setup for launching (None if fine)."""
         return None
 
+    def sequences_per_request(self, rollout_cfg: RolloutConfig) -> Optional[int]:
+        """Most sequences the client may put in one /generate request, packing several prompt
+        groups into it; None: one request per prompt group (SGLang's scheduler batches
+        concurrent requests itself, and an external server's bounds are not known)."""
+        return None
+
     # ---- launching ------------------------------------------------------------------------
 
     def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,

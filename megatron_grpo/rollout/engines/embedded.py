@@ -25,6 +25,12 @@ class EmbeddedAdapter(EngineAdapter):
     quantizations = frozenset({"fp8", "int8"})  # rollout.embedded.quantize, on CPU and GPU
     fp8_formats = frozenset({"e4m3", "e5m2"})
 
+    def sequences_per_request(self, rollout_cfg: RolloutConfig) -> Optional[int]:
+        # The servers a run launches take rollout.embedded.max_request_sequences per request: a
+        # step's groups then travel in one request each way instead of one per prompt (each
+        # request costs the launched engine and the client about a millisecond of Python).
+        return None if rollout_cfg.urls else rollout_cfg.embedded.max_request_sequences
+
     def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,
                        gpu_ids: Optional[list[int]] = None, trusted_weight_dirs: Sequence[str] = ()) -> list[str]:
         # The API key travels in the environment (launch_env), not argv, where `ps` shows it.
