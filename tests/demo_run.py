@@ -36,9 +36,16 @@ def make_tool_demo(out: Path) -> Path:
     return out
 
 
+DEMO_ENGINE = "rollout.engine=embedded"
+"""The engine the tests run the demo config with: the launched embedded engine, whose process
+the failure, lifetime and resume tests kill and count (the YAML's default is the in-process
+engine; tests of it pass ``rollout.engine=inprocess``, which comes later and wins)."""
+
+
 def demo_overrides(demo: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
-    """Overrides of yaml_configs/demo_cpu.yaml pointing it at ``demo`` and ``run_dir``."""
-    return [f"model.hf_dir={demo / 'model'}", f"data.train_file={demo / 'arithmetic.jsonl'}",
+    """Overrides of yaml_configs/demo_cpu.yaml pointing it at ``demo`` and ``run_dir``
+    (with ``DEMO_ENGINE`` first: ``extra`` may set another engine)."""
+    return [DEMO_ENGINE, f"model.hf_dir={demo / 'model'}", f"data.train_file={demo / 'arithmetic.jsonl'}",
             f"eval.sets=[{{name: heldout, path: {demo / 'arithmetic_heldout.jsonl'}, n: 8, temperature: 1.0}}]",
             f"trainer.run_dir={run_dir}", f"trainer.num_steps={steps}", "logging.progress_bar=false", *extra]
 

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_grpo.data.synthetic import all_problems
 from megatron_grpo.runtime.files import write_text_atomic
-from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+from tests.demo_run import DEMO_ENGINE, ENV, ROOT, read_metrics, train_cmd
 
 STEPS = 4
 REWARD_FILE = "def ids_len(response_ids, finish_reason):\n    return float(len(response_ids))\n"
@@ -92,7 +92,7 @@ def run_eval_cli(*args):
 
 
 def demo_args(demo, run_dir):
-    return [f"model.hf_dir={demo / 'model'}", f"data.train_file={demo / 'arithmetic.jsonl'}",
+    return [DEMO_ENGINE, f"model.hf_dir={demo / 'model'}", f"data.train_file={demo / 'arithmetic.jsonl'}",
             f"trainer.run_dir={run_dir}", "logging.progress_bar=false"]
 
 

@@ -66,6 +66,7 @@ def _train(out: Path, name: str, overrides: list[str], timeout_s: float) -> list
     cmd = [sys.executable, "-m", "megatron_grpo.cli", "train", "--config", str(ROOT / "yaml_configs/demo_cpu.yaml"),
            f"model.hf_dir={out / 'demo/model'}", f"data.train_file={out / 'demo/arithmetic.jsonl'}",
            f"trainer.run_dir={run_dir}", "parallel.tp=1", "parallel.world_size=1", "logging.plot=false",
+           "rollout.engine=embedded",  # the launched engine on the GPU is what this checks
            "checkpoint.resume=never",
            f"eval.sets=[{{name: heldout, path: {out / 'demo/arithmetic_heldout.jsonl'}, n: 8, temperature: 1.0}}]",
            *overrides]
