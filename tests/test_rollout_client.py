@@ -137,6 +137,39 @@ def test_packed_requests_give_the_samples_of_one_request_per_prompt(server):
         [(i, j, PROMPTS[i]) for i in range(3) for j in range(3)]
 
 
+def test_only_a_call_alone_in_flight_skips_the_batching_window():
+    """Overlapping generate() calls (async rollouts, episodes) keep the engine's batching window
+    so that their requests can share a prefill; a synchronous step's one call skips it. The
+    requests' bodies are recorded before they would be sent."""
+    import asyncio
+
+    from megatron_grpo.rollout.client import AsyncRolloutClient
+
+    client = AsyncRolloutClient(["http://127.0.0.1:9"], sequences_per_request=256)
+    bodies = []
+
+    async def record(route, body, **kwargs):
+        bodies.append(body)
+        await asyncio.sleep(0.01)
+        raise RolloutError("http://127.0.0.1:9", route, "not sent")
+
+    client._call = record
+    params = SamplingParams(max_new_tokens=2)
+
+    async def main():
+        await asyncio.gather(client.generate(PROMPTS, 2, params), return_exceptions=True)
+        alone = list(bodies)
+        bodies.clear()
+        await asyncio.gather(client.generate(PROMPTS[:1], 2, params), client.generate(PROMPTS[1:], 2, params),
+                             return_exceptions=True)
+        return alone, list(bodies)
+
+    alone, overlapping = asyncio.run(main())
+    assert len(alone) == 1 and alone[0]["skip_batch_window"] is True and alone[0]["input_ids"] == PROMPTS
+    assert len(overlapping) == 2 and not any("skip_batch_window" in b for b in overlapping)
+    assert client._generating == 0
+
+
 def test_request_chunks():
     from megatron_grpo.rollout.client import request_chunks
 

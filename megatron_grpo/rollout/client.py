@@ -98,6 +98,7 @@ class AsyncRolloutClient:
             raise ValueError("AsyncRolloutClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.sequences_per_request = sequences_per_request
+        self._generating = 0  # generate() calls in flight (async rollouts and episodes overlap them)
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -210,17 +211,23 @@ class AsyncRolloutClient:
         its own seed ``sampling_seed + k`` (k its index in the returned list), so a run is
         reproducible whatever the batching; SGLang would otherwise give the ``n`` copies of a
         request the same seed and the same answer. ``sequences_per_request`` is for the embedded
-        engine, whose extension ``skip_batch_window`` such requests also set: each holds all
-        this call sends to its server, so the engine's batching window would only delay it.
+        engine, whose extension ``skip_batch_window`` these requests also set while this call is
+        the client's only one in flight (a synchronous step's whole batch): the engine's
+        batching window, there for concurrent requests to share a prefill, would only delay
+        them. Overlapping calls (asynchronous rollouts, multi-turn episodes) keep the window.
         """
         chunks = request_chunks(len(prompts), n, self.sequences_per_request, len(self.urls))
-        tasks = [
-            self._generate_groups(range(start, stop), [list(prompts[i]) for i in range(start, stop)], n, sampling,
-                                  None if sampling_seed is None else sampling_seed + start * n,
-                                  return_routed_experts)
-            for start, stop in chunks
-        ]
-        groups = await asyncio.gather(*tasks)
+        self._generating += 1
+        try:
+            tasks = [
+                self._generate_groups(range(start, stop), [list(prompts[i]) for i in range(start, stop)], n,
+                                      sampling, None if sampling_seed is None else sampling_seed + start * n,
+                                      return_routed_experts)
+                for start, stop in chunks
+            ]
+            groups = await asyncio.gather(*tasks)
+        finally:
+            self._generating -= 1
         return [s for group in groups for s in group]
 
     async def _generate_groups(self, indices: range, prompts: list[list[int]], n: int,
@@ -235,7 +242,7 @@ class AsyncRolloutClient:
             body = {"input_ids": [p for p in prompts for _ in range(n)],
                     "sampling_params": [sampling.to_json(sampling_seed=seed + k) for k in range(len(prompts) * n)]}
         body.update(return_logprob=True, logprob_start_len=-1)
-        if self.sequences_per_request:  # the embedded engine's extension: nothing else is coming
+        if self.sequences_per_request and self._generating == 1:  # the embedded engine's extension
             body["skip_batch_window"] = True
         if return_routed_experts:  # only then: SGLang without the feature rejects the key
             body["return_routed_experts"] = True
