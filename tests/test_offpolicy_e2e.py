@@ -86,8 +86,11 @@ def test_resume_mid_run_draws_each_prompt_once(demo, straight, tmp_path):
 @pytest.mark.slow
 def test_engine_killed_during_background_generation_is_recovered(demo, tmp_path):
     run_dir = tmp_path / "run"
-    # 32 prompts x 16: a background generation long enough (~1 s here) to be hit
+    # 32 prompts x 16 one sequence at a time: a background generation long enough (512 forward
+    # passes, a second or more) to be hit; in full batches it took ~0.3 s once the HTTP path was
+    # cut, and the kill could land after it
     proc = subprocess.Popen(cmd(demo, run_dir, 6, "checkpoint.save_every=0", "rollout.prompts_per_step=32",
+                                "rollout.embedded.max_batch_size=1",
                                 "rollout.request_timeout_s=20", "rollout.max_retries=2"),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     # step 3 starts right after step 2's entry and sends step 4's prompts to the engine
