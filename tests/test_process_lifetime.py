@@ -227,3 +227,27 @@ def test_slurms_sigterm_to_every_process_saves_and_the_same_command_resumes(demo
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from checkpoint step {stopped_at}" in resumed.stdout + resumed.stderr
     assert len(read_metrics(run_dir)) == stopped_at + 1
+
+
+def test_torchruns_report_of_a_signal_read_before_our_own_is_the_stop(tmp_path, capfd):
+    """Ctrl-C reaches torchrun and the launcher together: torchrun's "Received 2 death signal"
+    warning can be read before the launcher's KeyboardInterrupt is raised (the full suite once
+    printed it and the worker lines after it). It is taken as the stop: nothing from it on is
+    forwarded, and the output before it still is."""
+    import sys
+
+    from megatron_grpo.trainer.cli import _forward_stderr
+
+    torchrun = (
+        "import sys, time\n"
+        "sys.stderr.write('a rank line\\n'); sys.stderr.flush(); time.sleep(0.2)\n"
+        "sys.stderr.write('W1124 12:25:09.709000 22831 site-packages/torch/distributed/elastic/agent/server/"
+        "api.py:753] Received 2 death signal, shutting down workers\\nW1124 Sending process 7 closing signal "
+        "SIGINT\\n'); sys.stderr.flush(); time.sleep(0.2)\n"
+        "sys.stderr.write('a traceback line\\n')\n")
+    proc = subprocess.Popen([sys.executable, "-c", torchrun], stderr=subprocess.PIPE)
+    stopping: list = []
+    _forward_stderr(proc, tmp_path / "no_error", stopping)
+    proc.wait(timeout=30)
+    assert capfd.readouterr().err == "a rank line\n"
+    assert stopping == [signal.SIGINT]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -135,6 +136,10 @@ def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
         return _fail(f"torchrun stopped (exit code {code}): {reason}", code) if reason else code
 
 
+# torchrun's first line when a stop signal reaches it (its elastic agent, logged as a warning).
+_TORCHRUN_SIGNALLED = re.compile(rb"[^\n]*Received (\d+) death signal, shutting down workers")
+
+
 def _forward_stderr(proc: subprocess.Popen, error_file: Path, stopping: list[int], keep_bytes: int = 4096) -> bytes:
     """Copy ``proc``'s stderr to ours until it closes, except after a rank recorded its error
     in ``error_file`` or a stop signal came (``stopping``: torchrun's shutdown report follows,
@@ -142,18 +147,29 @@ def _forward_stderr(proc: subprocess.Popen, error_file: Path, stopping: list[int
     Ctrl-C leaves at once: this process exits and every rank dies with it."""
     out = getattr(sys.stderr, "buffer", None)
     tail = b""
+    interrupts = 0  # Ctrl-Cs this process received
     while True:
         try:
             chunk = os.read(proc.stderr.fileno(), 65536)
         except KeyboardInterrupt:
-            if signal.SIGINT in stopping:
+            interrupts += 1
+            if interrupts > 1:
                 raise
-            stopping.append(signal.SIGINT)  # torchrun got it too and passes it to its ranks
+            if signal.SIGINT not in stopping:
+                stopping.append(signal.SIGINT)  # torchrun got it too and passes it to its ranks
             continue
         if not chunk:
             return tail
         tail = (tail + chunk)[-keep_bytes:]
-        if not error_file.exists() and not stopping:
+        signalled = None if stopping else _TORCHRUN_SIGNALLED.search(chunk)
+        if signalled and int(signalled.group(1)) in signal.valid_signals():
+            # A Ctrl-C reaches torchrun and this process together; torchrun's report of it can
+            # be read before this process's KeyboardInterrupt is raised: it is the stop too.
+            chunk = chunk[:signalled.start()]
+            stopping.append(signal.Signals(int(signalled.group(1))))
+        else:
+            signalled = None
+        if chunk and not error_file.exists() and (signalled or not stopping):
             if out is not None:
                 out.write(chunk)
                 out.flush()
