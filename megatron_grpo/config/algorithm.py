@@ -144,8 +144,7 @@ class AlgorithmConfig:
     shuffle the batch's sequences (seeded by trainer.seed and the step, the same on every rank
     and after a resume) before cutting it into mini-batches, so each step mixes prompts instead
     of holding a few whole groups in generation order (TRL's default). Off by default, as in
-    verl; the CPU demo turns it on (it learned faster per batch on every seed measured,
-    docs/benchmarks.md). No effect with one mini-batch."""
+    verl: the demo's measured runs cut in generation order. No effect with one mini-batch."""
 
     off_policy_correction: OffPolicyCorrectionConfig = field(default_factory=OffPolicyCorrectionConfig)
     """Train/rollout mismatch correction (TIS, sequence masks, outlier masks)."""
