@@ -82,3 +82,54 @@ def test_launch_failure_reports_the_log(tmp_path):
     manager = RolloutServerManager(cfg, model_dir=str(tmp_path / "empty"), run_dir=tmp_path)
     with pytest.raises(RolloutError, match="exited before it was healthy.*no config.json"):
         manager.start()
+
+
+@pytest.mark.slow
+def test_a_picked_port_taken_before_the_server_binds_it_is_replaced(tmp_path, monkeypatch):
+    """The race CI once lost: the port free_port picked was bound by another process before
+    the server started; the server is launched again on another port, and the run goes on."""
+    import socket
+
+    import megatron_grpo.rollout.manager as manager_module
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    taken_port = taken.getsockname()[1]
+    picks = iter([taken_port])
+    real_free_port = manager_module.free_port
+    monkeypatch.setattr(manager_module, "free_port", lambda host="127.0.0.1": next(picks, None) or real_free_port(host))
+    model_dir = save_tiny_model(tmp_path / "qwen2", "qwen2")
+    cfg = RolloutConfig(api_key="k", launch_timeout_s=120)
+    manager = RolloutServerManager(cfg, model_dir=str(model_dir), run_dir=tmp_path / "run")
+    client = None
+    try:
+        (url,) = manager.start()
+        assert not url.endswith(f":{taken_port}")
+        log_text = manager.log_path.read_text()
+        assert log_text.count("launch:") == 2 and "address already in use" in log_text
+        client = RolloutClient.from_config(cfg, [url])
+        assert len(client.generate([[5, 6]], 1, SamplingParams(max_new_tokens=2))) == 1
+    finally:
+        if client is not None:
+            client.close()
+        manager.stop()
+        taken.close()
+
+
+@pytest.mark.slow
+def test_a_configured_port_that_is_taken_is_an_error(tmp_path):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        model_dir = save_tiny_model(tmp_path / "qwen2", "qwen2")
+        cfg = RolloutConfig(port=taken.getsockname()[1], launch_timeout_s=120)
+        manager = RolloutServerManager(cfg, model_dir=str(model_dir), run_dir=tmp_path / "run")
+        with pytest.raises(RolloutError, match="exited before it was healthy.*address already in use"):
+            manager.start()
+        assert manager.log_path.read_text().count("launch:") == 1
+    finally:
+        taken.close()

@@ -65,6 +65,14 @@ def wait_healthy(url: str, deadline: float, *, alive: Callable[[], bool] = lambd
         time.sleep(0.1)  # a refused connection costs nothing; every run waits for its start
 
 
+# What uvicorn (ours and SGLang's) prints when the port is taken.
+_PORT_TAKEN = ("address already in use", "[Errno 98]")
+# Launches of one server on fresh ports before its start fails: ports we pick are free when
+# picked, but any process on the machine (a test's other run, torchrun's rendezvous) can bind
+# one before the server does (seen once in CI); a configured rollout.port is never moved.
+_PORT_TRIES = 3
+
+
 @dataclass
 class _Server:
     """One launched server: its port, log and (while running) process."""
@@ -72,6 +80,17 @@ class _Server:
     port: int
     log_path: Path
     proc: Optional[subprocess.Popen] = None
+    log_offset: int = 0  # where this launch's lines start in the (appended) log
+
+    def lost_its_port(self) -> bool:
+        """True when this launch exited because another process bound its port first."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return False
+        return any(sign in text for sign in _PORT_TAKEN)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -135,11 +154,36 @@ class RolloutServerManager:
             self.spawn()
         try:
             for server in self._servers:
-                self._wait(server, self._spawned_at + self.rollout_cfg.launch_timeout_s)
+                self._wait_or_move(server, self._spawned_at + self.rollout_cfg.launch_timeout_s)
         except BaseException:
             self.stop()
             raise
         return self.urls
+
+    def _wait_or_move(self, server: _Server, deadline: float) -> None:
+        """Wait for ``server``; if it exited because its (picked) port was taken, launch it
+        again on another free port, up to ``_PORT_TRIES`` launches, within the same deadline."""
+        for attempt in range(1, _PORT_TRIES + 1):
+            try:
+                self._wait(server, deadline)
+                return
+            except RolloutError:
+                if (attempt == _PORT_TRIES or self.rollout_cfg.port or server.alive()
+                        or not server.lost_its_port()):
+                    raise
+            taken = server.port
+            server.port = self._new_port()
+            log.warning("rollout server port %d was taken before the server bound it; launching it on port %d",
+                        taken, server.port)
+            self._spawn(server)
+
+    def _new_port(self) -> int:
+        """A free port that no server of this manager has."""
+        used = {s.port for s in self._servers}
+        port = free_port(self.rollout_cfg.host)
+        while port in used:
+            port = free_port(self.rollout_cfg.host)
+        return port
 
     def spawn(self) -> None:
         """Start every launched server's process and return at once (``start`` waits for
@@ -182,6 +226,7 @@ class RolloutServerManager:
             raise RolloutError(f"{self.rollout_cfg.engine} server", "launch", str(e)) from None
         server.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(server.log_path, "ab") as logf:
+            server.log_offset = logf.tell()
             logf.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} launch: {_redact(cmd)}\n".encode())
             logf.flush()
             # A new session makes the server (and anything it forks) one process group that
