@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU demo, end to end on a fresh machine: install, build the tiny model and dataset,
-# train with GRPO (TP=2 on 2 gloo ranks + the embedded rollout engine), print the table and
+# train with GRPO (TP=2 on 2 gloo ranks + the in-process rollout engine), print the table and
 # write runs/demo_cpu/plot.png.   Usage: bash launch/demo_cpu.sh [section.key=value ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."

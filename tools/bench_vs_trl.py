@@ -73,6 +73,9 @@ def run_ours(tp: int, mbs: int, seed: int, batches: int, demo: Path, out: Path,
         f"parallel.tp={tp}", f"parallel.world_size={tp}", f"parallel.micro_batch_size={mbs}", "eval.sets=[]", "checkpoint.save_every=0",
         "checkpoint.resume=never", "logging.progress_bar=false", "logging.plot=false",
         f"algorithm.shuffle_mini_batches={str(shuffled).lower()}", f"rollout.engine={engine}",
+        # the TRL worker's schedule (its --lr / --min-lr defaults); the demo itself now runs
+        # 2e-4 (yaml_configs/demo_cpu.yaml), and both sides must share one
+        "optimizer.lr=5.0e-4", "optimizer.min_lr=5.0e-5",
     ]
     rows = _reward_rows(run_dir / "metrics.jsonl") if reuse else []
     if not rows or rows[-1]["step"] != batches:
