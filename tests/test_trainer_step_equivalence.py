@@ -3,7 +3,8 @@ old-policy log-probs, same updated weights (max |delta| <= 1e-5), through the re
 schedule, DDP, megatron-core optimizer, vocab-parallel op and corrected loss. The same holds
 for token-budget micro-batches (``parallel.max_tokens_per_microbatch``: rows regrouped by
 length, each micro-batch cut to its own length, shapes varying along the pipeline) and for
-the step that skips the old-log-prob pass (pi_old = detached pi_theta)."""
+the step that skips the old-log-prob pass (pi_old = detached pi_theta), and for the loss with
+the entropy bonus and the k3 KL term (the CPU demo's loss) at TP2 and PP2."""
 
 import pytest
 import torch
@@ -20,7 +21,11 @@ def _batch():
     return random_train_batch(N_SEQ)
 
 
-def _one_step(rank, world, hf_dir, budget=None, skip_old=False):
+REGULARIZED = {"entropy_coef": 0.02, "kl_loss_coef": 0.05}
+"""The CPU demo's entropy bonus and KL weight (yaml_configs/demo_cpu.yaml)."""
+
+
+def _one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=False):
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
@@ -33,11 +38,14 @@ def _one_step(rank, world, hf_dir, budget=None, skip_old=False):
     # (Adam's first step is ~lr*sign(g) and would hide a wrongly scaled gradient).
     policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32"),
                                OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0))
-    algo = AlgorithmConfig(eps_clip_high=0.28, off_policy_correction={"tis_ratio_type": "token"})
+    algo = AlgorithmConfig(eps_clip_high=0.28, off_policy_correction={"tis_ratio_type": "token"},
+                           **(REGULARIZED if regularized else {}))
     spec = ScoringSpec(temperature=0.7, vocab_size=policy.hf_config.vocab_size)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     full = _batch()
     local = dp_shard(full, dp_rank, dp, GLOBAL_BATCH)
+    if regularized:  # a stand-in reference whose log-probs differ from the policy's: the KL has a gradient
+        local.ref_log_probs = local.rollout_log_probs.clone()
     old_lp = compute_log_probs(policy.chunks, local, MICRO, spec, budget)
     if not skip_old:
         local.old_log_probs = old_lp
@@ -64,6 +72,12 @@ def reference(tiny_hf):
     return ref
 
 
+@pytest.fixture(scope="module")
+def regularized_reference(tiny_hf):
+    (ref,) = run_distributed(_one_step, 1, tiny_hf, None, False, True, tp=1, pp=1, timeout_s=300)
+    return ref
+
+
 def _merged_weights(results):
     merged = {}
     for r in results:
@@ -75,6 +89,19 @@ def _merged_weights(results):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
 def test_step_matches_tp1(tiny_hf, reference, tp, pp):
     _assert_same_step(run_distributed(_one_step, 2, tiny_hf, tp=tp, pp=pp, timeout_s=300), reference, tiny_hf)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_regularized_step_matches_tp1(tiny_hf, regularized_reference, reference, tp, pp):
+    """With the entropy bonus and the k3 KL term on (vocab-parallel entropy and its gradient
+    across TP ranks; the reference log-probs on the last stage) the TP2 / PP2 step equals TP1's."""
+    results = run_distributed(_one_step, 2, tiny_hf, None, False, True, tp=tp, pp=pp, timeout_s=300)
+    _assert_same_step(results, regularized_reference, tiny_hf, ("entropy", "k3_kl"))
+    # the two terms really changed the step (the comparison covers their gradients)
+    worst = max((regularized_reference["weights"][k] - v).abs().max().item() for k, v in reference["weights"].items())
+    assert worst > 1e-4, worst
+    assert regularized_reference["metrics"]["k3_kl"] > 0.01
 
 
 def test_token_budget_plan_varies_shapes():
@@ -111,7 +138,7 @@ def test_skipping_old_log_prob_pass_is_exact(tiny_hf, reference, budget):
     _assert_same_step([result], reference, tiny_hf)
 
 
-def _assert_same_step(results, reference, tiny_hf):
+def _assert_same_step(results, reference, tiny_hf, extra_keys=()):
     ref_m = reference["metrics"]
     assert reference["applied"] and ref_m["clip_ratio"] == 0.0  # first step: pi_old == pi_theta
     reporters = [r for r in results if r["metrics"] is not None]
@@ -119,7 +146,7 @@ def _assert_same_step(results, reference, tiny_hf):
     for r in reporters:
         assert r["applied"]
         assert abs(r["metrics"]["loss"] - ref_m["loss"]) <= 1e-5 * max(1, abs(ref_m["loss"])), (r["metrics"]["loss"], ref_m["loss"])
-        for key in ("ppo_kl", "is_ratio_mean", "rollout_train_logprobs_abs_diff_mean", "num_valid_tokens"):
+        for key in ("ppo_kl", "is_ratio_mean", "rollout_train_logprobs_abs_diff_mean", "num_valid_tokens", *extra_keys):
             assert abs(r["metrics"][key] - ref_m[key]) <= 1e-5, key
     weights = _merged_weights(results)
     assert set(weights) == set(reference["weights"])
