@@ -74,24 +74,36 @@ def test_server_defaults_are_loopback():
 
 
 def _sync_store_listeners(rank, world):
-    from megatron_grpo.wire.group import destroy_custom_process_group, init_custom_process_group
-    from megatron_grpo.testing.distributed import free_port
+    """How the sync transport hosts the group: a socket bound first (``bind_group_store``),
+    its port handed out, the store hosted on it. Returns (listening addresses, whether
+    another socket could bind the port between the bind and the group's start)."""
+    import socket
 
-    port = free_port()
-    group = init_custom_process_group(backend="gloo", master_address="127.0.0.1", master_port=port,
-                                      world_size=1, rank=0, group_name="security_probe")
+    from megatron_grpo.wire.group import bind_group_store, destroy_custom_process_group, init_custom_process_group
+
+    listen = bind_group_store("127.0.0.1")
+    port = listen.getsockname()[1]
     try:
-        return sorted(_listen_addresses(port))
+        socket.create_server(("127.0.0.1", port)).close()
+        taken = True
+    except OSError:
+        taken = False
+    group = init_custom_process_group(backend="gloo", master_address="127.0.0.1", master_port=port,
+                                      world_size=1, rank=0, group_name="security_probe", listen_socket=listen)
+    try:
+        return sorted(_listen_addresses(port)), taken
     finally:
         destroy_custom_process_group(group)
 
 
 def test_weight_sync_store_listens_on_the_master_address_only():
-    """torch's TCPStore server alone would listen on every interface ([::])."""
+    """torch's TCPStore server alone would listen on every interface ([::]); and the port the
+    engines are told is held from before it is told, so no other process can take it."""
     from megatron_grpo.testing.distributed import run_distributed
 
-    (addresses,) = run_distributed(_sync_store_listeners, 1, timeout_s=300)
+    ((addresses, taken),) = run_distributed(_sync_store_listeners, 1, timeout_s=300)
     assert addresses == [LOOPBACK_V4]
+    assert not taken
 
 
 @pytest.fixture(scope="module")

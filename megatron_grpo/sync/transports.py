@@ -33,9 +33,8 @@ import torch
 
 from megatron_grpo.rollout.types import RolloutError
 from megatron_grpo.runtime.device import collective_device, compute_device
-from megatron_grpo.runtime.process import free_port
 from megatron_grpo.wire.buckets import Bucket, unflatten
-from megatron_grpo.wire.group import destroy_custom_process_group, init_custom_process_group
+from megatron_grpo.wire.group import bind_group_store, destroy_custom_process_group, init_custom_process_group
 from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_system_sharing
 from megatron_grpo.wire.shm import ShmSegment, remove_stale_segments
 
@@ -107,7 +106,9 @@ class DistributedTransport(Transport):
         backend = self.backend
         tp_sizes = self.engine_tp_sizes()
         world_size = 1 + sum(tp_sizes)
-        port = free_port(self.master_address)
+        # bound first, then handed to the engines: nothing can take the port in between
+        listen = bind_group_store(self.master_address)
+        port = listen.getsockname()[1]
         futures, offset = [], 1
         for url, tp in zip(self.urls, tp_sizes):
             futures.append(self.client.submit(self.client.aio.init_weights_update_group(
@@ -116,7 +117,8 @@ class DistributedTransport(Transport):
             offset += tp
         self.group = init_custom_process_group(backend=backend, master_address=self.master_address,
                                                master_port=port, world_size=world_size, rank=0,
-                                               group_name=self.group_name, timeout_s=self.timeout_s)
+                                               group_name=self.group_name, timeout_s=self.timeout_s,
+                                               listen_socket=listen)
         self._wait_all(futures)
 
     def begin(self, step: int) -> None:

@@ -13,13 +13,25 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
+from typing import Optional
 
 import torch.distributed as dist
 
 
+def bind_group_store(master_address: str) -> socket.socket:
+    """A listening socket on ``master_address`` at a port the OS picks, for rank 0 to host a
+    group's store on (``init_custom_process_group(listen_socket=...)``). Bound before the port
+    is handed to the other ranks, so no other process can take it in between (a port picked
+    free and bound later can be: CI lost that race for a launched server once)."""
+    return socket.create_server((master_address, 0))
+
+
 def init_custom_process_group(*, backend: str, master_address: str, master_port: int, world_size: int,
-                              rank: int, group_name: str, timeout_s: float = 300.0):
-    """Join (rank 0: host) the group ``group_name``; blocks until all ``world_size`` ranks joined."""
+                              rank: int, group_name: str, timeout_s: float = 300.0,
+                              listen_socket: Optional[socket.socket] = None):
+    """Join (rank 0: host) the group ``group_name``; blocks until all ``world_size`` ranks joined.
+    Rank 0 hosts the store on ``listen_socket`` when given (``bind_group_store``; it then owns
+    the socket), else on a socket it binds to ``master_address:master_port``."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
@@ -30,7 +42,9 @@ def init_custom_process_group(*, backend: str, master_address: str, master_port:
     # TCPStore's own server listens on EVERY interface whatever master_address says: rank 0
     # hands it a socket bound to master_address instead (loopback by default), so the
     # weight-update rendezvous is not reachable from the network unless configured so.
-    listen_fd = socket.create_server((master_address, master_port)).detach() if rank == 0 else None
+    listen_fd = None
+    if rank == 0:
+        listen_fd = (listen_socket or socket.create_server((master_address, master_port))).detach()
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
                           timeout=timeout, wait_for_workers=False, master_listen_fd=listen_fd)
     store = PrefixStore(group_name, store)
