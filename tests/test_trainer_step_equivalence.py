@@ -97,11 +97,16 @@ def test_regularized_step_matches_tp1(tiny_hf, regularized_reference, reference,
     """With the entropy bonus and the k3 KL term on (vocab-parallel entropy and its gradient
     across TP ranks; the reference log-probs on the last stage) the TP2 / PP2 step equals TP1's."""
     results = run_distributed(_one_step, 2, tiny_hf, None, False, True, tp=tp, pp=pp, timeout_s=300)
-    _assert_same_step(results, regularized_reference, tiny_hf, ("entropy", "k3_kl"))
+    _assert_same_step(results, regularized_reference, tiny_hf, ("entropy", "kl_loss", "k3_kl"))
     # the two terms really changed the step (the comparison covers their gradients)
     worst = max((regularized_reference["weights"][k] - v).abs().max().item() for k, v in reference["weights"].items())
     assert worst > 1e-4, worst
-    assert regularized_reference["metrics"]["k3_kl"] > 0.01
+    # the KL-to-reference term is on and non-zero (k3_kl is the rollout-vs-pi_old mismatch, not this term)
+    reg = regularized_reference["metrics"]
+    assert reg["kl_loss"] > 0.01, reg["kl_loss"]
+    # and both terms are in the loss with their weights (docs/loss_spec.md: + kl_coef * KL - entropy_coef * H)
+    expected = reference["metrics"]["loss"] + REGULARIZED["kl_loss_coef"] * reg["kl_loss"] - REGULARIZED["entropy_coef"] * reg["entropy"]
+    assert abs(reg["loss"] - expected) <= 1e-5, (reg["loss"], expected)
 
 
 def test_token_budget_plan_varies_shapes():
