@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import httpx
 import psutil
 import pytest
 
@@ -119,6 +120,19 @@ def _signal_every_process(tree: list[psutil.Process], signum: int) -> None:
             pass
 
 
+ENGINE_KEY = "lifetime-test-key"
+"""``rollout.api_key`` of the runs whose engine the test asks (a run's own key is random)."""
+
+
+def _engine_info(run_dir: Path) -> dict:
+    """The launched embedded engine's /get_server_info (its port from the launch line of
+    its log), for a run started with ``rollout.api_key=ENGINE_KEY``."""
+    launch = [line for line in (run_dir / "rollout" / "server.log").read_text().splitlines() if " launch: " in line]
+    port = int(launch[-1].split("--port ")[1].split()[0])
+    return httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=10.0,
+                     headers={"Authorization": f"Bearer {ENGINE_KEY}"}).json()
+
+
 def _two_steps_logged(run_dir: Path) -> bool:
     return len(read_metrics(run_dir)) >= 2
 
@@ -203,18 +217,29 @@ def test_slurms_sigterm_to_every_process_saves_and_the_same_command_resumes(demo
     there with the same command."""
     from megatron_grpo.trainer.checkpoint import complete_checkpoints
 
-    def step_2_saved(run_dir: Path) -> bool:  # then the signal comes during step 3, which is not due
-        return any(step == 2 for step, _ in complete_checkpoints(run_dir))
+    def step_3_generated(run_dir: Path) -> bool:
+        """Step 2's checkpoint is complete and the engine, idle, has answered a generation on
+        step 2's weights (version 2) or later ones: the signal comes after step 3's generation
+        (or a later step's, when this poll came late), while the ranks train or sync. A signal
+        during the generation itself stops the run after the step before (the engine cannot
+        answer), which a timer could not rule out: CI saw it once."""
+        if not any(step == 2 for step, _ in complete_checkpoints(run_dir)):
+            return False
+        info = _engine_info(run_dir)
+        requests = info["generate_requests"]
+        version = info["weight_version"]  # "default" before the first sync
+        return (version.isdigit() and int(version) >= 2 and requests["answered_on_weight_version"] >= 1
+                and requests["in_flight"] == 0)
 
-    code, said, run_dir, seconds = _stop_with(signal.SIGTERM, "job step", demo, tmp_path, ready=step_2_saved,
-                                              overrides=("checkpoint.save_every=2",))
+    code, said, run_dir, seconds = _stop_with(signal.SIGTERM, "job step", demo, tmp_path, ready=step_3_generated,
+                                              overrides=("checkpoint.save_every=2", f"rollout.api_key={ENGINE_KEY}"))
     lines = said.strip().splitlines()
     assert code == 143 and len(lines) == 1 and lines[0].startswith("error: stopped by SIGTERM after step "), said
     stopped_at = int(lines[0].split("after step ")[1].split()[0])
     checkpoints = [step for step, _ in complete_checkpoints(run_dir)]
     assert stopped_at >= 3 and checkpoints[-1] == stopped_at, (checkpoints, said)
     assert len(checkpoints) == 2 and checkpoints[0] % 2 == 0, checkpoints  # the previous one, intact
-    if stopped_at % 2:  # usually: step 3, saved on stop (an even step's checkpoint was due anyway)
+    if stopped_at % 2:  # usually step 3, saved on stop (an even step's checkpoint was due anyway)
         assert f"saved a checkpoint of step {stopped_at}" in lines[0], lines[0]
     assert len(read_metrics(run_dir)) == stopped_at
     launches = (run_dir / "rollout" / "server.log").read_text().count(" launch: ")

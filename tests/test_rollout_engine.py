@@ -153,3 +153,38 @@ def test_pause_abort_and_retract(engine):
     # A retracted sequence is re-prefilled with the same weights: log-probs stay exact.
     ref = reference_logprobs(engine.model, seq, 1.0)
     assert (torch.tensor(seq.output_logprobs, dtype=torch.float64) - ref).abs().max().item() <= 1e-5
+
+
+def test_server_info_counts_generate_requests_in_flight_and_answered(engine):
+    """/get_server_info's ``generate_requests``: a request is in flight while it generates and
+    answered once it has returned, counted also per weight version; a refused one is neither
+    (what tests/test_process_lifetime.py waits on to signal a run after a step's generation)."""
+    from fastapi.testclient import TestClient
+
+    from megatron_grpo.rollout.embedded.server import build_app
+
+    with TestClient(build_app(engine)) as client:
+        def requests() -> dict:
+            return client.get("/get_server_info").json()["generate_requests"]
+
+        engine.weight_version = "7"
+        assert requests() == {"in_flight": 0, "answered": 0, "answered_on_weight_version": 0}
+        body = {"input_ids": PROMPTS[0], "sampling_params": {**LONG, "max_new_tokens": 4000}}
+        answer: list = []
+        worker = threading.Thread(target=lambda: answer.append(client.post("/generate", json=body)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while requests()["in_flight"] == 0:
+            assert time.monotonic() < deadline and worker.is_alive()
+            time.sleep(0.01)
+        assert requests() == {"in_flight": 1, "answered": 0, "answered_on_weight_version": 0}
+        worker.join(timeout=120)
+        assert answer and answer[0].status_code == 200, answer
+        assert requests() == {"in_flight": 0, "answered": 1, "answered_on_weight_version": 1}
+        refused = client.post("/generate", json={"sampling_params": {"max_new_tokens": 2}})
+        assert refused.status_code == 400, refused.text
+        assert requests() == {"in_flight": 0, "answered": 1, "answered_on_weight_version": 1}
+        assert client.post("/update_weight_version", json={"new_version": "8"}).status_code == 200
+        assert requests() == {"in_flight": 0, "answered": 1, "answered_on_weight_version": 0}
+        assert client.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+        assert requests() == {"in_flight": 0, "answered": 2, "answered_on_weight_version": 1}

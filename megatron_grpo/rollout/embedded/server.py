@@ -178,6 +178,12 @@ class _Routes:
         self.engine = engine
         self.api_key = api_key
         self.policy = policy
+        # /generate requests being answered, answered so far, and answered on the current
+        # weight version (in /get_server_info): what an operator or a test watches to see a
+        # step's generation under way or done. Only the event loop touches them: no lock.
+        self.generate_in_flight = 0
+        self.generate_answered = 0
+        self._answered_on: tuple[str, int] = ("", 0)  # (weight version, requests answered on it)
 
     async def _body(self, request: Request) -> dict:
         return await _body(request, self.policy.max_request_bytes)
@@ -237,8 +243,17 @@ class _Routes:
                 "dtype": str(engine.dtype).removeprefix("torch."), "max_batch_size": engine.max_batch_size,
                 "context_length": engine.max_context, "weight_version": engine.weight_version,
                 "paused": engine.paused,
+                # this engine's extension: /generate requests under way and answered so far
+                "generate_requests": {"in_flight": self.generate_in_flight, "answered": self.generate_answered,
+                                      "answered_on_weight_version": self._answered_on_current()},
                 # SGLang's key; fp8-e4m3, fp8-e5m2 or int8 (null: unquantized)
                 "quantization": engine.quantization.describe() if engine.quantization else None}
+
+    def _answered_on_current(self) -> int:
+        """/generate requests answered since the engine's weight version became the current one
+        (a run's versions never repeat)."""
+        version, count = self._answered_on
+        return count if version == self.engine.weight_version else 0
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -252,13 +267,19 @@ class _Routes:
             return _bad_request(str(e))
         done = _all_finished(items)  # set before submitting: a sequence may finish at once
         started = time.monotonic()
+        self.generate_in_flight += 1
         try:
-            # this engine's extension: the client sends all it has in this one request, so
-            # holding it for the batching window would only add the window to its latency
-            self.engine.submit(items, hold=not req.get("skip_batch_window", False))
-        except EngineError as e:
-            return _bad_request(str(e))
-        await done
+            try:
+                # this engine's extension: the client sends all it has in this one request, so
+                # holding it for the batching window would only add the window to its latency
+                self.engine.submit(items, hold=not req.get("skip_batch_window", False))
+            except EngineError as e:
+                return _bad_request(str(e))
+            await done
+        finally:
+            self.generate_in_flight -= 1
+        self.generate_answered += 1
+        self._answered_on = (self.engine.weight_version, self._answered_on_current() + 1)
         latency = time.monotonic() - started
         with_text = bool(req.get("return_text_in_logprobs", False))
         outputs = [_render(self.engine, s, with_text, latency) for s in items]
