@@ -76,6 +76,8 @@ def run_ours(tp: int, mbs: int, seed: int, batches: int, demo: Path, out: Path,
         # the TRL worker's schedule (its --lr / --min-lr defaults); the demo itself now runs
         # 2e-4 (yaml_configs/demo_cpu.yaml), and both sides must share one
         "optimizer.lr=5.0e-4", "optimizer.min_lr=5.0e-5",
+        # the TRL worker's entropy bonus (its --entropy-coef default); the demo's is 0.05 now
+        "algorithm.entropy_coef=0.02",
     ]
     rows = _reward_rows(run_dir / "metrics.jsonl") if reuse else []
     if not rows or rows[-1]["step"] != batches:
