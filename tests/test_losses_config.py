@@ -93,3 +93,19 @@ def test_deprecated_use_tis_is_mapped_with_a_warning():
                 {"use_tis": True, "off_policy_correction": {"tis_ratio_type": "sequence"}},
                 "algorithm",
             )
+
+
+def test_entropy_coef_schedule_is_linear_from_first_to_last_step():
+    """Hand-computed: 0.05 -> 0.0 over 5 steps is 0.05, 0.0375, 0.025, 0.0125, 0.0; null end
+    (or a one-step run) keeps entropy_coef; a negative end is refused at load."""
+    from megatron_grpo.config.algorithm import entropy_coef_at
+
+    decaying = AlgorithmConfig(entropy_coef=0.05, entropy_coef_end=0.0)
+    assert [entropy_coef_at(decaying, s, 5) for s in range(5)] == pytest.approx([0.05, 0.0375, 0.025, 0.0125, 0.0])
+    assert entropy_coef_at(decaying, 9, 5) == 0.0  # past the last step: the end value
+    rising = AlgorithmConfig(entropy_coef=0.0, entropy_coef_end=0.01)
+    assert entropy_coef_at(rising, 2, 3) == pytest.approx(0.01)
+    assert entropy_coef_at(AlgorithmConfig(entropy_coef=0.05), 3, 5) == 0.05
+    assert entropy_coef_at(decaying, 0, 1) == 0.05
+    with pytest.raises(ConfigError, match="entropy_coef_end"):
+        build_section(AlgorithmConfig, {"entropy_coef_end": -0.1})

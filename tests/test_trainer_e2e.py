@@ -85,3 +85,19 @@ def test_in_process_engine_takes_the_embedded_runs_first_steps(learned, demo_inp
     assert [r["response_length_mean"] for r in rows] == [r["response_length_mean"] for r in embedded]
     for key in ("loss", "grad_norm", "entropy", "ppo_kl"):
         assert all(abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(b[key])) for a, b in zip(rows, embedded)), key
+
+
+@pytest.mark.slow
+def test_entropy_bonus_schedule_reaches_the_loss(demo_inputs, tmp_path):
+    """``algorithm.entropy_coef_end``: each step's loss carries that step's weight. The demo's
+    answer is one token and its mini-batches hold whole groups (generation order): the policy
+    term is the token mean of -A * ratio, which is 0 per group at ratio 1 and stays within a
+    few 1e-3 of it here (measured: |loss + weight * entropy| <= 0.005 with entropy ~2.4), so
+    the loss is -weight * entropy to well within the 0.12 that separates the three weights."""
+    run_dir = tmp_path / "run"
+    out = run_train(train_cmd(demo_inputs, run_dir, 3, "algorithm.entropy_coef=0.1",
+                              "algorithm.entropy_coef_end=0.0"))
+    rows = check_outputs(run_dir, out.stdout, 3, [3])
+    assert [r["entropy_coef"] for r in rows] == pytest.approx([0.1, 0.05, 0.0], abs=1e-12)
+    for r in rows:
+        assert abs(r["loss"] + r["entropy_coef"] * r["entropy"]) < 0.02, r

@@ -133,7 +133,14 @@ class AlgorithmConfig:
     """Per-token KL(pi || ref) estimator (docs/loss_spec.md#kl-and-entropy-terms)."""
 
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus (subtracted from the loss)."""
+    """Weight of the entropy bonus (subtracted from the loss); with entropy_coef_end, its
+    weight at the first step."""
+
+    entropy_coef_end: Optional[float] = None
+    """The entropy bonus's weight at the last step (trainer.num_steps): the weight moves
+    linearly from entropy_coef at step 1 to this at the last step, so a bonus that keeps an
+    early policy exploring stops capping the reward it can reach late. null: constant
+    entropy_coef. The weight each step used is logged as `entropy_coef`."""
 
     num_iterations: int = 1
     """Optimizer passes over each rollout batch (PPO epochs). With 1, pi_old == pi_theta and
@@ -189,6 +196,8 @@ class AlgorithmConfig:
         check(self.sapo_tau_neg > 0, "sapo_tau_neg", f"must be > 0, got {self.sapo_tau_neg}")
         check(self.kl_loss_coef >= 0, "kl_loss_coef", f"must be >= 0, got {self.kl_loss_coef}")
         check(self.entropy_coef >= 0, "entropy_coef", f"must be >= 0, got {self.entropy_coef}")
+        check(self.entropy_coef_end is None or self.entropy_coef_end >= 0, "entropy_coef_end",
+              f"must be >= 0 (or null for a constant entropy_coef), got {self.entropy_coef_end}")
         check(self.num_iterations >= 1, "num_iterations", f"must be >= 1, got {self.num_iterations}")
         if self.loss_reduction == "seq_mean_token_sum_norm":
             check(
@@ -226,3 +235,15 @@ class AlgorithmConfig:
         opc.tis_ratio_type = "token"
         if cap is not None:
             opc.token_tis_ratio_clip_high = cap
+
+
+def entropy_coef_at(algorithm: AlgorithmConfig, step: int, num_steps: int) -> float:
+    """The entropy bonus's weight at 0-based ``step`` of ``num_steps``: ``entropy_coef``, or,
+    with ``entropy_coef_end``, the linear interpolation from ``entropy_coef`` (step 0) to
+    ``entropy_coef_end`` (step num_steps - 1). E.g. 0.05 -> 0.0 over 5 steps: 0.05, 0.0375,
+    0.025, 0.0125, 0.0."""
+    end = algorithm.entropy_coef_end
+    if end is None or num_steps <= 1:
+        return algorithm.entropy_coef
+    frac = min(max(step, 0), num_steps - 1) / (num_steps - 1)
+    return algorithm.entropy_coef + (end - algorithm.entropy_coef) * frac

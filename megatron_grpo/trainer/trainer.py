@@ -36,6 +36,7 @@ engine), whatever the engine (``rollout.protocol.RolloutEngine``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -45,6 +46,7 @@ import yaml
 from megatron.core import parallel_state as ps
 
 from megatron_grpo.config import ExperimentConfig
+from megatron_grpo.config.algorithm import AlgorithmConfig, entropy_coef_at
 from megatron_grpo.data import PromptSampler, load_prompt_dataset
 from megatron_grpo.evaluation import Evaluator
 from megatron_grpo.losses import reduce_metrics
@@ -186,6 +188,7 @@ class Trainer:
         record = {**self.record(result.stats, updates, synced), **moe_metrics, **eval_metrics, **timer.finish()}
         # training throughput: evaluation time is not the step's work
         record["tokens_per_s"] = float(batch.loss_mask.sum()) / max(record["time/step_s"] - eval_s, 1e-9)
+        record["entropy_coef"] = self.step_algorithm(step).entropy_coef
         if self.rank == 0:
             self.records.append(self.logger.log(step + 1, record, excluded_s=eval_s))
         self.check_finite(step + 1)
@@ -235,12 +238,13 @@ class Trainer:
         the whole rollout batch (a mini-batch's global token and sequence counts normalise the
         loss); ``local``: this DP rank's rows, scored."""
         updates, plan = Updates(), self.plan
+        algorithm = self.step_algorithm(step)
         for it in range(plan.num_iterations):
             for m in range(plan.num_mini_batches):
                 plan.set_lr(self.policy.optimizer, step, it, m)
                 whole = batch.select(plan.global_rows(m))
                 metrics, applied, grad_norm = train_mini_batch(
-                    self.policy.chunks, self.policy.optimizer, local.select(plan.local_rows(m)), self.cfg.algorithm,
+                    self.policy.chunks, self.policy.optimizer, local.select(plan.local_rows(m)), algorithm,
                     self.spec, self.cfg.parallel.micro_batch_size, int(whole.loss_mask.sum()), whole.num_sequences,
                     plan.dp, ps.get_data_parallel_group(), self.cfg.parallel.max_tokens_per_microbatch,
                     routing=self.routing)
@@ -248,6 +252,15 @@ class Trainer:
                 if metrics is not None:
                     updates.metrics.append({**metrics, "grad_norm": grad_norm, "iteration": it})
         return updates
+
+    def step_algorithm(self, step: int) -> AlgorithmConfig:
+        """The algorithm section as step ``step`` (0-based) applies it: the entropy bonus's
+        weight of that step (``algorithm.entropy_coef_end``), everything else as configured."""
+        cfg = self.cfg.algorithm
+        if cfg.entropy_coef_end is None:
+            return cfg
+        return dataclasses.replace(cfg, entropy_coef=entropy_coef_at(cfg, step, self.cfg.trainer.num_steps),
+                                   entropy_coef_end=None)
 
     def evaluate(self, step: int) -> dict:
         """Collective, when due: rank 0 evaluates every held-out set on the engine's current
