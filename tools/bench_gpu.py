@@ -364,8 +364,8 @@ def part_rollout(sizes: Sizes, work: Path) -> dict:
 
 
 def device_copy_seconds(num_bytes: int, repeats: int) -> float:
-    """Best time of a device-to-device copy of ``num_bytes`` (one buffer)."""
-    src = torch.ones(num_bytes, dtype=torch.uint8, device="cuda")
+    """Best time of a device-to-device copy of ``num_bytes`` (one buffer; a memcpy on CPU)."""
+    src = torch.ones(num_bytes, dtype=torch.uint8, device="cuda" if torch.cuda.is_available() else "cpu")
     dst = torch.empty_like(src)
     return min(_timed(lambda: dst.copy_(src)) for _ in range(repeats + 1))
 
@@ -383,11 +383,12 @@ def part_weight_sync(sizes: Sizes, work: Path) -> dict:
                                  [("tensor", 512)], [], sizes.weight_sync_repeats, tp=1, pp=1, timeout_s=540)
     row = res["rows"][0]
     copy_s = device_copy_seconds(row["bytes"], sizes.weight_sync_repeats)
-    out = {"model": TRAIN_MODELS[0], "transport": "tensor (CUDA IPC)", "bucket_mb": row["bucket_mb"],
+    transport = "tensor (CUDA IPC)" if torch.cuda.is_available() else "tensor (shared memory)"
+    out = {"model": TRAIN_MODELS[0], "transport": transport, "bucket_mb": row["bucket_mb"],
            "bytes": row["bytes"], "sync_s": row["seconds"], "data_path_s": row["data_seconds"],
            "sync_gb_per_s": row["bytes"] / row["seconds"] / 1e9, "device_copy_s": copy_s,
            "device_copy_gb_per_s": row["bytes"] / copy_s / 1e9, "sync_vs_device_copy": copy_s / row["seconds"]}
-    say(f"weight_sync {TRAIN_MODELS[0]}: {out['bytes'] / 2**30:.2f} GiB over the tensor transport (CUDA IPC) in "
+    say(f"weight_sync {TRAIN_MODELS[0]}: {out['bytes'] / 2**30:.2f} GiB over the {transport} transport in "
         f"{out['sync_s']:.3f} s = {out['sync_gb_per_s']:.1f} GB/s, {100 * out['sync_vs_device_copy']:.1f}% of a "
         f"device-to-device copy ({out['device_copy_gb_per_s']:.0f} GB/s); colocated mode: SGLang only, not run")
     return out
