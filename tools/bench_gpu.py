@@ -6,8 +6,9 @@
 On one CUDA device (docs/gpu.md#benchmark-for-a-gpu-loan; ``bash launch/gpu_bench.sh OUT``
 installs the carried wheels first). Each part writes ``OUT/<part>.json`` when it finishes;
 a re-run skips a part whose file exists (``--force`` re-runs it), so a loan cut short loses
-one part at most. Every part is sized to take well under 10 minutes on an H100. Every line
-printed starts with the GPU's name. The parts, most wanted first:
+one part at most. Every part is sized to take well under 10 minutes on an H100 (an estimate
+from its FLOPs: not yet timed on a GPU). Every line printed starts with the GPU's name. The
+parts, most wanted first:
 
 1. ``logprobs``: ``tools/bench_logprobs.py``'s methods (every arm its ``run`` reports: our
    vocab-parallel log-prob + entropy op, megatron's ``vocab_parallel_cross_entropy``, CE +
@@ -15,7 +16,7 @@ printed starts with the GPU's name. The parts, most wanted first:
 2. ``train_qwen2.5-0.5b``, ``train_qwen2.5-1.5b``: the trainer's own step
    (``trainer.components.build_policy``, ``megatron_step.compute_log_probs`` and
    ``train_mini_batch``) on a model of that shape (``tools/make_sized_model.py``, random
-   weights), TP1, one process, bf16, on a synthetic rollout batch: ``TRAIN_SEQUENCES`` rows of a
+   weights), TP1, one process, bf16, on a synthetic rollout batch: 64 rows (``Sizes``) of a
    256-token prompt and a long-tailed response (``256 + Exp(mean 384)`` tokens, at most 1792),
    each arm of ``TRAIN_ARMS`` (config overrides) in turn: tokens/s and MFU of the update
    (``models/flops.py``), the old-log-prob pass (forward only), the peak memory, and beside
