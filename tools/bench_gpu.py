@@ -61,6 +61,10 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_grpo.models.flops import ModelShape, forward_flops, mfu, peak_bf16_flops, train_flops  # noqa: E402
 
+# megatron-core, transformers, the engine and the other benchmarks are imported inside the parts
+# that use them: --help and the no-CUDA answer come back without loading them, and a part's
+# spawned rank imports only what it runs.
+
 EXIT_NO_GPU = 2
 TRAIN_MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b")
 PARTS = ("logprobs", *(f"train_{m}" for m in TRAIN_MODELS), "rollout", "weight_sync", "trl")
