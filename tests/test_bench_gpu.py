@@ -31,6 +31,16 @@ def _lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [ln for ln in proc.stdout.splitlines() if ln.strip()]
 
 
+def test_every_train_arm_is_a_valid_config_at_full_size():
+    """The arms (config overrides) load on the full-size batch's base config: a typo in a key
+    fails here, not on a lent GPU."""
+    from tools.bench_gpu import FULL, TRAIN_ARMS, train_config
+
+    for name, arm in TRAIN_ARMS.items():
+        cfg = train_config("unused_model_dir", FULL.train_sequences, FULL.dtype, arm)
+        assert cfg.parallel.global_batch_size == FULL.train_sequences and cfg.model.dtype == "bfloat16", name
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer of a machine without CUDA")
 def test_without_cuda_and_without_smoke_it_says_so_and_exits_2(tmp_path):
     proc = _bench("--out", str(tmp_path))

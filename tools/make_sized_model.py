@@ -79,7 +79,8 @@ def build(shape: str, out: Path, dtype: str = "bf16", overrides: dict | None = N
                pad_token_id=tokenizer.pad_token_id, torch_dtype=DTYPES[dtype])
     config = AutoConfig.for_model(**raw)
     torch.manual_seed(seed)
-    # randomly initialising 1.5B parameters took over a minute per 300M on 2 loaded CPU cores: on a GPU where there is one
+    # random initialisation took over a minute per 300M parameters on 2 loaded CPU cores: on the
+    # GPU where there is one
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, DTYPES[dtype]))
     counts = count_parameters(ModelShape.from_hf_config(config))
