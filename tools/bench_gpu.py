@@ -154,12 +154,16 @@ def _env() -> dict:
 
 
 def sized_model(work: Path, shape: str, sizes: Sizes) -> Path:
-    """``work/models/<shape>`` built by tools/make_sized_model.py (once)."""
+    """``work/models/<shape>`` built by tools/make_sized_model.py, reused while it was built with
+    the same overrides and dtype (a smoke run's shrunk model is never taken for the real one)."""
     from tools.make_sized_model import build
 
     out = work / "models" / shape
-    if not (out / "sized_model.json").is_file():
-        build(shape, out, "bf16" if sizes.dtype == "bfloat16" else "fp32", sizes.model_overrides)
+    dtype = "bf16" if sizes.dtype == "bfloat16" else "fp32"
+    info = out / "sized_model.json"
+    built = json.loads(info.read_text()) if info.is_file() else {}
+    if (built.get("overrides"), built.get("dtype")) != (sizes.model_overrides, dtype):
+        build(shape, out, dtype, sizes.model_overrides)
     return out
 
 
