@@ -2,7 +2,7 @@
 CPU at tiny sizes (the CUDA-only parts print one line each), writes one JSON file per finished
 part, and a re-run skips the parts whose file exists (without touching their files).
 
-96 s measured on 2 cores shared with other jobs (load average 14); three process starts that
+83-104 s measured on 2 cores shared with other jobs (load average ~14); three process starts that
 import megatron-core and transformers take most of it."""
 
 from __future__ import annotations
