@@ -145,6 +145,7 @@ def run_hf(model, reqs, batch_size: int) -> None:
     for start in range(0, len(reqs), batch_size):
         chunk = reqs[start:start + batch_size]
         ids, mask, _ = left_pad([r[0] for r in chunk], PAD_ID)
+        ids, mask = ids.to(model.device), mask.to(model.device)
         longest = max(r[1] for r in chunk)
         torch.manual_seed(start)
         model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,

@@ -43,12 +43,18 @@ def vocab() -> dict[str, int]:
     return seen
 
 
-def build_tokenizer():
-    """A ``PreTrainedTokenizerFast`` over ``vocab()`` with pad/bos/eos/unk and a chat template."""
+def build_tokenizer(num_tokens: int | None = None):
+    """A ``PreTrainedTokenizerFast`` over ``vocab()`` with pad/bos/eos/unk and a chat template.
+    ``num_tokens``: pad the vocabulary with filler tokens ``<t0>``, ``<t1>``, ... to this many
+    (a tokenizer of a real model's size, e.g. Qwen2.5's 151665, for full-size shapes)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel(vocab=vocab(), unk_token="<unk>"))
+    words = vocab()
+    base = len(words)
+    for i in range((num_tokens or base) - base):
+        words[f"<t{i}>"] = base + i
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split("####", "isolated"),
          pre_tokenizers.Punctuation("isolated")]
