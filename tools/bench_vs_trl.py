@@ -2,6 +2,7 @@
 
     bash tools/setup_trl_venv.sh                     # once: .venv-trl with torch 2.13.0 + trl
     python tools/bench_vs_trl.py [--batches 150] [--seeds 1234 1235] [--tp 1 2] [--engines embedded inprocess]
+    python tools/bench_vs_trl.py --workload reasoning [--device cuda] [--set rollout.max_new_tokens=64 ...]
 
 Both sides train the CPU demo's model (``tools/make_demo_model.py``: a tiny Qwen2 at chance
 on single-token addition) on the same prompts with the same hyper-parameters: 16 prompts x
@@ -19,6 +20,21 @@ between consecutive batches, start-up and the first batch excluded), the batch a
 first batch to that one; then the ratio of each megatron-grpo run to TRL. Where our step's
 time goes is printed from the trainer's own ``time/*_s`` metrics. Every departure between the
 two setups is listed in docs/benchmarks.md next to the table.
+
+``--workload reasoning`` trains the reasoning workload instead (``tools/make_reasoning_model.py``:
+multi-digit addition with a written-out chain of thought, responses of tens of tokens) with
+``yaml_configs/reasoning_cpu.yaml``'s hyper-parameters on both sides: the TRL side gets its
+``GRPOConfig`` from that same config, loaded by the trainer's own ``load_config`` and mapped by
+``trl_grpo_args`` (which refuses what it cannot map), and scores with the trainer's
+``RewardScorer`` built from the config's ``reward:`` section, imported from this checkout
+(the worker's log names the file, and the run stops if it is another copy). ``--set KEY=VALUE``
+overrides the config for both sides. ``reasoning_departures`` lists what still differs; it is
+printed, written to the summary and pinned to docs/benchmarks.md by a test.
+
+``--device cuda`` runs both sides on GPU 0 (our side at TP=1; with the launched embedded engine
+the weights go over ``rollout.weight_sync_transport=tensor``, as ``tools/gpu_smoke.py`` does;
+TRL's model on cuda); ``--device cpu`` hides any GPU from both. Every run writes a JSON summary
+(``--json``, default ``OUT/summary.json``).
 """
 
 from __future__ import annotations
@@ -30,9 +46,53 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: this checkout's megatron_grpo, not an installed copy
+
+from megatron_grpo.config import ExperimentConfig, load_config  # noqa: E402
+
+EXIT_NO_CUDA = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What both sides train: our config, the tool that builds its model and prompts, and the
+    reward target that fits it."""
+
+    config: str
+    """Our experiment YAML, relative to the repository root."""
+
+    build: str
+    """Script writing ``DIR/model`` and ``DIR/<train_file>`` (run with ``--out DIR``)."""
+
+    train_file: str
+    """File name of the training prompts in the built directory."""
+
+    target: float
+    """Default ``--target``: the rolling mean training reward to reach."""
+
+    window: int
+    """Default ``--window``: batches in that rolling mean."""
+
+    micro_batch_size: int | None
+    """Default ``--micro-batch-size`` (None: the config's)."""
+
+
+WORKLOADS = {
+    # chance is 0.09; 16 prompts x 16 per batch
+    "demo": Workload(config="yaml_configs/demo_cpu.yaml", build="tools/make_demo_model.py",
+                     train_file="arithmetic.jsonl", target=0.5, window=10, micro_batch_size=64),
+    # the warm-up starts near 0.3 on the training split and the 20-step mean of docs/reasoning.md's
+    # 150-step run ranges 0.30-0.35: 16 prompts a batch make the training reward noisy, so the
+    # window is wide and the target the top of that range
+    "reasoning": Workload(config="yaml_configs/reasoning_cpu.yaml", build="tools/make_reasoning_model.py",
+                          train_file="train.jsonl", target=0.35, window=20, micro_batch_size=None),
+}
 
 
 def rolling_hit(rewards: list[float], window: int, target: float) -> int | None:
@@ -63,46 +123,219 @@ def _reward_rows(path: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "reward_mean" in r]
 
 
-def run_ours(tp: int, mbs: int, seed: int, batches: int, demo: Path, out: Path,
-             reuse: bool = False, shuffled: bool = False, engine: str = "embedded") -> tuple[dict, dict]:
-    tag = "" if engine == "embedded" else f"_{engine}"  # the embedded runs keep their directories (--reuse)
-    run_dir = out / f"ours_tp{tp}_mbs{mbs}_seed{seed}{'_shuffled' if shuffled else ''}{tag}"
-    overrides = [
-        f"model.hf_dir={demo}/model", f"data.train_file={demo}/arithmetic.jsonl",
-        f"trainer.run_dir={run_dir}", f"trainer.num_steps={batches}", f"trainer.seed={seed}",
-        f"parallel.tp={tp}", f"parallel.world_size={tp}", f"parallel.micro_batch_size={mbs}", "eval.sets=[]", "checkpoint.save_every=0",
-        "checkpoint.resume=never", "logging.progress_bar=false", "logging.plot=false",
-        f"algorithm.shuffle_mini_batches={str(shuffled).lower()}", f"rollout.engine={engine}",
-        # the TRL worker's schedule (its --lr / --min-lr defaults); the demo itself now runs
+def shared_overrides(workload: str, data_dir: Path, *, batches: int, seed: int, mbs: int | None,
+                     sets: list[str]) -> list[str]:
+    """Overrides of the workload's config that both sides read (the TRL side through
+    ``trl_grpo_args`` and its worker's ``load_config``); ``sets``: the user's ``--set``, last."""
+    wl = WORKLOADS[workload]
+    overrides = [f"model.hf_dir={data_dir}/model", f"data.train_file={data_dir}/{wl.train_file}",
+                 f"trainer.num_steps={batches}", f"trainer.seed={seed}",
+                 *([] if mbs is None else [f"parallel.micro_batch_size={mbs}"])]
+    if workload == "demo":
+        # the TRL worker's demo schedule (its --lr / --min-lr defaults); the demo itself now runs
         # 2e-4 (yaml_configs/demo_cpu.yaml), and both sides must share one
-        "optimizer.lr=5.0e-4", "optimizer.min_lr=5.0e-5",
-        # the TRL worker's entropy bonus (its --entropy-coef default); the demo's is 0.05 now
-        "algorithm.entropy_coef=0.02",
+        overrides += ["optimizer.lr=5.0e-4", "optimizer.min_lr=5.0e-5",
+                      # the TRL worker's entropy bonus (its --entropy-coef default); the demo's is 0.05 now
+                      "algorithm.entropy_coef=0.02"]
+    return overrides + list(sets)
+
+
+def ours_overrides(shared: list[str], *, run_dir: Path, tp: int, shuffled: bool, engine: str,
+                   device: str) -> list[str]:
+    """Our run's overrides: the shared ones, then this run's layout and bookkeeping. Neither
+    side evaluates held-out sets (TRL's run has none)."""
+    overrides = [
+        *shared, f"trainer.run_dir={run_dir}", f"parallel.tp={tp}", f"parallel.world_size={tp}", "eval.sets=[]",
+        "checkpoint.save_every=0", "checkpoint.resume=never", "logging.progress_bar=false", "logging.plot=false",
+        f"algorithm.shuffle_mini_batches={str(shuffled).lower()}", f"rollout.engine={engine}",
     ]
+    if device == "cuda" and engine == "embedded":
+        # the launched engine shares the trainer's GPU: CUDA IPC, as tools/gpu_smoke.py; the
+        # distributed transport would put two NCCL ranks on one GPU (refused by the preflight)
+        overrides.append("rollout.weight_sync_transport=tensor")
+    return overrides
+
+
+def device_env(device: str, threads: int) -> dict:
+    """A side's environment: this checkout first on PYTHONPATH (both sides run its code),
+    ``threads`` OpenMP threads, and no GPU in sight for ``--device cpu``."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+LR_SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine_with_min_lr", "linear": "linear"}
+"""Our ``optimizer.lr_decay_style`` -> transformers' ``lr_scheduler_type`` (warm-up included)."""
+
+
+def trl_grpo_args(cfg: ExperimentConfig, *, batches: int, device: str) -> dict:
+    """Keyword arguments of TRL's ``GRPOConfig`` (less ``output_dir``) that train as ``cfg``
+    does for ``batches`` rollout batches. TRL's micro-batch is ``parallel.micro_batch_size``
+    sequences, accumulated to ``parallel.global_batch_size`` per optimizer step; a rollout
+    batch of ``prompts_per_step * num_generations`` is ``steps_per_generation`` micro-batches.
+    ValueError, one line naming the key, for a setting TRL cannot be given here."""
+    r, a, o, par = cfg.rollout, cfg.algorithm, cfg.optimizer, cfg.parallel
+    unsupported = {
+        "algorithm.advantage_estimator": (a.advantage_estimator, "grpo"),
+        "algorithm.policy_loss_type": (a.policy_loss_type, "ppo"),
+        "algorithm.loss_reduction": (a.loss_reduction, "token_mean"),
+        "algorithm.kl_loss_coef": (a.kl_loss_coef, 0.0),
+        "algorithm.clip_ratio_c": (a.clip_ratio_c, None),
+        "optimizer.name": (o.name, "adam"),
+        "rollout.mode": (r.mode, "sync"),
+        "rollout.top_p": (r.top_p, 1.0),
+        "rollout.top_k": (r.top_k, -1),
+        "rollout.min_p": (r.min_p, 0.0),
+        "rollout.dynamic_sampling.enabled": (r.dynamic_sampling.enabled, False),
+        "rollout.overlong.buffer_length": (r.overlong.buffer_length, None),
+        "rollout.overlong.filter": (r.overlong.filter, False),
+        "model.dtype": (cfg.model.dtype in ("float32", "bfloat16"), True),
+    }
+    for key, (value, accepted) in unsupported.items():
+        if value != accepted:
+            raise ValueError(f"{key}: {value!r} has no mapping to TRL's GRPOConfig here; accepted: {accepted!r}")
+    if o.lr_decay_style == "linear" and o.min_lr != 0:
+        raise ValueError(f"optimizer.min_lr: {o.min_lr} with lr_decay_style linear; TRL's linear schedule "
+                         "ends at 0, accepted: 0 (or constant / cosine)")
+    rollout_batch = r.prompts_per_step * r.num_generations
+    mbs, gbs = par.micro_batch_size, par.global_batch_size
+    assert rollout_batch % gbs == 0 and gbs % mbs == 0, "load_config checks both"
+    args = dict(
+        per_device_train_batch_size=mbs,
+        gradient_accumulation_steps=gbs // mbs,
+        steps_per_generation=rollout_batch // mbs,
+        num_generations=r.num_generations,
+        max_completion_length=r.max_new_tokens,
+        temperature=r.temperature,
+        top_k=0,  # TRL's "off" (ours: -1)
+        top_p=1.0,
+        learning_rate=o.lr,
+        lr_scheduler_type=LR_SCHEDULES[o.lr_decay_style],
+        warmup_steps=o.lr_warmup_steps,
+        max_steps=batches * (rollout_batch // gbs),
+        max_grad_norm=o.clip_grad,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_epsilon=o.adam_eps,
+        beta=0.0,  # no KL term (kl_loss_coef 0, checked above)
+        epsilon=a.eps_clip_low,
+        epsilon_high=a.eps_clip_high,
+        loss_type="dapo",  # token mean over the optimizer step's sequences, as loss_reduction: token_mean
+        scale_rewards="group",  # (r - mean) / std per prompt group, as advantage_estimator: grpo
+        mask_truncated_completions=False,  # no overlong filter (checked above)
+        entropy_coef=a.entropy_coef,
+        num_iterations=a.num_iterations,
+        seed=cfg.trainer.seed,
+        use_cpu=device == "cpu",
+        bf16=cfg.model.dtype == "bfloat16",
+        gradient_checkpointing=cfg.model.recompute_activations,  # TRL's default is True
+        logging_steps=10**9,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    if o.lr_decay_style == "cosine":
+        args["lr_scheduler_kwargs"] = {"min_lr": o.min_lr}
+    return args
+
+
+def reasoning_departures(cfg: ExperimentConfig, device: str) -> list[str]:
+    """Every way the two sides of ``--workload reasoning`` still differ with ``cfg``, one
+    sentence each (printed, written to the summary, and listed in docs/benchmarks.md)."""
+    out = [
+        "Generation: TRL calls model.generate on each rollout batch inside its training process "
+        "(padded, until the longest response ends); ours samples on the engine of --engines "
+        "(continuous batching) and syncs the weights into it every batch.",
+        "Processes: TRL runs one process with --trl-threads torch threads; ours runs TP trainer "
+        "ranks with one thread each (plus the engine's process with the embedded engine).",
+        "Micro-batches: ours cuts each optimizer step into length-sorted micro-batches of at most "
+        "parallel.micro_batch_size sequences and parallel.max_tokens_per_microbatch tokens; TRL "
+        "into fixed micro-batches of parallel.micro_batch_size sequences padded to their longest. "
+        "The gradient is the same; the work is not.",
+        "Token-mean normaliser: ours divides an optimizer step's summed token loss by that step's "
+        "own response tokens; TRL's dapo divides by the rollout batch's response tokens over its "
+        "optimizer steps per batch, so with responses of unequal length a step of longer "
+        "responses weighs more on TRL's side.",
+        "Mini-batch order: TRL shuffles each rollout batch across its optimizer steps; ours cuts "
+        "it in generation order (algorithm.shuffle_mini_batches: false) unless --ours-shuffled.",
+        "Warm-up: ours trains optimizer step k (from 0) at lr (k+1)/lr_warmup_steps of the peak; "
+        "transformers' schedule at k/lr_warmup_steps, so TRL's first step has lr 0 and its "
+        "warm-up ends one step later.",
+        "Advantages: the std epsilon is 1e-6 on ours and 1e-4 on TRL's.",
+        "Prompt order: each side shuffles the prompts with its own generator from the same seed "
+        "number, so the batches hold different prompts.",
+        "No held-out evaluation on either side (ours runs with eval.sets=[]): the target is on "
+        "the training reward, which docs/reasoning.md shows moves little in 150 steps.",
+    ]
+    if cfg.algorithm.off_policy_correction.tis_ratio_type is not None:
+        out.append("Off-policy correction: ours applies the config's TIS "
+                   f"({cfg.algorithm.off_policy_correction.tis_ratio_type}); TRL applies none without "
+                   "vLLM. In fp32 the ratios are 1 within 1e-6, so it is close to a no-op.")
+    if cfg.model.dtype == "bfloat16":
+        out.append("bf16: ours keeps bf16 parameters with fp32 main weights (megatron-core); TRL "
+                   "autocasts fp32 weights to bf16 (bf16=True).")
+    if device == "cuda":
+        out.append("GPU: both sides share one GPU; ours at TP=1, a launched embedded engine on the same "
+                   "GPU receiving the weights over CUDA IPC (rollout.weight_sync_transport: tensor).")
+    return out
+
+
+def run_ours(tp: int, mbs: int | None, seed: int, batches: int, data_dir: Path, out: Path,
+             reuse: bool = False, shuffled: bool = False, engine: str = "embedded", *,
+             workload: str = "demo", device: str = "cpu", sets: list[str] = ()) -> tuple[dict, dict]:
+    tag = "" if engine == "embedded" else f"_{engine}"  # the embedded runs keep their directories (--reuse)
+    prefix = "" if workload == "demo" else f"{workload}_"
+    tag += "" if device == "cpu" else f"_{device}"
+    run_dir = out / f"{prefix}ours_tp{tp}_mbs{mbs or 'cfg'}_seed{seed}{'_shuffled' if shuffled else ''}{tag}"
+    shared = shared_overrides(workload, data_dir, batches=batches, seed=seed, mbs=mbs, sets=sets)
+    overrides = ours_overrides(shared, run_dir=run_dir, tp=tp, shuffled=shuffled, engine=engine, device=device)
     rows = _reward_rows(run_dir / "metrics.jsonl") if reuse else []
     if not rows or rows[-1]["step"] != batches:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config",
-                        str(ROOT / "yaml_configs/demo_cpu.yaml"), *overrides],
-                       check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+                        str(ROOT / WORKLOADS[workload].config), *overrides],
+                       check=True, cwd=ROOT, env=device_env(device, 1), stdout=subprocess.DEVNULL)
         rows = _reward_rows(run_dir / "metrics.jsonl")
     times = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[-1]
              if k.startswith("time") and k.endswith("_s") and all(k in r for r in rows[1:])}
     return {"walls": [r["train_elapsed_s"] for r in rows], "rewards": [r["reward_mean"] for r in rows]}, times
 
 
-def run_trl(python: str, threads: int, seed: int, batches: int, demo: Path, out: Path,
-            in_order: bool = False, reuse: bool = False, stop_after: int | None = None) -> dict:
-    log = out / f"trl{'_inorder' if in_order else ''}_seed{seed}" / "batches.jsonl"
+def run_trl(python: str, threads: int, seed: int, batches: int, data_dir: Path, out: Path,
+            in_order: bool = False, reuse: bool = False, stop_after: int | None = None, *,
+            workload: str = "demo", device: str = "cpu", mbs: int | None = None, sets: list[str] = ()) -> dict:
+    prefix = "" if workload == "demo" else f"{workload}_"
+    tag = "" if device == "cpu" else f"_{device}"
+    log = out / f"{prefix}trl{'_inorder' if in_order else ''}_seed{seed}{tag}" / "batches.jsonl"
     done = reuse and log.exists() and any('"done"' in line for line in log.read_text().splitlines())
+    common = [*(["--in-order"] if in_order else []), *([] if stop_after is None else ["--stop-after", str(stop_after)])]
+    if workload == "demo":
+        cmd = ["--model", f"{data_dir}/model", "--data", f"{data_dir}/arithmetic.jsonl", "--batches", str(batches),
+               "--seed", str(seed), "--out", str(log), *common]
+    else:  # the worker reads our config, as the trainer does, and trains with the mapped GRPOConfig
+        shared = shared_overrides(workload, data_dir, batches=batches, seed=seed, mbs=mbs, sets=sets)
+        cfg = load_config(ROOT / WORKLOADS[workload].config, shared)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        args_file = log.parent / "grpo_args.json"
+        args_file.write_text(json.dumps(trl_grpo_args(cfg, batches=batches, device=device), indent=1) + "\n")
+        cmd = ["--config", str(ROOT / WORKLOADS[workload].config), *(f"--set={o}" for o in shared),
+               "--grpo-args", str(args_file), "--out", str(log), *common]
     if not done:
-        subprocess.run([python, str(ROOT / "tools/bench_trl_worker.py"), "--model", f"{demo}/model",
-                        "--data", f"{demo}/arithmetic.jsonl", "--batches", str(batches), "--seed", str(seed),
-                        "--out", str(log), *(["--in-order"] if in_order else []),
-                        *([] if stop_after is None else ["--stop-after", str(stop_after)])], check=True, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": str(threads)},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stderr = log.parent / "worker.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(stderr, "w") as err:
+            proc = subprocess.run([python, str(ROOT / "tools/bench_trl_worker.py"), *cmd], cwd=ROOT,
+                                  env=device_env(device, threads), stdout=err, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            tail = " | ".join(stderr.read_text().strip().splitlines()[-2:])
+            raise SystemExit(f"TRL worker exited {proc.returncode} ({stderr}): {tail[-600:]}")
     rows = [json.loads(line) for line in log.read_text().splitlines()]
+    code = next((r for r in rows if "reward_code" in r), None)
+    if code is not None and not all(Path(f).resolve().is_relative_to(ROOT) for f in code["reward_code"].values()):
+        raise SystemExit(f"{log}: the TRL worker scored with {code['reward_code']}, not this checkout's ({ROOT})")
     rows = [r for r in rows if "batch" in r]
     return {"walls": [r["wall_s"] for r in rows], "rewards": [r["reward_mean"] for r in rows]}
 
@@ -123,19 +356,30 @@ def fmt(v, spec: str) -> str:
     return "never" if v is None else format(v, spec)
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="demo",
+                   help="demo: the CPU demo's one-token addition; reasoning: multi-digit addition with a chain "
+                        "of thought (yaml_configs/reasoning_cpu.yaml's hyper-parameters on both sides)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: both sides on GPU 0 (our side at TP=1); cpu: no GPU visible to either")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override of the workload's config for both sides (--workload reasoning; repeatable)")
     p.add_argument("--batches", type=int, default=150, help="rollout batches per run")
     p.add_argument("--seeds", type=int, nargs="+", default=[1234])
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="megatron-grpo TP sizes to run")
-    p.add_argument("--micro-batch-size", type=int, nargs="+", default=[64],
-                   help="megatron-grpo micro-batch sizes to run (64: one micro-batch per optimizer step, as "
-                        "TRL's per-device batch; the demo config uses 16)")
+    p.add_argument("--tp", type=int, nargs="+", default=None,
+                   help="megatron-grpo TP sizes to run (default: 1 2 on cpu, 1 on cuda)")
+    p.add_argument("--micro-batch-size", type=int, nargs="+", default=None,
+                   help="megatron-grpo micro-batch sizes to run (default: demo 64, one micro-batch per optimizer "
+                        "step, as TRL's per-device batch, where the demo config uses 16; reasoning: the config's "
+                        "8). With --workload reasoning TRL's micro-batch is the first of them")
     p.add_argument("--engines", nargs="+", default=["embedded"], choices=["embedded", "inprocess", "sglang"],
                    help="megatron-grpo rollout engines to run (rollout.engine): embedded in its own process, "
                         "inprocess in trainer rank 0's")
-    p.add_argument("--target", type=float, default=0.5, help="rolling mean reward to reach")
-    p.add_argument("--window", type=int, default=10, help="batches in the rolling mean")
+    p.add_argument("--target", type=float, default=None,
+                   help="rolling mean reward to reach (default: demo 0.5, reasoning 0.35)")
+    p.add_argument("--window", type=int, default=None,
+                   help="batches in the rolling mean (default: demo 10, reasoning 20)")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"),
                    help="python of the TRL venv (tools/setup_trl_venv.sh)")
     p.add_argument("--trl-threads", type=int, default=2,
@@ -154,33 +398,82 @@ def main() -> int:
                    help="read a run whose output in --out is complete (metrics up to the last batch; TRL's "
                         "log marked done) instead of running it again")
     p.add_argument("--out", default=str(ROOT / "runs/bench_vs_trl"))
-    args = p.parse_args()
+    p.add_argument("--json", default=None, help="JSON summary file (default: OUT/summary.json)")
+    args = p.parse_args(argv)
+    wl = WORKLOADS[args.workload]
+    if args.tp is None:
+        args.tp = [1] if args.device == "cuda" else [1, 2]
+    if args.micro_batch_size is None:
+        args.micro_batch_size = [wl.micro_batch_size]
+    args.target = wl.target if args.target is None else args.target
+    args.window = wl.window if args.window is None else args.window
+    if args.device == "cuda" and args.tp != [1]:
+        p.error(f"--tp {' '.join(map(str, args.tp))}: --device cuda runs on one GPU; accepted: --tp 1")
+    if args.sets and args.workload == "demo":
+        p.error("--set: the demo's settings are the TRL worker's flags; accepted with --workload reasoning")
+    return args
+
+
+def summary_record(args: argparse.Namespace, results: dict[str, list[dict]], breakdown: dict[str, dict],
+                   departures: list[str]) -> dict:
+    """The JSON summary: the run's settings, each setup's per-seed figures and medians."""
+    return {
+        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+        "workload": args.workload, "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "batches": args.batches, "stop_after": args.stop_after, "seeds": args.seeds,
+        "target": args.target, "window": args.window, "sets": args.sets, "load_average": list(os.getloadavg()),
+        "setups": {name: {"median": {k: median_of(runs, k) for k in ("s_per_batch", "hit_batch", "s_to_target")}
+                          | {"final_reward": statistics.median(r["final_reward"] for r in runs)},
+                          "per_seed": runs, "time_per_step_s": breakdown.get(name, {})}
+                   for name, runs in results.items()},
+        "departures": departures,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_vs_trl: --device cuda but torch.cuda.is_available() is False on this machine; "
+              "accepted here: --device cpu", file=sys.stderr)
+        return EXIT_NO_CUDA
     if not Path(args.trl_python).exists():
         print(f"--trl-python {args.trl_python}: not found; run `bash tools/setup_trl_venv.sh` first",
               file=sys.stderr)
         return 2
 
-    out = Path(args.out)
-    demo = out / "demo"
-    subprocess.run([sys.executable, str(ROOT / "tools/make_demo_model.py"), "--out", str(demo)],
-                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = Path(args.out).resolve()  # the sides run from the repository root
+    wl = WORKLOADS[args.workload]
+    data_dir = out / args.workload  # the demo's stays out/demo, as --reuse expects
+    subprocess.run([sys.executable, str(ROOT / wl.build), "--out", str(data_dir)],
+                   check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    departures = []
+    if args.workload == "reasoning":
+        cfg = load_config(ROOT / wl.config, shared_overrides(args.workload, data_dir, batches=args.batches,
+                                                             seed=args.seeds[0], mbs=args.micro_batch_size[0],
+                                                             sets=args.sets))
+        trl_grpo_args(cfg, batches=args.batches, device=args.device)  # refuse an unmappable config up front
+        departures = reasoning_departures(cfg, args.device)
+    side = dict(workload=args.workload, device=args.device, sets=args.sets)
     results: dict[str, list[dict]] = {}
     breakdown: dict[str, dict] = {}
     for seed in args.seeds:  # interleaved, so drifting machine load hits every setup alike
-        raw = first(run_trl(args.trl_python, args.trl_threads, seed, args.batches, demo, out, reuse=args.reuse,
-                            stop_after=args.stop_after), args.stop_after)
+        trl_mbs = args.micro_batch_size[0]
+        raw = first(run_trl(args.trl_python, args.trl_threads, seed, args.batches, data_dir, out, reuse=args.reuse,
+                            stop_after=args.stop_after, mbs=trl_mbs, **side), args.stop_after)
         results.setdefault("TRL GRPOTrainer (1 process)", []).append(
             summarize(raw["walls"], raw["rewards"], args.window, args.target))
         if args.trl_in_order:
-            raw = first(run_trl(args.trl_python, args.trl_threads, seed, args.batches, demo, out, in_order=True,
-                                reuse=args.reuse, stop_after=args.stop_after), args.stop_after)
+            raw = first(run_trl(args.trl_python, args.trl_threads, seed, args.batches, data_dir, out, in_order=True,
+                                reuse=args.reuse, stop_after=args.stop_after, mbs=trl_mbs, **side), args.stop_after)
             results.setdefault("TRL, optimizer steps in generation order", []).append(
                 summarize(raw["walls"], raw["rewards"], args.window, args.target))
         for engine, tp, mbs, shuffled in itertools.product(args.engines, args.tp, args.micro_batch_size,
                                                            [False, True] if args.ours_shuffled else [False]):
-            raw, times = run_ours(tp, mbs, seed, args.batches, demo, out, args.reuse, shuffled, engine)
+            raw, times = run_ours(tp, mbs, seed, args.batches, data_dir, out, args.reuse, shuffled, engine, **side)
             raw = first(raw, args.stop_after)
-            name = (f"megatron-grpo {engine}, TP={tp}, micro-batch {mbs}"
+            name = (f"megatron-grpo {engine}, TP={tp}, micro-batch {mbs or 'of the config'}"
                     + (", shuffled mini-batches" if shuffled else ""))
             results.setdefault(name, []).append(summarize(raw["walls"], raw["rewards"], args.window, args.target))
             breakdown[name] = times
@@ -189,8 +482,8 @@ def main() -> int:
     trl = results["TRL GRPOTrainer (1 process)"]
     trl_s, trl_hit = median_of(trl, "s_per_batch"), median_of(trl, "s_to_target")
     shown = args.batches if args.stop_after is None else f"first {args.stop_after} of {args.batches}"
-    print(f"\n{shown} rollout batches x {len(args.seeds)} seed(s); target: {args.window}-batch "
-          f"rolling mean reward >= {args.target}\n")
+    print(f"\n{args.workload} workload on {args.device}: {shown} rollout batches x {len(args.seeds)} seed(s); "
+          f"target: {args.window}-batch rolling mean reward >= {args.target}\n")
     print("| setup | s / batch | speed-up vs TRL | batch reaching target | s to target | reward, last "
           f"{args.window} |")
     print("|---|---|---|---|---|---|")
@@ -213,6 +506,12 @@ def main() -> int:
         print(f"| {name} | " + " | ".join(cells) + f" | {mean} |")
     for name, times in breakdown.items():
         print(f"\n{name}, median seconds per step: " + ", ".join(f"{k}={v:.2f}" for k, v in times.items()))
+    if departures:
+        print("\nDepartures between the two sides:\n" + "\n".join(f"* {d}" for d in departures))
+    summary = Path(args.json or out / "summary.json")
+    summary.parent.mkdir(parents=True, exist_ok=True)
+    summary.write_text(json.dumps(summary_record(args, results, breakdown, departures), indent=1) + "\n")
+    print(f"\nsummary: {summary}")
     return 0
 
 
