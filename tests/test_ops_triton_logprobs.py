@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (its kernels are decorated at import)
 
@@ -27,6 +28,7 @@ import torch  # noqa: E402
 
 from megatron_grpo.ops import triton_logprobs, vocab_parallel_log_probs  # noqa: E402
 from megatron_grpo.testing.distributed import run_distributed  # noqa: E402
+from megatron_grpo.trainer.megatron_step import ScoringSpec, _token_scores  # noqa: E402
 
 NUM_TOKENS = 8
 # name -> case; padded 320: tp=2 shards of 160 columns, blocks of 64 or 128 (2-5 per row).
@@ -267,6 +269,16 @@ def test_kernel_argument_picks_the_implementation():
         vocab_parallel_log_probs(logits, targets, kernel="cuda")
     with pytest.raises(ValueError, match="block_size"):
         vocab_parallel_log_probs(logits, targets, kernel="triton", block_size=48)
+
+
+def test_the_trainer_scores_with_the_configured_kernel():
+    """model.logprob_kernel reaches the op through ScoringSpec (the trainer's one call site)."""
+    mb = SimpleNamespace(seq_length=5, tokens=torch.randint(0, 60, (2, 5)), kept_ids=None)
+    logits = torch.randn(2, 6, 64, requires_grad=True)
+    for kernel in ("torch", "triton"):
+        spec = ScoringSpec(temperature=0.7, vocab_size=60, kernel=kernel)
+        lp, _ = _token_scores(logits.clone(), mb, spec, with_entropy=False)
+        assert lp.shape == (2, 4) and _backend(lp) == kernel
 
 
 def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
