@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import typing
 from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (its kernels are decorated at import)
@@ -26,7 +27,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (its kernels a
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from megatron_grpo.config import ModelConfig  # noqa: E402
 from megatron_grpo.ops import triton_logprobs, vocab_parallel_log_probs  # noqa: E402
+from megatron_grpo.ops.vocab_parallel import KERNELS  # noqa: E402
 from megatron_grpo.testing.distributed import run_distributed  # noqa: E402
 from megatron_grpo.trainer.megatron_step import ScoringSpec, _token_scores  # noqa: E402
 
@@ -267,6 +270,8 @@ def test_kernel_argument_picks_the_implementation():
     assert _backend(vocab_parallel_log_probs(logits, targets)[0]) == "torch"
     with pytest.raises(ValueError, match="kernel must be one of auto, torch, triton"):
         vocab_parallel_log_probs(logits, targets, kernel="cuda")
+    # the config's values are the op's
+    assert typing.get_args(typing.get_type_hints(ModelConfig)["logprob_kernel"]) == KERNELS
     with pytest.raises(ValueError, match="block_size"):
         vocab_parallel_log_probs(logits, targets, kernel="triton", block_size=48)
 
