@@ -1,8 +1,11 @@
 """The Triton kernels of vocab_parallel_log_probs (kernel="triton") on CPU, under Triton's
 interpreter, against the torch path and a float64 full-vocabulary reference.
 
-TRITON_INTERPRET=1 is set here, before anything imports triton: the kernels are decorated
-for the interpreter, which runs them on CPU tensors (slowly: the shapes are tiny and the
+Every kernel run happens in processes spawned with TRITON_INTERPRET=1 in their environment
+(set only around the spawn): triton reads it when it is imported, and the pytest process may
+already have imported triton through megatron-core without it. The tp = 1 checks run in one
+spawned process (``CHECKS``, each reported back as a traceback or None and asserted by its
+own test); tp = 2 in two gloo ranks. The interpreter runs the kernels on CPU tensors (slowly: the shapes are tiny and the
 column blocks small, so that every row spans several blocks and the online max rescales).
 Covered at tp = 1 (in process) and tp = 2 (two gloo ranks): log-probs, entropies and the
 gradient of a loss using both, only the log-prob, only the entropy, and with the entropy
@@ -19,19 +22,66 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import traceback
 import typing
 from types import SimpleNamespace
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (its kernels are decorated at import)
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from megatron_grpo.config import ModelConfig
+from megatron_grpo.ops import vocab_parallel_log_probs
+from megatron_grpo.ops.vocab_parallel import KERNELS
+from megatron_grpo.testing.distributed import run_distributed
+from megatron_grpo.trainer.megatron_step import ScoringSpec, _token_scores
 
-from megatron_grpo.config import ModelConfig  # noqa: E402
-from megatron_grpo.ops import triton_logprobs, vocab_parallel_log_probs  # noqa: E402
-from megatron_grpo.ops.vocab_parallel import KERNELS  # noqa: E402
-from megatron_grpo.testing.distributed import run_distributed  # noqa: E402
-from megatron_grpo.trainer.megatron_step import ScoringSpec, _token_scores  # noqa: E402
+
+def _interpreted(fn, world_size: int, **kwargs):
+    """run_distributed(fn, world_size) in fresh processes under Triton's interpreter."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        return run_distributed(fn, world_size, timeout_s=600, **kwargs)
+
+
+# name -> check run in the spawned tp = 1 process (no megatron parallel state: one local rank)
+CHECKS: dict = {}
+
+
+def _in_child(fn):
+    """Decorator: ``fn`` runs in the spawned tp = 1 process; the test of its name, in this
+    one, asserts that it passed there."""
+    CHECKS[fn.__name__] = (fn, ())
+
+    def test(tp1_results):
+        _outcome(tp1_results, fn.__name__)
+
+    test.__name__, test.__doc__ = fn.__name__, fn.__doc__
+    return test
+
+
+def _run_checks(rank: int, world_size: int) -> dict:
+    from megatron_grpo.ops import triton_logprobs
+
+    assert triton_logprobs.INTERPRETED, "TRITON_INTERPRET=1 did not reach the spawned process"
+    out = {}
+    for name, (fn, args) in CHECKS.items():
+        try:
+            fn(*args)
+            out[name] = None
+        except Exception:  # noqa: BLE001 - reported to the test of that name
+            out[name] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp1_results():
+    return _interpreted(_run_checks, 1)[0]
+
+
+def _outcome(results: dict, name: str) -> None:
+    if results[name] is not None:
+        pytest.fail(f"{name} (in the spawned process):\n{results[name]}", pytrace=False)
+
 
 NUM_TOKENS = 8
 # name -> case; padded 320: tp=2 shards of 160 columns, blocks of 64 or 128 (2-5 per row).
@@ -147,7 +197,7 @@ def _tp_worker(rank: int, world_size: int):
 
 
 def test_tp2_matches_torch_path_and_full_vocab_reference():
-    per_rank = run_distributed(_tp_worker, 2, tp=2, timeout_s=300)
+    per_rank = _interpreted(_tp_worker, 2, tp=2)
     for name in TP2_CASES:
         case = CASES[name]
         grad = torch.cat([r[name, "triton"][2] for r in per_rank], dim=-1)
@@ -162,30 +212,45 @@ def test_tp2_matches_torch_path_and_full_vocab_reference():
                          torch.float32, "tp2 kept")
 
 
-# ---- tp = 1: in process (no megatron parallel state: one local rank) ----
+# ---- tp = 1: one spawned process runs every check below; each test asserts its outcome ----
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_tp1_matches_torch_path_and_full_vocab_reference(name):
+def _tp1_case(name):
     case = CASES[name]
     ours = _run(case, 0, 1, "triton")
     _check_against_reference(case, *ours, name=name)
     _check_against_torch(ours, _run(case, 0, 1, "torch"), case["dtype"], name)
 
 
+CHECKS.update({f"case {name}": (_tp1_case, (name,)) for name in CASES})
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tp1_matches_torch_path_and_full_vocab_reference(tp1_results, name):
+    _outcome(tp1_results, f"case {name}")
+
+
 VARIANTS = {"both": dict(), "lp_only": dict(use=("lp",)), "h_only": dict(use=("h",)),
             "no_entropy": dict(use=("lp",), with_entropy=False)}
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_tp1_gradient_of_one_output(variant):
-    """Log-prob only, entropy only, and entropy not computed (None, log-prob gradient only)."""
+def _tp1_variant(variant):
     kw = VARIANTS[variant]
     lp, entropy, grad = _run(CASES["temp_pad"], 0, 1, "triton", **kw)
     assert (entropy is None) == (kw.get("with_entropy") is False)
     _check_against_reference(CASES["temp_pad"], lp, entropy, grad, use=kw.get("use", ("lp", "h")), name=variant)
 
 
+CHECKS.update({f"variant {variant}": (_tp1_variant, (variant,)) for variant in VARIANTS})
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tp1_gradient_of_one_output(tp1_results, variant):
+    """Log-prob only, entropy only, and entropy not computed (None, log-prob gradient only)."""
+    _outcome(tp1_results, f"variant {variant}")
+
+
+@_in_child
 def test_block_size_does_not_change_values():
     case = CASES["temp_pad"]
     results = [_run(dict(case, block=block), 0, 1, "triton") for block in (32, 64, 512)]
@@ -245,6 +310,7 @@ def _check_kept(outputs, grad):
     torch.testing.assert_close(grad.double(), full.grad, rtol=1e-5, atol=1e-6)
 
 
+@_in_child
 def test_tp1_kept_ids_match_truncated_reference():
     ours = _run_kept(0, 1, "triton")
     _check_kept(ours[:2], ours[2])
@@ -260,10 +326,10 @@ def _backend(lp) -> str:
     return "triton" if "Triton" in type(op).__name__ else "torch"
 
 
+@_in_child
 def test_kernel_argument_picks_the_implementation():
     logits = torch.randn(4, 64, requires_grad=True)
     targets = torch.randint(0, 64, (4,))
-    assert triton_logprobs.INTERPRETED
     assert _backend(vocab_parallel_log_probs(logits, targets, kernel="triton")[0]) == "triton"
     assert _backend(vocab_parallel_log_probs(logits, targets, kernel="torch")[0]) == "torch"
     # auto: triton only for CUDA logits (CPU logits take the torch path even under the interpreter)
@@ -276,6 +342,7 @@ def test_kernel_argument_picks_the_implementation():
         vocab_parallel_log_probs(logits, targets, kernel="triton", block_size=48)
 
 
+@_in_child
 def test_the_trainer_scores_with_the_configured_kernel():
     """model.logprob_kernel reaches the op through ScoringSpec (the trainer's one call site)."""
     mb = SimpleNamespace(seq_length=5, tokens=torch.randint(0, 60, (2, 5)), kept_ids=None)
@@ -286,13 +353,20 @@ def test_the_trainer_scores_with_the_configured_kernel():
         assert lp.shape == (2, 4) and _backend(lp) == kernel
 
 
-def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
-    monkeypatch.setattr(triton_logprobs, "INTERPRETED", False)
+@_in_child
+def test_triton_on_cpu_without_the_interpreter_is_refused():
+    from megatron_grpo.ops import triton_logprobs
+
     logits, targets = torch.randn(4, 64), torch.randint(0, 64, (4,))
-    with pytest.raises(ValueError, match="kernel='triton' needs CUDA logits, got logits on cpu"):
-        vocab_parallel_log_probs(logits, targets, kernel="triton")
+    triton_logprobs.INTERPRETED = False
+    try:
+        with pytest.raises(ValueError, match="kernel='triton' needs CUDA logits, got logits on cpu"):
+            vocab_parallel_log_probs(logits, targets, kernel="triton")
+    finally:
+        triton_logprobs.INTERPRETED = True
 
 
+@_in_child
 def test_saved_state_is_the_logits_only_and_backward_runs_once():
     """Forward writes nothing logits-sized: autograd keeps the input logits (shared) and
     O(tokens) statistics; backward allocates the gradient (in place: none)."""
@@ -316,6 +390,7 @@ def test_saved_state_is_the_logits_only_and_backward_runs_once():
             lp.sum().backward()
 
 
+@_in_child
 def test_inplace_writes_the_gradient_into_the_logits_storage():
     leaf = torch.randn(16, 100, requires_grad=True)
     x = leaf.clone()

@@ -28,8 +28,8 @@ the shard, then the kernels run in place on it); non-contiguous rows are copied 
 fallback to torch is taken silently: ``kernel="triton"`` always runs these kernels.
 
 On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1`` set
-before triton is imported), which the exactness tests use; ``INTERPRETED`` says whether
-this process decorated them for it.
+before this module is imported and while the kernels run), which the exactness tests use;
+``INTERPRETED`` says whether this process decorated them for it.
 """
 
 from __future__ import annotations
