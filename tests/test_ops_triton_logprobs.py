@@ -36,6 +36,10 @@ from megatron_grpo.testing.distributed import run_distributed
 from megatron_grpo.trainer.megatron_step import ScoringSpec, _token_scores
 
 
+# Every test here spawns processes (the kernels run only there) or compiles for ~10 s.
+pytestmark = pytest.mark.slow
+
+
 def _interpreted(fn, world_size: int, **kwargs):
     """run_distributed(fn, world_size) in fresh processes under Triton's interpreter."""
     with pytest.MonkeyPatch.context() as patch:
