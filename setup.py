@@ -35,7 +35,9 @@ setup(
         "sglang": ["sglang>=0.5.23"],
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard"],  # tensorboard: its logging test
+        # tensorboard: its logging test; triton: the Triton kernels' tests (its CPU interpreter;
+        # CUDA builds of torch bring triton, the CPU wheel does not)
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard", "triton>=3.0"],
     },
     entry_points={"console_scripts": ["megatron-grpo=megatron_grpo.cli:run"]},
 )

@@ -76,6 +76,13 @@ def test_gpu_only_features_are_refused_without_cuda():
     assert _problem(dist_opt, cuda=False)[0] == "parallel.use_distributed_optimizer"
     dist_opt.parallel.use_distributed_optimizer = "auto"
     assert _problem(dist_opt, cuda=False) is None
+    kernel = _experiment()
+    kernel.model.logprob_kernel = "triton"
+    key, message = _problem(kernel, cuda=False)
+    assert key == "model.logprob_kernel" and "triton needs CUDA" in message and "use auto or torch" in message
+    assert _problem(kernel, cuda=True) is None
+    kernel.model.logprob_kernel = "auto"
+    assert _problem(kernel, cuda=False) is None
     sp = _experiment()
     sp.parallel.tp, sp.parallel.sequence_parallel = 2, True
     assert _problem(sp, te=False)[0] == "parallel.sequence_parallel"

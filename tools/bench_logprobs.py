@@ -3,6 +3,7 @@
     python tools/bench_logprobs.py            # V = 32k and 152k, 1024 tokens, tp = 1 and 2
     python tools/bench_logprobs.py --quick    # V = 32k, 256 tokens: a smoke run (~15 s)
     python tools/bench_logprobs.py --tokens 4096 --vocab 151936 --tp 2
+    python tools/bench_logprobs.py --methods "megatron CE (log-prob only)" triton  # a subset, in order
 
 1024 tokens by default (about 2.5 min on 2 CPU cores): at 4096 tokens and V = 152k the naive
 baseline alone needs ~12 GB, too much for a shared machine.
@@ -23,7 +24,11 @@ logits shard ``[tokens, V/tp]`` (float32 by default; ``--dtype bfloat16``), T = 
   loss (so the entropy gradient is computed too, as with the two rows above);
   ``entropy value only``: the entropy is returned but detached (GRPO with no entropy bonus
   logs it), so only the log-prob gradient is computed, as megatron's CE does;
-  ``inplace``: ``inplace=True`` (overwrites the logits, like megatron's CE).
+  ``inplace``: ``inplace=True`` (overwrites the logits, like megatron's CE). These rows run
+  the torch implementation (``kernel="torch"``) on every device.
+* ``triton``: the same op with ``kernel="triton"`` (``ops/triton_logprobs.py``: one fused
+  pass forward, one backward), in the same three variants. CUDA only: without a GPU these
+  rows are skipped (one line on stderr says so).
 
 Time: median of ``--repeats`` timed forward+backward runs after one warm-up (methods taken
 in turn, so background load spreads over all of them), the slowest rank counts; a fresh
@@ -77,6 +82,9 @@ class BenchConfig:
     repeats: int
     logit_std: float
     chunk_size: int | None
+    methods: tuple[str, ...] | None = None
+    """Names of ``methods(...)`` to run, in order (the first is the time ratios' baseline);
+    None: all that this machine can run."""
 
 
 # ---- the methods: each returns (log_probs [N], entropy [N] or None) with autograd ----
@@ -118,18 +126,23 @@ def _naive_gather(x, targets, temperature):
     return lp, -(log_p.exp() * log_p).sum(-1)
 
 
-def _ours(chunk_size, entropy_grad=True, inplace=False):
+def _ours(chunk_size, entropy_grad=True, inplace=False, kernel="torch"):
     def run(x, targets, temperature):
         lp, entropy = vocab_parallel_log_probs(
-            x, targets, temperature=temperature, chunk_size=chunk_size, inplace=inplace
+            x, targets, temperature=temperature, chunk_size=chunk_size, inplace=inplace, kernel=kernel
         )
         return lp, entropy if entropy_grad else entropy.detach()
 
     return run
 
 
-def _methods(cfg: BenchConfig):
-    return {
+TRITON_SKIPPED = "triton kernel rows skipped: no CUDA (the Triton kernels run on the GPU)"
+
+
+def methods(cfg: BenchConfig, cuda: bool) -> dict:
+    """name -> method (``(x, targets, temperature) -> (log_probs, entropy or None)``) for the
+    names in ``cfg.methods`` (None: all; the triton rows only when ``cuda``)."""
+    table = {
         "megatron CE (log-prob only)": _megatron_ce,
         "megatron CE + entropy": _megatron_ce_and_entropy,
         "naive gather + log_softmax": _naive_gather,
@@ -138,6 +151,18 @@ def _methods(cfg: BenchConfig):
         "ours inplace": _ours(cfg.chunk_size, inplace=True),
         "ours inplace, entropy value only": _ours(cfg.chunk_size, entropy_grad=False, inplace=True),
     }
+    if cuda:
+        table.update({
+            "triton": _ours(None, kernel="triton"),
+            "triton, entropy value only": _ours(None, entropy_grad=False, kernel="triton"),
+            "triton inplace": _ours(None, inplace=True, kernel="triton"),
+        })
+    if cfg.methods is None:
+        return table
+    unknown = [name for name in cfg.methods if name not in table]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; available here: {list(table)}")
+    return {name: table[name] for name in cfg.methods}
 
 
 # ---- measurement ----
@@ -195,18 +220,18 @@ def _bench_worker(rank: int, world_size: int, cfg: BenchConfig) -> dict:
     weights = torch.randn(2, cfg.tokens, generator=gen).to(device)
     base = (torch.randn(cfg.tokens, shard, generator=torch.Generator().manual_seed(rank + 1))
             * cfg.logit_std).to(device=device, dtype=dtype)
-    methods = _methods(cfg)
+    arms = methods(cfg, device.type == "cuda")
     fresh = lambda: base.clone().requires_grad_()  # noqa: E731 - megatron's CE overwrites it
     reference = None
-    for name, method in methods.items():  # warm-up, and every method computes the same thing
+    for name, method in arms.items():  # warm-up, and every method computes the same thing
         lp, _ = _step(method, fresh(), targets, weights, cfg.temperature)
         reference = lp if reference is None else reference
         torch.testing.assert_close(lp, reference, rtol=1e-3, atol=1e-3, msg=name)
     # Round-robin over the methods, so that load from other processes on a shared machine
     # spreads over all of them rather than hitting one.
-    times = {name: [] for name in methods}
+    times = {name: [] for name in arms}
     for _ in range(cfg.repeats):
-        for name, method in methods.items():
+        for name, method in arms.items():
             x = fresh()
             dist.barrier(group)
             _synchronize()
@@ -216,7 +241,7 @@ def _bench_worker(rank: int, world_size: int, cfg: BenchConfig) -> dict:
             times[name].append(time.perf_counter() - start)
             del x
     results = {}
-    for name, method in methods.items():
+    for name, method in arms.items():
         x = fresh()
         dist.barrier(group)
         peak = _extra_peak_bytes(lambda: _step(method, x, targets, weights, cfg.temperature))
@@ -227,6 +252,9 @@ def _bench_worker(rank: int, world_size: int, cfg: BenchConfig) -> dict:
 
 
 def run(vocabs, tps, cfg_kwargs, timeout_s: float) -> list[dict]:
+    """One table row per (vocab, tp, method): time, ratio to the first method, extra peak."""
+    if not torch.cuda.is_available():
+        print(TRITON_SKIPPED, file=sys.stderr, flush=True)
     rows = []
     for vocab in vocabs:
         for tp in tps:
@@ -277,6 +305,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--logit-std", type=float, default=3.0)
     parser.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default auto)")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="method names to run, in order (default: all this machine can run)")
     parser.add_argument("--quick", action="store_true", help="V=32k, 256 tokens, 3 repeats")
     parser.add_argument("--output", help="also write the markdown table here")
     parser.add_argument("--timeout", type=float, default=900.0)
@@ -288,7 +318,8 @@ def main(argv=None) -> int:
             if v % tp:
                 parser.error(f"--vocab {v} is not divisible by --tp {tp}")
     cfg_kwargs = dict(tokens=args.tokens, dtype=args.dtype, temperature=args.temperature,
-                      repeats=args.repeats, logit_std=args.logit_std, chunk_size=args.chunk_size)
+                      repeats=args.repeats, logit_std=args.logit_std, chunk_size=args.chunk_size,
+                      methods=tuple(args.methods) if args.methods else None)
     table = format_table(run(args.vocab, args.tp, cfg_kwargs, args.timeout), cfg_kwargs)
     print(table)
     if args.output:

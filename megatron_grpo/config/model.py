@@ -35,6 +35,12 @@ class ModelConfig:
     """Tokens per chunk in the vocab-parallel log-prob/entropy op (bounds its work buffers on
     long sequences); null = automatic (cache-sized chunks)."""
 
+    logprob_kernel: Literal["auto", "torch", "triton"] = "auto"
+    """Implementation of the log-prob/entropy op's per-rank passes: torch (chunked torch ops,
+    any device), triton (fused one-pass Triton kernels, ops/triton_logprobs.py; needs CUDA,
+    refused at pre-flight without) or auto (triton for CUDA logits when triton is installed,
+    else torch). Same values and gradients; the collectives are the same two all-reduces."""
+
     recompute_activations: bool = False
     """Full activation recomputation of each transformer layer (saves memory, costs a forward)."""
 

@@ -46,6 +46,14 @@ by exp(fill - M) = 0 in the combine). The collectives do not change. A token who
 ``kept_ids`` is all -1 is not truncated. The masked copy costs one logits shard; the op then
 works in place on that copy.
 
+Implementations (``kernel``): the per-rank passes above run either as chunked torch ops (this
+module; every device, the reference of the tests) or as two fused Triton kernels
+(``ops.triton_logprobs``: forward one read of the logits with an online max, nothing
+logits-sized written; backward one read and one write of the gradient, recomputing ``p``
+from the logits instead of saving ``e``). Both produce the same per-token statistics, so the
+combine and its two collectives are shared. ``"auto"`` picks Triton for CUDA logits when
+triton is installed.
+
 Precision: float32 arithmetic on the logits, float64 for the per-token statistics.
 Preconditions (not checked, to avoid a device sync): ``0 <= targets < vocab_size``, and the
 target is in its kept set when one is given.
@@ -53,7 +61,8 @@ target is in its kept set when one is given.
 
 from __future__ import annotations
 
-from typing import Optional
+import importlib.util
+from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -69,6 +78,33 @@ _DEFAULT_CHUNK_ELEMENTS = 1 << 22
 # handles on a slow path (measured 5-20x slower). Shifted logits are floored here first:
 # exp(-80) = 1.8e-35 contributes nothing measurable to S, D or any gradient.
 _EXP_FLOOR = -80.0
+
+# Which implementation of the per-rank passes runs (``kernel`` argument, model.logprob_kernel).
+Kernel = Literal["auto", "torch", "triton"]
+KERNELS = ("auto", "torch", "triton")
+
+
+def triton_importable() -> bool:
+    """Whether the optional ``triton`` package is installed (CUDA builds of torch bring it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_kernels(kernel: Kernel, device: torch.device):
+    """The ``ops.triton_logprobs`` module when ``kernel`` selects it for logits on ``device``,
+    else None (the torch path)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if kernel == "torch" or (kernel == "auto" and not (device.type == "cuda" and triton_importable())):
+        return None
+    if not triton_importable():
+        raise ValueError("kernel='triton' needs the triton package (pip install triton), which is not installed")
+    # Imported here, not at the top: triton is optional (a CPU install runs without it).
+    from megatron_grpo.ops import triton_logprobs
+
+    if device.type != "cuda" and not triton_logprobs.INTERPRETED:
+        raise ValueError(f"kernel='triton' needs CUDA logits, got logits on {device.type} (use 'auto' or "
+                         "'torch'; triton's CPU interpreter, TRITON_INTERPRET=1, is for tests)")
+    return triton_logprobs
 
 
 def resolve_tp_group(tp_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -255,6 +291,61 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return grad_logits, None, None, None, None, None, None, None, None, None
 
 
+class _TritonVocabParallelLogProbs(torch.autograd.Function):
+    """The same op with the per-rank passes as Triton kernels (``ops.triton_logprobs``):
+    forward reads the logits once and writes nothing logits-sized; backward reads them once
+    more and writes the gradient (into the logits' storage with ``inplace``)."""
+
+    @staticmethod
+    def forward(
+        ctx, logits_2d, targets, group, tp, rank, inv_temperature, num_valid, with_entropy,
+        inplace, block_size, kernels,
+    ):
+        if logits_2d.stride(-1) != 1:
+            logits_2d = logits_2d.contiguous()
+        vocab_start = rank * logits_2d.shape[-1]
+        owned = (targets >= vocab_start) & (targets < vocab_start + num_valid)
+        local_targets = torch.where(owned, targets - vocab_start, -1)
+        stats = kernels.local_stats(logits_2d, local_targets, num_valid, inv_temperature, with_entropy, block_size)
+        stats = _combine_over_ranks(stats, owned, inv_temperature, group, tp)
+        global_max, sum_exp, dot, target_z = stats
+        log_sum = torch.log(sum_exp)
+        log_probs = (target_z - log_sum).float()
+        entropy = (log_sum - dot / sum_exp).float() if with_entropy else log_sum.new_empty(0).float()
+        ctx.save_for_backward(logits_2d, local_targets, global_max.float(), log_sum.float(), entropy)
+        ctx.inv_temperature, ctx.num_valid, ctx.with_entropy = inv_temperature, num_valid, with_entropy
+        ctx.inplace, ctx.block_size, ctx.kernels = inplace, block_size, kernels
+        ctx.consumed = False
+        ctx.set_materialize_grads(False)
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        if ctx.consumed:  # same contract as the torch path (in place, the logits are gone)
+            raise RuntimeError(
+                "vocab_parallel_log_probs: backward ran twice; its saved buffer becomes the "
+                "gradient in place, so retain_graph/double backward is not supported"
+            )
+        ctx.consumed = True
+        logits_2d, local_targets, max_logit, log_sum, entropy = ctx.saved_tensors
+        if not ctx.with_entropy:
+            grad_entropy = None
+        nones = (None,) * 10
+        if grad_log_probs is None and grad_entropy is None:
+            return (None, *nones)
+        inv_t = ctx.inv_temperature
+        coef_lp = None if grad_log_probs is None else (grad_log_probs.float() * inv_t).contiguous()
+        coef_h = None if grad_entropy is None else (grad_entropy.float() * inv_t).contiguous()
+        out = logits_2d if ctx.inplace else torch.empty_like(logits_2d)
+        grad = ctx.kernels.logits_grad(
+            logits_2d, out, local_targets, max_logit, log_sum, entropy, coef_lp, coef_h,
+            ctx.num_valid, inv_t, ctx.block_size,
+        )
+        return (grad, *nones)
+
+
 def _logits_grad_in_place(
     exps, logits_2d, local_targets, owned, prob_scale, max_logit, log_sum, entropy,
     grad_log_probs, grad_entropy, inv_temperature, num_valid, chunk_size,
@@ -312,6 +403,8 @@ def vocab_parallel_log_probs(
     with_entropy: bool = True,
     inplace: bool = False,
     kept_ids: Optional[torch.Tensor] = None,
+    kernel: Kernel = "auto",
+    block_size: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probability of ``targets`` and entropy under ``softmax(logits / temperature)``.
 
@@ -335,6 +428,12 @@ def vocab_parallel_log_probs(
     kept_ids: ``[..., K]`` long, each token's kept set (global ids, -1 padding; all -1: not
         truncated): the log-prob and entropy are those of softmax(logits / T) renormalised
         over the set (see the module docstring). None: the full distribution.
+    kernel: "torch" (the chunked torch implementation), "triton" (``ops.triton_logprobs``:
+        fused one-pass kernels; needs triton and CUDA logits, or triton's CPU interpreter as
+        in the tests) or "auto" (triton for CUDA logits when triton imports, else torch).
+        Same values, gradients, collectives and contract (one backward) either way;
+        ``chunk_size`` only applies to torch, ``block_size`` (columns per Triton block, a
+        power of 2; None = automatic) only to triton.
 
     Returns ``(log_probs [...], entropy [...] or None)``, float32, differentiable w.r.t. logits.
     """
@@ -360,6 +459,7 @@ def vocab_parallel_log_probs(
     num_valid = min(max(vocab_size - rank * shard, 0), shard)
     if chunk_size is None:
         chunk_size = auto_chunk_size(shard, logits.numel() // max(1, shard), logits.device)
+    kernels = _triton_kernels(kernel, logits.device)
     logits_2d = logits.reshape(-1, shard)
     if kept_ids is not None:
         if kept_ids.shape[:-1] != logits.shape[:-1]:
@@ -370,9 +470,15 @@ def vocab_parallel_log_probs(
         # op may overwrite it.
         logits_2d = logits_2d.masked_fill(~keep, torch.finfo(logits.dtype).min / 4)
         inplace = True
-    log_probs, entropy = _VocabParallelLogProbs.apply(
-        logits_2d, targets.reshape(-1).long(), group, tp, rank, 1.0 / temperature,
-        num_valid, chunk_size, with_entropy, inplace,
-    )
+    if kernels is not None:
+        log_probs, entropy = _TritonVocabParallelLogProbs.apply(
+            logits_2d, targets.reshape(-1).long(), group, tp, rank, 1.0 / temperature,
+            num_valid, with_entropy, inplace, block_size, kernels,
+        )
+    else:
+        log_probs, entropy = _VocabParallelLogProbs.apply(
+            logits_2d, targets.reshape(-1).long(), group, tp, rank, 1.0 / temperature,
+            num_valid, chunk_size, with_entropy, inplace,
+        )
     lead = logits.shape[:-1]
     return log_probs.view(lead), (entropy.view(lead) if with_entropy else None)

@@ -48,6 +48,9 @@ def layout_problem(cfg: ExperimentConfig, *, cuda: bool, num_gpus: int, ranks_on
                     "fake-quantizes on the CPU, or null)")
         if rollout_cfg.weight_sync_backend == "nccl":
             return "rollout.weight_sync_backend", "nccl needs CUDA; this machine has no usable GPU (use auto or gloo)"
+        if cfg.model.logprob_kernel == "triton":
+            return ("model.logprob_kernel", "triton needs CUDA (the fused Triton kernels run on the GPU); this "
+                    "machine has no usable GPU (use auto or torch)")
         if cfg.parallel.use_distributed_optimizer is True:
             return ("parallel.use_distributed_optimizer", "true needs CUDA (megatron-core's DistributedOptimizer); "
                     "this machine has no usable GPU (use auto or false)")

@@ -20,6 +20,7 @@ PP, DP or micro-batch split (docs/loss_spec.md#the-whole-loss-and-the-distribute
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -33,6 +34,7 @@ from megatron_grpo.models.fake_quant import fake_quantized
 from megatron_grpo.models.forward import causal_logits, run_schedule
 from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.ops.quantize import QuantScheme
+from megatron_grpo.ops.vocab_parallel import Kernel
 from megatron_grpo.runtime.device import all_finite, collective_tensor, to_device
 from megatron_grpo.trainer.batch import TrainBatch, build_train_batch
 from megatron_grpo.trainer.microbatch import plan_micro_batches, sequence_lengths, split, unsplit
@@ -47,6 +49,7 @@ class ScoringSpec:
     temperature: float
     vocab_size: int  # true (unpadded) vocabulary
     chunk_size: Optional[int] = None
+    kernel: Kernel = "auto"  # model.logprob_kernel
 
 
 def _token_scores(logits_BSv: torch.Tensor, mb: TrainBatch, spec: ScoringSpec, with_entropy: bool):
@@ -56,7 +59,7 @@ def _token_scores(logits_BSv: torch.Tensor, mb: TrainBatch, spec: ScoringSpec, w
     engine sampled from -- for pi_old, the reference and the updated policy alike."""
     return vocab_parallel_log_probs(
         logits_BSv[:, : mb.seq_length - 1], mb.tokens[:, 1:], temperature=spec.temperature,
-        vocab_size=spec.vocab_size, chunk_size=spec.chunk_size, with_entropy=with_entropy,
+        vocab_size=spec.vocab_size, chunk_size=spec.chunk_size, kernel=spec.kernel, with_entropy=with_entropy,
         inplace=True,  # the logits are the output layer's fresh output, read only here
         kept_ids=mb.kept_ids,
     )
@@ -236,7 +239,7 @@ def probe_log_probs(model_chunks, token_ids: list[int], spec: ScoringSpec,
     """
     batch = build_train_batch([token_ids[:1]], [token_ids[1:]], [[0.0] * (len(token_ids) - 1)],
                               torch.zeros(1), pad_id=0)
-    at_t1 = ScoringSpec(temperature=1.0, vocab_size=spec.vocab_size, chunk_size=spec.chunk_size)
+    at_t1 = dataclasses.replace(spec, temperature=1.0)
     with fake_quantized(model_chunks, quantization):
         out = compute_log_probs(model_chunks, batch, 1, at_t1)
     return None if out is None else out[0, : len(token_ids) - 1].tolist()

@@ -127,7 +127,8 @@ class Trainer:
         policy = build_policy(cfg)
         routing = RoutingReplay(policy.modules, replay=True) if cfg.algorithm.router_replay else None
         reference = build_reference(cfg, policy.hf_config)
-        spec = ScoringSpec(cfg.rollout.temperature, policy.hf_config.vocab_size, cfg.model.logprob_chunk_size)
+        spec = ScoringSpec(cfg.rollout.temperature, policy.hf_config.vocab_size, cfg.model.logprob_chunk_size,
+                           cfg.model.logprob_kernel)
         quantization = scheme_of(cfg.rollout.quantization, cfg.rollout.fp8_format)  # the probe's, as the engine's
         start_step, trainer_state = _resume(cfg, policy, sampler, rank)
         logger = MetricsLogger(run_dir, cfg.logging, cfg.trainer.num_steps, rank,
