@@ -79,3 +79,24 @@ def test_smoke_writes_each_part_and_a_rerun_skips_the_finished_ones(tmp_path):
         assert sum(ln.startswith(f"[cpu] {part}: done before") for ln in lines) == 1, lines
         assert (out / f"{part}.json").stat().st_mtime_ns == kept[part]
     assert lines[-1] == "[cpu] PASS"
+
+
+def test_kernel_rows_report_their_difference_from_the_torch_op_with_the_same_settings():
+    """bench_logprobs pairs each "triton..." row with the "ours..." row of the same entropy and
+    in-place settings and reports max |diff| of log-prob, entropy and gradient (hand values);
+    rows without a twin, and the torch rows themselves, report nothing."""
+    from tools.bench_logprobs import _diffs_vs_ours
+
+    t = torch.tensor
+    outputs = {
+        "ours": (t([-1.0, -2.0]), t([0.5, 0.25]), t([[0.1, -0.1]])),
+        "ours inplace": (t([-1.0, -2.0]), t([0.5, 0.25]), t([[0.1, -0.1]])),
+        "triton": (t([-1.0, -2.5]), t([0.5, 0.0]), t([[0.1, 0.3]])),
+        "triton inplace": (t([-1.0, -2.0]), None, t([[0.1, -0.1]])),
+        "triton, no twin": (t([0.0]), None, t([[0.0]])),
+    }
+    diffs = _diffs_vs_ours(outputs)
+    assert set(diffs) == {"triton", "triton inplace"}
+    assert diffs["triton"] == pytest.approx((0.5, 0.25, 0.4))
+    assert diffs["triton inplace"][0] == 0.0 and diffs["triton inplace"][2] == 0.0
+    assert diffs["triton inplace"][1] != diffs["triton inplace"][1]  # nan: no entropy to compare

@@ -239,7 +239,7 @@ def _train_arm(model_dir: str, sizes: Sizes, arm: list[str], responses: list[int
     outputs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in responses]
     batch = build_train_batch(prompts, outputs, [[-1.0] * n for n in responses],
                               torch.randn(len(responses), generator=gen), pad_id=0)
-    spec = ScoringSpec(1.0, vocab, cfg.model.logprob_chunk_size)
+    spec = ScoringSpec(1.0, vocab, cfg.model.logprob_chunk_size, cfg.model.logprob_kernel)
     par = cfg.parallel
 
     def score():

@@ -169,7 +169,8 @@ def methods(cfg: BenchConfig, cuda: bool) -> dict:
 
 
 def _step(method, x, targets, weights, temperature):
-    """One forward + backward on the leaf ``x``; returns (log_probs, entropy) detached."""
+    """One forward + backward on the leaf ``x``; returns (log_probs, entropy, the logits'
+    gradient) detached."""
     lp, entropy = method(x, targets, temperature)
     loss = (lp * weights[0]).sum()
     if entropy is not None and entropy.requires_grad:
@@ -178,7 +179,7 @@ def _step(method, x, targets, weights, temperature):
     # layer, without AccumulateGrad (which may copy it into .grad).
     (grad,) = torch.autograd.grad(loss, x)
     assert grad.shape == x.shape
-    return lp.detach(), None if entropy is None else entropy.detach()
+    return lp.detach(), None if entropy is None else entropy.detach(), grad
 
 
 def _synchronize() -> None:
@@ -208,6 +209,23 @@ def _extra_peak_bytes(fn) -> int:
     return peak
 
 
+def _diffs_vs_ours(outputs: dict) -> dict:
+    """name -> (max |d log-prob|, max |d entropy|, max |d gradient|) of every kernel row
+    ("triton...") against the torch op's row with the same entropy and in-place settings, on
+    this rank's shard: the kernel's exactness on the device it ran on. {} without such rows."""
+    diffs = {}
+    for name, (lp, entropy, grad) in outputs.items():
+        if not name.startswith("triton"):
+            continue
+        twin = outputs.get("ours" + name[len("triton"):])
+        if twin is None:
+            continue
+        d_ent = float("nan") if entropy is None or twin[1] is None else float((entropy - twin[1]).abs().max())
+        diffs[name] = (float((lp - twin[0]).abs().max()), d_ent,
+                       float((grad.float() - twin[2].float()).abs().max()))
+    return diffs
+
+
 def _bench_worker(rank: int, world_size: int, cfg: BenchConfig) -> dict:
     from megatron.core import parallel_state
 
@@ -222,11 +240,13 @@ def _bench_worker(rank: int, world_size: int, cfg: BenchConfig) -> dict:
             * cfg.logit_std).to(device=device, dtype=dtype)
     arms = methods(cfg, device.type == "cuda")
     fresh = lambda: base.clone().requires_grad_()  # noqa: E731 - megatron's CE overwrites it
-    reference = None
+    reference, exact = None, {}
     for name, method in arms.items():  # warm-up, and every method computes the same thing
-        lp, _ = _step(method, fresh(), targets, weights, cfg.temperature)
+        lp, entropy, grad = _step(method, fresh(), targets, weights, cfg.temperature)
         reference = lp if reference is None else reference
         torch.testing.assert_close(lp, reference, rtol=1e-3, atol=1e-3, msg=name)
+        exact[name] = (lp, entropy, grad)
+    results = {"_max_abs_diff_vs_ours": _diffs_vs_ours(exact)}
     # Round-robin over the methods, so that load from other processes on a shared machine
     # spreads over all of them rather than hitting one.
     times = {name: [] for name in arms}
@@ -240,7 +260,6 @@ def _bench_worker(rank: int, world_size: int, cfg: BenchConfig) -> dict:
             _synchronize()  # CUDA kernels run asynchronously: time them to completion
             times[name].append(time.perf_counter() - start)
             del x
-    results = {}
     for name, method in arms.items():
         x = fresh()
         dist.barrier(group)
@@ -266,10 +285,13 @@ def run(vocabs, tps, cfg_kwargs, timeout_s: float) -> list[dict]:
             for name in names:
                 t = max(r[name][0] for r in per_rank)
                 peak = max(r[name][1] for r in per_rank)
+                diffs = [r["_max_abs_diff_vs_ours"][name] for r in per_rank if name in r["_max_abs_diff_vs_ours"]]
                 rows.append(dict(
                     vocab=vocab, tp=tp, tokens=cfg.tokens, method=name, ms=t * 1e3,
                     time_ratio=t / base_time, peak_mb=peak / 2**20, peak_shards=peak / shard_bytes,
                     shard_mb=shard_bytes / 2**20,
+                    # kernel rows: max |diff| against the torch op (log-prob, entropy, gradient)
+                    max_abs_diff_vs_ours=[max(d[i] for d in diffs) for i in range(3)] if diffs else None,
                 ))
             print(f"done V={vocab} tp={tp}", file=sys.stderr, flush=True)
     return rows
@@ -291,6 +313,12 @@ def format_table(rows: list[dict], cfg_kwargs: dict) -> str:
             f"| {r['vocab']} | {r['tp']} | {r['shard_mb']:.0f} | {r['method']} | {r['ms']:.1f} | "
             f"{r['time_ratio']:.2f}x | {r['peak_mb']:.1f} | {r['peak_shards']:.2f}x |"
         )
+    exact = [r for r in rows if r.get("max_abs_diff_vs_ours")]
+    if exact:  # the kernel's exactness on the device it ran on
+        lines += ["", "| V | tp | kernel row | max abs diff vs ours: log-prob | entropy | gradient |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['vocab']} | {r['tp']} | {r['method']} | "
+                  + " | ".join(f"{d:.2e}" for d in r["max_abs_diff_vs_ours"]) + " |" for r in exact]
     return "\n".join(lines)
 
 
