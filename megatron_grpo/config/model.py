@@ -38,6 +38,14 @@ class ModelConfig:
     recompute_activations: bool = False
     """Full activation recomputation of each transformer layer (saves memory, costs a forward)."""
 
+    attention_backend: Literal["auto", "sdpa", "unfused"] = "auto"
+    """Core attention of the trainer's model. auto: TransformerEngine's layer spec where CUDA
+    and transformer_engine are available, else sdpa. sdpa: megatron-core's local spec with
+    torch's scaled_dot_product_attention (flash / memory-efficient kernels on GPU, the math
+    kernel on CPU). unfused: megatron-core's local spec as shipped (batched
+    matmul + softmax, memory quadratic in the length), kept for comparison. sdpa and unfused
+    cannot run parallel.sequence_parallel (the local spec has no sequence-parallel norm)."""
+
     def __post_init__(self):
         check(bool(self.hf_dir), "hf_dir", "must name a Hugging Face model directory")
         check(

@@ -48,7 +48,7 @@ def _build_and_load(cfg: ExperimentConfig, hf_config, **build_kwargs) -> list:
     (the one build-and-load of the policy and the reference)."""
     modules = build_model(hf_config, dtype=DTYPES[cfg.model.dtype],
                           make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-                          init_weights=False, **build_kwargs)
+                          attention_backend=cfg.model.attention_backend, init_weights=False, **build_kwargs)
     if cfg.model.megatron_ckpt:
         load_megatron_checkpoint(modules, cfg.model.megatron_ckpt)
     else:

@@ -1,0 +1,163 @@
+"""The local spec's SDPA core attention (``models.attention``) computes what megatron-core's
+unfused attention and the HF reference compute: logits and gradients at TP1 (in-process),
+TP2 and PP2 (gloo ranks), for a grouped-query model with QKV bias (qwen2) and one with
+q/k layernorm and an explicit head_dim (qwen3). Every tiny model has 4 heads over 2 key/value
+groups, so TP2 still runs grouped-query attention on each rank.
+
+Reference: HF's fp32 logits (max |Δ| <= 1e-5, as tests/test_models_equivalence.py); sdpa vs
+unfused gradients of one loss on the per-token log-probs (max |Δ| <= 1e-5 relative to the
+gradient's scale).
+"""
+
+import pytest
+import torch
+
+from megatron_grpo.testing.distributed import run_distributed
+from tests.models_fixtures import PROBE_IDS, hf_reference_logits, make_hf_model
+
+TOL = 1e-5
+MODELS = ("qwen2", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """model_type -> (hf_dir, HF reference logits [B, S, V] of PROBE_IDS)."""
+    root = tmp_path_factory.mktemp("attn_models")
+    out = {}
+    for seed, model_type in enumerate(MODELS):
+        path = make_hf_model(root / model_type, model_type, tied=False, seed=seed)
+        out[model_type] = (str(path), hf_reference_logits(path))
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    import torch.distributed as dist
+
+    from megatron_grpo.runtime import parallel
+
+    started = not dist.is_initialized()
+    parallel.initialize(1, 1)
+    yield
+    if started:
+        parallel.destroy()
+
+
+# ---- work done on every rank --------------------------------------------------------------
+def loss_weights(shape) -> torch.Tensor:
+    """Fixed per-token weights [B, S - 1] of the test loss (the same on every rank)."""
+    shape = (shape[0], shape[1] - 1)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(7))
+
+
+def logits_and_grads(chunks, items, step, variable_seq_lengths=False):
+    """One forward-backward through ``run_schedule`` (the trainer's path) of the micro-batches
+    ``items`` with the forward step ``step``. Returns (the loss functions' outputs on the last
+    stage's TP rank 0, else None; {parameter name: gradient} of this rank)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.models.forward import run_schedule
+
+    for c in chunks:
+        c.zero_grad()
+    outs = run_schedule(chunks, items, step, forward_only=False, num_microbatches=len(items),
+                        seq_length=items[0][0].shape[1], micro_batch_size=items[0][0].shape[0],
+                        variable_seq_lengths=variable_seq_lengths)
+    held = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    grads = {f"{i}.{n}": p.grad.clone() for i, c in enumerate(chunks) for n, p in c.named_parameters()}
+    return (outs if held else None), grads
+
+
+def unpacked_step(vocab_size):
+    """Forward step of items (tokens [B, S], lengths, weights [B, S - 1]); loss
+    sum(weights * log p(token t+1 | ..t)) over each row's first length - 1 positions."""
+    from megatron_grpo.models.forward import causal_logits, gather_vocab
+    from megatron_grpo.ops import vocab_parallel_log_probs
+
+    def step(data_iterator, model):
+        tokens, lengths, weights = next(data_iterator)
+
+        def loss_func(output):
+            logits = gather_vocab(output.detach(), vocab_size)
+            lp, _ = vocab_parallel_log_probs(output[:, :-1], tokens[:, 1:], vocab_size=vocab_size,
+                                             with_entropy=False)
+            valid = torch.arange(tokens.shape[1] - 1) < torch.tensor(lengths).unsqueeze(1) - 1
+            return (lp * weights * valid).sum(), {"logits": logits, "log_probs": lp * valid}
+
+        return causal_logits(model, tokens), loss_func
+
+    return step
+
+
+def _backends_worker(rank, world_size, hf_dirs):
+    """Per model: (sdpa logits, unfused logits, max |Δgrad| / max |grad|) of this rank."""
+    from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
+
+    items = [(PROBE_IDS, [PROBE_IDS.shape[1]] * PROBE_IDS.shape[0], loss_weights(PROBE_IDS.shape))]
+    out = {}
+    for model_type, hf_dir in hf_dirs.items():
+        cfg = load_hf_config(hf_dir)
+        runs = {}
+        for backend in ("sdpa", "unfused"):
+            chunks = build_model(cfg, init_weights=False, attention_backend=backend)
+            load_hf_weights(chunks, hf_dir, cfg)
+            runs[backend] = logits_and_grads(chunks, items, unpacked_step(cfg.vocab_size))
+        (sdpa_outs, sdpa_grads), (unfused_outs, unfused_grads) = runs["sdpa"], runs["unfused"]
+        logits = [None if o is None else o[0]["logits"] for o in (sdpa_outs, unfused_outs)]
+        out[model_type] = (*logits, relative_grad_delta(sdpa_grads, unfused_grads))
+    return out
+
+
+def relative_grad_delta(a: dict, b: dict) -> float:
+    """max over parameters of max |a - b| / max |b| (every parameter must get a gradient)."""
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for name, g in b.items():
+        scale = g.abs().max().item()
+        assert scale > 0, f"{name}: no gradient"
+        worst = max(worst, (a[name] - g).abs().max().item() / scale)
+    return worst
+
+
+def assert_backends_agree(per_rank, hf_models):
+    for model_type in MODELS:
+        ref = hf_models[model_type][1]
+        held = [r[model_type] for r in per_rank if r[model_type][0] is not None]
+        assert len(held) == 1
+        sdpa, unfused, _ = held[0]
+        assert (sdpa - ref).abs().max().item() <= TOL, model_type
+        assert (unfused - ref).abs().max().item() <= TOL, model_type
+        for r in per_rank:
+            assert r[model_type][2] <= TOL, f"{model_type}: sdpa vs unfused gradients differ by {r[model_type][2]}"
+
+
+# ---- tests -------------------------------------------------------------------------------
+def test_backend_choice_and_refusals(hf_models, single_rank):
+    from megatron_grpo.models import build_model, load_hf_config
+    from megatron_grpo.models.attention import SDPAttention
+    from megatron_grpo.models.builder import resolve_attention_backend
+    from megatron_grpo.models.errors import ModelError
+
+    assert resolve_attention_backend("auto") == "sdpa"  # no TransformerEngine on CPU
+    cfg = load_hf_config(hf_models["qwen2"][0])
+    for backend, cls in (("auto", "SDPAttention"), ("sdpa", "SDPAttention"), ("unfused", "DotProductAttention")):
+        chunk = build_model(cfg, attention_backend=backend)[0]
+        assert type(chunk.decoder.layers[0].self_attention.core_attention).__name__ == cls
+    with pytest.raises(ModelError, match="auto, sdpa or unfused"):
+        resolve_attention_backend("flash")
+    config = chunk.config
+    config.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="attention_dropout 0"):
+        SDPAttention(config, 1, None, "self")
+
+
+def test_tp1_sdpa_matches_unfused_and_hf(hf_models, single_rank):
+    assert_backends_agree([_backends_worker(0, 1, {m: hf_models[m][0] for m in MODELS})], hf_models)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_multi_rank_sdpa_matches_unfused_and_hf(hf_models, tp, pp):
+    hf_dirs = {m: hf_models[m][0] for m in MODELS}
+    results = run_distributed(_backends_worker, 2, hf_dirs, tp=tp, pp=pp, timeout_s=300)
+    assert_backends_agree(results, hf_models)
+
