@@ -161,3 +161,125 @@ def test_multi_rank_sdpa_matches_unfused_and_hf(hf_models, tp, pp):
     results = run_distributed(_backends_worker, 2, hf_dirs, tp=tp, pp=pp, timeout_s=300)
     assert_backends_agree(results, hf_models)
 
+
+# ---- packed sequences (models.packing) ------------------------------------------------------
+# rows of very different lengths, one of length 1 (it scores nothing), two micro-batches whose
+# packed rows differ in length (13 and 7 tokens: pipeline stages exchange shapes)
+BATCH = torch.cat([PROBE_IDS, PROBE_IDS.flip(1)])  # [4, 12]
+LENGTHS = [12, 1, 5, 2]
+MICRO_BATCHES = [(0, 1), (2, 3)]
+
+
+def packing_items():
+    weights = loss_weights(BATCH.shape)
+    return [(BATCH[list(rows)], [LENGTHS[r] for r in rows], weights[list(rows)]) for rows in MICRO_BATCHES]
+
+
+def packed_step(vocab_size):
+    """``unpacked_step``'s loss on the packed rows: log-probs on the packed logits [1, T, V/tp],
+    scattered back to [B, S - 1] (``models.packing.unpack``); its logits are scattered to
+    [B, S, V] for the comparison only."""
+    from megatron_grpo.models.forward import gather_vocab, packed_logits
+    from megatron_grpo.models.packing import next_tokens, pack, unpack
+    from megatron_grpo.ops import vocab_parallel_log_probs
+
+    def step(data_iterator, model):
+        tokens, lengths, weights = next(data_iterator)
+        packed = pack(tokens, lengths)
+
+        def loss_func(output):
+            logits_T = gather_vocab(output.detach(), vocab_size)[0]
+            logits = logits_T.new_zeros((*tokens.shape, vocab_size))
+            logits[packed.row, packed.position] = logits_T
+            lp, _ = vocab_parallel_log_probs(output, next_tokens(packed), vocab_size=vocab_size, with_entropy=False)
+            lp = unpack(lp[0], packed, tokens.shape[0], tokens.shape[1] - 1)
+            return (lp * weights).sum(), {"logits": logits, "log_probs": lp}
+
+        return packed_logits(model, packed), loss_func
+
+    return step
+
+
+def _packing_worker(rank, world_size, hf_dir):
+    """(unpacked outputs, packed outputs, max |Δgrad| / max |grad|) of this rank (sdpa)."""
+    from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
+
+    cfg = load_hf_config(hf_dir)
+    chunks = build_model(cfg, init_weights=False, attention_backend="sdpa")
+    load_hf_weights(chunks, hf_dir, cfg)
+    unpacked_outs, unpacked_grads = logits_and_grads(chunks, packing_items(), unpacked_step(cfg.vocab_size))
+    packed_outs, packed_grads = logits_and_grads(chunks, packing_items(), packed_step(cfg.vocab_size),
+                                                 variable_seq_lengths=True)
+    return unpacked_outs, packed_outs, relative_grad_delta(packed_grads, unpacked_grads)
+
+
+def assert_packing_exact(per_rank):
+    held = [r for r in per_rank if r[0] is not None]
+    assert len(held) == 1
+    unpacked, packed, _ = held[0]
+    for rows, u, p in zip(MICRO_BATCHES, unpacked, packed):
+        for i, r in enumerate(rows):
+            n = LENGTHS[r]
+            assert (u["logits"][i, :n] - p["logits"][i, :n]).abs().max().item() <= TOL
+            assert (u["log_probs"][i] - p["log_probs"][i]).abs().max().item() <= TOL
+            assert not p["log_probs"][i, n - 1:].any()  # past the row: never filled
+    for r in per_rank:
+        assert r[2] <= TOL, f"packed vs unpacked gradients differ by {r[2]}"
+
+
+def test_pack_layout():
+    from megatron_grpo.models.packing import gather_rows, next_tokens, pack, scored, unpack
+
+    packed = pack(torch.tensor([[5, 6, 7], [8, 0, 0], [9, 4, 0]]), [3, 1, 2])
+    assert packed.tokens.tolist() == [[5, 6, 7, 8, 9, 4]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 0, 1]]
+    assert packed.cu_seqlens.tolist() == [0, 3, 4, 6] and packed.max_seqlen == 3
+    assert scored(packed).tolist() == [True, True, False, False, True, False]
+    assert next_tokens(packed)[0, scored(packed)].tolist() == [6, 7, 4]
+    values = unpack(torch.arange(1.0, 7.0), packed, 3, 2)
+    assert values.tolist() == [[1.0, 2.0], [0.0, 0.0], [5.0, 0.0]]
+    kept = gather_rows(torch.arange(6).reshape(3, 2), packed, fill=-1)
+    assert kept.tolist() == [[0, 1, -1, -1, 4, -1]]
+
+
+def test_packed_attention_paths_agree():
+    """The CPU path (one call, block-diagonal mask) and the CUDA path (one causal call per
+    row) compute the same, and equal each row's own causal attention."""
+    import torch.nn.functional as F
+
+    from megatron_grpo.models.attention import sdpa_packed
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(9, 4, 8, generator=g), torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
+    cu = torch.tensor([0, 1, 6, 9], dtype=torch.int32)
+    masked, per_row = (sdpa_packed(q, k, v, cu, 0.3, per_row=flag) for flag in (False, True))
+    assert (masked - per_row).abs().max().item() <= 1e-6
+    for a, b in ((0, 1), (1, 6), (6, 9)):
+        alone = F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True,
+                                               scale=0.3, enable_gqa=True).transpose(0, 1)
+        assert (per_row[a:b] - alone).abs().max().item() <= 1e-6
+
+
+def test_tp1_packed_matches_unpacked(hf_models, single_rank):
+    assert_packing_exact([_packing_worker(0, 1, hf_models["qwen3"][0])])
+
+
+@pytest.mark.parametrize("tp,pp,model_type", [(2, 1, "qwen2"), (1, 2, "qwen3")], ids=["tp2", "pp2"])
+def test_multi_rank_packed_matches_unpacked(hf_models, tp, pp, model_type):
+    assert_packing_exact(run_distributed(_packing_worker, 2, hf_models[model_type][0], tp=tp, pp=pp,
+                                         timeout_s=300))
+
+
+def test_packing_refusals(hf_models):
+    from megatron_grpo.models import load_hf_config
+    from megatron_grpo.models.builder import check_packing
+    from megatron_grpo.models.errors import ModelError
+    from megatron_grpo.testing.tiny_models import tiny_config
+
+    dense = load_hf_config(hf_models["qwen2"][0])
+    check_packing(dense, "auto")  # sdpa on CPU
+    check_packing(dense, "sdpa")
+    with pytest.raises(ModelError, match="needs model.attention_backend sdpa"):
+        check_packing(dense, "unfused")
+    with pytest.raises(ModelError, match="mixture-of-experts"):
+        check_packing(tiny_config("qwen3_moe"), "sdpa")

@@ -119,6 +119,20 @@ def resolve_attention_backend(attention_backend: str) -> str:
     return attention_backend
 
 
+def check_packing(hf_config, attention_backend: str) -> None:
+    """ModelError (one line) where ``parallel.pack_sequences`` cannot run: packed rows need
+    the sdpa core attention (TransformerEngine's thd path is not tested here, megatron-core's
+    unfused attention has none), and a dense model (MoE metrics and routing replay lay tokens
+    out per padded row; packing an MoE model is untested)."""
+    backend = resolve_attention_backend(attention_backend)
+    if backend != "sdpa":
+        raise ModelError(f"parallel.pack_sequences needs model.attention_backend sdpa; {attention_backend!r} "
+                         f"runs {backend} attention here (set model.attention_backend: sdpa)")
+    if isinstance(get_architecture(hf_config.model_type), MoEMLP):
+        raise ModelError(f"parallel.pack_sequences is not supported for the mixture-of-experts model "
+                         f"{hf_config.model_type!r} yet (set it false)")
+
+
 def layer_spec(hf_config, config, attention_backend: str = "auto"):
     """The transformer-layer spec of ``resolve_attention_backend(attention_backend)``: TE's
     spec, or megatron-core's local spec whose core attention is SDPA or the unfused one."""
