@@ -283,3 +283,19 @@ def test_packing_refusals(hf_models):
         check_packing(dense, "unfused")
     with pytest.raises(ModelError, match="mixture-of-experts"):
         check_packing(tiny_config("qwen3_moe"), "sdpa")
+
+
+def test_preflight_refuses_packing_an_moe_model(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_grpo.config import ConfigError
+    from megatron_grpo.preflight.run import check_model_dir
+    from megatron_grpo.testing.tiny_models import save_tiny_model
+
+    hf_dir = str(save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=4))
+    cfg = SimpleNamespace(model=SimpleNamespace(hf_dir=hf_dir, attention_backend="auto"),
+                          parallel=SimpleNamespace(tp=1, pp=1, pack_sequences=True))
+    with pytest.raises(ConfigError, match="^parallel.pack_sequences: is not supported for the mixture-of-experts"):
+        check_model_dir(cfg)
+    cfg.parallel.pack_sequences = False
+    check_model_dir(cfg)
