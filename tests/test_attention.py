@@ -7,6 +7,10 @@ groups, so TP2 still runs grouped-query attention on each rank.
 Reference: HF's fp32 logits (max |Δ| <= 1e-5, as tests/test_models_equivalence.py); sdpa vs
 unfused gradients of one loss on the per-token log-probs (max |Δ| <= 1e-5 relative to the
 gradient's scale).
+
+Packed sequences (``models.packing``, ``parallel.pack_sequences``): packed vs unpacked logits,
+log-probs and gradients with the same tolerances at TP1, TP2 and PP2, for rows of 1 to 12
+tokens; and the refusals (unfused attention, MoE models) at build time and in preflight.
 """
 
 import pytest
@@ -155,13 +159,6 @@ def test_tp1_sdpa_matches_unfused_and_hf(hf_models, single_rank):
     assert_backends_agree([_backends_worker(0, 1, {m: hf_models[m][0] for m in MODELS})], hf_models)
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_multi_rank_sdpa_matches_unfused_and_hf(hf_models, tp, pp):
-    hf_dirs = {m: hf_models[m][0] for m in MODELS}
-    results = run_distributed(_backends_worker, 2, hf_dirs, tp=tp, pp=pp, timeout_s=300)
-    assert_backends_agree(results, hf_models)
-
-
 # ---- packed sequences (models.packing) ------------------------------------------------------
 # rows of very different lengths, one of length 1 (it scores nothing), two micro-batches whose
 # packed rows differ in length (13 and 7 tokens: pipeline stages exchange shapes)
@@ -264,10 +261,20 @@ def test_tp1_packed_matches_unpacked(hf_models, single_rank):
     assert_packing_exact([_packing_worker(0, 1, hf_models["qwen3"][0])])
 
 
-@pytest.mark.parametrize("tp,pp,model_type", [(2, 1, "qwen2"), (1, 2, "qwen3")], ids=["tp2", "pp2"])
-def test_multi_rank_packed_matches_unpacked(hf_models, tp, pp, model_type):
-    assert_packing_exact(run_distributed(_packing_worker, 2, hf_models[model_type][0], tp=tp, pp=pp,
-                                         timeout_s=300))
+def _layout_worker(rank, world_size, hf_dirs, packed_model):
+    """Both checks in one set of ranks (a spawn costs seconds): the backends on every model,
+    packing on ``packed_model``."""
+    return _backends_worker(rank, world_size, hf_dirs), _packing_worker(rank, world_size, hf_dirs[packed_model])
+
+
+@pytest.mark.parametrize("tp,pp,packed_model", [(2, 1, "qwen2"), (1, 2, "qwen3")], ids=["tp2", "pp2"])
+def test_multi_rank_sdpa_and_packing(hf_models, tp, pp, packed_model):
+    """At TP2 and PP2: sdpa = unfused = HF (logits), sdpa = unfused (gradients), and packed =
+    unpacked (logits, log-probs, gradients; at PP2 the packed rows' shapes vary)."""
+    hf_dirs = {m: hf_models[m][0] for m in MODELS}
+    results = run_distributed(_layout_worker, 2, hf_dirs, packed_model, tp=tp, pp=pp, timeout_s=300)
+    assert_backends_agree([r[0] for r in results], hf_models)
+    assert_packing_exact([r[1] for r in results])
 
 
 def test_packing_refusals(hf_models):

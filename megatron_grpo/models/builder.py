@@ -183,8 +183,8 @@ def build_model(hf_config, *, dtype: torch.dtype = torch.float32,
         stages = [dict(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
                        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i),
                        vp_stage=i) for i in range(vpp)]
-    return [_build_chunk(hf_config, config, attention_backend, dtype, make_vocab_size_divisible_by, init_weights, **stage)
-            for stage in stages]
+    return [_build_chunk(hf_config, config, attention_backend, dtype, make_vocab_size_divisible_by, init_weights,
+                         **stage) for stage in stages]
 
 
 def _build_chunk(hf_config, config, attention_backend: str, dtype: torch.dtype, make_vocab_size_divisible_by: int,
