@@ -306,3 +306,31 @@ def test_preflight_refuses_packing_an_moe_model(tmp_path):
         check_model_dir(cfg)
     cfg.parallel.pack_sequences = False
     check_model_dir(cfg)
+
+
+def test_packed_log_prob_pass_with_kept_sets(hf_models, single_rank):
+    """The trainer's log-prob pass (``compute_log_probs``) packed = unpacked, with the
+    sampling-mask replay's kept sets (``kept_ids``, gathered into the packed layout)."""
+    from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
+    from megatron_grpo.testing.batches import random_train_batch
+    from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs
+
+    hf_dir = hf_models["qwen2"][0]
+    cfg = load_hf_config(hf_dir)
+    chunks = build_model(cfg, init_weights=False)
+    load_hf_weights(chunks, hf_dir, cfg)
+    batch = random_train_batch(6)
+    g = torch.Generator().manual_seed(3)
+    others = torch.randint(7, 200, (*batch.loss_mask.shape, 3), generator=g)
+    kept = torch.cat([batch.tokens[:, 1:, None], others], dim=2)  # the sampled token and 3 others
+    kept[batch.loss_mask == 0] = -1  # context positions: the full distribution
+    kept[0, :, 2:] = -1  # sets of different sizes
+    batch.kept_ids = kept
+    spec = ScoringSpec(temperature=0.7, vocab_size=cfg.vocab_size)
+    unpacked = compute_log_probs(chunks, batch, 2, spec, 16)
+    packed = compute_log_probs(chunks, batch, 2, spec, 16, pack_sequences=True)
+    mask = batch.loss_mask > 0
+    assert (packed[mask] - unpacked[mask]).abs().max().item() <= TOL
+    batch.kept_ids = None
+    full = compute_log_probs(chunks, batch, 2, spec, 16, pack_sequences=True)
+    assert (packed[mask] > full[mask] + 1e-3).all()  # the truncated distribution really applied
