@@ -66,6 +66,8 @@ MALFORMED = [
     ("trainer.num_steps", "ten", "trainer.num_steps", "expected an integer"),
     ("model.dtype", "fp8", "model.dtype", "expected one of"),
     ("model.dtype", "float16", "model.dtype", "use bfloat16"),
+    ("model.attention_backend", "flash", "model.attention_backend", "expected one of"),
+    ("parallel.pack_sequences", True, "parallel.pack_sequences", "needs max_tokens_per_microbatch"),
     ("modle.hf_dir", "x", "modle", "did you mean 'model'"),
     ("reward.functions", [], "reward.functions", "at least one"),
     ("reward.functions", [{"nme": "x"}], "reward.functions[0].nme", "did you mean 'name'"),
@@ -81,6 +83,28 @@ def test_malformed_config_names_key(tmp_path, dotted, value, key, fragment):
     assert "\n" not in line
     assert line.startswith(f"{path}: {key}: "), line
     assert fragment in line, line
+
+
+PACKING = ["parallel.pack_sequences=true", "parallel.max_tokens_per_microbatch=256"]
+COMBINATIONS = [  # (overrides, dotted key the error must name, fragment of the message)
+    (PACKING + ["parallel.sequence_parallel=true"], "parallel.pack_sequences", "sequence_parallel"),
+    (PACKING + ["model.attention_backend=unfused"], "parallel.pack_sequences", "sdpa or auto"),
+    (PACKING + ["algorithm.router_replay=true"], "parallel.pack_sequences", "router_replay"),
+    (["parallel.sequence_parallel=true", "model.attention_backend=sdpa"], "model.attention_backend",
+     "cannot run parallel.sequence_parallel"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,fragment", COMBINATIONS, ids=lambda c: str(c))
+def test_attention_and_packing_combinations_are_refused(tmp_path, overrides, key, fragment):
+    path = write(tmp_path, apply_overrides(BASE, overrides))
+    with pytest.raises(ConfigError) as info:
+        load_experiment(path)
+    assert str(info.value).startswith(f"{path}: {key}: ") and fragment in str(info.value), str(info.value)
+
+
+def test_packing_config_loads(tmp_path):
+    assert load_experiment(write(tmp_path, apply_overrides(BASE, PACKING))).parallel.pack_sequences
 
 
 def test_off_policy_mode_with_colocate_names_both_keys(tmp_path):

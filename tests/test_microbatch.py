@@ -4,8 +4,8 @@ held, each micro-batch cut to its own longest row, and the log-probs put back in
 import torch
 
 from megatron_grpo.trainer.batch import build_train_batch
-from megatron_grpo.trainer.microbatch import (fixed_plan, plan_micro_batches, sequence_lengths, split,
-                                              token_budget_plan, unsplit)
+from megatron_grpo.trainer.microbatch import (fixed_plan, packed_plan, plan_micro_batches, sequence_lengths,
+                                              split, token_budget_plan, unsplit)
 
 
 def _batch():
@@ -28,6 +28,20 @@ def test_token_budget_plan_docstring_example_and_budget():
         assert length == max(lengths[r] for r in rows)
         assert len(rows) * length <= 64 or len(rows) == 1
     assert token_budget_plan([100, 3], 50).rows == ((0,), (1,))  # longer than the budget: alone
+
+
+def test_packed_plan_docstring_example_and_budget():
+    plan = packed_plan([10, 3, 4, 9], 20)
+    assert plan.rows == ((0, 3), (2, 1)) and plan.lengths == (10, 4)
+    lengths = [int(x) for x in torch.randint(2, 60, (40,), generator=torch.Generator().manual_seed(0))]
+    plan = packed_plan(lengths, 128)
+    assert sorted(r for rows in plan.rows for r in rows) == list(range(40))
+    for rows, length in zip(plan.rows, plan.lengths):
+        assert length == max(lengths[r] for r in rows)
+        assert sum(lengths[r] for r in rows) <= 128 or len(rows) == 1
+    assert len(plan.rows) < len(token_budget_plan(lengths, 128).rows)  # real tokens fill the budget
+    assert packed_plan([100, 3], 50).rows == ((0,), (1,))  # longer than the budget: alone
+    assert plan_micro_batches(_batch(), 2, 18, packed=True).rows == packed_plan([12, 4, 9, 2, 4], 18).rows
 
 
 def test_split_cuts_and_unsplit_restores_order():

@@ -4,7 +4,9 @@ schedule, DDP, megatron-core optimizer, vocab-parallel op and corrected loss. Th
 for token-budget micro-batches (``parallel.max_tokens_per_microbatch``: rows regrouped by
 length, each micro-batch cut to its own length, shapes varying along the pipeline) and for
 the step that skips the old-log-prob pass (pi_old = detached pi_theta), and for the loss with
-the entropy bonus and the k3 KL term (the CPU demo's loss) at TP2 and PP2."""
+the entropy bonus and the k3 KL term (the CPU demo's loss) at TP2 and PP2, and for packed
+micro-batches (``parallel.pack_sequences``: each micro-batch's rows concatenated into one row)
+at TP1 and PP2."""
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ REGULARIZED = {"entropy_coef": 0.05, "kl_loss_coef": 0.05}
 """The CPU demo's entropy bonus (yaml_configs/demo_cpu.yaml) and its KL arm's weight (docs/benchmarks.md)."""
 
 
-def _one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=False):
+def _one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=False, pack=False):
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
@@ -46,14 +48,14 @@ def _one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=Fals
     local = dp_shard(full, dp_rank, dp, GLOBAL_BATCH)
     if regularized:  # a stand-in reference whose log-probs differ from the policy's: the KL has a gradient
         local.ref_log_probs = local.rollout_log_probs.clone()
-    old_lp = compute_log_probs(policy.chunks, local, MICRO, spec, budget)
+    old_lp = compute_log_probs(policy.chunks, local, MICRO, spec, budget, pack_sequences=pack)
     if not skip_old:
         local.old_log_probs = old_lp
         if local.old_log_probs is None:  # not the last stage: the loss is computed elsewhere
             local.old_log_probs = torch.zeros_like(local.rollout_log_probs)
     metrics, applied, grad_norm = train_mini_batch(
         policy.chunks, policy.optimizer, local, algo, spec, MICRO, int(full.loss_mask.sum()),
-        full.num_sequences, dp, ps.get_data_parallel_group(), budget)
+        full.num_sequences, dp, ps.get_data_parallel_group(), budget, pack_sequences=pack)
     weights = {k: v.clone() for k, v in iter_hf_weights(policy.modules, policy.hf_config)}
     return {"metrics": metrics, "applied": applied, "grad_norm": grad_norm, "weights": weights,
             "old_lp": old_lp, "pp_rank": ps.get_pipeline_model_parallel_rank()}
@@ -132,6 +134,21 @@ def test_token_budget_step_matches_fixed(tiny_hf, reference, world, tp, pp):
     for r in results:
         if r["metrics"] is not None:  # the budget cut padding: fewer token slots than 8 x 9
             assert r["metrics"]["num_padded_tokens"] < reference["metrics"]["num_padded_tokens"]
+
+
+@pytest.mark.parametrize("world,tp,pp", [(1, 1, 1), pytest.param(2, 1, 2, marks=pytest.mark.slow)],
+                         ids=["tp1", "pp2"])
+def test_packed_step_matches_fixed(tiny_hf, reference, world, tp, pp):
+    """Packed micro-batches (log-prob pass and update; at PP2 the packed rows' lengths vary
+    along the pipeline) = fixed micro-batches of 2: same loss, grad norm, updated weights."""
+    results = run_distributed(_one_step, world, tiny_hf, BUDGET, False, False, True, tp=tp, pp=pp, timeout_s=300)
+    _assert_same_step(results, reference, tiny_hf)
+    for r in results:
+        if r["old_lp"] is not None:
+            mask = _batch().loss_mask > 0
+            assert (r["old_lp"][mask] - reference["old_lp"][mask]).abs().max() <= 1e-5
+        if r["metrics"] is not None:  # packing ran fewer token slots than the row-padded budget
+            assert r["metrics"]["num_padded_tokens"] == r["metrics"]["num_sequence_tokens"]
 
 
 @pytest.mark.slow

@@ -81,6 +81,14 @@ class ExperimentConfig:
                 f"rollout.max_new_tokens = {self.rollout.max_new_tokens}",
             )
 
+        check(not (self.parallel.sequence_parallel and self.model.attention_backend != "auto"),
+              "model.attention_backend", f"{self.model.attention_backend} uses megatron-core's local layer spec, "
+              "which cannot run parallel.sequence_parallel; use auto (TransformerEngine's spec) or turn it off")
+        check(not (self.parallel.pack_sequences and self.model.attention_backend == "unfused"),
+              "parallel.pack_sequences", "needs model.attention_backend sdpa or auto (megatron-core's unfused "
+              "attention has no packed layout)")
+        check(not (self.parallel.pack_sequences and self.algorithm.router_replay), "parallel.pack_sequences",
+              "cannot be combined with algorithm.router_replay (the replayed routing is laid out per padded row)")
         # router_replay against the engine kind: preflight/rules.py (check_experiment)
         check(not (self.algorithm.router_replay and self.model.recompute_activations), "algorithm.router_replay",
               "cannot be combined with model.recompute_activations (the recomputed forward would "

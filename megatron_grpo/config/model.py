@@ -47,6 +47,14 @@ class ModelConfig:
     recompute_activations: bool = False
     """Full activation recomputation of each transformer layer (saves memory, costs a forward)."""
 
+    attention_backend: Literal["auto", "sdpa", "unfused"] = "auto"
+    """Core attention of the trainer's model. auto: TransformerEngine's layer spec where CUDA
+    and transformer_engine are available, else sdpa. sdpa: megatron-core's local spec with
+    torch's scaled_dot_product_attention (flash / memory-efficient kernels on GPU, the math
+    kernel on CPU; packed sequences). unfused: megatron-core's local spec as shipped (batched
+    matmul + softmax, memory quadratic in the length), kept for comparison. sdpa and unfused
+    cannot run parallel.sequence_parallel (the local spec has no sequence-parallel norm)."""
+
     def __post_init__(self):
         check(bool(self.hf_dir), "hf_dir", "must name a Hugging Face model directory")
         check(
@@ -115,6 +123,14 @@ class ParallelConfig:
     without a usable GPU; auto uses it where CUDA is available and the plain megatron
     optimizer elsewhere; false never uses it."""
 
+    pack_sequences: bool = False
+    """Concatenate each micro-batch's rows into one row without padding (megatron's packed
+    `thd` layout: RoPE positions restart at every row, attention stays inside each row), so
+    long-tailed responses stop paying for padding. Needs max_tokens_per_microbatch (the budget
+    then counts real tokens: rows are packed while their summed lengths fit) and
+    model.attention_backend sdpa (auto on a machine without TransformerEngine); not with
+    sequence_parallel, nor (refused when the model is built) a mixture-of-experts model."""
+
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1): activations outside the attention and
     MLP blocks are split over the tp ranks along the sequence; sequences are right-padded to
@@ -133,6 +149,10 @@ class ParallelConfig:
         check(self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 2,
               "max_tokens_per_microbatch", f"must be >= 2 (a prompt token and a response token) or null, "
               f"got {self.max_tokens_per_microbatch}")
+        check(not self.pack_sequences or self.max_tokens_per_microbatch is not None, "pack_sequences",
+              "needs max_tokens_per_microbatch (the token budget of a packed row); set it or pack_sequences: false")
+        check(not (self.pack_sequences and self.sequence_parallel), "pack_sequences",
+              "cannot be combined with sequence_parallel (a packed row is not padded to a multiple of tp)")
         check(self.etp is None or self.etp >= 1, "etp", f"must be >= 1 or null, got {self.etp}")
         check(self.vpp is None or self.vpp >= 1, "vpp", f"must be >= 1 or null, got {self.vpp}")
         check(not self.virtual_pipeline or self.pp >= 2, "vpp",

@@ -107,24 +107,58 @@ def check_moe_training(hf_config, tp: int, sequence_parallel: bool) -> None:
                          "requires it)")
 
 
-def layer_spec(hf_config, config):
-    """TE spec on GPU with transformer_engine, megatron-core's local spec otherwise."""
+def resolve_attention_backend(attention_backend: str) -> str:
+    """``model.attention_backend`` -> the attention that runs: "te" (TransformerEngine's spec,
+    what "auto" means where ``use_transformer_engine()``), "sdpa" (the local spec with
+    ``models.attention.SDPAttention``; "auto" elsewhere) or "unfused" (the local spec with
+    megatron-core's ``DotProductAttention``, kept for comparison)."""
+    if attention_backend == "auto":
+        return "te" if use_transformer_engine() else "sdpa"
+    if attention_backend not in ("sdpa", "unfused"):
+        raise ModelError(f"model.attention_backend must be auto, sdpa or unfused, got {attention_backend!r}")
+    return attention_backend
+
+
+def check_packing(hf_config, attention_backend: str) -> None:
+    """ModelError (one line) where ``parallel.pack_sequences`` cannot run: packed rows need
+    the sdpa core attention (TransformerEngine's thd path is not tested here, megatron-core's
+    unfused attention has none), and a dense model (MoE metrics and routing replay lay tokens
+    out per padded row; packing an MoE model is untested)."""
+    backend = resolve_attention_backend(attention_backend)
+    if backend != "sdpa":
+        raise ModelError(f"parallel.pack_sequences needs model.attention_backend sdpa; {attention_backend!r} "
+                         f"runs {backend} attention here (set model.attention_backend: sdpa)")
+    if isinstance(get_architecture(hf_config.model_type), MoEMLP):
+        raise ModelError(f"parallel.pack_sequences is not supported for the mixture-of-experts model "
+                         f"{hf_config.model_type!r} yet (set it false)")
+
+
+def layer_spec(hf_config, config, attention_backend: str = "auto"):
+    """The transformer-layer spec of ``resolve_attention_backend(attention_backend)``: TE's
+    spec, or megatron-core's local spec whose core attention is SDPA or the unfused one."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if use_transformer_engine():
+    from megatron_grpo.models.attention import SDPAttention  # imports megatron-core: deferred like it
+
+    backend = resolve_attention_backend(attention_backend)
+    if backend == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts, moe_grouped_gemm=False,
             qk_layernorm=config.qk_layernorm
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, moe_grouped_gemm=False,
         qk_layernorm=config.qk_layernorm, normalization=config.normalization
     )
+    if backend == "sdpa":  # a fresh spec per call: replacing its submodule touches no shared state
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 def build_model(hf_config, *, dtype: torch.dtype = torch.float32,
                 make_vocab_size_divisible_by: int = 128, recompute: bool = False,
-                sequence_parallel: bool = False, init_weights: bool = True) -> list:
+                sequence_parallel: bool = False, init_weights: bool = True,
+                attention_backend: str = "auto") -> list:
     """GPTModel chunks of this rank's PP stage: one, or one per virtual stage (``vpp``).
 
     With a virtual pipeline (megatron's interleaved schedule) chunk ``i`` of PP rank ``r``
@@ -132,6 +166,7 @@ def build_model(hf_config, *, dtype: torch.dtype = torch.float32,
     layer offset, so ``layer.layer_number`` is the global 1-based index). The embedding lives
     in chunk 0 of the first PP rank, the output layer in the last chunk of the last one.
 
+    ``attention_backend``: ``model.attention_backend`` (``resolve_attention_backend``).
     Weights are randomly initialised unless ``init_weights=False`` (faster when a checkpoint is
     loaded right after). Each chunk gets a ``hf_config`` attribute, which checkpoint saving reads.
     """
@@ -148,11 +183,11 @@ def build_model(hf_config, *, dtype: torch.dtype = torch.float32,
         stages = [dict(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
                        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i),
                        vp_stage=i) for i in range(vpp)]
-    return [_build_chunk(hf_config, config, dtype, make_vocab_size_divisible_by, init_weights, **stage)
-            for stage in stages]
+    return [_build_chunk(hf_config, config, attention_backend, dtype, make_vocab_size_divisible_by, init_weights,
+                         **stage) for stage in stages]
 
 
-def _build_chunk(hf_config, config, dtype: torch.dtype, make_vocab_size_divisible_by: int,
+def _build_chunk(hf_config, config, attention_backend: str, dtype: torch.dtype, make_vocab_size_divisible_by: int,
                  init_weights: bool, **stage_kwargs):
     """One GPTModel chunk; ``stage_kwargs``: pre_process, post_process and (VPP) vp_stage."""
     from megatron.core import parallel_state
@@ -163,7 +198,7 @@ def _build_chunk(hf_config, config, dtype: torch.dtype, make_vocab_size_divisibl
     with cpu_shim.tensor_cuda_is_identity():
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(hf_config, config),
+            transformer_layer_spec=layer_spec(hf_config, config, attention_backend),
             vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
             parallel_output=True,
             **stage_kwargs,

@@ -11,6 +11,9 @@ Sequence parallelism splits the sequence dimension over the tp ranks, so with
 right-pads the tokens to that multiple and ``run_schedule`` tells the pipeline schedule the
 padded length. Right padding is invisible to every real position (causal attention never
 looks ahead), so callers simply read the first S positions of the logits.
+
+``packed_logits(model, packed)`` is the same forward step for a packed micro-batch
+(``models.packing``: rows concatenated into one, ``parallel.pack_sequences``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from megatron_grpo.models.packing import PackedRows, packed_seq_params
 from megatron_grpo.runtime.device import to_device
 
 PAD_ID = 0  # token id of the sequence-parallel padding (never scored: it is past every real position)
@@ -63,6 +67,16 @@ def causal_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
     tokens_BS = pad_sequence(tokens_BS, sequence_multiple(model))
     # attention_mask=None: the causal mask comes from the layer spec (AttnMaskType.causal)
     return model(*model_inputs(tokens_BS), attention_mask=None)
+
+
+def packed_logits(model, packed: PackedRows) -> torch.Tensor:
+    """``causal_logits`` of a packed micro-batch (``models.packing``): vocab-parallel logits
+    [1, T, V_pad/tp] on the last PP stage (the hidden states elsewhere), position p those of
+    packed token p within its own row. Needs the sdpa core attention (the packed mask comes
+    from ``cu_seqlens``) and no sequence parallelism (T is not padded to a multiple of tp)."""
+    assert sequence_multiple(model) == 1, "packed sequences do not support sequence parallelism"
+    tokens, positions = to_device(packed.tokens), to_device(packed.position_ids)
+    return model(tokens, positions, attention_mask=None, packed_seq_params=packed_seq_params(packed))
 
 
 def run_schedule(model_chunks: list, items: Iterable[Any], forward_step: Callable, *, forward_only: bool,

@@ -16,7 +16,7 @@ from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.data import DataError, load_prompt_dataset
 from megatron_grpo.models import ModelError, get_architecture, load_hf_config
-from megatron_grpo.models.builder import use_transformer_engine
+from megatron_grpo.models.builder import check_packing, use_transformer_engine
 from megatron_grpo.models.checkpoint import MARKER, checkpoint_path
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.models.weights import SafetensorsReader
@@ -56,6 +56,11 @@ def check_model_dir(cfg: ExperimentConfig):
                                    (hf_config.num_hidden_layers, "num_hidden_layers", parallel_cfg.pp, "parallel.pp")):
         if count % size:
             raise ConfigError(key, f"{size} does not divide the model's {name} = {count} ({hf_dir}/config.json)")
+    if parallel_cfg.pack_sequences:
+        try:
+            check_packing(hf_config, cfg.model.attention_backend)
+        except ModelError as e:
+            raise _in_key("parallel.pack_sequences", str(e).removeprefix("parallel.pack_sequences ")) from None
     # A partial download (config.json but no or unreadable weights) must fail here, not after
     # the ranks and the rollout engine have started.
     try:

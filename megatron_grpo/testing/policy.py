@@ -12,5 +12,5 @@ from megatron_grpo.trainer.components import build_policy
 def build_test_policy(model, optimizer):
     """``build_policy`` for a ``ModelConfig`` and an ``OptimizerConfig``, with the plain
     megatron optimizer and no sequence parallelism (the CPU path)."""
-    parallel = SimpleNamespace(use_distributed_optimizer=False, sequence_parallel=False)
+    parallel = SimpleNamespace(use_distributed_optimizer=False, sequence_parallel=False, pack_sequences=False)
     return build_policy(SimpleNamespace(model=model, optimizer=optimizer, parallel=parallel))

@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 from megatron_grpo.config import ExperimentConfig
 from megatron_grpo.data import PromptSampler
 from megatron_grpo.models import build_model, load_hf_config, load_hf_weights, load_megatron_checkpoint
-from megatron_grpo.models.builder import check_moe_training
+from megatron_grpo.models.builder import check_moe_training, check_packing
 from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rollout.engines import ENGINES
@@ -48,7 +48,7 @@ def _build_and_load(cfg: ExperimentConfig, hf_config, **build_kwargs) -> list:
     (the one build-and-load of the policy and the reference)."""
     modules = build_model(hf_config, dtype=DTYPES[cfg.model.dtype],
                           make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-                          init_weights=False, **build_kwargs)
+                          attention_backend=cfg.model.attention_backend, init_weights=False, **build_kwargs)
     if cfg.model.megatron_ckpt:
         load_megatron_checkpoint(modules, cfg.model.megatron_ckpt)
     else:
@@ -61,6 +61,8 @@ def build_policy(cfg: ExperimentConfig) -> Policy:
     hf_config = load_hf_config(cfg.model.hf_dir)
     check_moe_training(hf_config, parallel_state.get_tensor_model_parallel_world_size(),
                        cfg.parallel.sequence_parallel)
+    if cfg.parallel.pack_sequences:
+        check_packing(hf_config, cfg.model.attention_backend)
     modules = _build_and_load(cfg, hf_config, recompute=cfg.model.recompute_activations,
                               sequence_parallel=cfg.parallel.sequence_parallel)
     use_dist_opt = resolve_distributed_optimizer(cfg.parallel.use_distributed_optimizer, cuda_available())

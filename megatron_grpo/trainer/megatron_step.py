@@ -31,7 +31,8 @@ import torch.distributed as dist
 from megatron_grpo.config.algorithm import AlgorithmConfig
 from megatron_grpo.losses import compute_policy_loss, reduce_metrics
 from megatron_grpo.models.fake_quant import fake_quantized
-from megatron_grpo.models.forward import causal_logits, run_schedule
+from megatron_grpo.models.forward import causal_logits, packed_logits, run_schedule
+from megatron_grpo.models.packing import PackedRows, gather_rows, next_tokens, pack, unpack
 from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.ops.quantize import QuantScheme
 from megatron_grpo.ops.vocab_parallel import Kernel
@@ -65,12 +66,48 @@ def _token_scores(logits_BSv: torch.Tensor, mb: TrainBatch, spec: ScoringSpec, w
     )
 
 
-def _run_schedule(model_chunks, mbs: list[TrainBatch], forward_step, forward_only: bool):
-    # token-budget micro-batches differ in shape: the pipeline stages then exchange shapes
-    variable = len({tuple(mb.tokens.shape) for mb in mbs}) > 1
-    return run_schedule(model_chunks, mbs, forward_step, forward_only=forward_only, num_microbatches=len(mbs),
-                        seq_length=mbs[0].seq_length, micro_batch_size=mbs[0].num_sequences,
-                        variable_seq_lengths=variable)
+def _packed_token_scores(logits_1Tv: torch.Tensor, mb: TrainBatch, packed: PackedRows, spec: ScoringSpec,
+                         with_entropy: bool):
+    """``_token_scores`` of a packed micro-batch: vocab-parallel logits [1, T_packed, V/tp] ->
+    (log_probs [B, T], entropy [B, T] or None) in the micro-batch's row layout (T = S - 1),
+    0 past each row's last scored position. Only the per-token scores are scattered back:
+    no [B, S, V] logits are ever padded out."""
+    kept = None if mb.kept_ids is None else gather_rows(mb.kept_ids, packed, fill=-1)
+    lp, ent = vocab_parallel_log_probs(
+        logits_1Tv, next_tokens(packed), temperature=spec.temperature, vocab_size=spec.vocab_size,
+        chunk_size=spec.chunk_size, with_entropy=with_entropy, inplace=True, kept_ids=kept,
+    )
+    rows, width = mb.num_sequences, mb.seq_length - 1
+    return unpack(lp[0], packed, rows, width), None if ent is None else unpack(ent[0], packed, rows, width)
+
+
+def _micro_batches(batch: TrainBatch, plan, pack_sequences: bool) -> list[tuple[TrainBatch, Optional[PackedRows]]]:
+    """The plan's micro-batches, each with its packed layout (rows cut to their own scored
+    length, ``trainer.microbatch.sequence_lengths``) when packing, else None."""
+    mbs = split(batch, plan)
+    if not pack_sequences:
+        return [(mb, None) for mb in mbs]
+    return [(mb, pack(mb.tokens, sequence_lengths(mb).tolist())) for mb in mbs]
+
+
+def _forward(model, mb: TrainBatch, packed: Optional[PackedRows]) -> torch.Tensor:
+    return causal_logits(model, mb.tokens) if packed is None else packed_logits(model, packed)
+
+
+def _scores(output, mb: TrainBatch, packed: Optional[PackedRows], spec: ScoringSpec, with_entropy: bool):
+    if packed is None:
+        return _token_scores(output, mb, spec, with_entropy)
+    return _packed_token_scores(output, mb, packed, spec, with_entropy)
+
+
+def _run_schedule(model_chunks, items: list[tuple[TrainBatch, Optional[PackedRows]]], forward_step,
+                  forward_only: bool):
+    # token-budget micro-batches (and packed rows) differ in shape: the pipeline stages then
+    # exchange shapes
+    shapes = [tuple(mb.tokens.shape) if packed is None else (1, packed.num_tokens) for mb, packed in items]
+    return run_schedule(model_chunks, items, forward_step, forward_only=forward_only, num_microbatches=len(items),
+                        seq_length=shapes[0][1], micro_batch_size=shapes[0][0],
+                        variable_seq_lengths=len(set(shapes)) > 1)
 
 
 def old_log_probs_needed(num_iterations: int, num_mini_batches: int) -> bool:
@@ -83,24 +120,25 @@ def old_log_probs_needed(num_iterations: int, num_mini_batches: int) -> bool:
 
 def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, spec: ScoringSpec,
                       max_tokens_per_microbatch: Optional[int] = None, router_load: Optional[RouterLoad] = None,
-                      routing: Optional[RoutingReplay] = None):
+                      routing: Optional[RoutingReplay] = None, pack_sequences: bool = False):
     """Forward-only scoring of ``batch``: float[N, T] log-probs on the last PP stage, None on
     the others (the loss is computed where the logits are). Micro-batches as in
     ``train_mini_batch`` (``trainer.microbatch``); positions past a row's last response
     token may be 0 under a token budget (they are never scored). ``router_load``: counts the
     MoE routing of the scored positions (``trainer.moe_metrics``). ``routing``: replays
-    ``batch.routed_experts`` and counts mismatches (``trainer.router_replay``)."""
+    ``batch.routed_experts`` and counts mismatches (``trainer.router_replay``).
+    ``pack_sequences``: each micro-batch's rows run as one packed row (``models.packing``)."""
     from megatron.core import parallel_state
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        mb, packed = next(data_iterator)
         if router_load is not None:
             router_load.set_micro_batch(mb.loss_mask)
         _set_routing(routing, mb)
-        logits = causal_logits(model, mb.tokens)
+        logits = _forward(model, mb, packed)
 
         def loss_func(output):
-            lp, _ = _token_scores(output, mb, spec, with_entropy=False)
+            lp, _ = _scores(output, mb, packed, spec, with_entropy=False)
             return torch.zeros((), device=lp.device), {"log_probs": lp}
 
         return logits, loss_func
@@ -108,8 +146,8 @@ def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, sp
     batch = to_device(batch)  # the batch is built on the CPU (rank 0) and broadcast
     for c in model_chunks:
         c.eval()
-    plan = plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch)
-    mbs = split(batch, plan)
+    plan = plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch, pack_sequences)
+    mbs = _micro_batches(batch, plan, pack_sequences)
     with torch.no_grad(), (router_load.counting(len(mbs)) if router_load else contextlib.nullcontext()), \
             _routing_applied(routing, batch):
         outs = _run_schedule(model_chunks, mbs, forward_step, True)
@@ -133,6 +171,7 @@ def train_mini_batch(
     dp_group,
     max_tokens_per_microbatch: Optional[int] = None,
     routing: Optional[RoutingReplay] = None,
+    pack_sequences: bool = False,
 ) -> tuple[dict[str, float] | None, bool, float]:
     """One optimizer step on this rank's share of a mini-batch.
 
@@ -141,6 +180,7 @@ def train_mini_batch(
     token budget (``trainer.microbatch``). ``mini.old_log_probs`` None means pi_old = pi_theta
     (``old_log_probs_needed``): the detached current log-probs stand in.
     ``routing``: replays ``mini.routed_experts`` in the forward (``trainer.router_replay``).
+    ``pack_sequences``: each micro-batch's rows run as one packed row (``models.packing``).
     The metrics carry ``num_padded_tokens`` / ``num_sequence_tokens`` (token slots run /
     real prompt+response tokens), whose ratio gives the padding fraction.
     Returns (metrics pooled over micro-batches and dp on the last stage else None,
@@ -150,17 +190,18 @@ def train_mini_batch(
     from megatron.core import parallel_state
 
     mini = to_device(mini)
-    mbs = split(mini, plan_micro_batches(mini, micro_batch_size, max_tokens_per_microbatch))
+    mbs = _micro_batches(mini, plan_micro_batches(mini, micro_batch_size, max_tokens_per_microbatch,
+                                                  pack_sequences), pack_sequences)
     scale = len(mbs) * dp_size  # dp ranks may differ in len(mbs): each scales by its own
     want_entropy_grad = cfg.entropy_coef > 0
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        mb, packed = next(data_iterator)
         _set_routing(routing, mb)
-        logits = causal_logits(model, mb.tokens)
+        logits = _forward(model, mb, packed)
 
         def loss_func(output):
-            lp, ent = _token_scores(output, mb, spec, with_entropy=True)
+            lp, ent = _scores(output, mb, packed, spec, with_entropy=True)
             old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
             loss, metrics = compute_policy_loss(
                 lp, old, mb.advantages, mb.loss_mask, cfg,
@@ -169,7 +210,7 @@ def train_mini_batch(
                 num_tokens=num_tokens, num_sequences=num_sequences,
             )
             metrics["loss"] = float(loss.detach())
-            metrics["num_padded_tokens"] = float(mb.tokens.numel())
+            metrics["num_padded_tokens"] = float(mb.tokens.numel() if packed is None else packed.num_tokens)
             metrics["num_sequence_tokens"] = float(sequence_lengths(mb).sum())
             return loss * scale, metrics
 

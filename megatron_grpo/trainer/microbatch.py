@@ -18,10 +18,11 @@ sequence count, the fixed Dr.GRPO horizon) come from the whole mini-batch, never
 micro-batch's shape, and cut-off positions are past every response token (causal attention
 never looks ahead), so they carry no loss and no gradient.
 
-Not done here: packing several sequences into one row (THD layout with per-sequence
-position ids and ``cu_seqlens``) needs TransformerEngine's attention, i.e. a GPU; the seam is
-``split``: a packed plan would return one row per micro-batch plus the packed-sequence
-parameters for ``models.forward.causal_logits``.
+Packed (``parallel.pack_sequences: true`` with a budget M): rows are grouped first-fit
+decreasing while their SUMMED lengths stay within M (``packed_plan``); the forward then
+concatenates each micro-batch's rows into one row without padding (``models.packing``), so
+the budget counts real tokens. The micro-batch itself is still cut to its longest row (the
+per-token fields keep the [rows, L - 1] layout the loss reads).
 """
 
 from __future__ import annotations
@@ -83,12 +84,35 @@ def token_budget_plan(lengths: list[int], max_tokens: int) -> MicroBatchPlan:
     return MicroBatchPlan(rows=tuple(rows), lengths=tuple(out_len))
 
 
+def packed_plan(lengths: list[int], max_tokens: int) -> MicroBatchPlan:
+    """First-fit decreasing for packed rows: rows by decreasing length (ties by index), each
+    into the first micro-batch whose summed lengths stay ``<= max_tokens``, else a new one (a
+    row longer than the budget gets one of its own). Each micro-batch's length is its first
+    (longest) row's.
+
+    E.g. lengths [10, 3, 4, 9], max_tokens 20 -> rows ((0, 3), (2, 1)), lengths (10, 4)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    totals: list[int] = []
+    for i in order:
+        k = next((k for k, total in enumerate(totals) if total + lengths[i] <= max_tokens), len(rows))
+        if k == len(rows):
+            rows.append([])
+            totals.append(0)
+        rows[k].append(i)
+        totals[k] += lengths[i]
+    return MicroBatchPlan(rows=tuple(tuple(r) for r in rows), lengths=tuple(lengths[r[0]] for r in rows))
+
+
 def plan_micro_batches(batch: TrainBatch, micro_batch_size: int,
-                       max_tokens: Optional[int]) -> MicroBatchPlan:
-    """The plan for ``batch``: fixed when ``max_tokens`` is None, else the token budget."""
+                       max_tokens: Optional[int], packed: bool = False) -> MicroBatchPlan:
+    """The plan for ``batch``: fixed when ``max_tokens`` is None, else the token budget
+    (``packed``: summed over packed rows, ``packed_plan``)."""
     if max_tokens is None:
+        assert not packed, "packed micro-batches need a token budget"
         return fixed_plan(batch.num_sequences, batch.seq_length, micro_batch_size)
-    return token_budget_plan(sequence_lengths(batch).tolist(), max_tokens)
+    lengths = sequence_lengths(batch).tolist()
+    return packed_plan(lengths, max_tokens) if packed else token_budget_plan(lengths, max_tokens)
 
 
 def split(batch: TrainBatch, plan: MicroBatchPlan) -> list[TrainBatch]:

@@ -225,13 +225,15 @@ class Trainer:
             local.old_log_probs = compute_log_probs(
                 self.policy.chunks, local, self.cfg.parallel.micro_batch_size, self.spec,
                 self.cfg.parallel.max_tokens_per_microbatch,
-                router_load=router_load if router_load.active else None, routing=self.routing)
+                router_load=router_load if router_load.active else None, routing=self.routing,
+                pack_sequences=self.cfg.parallel.pack_sequences)
             moe_metrics = router_load.metrics(self.cfg.parallel.sequence_parallel)  # collective; {} if dense
             if self.routing is not None:  # the policy that generated: engine vs trainer routing
                 moe_metrics.update(self.routing.take_metrics())
         if self.reference is not None:
             local.ref_log_probs = compute_log_probs(self.reference, local, self.cfg.parallel.micro_batch_size,
-                                                    self.spec, self.cfg.parallel.max_tokens_per_microbatch)
+                                                    self.spec, self.cfg.parallel.max_tokens_per_microbatch,
+                                                    pack_sequences=self.cfg.parallel.pack_sequences)
         return moe_metrics
 
     def update(self, step: int, batch: TrainBatch, local: TrainBatch) -> Updates:
@@ -248,7 +250,7 @@ class Trainer:
                     self.policy.chunks, self.policy.optimizer, local.select(plan.local_rows(m)), algorithm,
                     self.spec, self.cfg.parallel.micro_batch_size, int(whole.loss_mask.sum()), whole.num_sequences,
                     plan.dp, ps.get_data_parallel_group(), self.cfg.parallel.max_tokens_per_microbatch,
-                    routing=self.routing)
+                    routing=self.routing, pack_sequences=self.cfg.parallel.pack_sequences)
                 updates.skipped += not applied
                 if metrics is not None:
                     updates.metrics.append({**metrics, "grad_norm": grad_norm, "iteration": it})

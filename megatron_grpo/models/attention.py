@@ -1,0 +1,141 @@
+"""Fused core attention for megatron-core's local layer spec: torch's scaled-dot-product
+attention (SDPA) in place of megatron-core's ``DotProductAttention``.
+
+megatron-core's local spec computes attention unfused: one batched matmul into a
+[b, heads, s, s] score buffer, a softmax, a second matmul. Memory is quadratic in the length
+and no GPU kernel of note runs it, so a throughput measured on it measures a path nobody
+trains with. ``SDPAttention`` has the same constructor and forward signature (it drops into
+the spec's ``self_attention.submodules.core_attention``) and calls
+``torch.nn.functional.scaled_dot_product_attention``: flash or memory-efficient kernels on
+CUDA, the math kernel on CPU. It holds no parameters, so checkpoints and the HF weight
+mapping do not change.
+
+Two layouts (megatron's names):
+
+* ``sbhd`` (no ``packed_seq_params``): q [s, b, np, hn], k/v [s, b, ng, hn]; causal through
+  ``is_causal`` (no mask tensor, so CUDA can pick flash).
+* ``thd`` (packed sequences, ``models.packing``): q [t, np, hn], k/v [t, ng, hn], the rows
+  of a micro-batch concatenated along t, ``cu_seqlens_q`` [rows + 1] their boundaries.
+  Attention stays inside each row. On CPU one SDPA call with a block-diagonal causal boolean
+  mask [t, t] (small at CPU sizes, one math-kernel call). On CUDA one causal SDPA call per
+  row, so flash runs and nothing of size t^2 exists; the price is a host loop over the rows
+  (megatron's unfused thd RoPE already reads ``cu_seqlens`` on the host). Not
+  ``flex_attention`` with a document mask: outside ``torch.compile`` it runs an unfused
+  reference path that materialises the scores.
+
+Departures from ``DotProductAttention``: attention dropout must be 0 (this project trains
+without it; SDPA's dropout would draw from another RNG stream than megatron's), and only
+``softmax_type: vanilla``, no sliding window and no context parallelism (none of the
+architectures here use them; each is refused at construction).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+def attention_scale(config: TransformerConfig, layer_number: int, softmax_scale: Optional[float] = None) -> float:
+    """The scale megatron's ``DotProductAttention`` applies to q.k: ``softmax_scale`` or
+    1/sqrt(kv_channels), divided by the layer number with ``apply_query_key_layer_scaling``
+    (kv_channels is the head dim, e.g. qwen3's explicit ``head_dim``)."""
+    scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+    if config.apply_query_key_layer_scaling:
+        scale /= max(1, layer_number)
+    return scale
+
+
+def block_causal_mask(cu_seqlens: Tensor, total: int) -> Tensor:
+    """bool [total, total]: True where query i may attend to key j, i.e. j <= i and both in the
+    same row of the pack. cu_seqlens [rows + 1] (0, ..., total). E.g. cu_seqlens (0, 2, 3) ->
+    [[1,0,0],[1,1,0],[0,0,1]]."""
+    positions = torch.arange(total, device=cu_seqlens.device)
+    row = torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)  # [total]
+    same_row = row.unsqueeze(0) == row.unsqueeze(1)
+    return same_row & (positions.unsqueeze(0) <= positions.unsqueeze(1))
+
+
+def sdpa_packed(q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, cu_seqlens: Tensor, scale: float,
+                per_row: bool) -> Tensor:
+    """Causal attention inside each row of a pack. q [t, np, hn], k/v [t, ng, hn] (ng divides
+    np: grouped-query attention), cu_seqlens [rows + 1] -> [t, np, hn].
+
+    per_row False: one SDPA call with ``block_causal_mask``; True: one causal SDPA call per row
+    (no [t, t] mask; what CUDA runs). Both compute the same function."""
+    gqa = q_THD.shape[1] != k_TGD.shape[1]
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_THD, k_TGD, v_TGD))  # [1, heads, t, hn]
+    if not per_row:
+        mask = block_causal_mask(cu_seqlens, q_THD.shape[0])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    else:
+        bounds = cu_seqlens.tolist()
+        out = torch.cat([
+            F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                           scale=scale, enable_gqa=gqa)
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ], dim=2)
+    return out.squeeze(0).transpose(0, 1)
+
+
+class SDPAttention(MegatronModule):
+    """megatron-core's core-attention interface (``DotProductAttention``'s signature) on
+    ``scaled_dot_product_attention``; see the module docstring."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type: Optional[str] = None,
+                 pg_collection: Optional[ProcessGroupCollection] = None):
+        super().__init__(config=config)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout != 0:
+            raise ValueError(f"SDPAttention needs attention_dropout 0, got {dropout}")
+        if config.context_parallel_size != 1 or config.window_size is not None or config.softmax_type != "vanilla":
+            raise ValueError("SDPAttention supports neither context parallelism, sliding windows nor "
+                             f"softmax_type {config.softmax_type!r}")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp = pg_collection.tp.size()
+        self.attn_mask_type = attn_mask_type
+        self.num_heads_per_partition = divide(config.num_attention_heads, tp)
+        self.num_groups_per_partition = divide(config.num_query_groups, tp)
+        self.softmax_scale = attention_scale(config, layer_number, softmax_scale)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                attn_mask_type: Optional[AttnMaskType] = None, attention_bias: Optional[Tensor] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None) -> Tensor:
+        """sbhd: q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np * hn]. thd: q [t, np, hn],
+        k/v [t, ng, hn] -> [t, np * hn]. ``attention_mask`` (sbhd only): bool, True = masked
+        out (megatron's convention), or None for the layer's mask type (causal here)."""
+        assert attention_bias is None, "attention bias is not supported by SDPAttention"
+        gqa = self.num_heads_per_partition != self.num_groups_per_partition
+        if packed_seq_params is not None:
+            assert packed_seq_params.qkv_format == "thd", packed_seq_params.qkv_format
+            assert attention_mask is None, "a packed batch takes its mask from cu_seqlens"
+            out = sdpa_packed(query, key, value, packed_seq_params.cu_seqlens_q, self.softmax_scale,
+                              per_row=query.is_cuda)
+            return out.reshape(out.shape[0], -1)
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]
+        if attention_mask is None:
+            assert mask_type == AttnMaskType.causal or mask_type == AttnMaskType.no_mask, mask_type
+            causal = mask_type == AttnMaskType.causal
+            assert not causal or q.shape[2] == k.shape[2], "causal SDPA needs as many queries as keys"
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.softmax_scale,
+                                                 enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale,
+                                                 enable_gqa=gqa)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, np * hn]
+

@@ -1,0 +1,336 @@
+"""The local spec's SDPA core attention (``models.attention``) computes what megatron-core's
+unfused attention and the HF reference compute: logits and gradients at TP1 (in-process),
+TP2 and PP2 (gloo ranks), for a grouped-query model with QKV bias (qwen2) and one with
+q/k layernorm and an explicit head_dim (qwen3). Every tiny model has 4 heads over 2 key/value
+groups, so TP2 still runs grouped-query attention on each rank.
+
+Reference: HF's fp32 logits (max |Δ| <= 1e-5, as tests/test_models_equivalence.py); sdpa vs
+unfused gradients of one loss on the per-token log-probs (max |Δ| <= 1e-5 relative to the
+gradient's scale).
+
+Packed sequences (``models.packing``, ``parallel.pack_sequences``): packed vs unpacked logits,
+log-probs and gradients with the same tolerances at TP1, TP2 and PP2, for rows of 1 to 12
+tokens; and the refusals (unfused attention, MoE models) at build time and in preflight.
+"""
+
+import pytest
+import torch
+
+from megatron_grpo.testing.distributed import run_distributed
+from tests.models_fixtures import PROBE_IDS, hf_reference_logits, make_hf_model
+
+TOL = 1e-5
+MODELS = ("qwen2", "qwen3")
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """model_type -> (hf_dir, HF reference logits [B, S, V] of PROBE_IDS)."""
+    root = tmp_path_factory.mktemp("attn_models")
+    out = {}
+    for seed, model_type in enumerate(MODELS):
+        path = make_hf_model(root / model_type, model_type, tied=False, seed=seed)
+        out[model_type] = (str(path), hf_reference_logits(path))
+    return out
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    import torch.distributed as dist
+
+    from megatron_grpo.runtime import parallel
+
+    started = not dist.is_initialized()
+    parallel.initialize(1, 1)
+    yield
+    if started:
+        parallel.destroy()
+
+
+# ---- work done on every rank --------------------------------------------------------------
+def loss_weights(shape) -> torch.Tensor:
+    """Fixed per-token weights [B, S - 1] of the test loss (the same on every rank)."""
+    shape = (shape[0], shape[1] - 1)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(7))
+
+
+def logits_and_grads(chunks, items, step, variable_seq_lengths=False):
+    """One forward-backward through ``run_schedule`` (the trainer's path) of the micro-batches
+    ``items`` with the forward step ``step``. Returns (the loss functions' outputs on the last
+    stage's TP rank 0, else None; {parameter name: gradient} of this rank)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.models.forward import run_schedule
+
+    for c in chunks:
+        c.zero_grad()
+    outs = run_schedule(chunks, items, step, forward_only=False, num_microbatches=len(items),
+                        seq_length=items[0][0].shape[1], micro_batch_size=items[0][0].shape[0],
+                        variable_seq_lengths=variable_seq_lengths)
+    held = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    grads = {f"{i}.{n}": p.grad.clone() for i, c in enumerate(chunks) for n, p in c.named_parameters()}
+    return (outs if held else None), grads
+
+
+def unpacked_step(vocab_size):
+    """Forward step of items (tokens [B, S], lengths, weights [B, S - 1]); loss
+    sum(weights * log p(token t+1 | ..t)) over each row's first length - 1 positions."""
+    from megatron_grpo.models.forward import causal_logits, gather_vocab
+    from megatron_grpo.ops import vocab_parallel_log_probs
+
+    def step(data_iterator, model):
+        tokens, lengths, weights = next(data_iterator)
+
+        def loss_func(output):
+            logits = gather_vocab(output.detach(), vocab_size)
+            lp, _ = vocab_parallel_log_probs(output[:, :-1], tokens[:, 1:], vocab_size=vocab_size,
+                                             with_entropy=False)
+            valid = torch.arange(tokens.shape[1] - 1) < torch.tensor(lengths).unsqueeze(1) - 1
+            return (lp * weights * valid).sum(), {"logits": logits, "log_probs": lp * valid}
+
+        return causal_logits(model, tokens), loss_func
+
+    return step
+
+
+def _backends_worker(rank, world_size, hf_dirs):
+    """Per model: (sdpa logits, unfused logits, max |Δgrad| / max |grad|) of this rank."""
+    from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
+
+    items = [(PROBE_IDS, [PROBE_IDS.shape[1]] * PROBE_IDS.shape[0], loss_weights(PROBE_IDS.shape))]
+    out = {}
+    for model_type, hf_dir in hf_dirs.items():
+        cfg = load_hf_config(hf_dir)
+        runs = {}
+        for backend in ("sdpa", "unfused"):
+            chunks = build_model(cfg, init_weights=False, attention_backend=backend)
+            load_hf_weights(chunks, hf_dir, cfg)
+            runs[backend] = logits_and_grads(chunks, items, unpacked_step(cfg.vocab_size))
+        (sdpa_outs, sdpa_grads), (unfused_outs, unfused_grads) = runs["sdpa"], runs["unfused"]
+        logits = [None if o is None else o[0]["logits"] for o in (sdpa_outs, unfused_outs)]
+        out[model_type] = (*logits, relative_grad_delta(sdpa_grads, unfused_grads))
+    return out
+
+
+def relative_grad_delta(a: dict, b: dict) -> float:
+    """max over parameters of max |a - b| / max |b| (every parameter must get a gradient)."""
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for name, g in b.items():
+        scale = g.abs().max().item()
+        assert scale > 0, f"{name}: no gradient"
+        worst = max(worst, (a[name] - g).abs().max().item() / scale)
+    return worst
+
+
+def assert_backends_agree(per_rank, hf_models):
+    for model_type in MODELS:
+        ref = hf_models[model_type][1]
+        held = [r[model_type] for r in per_rank if r[model_type][0] is not None]
+        assert len(held) == 1
+        sdpa, unfused, _ = held[0]
+        assert (sdpa - ref).abs().max().item() <= TOL, model_type
+        assert (unfused - ref).abs().max().item() <= TOL, model_type
+        for r in per_rank:
+            assert r[model_type][2] <= TOL, f"{model_type}: sdpa vs unfused gradients differ by {r[model_type][2]}"
+
+
+# ---- tests -------------------------------------------------------------------------------
+def test_backend_choice_and_refusals(hf_models, single_rank):
+    from megatron_grpo.models import build_model, load_hf_config
+    from megatron_grpo.models.attention import SDPAttention
+    from megatron_grpo.models.builder import resolve_attention_backend
+    from megatron_grpo.models.errors import ModelError
+
+    assert resolve_attention_backend("auto") == "sdpa"  # no TransformerEngine on CPU
+    cfg = load_hf_config(hf_models["qwen2"][0])
+    for backend, cls in (("auto", "SDPAttention"), ("sdpa", "SDPAttention"), ("unfused", "DotProductAttention")):
+        chunk = build_model(cfg, attention_backend=backend)[0]
+        assert type(chunk.decoder.layers[0].self_attention.core_attention).__name__ == cls
+    with pytest.raises(ModelError, match="auto, sdpa or unfused"):
+        resolve_attention_backend("flash")
+    config = chunk.config
+    config.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="attention_dropout 0"):
+        SDPAttention(config, 1, None, "self")
+
+
+def test_tp1_sdpa_matches_unfused_and_hf(hf_models, single_rank):
+    assert_backends_agree([_backends_worker(0, 1, {m: hf_models[m][0] for m in MODELS})], hf_models)
+
+
+# ---- packed sequences (models.packing) ------------------------------------------------------
+# rows of very different lengths, one of length 1 (it scores nothing), two micro-batches whose
+# packed rows differ in length (13 and 7 tokens: pipeline stages exchange shapes)
+BATCH = torch.cat([PROBE_IDS, PROBE_IDS.flip(1)])  # [4, 12]
+LENGTHS = [12, 1, 5, 2]
+MICRO_BATCHES = [(0, 1), (2, 3)]
+
+
+def packing_items():
+    weights = loss_weights(BATCH.shape)
+    return [(BATCH[list(rows)], [LENGTHS[r] for r in rows], weights[list(rows)]) for rows in MICRO_BATCHES]
+
+
+def packed_step(vocab_size):
+    """``unpacked_step``'s loss on the packed rows: log-probs on the packed logits [1, T, V/tp],
+    scattered back to [B, S - 1] (``models.packing.unpack``); its logits are scattered to
+    [B, S, V] for the comparison only."""
+    from megatron_grpo.models.forward import gather_vocab, packed_logits
+    from megatron_grpo.models.packing import next_tokens, pack, unpack
+    from megatron_grpo.ops import vocab_parallel_log_probs
+
+    def step(data_iterator, model):
+        tokens, lengths, weights = next(data_iterator)
+        packed = pack(tokens, lengths)
+
+        def loss_func(output):
+            logits_T = gather_vocab(output.detach(), vocab_size)[0]
+            logits = logits_T.new_zeros((*tokens.shape, vocab_size))
+            logits[packed.row, packed.position] = logits_T
+            lp, _ = vocab_parallel_log_probs(output, next_tokens(packed), vocab_size=vocab_size, with_entropy=False)
+            lp = unpack(lp[0], packed, tokens.shape[0], tokens.shape[1] - 1)
+            return (lp * weights).sum(), {"logits": logits, "log_probs": lp}
+
+        return packed_logits(model, packed), loss_func
+
+    return step
+
+
+def _packing_worker(rank, world_size, hf_dir):
+    """(unpacked outputs, packed outputs, max |Δgrad| / max |grad|) of this rank (sdpa)."""
+    from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
+
+    cfg = load_hf_config(hf_dir)
+    chunks = build_model(cfg, init_weights=False, attention_backend="sdpa")
+    load_hf_weights(chunks, hf_dir, cfg)
+    unpacked_outs, unpacked_grads = logits_and_grads(chunks, packing_items(), unpacked_step(cfg.vocab_size))
+    packed_outs, packed_grads = logits_and_grads(chunks, packing_items(), packed_step(cfg.vocab_size),
+                                                 variable_seq_lengths=True)
+    return unpacked_outs, packed_outs, relative_grad_delta(packed_grads, unpacked_grads)
+
+
+def assert_packing_exact(per_rank):
+    held = [r for r in per_rank if r[0] is not None]
+    assert len(held) == 1
+    unpacked, packed, _ = held[0]
+    for rows, u, p in zip(MICRO_BATCHES, unpacked, packed):
+        for i, r in enumerate(rows):
+            n = LENGTHS[r]
+            assert (u["logits"][i, :n] - p["logits"][i, :n]).abs().max().item() <= TOL
+            assert (u["log_probs"][i] - p["log_probs"][i]).abs().max().item() <= TOL
+            assert not p["log_probs"][i, n - 1:].any()  # past the row: never filled
+    for r in per_rank:
+        assert r[2] <= TOL, f"packed vs unpacked gradients differ by {r[2]}"
+
+
+def test_pack_layout():
+    from megatron_grpo.models.packing import gather_rows, next_tokens, pack, scored, unpack
+
+    packed = pack(torch.tensor([[5, 6, 7], [8, 0, 0], [9, 4, 0]]), [3, 1, 2])
+    assert packed.tokens.tolist() == [[5, 6, 7, 8, 9, 4]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 0, 1]]
+    assert packed.cu_seqlens.tolist() == [0, 3, 4, 6] and packed.max_seqlen == 3
+    assert scored(packed).tolist() == [True, True, False, False, True, False]
+    assert next_tokens(packed)[0, scored(packed)].tolist() == [6, 7, 4]
+    values = unpack(torch.arange(1.0, 7.0), packed, 3, 2)
+    assert values.tolist() == [[1.0, 2.0], [0.0, 0.0], [5.0, 0.0]]
+    kept = gather_rows(torch.arange(6).reshape(3, 2), packed, fill=-1)
+    assert kept.tolist() == [[0, 1, -1, -1, 4, -1]]
+
+
+def test_packed_attention_paths_agree():
+    """The CPU path (one call, block-diagonal mask) and the CUDA path (one causal call per
+    row) compute the same, and equal each row's own causal attention."""
+    import torch.nn.functional as F
+
+    from megatron_grpo.models.attention import sdpa_packed
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(9, 4, 8, generator=g), torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
+    cu = torch.tensor([0, 1, 6, 9], dtype=torch.int32)
+    masked, per_row = (sdpa_packed(q, k, v, cu, 0.3, per_row=flag) for flag in (False, True))
+    assert (masked - per_row).abs().max().item() <= 1e-6
+    for a, b in ((0, 1), (1, 6), (6, 9)):
+        alone = F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True,
+                                               scale=0.3, enable_gqa=True).transpose(0, 1)
+        assert (per_row[a:b] - alone).abs().max().item() <= 1e-6
+
+
+def test_tp1_packed_matches_unpacked(hf_models, single_rank):
+    assert_packing_exact([_packing_worker(0, 1, hf_models["qwen3"][0])])
+
+
+def _layout_worker(rank, world_size, hf_dirs, packed_model):
+    """Both checks in one set of ranks (a spawn costs seconds): the backends on every model,
+    packing on ``packed_model``."""
+    return _backends_worker(rank, world_size, hf_dirs), _packing_worker(rank, world_size, hf_dirs[packed_model])
+
+
+@pytest.mark.parametrize("tp,pp,packed_model", [(2, 1, "qwen2"), (1, 2, "qwen3")], ids=["tp2", "pp2"])
+def test_multi_rank_sdpa_and_packing(hf_models, tp, pp, packed_model):
+    """At TP2 and PP2: sdpa = unfused = HF (logits), sdpa = unfused (gradients), and packed =
+    unpacked (logits, log-probs, gradients; at PP2 the packed rows' shapes vary)."""
+    hf_dirs = {m: hf_models[m][0] for m in MODELS}
+    results = run_distributed(_layout_worker, 2, hf_dirs, packed_model, tp=tp, pp=pp, timeout_s=300)
+    assert_backends_agree([r[0] for r in results], hf_models)
+    assert_packing_exact([r[1] for r in results])
+
+
+def test_packing_refusals(hf_models):
+    from megatron_grpo.models import load_hf_config
+    from megatron_grpo.models.builder import check_packing
+    from megatron_grpo.models.errors import ModelError
+    from megatron_grpo.testing.tiny_models import tiny_config
+
+    dense = load_hf_config(hf_models["qwen2"][0])
+    check_packing(dense, "auto")  # sdpa on CPU
+    check_packing(dense, "sdpa")
+    with pytest.raises(ModelError, match="needs model.attention_backend sdpa"):
+        check_packing(dense, "unfused")
+    with pytest.raises(ModelError, match="mixture-of-experts"):
+        check_packing(tiny_config("qwen3_moe"), "sdpa")
+
+
+def test_preflight_refuses_packing_an_moe_model(tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_grpo.config import ConfigError
+    from megatron_grpo.preflight.run import check_model_dir
+    from megatron_grpo.testing.tiny_models import save_tiny_model
+
+    hf_dir = str(save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=4))
+    cfg = SimpleNamespace(model=SimpleNamespace(hf_dir=hf_dir, attention_backend="auto"),
+                          parallel=SimpleNamespace(tp=1, pp=1, pack_sequences=True))
+    with pytest.raises(ConfigError, match="^parallel.pack_sequences: is not supported for the mixture-of-experts"):
+        check_model_dir(cfg)
+    cfg.parallel.pack_sequences = False
+    check_model_dir(cfg)
+
+
+def test_packed_log_prob_pass_with_kept_sets(hf_models, single_rank):
+    """The trainer's log-prob pass (``compute_log_probs``) packed = unpacked, with the
+    sampling-mask replay's kept sets (``kept_ids``, gathered into the packed layout)."""
+    from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
+    from megatron_grpo.testing.batches import random_train_batch
+    from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs
+
+    hf_dir = hf_models["qwen2"][0]
+    cfg = load_hf_config(hf_dir)
+    chunks = build_model(cfg, init_weights=False)
+    load_hf_weights(chunks, hf_dir, cfg)
+    batch = random_train_batch(6)
+    g = torch.Generator().manual_seed(3)
+    others = torch.randint(7, 200, (*batch.loss_mask.shape, 3), generator=g)
+    kept = torch.cat([batch.tokens[:, 1:, None], others], dim=2)  # the sampled token and 3 others
+    kept[batch.loss_mask == 0] = -1  # context positions: the full distribution
+    kept[0, :, 2:] = -1  # sets of different sizes
+    batch.kept_ids = kept
+    spec = ScoringSpec(temperature=0.7, vocab_size=cfg.vocab_size)
+    unpacked = compute_log_probs(chunks, batch, 2, spec, 16)
+    packed = compute_log_probs(chunks, batch, 2, spec, 16, pack_sequences=True)
+    mask = batch.loss_mask > 0
+    assert (packed[mask] - unpacked[mask]).abs().max().item() <= TOL
+    batch.kept_ids = None
+    full = compute_log_probs(chunks, batch, 2, spec, 16, pack_sequences=True)
+    assert (packed[mask] > full[mask] + 1e-3).all()  # the truncated distribution really applied
