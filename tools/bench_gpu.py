@@ -73,9 +73,20 @@ CUDA_ONLY = {"weight_sync": "the CUDA IPC tensor transport", "trl": "tools/bench
 TRAIN_ARMS: dict[str, list[str]] = {
     # arm -> config overrides (section.key=value, as on megatron-grpo's command line) over
     # train_config()'s; every arm runs on the same batch, one after the other
+    # (first: what a GPU user without TransformerEngine runs by default: sdpa attention, padded rows)
     "budget 8k": ["parallel.max_tokens_per_microbatch=8192", "model.recompute_activations=false"],
     "budget 8k, recompute": ["parallel.max_tokens_per_microbatch=8192", "model.recompute_activations=true"],
+    "budget 8k, packed": ["parallel.max_tokens_per_microbatch=8192", "model.recompute_activations=false",
+                          "parallel.pack_sequences=true"],
+    "budget 8k, packed, triton log-probs": ["parallel.max_tokens_per_microbatch=8192",
+                                            "model.recompute_activations=false", "parallel.pack_sequences=true",
+                                            "model.logprob_kernel=triton"],
     "budget 16k, recompute": ["parallel.max_tokens_per_microbatch=16384", "model.recompute_activations=true"],
+    "budget 16k, packed, recompute": ["parallel.max_tokens_per_microbatch=16384", "model.recompute_activations=true",
+                                      "parallel.pack_sequences=true"],
+    # megatron-core's unfused attention: the path the local spec ran before sdpa (s x s scores)
+    "budget 8k, unfused attention": ["parallel.max_tokens_per_microbatch=8192", "model.recompute_activations=false",
+                                     "model.attention_backend=unfused"],
 }
 ROLLOUT_CONCURRENCY = (64, 256)
 
@@ -113,7 +124,7 @@ SMOKE = replace(
     model_overrides={"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                      "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2048},
     train_sequences=4, prompt_len=8, response_min=4, response_mean_extra=8.0, response_max=24, train_steps=1,
-    train_arms=tuple(TRAIN_ARMS)[:2], matmul_n=256, rollout_concurrency=(4,), rollout_prompt_len=8,
+    train_arms=("budget 8k", "budget 8k, packed"), matmul_n=256, rollout_concurrency=(4,), rollout_prompt_len=8,
     rollout_samples_per_prompt=2, rollout_new_min=4, rollout_new_mean_extra=4.0, rollout_new_max=12,
     dtype="float32")
 
@@ -243,13 +254,14 @@ def _train_arm(model_dir: str, sizes: Sizes, arm: list[str], responses: list[int
     par = cfg.parallel
 
     def score():
-        return compute_log_probs(policy.chunks, batch, par.micro_batch_size, spec, par.max_tokens_per_microbatch)
+        return compute_log_probs(policy.chunks, batch, par.micro_batch_size, spec, par.max_tokens_per_microbatch,
+                                 pack_sequences=par.pack_sequences)
 
     def update():
         metrics, applied, _ = train_mini_batch(
             policy.chunks, policy.optimizer, batch, cfg.algorithm, spec, par.micro_batch_size,
             int(batch.loss_mask.sum()), batch.num_sequences, 1, ps.get_data_parallel_group(),
-            par.max_tokens_per_microbatch)
+            par.max_tokens_per_microbatch, pack_sequences=par.pack_sequences)
         assert applied, "the update was skipped (non-finite loss or gradient)"
         return metrics
 
