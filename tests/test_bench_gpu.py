@@ -100,3 +100,17 @@ def test_kernel_rows_report_their_difference_from_the_torch_op_with_the_same_set
     assert diffs["triton"] == pytest.approx((0.5, 0.25, 0.4))
     assert diffs["triton inplace"][0] == 0.0 and diffs["triton inplace"][2] == 0.0
     assert diffs["triton inplace"][1] != diffs["triton inplace"][1]  # nan: no entropy to compare
+
+
+def test_trl_part_needs_trl_in_this_interpreter(tmp_path):
+    """The trl part runs TRL with the bench's own interpreter (a GPU machine's CUDA torch);
+    where trl is not importable it fails in one line naming what to carry, before starting
+    anything (this CPU machine keeps TRL in .venv-trl only)."""
+    import importlib.util
+
+    from tools.bench_gpu import SMOKE, part_trl
+
+    if importlib.util.find_spec("trl") is not None:
+        pytest.skip("trl is importable here")
+    with pytest.raises(RuntimeError, match="trl is not importable in this interpreter: carry its wheels"):
+        part_trl(SMOKE, tmp_path)

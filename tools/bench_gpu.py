@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import random
@@ -419,7 +420,13 @@ def part_weight_sync(sizes: Sizes, work: Path) -> dict:
 
 
 def part_trl(sizes: Sizes, work: Path) -> dict:
-    cmd = [sys.executable, "tools/bench_vs_trl.py", "--device", "cuda", "--workload", "reasoning"]
+    # TRL runs in this interpreter (on a lent GPU its wheels travel with megatron-core's, into
+    # the PYTHONPATH launch/gpu_bench.sh sets): the CUDA torch of the machine, not the CPU-only
+    # .venv-trl that tools/setup_trl_venv.sh builds.
+    if importlib.util.find_spec("trl") is None:
+        raise RuntimeError("trl is not importable in this interpreter: carry its wheels (docs/gpu.md)")
+    cmd = [sys.executable, "tools/bench_vs_trl.py", "--device", "cuda", "--workload", "reasoning",
+           "--trl-python", sys.executable]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=560)
