@@ -64,6 +64,21 @@ def embedded(tmp_path_factory):
         client.close()
 
 
+@pytest.fixture(scope="module")
+def single_rank():
+    """torch.distributed + megatron parallel state with one rank, in the test process (for the
+    module's tests; torn down after it unless something else had started it)."""
+    import torch.distributed as dist
+
+    from megatron_grpo.runtime import parallel
+
+    started = not dist.is_initialized()
+    parallel.initialize(1, 1)
+    yield
+    if started:
+        parallel.destroy()
+
+
 @pytest.fixture
 def python_module(tmp_path, monkeypatch):
     """``python_module(name, source)`` writes an importable module (a user's reward plug-in,

@@ -34,17 +34,6 @@ def hf_models(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def single_rank():
-    import torch.distributed as dist
-
-    from megatron_grpo.runtime import parallel
-
-    started = not dist.is_initialized()
-    parallel.initialize(1, 1)
-    yield
-    if started:
-        parallel.destroy()
 
 
 # ---- work done on every rank --------------------------------------------------------------

@@ -231,6 +231,26 @@ def _combine_over_ranks(
     return stats
 
 
+
+def _arm_once(ctx, entropy: torch.Tensor, with_entropy: bool) -> None:
+    """End of both forwards: backward may run once (``_consume``), gets None for an output
+    without gradient, and the entropy has none when it was not computed."""
+    ctx.consumed = False
+    ctx.set_materialize_grads(False)
+    if not with_entropy:
+        ctx.mark_non_differentiable(entropy)
+
+
+def _consume(ctx) -> None:
+    """Backward runs once per forward: the saved buffer (or the logits' storage) becomes the
+    gradient in place, so a second backward would read garbage. RuntimeError on the second."""
+    if ctx.consumed:
+        raise RuntimeError(
+            "vocab_parallel_log_probs: backward ran twice; its saved buffer becomes the "
+            "gradient in place, so retain_graph/double backward is not supported"
+        )
+    ctx.consumed = True
+
 class _VocabParallelLogProbs(torch.autograd.Function):
     """(logits shard [N, V_shard], targets [N]) -> (log p_target [N], entropy [N] or [0])."""
 
@@ -267,20 +287,12 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         )
         ctx.inv_temperature, ctx.num_valid, ctx.chunk_size = inv_temperature, num_valid, chunk_size
         ctx.with_entropy = with_entropy
-        ctx.consumed = False
-        ctx.set_materialize_grads(False)
-        if not with_entropy:
-            ctx.mark_non_differentiable(entropy)
+        _arm_once(ctx, entropy, with_entropy)
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        if ctx.consumed:
-            raise RuntimeError(
-                "vocab_parallel_log_probs: backward ran twice; its saved buffer becomes the "
-                "gradient in place, so retain_graph/double backward is not supported"
-            )
-        ctx.consumed = True
+        _consume(ctx)
         exps, logits_2d, local_targets, owned, prob_scale, max_logit, log_sum, entropy = ctx.saved_tensors
         if not ctx.with_entropy:  # entropy was not computed, so it has no gradient
             grad_entropy = None
@@ -315,20 +327,12 @@ class _TritonVocabParallelLogProbs(torch.autograd.Function):
         ctx.save_for_backward(logits_2d, local_targets, global_max.float(), log_sum.float(), entropy)
         ctx.inv_temperature, ctx.num_valid, ctx.with_entropy = inv_temperature, num_valid, with_entropy
         ctx.inplace, ctx.block_size, ctx.kernels = inplace, block_size, kernels
-        ctx.consumed = False
-        ctx.set_materialize_grads(False)
-        if not with_entropy:
-            ctx.mark_non_differentiable(entropy)
+        _arm_once(ctx, entropy, with_entropy)
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        if ctx.consumed:  # same contract as the torch path (in place, the logits are gone)
-            raise RuntimeError(
-                "vocab_parallel_log_probs: backward ran twice; its saved buffer becomes the "
-                "gradient in place, so retain_graph/double backward is not supported"
-            )
-        ctx.consumed = True
+        _consume(ctx)  # same contract as the torch path (in place, the logits are gone)
         logits_2d, local_targets, max_logit, log_sum, entropy = ctx.saved_tensors
         if not ctx.with_entropy:
             grad_entropy = None
