@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install megatron-grpo with its test extras and run the whole test suite (CPU, 2 cores: 36.9 min
-# for 996 of the 1001 tests in the project's CI, see README.md).
+# for 996 of the 1083 tests in the project's CI, see README.md).
 # torch==2.13.0 is installed first: on the project's CPU machines it is a local CPU wheel;
 # an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail

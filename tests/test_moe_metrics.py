@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from megatron_grpo.trainer.moe_metrics import load_metrics
-from tests.test_models_equivalence import single_rank  # noqa: F401
 
 
 def test_load_metrics_by_hand():

@@ -18,7 +18,6 @@ from megatron_grpo.rollout.embedded.generation import Sequence
 from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
 from megatron_grpo.rollout.embedded.server import _render
 from megatron_grpo.testing.tiny_models import save_tiny_model
-from tests.test_models_equivalence import single_rank  # noqa: F401
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
 PARAMS = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
