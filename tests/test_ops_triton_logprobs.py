@@ -33,7 +33,8 @@ from megatron_grpo.config import ModelConfig
 from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.ops.vocab_parallel import KERNELS
 from megatron_grpo.testing.distributed import run_distributed
-from megatron_grpo.trainer.megatron_step import ScoringSpec, _token_scores
+from megatron_grpo.models.packing import pack
+from megatron_grpo.trainer.megatron_step import ScoringSpec, _packed_token_scores, _token_scores
 
 
 # Every test here spawns processes (the kernels run only there) or compiles for ~10 s.
@@ -330,14 +331,32 @@ def _backend(lp) -> str:
     return "triton" if "Triton" in type(op).__name__ else "torch"
 
 
+def _op_in_graph(out) -> str:
+    """Which of the op's autograd Functions ``out`` was computed through, anywhere upstream
+    (a packed micro-batch's scores are scattered back after the op)."""
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        if "VocabParallelLogProbs" in name:
+            return "triton" if "Triton" in name else "torch"
+        todo.extend(n for n, _ in node.next_functions)
+    raise AssertionError("the log-prob op is not in the graph")
+
+
 @_in_child
 def test_kernel_argument_picks_the_implementation():
     logits = torch.randn(4, 64, requires_grad=True)
     targets = torch.randint(0, 64, (4,))
     assert _backend(vocab_parallel_log_probs(logits, targets, kernel="triton")[0]) == "triton"
     assert _backend(vocab_parallel_log_probs(logits, targets, kernel="torch")[0]) == "torch"
-    # auto: triton only for CUDA logits (CPU logits take the torch path even under the interpreter)
+    # the default is torch; auto: triton only for CUDA logits (CPU logits take the torch path
+    # even under the interpreter)
     assert _backend(vocab_parallel_log_probs(logits, targets)[0]) == "torch"
+    assert _backend(vocab_parallel_log_probs(logits, targets, kernel="auto")[0]) == "torch"
     with pytest.raises(ValueError, match="kernel must be one of auto, torch, triton"):
         vocab_parallel_log_probs(logits, targets, kernel="cuda")
     # the config's values are the op's
@@ -348,13 +367,18 @@ def test_kernel_argument_picks_the_implementation():
 
 @_in_child
 def test_the_trainer_scores_with_the_configured_kernel():
-    """model.logprob_kernel reaches the op through ScoringSpec (the trainer's one call site)."""
-    mb = SimpleNamespace(seq_length=5, tokens=torch.randint(0, 60, (2, 5)), kept_ids=None)
+    """model.logprob_kernel reaches the op through ScoringSpec (the trainer's one call of the
+    op), for padded and for packed micro-batches."""
+    mb = SimpleNamespace(seq_length=5, num_sequences=2, tokens=torch.randint(0, 60, (2, 5)), kept_ids=None)
     logits = torch.randn(2, 6, 64, requires_grad=True)
+    packed = pack(mb.tokens, [5, 3])
+    packed_logits = torch.randn(1, packed.num_tokens, 64, requires_grad=True)
     for kernel in ("torch", "triton"):
         spec = ScoringSpec(temperature=0.7, vocab_size=60, kernel=kernel)
         lp, _ = _token_scores(logits.clone(), mb, spec, with_entropy=False)
         assert lp.shape == (2, 4) and _backend(lp) == kernel
+        lp, _ = _packed_token_scores(packed_logits.clone(), mb, packed, spec, with_entropy=False)
+        assert lp.shape == (2, 4) and _op_in_graph(lp) == kernel
 
 
 @_in_child

@@ -58,11 +58,19 @@ def _token_scores(logits_BSv: torch.Tensor, mb: TrainBatch, spec: ScoringSpec, w
     (log_probs [B, T], entropy [B, T] or None), T = S - 1. With the engine's kept sets
     (``mb.kept_ids``, sampling-mask replay) both describe the truncated distribution the
     engine sampled from -- for pi_old, the reference and the updated policy alike."""
+    return _log_probs(logits_BSv[:, : mb.seq_length - 1], mb.tokens[:, 1:], mb.kept_ids, spec, with_entropy)
+
+
+def _log_probs(logits: torch.Tensor, targets: torch.Tensor, kept_ids: Optional[torch.Tensor], spec: ScoringSpec,
+               with_entropy: bool):
+    """The op as the trainer calls it (padded or packed rows alike): vocab-parallel logits
+    [..., V/tp], targets [...] and kept sets [..., K] or None -> (log_probs [...], entropy
+    [...] or None) at ``spec``'s temperature, with its chunking and kernel."""
     return vocab_parallel_log_probs(
-        logits_BSv[:, : mb.seq_length - 1], mb.tokens[:, 1:], temperature=spec.temperature,
-        vocab_size=spec.vocab_size, chunk_size=spec.chunk_size, kernel=spec.kernel, with_entropy=with_entropy,
+        logits, targets, temperature=spec.temperature, vocab_size=spec.vocab_size, chunk_size=spec.chunk_size,
+        kernel=spec.kernel, with_entropy=with_entropy,
         inplace=True,  # the logits are the output layer's fresh output, read only here
-        kept_ids=mb.kept_ids,
+        kept_ids=kept_ids,
     )
 
 
@@ -73,10 +81,7 @@ def _packed_token_scores(logits_1Tv: torch.Tensor, mb: TrainBatch, packed: Packe
     0 past each row's last scored position. Only the per-token scores are scattered back:
     no [B, S, V] logits are ever padded out."""
     kept = None if mb.kept_ids is None else gather_rows(mb.kept_ids, packed, fill=-1)
-    lp, ent = vocab_parallel_log_probs(
-        logits_1Tv, next_tokens(packed), temperature=spec.temperature, vocab_size=spec.vocab_size,
-        chunk_size=spec.chunk_size, with_entropy=with_entropy, inplace=True, kept_ids=kept,
-    )
+    lp, ent = _log_probs(logits_1Tv, next_tokens(packed), kept, spec, with_entropy)
     rows, width = mb.num_sequences, mb.seq_length - 1
     return unpack(lp[0], packed, rows, width), None if ent is None else unpack(ent[0], packed, rows, width)
 
