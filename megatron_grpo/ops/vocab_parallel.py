@@ -231,6 +231,18 @@ def _combine_over_ranks(
     return stats
 
 
+def _global_scores(stats: torch.Tensor, owned: torch.Tensor, inv_temperature: float, group, tp: int,
+                   with_entropy: bool):
+    """Both forwards' end: this rank's float64 [4, N] statistics combined over the TP group
+    (``_combine_over_ranks``) -> (global max M [N], log S [N], log p_target float32 [N],
+    entropy float32 [N] or [0] without entropy, S [N])."""
+    global_max, sum_exp, dot, target_z = _combine_over_ranks(stats, owned, inv_temperature, group, tp)
+    log_sum = torch.log(sum_exp)
+    log_probs = (target_z - log_sum).float()
+    # H = log S - D / S adds two non-negative terms (D <= 0): no cancellation.
+    entropy = (log_sum - dot / sum_exp).float() if with_entropy else log_sum.new_empty(0).float()
+    return global_max, log_sum, log_probs, entropy, sum_exp
+
 
 def _arm_once(ctx, entropy: torch.Tensor, with_entropy: bool) -> None:
     """End of both forwards: backward may run once (``_consume``), gets None for an output
@@ -250,6 +262,7 @@ def _consume(ctx) -> None:
             "gradient in place, so retain_graph/double backward is not supported"
         )
     ctx.consumed = True
+
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     """(logits shard [N, V_shard], targets [N]) -> (log p_target [N], entropy [N] or [0])."""
@@ -271,12 +284,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             with_entropy,
         )
         local_max = stats[0].clone()
-        stats = _combine_over_ranks(stats, owned, inv_temperature, group, tp)
-        global_max, sum_exp, dot, target_z = stats
-        log_sum = torch.log(sum_exp)
-        log_probs = (target_z - log_sum).float()
-        # H = log S - D / S adds two non-negative terms (D <= 0): no cancellation.
-        entropy = (log_sum - dot / sum_exp).float() if with_entropy else log_sum.new_empty(0).float()
+        global_max, log_sum, log_probs, entropy, sum_exp = _global_scores(
+            stats, owned, inv_temperature, group, tp, with_entropy)
         # p = exps * prob_scale per token (0 on a padding-only rank, where exp(-inf) = 0).
         prob_scale = (torch.exp((local_max - global_max) * inv_temperature) / sum_exp).float()
         # M is a logit value, exact in float32; backward recomputes log p = (x - M) / T - log S
@@ -319,11 +328,8 @@ class _TritonVocabParallelLogProbs(torch.autograd.Function):
         owned = (targets >= vocab_start) & (targets < vocab_start + num_valid)
         local_targets = torch.where(owned, targets - vocab_start, -1)
         stats = kernels.local_stats(logits_2d, local_targets, num_valid, inv_temperature, with_entropy, block_size)
-        stats = _combine_over_ranks(stats, owned, inv_temperature, group, tp)
-        global_max, sum_exp, dot, target_z = stats
-        log_sum = torch.log(sum_exp)
-        log_probs = (target_z - log_sum).float()
-        entropy = (log_sum - dot / sum_exp).float() if with_entropy else log_sum.new_empty(0).float()
+        global_max, log_sum, log_probs, entropy, _ = _global_scores(
+            stats, owned, inv_temperature, group, tp, with_entropy)
         ctx.save_for_backward(logits_2d, local_targets, global_max.float(), log_sum.float(), entropy)
         ctx.inv_temperature, ctx.num_valid, ctx.with_entropy = inv_temperature, num_valid, with_entropy
         ctx.inplace, ctx.block_size, ctx.kernels = inplace, block_size, kernels
@@ -407,7 +413,7 @@ def vocab_parallel_log_probs(
     with_entropy: bool = True,
     inplace: bool = False,
     kept_ids: Optional[torch.Tensor] = None,
-    kernel: Kernel = "auto",
+    kernel: Kernel = "torch",
     block_size: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probability of ``targets`` and entropy under ``softmax(logits / temperature)``.
@@ -435,6 +441,7 @@ def vocab_parallel_log_probs(
     kernel: "torch" (the chunked torch implementation), "triton" (``ops.triton_logprobs``:
         fused one-pass kernels; needs triton and CUDA logits, or triton's CPU interpreter as
         in the tests) or "auto" (triton for CUDA logits when triton imports, else torch).
+        The default is torch, as ``model.logprob_kernel``'s, until the kernels have run on a GPU.
         Same values, gradients, collectives and contract (one backward) either way;
         ``chunk_size`` only applies to torch, ``block_size`` (columns per Triton block, a
         power of 2; None = automatic) only to triton.
