@@ -174,7 +174,8 @@ class Trainer:
         batch, local = self.shard(result.batch, step)
         moe_metrics = self.score(local)
         timer.lap("logprob")
-        updates = self.update(step, batch, local)
+        algorithm = self.step_algorithm(step)
+        updates = self.update(step, batch, local, algorithm)
         timer.lap("train")
         if self.routing is not None:  # without an old-log-prob pass: the (single) update's forward
             for key, value in self.routing.take_metrics().items():  # collective; restarts the count
@@ -189,7 +190,7 @@ class Trainer:
         record = {**self.record(result.stats, updates, synced), **moe_metrics, **eval_metrics, **timer.finish()}
         # training throughput: evaluation time is not the step's work
         record["tokens_per_s"] = float(batch.loss_mask.sum()) / max(record["time/step_s"] - eval_s, 1e-9)
-        record["entropy_coef"] = self.step_algorithm(step).entropy_coef
+        record["entropy_coef"] = algorithm.entropy_coef
         if self.rank == 0:
             self.records.append(self.logger.log(step + 1, record, excluded_s=eval_s))
         self.check_finite(step + 1)
@@ -236,12 +237,12 @@ class Trainer:
                                                     pack_sequences=self.cfg.parallel.pack_sequences)
         return moe_metrics
 
-    def update(self, step: int, batch: TrainBatch, local: TrainBatch) -> Updates:
+    def update(self, step: int, batch: TrainBatch, local: TrainBatch, algorithm: AlgorithmConfig) -> Updates:
         """``num_iterations`` epochs over the mini-batches, one optimizer step each. ``batch``:
         the whole rollout batch (a mini-batch's global token and sequence counts normalise the
-        loss); ``local``: this DP rank's rows, scored."""
+        loss); ``local``: this DP rank's rows, scored; ``algorithm``: the step's
+        (``step_algorithm``)."""
         updates, plan = Updates(), self.plan
-        algorithm = self.step_algorithm(step)
         for it in range(plan.num_iterations):
             for m in range(plan.num_mini_batches):
                 plan.set_lr(self.policy.optimizer, step, it, m)
