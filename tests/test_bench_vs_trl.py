@@ -71,6 +71,7 @@ def test_mapping_follows_the_config():
     ("rollout.top_p=0.9", "rollout.top_p"),
     ("optimizer.lr_decay_style=linear", "optimizer.min_lr"),
     ("rollout.min_p=0.1", "rollout.min_p"),
+    ("algorithm.entropy_coef_end=0.0", "algorithm.entropy_coef_end"),
 ])
 def test_unmappable_settings_are_refused_in_one_line(override, key):
     with pytest.raises(ValueError) as e:

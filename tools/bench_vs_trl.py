@@ -182,6 +182,7 @@ def trl_grpo_args(cfg: ExperimentConfig, *, batches: int, device: str) -> dict:
         "algorithm.policy_loss_type": (a.policy_loss_type, "ppo"),
         "algorithm.loss_reduction": (a.loss_reduction, "token_mean"),
         "algorithm.kl_loss_coef": (a.kl_loss_coef, 0.0),
+        "algorithm.entropy_coef_end": (a.entropy_coef_end, None),  # TRL's bonus is constant
         "algorithm.clip_ratio_c": (a.clip_ratio_c, None),
         "optimizer.name": (o.name, "adam"),
         "rollout.mode": (r.mode, "sync"),
