@@ -46,6 +46,8 @@ def test_mismatch_metrics_without_correction():
     assert m["is_ratio_std"] == pytest.approx(62.49222371376584, rel=1e-5)  # population std
     assert m["is_ratio_max"] == pytest.approx(200.0, rel=1e-5)
     assert m["is_ratio_min"] == pytest.approx(0.5, rel=1e-6)
+    # rho outside [0.9, 1.1]: 3, 0.5, 0.8 and 200 of the 9 valid tokens (padding excluded)
+    assert m["is_ratio_outside_10pct"] == pytest.approx(4 / 9, rel=1e-6)
     # |lmu - lo| = |ln rho|: (ln 3 + ln 2 + ln 1.25 + ln 200) / 9
     assert m["rollout_train_logprobs_abs_diff_mean"] == pytest.approx(0.8125800430100334, rel=1e-5)
     assert m["rollout_train_logprobs_abs_diff_std"] == pytest.approx(1.6284547890290466, rel=1e-5)

@@ -66,8 +66,10 @@ def rollout_diagnostics(lo: torch.Tensor, lmu: torch.Tensor, valid: torch.Tensor
     """Mismatch between the trainer's pi_old and the rollout engine's mu over valid tokens.
 
     lo, lmu: sanitised ``float[B, T]``; valid: ``bool[B, T]``. Returns is_ratio_mean/std/max/min
-    (rho = pi_old/mu), rollout_train_logprobs_abs_diff_mean/_std (|lmu - lo|) and
-    k3_kl = mean(rho - log rho - 1), the k3 estimate of KL(mu || pi_old) (verl ``k3_kl``).
+    (rho = pi_old/mu), is_ratio_outside_10pct (the fraction of tokens with rho outside
+    [0.9, 1.1], the measure of the TRL top-p study cited in docs/off_policy.md),
+    rollout_train_logprobs_abs_diff_mean/_std (|lmu - lo|) and k3_kl = mean(rho - log rho - 1),
+    the k3 estimate of KL(mu || pi_old) (verl ``k3_kl``).
     """
     log_rho = torch.clamp(lo - lmu, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     rho = torch.exp(log_rho)
@@ -79,6 +81,7 @@ def rollout_diagnostics(lo: torch.Tensor, lmu: torch.Tensor, valid: torch.Tensor
         "is_ratio_std": rho_std,
         "is_ratio_max": _masked_extreme(rho, valid, largest=True),
         "is_ratio_min": _masked_extreme(rho, valid, largest=False),
+        "is_ratio_outside_10pct": masked_sum(((rho < 0.9) | (rho > 1.1)).to(lo.dtype), valid) / n,
         "rollout_train_logprobs_abs_diff_mean": diff_mean,
         "rollout_train_logprobs_abs_diff_std": diff_std,
         "k3_kl": masked_sum(rho - log_rho - 1.0, valid) / n,

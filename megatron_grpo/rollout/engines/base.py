@@ -42,12 +42,12 @@ class EngineAdapter:
     """True: the engine runs inside trainer rank 0's process (``rollout/inprocess.py``): nothing
     is launched, ``rollout.urls`` cannot name it, and the weight sync is an in-memory copy."""
     returns_routing: bool = False
+    """True: /generate answers ``return_routed_experts`` with the MoE routing of every position
+    (``meta_info.routed_experts``; algorithm.router_replay needs it)."""
     reports_token_versions: bool = False
     """True: /generate answers with the weight version of each output token
     (``meta_info.output_token_versions``) and ``/pause_generation`` mode ``retract`` re-prefills
     the retracted sequences with the new weights (rollout.mode async needs both)."""
-    """True: /generate answers ``return_routed_experts`` with the MoE routing of every position
-    (``meta_info.routed_experts``; algorithm.router_replay needs it)."""
 
     # ---- what the pre-flight asks ---------------------------------------------------------
 
