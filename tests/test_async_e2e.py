@@ -121,3 +121,17 @@ def test_engine_killed_mid_flight_is_restarted_and_its_groups_regenerated(demo, 
     # groups cut by the death were generated again, never trained half-done: each id once
     trained = [g["gid"] for g in log if g["fate"] == "trained"]
     assert sorted(trained) == list(range(steps * B))
+
+
+def test_async_on_the_real_sglang_keeps_the_bound_with_its_token_versions(demo, tmp_path, sglang_servers):
+    """The same scheduler against the real SGLang (the session's shared server): the sync
+    retracts its sequences in flight and the bound is read from SGLang's own per-token
+    weight_versions spans."""
+    k, steps = 1, 3
+    run_dir = tmp_path / "run"
+    url = sglang_servers.serve(demo / "model")
+    run(cmd(demo, run_dir, steps, k, *sglang_servers.train_overrides(url), b=4, n=4))
+    rows, log = read_metrics(run_dir), groups(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    check_bound(rows, log, k, b=4)
+    assert max(r["rollout/policy_lag"] for r in rows) == k  # really asynchronous

@@ -8,6 +8,7 @@ model directory loaded fresh by transformers, and every token is scored by a ful
 The trainer runs are in tests/test_async_e2e.py.
 """
 
+import json
 import threading
 import time
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ import torch
 
 from megatron_grpo.config import ConfigError, RolloutConfig, load_config
 from megatron_grpo.preflight.rules import check_rollout
+from megatron_grpo.rollout.client import versions_from_spans
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
 from megatron_grpo.rollout.embedded.generation import Sequence
 from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
@@ -155,7 +157,99 @@ def test_bad_async_settings_are_one_line_errors(tmp_path):
         _load(tmp_path, mode="async", stale_groups="keep")
 
 
-def test_async_with_sglang_is_refused_at_preflight(tmp_path):
-    with pytest.raises(ConfigError, match="rollout.mode.*async needs per-token weight versions"):
-        check_rollout(RolloutConfig(mode="async", engine="sglang"))
+def test_async_needs_an_engine_that_reports_token_versions(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.mode.*async needs per-token weight versions.*'inprocess'"):
+        check_rollout(RolloutConfig(mode="async", engine="inprocess"))
     check_rollout(RolloutConfig(mode="async", engine="embedded"))
+    check_rollout(RolloutConfig(mode="async", engine="sglang", urls=["http://127.0.0.1:1"]))
+
+
+@pytest.mark.parametrize("spans, n, expected", [
+    ([{"version": "0", "start": 0, "end": 3}], 3, ["0"] * 3),
+    ([{"version": "0", "start": 0, "end": 2}, {"version": "1", "start": 2, "end": 5}], 5, ["0", "0", "1", "1", "1"]),
+    ([{"version": "4", "start": 0, "end": 0}], 0, []),
+])
+def test_sglang_weight_version_spans_become_per_token_versions(spans, n, expected):
+    assert versions_from_spans(spans, n) == expected
+
+
+@pytest.mark.parametrize("spans, n", [
+    ([{"version": "0", "start": 0, "end": 2}], 3),  # a token without a version
+    ([{"version": "0", "start": 0, "end": 2}, {"version": "1", "start": 3, "end": 4}], 4),  # a gap
+    ([{"version": "0", "start": 0, "end": 3}, {"version": "1", "start": 2, "end": 4}], 4),  # an overlap
+])
+def test_sglang_spans_that_do_not_tile_the_output_are_refused(spans, n):
+    with pytest.raises(ValueError, match="weight_versions"):
+        versions_from_spans(spans, n)
+
+
+# ---- the real SGLang: the same check through its HTTP API --------------------------------------
+
+
+def _stream(url: str, prompt: list[int], seed: int, progress: list[int], results: list, i: int) -> None:
+    """One streamed /generate (the stream shows how far the sequence is); its last chunk."""
+    import httpx
+
+    from tests.sglang_shared import API_KEY
+
+    body = {"input_ids": prompt, "sampling_params": {**LONG, "sampling_seed": seed}, "return_logprob": True,
+            "logprob_start_len": -1, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/generate", json=body, timeout=300,
+                          headers={"Authorization": f"Bearer {API_KEY}"}) as answer:
+            answer.raise_for_status()
+            for line in answer.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    results[i] = json.loads(line[len("data: "):])
+                    progress[i] = results[i]["meta_info"]["completion_tokens"]
+    except Exception as e:  # noqa: BLE001 - the test reports it
+        results[i] = e
+
+
+def test_sglang_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_them(versions, sglang_servers):
+    """What the weight sync does to SGLang in async mode (retract, load, label, continue), twice
+    while every sequence is mid-flight: SGLang's weight_versions spans give each token the
+    version whose weights drew it, and its log-prob is that version's (HF reference)."""
+    from megatron_grpo.rollout import RolloutClient
+    from megatron_grpo.rollout.client import parse_generate_item
+    from tests.sglang_shared import API_KEY
+
+    url = sglang_servers.serve(versions[0])
+    client = RolloutClient([url], api_key=API_KEY, request_timeout_s=120, max_retries=2)
+    try:
+        client.update_weight_version(url, "0")
+        progress, results = [0] * len(PROMPTS), [None] * len(PROMPTS)
+        threads = [threading.Thread(target=_stream, args=(url, p, 7 + i, progress, results, i), daemon=True)
+                   for i, p in enumerate(PROMPTS)]
+        for t in threads:
+            t.start()
+        for version, target in (("1", 20), ("2", 60)):
+            deadline = time.monotonic() + 120
+            while min(progress) < target:
+                assert time.monotonic() < deadline and all(t.is_alive() for t in threads), (
+                    progress, [r if isinstance(r, Exception) else r and r["meta_info"]["finish_reason"] for r in results])
+                time.sleep(0.005)
+            client.pause_generation(url, mode="retract")
+            client.flush_cache(url)
+            client.run(client.aio.update_weights_from_disk(url, str(versions[int(version)])))
+            client.update_weight_version(url, version)
+            client.continue_generation(url)
+        for t in threads:
+            t.join(timeout=300)
+            assert not t.is_alive(), "generation did not finish"
+    finally:
+        client.close()
+    worst = 0.0
+    for i, (prompt, item) in enumerate(zip(PROMPTS, results)):
+        s = parse_generate_item(item, prompt, i, 0, url)
+        assert len(s.output_versions) == len(s.output_ids) == len(s.output_logprobs) == 160
+        assert s.output_versions == sorted(s.output_versions)  # monotone: no token went back
+        assert all(s.output_versions.count(v) for v in ("0", "1", "2")), item["meta_info"]["weight_versions"]
+        for v in range(3):
+            first = s.output_versions.index(str(v))
+            last = len(s.output_versions) - s.output_versions[::-1].index(str(v))
+            ref = _reference(versions[v], s, last)[first:]
+            worst = max(worst, max(abs(a - b) for a, b in zip(s.output_logprobs[first:last], ref)))
+    assert worst <= 1e-4, worst
+    first = s.output_versions.index("1")  # the reference tells the versions apart
+    assert abs(_reference(versions[0], s, first + 1)[first] - s.output_logprobs[first]) > 1e-3

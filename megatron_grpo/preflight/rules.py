@@ -86,11 +86,11 @@ def check_rollout(rollout_cfg: RolloutConfig) -> None:
     _check(rollout_cfg.quantization != "fp8" or rollout_cfg.fp8_format in adapter.fp8_formats,
            "rollout.fp8_format", f"{rollout_cfg.fp8_format!r} is not served by rollout.engine={adapter.name!r} "
            f"(supported: {', '.join(sorted(adapter.fp8_formats))})")
-    # SGLang 0.5.23 reports one weight_version per response, not per token: a sequence that
-    # spans a sync would carry log-probs of two policies under one label.
+    # Without per-token versions a sequence that spans a sync would carry log-probs of two
+    # policies under one label (the in-process engine generates between steps only).
     _check(rollout_cfg.mode != "async" or adapter.reports_token_versions, "rollout.mode",
            f"async needs per-token weight versions, which rollout.engine={adapter.name!r} does not report; "
-           "use rollout.mode: one_step_off_policy, or rollout.engine: embedded")
+           "use rollout.mode: one_step_off_policy, or rollout.engine: embedded or sglang")
     # SGLang 0.5.23 reports no kept sets (its top-logprobs could return a top-k set exactly; not
     # wired): training it with truncation and replay on would score a distribution it never sent.
     _check(not (rollout_cfg.truncates and rollout_cfg.sampling_mask_replay) or adapter.reports_sampling_mask,

@@ -337,11 +337,30 @@ class AsyncRolloutClient:
         return await self.call("destroy_weights_update_group", {"group_name": group_name}, url=url)
 
     async def update_weight_version(self, url: str, version: str) -> Any:
-        return await self.call("update_weight_version", {"new_version": version}, url=url)
+        # SGLang 0.5.23's route aborts every request by default: sequences retracted for an
+        # asynchronous sync must survive it (the embedded engine never aborts here)
+        return await self.call("update_weight_version", {"new_version": version, "abort_all_requests": False},
+                               url=url)
 
     async def weight_version(self, url: str) -> str:
         # SGLang 0.5.23 has no /get_weight_version; /get_model_info carries the version.
         return str((await self.call("get_model_info", url=url))["weight_version"])
+
+
+def versions_from_spans(spans: list[dict], num_tokens: int) -> list[str]:
+    """Per-token weight versions from SGLang's ``meta_info["weight_versions"]``: spans
+    ``{"version", "start", "end"}`` that must tile the output tokens ``[0, num_tokens)`` in order
+    (SGLang records where each label change found the sequence: a token before ``end`` was drawn
+    under ``version``); ValueError otherwise."""
+    versions: list[str] = []
+    for span in spans:
+        start, end = int(span["start"]), int(span["end"])
+        if start != len(versions) or end < start:
+            raise ValueError(f"weight_versions span [{start}, {end}) does not continue at token {len(versions)}")
+        versions += [str(span["version"])] * (end - start)
+    if len(versions) != num_tokens:
+        raise ValueError(f"weight_versions cover {len(versions)} of {num_tokens} output tokens")
+    return versions
 
 
 def parse_sampling_mask(meta: dict, output_ids: list[int]) -> tuple[list[Optional[list[int]]], list[float]]:
@@ -383,6 +402,8 @@ def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample
         finish = meta["finish_reason"]
         weight_version = str(meta.get("weight_version", ""))
         versions = meta.get("output_token_versions")  # the embedded engine's extension
+        if versions is None and meta.get("weight_versions") is not None:  # SGLang's spans
+            versions = versions_from_spans(meta["weight_versions"], len(output_ids))
         versions = None if versions is None else [str(v) for v in versions]
     except (KeyError, TypeError, ValueError) as e:
         raise RolloutError(server, route, f"malformed answer item ({type(e).__name__}: {e})") from None

@@ -45,9 +45,10 @@ class EngineAdapter:
     """True: /generate answers ``return_routed_experts`` with the MoE routing of every position
     (``meta_info.routed_experts``; algorithm.router_replay needs it)."""
     reports_token_versions: bool = False
-    """True: /generate answers with the weight version of each output token
-    (``meta_info.output_token_versions``) and ``/pause_generation`` mode ``retract`` re-prefills
-    the retracted sequences with the new weights (rollout.mode async needs both)."""
+    """True: /generate answers with the weight version of each output token (the embedded
+    engine's ``meta_info.output_token_versions``, SGLang's ``meta_info.weight_versions`` spans)
+    and ``/pause_generation`` mode ``retract`` re-prefills the retracted sequences with the new
+    weights (rollout.mode async needs both)."""
 
     # ---- what the pre-flight asks ---------------------------------------------------------
 

@@ -136,6 +136,11 @@ class SGLangAdapter(EngineAdapter):
     quantizations = frozenset({"fp8"})
     fp8_formats = frozenset({"e4m3"})
     quantization_needs_cuda = True
+    # SGLang 0.5.23 records, at each /update_weight_version, how many tokens every live request
+    # had drawn under the old label, and answers with the spans (meta_info.weight_versions,
+    # parsed by rollout/client.py); its /pause_generation retract mode keeps the drawn tokens
+    # and re-prefills them with the new weights on /continue_generation
+    reports_token_versions = True
 
     def gpus_per_server(self, rollout_cfg: RolloutConfig) -> int:
         return rollout_cfg.sglang.tp
