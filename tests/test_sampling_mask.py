@@ -224,6 +224,55 @@ def test_engine_and_trainer_both_score_the_truncated_distribution(served):
             assert set(ids) == _kept_by_rule(probs[i, len(s.prompt_ids) - 1 + j], 20, 0.7, 0.0)
 
 
+def test_sglang_and_trainer_both_score_the_truncated_distribution(demo, sglang_servers):
+    """The same check against the real SGLang (the session's shared server, the demo model):
+    its support sets and renormalised log-probs, through the client, are what the trainer's op
+    scores with the sets, to fp32 level."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_grpo.rollout.client import RolloutClient
+    from megatron_grpo.rollout.types import SamplingParams
+    from megatron_grpo.trainer.batch import build_train_batch, pad_kept_ids, truncated_log_probs
+    from tests.sglang_shared import API_KEY
+
+    model_dir = demo / "model"
+    url = sglang_servers.serve(model_dir)
+    client = RolloutClient([url], api_key=API_KEY, request_timeout_s=120, max_retries=2,
+                           mask_budget_per_request=False)  # as start_servers builds it for SGLang
+    temperature, top_k, top_p = 1.3, 20, 0.7  # hot enough that the demo model's sets hold several ids
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=10,
+                              ignore_eos=True, sampling_mask_max_kept=64)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+    try:
+        samples = client.generate(prompts, 4, sampling, sampling_seed=11)
+    finally:
+        client.close()
+    assert all(len(s.output_ids) == 10 for s in samples), [s.finish_reason for s in samples]
+    masses = [m for s in samples for m in s.log_kept_mass]
+    assert max(masses) <= 1e-6 and sum(masses) / len(masses) < -0.05, masses  # top_p 0.7 cuts real mass
+    rollout_lp = [truncated_log_probs(s.output_logprobs, s.kept_ids, s.log_kept_mass) for s in samples]
+    batch = build_train_batch([s.prompt_ids for s in samples], [s.output_ids for s in samples], rollout_lp,
+                              torch.zeros(len(samples)), pad_id=0)
+    batch.kept_ids = pad_kept_ids([len(s.prompt_ids) for s in samples], [s.kept_ids for s in samples],
+                                  batch.seq_length)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(batch.tokens).logits[:, :-1]
+    trainer_lp, _ = vocab_parallel_log_probs(logits, batch.tokens[:, 1:], temperature=temperature,
+                                             kept_ids=batch.kept_ids)
+    mask = batch.loss_mask.bool()
+    diff = (trainer_lp - batch.rollout_log_probs)[mask].abs()
+    assert diff.max() < 1e-4, diff.max()  # fp32 agreement, both of the truncated distribution
+    full_lp, _ = vocab_parallel_log_probs(logits, batch.tokens[:, 1:], temperature=temperature)
+    assert (full_lp - batch.rollout_log_probs)[mask].abs().mean() > 0.05  # what no replay would log
+    # SGLang's sets are its joint rule on its own logits: the same as on transformers' logits but
+    # where a probability sits within rounding of the cut
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    differ = sum(set(ids) != _kept_by_rule(probs[i, len(s.prompt_ids) - 1 + j], top_k, top_p, 0.0)
+                 for i, s in enumerate(samples) for j, ids in enumerate(s.kept_ids))
+    assert differ <= 1, differ
+
+
 def test_a_kept_set_without_its_token_is_refused():
     from megatron_grpo.rollout.client import parse_sampling_mask
 
@@ -261,16 +310,54 @@ def test_demo_with_top_p_logs_the_kept_mass_and_an_fp32_mismatch(demo, tmp_path,
         assert r["rollout_train_logprobs_abs_diff_mean"] < 1e-5
 
 
-def test_sglang_with_truncation_needs_replay_off():
+def test_demo_on_the_real_sglang_with_top_k_and_top_p_replays_its_sets(demo, tmp_path, sglang_servers):
+    """The same run against the real SGLang (the shared server): its sets reach the trainer,
+    which scores the truncated distribution too."""
+    import subprocess
+
+    from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+
+    run_dir = tmp_path / "run"
+    url = sglang_servers.serve(demo / "model")
+    proc = subprocess.run(train_cmd(demo, run_dir, 3, "rollout.top_p=0.7", "rollout.top_k=20",
+                                    "rollout.temperature=1.3", "eval.every_n_steps=0",
+                                    *sglang_servers.train_overrides(url)),
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert len(records) == 3
+    for r in records:
+        assert r["rollout/log_kept_mass_mean"] < -0.05
+        assert r["rollout/sampling_mask_unsent_frac"] == 0.0
+        assert r["rollout_train_logprobs_abs_diff_mean"] < 1e-5
+
+
+def test_sglang_replays_the_mask_only_with_a_bounded_top_k():
     from megatron_grpo.config.base import ConfigError
     from megatron_grpo.config.rollout import RolloutConfig
     from megatron_grpo.preflight.rules import check_rollout
 
-    with pytest.raises(ConfigError, match="rollout.sampling_mask_replay.*does not report"):
-        check_rollout(RolloutConfig(engine="sglang", top_p=0.8))
-    check_rollout(RolloutConfig(engine="sglang", top_p=0.8, sampling_mask_replay=False))
-    check_rollout(RolloutConfig(engine="sglang"))  # no truncation: nothing to replay
-    check_rollout(RolloutConfig(engine="embedded", top_k=5))
+    urls = ["http://127.0.0.1:1"]
+    for bad in ({"top_p": 0.8}, {"top_p": 0.8, "top_k": 2000}, {"min_p": 0.1, "top_k": 1}):
+        with pytest.raises(ConfigError, match="rollout.top_k.*replays the sampling mask only with 1 < top_k <= "
+                                              r"rollout.sampling_mask_max_kept \(1024\)"):
+            check_rollout(RolloutConfig(engine="sglang", urls=urls, **bad))
+    check_rollout(RolloutConfig(engine="sglang", urls=urls, top_p=0.8, top_k=100))
+    check_rollout(RolloutConfig(engine="sglang", urls=urls, top_p=0.8, sampling_mask_replay=False))
+    check_rollout(RolloutConfig(engine="sglang", urls=urls))  # no truncation: nothing to replay
+    check_rollout(RolloutConfig(engine="embedded", top_p=0.8))  # the embedded engine sends any set
+
+
+def test_sglang_sampling_mask_answer_gives_kept_sets_and_masses():
+    from megatron_grpo.rollout.client import parse_sampling_mask
+
+    meta = {"output_token_sampling_mask": [[4, 3], [7]], "output_token_sampling_logprobs": [-0.25, 0.0]}
+    kept, mass = parse_sampling_mask(meta, [4, 7], [-0.75, -1.5])
+    assert kept == [[4, 3], [7]] and mass == [-0.5, -1.5]  # log p(x) - log q(x) = log kept mass
+    with pytest.raises(ValueError, match="token 1 .* not in its own kept set"):
+        parse_sampling_mask(meta, [4, 8], [-0.75, -1.5])
+    with pytest.raises(ValueError, match="2 sampling log-probs for 3 output log-probs"):
+        parse_sampling_mask(meta, [4, 7, 9], [-0.75, -1.5, -1.0])
 
 
 def test_multi_turn_observation_tokens_carry_no_set_and_no_mass():

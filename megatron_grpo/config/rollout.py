@@ -187,13 +187,15 @@ class RolloutConfig:
     """With truncated sampling (top_p < 1, top_k > 0 or min_p > 0): the engine reports the set of
     tokens each draw could pick and the trainer scores the same renormalised, truncated
     distribution (the log-probs, ratios, KL and entropy of the policy that generated the data;
-    docs/loss_spec.md). false: both sides report the full distribution, as SGLang does (the
-    ratios are then computed against a distribution the engine did not sample from). Needs an
-    engine that reports its kept sets (rollout.engine: embedded)."""
+    docs/loss_spec.md). false: both sides report the full distribution (the ratios are then
+    computed against a distribution the engine did not sample from). SGLang reports its sets
+    only with 1 < top_k <= sampling_mask_max_kept (docs/off_policy.md)."""
 
     sampling_mask_max_kept: int = 1024
-    """Most kept-set ids the engine sends per sampled token; a larger set is not sent and that
-    token is scored on the full distribution (counted in rollout/sampling_mask_unsent_frac)."""
+    """Most kept-set ids the engine sends per sampled token. Embedded engine: a larger set is not
+    sent and that token is scored on the full distribution (counted in
+    rollout/sampling_mask_unsent_frac). SGLang: its --sampling-mask-max-tokens; a larger support
+    aborts the request."""
 
     stop_token_ids: list[int] = field(default_factory=list)
     """Extra token ids that end a response (the tokenizer's EOS always does)."""

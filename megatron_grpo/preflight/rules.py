@@ -91,13 +91,21 @@ def check_rollout(rollout_cfg: RolloutConfig) -> None:
     _check(rollout_cfg.mode != "async" or adapter.reports_token_versions, "rollout.mode",
            f"async needs per-token weight versions, which rollout.engine={adapter.name!r} does not report; "
            "use rollout.mode: one_step_off_policy, or rollout.engine: embedded or sglang")
-    # SGLang 0.5.23 reports no kept sets (its top-logprobs could return a top-k set exactly; not
-    # wired): training it with truncation and replay on would score a distribution it never sent.
-    _check(not (rollout_cfg.truncates and rollout_cfg.sampling_mask_replay) or adapter.reports_sampling_mask,
+    # An engine without kept sets, trained with truncation and replay on, would score a
+    # distribution it never sent.
+    replay = rollout_cfg.truncates and rollout_cfg.sampling_mask_replay
+    _check(not replay or adapter.reports_sampling_mask,
            "rollout.sampling_mask_replay",
            f"is on and rollout.top_p/top_k/min_p truncate sampling, but rollout.engine={adapter.name!r} does not "
            "report the tokens each draw could pick; set rollout.sampling_mask_replay: false (both sides then score "
            "the full distribution, which the engine did not sample from), or use rollout.engine: embedded")
+    # SGLang reports a draw's support only when top_k bounds its size (it refuses the request otherwise).
+    _check(not (replay and adapter.sampling_mask_needs_top_k)
+           or 1 < rollout_cfg.top_k <= rollout_cfg.sampling_mask_max_kept, "rollout.top_k",
+           f"is {rollout_cfg.top_k}, but rollout.engine={adapter.name!r} replays the sampling mask only with "
+           f"1 < top_k <= rollout.sampling_mask_max_kept ({rollout_cfg.sampling_mask_max_kept}): set top_k "
+           "(a bound top_p rarely reaches, e.g. 50 or 100, leaving headroom for ties at the cut) or "
+           "rollout.sampling_mask_replay: false")
 
 
 def check_reward(reward_cfg: RewardConfig) -> None:

@@ -93,11 +93,13 @@ class AsyncRolloutClient:
         max_inflight_requests: int = 64,
         backoff_s: float = 0.5,
         sequences_per_request: Optional[int] = None,
+        mask_budget_per_request: bool = True,
     ):
         if not urls:
             raise ValueError("AsyncRolloutClient needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
         self.sequences_per_request = sequences_per_request
+        self.mask_budget_per_request = mask_budget_per_request  # EngineAdapter.sampling_mask_budget_per_request
         self._generating = 0  # generate() calls in flight (async rollouts and episodes overlap them)
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
@@ -247,8 +249,10 @@ class AsyncRolloutClient:
         if return_routed_experts:  # only then: SGLang without the feature rejects the key
             body["return_routed_experts"] = True
         with_mask = sampling.sampling_mask_max_kept > 0
-        if with_mask:  # likewise: the embedded engine's extension
-            body.update(return_sampling_mask=True, sampling_mask_max_kept=sampling.sampling_mask_max_kept)
+        if with_mask:  # SGLang's key; the budget is the embedded engine's extension (SGLang's is a launch arg)
+            body["return_sampling_mask"] = True
+            if self.mask_budget_per_request:
+                body["sampling_mask_max_kept"] = sampling.sampling_mask_max_kept
         server, items = await self._call("generate", body, url=None, timeout_s=None, retry=True)
         expected = len(prompts) * n
         if not isinstance(items, list) or len(items) != expected:
@@ -363,11 +367,23 @@ def versions_from_spans(spans: list[dict], num_tokens: int) -> list[str]:
     return versions
 
 
-def parse_sampling_mask(meta: dict, output_ids: list[int]) -> tuple[list[Optional[list[int]]], list[float]]:
-    """(kept ids, log kept masses) per output token from ``meta_info["sampling_mask"]``;
+def parse_sampling_mask(meta: dict, output_ids: list[int],
+                        output_logprobs: Optional[list[float]] = None) -> tuple[list[Optional[list[int]]], list[float]]:
+    """(kept ids, log kept masses) per output token: from the embedded engine's
+    ``meta_info["sampling_mask"]``, or from SGLang's ``output_token_sampling_mask`` (the ids) and
+    ``output_token_sampling_logprobs`` (the sampled token's log-prob renormalised over them),
+    whose log kept mass is ``output_logprobs - sampling_logprobs`` (log p = log q + log mass).
     ValueError when missing, of the wrong length, or a sent set lacks its sampled token."""
-    mask = meta["sampling_mask"]
-    kept, mass = mask["kept_ids"], [float(m) for m in mask["log_kept_mass"]]
+    if "sampling_mask" not in meta and "output_token_sampling_mask" in meta:  # SGLang
+        kept = meta["output_token_sampling_mask"]
+        truncated = [float(lp) for lp in meta["output_token_sampling_logprobs"]]
+        if output_logprobs is None or len(truncated) != len(output_logprobs):
+            raise ValueError(f"{len(truncated)} sampling log-probs for "
+                             f"{'no' if output_logprobs is None else len(output_logprobs)} output log-probs")
+        mass = [full - lq for full, lq in zip(output_logprobs, truncated)]
+    else:
+        mask = meta["sampling_mask"]
+        kept, mass = mask["kept_ids"], [float(m) for m in mask["log_kept_mass"]]
     if len(kept) != len(output_ids) or len(mass) != len(output_ids):
         raise ValueError(f"{len(kept)} kept sets and {len(mass)} masses for {len(output_ids)} tokens")
     kept = [None if ids is None else [int(i) for i in ids] for ids in kept]
@@ -421,7 +437,7 @@ def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample
     kept = mass = None
     if with_mask:
         try:
-            kept, mass = parse_sampling_mask(meta, output_ids)
+            kept, mass = parse_sampling_mask(meta, output_ids, [float(lp) for lp, _, _ in token_logprobs])
         except (KeyError, TypeError, ValueError) as e:
             raise RolloutError(server, route, f"sampling_mask missing or malformed ({type(e).__name__}: {e})") from None
     return Sample(
@@ -455,9 +471,11 @@ class RolloutClient:
 
     @classmethod
     def from_config(cls, rollout_cfg, urls: Optional[Sequence[str]] = None, *,
-                    sequences_per_request: Optional[int] = None) -> "RolloutClient":
+                    sequences_per_request: Optional[int] = None,
+                    mask_budget_per_request: bool = True) -> "RolloutClient":
         """A client for ``urls`` (default ``rollout_cfg.urls``) with the timeouts of a
-        RolloutConfig; ``sequences_per_request``: see ``AsyncRolloutClient.generate``."""
+        RolloutConfig; ``sequences_per_request``: see ``AsyncRolloutClient.generate``;
+        ``mask_budget_per_request``: the engine's ``sampling_mask_budget_per_request``."""
         return cls(
             list(urls if urls is not None else rollout_cfg.urls),
             api_key=rollout_cfg.api_key,
@@ -465,6 +483,7 @@ class RolloutClient:
             max_retries=rollout_cfg.max_retries,
             max_inflight_requests=rollout_cfg.max_inflight_requests,
             sequences_per_request=sequences_per_request,
+            mask_budget_per_request=mask_budget_per_request,
         )
 
     @property

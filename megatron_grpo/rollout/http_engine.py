@@ -43,7 +43,9 @@ def start_servers(rollout_cfg, *, model_dir: str, run_dir: str,
         raise ValueError("start_servers: rollout_cfg must carry the spawned servers' API key")
     urls = spawned.start()
     per_request = spawned.adapter.sequences_per_request(spawned.rollout_cfg)
-    return spawned, RolloutClient.from_config(spawned.rollout_cfg, urls, sequences_per_request=per_request)
+    return spawned, RolloutClient.from_config(
+        spawned.rollout_cfg, urls, sequences_per_request=per_request,
+        mask_budget_per_request=spawned.adapter.sampling_mask_budget_per_request)
 
 
 def spawn_servers(rollout_cfg, *, model_dir: str, run_dir: str) -> Optional[RolloutServerManager]:

@@ -30,8 +30,17 @@ class EngineAdapter:
     supports_memory_release: bool = False
     """True: the engine can give its GPU memory back between rollouts (rollout.colocate)."""
     reports_sampling_mask: bool = False
-    """True: /generate answers ``return_sampling_mask`` with each draw's kept set and log kept
-    mass (``meta_info.sampling_mask``; rollout.sampling_mask_replay needs it)."""
+    """True: /generate answers ``return_sampling_mask`` with each draw's kept set and its
+    log-prob under the renormalised, truncated distribution (the embedded engine's
+    ``meta_info.sampling_mask``, SGLang's ``output_token_sampling_mask`` and
+    ``output_token_sampling_logprobs``; rollout.sampling_mask_replay needs it)."""
+    sampling_mask_budget_per_request: bool = False
+    """True: the largest kept set sent is a /generate key (the embedded engine's
+    ``sampling_mask_max_kept``); False: a launch argument (SGLang's
+    ``--sampling-mask-max-tokens``), and the request must not carry the key."""
+    sampling_mask_needs_top_k: bool = False
+    """True: the engine reports kept sets only for a finite ``1 < top_k <= sampling_mask_max_kept``
+    (SGLang refuses the request otherwise: an unbounded top-p set has no size limit)."""
     quantizations: frozenset[str] = frozenset()
     """rollout.quantization values the engine serves (besides null)."""
     fp8_formats: frozenset[str] = frozenset()

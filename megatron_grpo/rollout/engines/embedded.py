@@ -21,6 +21,7 @@ class EmbeddedAdapter(EngineAdapter):
     backends = frozenset({"gloo", "nccl"})
     returns_routing = True  # rollout.embedded.routing
     reports_sampling_mask = True  # rollout.embedded.sampling
+    sampling_mask_budget_per_request = True
     reports_token_versions = True  # rollout.embedded.scheduler (sample_step, RETRACT)
     quantizations = frozenset({"fp8", "int8"})  # rollout.embedded.quantize, on CPU and GPU
     fp8_formats = frozenset({"e4m3", "e5m2"})

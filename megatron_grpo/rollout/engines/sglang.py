@@ -141,6 +141,10 @@ class SGLangAdapter(EngineAdapter):
     # parsed by rollout/client.py); its /pause_generation retract mode keeps the drawn tokens
     # and re-prefills them with the new weights on /continue_generation
     reports_token_versions = True
+    # SGLang 0.5.23's return_sampling_mask: each draw's support (ids) and the sampled token's
+    # log-prob renormalised over it, for a finite top_k <= --sampling-mask-max-tokens only
+    reports_sampling_mask = True
+    sampling_mask_needs_top_k = True
 
     def gpus_per_server(self, rollout_cfg: RolloutConfig) -> int:
         return rollout_cfg.sglang.tp
@@ -167,6 +171,8 @@ class SGLangAdapter(EngineAdapter):
             cmd += ["--base-gpu-id", str(gpu_ids[0])]
         if rollout_cfg.quantization:
             cmd += ["--quantization", rollout_cfg.quantization]
+        if rollout_cfg.truncates and rollout_cfg.sampling_mask_replay:
+            cmd += ["--sampling-mask-max-tokens", str(rollout_cfg.sampling_mask_max_kept)]
         if rollout_cfg.colocate:
             cmd += ["--enable-memory-saver"]  # what /release_memory_occupation needs
         if rollout_cfg.api_key:  # a 0600 file, not argv, where `ps` shows it to every local user
