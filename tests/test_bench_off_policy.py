@@ -75,6 +75,8 @@ def test_run_summary_by_hand():
     collapsed = bench.run_summary(rows({2: 0.2, 4: 0.05}, 4))
     assert collapsed["collapsed"] and collapsed["reached"] is None
     assert math.isnan(bench.run_summary(rows({}, 3))["final"])  # no eval: no held-out numbers
+    one_step = [{**r, "rollout/policy_lag": 1.0 * (r["step"] > 1)} for r in rows({}, 4)]
+    assert bench.run_summary(one_step)["lag"] == 0.75  # one-step logs the policy lag only
 
 
 def write_run(out: Path, name: str, records: list[dict]) -> None:

@@ -31,7 +31,8 @@ Reasoning columns: final and best held-out pass@1; how many seeds reached pass@1
 and at which step (mean over those that did); how many collapsed (final held-out pass@1 below
 COLLAPSE); the mean training reward; the median seconds per step and the mean load average;
 and, averaged over the steps, |log mu - log pi_old|, the fraction of tokens with rho outside
-[0.9, 1.1], k3 KL, the extremes of rho, and the mean token lag (0 in sync mode).
+[0.9, 1.1], k3 KL, the extremes of rho, and the mean token lag (the policy lag where the
+mode logs no per-token lag; 0 in sync mode).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def run_summary(rows: list[dict], target: float = TARGET, collapse: float = COLL
     evals = [(r["step"], float(r[PASS1])) for r in rows if PASS1 in r]
     reached = next((step for step, v in evals if v >= target), None)
     final = evals[-1][1] if evals else float("nan")
-    lag = _values(rows, "rollout/token_lag_mean")
+    lag = _values(rows, "rollout/token_lag_mean") or _values(rows, "rollout/policy_lag")  # async, else one-step
     return {
         "final": final,
         "best": max((v for _, v in evals), default=float("nan")),
