@@ -87,13 +87,15 @@ def write_run(out: Path, name: str, records: list[dict]) -> None:
 def test_table_counts_finished_runs_only(tmp_path):
     write_run(tmp_path, "baseline_s1", rows({2: 0.25, 4: 0.32}, 4))
     write_run(tmp_path, "baseline_s2", rows({2: 0.20, 4: 0.26}, 4))
-    write_run(tmp_path, "fp8_off_s1", rows({2: 0.10, 4: 0.04}, 4, outside=0.05))
+    write_run(tmp_path, "fp8_off_s1", [{**r, "geo_sequence_mask_masked_ratio": 0.25 * (r["step"] % 2)}
+                                       for r in rows({2: 0.10, 4: 0.04}, 4, outside=0.05)])
     write_run(tmp_path, "fp8_off_s2", rows({2: 0.5}, 2))  # cut short: not counted
     text = bench.table(tmp_path, REASONING, ["baseline", "fp8_off", "one_step_off"], [1, 2], 4, "cmd", {"x": 1.5})
     lines = {line.split(" (")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
     assert "| 0.29 (0.32, 0.26) |" in lines["baseline"] and "| 1/2, 4 | 0/2 |" in lines["baseline"]
     assert "(1/2 seeds) | 0.04 |" in lines["fp8_off"] and "| 0/1, - | 1/1 |" in lines["fp8_off"]
     assert "| 0.05 |" in lines["fp8_off"]  # rho outside [0.9, 1.1]
+    assert lines["fp8_off"].endswith("| seqs masked 0.125 |") and lines["baseline"].endswith("| - |")
     assert "(0/2 seeds) | n/a" in lines["one_step_off"]
     assert "mean 1-min load average over the runs 1.5" in text
     bench.write_plot(tmp_path, ["baseline", "fp8_off"], [1, 2], 4)

@@ -191,7 +191,6 @@ def served(tmp_path_factory):
 @pytest.mark.slow
 def test_engine_and_trainer_both_score_the_truncated_distribution(served):
     from megatron_grpo.rollout.types import SamplingParams
-    from megatron_grpo.trainer.batch import build_train_batch, pad_kept_ids, truncated_log_probs
 
     _, client, hf = served
     temperature = 0.8
@@ -201,8 +200,17 @@ def test_engine_and_trainer_both_score_the_truncated_distribution(served):
     samples = client.generate(prompts, 4, sampling, sampling_seed=11)
     assert all(s.finish_reason in ("stop", "length") for s in samples), [s.finish_reason for s in samples]
     assert max(len(s.output_ids) for s in samples) == 10
+    assert _sets_off_the_rule(samples, hf, temperature, 20, 0.7, tolerance=1e-5) == 0
+
+
+def _sets_off_the_rule(samples, hf, temperature: float, top_k: int, top_p: float, tolerance: float) -> int:
+    """Checks the engine's truncated log-probs of ``samples`` against the trainer's op over the
+    same kept sets on ``hf``'s logits (within ``tolerance``; the full-distribution ones differ),
+    and returns how many kept sets differ from SGLang's joint rule on those logits."""
+    from megatron_grpo.trainer.batch import build_train_batch, pad_kept_ids, truncated_log_probs
+
     masses = [m for s in samples for m in s.log_kept_mass]
-    assert max(masses) <= 1e-6 and sum(masses) / len(masses) < -0.05  # top_p 0.7 cuts real mass
+    assert max(masses) <= 1e-6 and sum(masses) / len(masses) < -0.05, masses  # top_p cuts real mass
     rollout_lp = [truncated_log_probs(s.output_logprobs, s.kept_ids, s.log_kept_mass) for s in samples]
     batch = build_train_batch([s.prompt_ids for s in samples], [s.output_ids for s in samples], rollout_lp,
                               torch.zeros(len(samples)), pad_id=0)
@@ -214,14 +222,12 @@ def test_engine_and_trainer_both_score_the_truncated_distribution(served):
                                              kept_ids=batch.kept_ids)
     mask = batch.loss_mask.bool()
     diff = (trainer_lp - batch.rollout_log_probs)[mask].abs()
-    assert diff.max() < 1e-5, diff.max()  # fp32 agreement, both of the truncated distribution
+    assert diff.max() < tolerance, diff.max()  # fp32 agreement, both of the truncated distribution
     full_lp, _ = vocab_parallel_log_probs(logits, batch.tokens[:, 1:], temperature=temperature)
     assert (full_lp - batch.rollout_log_probs)[mask].abs().mean() > 0.05  # what no replay would log
-    # each set is what SGLang's rule keeps on the engine's own (here: the same) logits
     probs = torch.softmax(logits.double() / temperature, dim=-1)
-    for i, s in enumerate(samples):
-        for j, ids in enumerate(s.kept_ids):
-            assert set(ids) == _kept_by_rule(probs[i, len(s.prompt_ids) - 1 + j], 20, 0.7, 0.0)
+    return sum(set(ids) != _kept_by_rule(probs[i, len(s.prompt_ids) - 1 + j], top_k, top_p, 0.0)
+               for i, s in enumerate(samples) for j, ids in enumerate(s.kept_ids))
 
 
 def test_sglang_and_trainer_both_score_the_truncated_distribution(demo, sglang_servers):
@@ -232,7 +238,6 @@ def test_sglang_and_trainer_both_score_the_truncated_distribution(demo, sglang_s
 
     from megatron_grpo.rollout.client import RolloutClient
     from megatron_grpo.rollout.types import SamplingParams
-    from megatron_grpo.trainer.batch import build_train_batch, pad_kept_ids, truncated_log_probs
     from tests.sglang_shared import API_KEY
 
     model_dir = demo / "model"
@@ -248,29 +253,10 @@ def test_sglang_and_trainer_both_score_the_truncated_distribution(demo, sglang_s
     finally:
         client.close()
     assert all(len(s.output_ids) == 10 for s in samples), [s.finish_reason for s in samples]
-    masses = [m for s in samples for m in s.log_kept_mass]
-    assert max(masses) <= 1e-6 and sum(masses) / len(masses) < -0.05, masses  # top_p 0.7 cuts real mass
-    rollout_lp = [truncated_log_probs(s.output_logprobs, s.kept_ids, s.log_kept_mass) for s in samples]
-    batch = build_train_batch([s.prompt_ids for s in samples], [s.output_ids for s in samples], rollout_lp,
-                              torch.zeros(len(samples)), pad_id=0)
-    batch.kept_ids = pad_kept_ids([len(s.prompt_ids) for s in samples], [s.kept_ids for s in samples],
-                                  batch.seq_length)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = hf(batch.tokens).logits[:, :-1]
-    trainer_lp, _ = vocab_parallel_log_probs(logits, batch.tokens[:, 1:], temperature=temperature,
-                                             kept_ids=batch.kept_ids)
-    mask = batch.loss_mask.bool()
-    diff = (trainer_lp - batch.rollout_log_probs)[mask].abs()
-    assert diff.max() < 1e-4, diff.max()  # fp32 agreement, both of the truncated distribution
-    full_lp, _ = vocab_parallel_log_probs(logits, batch.tokens[:, 1:], temperature=temperature)
-    assert (full_lp - batch.rollout_log_probs)[mask].abs().mean() > 0.05  # what no replay would log
     # SGLang's sets are its joint rule on its own logits: the same as on transformers' logits but
     # where a probability sits within rounding of the cut
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    differ = sum(set(ids) != _kept_by_rule(probs[i, len(s.prompt_ids) - 1 + j], top_k, top_p, 0.0)
-                 for i, s in enumerate(samples) for j, ids in enumerate(s.kept_ids))
-    assert differ <= 1, differ
+    assert _sets_off_the_rule(samples, hf, temperature, top_k, top_p, tolerance=1e-4) <= 1
 
 
 def test_a_kept_set_without_its_token_is_refused():
@@ -293,17 +279,21 @@ def test_demo_with_top_p_logs_the_kept_mass_and_an_fp32_mismatch(demo, tmp_path,
     """The real `megatron-grpo train` (TP=2, embedded or in-process engine) at top_p 0.7: both
     sides describe the truncated distribution, so the logged mismatch stays at fp32 level while
     the kept mass shows the truncation."""
+    _train_truncated(demo, tmp_path / "run", 4, "rollout.top_p=0.7", f"rollout.engine={engine}")
+
+
+def _train_truncated(demo, run_dir, steps: int, *overrides: str) -> None:
+    """A demo run with truncated sampling: every step logs the kept mass of a real cut, every
+    set sent, and a train/rollout mismatch at fp32 level."""
     import subprocess
 
     from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
 
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(train_cmd(demo, run_dir, 4, "rollout.top_p=0.7", "eval.every_n_steps=0",
-                                    f"rollout.engine={engine}"), cwd=ROOT,
+    proc = subprocess.run(train_cmd(demo, run_dir, steps, "eval.every_n_steps=0", *overrides), cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(run_dir)
-    assert len(records) == 4
+    assert len(records) == steps
     for r in records:
         assert r["rollout/log_kept_mass_mean"] < -0.05
         assert r["rollout/sampling_mask_unsent_frac"] == 0.0
@@ -313,23 +303,9 @@ def test_demo_with_top_p_logs_the_kept_mass_and_an_fp32_mismatch(demo, tmp_path,
 def test_demo_on_the_real_sglang_with_top_k_and_top_p_replays_its_sets(demo, tmp_path, sglang_servers):
     """The same run against the real SGLang (the shared server): its sets reach the trainer,
     which scores the truncated distribution too."""
-    import subprocess
-
-    from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
-
-    run_dir = tmp_path / "run"
     url = sglang_servers.serve(demo / "model")
-    proc = subprocess.run(train_cmd(demo, run_dir, 3, "rollout.top_p=0.7", "rollout.top_k=20",
-                                    "rollout.temperature=1.3", "eval.every_n_steps=0",
-                                    *sglang_servers.train_overrides(url)),
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = read_metrics(run_dir)
-    assert len(records) == 3
-    for r in records:
-        assert r["rollout/log_kept_mass_mean"] < -0.05
-        assert r["rollout/sampling_mask_unsent_frac"] == 0.0
-        assert r["rollout_train_logprobs_abs_diff_mean"] < 1e-5
+    _train_truncated(demo, tmp_path / "run", 3, "rollout.top_p=0.7", "rollout.top_k=20", "rollout.temperature=1.3",
+                     *sglang_servers.train_overrides(url))
 
 
 def test_sglang_replays_the_mask_only_with_a_bounded_top_k():

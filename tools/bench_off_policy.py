@@ -31,8 +31,9 @@ Reasoning columns: final and best held-out pass@1; how many seeds reached pass@1
 and at which step (mean over those that did); how many collapsed (final held-out pass@1 below
 COLLAPSE); the mean training reward; the median seconds per step and the mean load average;
 and, averaged over the steps, |log mu - log pi_old|, the fraction of tokens with rho outside
-[0.9, 1.1], k3 KL, the extremes of rho, and the mean token lag (the policy lag where the
-mode logs no per-token lag; 0 in sync mode).
+[0.9, 1.1], k3 KL, the extremes of rho, the mean token lag (the policy lag where the
+mode logs no per-token lag; 0 in sync mode), and what the correction cut: the fractions of
+tokens or sequences whose TIS weight hit its cap and of sequences a mask dropped.
 """
 
 from __future__ import annotations
@@ -163,8 +164,21 @@ def run_summary(rows: list[dict], target: float = TARGET, collapse: float = COLL
         "rho_max": max(_values(rows, "is_ratio_max"), default=float("nan")),
         "lag": _mean(lag) if lag else 0.0,
         "geo_masked": _mean(_values(rows, "geo_sequence_mask_masked_ratio")),
+        "binds": {label: _mean(v) for label, key in BINDS if (v := _values(rows, key))},
         "kept_mass": _mean(_values(rows, "rollout/log_kept_mass_mean")),
     }
+
+
+BINDS = [("tokens clipped", "tis_token_clip_high_ratio"), ("seqs clipped", "tis_seq_clip_high_ratio"),
+         ("seqs masked", "geo_sequence_mask_masked_ratio"), ("outlier seqs", "outlier_seq_masked_ratio")]
+"""(label, metric) of what a correction cut, each averaged over the steps: where the caps bind."""
+
+
+def _binds(summaries: list[dict]) -> str:
+    """``label value`` for each cut the arm's runs logged (mean over seeds), or ``-``."""
+    labels = [label for label, _ in BINDS if any(label in x["binds"] for x in summaries)]
+    return ", ".join(f"{label} {fmt(_mean([x['binds'][label] for x in summaries if label in x['binds']]))}"
+                     for label in labels) or "-"
 
 
 def fmt(x) -> str:
@@ -197,6 +211,7 @@ REASONING_COLUMNS: list[tuple[str, Callable[[list[dict]], str]]] = [
     ("rho min / max", lambda s: f"{fmt(min((x['rho_min'] for x in s), default=float('nan')))} / "
      f"{fmt(max((x['rho_max'] for x in s), default=float('nan')))}"),
     ("token lag", lambda s: fmt(_mean([x["lag"] for x in s]))),
+    ("what the correction cut", _binds),
 ]
 
 DEMO_COLUMNS: list[tuple[str, Callable[[list[dict]], str]]] = [
