@@ -206,6 +206,28 @@ def _stream(url: str, prompt: list[int], seed: int, progress: list[int], results
         results[i] = e
 
 
+def _retract_when(client, url: str, progress: list[int], target: int, threads, results) -> None:
+    """Pause SGLang (retract) once every sequence has drawn ``target`` tokens and none has
+    finished. The streams show the scheduler's progress late (under load the scheduler can
+    finish a sequence before its first chunks arrive), so the count is read while paused, after
+    the streams have drained, and generation continues in short bursts until it is reached."""
+    deadline = time.monotonic() + 300
+    while True:
+        client.pause_generation(url, mode="retract")
+        seen, still = list(progress), time.monotonic()
+        while time.monotonic() - still < 0.5:  # drained: nothing new for half a second
+            time.sleep(0.05)
+            if progress != seen:
+                seen, still = list(progress), time.monotonic()
+        assert max(progress) < LONG["max_new_tokens"] and all(t.is_alive() for t in threads), (
+            progress, [r if isinstance(r, Exception) else r and r["meta_info"]["finish_reason"] for r in results])
+        if min(progress) >= target:
+            return
+        assert time.monotonic() < deadline, progress
+        client.continue_generation(url)
+        time.sleep(0.02)
+
+
 def test_sglang_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_them(versions, sglang_servers):
     """What the weight sync does to SGLang in async mode (retract, load, label, continue), twice
     while every sequence is mid-flight: SGLang's weight_versions spans give each token the
@@ -224,12 +246,7 @@ def test_sglang_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_t
         for t in threads:
             t.start()
         for version, target in (("1", 20), ("2", 60)):
-            deadline = time.monotonic() + 120
-            while min(progress) < target:
-                assert time.monotonic() < deadline and all(t.is_alive() for t in threads), (
-                    progress, [r if isinstance(r, Exception) else r and r["meta_info"]["finish_reason"] for r in results])
-                time.sleep(0.005)
-            client.pause_generation(url, mode="retract")
+            _retract_when(client, url, progress, target, threads, results)
             client.flush_cache(url)
             client.run(client.aio.update_weights_from_disk(url, str(versions[int(version)])))
             client.update_weight_version(url, version)
