@@ -25,7 +25,7 @@ finished run (its metrics.jsonl has the last step) is not run again and an unfin
 starts over, so the script can be restarted; ``--table-only`` only rebuilds the outputs:
 ``OUT/table.md`` (per arm the mean over seeds and the per-seed values) and, for the reasoning
 workload, ``OUT/plot.png`` (held-out pass@1 and the fraction of tokens with rho outside
-[0.9, 1.1] against the step, one line per seed).
+[0.9, 1.1] against the step, each arm's mean over seeds with its min-to-max band).
 
 Reasoning columns: final and best held-out pass@1; how many seeds reached pass@1 >= TARGET
 and at which step (mean over those that did); how many collapsed (final held-out pass@1 below
@@ -242,34 +242,40 @@ def table(out: Path, workload: Workload, arms: list[str], seeds: list[int], step
             f"Command: `{command}`\n")
 
 
+def _mean_curve(runs: list[list[dict]], key: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """(steps, mean, min, max) over ``runs`` of ``key`` at the steps every run logged it."""
+    by_run = [{r["step"]: float(r[key]) for r in rows if key in r} for rows in runs]
+    steps = sorted(set.intersection(*(set(d) for d in by_run))) if by_run else []
+    values = [[d[step] for d in by_run] for step in steps]
+    return steps, [statistics.fmean(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
 def write_plot(out: Path, arms: list[str], seeds: list[int], steps: int) -> Path:
-    """``OUT/plot.png``: held-out pass@1 and the fraction of rho outside [0.9, 1.1] vs step."""
+    """``OUT/plot.png``: per arm, the mean over its finished seeds (band: min to max) of held-out
+    pass@1 and of the fraction of tokens with rho outside [0.9, 1.1], against the step."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(14, 5.5))
     FigureCanvasAgg(fig)
     left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    colors = {arm: f"C{i % 10}" for i, arm in enumerate(arms)}
-    styles = ["-", "--", ":", "-.", (0, (1, 3))]
     for i, arm in enumerate(arms):
-        for j, seed in enumerate(seeds):
-            rows = read_metrics(out / f"{arm}_s{seed}")
-            if len(rows) < steps:
-                continue
-            label = arm if j == 0 else None
-            style = styles[(i // 10) % len(styles)]
-            evals = [(r["step"], r[PASS1]) for r in rows if PASS1 in r]
-            if evals:
-                left.plot(*zip(*evals), color=colors[arm], linestyle=style, alpha=0.7, label=label)
-            outside = [(r["step"], r["is_ratio_outside_10pct"]) for r in rows if "is_ratio_outside_10pct" in r]
-            if outside:
-                right.plot(*zip(*outside), color=colors[arm], linestyle=style, alpha=0.6, label=label)
-    left.set(title="held-out pass@1 (one line per seed)", xlabel="step")
+        runs = [rows for rows in (read_metrics(out / f"{arm}_s{seed}") for seed in seeds) if len(rows) >= steps]
+        if not runs:
+            continue
+        style = dict(color=f"C{i % 10}", linestyle=["-", "--", ":"][(i // 10) % 3])
+        label = f"{arm} ({len(runs)} seeds)"
+        for ax, key in ((left, PASS1), (right, "is_ratio_outside_10pct")):
+            x, mean, low, high = _mean_curve(runs, key)
+            if x:
+                ax.plot(x, mean, label=label, **style)
+                if ax is left and len(runs) > 1:
+                    ax.fill_between(x, low, high, color=style["color"], alpha=0.08)
+    left.set(title="held-out pass@1: mean over seeds (band: min to max)", xlabel="step")
     left.axhline(TARGET, color="grey", linewidth=0.8)
-    right.set(title="fraction of tokens with rho outside [0.9, 1.1]", xlabel="step", yscale="symlog",
-              ylim=(0, 1))
+    right.set(title="fraction of tokens with rho outside [0.9, 1.1] (mean over seeds)", xlabel="step")
     right.set_yscale("symlog", linthresh=1e-4)
+    right.set_ylim(0, 1)
     left.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path = out / "plot.png"
