@@ -69,6 +69,7 @@ def rows(pass1: dict[int, float], steps: int, outside: float = 0.01) -> list[dic
 def test_run_summary_by_hand():
     s = bench.run_summary(rows({2: 0.25, 4: 0.31, 6: 0.28}, 6))
     assert s["final"] == 0.28 and s["best"] == 0.31 and s["reached"] == 4 and not s["collapsed"]
+    assert s["to_target_s"] == 10.0  # steps 1..4 took 1 + 2 + 3 + 4 s
     assert s["reward"] == pytest.approx(0.35)  # mean of 0.1 .. 0.6
     assert s["step_s"] == 4.0  # median of steps 2..6
     assert (s["rho_min"], s["rho_max"], s["outside"], s["lag"]) == (pytest.approx(1 / 6), 6.0, 0.01, 0.0)
@@ -92,8 +93,8 @@ def test_table_counts_finished_runs_only(tmp_path):
     write_run(tmp_path, "fp8_off_s2", rows({2: 0.5}, 2))  # cut short: not counted
     text = bench.table(tmp_path, REASONING, ["baseline", "fp8_off", "one_step_off"], [1, 2], 4, "cmd", {"x": 1.5})
     lines = {line.split(" (")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
-    assert "| 0.29 (0.32, 0.26) |" in lines["baseline"] and "| 1/2, 4 | 0/2 |" in lines["baseline"]
-    assert "(1/2 seeds) | 0.04 |" in lines["fp8_off"] and "| 0/1, - | 1/1 |" in lines["fp8_off"]
+    assert "| 0.29 (0.32, 0.26) |" in lines["baseline"] and "| 1/2, 4 | 10 | 0/2 |" in lines["baseline"]
+    assert "(1/2 seeds) | 0.04 |" in lines["fp8_off"] and "| 0/1, - | - | 1/1 |" in lines["fp8_off"]
     assert "| 0.05 |" in lines["fp8_off"]  # rho outside [0.9, 1.1]
     assert lines["fp8_off"].endswith("| seqs masked 0.125 |") and lines["baseline"].endswith("| - |")
     assert "(0/2 seeds) | n/a" in lines["one_step_off"]

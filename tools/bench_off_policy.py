@@ -27,8 +27,9 @@ starts over, so the script can be restarted; ``--table-only`` only rebuilds the 
 workload, ``OUT/plot.png`` (held-out pass@1 and the fraction of tokens with rho outside
 [0.9, 1.1] against the step, each arm's mean over seeds with its min-to-max band).
 
-Reasoning columns: final and best held-out pass@1; how many seeds reached pass@1 >= TARGET
-and at which step (mean over those that did); how many collapsed (final held-out pass@1 below
+Reasoning columns: final and best held-out pass@1; how many seeds reached pass@1 >= TARGET,
+at which step and after how many seconds of training steps (evals excluded; means over those
+that did); how many collapsed (final held-out pass@1 below
 COLLAPSE); the mean training reward; the median seconds per step and the mean load average;
 and, averaged over the steps, |log mu - log pi_old|, the fraction of tokens with rho outside
 [0.9, 1.1], k3 KL, the extremes of rho, the mean token lag (the policy lag where the
@@ -148,10 +149,14 @@ def run_summary(rows: list[dict], target: float = TARGET, collapse: float = COLL
     reached = next((step for step, v in evals if v >= target), None)
     final = evals[-1][1] if evals else float("nan")
     lag = _values(rows, "rollout/token_lag_mean") or _values(rows, "rollout/policy_lag")  # async, else one-step
+    # the steps' wall time without the held-out evals, up to the step that reached the target
+    to_target = None if reached is None else sum(
+        r.get("time/step_s", 0.0) - r.get("time/eval_s", 0.0) for r in rows if r["step"] <= reached)
     return {
         "final": final,
         "best": max((v for _, v in evals), default=float("nan")),
         "reached": reached,
+        "to_target_s": to_target,
         "collapsed": bool(evals) and final < collapse,
         "reward": _mean(_values(rows, "reward_mean")),
         "reward_final": rows[-1]["reward_mean"] if rows else float("nan"),
@@ -202,6 +207,8 @@ REASONING_COLUMNS: list[tuple[str, Callable[[list[dict]], str]]] = [
     ("best pass@1", lambda s: _cell([x["best"] for x in s])),
     (f"reached {TARGET}: seeds, mean step", lambda s: f"{sum(x['reached'] is not None for x in s)}/{len(s)}, "
      + (fmt(_mean(steps)) if (steps := [x["reached"] for x in s if x["reached"] is not None]) else "-")),
+    ("s to reach it", lambda s: fmt(_mean(t)) if (t := [x["to_target_s"] for x in s if x["reached"] is not None])
+     else "-"),
     ("collapsed", lambda s: f"{sum(x['collapsed'] for x in s)}/{len(s)}"),
     ("train reward, all steps", lambda s: _cell([x["reward"] for x in s])),
     ("s / step", lambda s: fmt(_mean([x["step_s"] for x in s]))),
