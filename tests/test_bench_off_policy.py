@@ -70,12 +70,15 @@ def test_run_summary_by_hand():
     s = bench.run_summary(rows({2: 0.25, 4: 0.31, 6: 0.28}, 6))
     assert s["final"] == 0.28 and s["best"] == 0.31 and s["reached"] == 4 and not s["collapsed"]
     assert s["to_target_s"] == 10.0  # steps 1..4 took 1 + 2 + 3 + 4 s
+    assert s["last3"] == pytest.approx((0.25 + 0.31 + 0.28) / 3)
     assert s["reward"] == pytest.approx(0.35)  # mean of 0.1 .. 0.6
     assert s["step_s"] == 4.0  # median of steps 2..6
     assert (s["rho_min"], s["rho_max"], s["outside"], s["lag"]) == (pytest.approx(1 / 6), 6.0, 0.01, 0.0)
     collapsed = bench.run_summary(rows({2: 0.2, 4: 0.05}, 4))
     assert collapsed["collapsed"] and collapsed["reached"] is None
     assert math.isnan(bench.run_summary(rows({}, 3))["final"])  # no eval: no held-out numbers
+    stale = [{**r, "async/groups_stale_total": float(r["step"])} for r in rows({}, 4)]
+    assert bench.run_summary(stale)["stale"] == 4.0  # the run's total, from its last step
     one_step = [{**r, "rollout/policy_lag": 1.0 * (r["step"] > 1)} for r in rows({}, 4)]
     assert bench.run_summary(one_step)["lag"] == 0.75  # one-step logs the policy lag only
 
@@ -96,7 +99,7 @@ def test_table_counts_finished_runs_only(tmp_path):
     assert "| 0.29 (0.32, 0.26) |" in lines["baseline"] and "| 1/2, 4 | 10 | 0/2 |" in lines["baseline"]
     assert "(1/2 seeds) | 0.04 |" in lines["fp8_off"] and "| 0/1, - | - | 1/1 |" in lines["fp8_off"]
     assert "| 0.05 |" in lines["fp8_off"]  # rho outside [0.9, 1.1]
-    assert lines["fp8_off"].endswith("| seqs masked 0.125 |") and lines["baseline"].endswith("| - |")
+    assert lines["fp8_off"].endswith("| 0 | seqs masked 0.125 |") and lines["baseline"].endswith("| 0 | - |")
     assert "(0/2 seeds) | n/a" in lines["one_step_off"]
     assert "mean 1-min load average over the runs 1.5" in text
     bench.write_plot(tmp_path, ["baseline", "fp8_off"], [1, 2], 4)

@@ -27,13 +27,15 @@ starts over, so the script can be restarted; ``--table-only`` only rebuilds the 
 workload, ``OUT/plot.png`` (held-out pass@1 and the fraction of tokens with rho outside
 [0.9, 1.1] against the step, each arm's mean over seeds with its min-to-max band).
 
-Reasoning columns: final and best held-out pass@1; how many seeds reached pass@1 >= TARGET,
+Reasoning columns: held-out pass@1 at the end, averaged over the last three evals (less eval
+noise than one) and at its best; how many seeds reached pass@1 >= TARGET,
 at which step and after how many seconds of training steps (evals excluded; means over those
 that did); how many collapsed (final held-out pass@1 below
 COLLAPSE); the mean training reward; the median seconds per step and the mean load average;
 and, averaged over the steps, |log mu - log pi_old|, the fraction of tokens with rho outside
 [0.9, 1.1], k3 KL, the extremes of rho, the mean token lag (the policy lag where the
-mode logs no per-token lag; 0 in sync mode), and what the correction cut: the fractions of
+mode logs no per-token lag; 0 in sync mode), the groups an async run found past the bound
+(regenerated or dropped, per run), and what the correction cut: the fractions of
 tokens or sequences whose TIS weight hit its cap and of sequences a mask dropped.
 """
 
@@ -155,6 +157,7 @@ def run_summary(rows: list[dict], target: float = TARGET, collapse: float = COLL
     return {
         "final": final,
         "best": max((v for _, v in evals), default=float("nan")),
+        "last3": _mean([v for _, v in evals[-3:]]),
         "reached": reached,
         "to_target_s": to_target,
         "collapsed": bool(evals) and final < collapse,
@@ -168,6 +171,7 @@ def run_summary(rows: list[dict], target: float = TARGET, collapse: float = COLL
         "rho_min": min(_values(rows, "is_ratio_min"), default=float("nan")),
         "rho_max": max(_values(rows, "is_ratio_max"), default=float("nan")),
         "lag": _mean(lag) if lag else 0.0,
+        "stale": rows[-1].get("async/groups_stale_total", 0.0) if rows else 0.0,
         "geo_masked": _mean(_values(rows, "geo_sequence_mask_masked_ratio")),
         "binds": {label: _mean(v) for label, key in BINDS if (v := _values(rows, key))},
         "kept_mass": _mean(_values(rows, "rollout/log_kept_mass_mean")),
@@ -204,6 +208,7 @@ def _cell(per_seed: list, how=_mean) -> str:
 
 REASONING_COLUMNS: list[tuple[str, Callable[[list[dict]], str]]] = [
     ("final held-out pass@1", lambda s: _cell([x["final"] for x in s])),
+    ("pass@1, last 3 evals", lambda s: _cell([x["last3"] for x in s])),
     ("best pass@1", lambda s: _cell([x["best"] for x in s])),
     (f"reached {TARGET}: seeds, mean step", lambda s: f"{sum(x['reached'] is not None for x in s)}/{len(s)}, "
      + (fmt(_mean(steps)) if (steps := [x["reached"] for x in s if x["reached"] is not None]) else "-")),
@@ -218,6 +223,7 @@ REASONING_COLUMNS: list[tuple[str, Callable[[list[dict]], str]]] = [
     ("rho min / max", lambda s: f"{fmt(min((x['rho_min'] for x in s), default=float('nan')))} / "
      f"{fmt(max((x['rho_max'] for x in s), default=float('nan')))}"),
     ("token lag", lambda s: fmt(_mean([x["lag"] for x in s]))),
+    ("stale groups", lambda s: fmt(_mean([x["stale"] for x in s]))),
     ("what the correction cut", _binds),
 ]
 
