@@ -123,6 +123,7 @@ def test_engine_killed_mid_flight_is_restarted_and_its_groups_regenerated(demo, 
     assert sorted(trained) == list(range(steps * B))
 
 
+@pytest.mark.slow
 def test_async_on_the_real_sglang_keeps_the_bound_with_its_token_versions(demo, tmp_path, sglang_servers):
     """The same scheduler against the real SGLang (the session's shared server): the sync
     retracts its sequences in flight and the bound is read from SGLang's own per-token

@@ -228,6 +228,7 @@ def _retract_when(client, url: str, progress: list[int], target: int, threads, r
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_sglang_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_them(versions, sglang_servers):
     """What the weight sync does to SGLang in async mode (retract, load, label, continue), twice
     while every sequence is mid-flight: SGLang's weight_versions spans give each token the

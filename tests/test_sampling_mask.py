@@ -230,6 +230,7 @@ def _sets_off_the_rule(samples, hf, temperature: float, top_k: int, top_p: float
                for i, s in enumerate(samples) for j, ids in enumerate(s.kept_ids))
 
 
+@pytest.mark.slow
 def test_sglang_and_trainer_both_score_the_truncated_distribution(demo, sglang_servers):
     """The same check against the real SGLang (the session's shared server, the demo model):
     its support sets and renormalised log-probs, through the client, are what the trainer's op
@@ -300,6 +301,7 @@ def _train_truncated(demo, run_dir, steps: int, *overrides: str) -> None:
         assert r["rollout_train_logprobs_abs_diff_mean"] < 1e-5
 
 
+@pytest.mark.slow
 def test_demo_on_the_real_sglang_with_top_k_and_top_p_replays_its_sets(demo, tmp_path, sglang_servers):
     """The same run against the real SGLang (the shared server): its sets reach the trainer,
     which scores the truncated distribution too."""
