@@ -434,10 +434,11 @@ def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample
             routed = routed_experts.decode(meta["routed_experts"], len(prompt) + len(output_ids) - 1)
         except (KeyError, TypeError, ValueError) as e:
             raise RolloutError(server, route, f"routed_experts missing or malformed ({type(e).__name__}: {e})") from None
+    output_logprobs = [float(lp) for lp, _, _ in token_logprobs]
     kept = mass = None
     if with_mask:
         try:
-            kept, mass = parse_sampling_mask(meta, output_ids, [float(lp) for lp, _, _ in token_logprobs])
+            kept, mass = parse_sampling_mask(meta, output_ids, output_logprobs)
         except (KeyError, TypeError, ValueError) as e:
             raise RolloutError(server, route, f"sampling_mask missing or malformed ({type(e).__name__}: {e})") from None
     return Sample(
@@ -445,7 +446,7 @@ def parse_generate_item(item: dict, prompt: list[int], prompt_index: int, sample
         sample_index=sample_index,
         prompt_ids=list(prompt),
         output_ids=output_ids,
-        output_logprobs=[float(lp) for lp, _, _ in token_logprobs],
+        output_logprobs=output_logprobs,
         finish_reason=reason,
         weight_version=weight_version,
         output_versions=versions,
