@@ -6,8 +6,8 @@
 On one CUDA device (docs/gpu.md#benchmark-for-a-gpu-loan; ``bash launch/gpu_bench.sh OUT``
 installs the carried wheels first). Each part writes ``OUT/<part>.json`` when it finishes;
 a re-run skips a part whose file exists (``--force`` re-runs it), so a loan cut short loses
-one part at most. Every part is sized to take well under 10 minutes on an H100 (an estimate
-from its FLOPs: not yet timed on a GPU). Every line printed starts with the GPU's name. The
+one part at most. Every part is sized to take well under 10 minutes (on an H200: 0.5-3 minutes
+each, docs/gpu.md#figures). Every line printed starts with the GPU's name. The
 parts, most wanted first:
 
 1. ``logprobs``: ``tools/bench_logprobs.py``'s methods (every arm its ``run`` reports: our

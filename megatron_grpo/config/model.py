@@ -35,14 +35,14 @@ class ModelConfig:
     """Tokens per chunk in the vocab-parallel log-prob/entropy op (bounds its work buffers on
     long sequences); null = automatic (cache-sized chunks)."""
 
-    logprob_kernel: Literal["auto", "torch", "triton"] = "torch"
+    logprob_kernel: Literal["auto", "torch", "triton"] = "auto"
     """Implementation of the log-prob/entropy op's per-rank passes: torch (chunked torch ops,
     any device), triton (fused one-pass Triton kernels, ops/triton_logprobs.py; needs CUDA,
     refused at pre-flight without) or auto (triton for CUDA logits when triton is installed,
     else torch). Same values and gradients; the collectives are the same two all-reduces.
-    The default stays torch until the kernels' exactness and speed have been measured on a GPU
-    (tools/bench_gpu.py's logprobs part prints both); they are checked on CPU under triton's
-    interpreter only."""
+    Measured on an H200 (docs/gpu.md): at V = 152k the Triton forward + backward is 18x faster
+    than torch's and 4.8x faster than megatron's log-prob-only cross entropy, within 2e-6 of
+    the torch path (one bf16 step in the gradient), so auto is the default."""
 
     recompute_activations: bool = False
     """Full activation recomputation of each transformer layer (saves memory, costs a forward)."""

@@ -413,7 +413,7 @@ def vocab_parallel_log_probs(
     with_entropy: bool = True,
     inplace: bool = False,
     kept_ids: Optional[torch.Tensor] = None,
-    kernel: Kernel = "torch",
+    kernel: Kernel = "auto",
     block_size: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probability of ``targets`` and entropy under ``softmax(logits / temperature)``.
@@ -441,7 +441,7 @@ def vocab_parallel_log_probs(
     kernel: "torch" (the chunked torch implementation), "triton" (``ops.triton_logprobs``:
         fused one-pass kernels; needs triton and CUDA logits, or triton's CPU interpreter as
         in the tests) or "auto" (triton for CUDA logits when triton imports, else torch).
-        The default is torch, as ``model.logprob_kernel``'s, until the kernels have run on a GPU.
+        The default is auto, as ``model.logprob_kernel``'s (the kernels' GPU measurement: docs/gpu.md).
         Same values, gradients, collectives and contract (one backward) either way;
         ``chunk_size`` only applies to torch, ``block_size`` (columns per Triton block, a
         power of 2; None = automatic) only to triton.

@@ -50,7 +50,7 @@ class ScoringSpec:
     temperature: float
     vocab_size: int  # true (unpadded) vocabulary
     chunk_size: Optional[int] = None
-    kernel: Kernel = "torch"  # model.logprob_kernel
+    kernel: Kernel = "auto"  # model.logprob_kernel
 
 
 def _token_scores(logits_BSv: torch.Tensor, mb: TrainBatch, spec: ScoringSpec, with_entropy: bool):
