@@ -14,7 +14,12 @@ order-independent:
 2. ``model_dir``'s weights are loaded from disk under weight version "default" (the version a
    fresh launch reports) and the cache is flushed;
 3. the server's log-probs of a fixed probe sequence must equal transformers' forward of
-   ``model_dir`` within ``PROBE_TOLERANCE``, else the test fails before it starts.
+   ``model_dir`` within ``PROBE_TOLERANCE``, both as a prompt (prefill) and as sampled
+   continuations (``DECODE_PROBE``: tokens drawn one at a time through the KV cache, scored by
+   transformers teacher-forced), so a server whose decoding was left broken by an earlier test
+   is caught even though its prefill is right;
+4. a server that fails 1-3 is stopped and launched afresh once (with a warning naming what
+   failed, so CI's summary shows it), and the test fails only if the fresh one fails too.
 
 What a reset cannot undo, a test that uses the shared server must not do: kill it, change its
 launch arguments, or leave a distributed weight-update group that still expects a peer. Tests
@@ -30,6 +35,7 @@ import os
 import secrets
 import shutil
 import time
+import warnings
 from pathlib import Path
 
 import psutil
@@ -37,6 +43,7 @@ import torch
 
 from megatron_grpo.config.rollout import RolloutConfig, SGLangConfig
 from megatron_grpo.rollout import RolloutClient, RolloutError
+from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.rollout.manager import RolloutServerManager
 from megatron_grpo.testing.tiny_models import build_tokenizer
 
@@ -47,6 +54,9 @@ line, which must not match another session's key (tests/test_rollout_client.py l
 key on every command line of the machine)."""
 
 PROBE_TEXT = "<|user|> what is 12 + 30 ? <|assistant|> compute 12 + 30 <eos> <|user|> result 42 <|assistant|> 42 <eos>"
+DECODE_PROBE = 8, 6
+"""Sampled continuations of the probe's prompt (everything up to its first ``<|assistant|>``)
+checked after each reset: (how many, new tokens each), temperature 1, a fixed seed."""
 PROBE_TOLERANCE = 1e-4
 """Largest |served - transformers| log-prob on the probe after a reset (fp32 on both sides;
 SGLang's CPU build agrees to ~1e-5, tests/test_rollout_client.py)."""
@@ -71,14 +81,36 @@ def probe_ids() -> list[int]:
     return build_tokenizer()(PROBE_TEXT, add_special_tokens=False)["input_ids"]
 
 
-def reference_probe_logprobs(model_dir: str | Path, ids: list[int]) -> torch.Tensor:
+def reference_probe_logprobs(model_dir: str | Path, ids: list[int], model=None) -> torch.Tensor:
     """transformers' fp32 log-probs of ``ids[1:]`` given their prefixes (the probe's reading)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1].double()
     return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def decode_probe_diff(client: RolloutClient, url: str, model_dir: str | Path) -> float:
+    """Largest |served - transformers| log-prob over ``DECODE_PROBE``'s sampled continuations of
+    the probe's prompt: each drawn token's log-prob as the server reports it (decoded through
+    its KV cache) against transformers' teacher-forced forward of the prompt and the draw."""
+    from transformers import AutoModelForCausalLM
+
+    ids = probe_ids()
+    prompt = ids[:ids.index(build_tokenizer().convert_tokens_to_ids("<|assistant|>")) + 1]
+    n, new_tokens = DECODE_PROBE
+    samples = client.generate([prompt], n, SamplingParams(temperature=1.0, max_new_tokens=new_tokens,
+                                                          ignore_eos=True), sampling_seed=1234)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    worst = 0.0
+    for sample in samples:
+        assert len(sample.output_ids) == new_tokens, (sample.finish_reason, sample.output_ids)
+        ref = reference_probe_logprobs(model_dir, prompt + sample.output_ids, model)[len(prompt) - 1:]
+        served = torch.tensor(sample.output_logprobs, dtype=torch.float64)
+        worst = max(worst, (served - ref).abs().max().item())
+    return worst
 
 
 class _Server:
@@ -108,6 +140,10 @@ class _Server:
         diff = (served - reference_probe_logprobs(model_dir, ids)).abs().max().item()
         assert diff <= PROBE_TOLERANCE, (f"the shared SGLang server at {url} does not serve {model_dir} after its "
                                          f"reset: probe log-probs differ by {diff:.2e} > {PROBE_TOLERANCE}")
+        decoded = decode_probe_diff(client, url, model_dir)
+        assert decoded <= PROBE_TOLERANCE, (f"the shared SGLang server at {url} decodes {model_dir} wrongly after "
+                                            f"its reset: sampled tokens' log-probs differ from transformers' by "
+                                            f"{decoded:.2e} > {PROBE_TOLERANCE}")
 
     def stop(self) -> None:
         self.client.close()
@@ -151,7 +187,15 @@ class SGLangServers:
             launch_dir = self.root / arch / "model"
             shutil.copytree(model_dir, launch_dir)
             server = self._servers[arch] = _Server(launch_dir, self.root / arch / "run")
-        server.reset(model_dir)
+        try:
+            server.reset(model_dir)
+        except (AssertionError, RolloutError) as e:
+            # What an earlier test left behind could not be undone: a fresh launch, said loudly.
+            warnings.warn(f"shared SGLang server for {arch} relaunched: its reset failed: {' '.join(str(e).split())[:400]}")
+            self._servers.pop(arch)
+            server.stop()
+            server = self._servers[arch] = _Server(self.root / arch / "model", self.root / arch / f"run-{time.time_ns()}")
+            server.reset(model_dir)
         return server.url
 
     @staticmethod

@@ -1,6 +1,6 @@
 """GPU verification on ONE CUDA device: the checks the CPU test suite cannot run.
 
-    python tools/gpu_smoke.py [--out DIR] [--only step,bench,self_check,demo] [--demo-steps N]
+    python tools/gpu_smoke.py [--out DIR] [--only step,features,bench,self_check,demo,fp8] [--demo-steps N]
 
 Each check prints its figures on lines that start with the GPU's name
 (``torch.cuda.get_device_name()``), and a last line ``PASS`` or ``FAIL: <check>: <why>``:
@@ -20,7 +20,10 @@ Each check prints its figures on lines that start with the GPU's name
   on the GPU: max |Δlogits| against the HF model;
 * ``demo``: the demo (``yaml_configs/demo_cpu.yaml``, its model built by
   ``tools/make_demo_model.py``) for ``--demo-steps`` steps at TP1 on the GPU: reward at the
-  start and the end, seconds per step.
+  start and the end, seconds per step;
+* ``fp8``: ``rollout.quantization=fp8`` on its GPU path: one 0.5B-sized layer through
+  ``torch._scaled_mm`` against the fake-quantized product in fp32, then three bf16 demo steps
+  with the fp8 embedded engine, every weight sync verified by the trainer's fake-quantized probe.
 
 Without CUDA it prints one line saying so and exits with code 2.
 """
@@ -41,7 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-CHECKS = ("step", "features", "bench", "self_check", "demo")
+CHECKS = ("step", "features", "bench", "self_check", "demo", "fp8")
 EXIT_NO_GPU = 2
 
 
@@ -177,6 +180,39 @@ def check_demo(out: Path, steps: int) -> None:
            wall_s=time.monotonic() - t0)
 
 
+def check_fp8(out: Path) -> None:
+    """rollout.quantization: fp8 on the GPU path (ops/quantize.py's torch._scaled_mm): one layer
+    against the fake-quantized definition, then the demo's steps with an fp8 embedded engine
+    whose every weight sync the trainer's fake-quantized probe must verify."""
+    from megatron_grpo.ops.quantize import quantize_weight, quantized_linear, scaled_mm_supported, scheme_of
+
+    scheme = scheme_of("fp8")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(512, 896, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(4864, 896, device="cuda", generator=gen) * 0.02).bfloat16()
+    if not scaled_mm_supported(x.device, x.dtype, scheme, w.shape):
+        raise RuntimeError(f"torch._scaled_mm is not used on this GPU ({torch.cuda.get_device_capability()})")
+    q = quantize_weight(w, scheme)
+    fast = quantized_linear(x, q, None, scheme).float()
+    fake = quantized_linear(x.float(), q, None, scheme).float()  # fp32: the fake-quantized definition
+    exact = (x.float() @ w.float().t())
+    rel = ((fast - fake).abs().max() / fake.abs().max()).item()
+    rel_quant = ((fake - exact).abs().max() / exact.abs().max()).item()
+    if rel > 1e-2:
+        raise RuntimeError(f"_scaled_mm differs from the fake-quantized product by {rel:.2e} (relative)")
+    _make_demo(out)
+    records = _train(out, "fp8", ["trainer.num_steps=3", "model.dtype=bfloat16", "rollout.dtype=bfloat16",
+                                  "rollout.quantization=fp8", "rollout.weight_sync_transport=tensor",
+                                  "checkpoint.save_every=0"], timeout_s=900)
+    if not all(r["weight_sync_verified"] for r in records):
+        raise RuntimeError("a weight sync of the fp8 engine was not verified")
+    report("fp8 (torch._scaled_mm in the embedded engine, bf16)",
+           layer_rel_diff_vs_fake_quant=rel, layer_rel_quant_error=rel_quant, steps=len(records),
+           syncs_verified=sum(int(r["weight_sync_verified"]) for r in records),
+           rollout_train_logprob_diff_mean=float(records[-1]["rollout_train_logprobs_abs_diff_mean"]),
+           is_ratio_outside_10pct=float(records[-1]["is_ratio_outside_10pct"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="work directory (default: a new temporary one)")
@@ -196,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[{gpu_name()}] torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB; work dir {out}", flush=True)
     runners = {"step": lambda: check_step(out), "features": lambda: check_features(out), "bench": lambda: check_bench(out),
-               "self_check": lambda: check_self_check(out), "demo": lambda: check_demo(out, args.demo_steps)}
+               "self_check": lambda: check_self_check(out), "demo": lambda: check_demo(out, args.demo_steps), "fp8": lambda: check_fp8(out)}
     failed = []
     for check in checks:
         try:
