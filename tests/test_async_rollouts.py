@@ -157,9 +157,8 @@ def test_bad_async_settings_are_one_line_errors(tmp_path):
         _load(tmp_path, mode="async", stale_groups="keep")
 
 
-def test_async_needs_an_engine_that_reports_token_versions(tmp_path):
-    with pytest.raises(ConfigError, match="rollout.mode.*async needs per-token weight versions.*'inprocess'"):
-        check_rollout(RolloutConfig(mode="async", engine="inprocess"))
+def test_async_is_accepted_on_the_engines_that_report_token_versions(tmp_path):
+    # the in-process engine and the rule's refusal: tests/test_async_inprocess.py
     check_rollout(RolloutConfig(mode="async", engine="embedded"))
     check_rollout(RolloutConfig(mode="async", engine="sglang", urls=["http://127.0.0.1:1"]))
 

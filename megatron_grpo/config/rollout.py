@@ -278,8 +278,8 @@ class RolloutConfig:
     first prompts_per_step whole groups to finish, none started more than max_staleness
     versions before the trained one; a weight sync retracts the sequences in flight, which
     resume with the new weights, each token recording its version and log-prob
-    (docs/off_policy.md, "Asynchronous rollouts"). The embedded engine or SGLang; not with
-    colocate or dynamic_sampling."""
+    (docs/off_policy.md, "Asynchronous rollouts"). The embedded, in-process or SGLang engine;
+    not with colocate or dynamic_sampling."""
 
     max_staleness: int = 1
     """rollout.mode async: the largest policy lag of a trained token (step s trains only samples

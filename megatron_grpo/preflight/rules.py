@@ -87,7 +87,7 @@ def check_rollout(rollout_cfg: RolloutConfig) -> None:
            "rollout.fp8_format", f"{rollout_cfg.fp8_format!r} is not served by rollout.engine={adapter.name!r} "
            f"(supported: {', '.join(sorted(adapter.fp8_formats))})")
     # Without per-token versions a sequence that spans a sync would carry log-probs of two
-    # policies under one label (the in-process engine generates between steps only).
+    # policies under one label.
     _check(rollout_cfg.mode != "async" or adapter.reports_token_versions, "rollout.mode",
            f"async needs per-token weight versions, which rollout.engine={adapter.name!r} does not report; "
            "use rollout.mode: one_step_off_policy, or rollout.engine: embedded or sglang")

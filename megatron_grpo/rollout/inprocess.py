@@ -22,8 +22,12 @@ It is deliberately not Megatron's forward: the engine stays an independent imple
 the model, so the train/rollout log-prob mismatch metrics and the off-policy corrections keep
 their meaning (they compare two implementations, as with a launched engine).
 
-Generation runs in the engine's scheduler thread; ``generate`` submits the whole batch at once
-(no batching window: nothing else is coming) and waits, bounded by ``rollout.request_timeout_s``.
+Generation runs in the engine's scheduler thread; ``generate`` submits its sequences at once (no
+batching window) and waits, bounded by ``rollout.request_timeout_s``. Several threads may call
+it at once (``rollout.mode: async`` generates one group per worker thread): their sequences
+share the continuous batch, and each token records the weight version that drew it
+(``Sample.output_versions``), which the in-memory sync keeps exact by retracting the running
+sequences while it copies (``sync/in_memory.py``).
 Rewards and environments still run where they ran before (the scorer's and the environments'
 worker processes); only rank 0 holds an engine, the other ranks hold the collective half of the
 sync (``engine is None``).
@@ -77,6 +81,7 @@ def to_sample(seq: EngineSequence, prompt_index: int, sample_index: int, with_ma
     return Sample(prompt_index=prompt_index, sample_index=sample_index, prompt_ids=list(seq.prompt_ids),
                   output_ids=list(seq.output_ids), output_logprobs=[float(x) for x in seq.output_logprobs],
                   finish_reason=reason, weight_version=seq.weight_version, server=SERVER,
+                  output_versions=[str(v) for v in seq.output_versions] if seq.output_versions else None,
                   routed_experts=routed, kept_ids=kept, log_kept_mass=mass)
 
 
@@ -139,6 +144,12 @@ class InProcessEngine:
             self.engine.pause("abort")  # ends what is running or queued, so nothing outlives the call
             self.engine.resume()
             raise RolloutError(SERVER, "generate", f"no answer within {self.timeout_s:.0f}s")
+
+    def abort_generation(self) -> None:
+        """Rank 0: end the sequences running or queued (finish_reason abort); new ones are
+        accepted. Ends asynchronous rollouts at the end of a run."""
+        self.engine.pause("abort")
+        self.engine.resume()
 
     def receive_weights(self, model_chunks: list, step: int) -> Any:
         return self.receiver.sync(model_chunks, step)

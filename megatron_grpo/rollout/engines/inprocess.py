@@ -19,6 +19,7 @@ class InProcessAdapter(EngineAdapter):
     backends = frozenset({"gloo", "nccl"})
     returns_routing = True  # the embedded engine's generation code (rollout.embedded.routing)
     reports_sampling_mask = True
+    reports_token_versions = True  # the embedded engine's scheduler; the in-memory sync retracts (async)
     quantizations = frozenset({"fp8", "int8"})  # its own quantized copy (rollout.embedded.quantize)
     fp8_formats = frozenset({"e4m3", "e5m2"})
 
