@@ -193,6 +193,31 @@ def test_engine_enforces_the_api_key_on_every_route_but_health(engine):
         assert r.status_code == 200, r.text
 
 
+def test_the_api_key_is_compared_in_constant_time(monkeypatch):
+    """The key check goes through hmac.compare_digest on bytes (a `!=` on str returns at the
+    first differing character, so its timing tells a guesser how much of the key was right);
+    a non-ASCII header is a 401, not an error."""
+    import hmac
+
+    from fastapi.testclient import TestClient
+
+    from megatron_grpo.rollout.embedded.server import build_app
+
+    compared = []
+    real = hmac.compare_digest
+
+    def spy(a, b):
+        compared.append((type(a), type(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    with TestClient(build_app(None, api_key=API_KEY)) as client:  # the engine is only used by handlers
+        assert client.get("/get_model_info", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.get("/get_model_info", headers={"Authorization": "Bearer \xe9t\xe9".encode("latin-1")}
+                          ).status_code == 401
+    assert compared == [(bytes, bytes)] * 2
+
+
 # ---- weights: safetensors or torch.load(weights_only=True) ---------------------------------------
 
 def _call_name(node: ast.Call) -> str:
