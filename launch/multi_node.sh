@@ -4,8 +4,9 @@
 # must be on a filesystem every node shares. The rollout server either
 #  * is launched by global rank 0 (rollout.engine), colocated with the trainer on node 0, or
 #  * runs on its own node: start it there first (`python -m sglang.launch_server ...
-#    --host 0.0.0.0`, or `megatron-grpo serve --model-dir DIR --host 0.0.0.0`) and pass
-#    rollout.urls='[http://HOST:PORT]' on every node. On another machine than node 0 it needs
+#    --host 0.0.0.0 --api-key KEY`, or `MEGATRON_GRPO_API_KEY=KEY megatron-grpo serve --model-dir DIR
+#    --host 0.0.0.0`, which refuses a non-loopback address without a key) and pass
+#    rollout.urls='[http://HOST:PORT]' and rollout.api_key=KEY on every node. On another machine than node 0 it needs
 #    rollout.weight_sync_transport=disk and the run directory at the same path there (the
 #    default distributed sync's store listens on 127.0.0.1 of node 0).
 #   MASTER_ADDR=10.0.0.1 NNODES=2 NODE_RANK=0 NPROC_PER_NODE=4 \

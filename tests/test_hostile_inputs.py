@@ -238,6 +238,23 @@ def _weights_removed(d: Path):
     (d / "model.safetensors").unlink()
 
 
+def _duplicate_in_config_json(d: Path):
+    """config.json with a second vocab_size before the real one (json keeps the last silently)."""
+    text = (d / "config.json").read_text()
+    (d / "config.json").write_text(text.replace("{", '{\n  "vocab_size": 7,', 1))
+
+
+def _parquet_nan_answer(ctx):
+    """A Parquet dataset whose answer column holds NaN (JSONL refuses the literal when parsing)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = str(ctx.tmp / "data.parquet")
+    pq.write_table(pa.table({"prompt": ["what is 1", "what is 2"], "answer": [2.0, float("nan")]}), data)
+    path = ctx.config(_set("data.train_file", data))
+    return ["--config", path], [data, ": row 1:", "'answer' must be a finite number or a string, got nan"]
+
+
 def _megatron_ckpt_missing(ctx):
     path = ctx.config(_set("model.megatron_ckpt", str(ctx.tmp / "no_ckpt")))
     return ["--config", path], [path, "model.megatron_ckpt", "checkpoint directory not found"]
@@ -287,6 +304,7 @@ CASES: dict[str, Case] = {
                                                "expected a finite number, got inf"),
     "override_nan_learning_rate": _override_case("optimizer.lr=.nan", "optimizer.lr", "expected a finite number"),
     "override_negative_seed": _override_case("trainer.seed=-1", "trainer.seed", "[0, 2^32 - 1]"),
+    "override_duplicate_key": _override_case("optimizer={lr: 1e-3, lr: 2e-3}", "optimizer: duplicate key 'lr'"),
     "override_max_new_tokens_beyond_context": _override_case("rollout.max_new_tokens=600", "rollout.max_new_tokens",
                                                              "model's context of 512", "set it to at most"),
     "inf_learning_rate": _cfg_case(_set("optimizer.lr", float("inf")), "optimizer.lr", "expected a finite number"),
@@ -321,6 +339,7 @@ CASES: dict[str, Case] = {
     "model_dir_without_config_json": _model_case(lambda d: (d / "config.json").unlink(), "config.json: not found"),
     "config_json_invalid": _model_case(lambda d: (d / "config.json").write_text("{\n  'model_type': qwen2\n"),
                                        "config.json:2: invalid JSON"),
+    "config_json_duplicate_key": _model_case(_duplicate_in_config_json, "config.json: duplicate key 'vocab_size'"),
     "config_json_not_an_object": _model_case(lambda d: (d / "config.json").write_text("[1, 2]"),
                                              "expected a JSON object"),
     "partial_model_dir_no_weights": _model_case(_weights_removed, "no model.safetensors"),
@@ -359,6 +378,9 @@ CASES: dict[str, Case] = {
                                          ":2:", "lone UTF-16 surrogate"),
     "dataset_nan_literal": _data_case(_lines(DATA_LINES[0], '{"prompt": "x", "answer": NaN}'), ":2:",
                                       "NaN is not valid JSON"),
+    "dataset_inf_answer": _data_case(_lines(DATA_LINES[0], '{"prompt": "x", "answer": 1e999}'), ":2:",
+                                     "'answer' must be a finite number or a string, got inf"),
+    "dataset_nan_answer_parquet": _parquet_nan_answer,
     "dataset_10mb_line": _data_case(_lines(DATA_LINES[0], {"prompt": "word " * 2_000_000, "answer": "1"}), ":2:",
                                     "(its first 16384 characters), longer than data.max_prompt_length = 512"),
     "dataset_only_blank_lines": _data_case("\n  \n\n", "the dataset is empty"),

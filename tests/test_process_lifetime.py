@@ -198,6 +198,23 @@ def test_sigterm_saves_the_finished_step_and_the_same_command_resumes_there(demo
 
 
 @pytest.mark.slow
+def test_sigterm_with_save_on_stop_false_saves_nothing(demo, tmp_path):
+    """``checkpoint.save_on_stop: false``: the run still stops in one line after a finished
+    step, and writes no checkpoint (none was due: ``save_every=0``)."""
+    from megatron_grpo.trainer.checkpoint import checkpoints_dir, complete_checkpoints
+
+    code, said, run_dir, _ = _stop_with(signal.SIGTERM, "launcher", demo, tmp_path,
+                                        overrides=("checkpoint.save_every=0", "checkpoint.save_on_stop=false"))
+    lines = said.strip().splitlines()
+    assert code == 143 and len(lines) == 1, said
+    assert lines[0].startswith("error: stopped by SIGTERM after step ") and \
+        "saved nothing (checkpoint.save_on_stop is false)" in lines[0], lines[0]
+    assert complete_checkpoints(run_dir) == []
+    written = Path(checkpoints_dir(run_dir))
+    assert not written.exists() or not any(written.iterdir()), sorted(written.rglob("*"))
+
+
+@pytest.mark.slow
 def test_ctrl_c_stops_in_one_line(demo, tmp_path):
     code, said, run_dir, _ = _stop_with(signal.SIGINT, "group", demo, tmp_path)
     lines = said.strip().splitlines()

@@ -193,6 +193,31 @@ def test_engine_enforces_the_api_key_on_every_route_but_health(engine):
         assert r.status_code == 200, r.text
 
 
+def test_the_api_key_is_compared_in_constant_time(monkeypatch):
+    """The key check goes through hmac.compare_digest on bytes (a `!=` on str returns at the
+    first differing character, so its timing tells a guesser how much of the key was right);
+    a non-ASCII header is a 401, not an error."""
+    import hmac
+
+    from fastapi.testclient import TestClient
+
+    from megatron_grpo.rollout.embedded.server import build_app
+
+    compared = []
+    real = hmac.compare_digest
+
+    def spy(a, b):
+        compared.append((type(a), type(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    with TestClient(build_app(None, api_key=API_KEY)) as client:  # the engine is only used by handlers
+        assert client.get("/get_model_info", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.get("/get_model_info", headers={"Authorization": "Bearer \xe9t\xe9".encode("latin-1")}
+                          ).status_code == 401
+    assert compared == [(bytes, bytes)] * 2
+
+
 # ---- weights: safetensors or torch.load(weights_only=True) ---------------------------------------
 
 def _call_name(node: ast.Call) -> str:
@@ -452,6 +477,20 @@ MALFORMED = [
     ("/update_weights_from_shm", {"path": 3}), ("/get_weights_by_name", {"name": 5}),
 ]
 
+# (sampling_params key, value): each a 400 naming "sampling_params.<key>". sampling_seed 2**70
+# was a 500 with a reset connection, top_k 2**70 a 200 with a traceback in the server's log
+# (both overflow torch's int64), temperature inf/nan were accepted, top_k "a" named no field.
+BAD_SAMPLING = [
+    ("sampling_seed", 2**70), ("sampling_seed", -1), ("sampling_seed", "7"), ("sampling_seed", 1.5),
+    ("top_k", 2**70), ("top_k", "a"), ("top_k", 0), ("top_k", -2), ("top_k", 2.5), ("top_k", True),
+    ("temperature", float("inf")), ("temperature", float("nan")), ("temperature", -0.5), ("temperature", 1e39),
+    ("temperature", 10**400), ("temperature", "hot"),
+    ("top_p", 0), ("top_p", float("nan")), ("top_p", 1.5), ("min_p", float("inf")), ("min_p", -0.1),
+    ("max_new_tokens", -3), ("max_new_tokens", 2**70), ("max_new_tokens", 4.0), ("max_new_tokens", None),
+    ("n", 0), ("n", "2"), ("stop_token_ids", "x"), ("stop_token_ids", [2**70]), ("stop_token_ids", [1, "2"]),
+    ("ignore_eos", "yes"), ("skip_special_tokens", 0), ("no_stop_trim", "no"), ("stream_interval", 0),
+]
+
 
 @pytest.mark.slow
 def test_malformed_fields_are_a_400_with_one_line_never_a_500(engine):
@@ -463,3 +502,15 @@ def test_malformed_fields_are_a_400_with_one_line_never_a_500(engine):
             assert r.status_code == 400, (route, body, r.status_code, r.text[:200])
             message = r.json()["message"]
             assert message and "\n" not in message and "Traceback" not in message, (route, message)
+        for key, value in BAD_SAMPLING:
+            # json.dumps writes inf and nan as Infinity and NaN, which the server's parser reads
+            body = json.dumps({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, key: value}})
+            r = http.post("/generate", content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (key, value, r.status_code, r.text[:200])
+            message = r.json()["message"]
+            assert f"sampling_params.{key} must be" in message and "\n" not in message, (key, value, message)
+        # still serving, and the edges of every range are accepted
+        r = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {
+            "max_new_tokens": 2, "sampling_seed": 2**63 - 1, "top_k": 2**63 - 1, "temperature": 0,
+            "top_p": 1, "min_p": 0, "stop_token_ids": [2**63 - 1], "n": 1, "ignore_eos": True}})
+        assert r.status_code == 200, r.text[:200]

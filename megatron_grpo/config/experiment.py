@@ -224,7 +224,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(key, "has an empty key part", source)
     try:
         parsed = yaml_load(value) if value.strip() else None
-    except yaml.YAMLError:
+    except (yaml.constructor.ConstructorError, yaml.composer.ComposerError) as e:
+        # YAML that parses but is refused (a key given twice, nesting or aliases past the
+        # bounds): a plain string instead would hide the problem behind a type error
+        problem = str(getattr(e, "problem", None) or e).splitlines()[0]
+        raise ConfigError(key.strip(), re.sub(r" \(first given at line 1\)$", "", problem), source) from None
+    except yaml.YAMLError:  # not YAML at all: the text itself is the value (a URL, a path)
         parsed = value
     return parts, parsed
 

@@ -8,12 +8,13 @@ system message). Without a template a string is tokenized as is and a message li
 error: guessing a chat format would silently train on a different prompt distribution than
 the one the model was tuned for.
 
-The answer may be a string or a number (``12`` -> ``"12"``); the reward functions compare
+The answer may be a string or a finite number (``12`` -> ``"12"``); the reward functions compare
 normalised text, so the conversion loses nothing.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,8 @@ def check_record(rec: RawRecord, prompt_key: str, answer_key: str) -> tuple[str 
             f"{rec.where}: '{prompt_key}' must be a string or a list of chat messages, got {_type_name(prompt)}"
         )
     answer = rec.answer
+    if isinstance(answer, float) and not math.isfinite(answer):  # 1e999 parses as inf; Parquet holds NaN
+        raise DataError(f"{rec.where}: '{answer_key}' must be a finite number or a string, got {answer!r}")
     if isinstance(answer, (int, float)) and not isinstance(answer, bool):
         answer = str(answer)
     if not isinstance(answer, str):

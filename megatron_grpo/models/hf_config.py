@@ -17,9 +17,28 @@ SIDECAR_PATTERNS = (
 )
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one object of config.json."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``object_pairs_hook`` of config.json (at every nesting level)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def load_hf_config(hf_dir: str | Path):
     """``transformers.PretrainedConfig`` of ``hf_dir``; ModelError (one line) if the directory
-    or its config.json is missing or unreadable, or the model_type is not supported."""
+    or its config.json is missing or unreadable, holds a key twice, or the model_type is not
+    supported."""
     from transformers import AutoConfig
 
     path = Path(hf_dir)
@@ -29,9 +48,12 @@ def load_hf_config(hf_dir: str | Path):
     if not config_file.is_file():
         raise ModelError(f"{config_file}: not found (a Hugging Face model directory needs one)")
     try:
-        raw = json.loads(config_file.read_text())
+        raw = json.loads(config_file.read_text(), object_pairs_hook=_refuse_duplicate_keys)
     except json.JSONDecodeError as e:
         raise ModelError(f"{config_file}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except _DuplicateKey as e:
+        raise ModelError(f"{config_file}: duplicate key {e.key!r} (a JSON parser keeps the last "
+                         "one silently; which value was meant is unknown)") from None
     if not isinstance(raw, dict):
         raise ModelError(f"{config_file}: expected a JSON object, got {type(raw).__name__}")
     model_type = raw.get("model_type")

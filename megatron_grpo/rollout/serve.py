@@ -2,8 +2,9 @@
 
     megatron-grpo serve --model-dir HF_DIR --host 127.0.0.1 --port PORT [--api-key KEY]
 
-Binds loopback by default (anything else exposes the weight-update routes to the network;
-use --api-key then). Also started by the trainer as ``python -m megatron_grpo.rollout.serve``,
+Binds loopback by default. Any other address exposes the weight-update routes to the network,
+so it needs an API key (--api-key or $MEGATRON_GRPO_API_KEY): without one the server refuses to
+start. Also started by the trainer as ``python -m megatron_grpo.rollout.serve``,
 with the request bounds of ``rollout.embedded``, the run's weight-sync directory as a trusted
 weight directory and the run's weight-update master address (``rollout/embedded/policy.py``).
 """
@@ -11,6 +12,7 @@ weight directory and the run's weight-update master address (``rollout/embedded/
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
@@ -63,11 +65,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` reaches this machine only: ``localhost`` or a loopback address
+    (127.0.0.0/8, ::1); any other name or address counts as reachable from the network."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         print(f"megatron-grpo serve: --model-dir {args.model_dir}: no config.json (not a Hugging Face "
               "model directory)", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is None and not is_loopback(args.host):
+        print(f"megatron-grpo serve: --host {args.host} is reachable from the network and no API key is set: "
+              f"give one with --api-key KEY or ${API_KEY_ENV} (or bind 127.0.0.1)", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.num_threads:
@@ -83,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,
                             device=args.device, quantization=scheme_of(args.quantization, args.fp8_format))
-    app = build_app(engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, policy=policy)
+    app = build_app(engine, api_key=api_key, policy=policy)
     print(f"megatron-grpo serve: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

@@ -23,13 +23,16 @@ its own seeded generator draws the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 SAMPLING_EPS = 1e-6
 TOP_K_ALL = 1 << 30
+INT64_MAX = 2**63 - 1  # seeds, top_k and token ids go into int64 tensors and generators
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 # SGLang sampling_params keys, with the values this engine supports. Unsupported keys are
 # accepted only at their SGLang default (so SGLang-shaped requests pass), anything else is
@@ -70,8 +73,44 @@ class ResolvedSampling:
         return self.top_k == 1
 
 
+def _number(raw: dict, key: str, default: float, accepts: Callable[[float], bool], accepted: str) -> float:
+    """``raw[key]`` as a finite float for which ``accepts`` holds (``accepted`` says which)."""
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"sampling_params.{key} must be a number {accepted}, got {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:  # an integer past float's range
+        value = math.inf
+    if not math.isfinite(value) or not accepts(value):
+        raise ValueError(f"sampling_params.{key} must be a finite number {accepted}, got {value!r}")
+    return value
+
+
+def _integer(raw: dict, key: str, default: Optional[int], low: int, *, accepted: str = "") -> Optional[int]:
+    """``raw[key]`` as an int in [low, 2**63-1] (what torch's int64 tensors and generators take)."""
+    value = raw.get(key, default)
+    if value is None and default is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= INT64_MAX:
+        raise ValueError(f"sampling_params.{key} must be {accepted or f'an integer in [{low}, 2**63-1]'}, "
+                         f"got {value!r}")
+    return value
+
+
+def _flag(raw: dict, key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"sampling_params.{key} must be true or false, got {value!r}")
+    return value
+
+
 def resolve_sampling_params(raw: Optional[dict]) -> ResolvedSampling:
-    """SGLang ``sampling_params`` dict -> ResolvedSampling; ValueError names a bad key."""
+    """SGLang ``sampling_params`` dict -> ResolvedSampling. A ValueError names the bad key and
+    what it accepts: every value is type-checked and range-checked here, so nothing a request
+    sends reaches torch (int64 tensors, generator seeds) out of range, or as inf or nan."""
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError(f"sampling_params must be a JSON object (or a list of one per input), got {raw!r:.80}")
     raw = dict(raw or {})
     known = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids",
              "ignore_eos", "n", "sampling_seed"} | set(_UNSUPPORTED_DEFAULTS) | _IGNORED
@@ -81,40 +120,44 @@ def resolve_sampling_params(raw: Optional[dict]) -> ResolvedSampling:
     for key, default in _UNSUPPORTED_DEFAULTS.items():
         if key in raw and raw[key] not in (default, [], {}):
             raise ValueError(f"sampling_params.{key}={raw[key]!r} is not supported by the embedded engine")
-    temperature = float(raw.get("temperature", 1.0))
-    top_p = float(raw.get("top_p", 1.0))
-    top_k = int(raw.get("top_k", -1))
-    min_p = float(raw.get("min_p", 0.0))
-    max_new_tokens = raw.get("max_new_tokens", 128)
-    n = int(raw.get("n", 1))
-    if temperature < 0:
-        raise ValueError(f"sampling_params.temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"sampling_params.top_p must be in (0, 1], got {top_p}")
-    if top_k != -1 and top_k < 1:
-        raise ValueError(f"sampling_params.top_k must be -1 or >= 1, got {top_k}")
-    if not 0 <= min_p <= 1:
-        raise ValueError(f"sampling_params.min_p must be in [0, 1], got {min_p}")
-    if max_new_tokens is None or int(max_new_tokens) < 0:
-        raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {max_new_tokens}")
-    if n < 1:
-        raise ValueError(f"sampling_params.n must be >= 1, got {n}")
+    # at most float32's largest: the sampler divides float32 logits by it
+    temperature = _number(raw, "temperature", 1.0, lambda t: 0 <= t <= FLOAT32_MAX,
+                          "in [0, 3.4e38] (below 1e-6: greedy)")
+    top_p = _number(raw, "top_p", 1.0, lambda p: 0 < p <= 1, "in (0, 1]")
+    top_k = _integer(raw, "top_k", -1, -1, accepted="-1 (all tokens) or an integer in [1, 2**63-1]")
+    if top_k == 0:
+        raise ValueError("sampling_params.top_k must be -1 (all tokens) or an integer in [1, 2**63-1], got 0")
+    min_p = _number(raw, "min_p", 0.0, lambda p: 0 <= p <= 1, "in [0, 1]")
+    max_new_tokens = _integer(raw, "max_new_tokens", 128, 0)
+    n = _integer(raw, "n", 1, 1)
+    seed = _integer(raw, "sampling_seed", None, 0)
+    stop_token_ids = raw.get("stop_token_ids")
+    stop_token_ids = [] if stop_token_ids is None else stop_token_ids
+    if not isinstance(stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX for t in stop_token_ids):
+        raise ValueError("sampling_params.stop_token_ids must be a list of token ids (integers in "
+                         f"[0, 2**63-1]), got {raw.get('stop_token_ids')!r:.80}")
+    ignore_eos = _flag(raw, "ignore_eos", False)
+    skip_special_tokens = _flag(raw, "skip_special_tokens", True)
+    _flag(raw, "spaces_between_special_tokens", True)  # accepted and ignored, but well-formed
+    _flag(raw, "no_stop_trim", False)
+    if raw.get("stream_interval") is not None:
+        _integer(raw, "stream_interval", None, 1)
     if top_k == -1:
         top_k = TOP_K_ALL
     if temperature < SAMPLING_EPS:  # SGLang: greedy = top-1 at temperature 1
         temperature, top_k = 1.0, 1
-    seed = raw.get("sampling_seed")
     return ResolvedSampling(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
         min_p=min_p,
-        max_new_tokens=int(max_new_tokens),
-        stop_token_ids=frozenset(int(t) for t in raw.get("stop_token_ids") or ()),
-        ignore_eos=bool(raw.get("ignore_eos", False)),
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=frozenset(stop_token_ids),
+        ignore_eos=ignore_eos,
         n=n,
-        seed=None if seed is None else int(seed),
-        skip_special_tokens=bool(raw.get("skip_special_tokens", True)),
+        seed=seed,
+        skip_special_tokens=skip_special_tokens,
     )
 
 

@@ -35,6 +35,7 @@ Route groups, each a few methods of ``_Routes`` (which holds the engine) that ``
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -215,7 +216,10 @@ class _Routes:
         """HTTP middleware, installed only with an API key; /health stays open for probes."""
         if request.url.path.startswith("/health") or request.method == "OPTIONS":
             return await call_next(request)
-        if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+        # bytes, compared in constant time: the answer's timing must not tell how much of a
+        # guessed key was right (the header's str is its latin-1 decoding, so this is the raw value)
+        sent = request.headers.get("Authorization", "").encode("latin-1")
+        if not hmac.compare_digest(sent, f"Bearer {self.api_key}".encode()):
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
         return await call_next(request)
 
