@@ -296,6 +296,7 @@ class AsyncRolloutSchedule:
                 chosen += got
                 for g in stale:
                     counts["stale"] += 1
+                    self._record(step, g, f"stale_{self.cfg.rollout.stale_groups}")  # the attempt that went stale
                     if self.cfg.rollout.stale_groups == "regenerate":
                         counts["regenerated"] += 1
                         self._requeue(g)
@@ -303,7 +304,6 @@ class AsyncRolloutSchedule:
                         counts["dropped"] += 1
                         self._outstanding -= 1
                         self._settle(g)
-                    self._record(step, g, f"stale_{self.cfg.rollout.stale_groups}")
         with self._cond:
             self._outstanding -= len(chosen)
             self._taken += len(chosen)
