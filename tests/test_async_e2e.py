@@ -8,6 +8,7 @@ on the launched engine without a trainer (dropped groups, episodes spanning weig
 are tests/test_async_rollouts.py."""
 
 import json
+import re
 import subprocess
 import time
 from collections import Counter
@@ -75,7 +76,7 @@ def test_kill_minus_9_mid_flight_and_resume_trains_each_prompt_once(demo, tmp_pa
     check_bound(straight, before, k)
     assert straight[0]["rollout/policy_lag"] == 0 and max(r["rollout/policy_lag"] for r in straight) == k
     assert max(abs(r["is_ratio_mean"] - 1) for r in straight if r["rollout/policy_lag"] > 0) > 1e-4
-    run(command + ["checkpoint.resume=auto"])
+    resumed = run(command + ["checkpoint.resume=auto"])
     rows = read_metrics(run_dir)
     after = groups(run_dir)[len(before):]
     first_after = min(g["step"] for g in after)
@@ -90,6 +91,20 @@ def test_kill_minus_9_mid_flight_and_resume_trains_each_prompt_once(demo, tmp_pa
     assert steps_logged[-1] == steps and first_after >= 3, (steps_logged, first_after)
     check_bound([r for r in rows if r["step"] >= first_after], after, k)
     assert sum(r["async/groups_dropped"] for r in rows) == 0
+    # the resumed run says what it restored and what it cannot reproduce, with counts that match
+    # the group logs: the oldest draw with a group not trained by the checkpoint, the groups of
+    # that draw and later ones already trained (skipped), and those drawn but not yet trained
+    # (generated again: exactly the resumed run's trained groups among the draws made)
+    note = re.search(r"async resume at step (\d+): data position restored to draw (\d+) \(group ids from (\d+)\); "
+                     r"(\d+) groups from there already trained or dropped are skipped; (\d+) groups drawn but not yet "
+                     r"trained at the checkpoint .* not reproduced: their responses, which weight version draws which "
+                     r"token, and the arrival order from here differ from the uninterrupted run", resumed.stdout)
+    assert note, resumed.stdout[-3000:]
+    at_step, draw, first_gid, skipped, again = map(int, note.groups())
+    kept_ids = {g["gid"] for g in kept}
+    assert at_step == first_after - 1 and first_gid == draw * B == min(set(range(steps * B)) - kept_ids) // B * B
+    assert skipped == len([i for i in kept_ids if i >= first_gid])
+    assert again > 0 and again == len([g for g in after if g["fate"] == "trained" and g["gid"] < first_gid + skipped + again])
     assert running_with(str(tmp_path)) == []
 
 

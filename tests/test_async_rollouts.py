@@ -22,8 +22,8 @@ from megatron_grpo.rollout.client import versions_from_spans
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
 from megatron_grpo.rollout.embedded.generation import Sequence
 from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
-from megatron_grpo.trainer.async_rollouts import (Group, admission_limit, is_stale, start_version, take_groups,
-                                                  token_lags)
+from megatron_grpo.trainer.async_rollouts import (Group, admission_limit, is_stale, resume_note, start_version,
+                                                  take_groups, token_lags)
 from tests.models_fixtures import hf_tensors, make_hf_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20]]
@@ -132,6 +132,16 @@ def test_admission_keeps_at_most_k_plus_one_batches_and_stops_at_the_run_end():
     assert admission_limit(version=5, first_version=5, max_staleness=1, prompts_per_step=8, num_steps=100) == 16
     assert admission_limit(version=7, first_version=5, max_staleness=2, prompts_per_step=8, num_steps=100) == 40
     assert admission_limit(version=9, first_version=5, max_staleness=4, prompts_per_step=8, num_steps=10) == 40
+
+
+def test_the_resume_note_counts_what_the_checkpoint_restores_and_names_what_it_cannot():
+    # draws 2..4 made (B=8: ids 16..39), ids 17 and 19 settled: 22 groups to generate again
+    note = resume_note({"draw": 2, "settled": [17, 19], "drawn": 5}, step=3, prompts_per_step=8)
+    assert note.startswith("async resume at step 3: data position restored to draw 2 (group ids from 16); 2 groups "
+                           "from there already trained or dropped are skipped; 22 groups drawn but not yet trained")
+    assert "not reproduced: their responses, which weight version draws which token, and the arrival order" in note
+    assert "; the groups drawn but not yet" in resume_note({"draw": 2, "settled": []}, 3, 8)  # an older checkpoint
+    assert "no async rollout state" in resume_note(None, 3, 8)  # resumed from a sync-mode run's checkpoint
 
 
 # ---- configuration --------------------------------------------------------------------------

@@ -101,6 +101,22 @@ def take_groups(arrived: list[Group], step: int, max_staleness: int, count: int
     return chosen, stale, rest
 
 
+def resume_note(resume: Optional[dict], step: int, prompts_per_step: int) -> str:
+    """The line a run resumed at ``step`` in async mode prints: what the checkpoint's
+    ``rollouts`` entry (``resume_state``) restores, and what the resumed run cannot reproduce."""
+    if not resume:
+        return (f"async resume at step {step}: the checkpoint has no async rollout state (not an async run's): "
+                f"generation starts from its data position")
+    draw, settled = int(resume["draw"]), len(resume["settled"])
+    drawn = resume.get("drawn")  # absent from checkpoints written before it was stored
+    unsettled = "the" if drawn is None else str((int(drawn) - draw) * prompts_per_step - settled)
+    return (f"async resume at step {step}: data position restored to draw {draw} (group ids from "
+            f"{draw * prompts_per_step}); {settled} groups from there already trained or dropped are skipped; "
+            f"{unsettled} groups drawn but not yet trained at the checkpoint (in flight, finished or waiting) are "
+            f"generated again with the step-{step} weights; not reproduced: their responses, which weight version "
+            f"draws which token, and the arrival order from here differ from the uninterrupted run")
+
+
 def admission_limit(version: int, first_version: int, max_staleness: int, prompts_per_step: int,
                     num_steps: int) -> int:
     """How many groups may be taken or outstanding while the engine serves ``version``: the
@@ -183,13 +199,14 @@ class AsyncRolloutSchedule:
             return self._draws[live[0]][0] if live else self.sampler.state_dict()
 
     def resume_state(self) -> dict:
-        """Rank 0: the oldest unsettled draw and the settled group ids from it on."""
+        """Rank 0: the oldest unsettled draw, the settled group ids from it on, and how many
+        draws were made (for the resumed run's ``resume_note``)."""
         with self._cond:
             live = sorted(self._draws)
             if not live:
-                return {"draw": self._next_draw, "settled": []}
+                return {"draw": self._next_draw, "settled": [], "drawn": self._next_draw}
             settled = [d * self.per_step + p for d in live for p in self._draws[d][1]]
-            return {"draw": live[0], "settled": sorted(settled)}
+            return {"draw": live[0], "settled": sorted(settled), "drawn": self._next_draw}
 
     def close(self) -> None:
         """No thread outlives the run: stop starting groups, end the requests in flight on the
