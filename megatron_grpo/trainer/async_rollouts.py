@@ -27,9 +27,10 @@ The batch is a pure function of the arrival order (``take_groups``); every group
 appended to ``RUN_DIR/rollouts/async_groups.jsonl`` (step as in metrics.jsonl, group id, prompt, start version,
 arrival index). Each group's sampler seed depends only on its id and regeneration count. A
 checkpoint stores the data position before the oldest draw with a group not yet trained or
-dropped, and the ids of that draw and later ones already settled: a resumed run regenerates
-exactly the unsettled prompts, with the resumed weights (their responses are not those of
-the killed run: which tokens each version drew depended on timing).
+dropped, the ids of that draw and later ones already settled, and how many draws were made:
+a resumed run regenerates exactly the unsettled prompts, with the resumed weights (their
+responses are not those of the killed run: which tokens each version drew depended on
+timing), and says so in one line (``resume_note``).
 """
 
 from __future__ import annotations
