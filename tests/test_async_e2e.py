@@ -2,17 +2,20 @@
 launched embedded engine, the weight sync retracting sequences in flight): every trained token
 within ``max_staleness`` versions (read from the engine's per-token versions, and from the
 group log), whole groups, each prompt trained once across a kill -9 and a resume, and multi-turn
-episodes under the same scheduler. The engine-level exactness of per-token versions and
-log-probs is tests/test_async_rollouts.py."""
+episodes under the same scheduler, slow enough that groups go past the bound and are
+regenerated. The engine-level exactness of per-token versions and log-probs, and the scheduler
+on the launched engine without a trainer (dropped groups, episodes spanning weight updates),
+are tests/test_async_rollouts.py."""
 
 import json
+import re
 import subprocess
 import time
 from collections import Counter
 
 import pytest
 
-from tests.demo_run import ENV, NUDGE, ROOT, kill_engine_after, read_metrics, train_cmd
+from tests.demo_run import ENV, ROOT, kill_engine_after, read_metrics, train_cmd
 from tests.kill_resume import kill_tree
 from tests.launch_nodes import running_with
 
@@ -73,7 +76,7 @@ def test_kill_minus_9_mid_flight_and_resume_trains_each_prompt_once(demo, tmp_pa
     check_bound(straight, before, k)
     assert straight[0]["rollout/policy_lag"] == 0 and max(r["rollout/policy_lag"] for r in straight) == k
     assert max(abs(r["is_ratio_mean"] - 1) for r in straight if r["rollout/policy_lag"] > 0) > 1e-4
-    run(command + ["checkpoint.resume=auto"])
+    resumed = run(command + ["checkpoint.resume=auto"])
     rows = read_metrics(run_dir)
     after = groups(run_dir)[len(before):]
     first_after = min(g["step"] for g in after)
@@ -88,22 +91,79 @@ def test_kill_minus_9_mid_flight_and_resume_trains_each_prompt_once(demo, tmp_pa
     assert steps_logged[-1] == steps and first_after >= 3, (steps_logged, first_after)
     check_bound([r for r in rows if r["step"] >= first_after], after, k)
     assert sum(r["async/groups_dropped"] for r in rows) == 0
+    # the resumed run says what it restored and what it cannot reproduce, with counts that match
+    # the group logs: the oldest draw with a group not trained by the checkpoint, the groups of
+    # that draw and later ones already trained (skipped), and those drawn but not yet trained
+    # (generated again: exactly the resumed run's trained groups among the draws made)
+    note = re.search(r"async resume at step (\d+): data position restored to draw (\d+) \(group ids from (\d+)\); "
+                     r"(\d+) groups from there already trained or dropped are skipped; (\d+) groups drawn but not yet "
+                     r"trained at the checkpoint .* not reproduced: their responses, which weight version draws which "
+                     r"token, and the arrival order from here differ from the uninterrupted run", resumed.stdout)
+    assert note, resumed.stdout[-3000:]
+    at_step, draw, first_gid, skipped, again = map(int, note.groups())
+    kept_ids = {g["gid"] for g in kept}
+    assert at_step == first_after - 1 and first_gid == draw * B == min(set(range(steps * B)) - kept_ids) // B * B
+    assert skipped == len([i for i in kept_ids if i >= first_gid])
+    drawn_end = first_gid + skipped + again  # the first id of the draws not yet made at the checkpoint
+    assert again > 0 and again == len([g for g in after if g["fate"] == "trained" and g["gid"] < drawn_end])
     assert running_with(str(tmp_path)) == []
 
 
+# Nudge, but the first episode to reach a prompt whose answer is a multiple of 5 waits 3 s in
+# its first environment step (a slow tool call; about 3 demo steps): its group is overtaken by
+# later ones and arrives past a bound of 1. The marker files beside this file make a
+# regeneration of that prompt fast, so it comes back fresh.
+DAWDLE = '''
+import hashlib
+import os
+import time
+from pathlib import Path
+
+
+class Dawdle:
+    def __init__(self, row):
+        self.answer, self.prompt, self.turn = str(row["answer"]), row["prompt"], 0
+
+    def step(self, response):
+        self.turn += 1
+        if self.turn == 1:
+            if int(self.answer) % 5 == 0:
+                marker = Path(__file__).parent / ("slow_" + hashlib.sha1(self.prompt.encode()).hexdigest()[:12])
+                try:
+                    os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+                    time.sleep(3.0)
+                except FileExistsError:
+                    pass
+            return {"observation": "please reply with only a number", "done": False}
+        words = response.split()
+        return {"observation": None, "done": True, "reward": float(bool(words) and words[-1] == self.answer)}
+'''
+
+
 @pytest.mark.slow
-def test_multi_turn_episodes_carry_token_versions(demo, tmp_path):
-    env_file = tmp_path / "nudge.py"
-    env_file.write_text(NUDGE)
-    k, steps = 1, 3
+def test_multi_turn_groups_past_the_bound_are_regenerated_and_never_trained(demo, tmp_path):
+    """Multi-turn episodes under the async scheduler, with slow episodes (``DAWDLE``): groups
+    really go past the bound (k=1) and are regenerated; no trained token is older than k."""
+    env_file = tmp_path / "dawdle.py"
+    env_file.write_text(DAWDLE)
+    k, steps, b = 1, 4, 4
     run_dir = tmp_path / "run"
-    run(cmd(demo, run_dir, steps, k, f"rollout.environment={env_file}:Nudge", "rollout.multi_turn.observation_role=user",
-            "rollout.multi_turn.max_episode_tokens=64", b=4, n=4))
+    run(cmd(demo, run_dir, steps, k, f"rollout.environment={env_file}:Dawdle", "rollout.multi_turn.observation_role=user",
+            "rollout.multi_turn.max_episode_tokens=64", b=b, n=4))
     rows, log = read_metrics(run_dir), groups(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    check_bound(rows, log, k, b=4)
+    check_bound(rows, log, k, b=b)
     assert max(r["rollout/policy_lag"] for r in rows) == k
     assert all(r["multi_turn/turns_mean"] > 1 for r in rows)
+    stale = [g for g in log if g["fate"].startswith("stale")]
+    assert stale and all(g["fate"] == "stale_regenerate" for g in stale), log
+    assert all(g["step"] - 1 - g["start_version"] > k for g in stale), stale  # really past the bound
+    assert sum(r["async/groups_stale"] for r in rows) == sum(r["async/groups_regenerated"] for r in rows) == len(stale)
+    assert sum(r["async/groups_dropped"] for r in rows) == 0
+    # a stale group is generated again (a later attempt) and trained once; no prompt is lost
+    trained = {g["gid"]: g for g in log if g["fate"] == "trained"}
+    assert sorted(trained) == list(range(steps * b)) and len(trained) == steps * b
+    assert all(trained[g["gid"]]["attempt"] > g["attempt"] for g in stale), (stale, trained)
 
 
 @pytest.mark.slow

@@ -17,14 +17,20 @@ import pytest
 import torch
 
 from megatron_grpo.config import ConfigError, RolloutConfig, load_config
+from megatron_grpo.data import PromptSampler, load_prompt_dataset
+from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.preflight.rules import check_rollout
-from megatron_grpo.rollout.client import versions_from_spans
+from megatron_grpo.rollout.client import RolloutClient, versions_from_spans
+from megatron_grpo.rollout.manager import RolloutServerManager
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
 from megatron_grpo.rollout.embedded.generation import Sequence
 from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
-from megatron_grpo.trainer.async_rollouts import (Group, admission_limit, is_stale, start_version, take_groups,
-                                                  token_lags)
+from megatron_grpo.trainer.async_rollouts import (AsyncRolloutSchedule, Group, admission_limit, is_stale, resume_note,
+                                                  start_version, take_groups, token_lags)
+from megatron_grpo.trainer.components import build_rollout_side
+from tests.demo_run import NUDGE, ROOT, demo_overrides
 from tests.models_fixtures import hf_tensors, make_hf_model
+from tests.test_async_e2e import check_bound
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20]]
 LONG = {"temperature": 1.0, "max_new_tokens": 160, "ignore_eos": True}
@@ -132,6 +138,132 @@ def test_admission_keeps_at_most_k_plus_one_batches_and_stops_at_the_run_end():
     assert admission_limit(version=5, first_version=5, max_staleness=1, prompts_per_step=8, num_steps=100) == 16
     assert admission_limit(version=7, first_version=5, max_staleness=2, prompts_per_step=8, num_steps=100) == 40
     assert admission_limit(version=9, first_version=5, max_staleness=4, prompts_per_step=8, num_steps=10) == 40
+
+
+def test_the_resume_note_counts_what_the_checkpoint_restores_and_names_what_it_cannot():
+    # draws 2..4 made (B=8: ids 16..39), ids 17 and 19 settled: 22 groups to generate again
+    note = resume_note({"draw": 2, "settled": [17, 19], "drawn": 5}, step=3, prompts_per_step=8)
+    assert note.startswith("async resume at step 3: data position restored to draw 2 (group ids from 16); 2 groups "
+                           "from there already trained or dropped are skipped; 22 groups drawn but not yet trained")
+    assert "not reproduced: their responses, which weight version draws which token, and the arrival order" in note
+    assert "; the groups drawn but not yet" in resume_note({"draw": 2, "settled": []}, 3, 8)  # an older checkpoint
+    assert "no async rollout state" in resume_note(None, 3, 8)  # resumed from a sync-mode run's checkpoint
+
+
+# ---- the scheduler on the launched embedded engine, without a trainer ----------------------------
+
+
+class _Gate:
+    """The engine as the scheduler sees it, holding back the first turns of the first prompt it
+    is asked for (its group's n episodes) until ``release`` is set, after they were generated:
+    a group overtaken by later ones (a slow tool call), whose later turns are drawn by newer weights."""
+
+    def __init__(self, client):
+        self.client, self.first, self.release, self.lock = client, None, threading.Event(), threading.Lock()
+
+    def generate(self, prompts, n, sampling, **kw):
+        out = self.client.generate(prompts, n, sampling, **kw)
+        with self.lock:
+            self.first = self.first or list(prompts[0])
+            # the prompt alone: a first turn of that group (or of a later draw of the same prompt)
+            held = list(prompts[0]) == self.first and not self.release.is_set()
+        if held:
+            assert self.release.wait(timeout=300), "never released"
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+class _Recorder:
+    """The episode runner, keeping every group's prompt and episodes (a dropped group's too)."""
+
+    def __init__(self, runner):
+        self.runner, self.calls = runner, []
+
+    def __call__(self, engine, prompts, *args, **kw):
+        out = self.runner(engine, prompts, *args, **kw)
+        self.calls.append((prompts[0], out))
+        return out
+
+
+class _Supervisor:
+    """EngineSupervisor's two calls the scheduler makes, on one rank with a live engine."""
+
+    def ensure_alive(self, step):
+        pass
+
+    def rollout(self, step, fn):
+        return fn()
+
+
+@pytest.mark.slow
+def test_the_scheduler_drops_stale_groups_whose_episodes_span_weight_updates(demo, tmp_path):
+    """AsyncRolloutSchedule on the launched embedded engine, the test doing the sync's version
+    steps (retract, label, continue): the held group's episodes draw turn 1 with version 0 and
+    turn 2 with version 2, so each episode's model tokens carry two versions (its observation
+    tokens none), and the group, past the bound k=1, is dropped (stale_groups: drop), never
+    trained; every trained group is within the bound."""
+    env_file = tmp_path / "nudge.py"
+    env_file.write_text(NUDGE)
+    k, b, n, steps = 1, 2, 2, 4
+    run_dir = tmp_path / "run"
+    cfg = load_config(ROOT / "yaml_configs/demo_cpu.yaml", demo_overrides(
+        demo, run_dir, steps, "rollout.mode=async", f"rollout.max_staleness={k}", "rollout.stale_groups=drop",
+        f"rollout.prompts_per_step={b}", f"rollout.num_generations={n}", f"rollout.environment={env_file}:Nudge",
+        "rollout.multi_turn.observation_role=user", "rollout.multi_turn.max_episode_tokens=64",
+        "parallel.global_batch_size=1", "parallel.micro_batch_size=1"))
+    tokenizer = load_tokenizer(cfg.model.hf_dir)
+    sampler = PromptSampler(load_prompt_dataset(cfg.data, tokenizer), b, cfg.trainer.seed, cfg.data.shuffle)
+    side = build_rollout_side(cfg, tokenizer, sampler)
+    side.rollout_function = recorder = _Recorder(side.rollout_function)
+    with RolloutServerManager(cfg.rollout, model_dir=cfg.model.hf_dir, run_dir=run_dir) as manager:
+        client = RolloutClient.from_config(cfg.rollout, manager.urls)
+        (url,) = manager.urls
+        gate = _Gate(client)
+        schedule = AsyncRolloutSchedule(cfg, _Supervisor(), gate, side, start_step=0)
+        rows = []
+        try:
+            client.update_weight_version(url, "0")
+            for step in range(steps):
+                if step > 0:  # the sync's version steps with sequences in flight (no new weights)
+                    client.pause_generation(url, mode="retract")
+                    client.update_weight_version(url, str(step))
+                    client.continue_generation(url)
+                if step == 2:  # the held episodes go on (turn 2 with version 2); their group arrives now
+                    gate.release.set()
+                    deadline = time.monotonic() + 120
+                    while not any(list(prompt.prompt_ids) == gate.first for prompt, _ in recorder.calls):
+                        assert time.monotonic() < deadline, "the held group did not finish"
+                        time.sleep(0.01)
+                result, _ = schedule.batch_for(step)
+                rows.append({**result.stats, "step": step + 1})
+        finally:
+            gate.release.set()
+            schedule.close()
+            side.close()
+            client.close()
+    log = [json.loads(line) for line in (run_dir / "rollouts" / "async_groups.jsonl").read_text().splitlines()]
+    check_bound(rows, log, k, b=b)
+    # the held group (and a second row with the same prompt text, if it was drawn before the release)
+    dropped = [g for g in log if g["fate"] != "trained"]
+    assert dropped and all(g["fate"] == "stale_drop" and g["step"] - 1 - g["start_version"] > k for g in dropped), log
+    assert any(g["start_version"] == 0 for g in dropped), log
+    assert not {g["gid"] for g in dropped} & {g["gid"] for g in log if g["fate"] == "trained"}  # prompts skipped
+    assert sum(r["async/groups_stale"] for r in rows) == sum(r["async/groups_dropped"] for r in rows) == len(dropped)
+    assert sum(r["async/groups_regenerated"] for r in rows) == 0
+    # each held episode's model tokens were drawn by two versions: turn 1 before the release
+    # (version 0 for the first), turn 2 by version 2; its observation tokens carry none
+    held = [e.sample for prompt, out in recorder.calls if prompt.index in {g["prompt_index"] for g in dropped}
+            for e in out]
+    assert len(held) == n * len(dropped)
+    for s in held:
+        assert len(s.output_versions) == len(s.output_ids) == len(s.output_mask)
+        model = [v for v, m in zip(s.output_versions, s.output_mask) if m == 1]
+        observation = [v for v, m in zip(s.output_versions, s.output_mask) if m == 0]
+        assert len(set(model)) == 2 and model == sorted(model) and model[-1] == "2", s.output_versions
+        assert observation and all(v is None for v in observation), s.output_versions
+    assert any(s.output_versions[0] == "0" for s in held)
 
 
 # ---- configuration --------------------------------------------------------------------------

@@ -27,9 +27,10 @@ The batch is a pure function of the arrival order (``take_groups``); every group
 appended to ``RUN_DIR/rollouts/async_groups.jsonl`` (step as in metrics.jsonl, group id, prompt, start version,
 arrival index). Each group's sampler seed depends only on its id and regeneration count. A
 checkpoint stores the data position before the oldest draw with a group not yet trained or
-dropped, and the ids of that draw and later ones already settled: a resumed run regenerates
-exactly the unsettled prompts, with the resumed weights (their responses are not those of
-the killed run: which tokens each version drew depended on timing).
+dropped, the ids of that draw and later ones already settled, and how many draws were made:
+a resumed run regenerates exactly the unsettled prompts, with the resumed weights (their
+responses are not those of the killed run: which tokens each version drew depended on
+timing), and says so in one line (``resume_note``).
 """
 
 from __future__ import annotations
@@ -99,6 +100,22 @@ def take_groups(arrived: list[Group], step: int, max_staleness: int, count: int
         else:
             chosen.append(g)
     return chosen, stale, rest
+
+
+def resume_note(resume: Optional[dict], step: int, prompts_per_step: int) -> str:
+    """The line a run resumed at ``step`` in async mode prints: what the checkpoint's
+    ``rollouts`` entry (``resume_state``) restores, and what the resumed run cannot reproduce."""
+    if not resume:
+        return (f"async resume at step {step}: the checkpoint has no async rollout state (not an async run's): "
+                f"generation starts from its data position")
+    draw, settled = int(resume["draw"]), len(resume["settled"])
+    drawn = resume.get("drawn")  # absent from checkpoints written before it was stored
+    unsettled = "the" if drawn is None else str((int(drawn) - draw) * prompts_per_step - settled)
+    return (f"async resume at step {step}: data position restored to draw {draw} (group ids from "
+            f"{draw * prompts_per_step}); {settled} groups from there already trained or dropped are skipped; "
+            f"{unsettled} groups drawn but not yet trained at the checkpoint (in flight, finished or waiting) are "
+            f"generated again with the step-{step} weights; not reproduced: their responses, which weight version "
+            f"draws which token, and the arrival order from here differ from the uninterrupted run")
 
 
 def admission_limit(version: int, first_version: int, max_staleness: int, prompts_per_step: int,
@@ -183,13 +200,14 @@ class AsyncRolloutSchedule:
             return self._draws[live[0]][0] if live else self.sampler.state_dict()
 
     def resume_state(self) -> dict:
-        """Rank 0: the oldest unsettled draw and the settled group ids from it on."""
+        """Rank 0: the oldest unsettled draw, the settled group ids from it on, and how many
+        draws were made (for the resumed run's ``resume_note``)."""
         with self._cond:
             live = sorted(self._draws)
             if not live:
-                return {"draw": self._next_draw, "settled": []}
+                return {"draw": self._next_draw, "settled": [], "drawn": self._next_draw}
             settled = [d * self.per_step + p for d in live for p in self._draws[d][1]]
-            return {"draw": live[0], "settled": sorted(settled)}
+            return {"draw": live[0], "settled": sorted(settled), "drawn": self._next_draw}
 
     def close(self) -> None:
         """No thread outlives the run: stop starting groups, end the requests in flight on the
@@ -296,6 +314,7 @@ class AsyncRolloutSchedule:
                 chosen += got
                 for g in stale:
                     counts["stale"] += 1
+                    self._record(step, g, f"stale_{self.cfg.rollout.stale_groups}")  # the attempt that went stale
                     if self.cfg.rollout.stale_groups == "regenerate":
                         counts["regenerated"] += 1
                         self._requeue(g)
@@ -303,7 +322,6 @@ class AsyncRolloutSchedule:
                         counts["dropped"] += 1
                         self._outstanding -= 1
                         self._settle(g)
-                    self._record(step, g, f"stale_{self.cfg.rollout.stale_groups}")
         with self._cond:
             self._outstanding -= len(chosen)
             self._taken += len(chosen)

@@ -59,7 +59,7 @@ from megatron_grpo.runtime.collectives import RunAborted, broadcast
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.sync.syncer import SyncStats
 from megatron_grpo.trainer import checkpoint as ckpt
-from megatron_grpo.trainer.async_rollouts import AsyncRolloutSchedule
+from megatron_grpo.trainer.async_rollouts import AsyncRolloutSchedule, resume_note
 from megatron_grpo.trainer.batch import TrainBatch, dp_shard, mini_batch_order
 from megatron_grpo.trainer.components import (Policy, RolloutSide, build_engine, build_policy, build_reference,
                                               build_rollout_side)
@@ -157,6 +157,9 @@ class Trainer:
         if cfg.rollout.mode == "async":
             rollouts = AsyncRolloutSchedule(cfg, engine, http if side is not None else None, side, start_step,
                                             trainer_state.get("rollouts"))
+            if rank == 0 and start_step > 0:  # resumed: say what the checkpoint cannot give back
+                note = resume_note(trainer_state.get("rollouts"), start_step, cfg.rollout.prompts_per_step)
+                print(f"[megatron-grpo] {note}", flush=True)
         else:
             rollouts = RolloutSchedule(cfg.rollout.mode == "one_step_off_policy", engine,
                                        side.sampler if side is not None else None, generate, cfg.trainer.num_steps)
