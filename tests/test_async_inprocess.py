@@ -23,7 +23,7 @@ from megatron_grpo.sync.in_memory import InMemorySyncer
 from tests.demo_run import read_metrics
 from tests.models_fixtures import hf_tensors
 from tests.test_async_e2e import check_bound, cmd, groups, run
-from tests.test_async_rollouts import PROMPTS, _reference, versions  # noqa: F401  (versions: a fixture)
+from tests.test_async_rollouts import PROMPTS, check_token_versions, versions  # noqa: F401  (versions: a fixture)
 
 NEW_TOKENS = 160
 
@@ -65,21 +65,7 @@ def test_inprocess_sync_retracts_and_tokens_carry_their_version_and_log_prob(ver
         assert not worker.is_alive() and "error" not in out, out
     finally:
         inprocess.close()
-    worst = 0.0
-    for s in out["samples"]:
-        assert len(s.output_versions) == len(s.output_ids) == len(s.output_logprobs) == NEW_TOKENS
-        assert all(s.output_versions.count(v) for v in ("0", "1", "2")), s.output_versions  # both syncs landed mid-flight
-        assert s.output_versions == sorted(s.output_versions)
-        for v in range(3):
-            first = s.output_versions.index(str(v))
-            last = len(s.output_versions) - s.output_versions[::-1].index(str(v))
-            ref = _reference(versions[v], s, last)[first:]
-            worst = max(worst, max(abs(a - b) for a, b in zip(s.output_logprobs[first:last], ref)))
-    assert worst <= 1e-5, worst
-    # the reference tells versions apart: the first version-1 token scored by version 0 is off
-    s = out["samples"][0]
-    first = s.output_versions.index("1")
-    assert abs(_reference(versions[0], s, first + 1)[first] - s.output_logprobs[first]) > 1e-3
+    check_token_versions(out["samples"], versions, NEW_TOKENS, 1e-5)  # both syncs landed mid-flight
 
 
 def test_the_preflight_accepts_async_on_every_engine_that_reports_versions(monkeypatch):

@@ -64,6 +64,28 @@ def _reference(hf_dir, seq: Sequence, upto: int) -> list[float]:
     return [logprobs[n - 1 + i, t].item() for i, t in enumerate(seq.output_ids[:upto])]
 
 
+def check_token_versions(samples, versions, new_tokens: int, tolerance: float) -> None:
+    """Each of ``samples`` (sequences with ``prompt_ids``, ``output_ids``, ``output_logprobs``
+    and ``output_versions``) drew ``new_tokens`` tokens under versions "0", "1" and "2" in that
+    order (an update landed mid-flight twice), and each token's log-prob is the float64
+    reference of the version that drew it within ``tolerance``; and the reference tells the
+    versions apart (the first version-1 token scored by version 0 is off by more than 1e-3)."""
+    worst = 0.0
+    for s in samples:
+        assert len(s.output_versions) == len(s.output_ids) == len(s.output_logprobs) == new_tokens
+        assert all(s.output_versions.count(v) for v in ("0", "1", "2")), s.output_versions
+        assert s.output_versions == sorted(s.output_versions)  # monotone: no token went back
+        for v in range(3):
+            first = s.output_versions.index(str(v))
+            last = len(s.output_versions) - s.output_versions[::-1].index(str(v))
+            ref = _reference(versions[v], s, last)[first:]
+            worst = max(worst, max(abs(a - b) for a, b in zip(s.output_logprobs[first:last], ref)))
+    assert worst <= tolerance, worst
+    s = samples[0]
+    first = s.output_versions.index("1")
+    assert abs(_reference(versions[0], s, first + 1)[first] - s.output_logprobs[first]) > 1e-3
+
+
 def test_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_them(versions):
     engine = EmbeddedEngine(versions[0], dtype="float32", max_batch_size=8, seed=0)
     try:
@@ -83,23 +105,7 @@ def test_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_them(ver
             assert done.acquire(timeout=120), "generation did not finish"
     finally:
         engine.shutdown()
-    worst = 0.0
-    for s in seqs:
-        assert len(s.output_versions) == len(s.output_ids) == len(s.output_logprobs) == 160
-        spans = [s.output_versions.count(v) for v in ("0", "1", "2")]
-        assert all(spans), spans  # each sequence saw all three versions
-        assert s.output_versions == sorted(s.output_versions)  # monotone: no token went back
-        for v in range(3):
-            first, last = s.output_versions.index(str(v)), len(s.output_versions) - s.output_versions[::-1].index(str(v))
-            ref = _reference(versions[v], s, last)[first:]
-            got = s.output_logprobs[first:last]
-            worst = max(worst, max(abs(a - b) for a, b in zip(got, ref)))
-    assert worst <= 1e-5, worst
-    # the reference can tell the versions apart: scoring version-1 tokens with version 0 fails
-    s = seqs[0]
-    first = s.output_versions.index("1")
-    wrong = _reference(versions[0], s, first + 1)[first]
-    assert abs(wrong - s.output_logprobs[first]) > 1e-3
+    check_token_versions(seqs, versions, 160, 1e-5)
 
 
 # ---- the scheduler's rules (pure) -------------------------------------------------------------
@@ -388,17 +394,5 @@ def test_sglang_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_t
             assert not t.is_alive(), "generation did not finish"
     finally:
         client.close()
-    worst = 0.0
-    for i, (prompt, item) in enumerate(zip(PROMPTS, results)):
-        s = parse_generate_item(item, prompt, i, 0, url)
-        assert len(s.output_versions) == len(s.output_ids) == len(s.output_logprobs) == 160
-        assert s.output_versions == sorted(s.output_versions)  # monotone: no token went back
-        assert all(s.output_versions.count(v) for v in ("0", "1", "2")), item["meta_info"]["weight_versions"]
-        for v in range(3):
-            first = s.output_versions.index(str(v))
-            last = len(s.output_versions) - s.output_versions[::-1].index(str(v))
-            ref = _reference(versions[v], s, last)[first:]
-            worst = max(worst, max(abs(a - b) for a, b in zip(s.output_logprobs[first:last], ref)))
-    assert worst <= 1e-4, worst
-    first = s.output_versions.index("1")  # the reference tells the versions apart
-    assert abs(_reference(versions[0], s, first + 1)[first] - s.output_logprobs[first]) > 1e-3
+    samples = [parse_generate_item(item, prompt, i, 0, url) for i, (prompt, item) in enumerate(zip(PROMPTS, results))]
+    check_token_versions(samples, versions, 160, 1e-4)
