@@ -514,3 +514,29 @@ def test_malformed_fields_are_a_400_with_one_line_never_a_500(engine):
             "max_new_tokens": 2, "sampling_seed": 2**63 - 1, "top_k": 2**63 - 1, "temperature": 0,
             "top_p": 1, "min_p": 0, "stop_token_ids": [2**63 - 1], "n": 1, "ignore_eos": True}})
         assert r.status_code == 200, r.text[:200]
+
+
+@pytest.mark.slow
+def test_sglang_reads_its_key_from_a_0600_file_never_from_its_command_line(demo, sglang_servers):
+    """The real SGLang the trainer launches (here the session's shared server, launched the same
+    way): its key is in the ``--config`` file it names, mode 0600, and on no process's command
+    line; a request without the key is refused, one with it answered."""
+    import stat
+
+    import psutil
+
+    from tests.sglang_shared import API_KEY
+
+    url = sglang_servers.serve(demo / "model")
+    port = url.rsplit(":", 1)[1]
+    launched = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+                if "sglang.launch_server" in " ".join(p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])]
+    assert launched, f"no sglang.launch_server process on port {port}"
+    cmdline = launched[0]
+    key_file = Path(cmdline[cmdline.index("--config") + 1])
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and API_KEY in key_file.read_text()
+    assert [p.pid for p in psutil.process_iter(["cmdline"]) if API_KEY in " ".join(p.info["cmdline"] or [])] == []
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}}
+    assert httpx.post(url + "/generate", json=body, timeout=60).status_code == 401
+    answered = httpx.post(url + "/generate", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert answered.status_code == 200, answered.text[:300]
