@@ -262,7 +262,7 @@ def test_slurms_sigterm_to_every_process_saves_and_the_same_command_resumes(demo
     launches = (run_dir / "rollout" / "server.log").read_text().count(" launch: ")
     assert launches == 1, f"the engine was relaunched {launches - 1} times while the run stopped"
     # the step in progress, a checkpoint and the shutdown: seconds, far from stop_timeout_s
-    assert seconds < 60, seconds
+    assert seconds < 60, (seconds, said)
     print(f"stopped {seconds:.1f} s after the signal: {lines[0]}")
     resumed = subprocess.run(train_cmd(demo, run_dir, stopped_at + 1, "logging.plot=false"), cwd=ROOT, env=ENV,
                              capture_output=True, text=True, timeout=DEADLINE_S)
@@ -293,3 +293,39 @@ def test_torchruns_report_of_a_signal_read_before_our_own_is_the_stop(tmp_path, 
     proc.wait(timeout=30)
     assert capfd.readouterr().err == "a rank line\n"
     assert stopping == [signal.SIGINT]
+
+
+def _ranks_started(run_dir: Path) -> bool:
+    """Start-up: a rank of this run exists (importing, or in its rendezvous), no step logged."""
+    return not read_metrics(run_dir) and any("megatron_grpo.train" in _cmdline(p) and str(run_dir) in _cmdline(p)
+                                             for p in psutil.process_iter())
+
+
+@pytest.mark.slow
+def test_sigterm_during_start_up_stops_in_one_line_and_leaves_nothing(demo, tmp_path):
+    """SIGTERM (Slurm's preemption warning) as soon as torchrun and its ranks exist, before the
+    first step: the launcher exits with 143 and one line, within seconds, and no process of the
+    run survives (checked by _stop_with); nothing was finished, so nothing is saved. (Before the
+    launcher held SIGTERM while starting torchrun, a signal in that window killed the launcher
+    alone: exit -15, no line.)"""
+    from megatron_grpo.trainer.checkpoint import complete_checkpoints
+
+    code, said, run_dir, seconds = _stop_with(signal.SIGTERM, "launcher", demo, tmp_path, ready=_ranks_started)
+    lines = said.strip().splitlines()
+    assert code == 143 and len(lines) == 1 and lines[0].startswith("error: stopped by SIGTERM"), said
+    assert seconds < 60, (seconds, said)
+    assert complete_checkpoints(run_dir) == []
+
+
+def test_a_stop_signal_ends_the_wait_for_a_starting_server(monkeypatch):
+    """A rank waiting for its rollout server to become healthy stops at once on SIGTERM (one line,
+    exit code 143 through RunStopped) instead of waiting out the launch timeout."""
+    from megatron_grpo.rollout.manager import wait_healthy
+    from megatron_grpo.runtime import stop
+    from megatron_grpo.runtime.process import free_port
+
+    monkeypatch.setattr(stop, "_received", int(signal.SIGTERM))
+    started = time.monotonic()
+    with pytest.raises(stop.RunStopped, match="stopped by SIGTERM while the rollout server at .* was starting") as e:
+        wait_healthy(f"http://127.0.0.1:{free_port()}", time.monotonic() + 60)
+    assert e.value.signum == signal.SIGTERM and time.monotonic() - started < 5

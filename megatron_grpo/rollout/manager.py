@@ -33,6 +33,7 @@ from megatron_grpo.rollout.engines import ENGINES, EngineKindMismatch
 from megatron_grpo.rollout.types import RolloutError
 from megatron_grpo.runtime.device import cuda_available
 from megatron_grpo.runtime.placement import engine_gpu_ids, ranks_on_this_node
+from megatron_grpo.runtime import stop
 from megatron_grpo.runtime.process import die_with_parent, free_port  # noqa: F401 - free_port re-exported
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,16 @@ def weight_sync_dir(run_dir: str | Path) -> Path:
 
 def wait_healthy(url: str, deadline: float, *, alive: Callable[[], bool] = lambda: True,
                  describe: Callable[[], str] = lambda: "") -> None:
-    """Poll ``url``/health until it answers 200; RolloutError at ``deadline`` or if ``alive()`` turns False."""
+    """Poll ``url``/health until it answers 200; RolloutError at ``deadline`` or if ``alive()`` turns
+    False; ``stop.RunStopped`` once this process received a stop signal (a preemption during
+    start-up stops the run now, not after the launch timeout)."""
     last = "no answer yet"
     while True:
+        signum = stop.received()
+        if signum:
+            raise stop.RunStopped(f"stopped by {stop.signal_name(signum)} while the rollout server at {url} was "
+                                  "starting: no step had run and nothing was saved; the same command starts the "
+                                  "run again", signum)
         if not alive():
             raise RolloutError(url, "launch", f"the server process exited before it was healthy{describe()}")
         try:

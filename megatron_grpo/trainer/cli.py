@@ -94,6 +94,13 @@ def _record_user_error(line: str, path: str) -> None:
         os.unlink(tmp)
 
 
+def _child_setup(parent_pid: int) -> None:
+    """torchrun's pre-exec: take SIGTERM again (the launcher held it while starting it) and die
+    with the launcher."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    die_with_parent(parent_pid)
+
+
 def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
     """Run torchrun, forwarding its stderr live, and turn a user error raised in a rank during
     training (a reward function that raises, ...) into ONE line and exit code 2.
@@ -105,19 +112,30 @@ def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
     for the other nodes, say), its exception is repeated as the last line."""
     with tempfile.TemporaryDirectory(prefix="megatron-grpo-") as tmp:
         error_file = Path(tmp) / "user_error"
-        # torchrun dies with this process (a kill -9 of the launcher alone), and its ranks with it.
-        proc = subprocess.Popen(cmd, env={**env, ERROR_FILE_ENV: str(error_file)}, stderr=subprocess.PIPE,
-                                preexec_fn=functools.partial(die_with_parent, os.getpid()))
         # A SIGTERM for this process goes on to torchrun, which stops its ranks cleanly; the
         # ranks' stderr is this pipe, so dying here would otherwise kill them at their next write.
         stopping: list[int] = []  # the stop signal received, once one was
+        started: list[subprocess.Popen] = []
 
         def forward_stop(signum, frame):
             stopping.append(signum)
-            proc.send_signal(signal.SIGTERM)
+            if started:
+                started[0].send_signal(signal.SIGTERM)
 
+        # SIGTERM is held from before torchrun starts until the handler can reach it: a stop that
+        # arrives while it starts (Slurm's preemption during start-up) is forwarded, not fatal
+        # to this process alone. The child unblocks it before exec (it inherits the mask).
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         previous = signal.signal(signal.SIGTERM, forward_stop)
         try:
+            try:
+                # torchrun dies with this process (a kill -9 of the launcher alone), and its ranks with it.
+                started.append(subprocess.Popen(cmd, env={**env, ERROR_FILE_ENV: str(error_file)},
+                                                stderr=subprocess.PIPE,
+                                                preexec_fn=functools.partial(_child_setup, os.getpid())))
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a held stop is forwarded here
+            proc = started[0]
             tail = _forward_stderr(proc, error_file, stopping)
             code = proc.wait()
         finally:
