@@ -12,7 +12,6 @@ weight directory and the run's weight-update master address (``rollout/embedded/
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import sys
@@ -27,6 +26,7 @@ from megatron_grpo.rollout.embedded.policy import (DEFAULT_MAX_REQUEST_BYTES, DE
                                                    DEFAULT_MAX_REQUEST_TOKENS, ServerPolicy)
 from megatron_grpo.rollout.embedded.server import build_app
 from megatron_grpo.rollout.engines.embedded import API_KEY_ENV
+from megatron_grpo.runtime.placement import is_loopback
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -63,17 +63,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "rollout.weight_sync_master_address); default: loopback addresses only")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` reaches this machine only: ``localhost`` or a loopback address
-    (127.0.0.0/8, ::1); any other name or address counts as reachable from the network."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def main(argv: Optional[list[str]] = None) -> int:
