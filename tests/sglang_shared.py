@@ -92,18 +92,16 @@ def reference_probe_logprobs(model_dir: str | Path, ids: list[int], model=None) 
     return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def decode_probe_diff(client: RolloutClient, url: str, model_dir: str | Path) -> float:
+def decode_probe_diff(client: RolloutClient, model_dir: str | Path, model) -> float:
     """Largest |served - transformers| log-prob over ``DECODE_PROBE``'s sampled continuations of
-    the probe's prompt: each drawn token's log-prob as the server reports it (decoded through
-    its KV cache) against transformers' teacher-forced forward of the prompt and the draw."""
-    from transformers import AutoModelForCausalLM
-
+    the probe's prompt from ``client``'s server: each drawn token's log-prob as the server reports
+    it (decoded through its KV cache) against transformers' teacher-forced forward of the prompt
+    and the draw (``model``: ``model_dir`` loaded in fp32)."""
     ids = probe_ids()
     prompt = ids[:ids.index(build_tokenizer().convert_tokens_to_ids("<|assistant|>")) + 1]
     n, new_tokens = DECODE_PROBE
     samples = client.generate([prompt], n, SamplingParams(temperature=1.0, max_new_tokens=new_tokens,
                                                           ignore_eos=True), sampling_seed=1234)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     worst = 0.0
     for sample in samples:
         assert len(sample.output_ids) == new_tokens, (sample.finish_reason, sample.output_ids)
@@ -124,6 +122,8 @@ class _Server:
         self.client = RolloutClient([self.url], api_key=API_KEY, request_timeout_s=120, max_retries=2)
 
     def reset(self, model_dir: str | Path) -> None:
+        from transformers import AutoModelForCausalLM
+
         client, url = self.client, self.url
         assert self.manager.alive(), f"the shared SGLang server at {url} died (see {self.manager.log_path})"
         try:  # a test that failed inside a begin/end bracket leaves the session open
@@ -137,10 +137,11 @@ class _Server:
         assert client.weight_version(url) == "default"
         ids = probe_ids()
         served = torch.tensor(client.prompt_logprobs(url, ids), dtype=torch.float64)
-        diff = (served - reference_probe_logprobs(model_dir, ids)).abs().max().item()
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()  # once per reset
+        diff = (served - reference_probe_logprobs(model_dir, ids, model)).abs().max().item()
         assert diff <= PROBE_TOLERANCE, (f"the shared SGLang server at {url} does not serve {model_dir} after its "
                                          f"reset: probe log-probs differ by {diff:.2e} > {PROBE_TOLERANCE}")
-        decoded = decode_probe_diff(client, url, model_dir)
+        decoded = decode_probe_diff(client, model_dir, model)
         assert decoded <= PROBE_TOLERANCE, (f"the shared SGLang server at {url} decodes {model_dir} wrongly after "
                                             f"its reset: sampled tokens' log-probs differ from transformers' by "
                                             f"{decoded:.2e} > {PROBE_TOLERANCE}")
