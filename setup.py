@@ -36,8 +36,9 @@ setup(
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
         # tensorboard: its logging test; triton: the Triton kernels' tests (its CPU interpreter;
-        # CUDA builds of torch bring triton, the CPU wheel does not)
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "tensorboard", "triton>=3.0"],
+        # CUDA builds of torch bring triton, the CPU wheel does not); pytest-xdist: the suite runs on
+        # two workers (launch/run_tests.sh)
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "tensorboard", "triton>=3.0"],
     },
     entry_points={"console_scripts": ["megatron-grpo=megatron_grpo.cli:run"]},
 )

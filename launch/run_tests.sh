@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Install megatron-grpo with its test extras and run the whole test suite (CPU, 2 cores: 36.9 min
-# for 996 of the 1083 tests in the project's CI, see README.md).
+# Install megatron-grpo with its test extras and run the whole test suite on two pytest-xdist
+# workers (CPU, 2 cores: see README.md for the time). MEGATRON_GRPO_TEST_WORKERS=0 runs it in one
+# process; tests/conftest.py keeps each module, and every test of the shared SGLang servers, on one
+# worker, heaviest groups first.
 # torch==2.13.0 is installed first: on the project's CPU machines it is a local CPU wheel;
 # an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail
@@ -8,4 +10,9 @@ cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 python -m pip install --quiet --disable-pip-version-check -e ".[test]"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-python -m pytest -q -rs --durations=25 "$@"
+workers="${MEGATRON_GRPO_TEST_WORKERS:-2}"
+parallel=()
+if [[ "$workers" != 0 ]]; then
+  parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+fi
+python -m pytest -q -rs --durations=25 "${parallel[@]}" "$@"

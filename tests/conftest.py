@@ -98,6 +98,40 @@ def python_module(tmp_path, monkeypatch):
         sys.modules.pop(name, None)
 
 
+# ---- parallel runs (pytest-xdist): what must stay on one worker ------------------------------
+
+SHARED_SGLANG_GROUP = "shared-sglang"
+SLOW_WEIGHT = 30  # a slow test costs about as much as this many fast ones (for the order below)
+
+
+def work_group(item) -> str:
+    """The xdist group of a test: every test that uses the session's shared SGLang servers or the
+    tool demo's model runs on one worker (one launch of each, not one per worker); every other
+    test stays with its module (a module-scoped engine or rank set starts once)."""
+    if {"sglang_servers", "tool_demo"} & set(getattr(item, "fixturenames", ())):
+        return SHARED_SGLANG_GROUP
+    return item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """With ``-n N --dist loadgroup`` (launch/run_tests.sh): mark each test with its work_group and
+    order the groups heaviest first (slow tests weigh SLOW_WEIGHT), so that the long groups start
+    at once and the short ones fill in at the end. xdist's own reordering by test count is off
+    (``--no-loadscope-reorder``). Without xdist nothing changes."""
+    if not hasattr(config, "workerinput"):  # not an xdist worker: the usual order
+        return
+    groups: dict[str, list] = {}
+    for item in items:
+        groups.setdefault(work_group(item), []).append(item)
+    weight = {name: sum(SLOW_WEIGHT if it.get_closest_marker("slow") else 1 for it in group)
+              for name, group in groups.items()}
+    ordered = sorted(groups, key=lambda name: -weight[name])  # stable: ties keep collection order
+    items[:] = [item for name in ordered for item in groups[name]]
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(work_group(item)))
+
+
 # ---- stress: the suite on a loaded machine (CI machines are shared) --------------------------
 
 _BUSY_LOOP = """
