@@ -113,12 +113,19 @@ def work_group(item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
-@pytest.hookimpl(tryfirst=True)
+def pytest_itemcollected(item):
+    """Under pytest-xdist: mark each test with its work_group (here, not in
+    pytest_collection_modifyitems, which xdist's own implementation, turning the marks into
+    scheduling groups, may run before: it does under pytest 9.2)."""
+    if hasattr(item.config, "workerinput"):
+        item.add_marker(pytest.mark.xdist_group(work_group(item)))
+
+
 def pytest_collection_modifyitems(config, items):
-    """With ``-n N --dist loadgroup`` (launch/run_tests.sh): mark each test with its work_group and
-    order the groups heaviest first (slow tests weigh SLOW_WEIGHT), so that the long groups start
-    at once and the short ones fill in at the end. xdist's own reordering by test count is off
-    (``--no-loadscope-reorder``). Without xdist nothing changes."""
+    """With ``-n N --dist loadgroup`` (launch/run_tests.sh): order the groups heaviest first
+    (slow tests weigh SLOW_WEIGHT), so that the long groups start at once and the short ones
+    fill in at the end (xdist's own reordering by test count is off: ``--no-loadscope-reorder``).
+    Without xdist nothing changes."""
     if not hasattr(config, "workerinput"):  # not an xdist worker: the usual order
         return
     groups: dict[str, list] = {}
@@ -128,8 +135,30 @@ def pytest_collection_modifyitems(config, items):
               for name, group in groups.items()}
     ordered = sorted(groups, key=lambda name: -weight[name])  # stable: ties keep collection order
     items[:] = [item for name in ordered for item in groups[name]]
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(work_group(item)))
+
+
+def pytest_configure(config):
+    """xdist's groups need a pytest older than 9.1 (setup.py's test extras pin it): refuse, in one
+    line, to split the groups silently under a newer one (the check below catches the rest)."""
+    if getattr(config.option, "dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
+        major, minor = (int(part) for part in pytest.__version__.split(".")[:2])
+        if (major, minor) >= (9, 1):
+            raise pytest.UsageError(f"--dist loadgroup needs pytest < 9.1 (this is {pytest.__version__}: xdist "
+                                    "could not keep a group on one worker): pip install -e '.[test]', or run with "
+                                    "MEGATRON_GRPO_TEST_WORKERS=0")
+
+
+def pytest_collection_finish(session):
+    """On an xdist worker with ``--dist loadgroup``: every test's node id must carry its group
+    (xdist's way of keeping a group on one worker); a pytest that ignores the renaming would
+    silently split the groups (two SGLang launches, module engines started twice), so stop."""
+    if not hasattr(session.config, "workerinput") or not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [item.nodeid for item in session.items if not item.nodeid.endswith("@" + work_group(item))]
+    if lost:
+        raise pytest.UsageError(f"pytest {pytest.__version__} dropped xdist's group of {len(lost)} tests (e.g. "
+                                f"{lost[0]}): install the test extras' pytest (pip install -e '.[test]') or run "
+                                "with MEGATRON_GRPO_TEST_WORKERS=0")
 
 
 # ---- stress: the suite on a loaded machine (CI machines are shared) --------------------------
