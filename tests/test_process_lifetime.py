@@ -5,7 +5,10 @@ is still alive seconds later.
 The moments are recognised from the process tree, not from timers, so the test means the
 same on a quiet and a loaded machine: torchrun just started; the ranks just started (still
 importing the trainer, before any rendezvous); a rank has started a child (the engine server,
-during the rendezvous and the engine's start-up); the first step has been logged. Every
+during the rendezvous and the engine's start-up); the first step has been logged; a rank has
+forked its checkpoint writer (the first checkpoint is being written); the environment fork
+server has forked a worker (a multi-turn run); the launched real SGLang serves with its own
+children (scheduler, detokenizer) after the first step. Every
 process of the launcher's tree, snapshotted at the kill, must be gone within ``GRACE_S``.
 Before runtime/process.die_with_parent ran first thing in a rank, a kill while the ranks were
 importing left both alive (parent 1), blocked in the rendezvous for its whole timeout.
@@ -24,7 +27,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+from megatron_grpo.testing.sglang_cpu import require_sglang
+from tests.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
 
 GRACE_S = 15.0
 """Seconds the killed tree may take to go (the kernel's parent-death signals are immediate;
@@ -53,11 +57,40 @@ def _ranks(tree: list[psutil.Process]) -> list[psutil.Process]:
     return [p for p in tree if "megatron_grpo.train" in _cmdline(p)]
 
 
+def _checkpoint_writer(tree: list[psutil.Process], run: Path) -> bool:
+    """A rank has forked its checkpoint writer's result manager (runtime/cpu_shim.py): the
+    first checkpoint is being written (the fork keeps the rank's command line)."""
+    return any("megatron_grpo.train" in _cmdline(c) for r in _ranks(tree) for c in _children(r))
+
+
+def _environment_worker(tree: list[psutil.Process], run: Path) -> bool:
+    """The environment fork server (rollout/environments/worker.py) has forked a worker."""
+    return any("environments.worker" in _cmdline(p) and _children(p) for p in tree)
+
+
+def _sglang_serving(tree: list[psutil.Process], run: Path) -> bool:
+    """The launched SGLang server runs with its own children (scheduler, detokenizer) and the
+    first step is logged: a kill now must take SGLang's whole tree."""
+    return len(read_metrics(run)) >= 1 and any("sglang" in _cmdline(p) and _children(p) for p in tree)
+
+
 MOMENTS: dict[str, Callable[[list[psutil.Process], Path], bool]] = {
     "torchrun started": lambda tree, run: any("torch.distributed.run" in _cmdline(p) for p in tree),
     "ranks importing": lambda tree, run: len(_ranks(tree)) >= 1,
     "engine starting": lambda tree, run: any(c for r in _ranks(tree) for c in _children(r)),
     "training": lambda tree, run: len(read_metrics(run)) >= 1,
+    "checkpoint writing": _checkpoint_writer,
+    "environment workers": _environment_worker,
+    "sglang serving": _sglang_serving,
+}
+"""Each moment's run adds MOMENT_OVERRIDES[moment] to the demo's overrides."""
+
+MOMENT_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "checkpoint writing": ("checkpoint.save_every=1",),
+    "environment workers": ("rollout.multi_turn.observation_role=user", "rollout.multi_turn.max_episode_tokens=64",
+                            "rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=8",
+                            "parallel.micro_batch_size=4", "eval.every_n_steps=0"),
+    "sglang serving": ("rollout.engine=sglang", "rollout.sglang.mem_fraction_static=0.1", "rollout.launch_timeout_s=600"),
 }
 
 
@@ -72,8 +105,12 @@ def _kill_at(moment: str, whole_group: bool, demo: Path, tmp_path: Path) -> list
     """Start a run, SIGKILL it (its process group, or only the launcher) once ``moment`` is
     reached, and return the command lines of its processes still alive after ``GRACE_S``."""
     run_dir = tmp_path / "run"
+    extra = MOMENT_OVERRIDES.get(moment, ())
+    if moment == "environment workers":
+        (tmp_path / "nudge_env.py").write_text(NUDGE)
+        extra = (f"rollout.environment={tmp_path / 'nudge_env.py'}:Nudge", *extra)
     log = open(tmp_path / "train.log", "wb")
-    proc = subprocess.Popen(train_cmd(demo, run_dir, 20, "logging.plot=false"), cwd=ROOT, env=ENV,
+    proc = subprocess.Popen(train_cmd(demo, run_dir, 20, "logging.plot=false", *extra), cwd=ROOT, env=ENV,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
     try:
@@ -105,8 +142,13 @@ def _kill_at(moment: str, whole_group: bool, demo: Path, tmp_path: Path) -> list
     ("ranks importing", False),
     ("engine starting", True),
     ("training", False),
+    ("checkpoint writing", True),
+    ("environment workers", False),
+    ("sglang serving", False),
 ])
 def test_nothing_outlives_a_killed_launcher(moment, whole_group, demo, tmp_path):
+    if moment == "sglang serving":
+        require_sglang()
     survivors = _kill_at(moment, whole_group, demo, tmp_path)
     assert survivors == [], f"alive {GRACE_S:.0f} s after a kill -9 at {moment!r}: {survivors}"
 
