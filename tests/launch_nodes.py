@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -105,6 +106,10 @@ class EmulatedSlurm:
 
     def __init__(self, work: Path, num_nodes: int = 2):
         self.work = work
+        # slurmstepd makes Unix sockets in the spool directory, whose paths must stay under 108
+        # bytes: a pytest-xdist worker's tmp_path is too deep (the step failed to start and the
+        # job was requeued until the test's deadline), so the spool lives in a short /tmp dir
+        self.spool = Path(tempfile.mkdtemp(prefix="slurm-"))
         self.names = [f"127.0.0.{i + 1}" for i in range(num_nodes)]
         self.conf = work / "slurm.conf"
         env = script_env(SLURM_CONF=str(self.conf))
@@ -112,7 +117,7 @@ class EmulatedSlurm:
         self.daemons: list[subprocess.Popen] = []
 
     def _write_conf(self) -> None:
-        for sub in ("state", "spool", "log"):
+        for sub in ("state", "log"):
             (self.work / sub).mkdir(parents=True, exist_ok=True)
         user = psutil.Process().username()
         nodes = [f"NodeName={n} NodeAddr=127.0.0.1 Port={free_port()} CPUs=1 "
@@ -120,7 +125,7 @@ class EmulatedSlurm:
         self.conf.write_text("\n".join([
             "ClusterName=emulated", "SlurmctldHost=localhost(127.0.0.1)", f"SlurmctldPort={free_port()}",
             f"SlurmUser={user}", f"SlurmdUser={user}", "AuthType=auth/none", "CredType=cred/none",
-            f"StateSaveLocation={self.work}/state", f"SlurmdSpoolDir={self.work}/spool/%n",
+            f"StateSaveLocation={self.work}/state", f"SlurmdSpoolDir={self.spool}/%n",
             f"SlurmctldPidFile={self.work}/slurmctld.pid", f"SlurmdPidFile={self.work}/slurmd-%n.pid",
             f"SlurmctldLogFile={self.work}/log/slurmctld.log", f"SlurmdLogFile={self.work}/log/slurmd-%n.log",
             "ProctrackType=proctrack/pgid", "TaskPlugin=task/none", "MpiDefault=none", "ReturnToService=2",
@@ -168,3 +173,4 @@ class EmulatedSlurm:
         for daemon in self.daemons:
             kill_tree(daemon)
         self.daemons = []
+        shutil.rmtree(self.spool, ignore_errors=True)
