@@ -87,6 +87,11 @@ class Nudge:
         return {"observation": None, "done": True, "reward": float(bool(words) and words[-1] == self.answer)}
 '''
 
+NUDGE_OVERRIDES = ("rollout.multi_turn.observation_role=user", "rollout.multi_turn.max_episode_tokens=64",
+                   "rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=8",
+                   "parallel.micro_batch_size=4", "eval.every_n_steps=0")
+"""A small multi-turn demo run with NUDGE (plus ``rollout.environment=FILE:Nudge``)."""
+
 
 def kill_engine_after(proc: subprocess.Popen, run_dir: Path, steps: int, settle_s: float = 0.0,
                       deadline_s: float = 300.0) -> str:

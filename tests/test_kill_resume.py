@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from tests.demo_run import ENV, NUDGE, ROOT
+from tests.demo_run import ENV, NUDGE, NUDGE_OVERRIDES, ROOT
 from tests.kill_resume import main, run_cmd
 from tests.launch_nodes import running_with
 
@@ -42,10 +42,7 @@ def test_kill_minus_9_and_resume_with_an_environment(demo, tmp_path, capsys):
     started = time.time()
     env_file = tmp_path / "nudge.py"
     env_file.write_text(NUDGE)
-    extra = [f"rollout.environment={env_file}:Nudge", "rollout.multi_turn.observation_role=user",
-             "rollout.multi_turn.max_episode_tokens=64",
-             "rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=8",
-             "parallel.micro_batch_size=4", "eval.every_n_steps=0"]
+    extra = [f"rollout.environment={env_file}:Nudge", *NUDGE_OVERRIDES]
     code = main(["--kills", "2", "--steps", "6", "--seed", "2", "--workdir", str(tmp_path), "--max-seconds", "900",
                  "--demo", str(demo), *(f"--extra={e}" for e in extra)])
     out = capsys.readouterr().out

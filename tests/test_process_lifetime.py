@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from megatron_grpo.testing.sglang_cpu import require_sglang
-from tests.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
+from tests.demo_run import ENV, NUDGE, NUDGE_OVERRIDES, ROOT, read_metrics, train_cmd
 
 GRACE_S = 15.0
 """Seconds the killed tree may take to go (the kernel's parent-death signals are immediate;
@@ -83,15 +83,13 @@ MOMENTS: dict[str, Callable[[list[psutil.Process], Path], bool]] = {
     "environment workers": _environment_worker,
     "sglang serving": _sglang_serving,
 }
-"""Each moment's run adds MOMENT_OVERRIDES[moment] to the demo's overrides."""
 
 MOMENT_OVERRIDES: dict[str, tuple[str, ...]] = {
     "checkpoint writing": ("checkpoint.save_every=1",),
-    "environment workers": ("rollout.multi_turn.observation_role=user", "rollout.multi_turn.max_episode_tokens=64",
-                            "rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=8",
-                            "parallel.micro_batch_size=4", "eval.every_n_steps=0"),
+    "environment workers": NUDGE_OVERRIDES,
     "sglang serving": ("rollout.engine=sglang", "rollout.sglang.mem_fraction_static=0.1", "rollout.launch_timeout_s=600"),
 }
+"""What each moment's run adds to the demo's overrides."""
 
 
 def _children(p: psutil.Process) -> list[psutil.Process]:
