@@ -12,6 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# run_distributed keeps its spawned ranks between calls (megatron_grpo/testing/distributed.py)
+os.environ.setdefault("MEGATRON_GRPO_RANK_POOL", "1")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
 from megatron_grpo.config.rollout import RolloutConfig  # noqa: E402  (after the warning filter above)

@@ -15,17 +15,30 @@ pickle tensors with torch's ``ForkingPickler``, which sends a handle to the work
 memory instead of the data; a worker that has already exited when the parent unpickles (usual
 on a loaded machine) leaves the parent with ``FileNotFoundError`` on a vanished socket.
 Plain pickle copies tensor data into the bytes, so nothing depends on the worker being alive.
+
+**The rank pool** (``MEGATRON_GRPO_RANK_POOL=1``, which the test suite sets): the ranks are
+kept between calls, one pool per world size, so a test pays a rank's start-up (a fresh
+interpreter importing torch, megatron-core and this package: ~3 s of CPU each, most of a small
+test's time) once per pytest process instead of once per call. Each call still gets a new port,
+a new process group and megatron parallel state, the same seeds, and afterwards the worker
+restores what a call may change process-wide (environment variables, default dtype, grad mode,
+thread count). A call made under another environment than a pool's (a test's
+``monkeypatch.setenv``) gets its own pool, started under that environment, as a fresh spawn would. A call that fails or runs past its deadline ends the whole pool (the next call
+starts fresh ranks), so a broken state never reaches another test. ``fresh=True`` forces new
+processes for a function that must see a first import (tools' benchmarks never use the pool).
+A pool's ranks exit when their parent does (they watch its pid).
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from megatron_grpo.runtime import cpu_shim, parallel
 from megatron_grpo.runtime.process import free_port  # noqa: F401 - re-exported for tests
@@ -33,6 +46,10 @@ from megatron_grpo.runtime.process import free_port  # noqa: F401 - re-exported 
 
 class RankFailure(RuntimeError):
     """One or more ranks raised; the message holds each failing rank's traceback."""
+
+POOL_ENV = "MEGATRON_GRPO_RANK_POOL"
+_PARENT_POLL_S = 1.0
+
 
 def _worker(fn, rank, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs, results):
     os.environ.update(
@@ -66,6 +83,111 @@ def _worker(fn, rank, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs
             pass
 
 
+def _pooled_worker(rank: int, world_size: int, jobs, results, parent_pid: int) -> None:
+    """A pool rank: run jobs (pickled ``(fn, port, tp, pp, ep, vpp, etp, seed, args, kwargs)``)
+    until it gets None or its parent is gone. Each job runs exactly as ``_worker`` runs it in a
+    fresh process, then what a job may change process-wide is put back."""
+    import torch
+
+    environ = dict(os.environ)
+    while True:
+        try:
+            job = jobs.get(timeout=_PARENT_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent_pid:  # the parent died (kill -9): nobody will send None
+                return
+            continue
+        if job is None:
+            return
+        fn, port, tp, pp, ep, vpp, etp, seed, args, kwargs = pickle.loads(job)
+        try:
+            _worker(fn, rank, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs, results)
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            torch.set_default_dtype(torch.float32)
+            torch.set_grad_enabled(True)
+
+
+class _RankPool:
+    """``world_size`` spawned ranks waiting for jobs; see the module docstring."""
+
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_pooled_worker, args=(r, world_size, self.jobs[r], self.results, os.getpid()),
+                                  daemon=False)
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def submit(self, job: bytes) -> None:
+        for q in self.jobs:
+            q.put(job)
+
+    def close(self, grace_s: float = 5.0) -> None:
+        """Ask the ranks to exit; kill those still alive after ``grace_s``."""
+        for q, p in zip(self.jobs, self.procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        for q in (*self.jobs, self.results):
+            q.close()
+            q.cancel_join_thread()
+
+
+_POOLS: dict[tuple, _RankPool] = {}
+"""Pools by (world size, environment): a rank's environment is its parent's at spawn, so a call
+made under another environment (a test's ``monkeypatch.setenv``) gets ranks started under it."""
+_MAX_POOLS = 3  # the least recently used beyond this are closed (each rank holds ~0.3 GB)
+_VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)  # pytest changes it for every test
+POOL_STATS = {"calls": 0, "starts": 0}
+"""Pooled calls and pool starts of this process."""
+
+
+def close_pools() -> None:
+    """End every rank pool of this process (run at exit)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def _pool_key(world_size: int) -> tuple:
+    return (world_size, tuple(sorted((k, v) for k, v in os.environ.items() if k not in _VOLATILE_ENV)))
+
+
+def _pool_for(key: tuple) -> _RankPool:
+    pool = _POOLS.pop(key, None)  # re-inserted last: the dict's order is least recently used first
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.kill()
+        while len(_POOLS) >= _MAX_POOLS:
+            _POOLS.pop(next(iter(_POOLS))).close()
+        pool = _RankPool(key[0])
+        POOL_STATS["starts"] += 1
+        # Registered after multiprocessing's own exit hook (it is imported by the first start):
+        # atexit runs last-registered first, and that hook joins every non-daemon child, which
+        # would wait forever for ranks still waiting for jobs.
+        atexit.unregister(close_pools)
+        atexit.register(close_pools)
+    _POOLS[key] = pool
+    POOL_STATS["calls"] += 1
+    return pool
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -77,25 +199,36 @@ def run_distributed(
     etp: int | None = None,
     seed: int = 1234,
     timeout_s: float = 300.0,
+    fresh: Optional[bool] = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
 
-    Returns the per-rank results ordered by rank.
+    Returns the per-rank results ordered by rank. ``fresh``: new processes for this call
+    (default: unless ``MEGATRON_GRPO_RANK_POOL=1``, then the rank pool's; module docstring).
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(fn, r, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs, results),
-            daemon=False,
-        )
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    if fresh is None:
+        fresh = os.environ.get(POOL_ENV) != "1"
+    pool: Optional[_RankPool] = None
+    if fresh:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(fn, r, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs, results),
+                daemon=False,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+    else:
+        key = _pool_key(world_size)
+        pool = _pool_for(key)
+        results, procs = pool.results, pool.procs
+        pool.submit(pickle.dumps((fn, port, tp, pp, ep, vpp, etp, seed, args, kwargs)))
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
@@ -113,7 +246,8 @@ def run_distributed(
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                # a fresh rank may exit 0 with its result still in the queue; a pool's never exits
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in ((None,) if pool is not None else (None, 0))]
                 dead = [r for r in dead if r not in outputs and r not in failures]
                 if dead:
                     # A rank died without reporting (segfault, os._exit, OOM kill).
@@ -128,12 +262,17 @@ def run_distributed(
                 # give them a short grace period, then stop waiting.
                 deadline = min(deadline, time.monotonic() + 10.0)
     finally:
-        for p in procs:
-            p.join(timeout=5.0 if not failures else 0.5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        if pool is not None:
+            if len(outputs) < world_size:  # failed, timed out or interrupted: no state of it may last
+                pool.kill()
+                _POOLS.pop(key, None)
+        else:
+            for p in procs:
+                p.join(timeout=5.0 if not failures else 0.5)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
     if failures:
         raise RankFailure(f"{len(failures)} of {world_size} ranks failed" + _format_failures(failures))
     return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,149 @@
+"""The rank pool behind ``run_distributed`` in the test suite (megatron_grpo/testing/distributed.py):
+its ranks serve many calls (each with a new process group and the requested parallel sizes),
+no call's process-wide changes reach the next, a failed or timed-out call ends the pool, and its
+ranks die with their parent."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from megatron_grpo.testing.distributed import RankFailure, run_distributed
+
+pytestmark = pytest.mark.slow  # spawns ranks
+
+
+def _describe(rank, world):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    sizes = None
+    if ps.model_parallel_is_initialized():
+        sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)  # the new process group works
+    return {"pid": os.getpid(), "world": dist.get_world_size(), "sizes": sizes, "sum": float(total),
+            "leak": os.environ.get("POOL_TEST_LEAK"), "env": os.environ.get("POOL_TEST_ENV"), "dtype": torch.get_default_dtype(),
+            "grad": torch.is_grad_enabled(), "rand": float(torch.rand(()))}
+
+
+def _dirty(rank, world):
+    """Changes what a test function might change process-wide."""
+    os.environ["POOL_TEST_LEAK"] = "left behind"
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    return os.getpid()
+
+
+def _fail_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    return os.getpid()
+
+
+def _sleep(rank, world, seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def _pids(results):
+    return [r["pid"] if isinstance(r, dict) else r for r in results]
+
+
+def test_ranks_serve_many_calls_with_new_groups_and_sizes():
+    first = run_distributed(_describe, 2, fresh=False)
+    tp2 = run_distributed(_describe, 2, tp=2, fresh=False)
+    pp2 = run_distributed(_describe, 2, tp=1, pp=2, fresh=False)
+    assert _pids(first) == _pids(tp2) == _pids(pp2)  # the same two processes
+    assert [r["sizes"] for r in first] == [None, None]  # no megatron state left from earlier calls
+    assert [r["sizes"] for r in tp2] == [(2, 1), (2, 1)] and [r["sizes"] for r in pp2] == [(1, 2), (1, 2)]
+    assert all(r["world"] == 2 and r["sum"] == 3.0 for r in first + tp2 + pp2)
+    # the same seed gives the same draws as a fresh process's
+    fresh = run_distributed(_describe, 2, tp=2, fresh=True)
+    assert _pids(fresh) != _pids(tp2)
+    assert [r["rand"] for r in fresh] == [r["rand"] for r in tp2]
+
+
+def test_a_calls_process_wide_changes_do_not_reach_the_next():
+    dirty = run_distributed(_dirty, 2, fresh=False)
+    after = run_distributed(_describe, 2, fresh=False)
+    assert _pids(after) == dirty
+    assert all(r["leak"] is None and r["dtype"] == torch.float32 and r["grad"] for r in after)
+
+
+def test_a_call_under_another_environment_gets_ranks_started_under_it(monkeypatch):
+    """As a fresh spawn would: the ranks see the caller's environment (TRITON_INTERPRET, say,
+    which a module reads at import), not the one a pool was started under."""
+    plain = run_distributed(_describe, 2, fresh=False)
+    monkeypatch.setenv("POOL_TEST_ENV", "set")
+    changed = run_distributed(_describe, 2, fresh=False)
+    assert [r["env"] for r in plain] == [None, None] and [r["env"] for r in changed] == ["set", "set"]
+    assert not set(_pids(plain)) & set(_pids(changed))
+    monkeypatch.delenv("POOL_TEST_ENV")
+    assert _pids(run_distributed(_describe, 2, fresh=False)) == _pids(plain)  # the first pool, kept
+
+
+def test_a_failed_call_ends_the_pool_and_the_next_starts_fresh_ranks():
+    before = run_distributed(_describe, 2, fresh=False)
+    with pytest.raises(RankFailure, match="rank 1 fails on purpose"):
+        run_distributed(_fail_on_rank_1, 2, fresh=False)
+    after = run_distributed(_describe, 2, fresh=False)
+    assert not set(_pids(before)) & set(_pids(after))
+    for pid in _pids(before):  # the old ranks are gone, not left waiting
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_call_past_its_deadline_ends_the_pool():
+    before = run_distributed(_describe, 2, fresh=False)
+    with pytest.raises(TimeoutError, match="did not finish within"):
+        run_distributed(_sleep, 2, 60, timeout_s=2, fresh=False)
+    for pid in _pids(before):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert run_distributed(_sleep, 2, 0, fresh=False)  # and the next call works
+
+
+def test_pool_ranks_die_with_their_parent(tmp_path):
+    """kill -9 of the process holding a pool (nothing of it runs at exit): its ranks notice
+    their parent is gone and exit within seconds."""
+    script = tmp_path / "holder.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        sys.path.insert(0, sys.argv[1])
+        from megatron_grpo.testing.distributed import run_distributed
+        from tests.test_distributed_pool import _sleep
+        if __name__ == "__main__":
+            print(*run_distributed(_sleep, 2, 0, fresh=False), flush=True)
+            time.sleep(600)
+    """))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    holder = subprocess.Popen([sys.executable, str(script), root], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in holder.stdout.readline().split()]
+        assert len(pids) == 2
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+            alive = [p for p in pids if _alive(p)]
+        assert not alive, f"pool ranks {alive} outlived their parent"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone: its parent, 1, reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
