@@ -86,7 +86,7 @@ def running_with(marker: str, timeout_s: float = 20.0) -> list[str]:
 
 # ---- a real Slurm of two nodes on this machine ------------------------------------------------
 
-SLURM_PROGRAMS = ("slurmctld", "slurmd", "sbatch", "sinfo", "scontrol", "srun", "scancel")
+SLURM_PROGRAMS = ("slurmctld", "slurmd", "sbatch", "sinfo", "scontrol", "srun", "scancel", "squeue")
 SBIN = ("/usr/sbin", "/sbin")  # where the daemons are: not on a normal user's PATH
 
 
@@ -157,9 +157,19 @@ class EmulatedSlurm:
 
     def sbatch(self, args: list[str], timeout_s: float, **env: str) -> subprocess.CompletedProcess:
         """`sbatch --wait ARGS` from the repository root; the job is cancelled past the deadline."""
-        cmd = ["sbatch", "--wait", "--parsable", *args]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**self.env, **env}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        return self.finish(self.submit(args, **env), timeout_s)
+
+    def submit(self, args: list[str], **env: str) -> subprocess.Popen:
+        """`sbatch --wait ARGS` from the repository root, not waited for (``finish`` it)."""
+        return subprocess.Popen(["sbatch", "--wait", "--parsable", *args], cwd=ROOT, env={**self.env, **env},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def job_ids(self) -> list[str]:
+        out = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True, timeout=30)
+        return out.stdout.split()
+
+    def finish(self, proc: subprocess.Popen, timeout_s: float) -> subprocess.CompletedProcess:
+        """Wait for a ``submit``ted job; past the deadline it is cancelled and this fails."""
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -167,7 +177,7 @@ class EmulatedSlurm:
             proc.kill()
             out, err = proc.communicate()
             raise AssertionError(f"the Slurm job did not finish within {timeout_s:.0f} s: {err[-2000:]}") from None
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def stop(self) -> None:
         for daemon in self.daemons:

@@ -312,6 +312,46 @@ def slurm(tmp_path):
     cluster.stop()
 
 
+KILL_WAIT_S = 30  # Slurm's default KillWait: SIGKILL this long after a cancel's SIGTERM
+
+
+@pytest.mark.slow
+def test_scancel_stops_the_job_in_one_line_per_node_and_saves_the_finished_step(demo, tmp_path, no_leftovers, slurm):
+    """Slurm's own cancel, as a user's `scancel JOBID` or a preemption sends it: SIGTERM to every
+    process of the job's steps on both nodes, SIGKILL ``KillWait`` later. Each node's launcher
+    prints one line, the ranks finish their step and save it, all before the SIGKILL; nothing
+    is left. (Under the emulated cluster's proctrack/pgid the engine, in a session of its own,
+    gets no signal: its rank stops it. The signal reaching the engine too is
+    tests/test_process_lifetime.py's Slurm test.)"""
+    run_dir = tmp_path / "run"
+    job_log = tmp_path / "job.out"
+    job = slurm.submit(["--gpus-per-node=0", "--cpus-per-task=1", f"--output={job_log}", "launch/slurm.sbatch", CONFIG,
+                        *overrides(demo, run_dir, 500, "checkpoint.save_every=0")], MASTER_PORT=str(free_port()))
+    try:
+        deadline = time.monotonic() + RUN_S
+        while len(read_metrics(run_dir)) < 2:
+            assert job.poll() is None, job_log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "2 steps not logged in time"
+            time.sleep(0.2)
+        (job_id,) = slurm.job_ids()
+        subprocess.run(["scancel", job_id], env=slurm.env, timeout=30, check=True)
+        cancelled = time.monotonic()
+        slurm.finish(job, 120)
+        took = time.monotonic() - cancelled
+    finally:
+        if job.poll() is None:
+            slurm.finish(job, 0)
+    said = job_log.read_text(errors="replace")
+    ours = [line for line in said.splitlines() if line.startswith("error:")]
+    assert len(ours) == 2, said[-3000:]  # one per node's launcher
+    assert all(line.startswith("error: stopped by SIGTERM after step ") for line in ours), ours
+    stopped_at = max(int(line.split("after step ")[1].split()[0]) for line in ours)
+    assert stopped_at >= 2 and complete_checkpoints(run_dir)[-1][0] == stopped_at, (complete_checkpoints(run_dir), ours)
+    assert steps_logged(run_dir) == list(range(1, stopped_at + 1))
+    assert took < KILL_WAIT_S, (took, said[-3000:])  # stopped by us, not by Slurm's SIGKILL
+    print(f"the job ended {took:.1f} s after scancel: {ours}")
+
+
 @pytest.mark.slow
 def test_slurm_sbatch_on_two_emulated_nodes(demo, tmp_path, no_leftovers, slurm):
     run_dir = tmp_path / "run dir"  # a space: the overrides reach every node intact
