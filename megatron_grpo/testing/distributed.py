@@ -22,7 +22,7 @@ interpreter importing torch, megatron-core and this package: ~3 s of CPU each, m
 test's time) once per pytest process instead of once per call. Each call still gets a new port,
 a new process group and megatron parallel state, the same seeds, and afterwards the worker
 restores what a call may change process-wide (environment variables, default dtype, grad mode,
-thread count). A call made under another environment than a pool's (a test's
+thread count, megatron's cached checkpoint-writer queue: ``_FRESH_STATE``). A call made under another environment than a pool's (a test's
 ``monkeypatch.setenv``) gets its own pool, started under that environment, as a fresh spawn would. A call that fails or runs past its deadline ends the whole pool (the next call
 starts fresh ranks), so a broken state never reaches another test. ``fresh=True`` forces new
 processes for a function that must see a first import (tools' benchmarks never use the pool).
@@ -36,6 +36,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 from typing import Any, Callable, Optional
@@ -83,6 +84,17 @@ def _worker(fn, rank, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs
             pass
 
 
+_FRESH_STATE = (
+    # megatron's checkpoint writer caches a multiprocessing Manager's queue (its server is a
+    # child process) for the process's life. Seen once in the suite: a later job's checkpoint
+    # save in the same rank found that server gone (EOFError on the queue; which earlier job
+    # ended it is not known). A fresh process would build a new one: so does each job.
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async", "_results_queue", None),
+)
+"""(module, attribute, value): process-wide caches a pool rank puts back after each job, as a
+fresh process would have them (only for modules a job imported)."""
+
+
 def _pooled_worker(rank: int, world_size: int, jobs, results, parent_pid: int) -> None:
     """A pool rank: run jobs (pickled ``(fn, port, tp, pp, ep, vpp, etp, seed, args, kwargs)``)
     until it gets None or its parent is gone. Each job runs exactly as ``_worker`` runs it in a
@@ -107,6 +119,9 @@ def _pooled_worker(rank: int, world_size: int, jobs, results, parent_pid: int) -
             os.environ.update(environ)
             torch.set_default_dtype(torch.float32)
             torch.set_grad_enabled(True)
+            for module, attribute, value in _FRESH_STATE:
+                if module in sys.modules:
+                    setattr(sys.modules[module], attribute, value)
 
 
 class _RankPool:
