@@ -17,13 +17,14 @@ on a loaded machine) leaves the parent with ``FileNotFoundError`` on a vanished 
 Plain pickle copies tensor data into the bytes, so nothing depends on the worker being alive.
 
 **The rank pool** (``MEGATRON_GRPO_RANK_POOL=1``, which the test suite sets): the ranks are
-kept between calls, one pool per world size, so a test pays a rank's start-up (a fresh
-interpreter importing torch, megatron-core and this package: ~3 s of CPU each, most of a small
-test's time) once per pytest process instead of once per call. Each call still gets a new port,
-a new process group and megatron parallel state, the same seeds, and afterwards the worker
-restores what a call may change process-wide (environment variables, default dtype, grad mode,
-thread count, megatron's cached checkpoint-writer queue: ``_FRESH_STATE``). A call made under another environment than a pool's (a test's
-``monkeypatch.setenv``) gets its own pool, started under that environment, as a fresh spawn would. A call that fails or runs past its deadline ends the whole pool (the next call
+kept between calls, so a test pays a rank's start-up (a fresh interpreter importing torch,
+megatron-core and this package: ~3 s of CPU each, most of a small test's time) once per pytest
+process instead of once per call. There is one pool per world size and environment: a call made
+under another environment (a test's ``monkeypatch.setenv``) gets ranks started under it, as a
+fresh spawn would. Each call still gets a new port, a new process group and megatron parallel
+state, the same seeds, and afterwards the rank puts back what a call may change process-wide
+(environment variables, default dtype, grad mode, megatron's cached checkpoint-writer queue:
+``_FRESH_STATE``). A call that fails or runs past its deadline ends the whole pool (the next call
 starts fresh ranks), so a broken state never reaches another test. ``fresh=True`` forces new
 processes for a function that must see a first import (tools' benchmarks never use the pool).
 A pool's ranks exit when their parent does (they watch its pid).
@@ -129,7 +130,6 @@ class _RankPool:
 
     def __init__(self, world_size: int):
         ctx = mp.get_context("spawn")
-        self.world_size = world_size
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world_size)]
         self.procs = [ctx.Process(target=_pooled_worker, args=(r, world_size, self.jobs[r], self.results, os.getpid()),
@@ -170,8 +170,6 @@ _POOLS: dict[tuple, _RankPool] = {}
 made under another environment (a test's ``monkeypatch.setenv``) gets ranks started under it."""
 _MAX_POOLS = 3  # the least recently used beyond this are closed (each rank holds ~0.3 GB)
 _VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)  # pytest changes it for every test
-POOL_STATS = {"calls": 0, "starts": 0}
-"""Pooled calls and pool starts of this process."""
 
 
 def close_pools() -> None:
@@ -192,14 +190,12 @@ def _pool_for(key: tuple) -> _RankPool:
         while len(_POOLS) >= _MAX_POOLS:
             _POOLS.pop(next(iter(_POOLS))).close()
         pool = _RankPool(key[0])
-        POOL_STATS["starts"] += 1
         # Registered after multiprocessing's own exit hook (it is imported by the first start):
         # atexit runs last-registered first, and that hook joins every non-daemon child, which
         # would wait forever for ranks still waiting for jobs.
         atexit.unregister(close_pools)
         atexit.register(close_pools)
     _POOLS[key] = pool
-    POOL_STATS["calls"] += 1
     return pool
 
 
