@@ -15,4 +15,4 @@ parallel=()
 if [[ "$workers" != 0 ]]; then
   parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 fi
-python -m pytest -q -rs --durations=25 "${parallel[@]}" "$@"
+python -m pytest -q -rs --tb=short --durations=25 "${parallel[@]}" "$@"

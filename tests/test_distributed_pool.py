@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.testing.distributed import RankFailure, run_distributed
+from megatron_grpo.testing.distributed import RankFailure, RankPoolWarning, run_distributed
 
 pytestmark = pytest.mark.slow  # spawns ranks
 
@@ -53,6 +53,20 @@ def _fail_on_rank_1(rank, world):
 
 def _sleep(rank, world, seconds):
     time.sleep(seconds)
+    return os.getpid()
+
+
+_LEFT_BY_AN_EARLIER_CALL: list[int] = []  # in a rank: a process-wide state no fresh process has
+
+
+def _leave_state(rank, world):
+    _LEFT_BY_AN_EARLIER_CALL.append(rank)
+    return os.getpid()
+
+
+def _fail_on_a_left_state(rank, world):
+    if _LEFT_BY_AN_EARLIER_CALL:
+        raise RuntimeError(f"rank {rank} sees a state an earlier call left")
     return os.getpid()
 
 
@@ -101,6 +115,18 @@ def test_a_failed_call_ends_the_pool_and_the_next_starts_fresh_ranks():
     after = run_distributed(_describe, 2, fresh=False)
     assert not set(_pids(before)) & set(_pids(after))
     for pid in _pids(before):  # the old ranks are gone, not left waiting
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_pooled_failure_is_decided_by_fresh_processes_and_reported():
+    """A failure only a reused rank has (a leaked state) does not fail the call: fresh
+    processes run it again and pass, and a RankPoolWarning carries the pooled traceback."""
+    pooled = run_distributed(_leave_state, 2, fresh=False)
+    with pytest.warns(RankPoolWarning, match="(?s)_fail_on_a_left_state failed in the rank pool.*sees a state"):
+        retried = run_distributed(_fail_on_a_left_state, 2, fresh=False)
+    assert not set(pooled) & set(retried)  # fresh processes, not the pool's
+    for pid in pooled:  # the pool that failed is gone
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
 
