@@ -177,6 +177,28 @@ def _two_steps_logged(run_dir: Path) -> bool:
     return len(read_metrics(run_dir)) >= 2
 
 
+def _two_steps_logged_and_the_ranks_stacks_dumped(run_dir: Path) -> bool:
+    """Two steps logged; then ``kill -USR1`` of each rank writes its threads' stacks to the run's
+    debug/ (runtime/stacks.py), and the run goes on (the caller's signal comes next)."""
+    from megatron_grpo.runtime.stacks import stacks_file
+
+    if not _two_steps_logged(run_dir):
+        return False
+    ranks = [p for p in psutil.process_iter() if "megatron_grpo.train" in _cmdline(p)
+             and str(run_dir) in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)]
+    assert len(ranks) == 2, [_cmdline(p)[:120] for p in ranks]  # the demo's TP=2
+    for rank in ranks:
+        rank.send_signal(signal.SIGUSR1)
+    files = [stacks_file(run_dir, r) for r in range(2)]
+    deadline = time.monotonic() + 30
+    while not all(f.is_file() and "most recent call first" in f.read_text() for f in files):
+        assert time.monotonic() < deadline, [f.read_text() if f.is_file() else f"{f}: missing" for f in files]
+        time.sleep(0.1)
+    for f in files:  # the main thread is in the trainer's loop: the view a hung run needs
+        assert "megatron_grpo/trainer/driver.py" in f.read_text() and "Thread 0x" in f.read_text(), f.read_text()
+    return True
+
+
 def _stop_with(signum: int, to: str, demo: Path, tmp_path: Path, *,
                ready: Callable[[Path], bool] = _two_steps_logged,
                overrides: tuple[str, ...] = ("checkpoint.save_every=0",)) -> tuple[int, str, Path, float]:
@@ -223,7 +245,8 @@ def _stop_with(signum: int, to: str, demo: Path, tmp_path: Path, *,
 def test_sigterm_saves_the_finished_step_and_the_same_command_resumes_there(demo, tmp_path):
     from megatron_grpo.trainer.checkpoint import complete_checkpoints
 
-    code, said, run_dir, _ = _stop_with(signal.SIGTERM, "launcher", demo, tmp_path)
+    code, said, run_dir, _ = _stop_with(signal.SIGTERM, "launcher", demo, tmp_path,
+                                        ready=_two_steps_logged_and_the_ranks_stacks_dumped)
     lines = said.strip().splitlines()
     assert code == 143 and len(lines) == 1, said
     assert lines[0].startswith("error: stopped by SIGTERM after step ") and "saved a checkpoint of step" in lines[0]

@@ -40,7 +40,7 @@ from megatron_grpo.preflight import load_experiment
 from megatron_grpo.preflight.errors import USER_ERRORS, describe_user_error
 from megatron_grpo.preflight.run import check_run
 from megatron_grpo.rollout.http_engine import spawn_servers
-from megatron_grpo.runtime import parallel, stop
+from megatron_grpo.runtime import parallel, stacks, stop
 from megatron_grpo.runtime.collectives import RunAborted
 from megatron_grpo.runtime.library_warnings import quiet_library_warnings
 from megatron_grpo.runtime.process import die_with_parent
@@ -281,6 +281,7 @@ def rank_main(argv: list[str]) -> int:
             check_run(cfg)
     except user_errors() as e:
         return _report(e, rank, args.config, _data_file(args.config, args.overrides))
+    stacks.dump_stacks_on_signal(cfg.trainer.run_dir, rank)  # kill -USR1: where a hung rank is
     # Rank 0's rollout servers boot from here, beside the driver's import and the model build
     # (rollout.http_engine.spawn_servers); the trainer adopts them, and stops them at its end.
     spawned = (spawn_servers(cfg.rollout, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir)
