@@ -104,8 +104,9 @@ class EmulatedSlurm:
     and these resolve without touching /etc/hosts. Every slurmd listens on 127.0.0.1
     (own port)."""
 
-    def __init__(self, work: Path, num_nodes: int = 2):
+    def __init__(self, work: Path, num_nodes: int = 2, kill_wait_s: int = 30):
         self.work = work
+        self.kill_wait_s = kill_wait_s  # KillWait: a cancel's SIGKILL follows its SIGTERM this long after
         # slurmstepd makes Unix sockets in the spool directory, whose paths must stay under 108
         # bytes: a pytest-xdist worker's tmp_path is too deep (the step failed to start and the
         # job was requeued until the test's deadline), so the spool lives in a short /tmp dir
@@ -128,7 +129,7 @@ class EmulatedSlurm:
             f"StateSaveLocation={self.work}/state", f"SlurmdSpoolDir={self.spool}/%n",
             f"SlurmctldPidFile={self.work}/slurmctld.pid", f"SlurmdPidFile={self.work}/slurmd-%n.pid",
             f"SlurmctldLogFile={self.work}/log/slurmctld.log", f"SlurmdLogFile={self.work}/log/slurmd-%n.log",
-            "ProctrackType=proctrack/pgid", "TaskPlugin=task/none", "MpiDefault=none", "ReturnToService=2",
+            f"KillWait={self.kill_wait_s}", "ProctrackType=proctrack/pgid", "TaskPlugin=task/none", "MpiDefault=none", "ReturnToService=2",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", *nodes,
             f"PartitionName=emulated Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE State=UP", ""]))
 
@@ -178,6 +179,13 @@ class EmulatedSlurm:
             out, err = proc.communicate()
             raise AssertionError(f"the Slurm job did not finish within {timeout_s:.0f} s: {err[-2000:]}") from None
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def cancel(self, proc: subprocess.Popen) -> None:
+        """Cancel every job and reap ``proc`` (a ``submit``), raising nothing: for a test's cleanup,
+        where an error of its own would hide the test's."""
+        subprocess.run(["scancel", "--full", "--partition=emulated"], env=self.env, timeout=30)
+        proc.kill()
+        proc.communicate()
 
     def stop(self) -> None:
         for daemon in self.daemons:
