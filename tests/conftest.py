@@ -25,6 +25,18 @@ from tests.demo_run import make_demo, make_tool_demo  # noqa: E402  (needs ROOT 
 from tests.sglang_shared import SGLangServers  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _rank_pools_end_with_their_module():
+    """A module's rank pools close when it ends: a worker's idle ranks (~0.5 GB each, up to 10
+    of them) are not held beside the launched runs of the modules that follow, and no state of
+    one module's calls can reach another's (the pool's saving is within a module: its tests'
+    calls)."""
+    yield
+    from megatron_grpo.testing.distributed import close_pools
+
+    close_pools()
+
+
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory):
     """The demo model and data sets (tools/make_demo_model.py, 20 warm-up steps), built once for
