@@ -49,6 +49,17 @@ def start(cmd: list[str], log_path: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ENV)
 
 
+def running(pid: int) -> bool:
+    """True while ``pid`` runs: a zombie (exited, its parent not having reaped it yet; init
+    reaps an orphan's) counts as gone, as does a pid that no longer exists."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every descendant at once (torchrun starts its workers in
     their own sessions, so a process-group kill would miss the ranks): a node dying."""

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_grpo.testing.distributed import RankFailure, RankPoolWarning, run_distributed
+from tests.kill_resume import running
 
 pytestmark = pytest.mark.slow  # spawns ranks
 
@@ -165,17 +166,8 @@ def test_pool_ranks_die_with_their_parent(tmp_path):
         alive = pids
         while alive and time.monotonic() < deadline:
             time.sleep(0.2)
-            alive = [p for p in pids if _alive(p)]
+            alive = [p for p in pids if running(p)]
         assert not alive, f"pool ranks {alive} outlived their parent"
     finally:
         holder.kill()
         holder.wait()
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as gone: its parent, 1, reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

@@ -26,6 +26,7 @@ from megatron_grpo.rollout.rollout_function import RolloutFunction, RolloutFunct
 from megatron_grpo.rollout.types import Sample, SamplingParams
 from megatron_grpo.testing.tiny_models import build_tokenizer
 from megatron_grpo.trainer.rollout_step import generate_and_score
+from tests.kill_resume import running
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "docs" / "examples" / "retry_rollout.py"
@@ -245,20 +246,12 @@ def bad_file(tmp_path_factory):
     return path
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_the_function_runs_in_a_worker_process_not_the_trainers(bad_file, tok):
     rf = load(bad_file, "pid")
     with pytest.raises(RolloutFunctionError, match="returned a int"):  # its pid is not samples
         rf(FakeEngine(), [make_prompt(tok, 0)], 1, SamplingParams(), 1)
     assert rf.pid != os.getpid()
-    assert not _alive(rf.pid)  # a failed round ends the worker
+    assert not running(rf.pid)  # a failed round ends the worker
 
 
 def test_a_hung_function_is_killed_within_its_deadline(bad_file, tok):
@@ -273,7 +266,7 @@ def test_a_hung_function_is_killed_within_its_deadline(bad_file, tok):
     assert str(e.value) == (f"rollout.rollout_function {bad_file.resolve()}:hangs_after_one_call: the function ran, "
                             "without returning or calling engine.generate, longer than 2s "
                             "(rollout.rollout_function_timeout_s); its worker process was killed")
-    assert not _alive(rf.pid)
+    assert not running(rf.pid)
 
 
 def test_a_raising_or_crashing_function_is_one_line(bad_file, tok):
@@ -285,7 +278,7 @@ def test_a_raising_or_crashing_function_is_one_line(bad_file, tok):
     rf = load(bad_file, "crashes")
     with pytest.raises(RolloutFunctionError, match=r"bad.py:crashes: its worker process died"):
         rf(FakeEngine(), [make_prompt(tok, 0)], 1, SamplingParams(), 1)
-    assert not _alive(rf.pid)
+    assert not running(rf.pid)
 
 
 def test_a_hung_worker_dies_with_a_trainer_killed_by_sigkill(bad_file, tmp_path):
@@ -302,14 +295,14 @@ def test_a_hung_worker_dies_with_a_trainer_killed_by_sigkill(bad_file, tmp_path)
     try:
         worker = int(trainer.stdout.readline())
         time.sleep(0.5)  # the worker is in time.sleep(3600)
-        assert _alive(worker)
+        assert running(worker)
     finally:
         trainer.kill()  # kill -9: no atexit, no close
         trainer.wait(timeout=30)
     deadline = time.monotonic() + 10
-    while _alive(worker) and time.monotonic() < deadline:
+    while running(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(worker)  # its fork server saw stdin close and exited; the parent-death signal did the rest
+    assert not running(worker)  # its fork server saw stdin close and exited; the parent-death signal did the rest
 
 
 def test_a_file_that_hangs_while_loading_is_refused_within_its_deadline(bad_file, monkeypatch):

@@ -7,6 +7,7 @@ import torch
 
 from megatron_grpo.runtime import cpu_shim
 from megatron_grpo.testing.distributed import RankFailure, run_distributed
+from tests.kill_resume import running
 
 VOCAB, SEQ, MBS, NUM_MB = 256, 16, 2, 2
 
@@ -172,12 +173,6 @@ def _children_after_kill_minus_9(script: str, should_go: int | None = None) -> t
     finally:
         proc.kill()
         proc.wait()
-
-    def running(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
 
     deadline = time.monotonic() + 30
     while any(map(running, pids[:should_go])) and time.monotonic() < deadline:
