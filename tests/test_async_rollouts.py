@@ -26,7 +26,7 @@ from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
 from megatron_grpo.rollout.embedded.generation import Sequence
 from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
 from megatron_grpo.trainer.async_rollouts import (AsyncRolloutSchedule, Group, admission_limit, is_stale, resume_note,
-                                                  start_version, take_groups, token_lags)
+                                                  settled_state, start_version, take_groups, token_lags)
 from megatron_grpo.trainer.components import build_rollout_side
 from tests.demo_run import NUDGE, ROOT, demo_overrides
 from tests.models_fixtures import hf_tensors, make_hf_model
@@ -144,6 +144,20 @@ def test_admission_keeps_at_most_k_plus_one_batches_and_stops_at_the_run_end():
     assert admission_limit(version=5, first_version=5, max_staleness=1, prompts_per_step=8, num_steps=100) == 16
     assert admission_limit(version=7, first_version=5, max_staleness=2, prompts_per_step=8, num_steps=100) == 40
     assert admission_limit(version=9, first_version=5, max_staleness=4, prompts_per_step=8, num_steps=10) == 40
+
+
+def test_the_checkpoint_lists_every_settled_group_from_the_oldest_unsettled_draw_on():
+    """A CI run's state at step 2 (B=8): draw 0 with ids 5 and 6 still unsettled, draw 1 trained
+    whole (forgotten by the schedule), draw 2 half trained. Every id of draw 1 is settled, so a
+    resumed run regenerates 5, 6 and draw 2's rest, and never draw 1 (it once trained it twice)."""
+    state = settled_state({0: {0, 1, 2, 3, 4, 7}, 2: {1, 2}}, next_draw=3, prompts_per_step=8)
+    assert state == {"draw": 0, "settled": [0, 1, 2, 3, 4, 7, *range(8, 16), 17, 18], "drawn": 3}
+    assert settled_state({}, next_draw=4, prompts_per_step=8) == {"draw": 4, "settled": [], "drawn": 4}
+    # trailing whole draws too (up to the last draw made), and nothing past it
+    assert settled_state({1: {1}}, next_draw=4, prompts_per_step=2) == {"draw": 1, "settled": [3, 4, 5, 6, 7],
+                                                                         "drawn": 4}
+    note = resume_note(state, step=2, prompts_per_step=8)
+    assert "16 groups from there already trained or dropped are skipped; 8 groups drawn but not yet trained" in note
 
 
 def test_the_resume_note_counts_what_the_checkpoint_restores_and_names_what_it_cannot():

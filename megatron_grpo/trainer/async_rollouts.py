@@ -102,6 +102,23 @@ def take_groups(arrived: list[Group], step: int, max_staleness: int, count: int
     return chosen, stale, rest
 
 
+def settled_state(unsettled_draws: dict[int, set[int]], next_draw: int, prompts_per_step: int) -> dict:
+    """A checkpoint's ``rollouts`` entry: ``{"draw": the oldest draw with an unsettled group,
+    "settled": the ids of every group settled (trained or dropped) from that draw on, "drawn":
+    next_draw}``. ``unsettled_draws``: draw -> the settled positions of each draw with a group not
+    yet settled; a draw before ``next_draw`` that is absent was settled whole (and forgotten),
+    so all its ids count as settled: a draw settled between two unsettled ones is not drawn again.
+    (Listing only the unsettled draws' ids had a resumed run train such a draw a second time.)"""
+    if not unsettled_draws:
+        return {"draw": next_draw, "settled": [], "drawn": next_draw}
+    oldest = min(unsettled_draws)
+    settled = []
+    for draw in range(oldest, next_draw):
+        positions = unsettled_draws.get(draw, range(prompts_per_step))
+        settled += [draw * prompts_per_step + p for p in sorted(positions)]
+    return {"draw": oldest, "settled": settled, "drawn": next_draw}
+
+
 def resume_note(resume: Optional[dict], step: int, prompts_per_step: int) -> str:
     """The line a run resumed at ``step`` in async mode prints: what the checkpoint's
     ``rollouts`` entry (``resume_state``) restores, and what the resumed run cannot reproduce."""
@@ -203,11 +220,8 @@ class AsyncRolloutSchedule:
         """Rank 0: the oldest unsettled draw, the settled group ids from it on, and how many
         draws were made (for the resumed run's ``resume_note``)."""
         with self._cond:
-            live = sorted(self._draws)
-            if not live:
-                return {"draw": self._next_draw, "settled": [], "drawn": self._next_draw}
-            settled = [d * self.per_step + p for d in live for p in self._draws[d][1]]
-            return {"draw": live[0], "settled": sorted(settled), "drawn": self._next_draw}
+            return settled_state({d: settled for d, (_, settled) in self._draws.items()}, self._next_draw,
+                                 self.per_step)
 
     def close(self) -> None:
         """No thread outlives the run: stop starting groups, end the requests in flight on the
