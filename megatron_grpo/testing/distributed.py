@@ -19,9 +19,9 @@ Plain pickle copies tensor data into the bytes, so nothing depends on the worker
 **The rank pool** (``MEGATRON_GRPO_RANK_POOL=1``, which the test suite sets): the ranks are
 kept between calls, so a test pays a rank's start-up (a fresh interpreter importing torch,
 megatron-core and this package: ~3 s of CPU each, most of a small test's time) once per pool
-instead of once per call (tests/conftest.py closes a module's pools when the module ends). There is one pool per world size and environment: a call made
-under another environment (a test's ``monkeypatch.setenv``) gets ranks started under it, as a
-fresh spawn would. Each call still gets a new port, a new process group and megatron parallel
+instead of once per call (tests/conftest.py closes a module's pools when the module ends).
+There is one pool per world size and environment: a call made under another environment (a
+test's ``monkeypatch.setenv``) gets ranks started under it, as a fresh spawn would. Each call still gets a new port, a new process group and megatron parallel
 state, the same seeds, and afterwards the rank puts back what a call may change process-wide
 (environment variables, default dtype, grad mode, megatron's cached checkpoint-writer queue:
 ``_FRESH_STATE``). A call that fails or runs past its deadline ends the whole pool (the next call
