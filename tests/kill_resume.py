@@ -60,6 +60,22 @@ def running(pid: int) -> bool:
         return False
 
 
+def rank_processes(run_dir: Path) -> list:
+    """The training ranks (psutil processes) of the run writing ``run_dir``: the
+    ``python -m megatron_grpo.train`` processes naming it, without torchrun (whose command line
+    names that module too)."""
+    import psutil
+
+    def cmdline(p) -> str:
+        try:
+            return " ".join(p.cmdline())
+        except psutil.Error:
+            return ""
+
+    return [p for p in psutil.process_iter() if "megatron_grpo.train" in (c := cmdline(p))
+            and str(run_dir) in c and "torch.distributed.run" not in c]
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every descendant at once (torchrun starts its workers in
     their own sessions, so a process-group kill would miss the ranks): a node dying."""

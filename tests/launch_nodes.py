@@ -129,7 +129,8 @@ class EmulatedSlurm:
             f"StateSaveLocation={self.work}/state", f"SlurmdSpoolDir={self.spool}/%n",
             f"SlurmctldPidFile={self.work}/slurmctld.pid", f"SlurmdPidFile={self.work}/slurmd-%n.pid",
             f"SlurmctldLogFile={self.work}/log/slurmctld.log", f"SlurmdLogFile={self.work}/log/slurmd-%n.log",
-            f"KillWait={self.kill_wait_s}", "ProctrackType=proctrack/pgid", "TaskPlugin=task/none", "MpiDefault=none", "ReturnToService=2",
+            f"KillWait={self.kill_wait_s}", "ProctrackType=proctrack/pgid", "TaskPlugin=task/none", "MpiDefault=none",
+            "ReturnToService=2",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", *nodes,
             f"PartitionName=emulated Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE State=UP", ""]))
 
@@ -174,18 +175,16 @@ class EmulatedSlurm:
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            subprocess.run(["scancel", "--full", "--partition=emulated"], env=self.env, timeout=30)
-            proc.kill()
-            out, err = proc.communicate()
+            _, err = self.cancel(proc)
             raise AssertionError(f"the Slurm job did not finish within {timeout_s:.0f} s: {err[-2000:]}") from None
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
-    def cancel(self, proc: subprocess.Popen) -> None:
-        """Cancel every job and reap ``proc`` (a ``submit``), raising nothing: for a test's cleanup,
-        where an error of its own would hide the test's."""
+    def cancel(self, proc: subprocess.Popen) -> tuple[str, str]:
+        """Cancel every job and reap ``proc`` (a ``submit``), raising nothing (a test's cleanup:
+        an error of its own would hide the test's); returns its (stdout, stderr)."""
         subprocess.run(["scancel", "--full", "--partition=emulated"], env=self.env, timeout=30)
         proc.kill()
-        proc.communicate()
+        return proc.communicate()
 
     def stop(self) -> None:
         for daemon in self.daemons:

@@ -32,7 +32,7 @@ from megatron_grpo.trainer.nodes import NodeError, NodeSpec
 from tests.demo_run import ROOT, demo_overrides, read_metrics
 from tests.launch_nodes import (CONFIG, SLURM_PROGRAMS, EmulatedSlurm, log, running_with, script_env, slurm_installed,
                                 start_node, start_nodes, stop_nodes, wait_nodes)
-from tests.kill_resume import kill_tree
+from tests.kill_resume import kill_tree, rank_processes
 
 SCRIPTS = sorted(p for p in (ROOT / "launch").iterdir() if p.suffix in (".sh", ".sbatch"))
 # Variables of the user's shell that the scripts read: a test sets the ones it means.
@@ -379,13 +379,11 @@ def _dump_stacks(run_dir: Path) -> str:
 
     procs = [p for p in psutil.process_iter(["pid", "ppid", "status", "cmdline"])
              if str(run_dir) in " ".join(p.info["cmdline"] or [])]
-    for p in procs:
-        if "megatron_grpo.train" in " ".join(p.info["cmdline"]) and "torch.distributed.run" not in " ".join(
-                p.info["cmdline"]):
-            try:
-                p.send_signal(signal.SIGUSR1)
-            except psutil.Error:
-                pass
+    for rank in rank_processes(run_dir):
+        try:
+            rank.send_signal(signal.SIGUSR1)
+        except psutil.Error:
+            pass
     time.sleep(2)
     listing = "\n".join(f"{p.info['pid']} {p.info['ppid']} {p.info['status']} {' '.join(p.info['cmdline'])[:150]}"
                          for p in procs)

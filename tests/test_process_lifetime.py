@@ -29,6 +29,7 @@ import pytest
 
 from megatron_grpo.testing.sglang_cpu import require_sglang
 from tests.demo_run import ENV, NUDGE, NUDGE_OVERRIDES, ROOT, read_metrics, train_cmd
+from tests.kill_resume import rank_processes
 
 GRACE_S = 15.0
 """Seconds the killed tree may take to go (the kernel's parent-death signals are immediate;
@@ -184,8 +185,7 @@ def _two_steps_logged_and_the_ranks_stacks_dumped(run_dir: Path) -> bool:
 
     if not _two_steps_logged(run_dir):
         return False
-    ranks = [p for p in psutil.process_iter() if "megatron_grpo.train" in _cmdline(p)
-             and str(run_dir) in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)]
+    ranks = rank_processes(run_dir)
     assert len(ranks) == 2, [_cmdline(p)[:120] for p in ranks]  # the demo's TP=2
     for rank in ranks:
         rank.send_signal(signal.SIGUSR1)

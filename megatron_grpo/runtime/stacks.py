@@ -28,9 +28,6 @@ def dump_stacks_on_signal(run_dir: str | Path, rank: int) -> Path:
     global _file
     path = stacks_file(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if _file is not None:
-        faulthandler.unregister(DUMP_SIGNAL)
-        _file.close()
     _file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - must outlive this call
     faulthandler.register(DUMP_SIGNAL, file=_file, all_threads=True, chain=False)
     return path

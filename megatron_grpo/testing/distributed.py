@@ -21,10 +21,10 @@ kept between calls, so a test pays a rank's start-up (a fresh interpreter import
 megatron-core and this package: ~3 s of CPU each, most of a small test's time) once per pool
 instead of once per call (tests/conftest.py closes a module's pools when the module ends).
 There is one pool per world size and environment: a call made under another environment (a
-test's ``monkeypatch.setenv``) gets ranks started under it, as a fresh spawn would. Each call still gets a new port, a new process group and megatron parallel
-state, the same seeds, and afterwards the rank puts back what a call may change process-wide
-(environment variables, default dtype, grad mode, megatron's cached checkpoint-writer queue:
-``_FRESH_STATE``). A call that fails or runs past its deadline ends the whole pool (the next call
+test's ``monkeypatch.setenv``) gets ranks started under it, as a fresh spawn would. Each call
+still gets a new port, a new process group and megatron parallel state, the same seeds, and
+afterwards the rank puts back what a call may change process-wide (environment variables,
+default dtype, grad mode, megatron's cached checkpoint-writer queue: ``_FRESH_STATE``). A call that fails or runs past its deadline ends the whole pool (the next call
 starts fresh ranks), so a broken state never reaches another test. ``fresh=True`` forces new
 processes for a function that must see a first import (tools' benchmarks never use the pool).
 A pool's ranks exit when their parent does (they watch its pid). A call whose ranks fail in a
@@ -173,7 +173,7 @@ class _RankPool:
 _POOLS: dict[tuple, _RankPool] = {}
 """Pools by (world size, environment): a rank's environment is its parent's at spawn, so a call
 made under another environment (a test's ``monkeypatch.setenv``) gets ranks started under it."""
-_MAX_POOLS = 3  # the least recently used beyond this are closed (each rank holds ~0.3 GB)
+_MAX_POOLS = 3  # the least recently used beyond this are closed (each rank holds ~0.5 GB)
 _VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)  # pytest changes it for every test
 
 
