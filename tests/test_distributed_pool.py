@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -30,7 +31,7 @@ def _describe(rank, world):
     dist.all_reduce(total)  # the new process group works
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    return {"pid": os.getpid(), "writer_queue": filesystem_async._results_queue, "world": dist.get_world_size(), "sizes": sizes, "sum": float(total),
+    return {"pid": os.getpid(), "ppid": os.getppid(), "writer_queue": filesystem_async._results_queue, "world": dist.get_world_size(), "sizes": sizes, "sum": float(total),
             "leak": os.environ.get("POOL_TEST_LEAK"), "env": os.environ.get("POOL_TEST_ENV"), "dtype": torch.get_default_dtype(),
             "grad": torch.is_grad_enabled(), "rand": float(torch.rand(()))}
 
@@ -105,6 +106,12 @@ def test_a_call_under_another_environment_gets_ranks_started_under_it(monkeypatc
     changed = run_distributed(_describe, 2, fresh=False)
     assert [r["env"] for r in plain] == [None, None] and [r["env"] for r in changed] == ["set", "set"]
     assert not set(_pids(plain)) & set(_pids(changed))
+    # the first pool's ranks were forked from the forkserver (started under the first pool's
+    # environment, with torch and megatron-core imported); the other environment's spawned
+    forkserver = {r["ppid"] for r in plain}
+    assert len(forkserver) == 1 and forkserver != {os.getpid()}
+    assert "multiprocessing.forkserver" in " ".join(psutil.Process(forkserver.pop()).cmdline())
+    assert {r["ppid"] for r in changed} == {os.getpid()}
     monkeypatch.delenv("POOL_TEST_ENV")
     assert _pids(run_distributed(_describe, 2, fresh=False)) == _pids(plain)  # the first pool, kept
 
@@ -144,7 +151,7 @@ def test_a_call_past_its_deadline_ends_the_pool():
 
 def test_pool_ranks_die_with_their_parent(tmp_path):
     """kill -9 of the process holding a pool (nothing of it runs at exit): its ranks notice
-    their parent is gone and exit within seconds."""
+    their owner is gone and exit within seconds, and so does the forkserver they came from."""
     script = tmp_path / "holder.py"
     script.write_text(textwrap.dedent("""
         import sys, time
@@ -160,14 +167,18 @@ def test_pool_ranks_die_with_their_parent(tmp_path):
     try:
         pids = [int(p) for p in holder.stdout.readline().split()]
         assert len(pids) == 2
+        # the ranks and what started them (the forkserver they were forked from, multiprocessing's
+        # resource tracker)
+        started = {p.pid for p in psutil.Process(holder.pid).children(recursive=True)}
+        assert set(pids) < started
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=10)
         deadline = time.monotonic() + 15
-        alive = pids
+        alive = sorted(started)
         while alive and time.monotonic() < deadline:
             time.sleep(0.2)
-            alive = [p for p in pids if running(p)]
-        assert not alive, f"pool ranks {alive} outlived their parent"
+            alive = [p for p in alive if running(p)]
+        assert not alive, f"processes {alive} of the pool (ranks {pids}) outlived their owner"
     finally:
         holder.kill()
         holder.wait()

@@ -18,10 +18,12 @@ Plain pickle copies tensor data into the bytes, so nothing depends on the worker
 
 **The rank pool** (``MEGATRON_GRPO_RANK_POOL=1``, which the test suite sets): the ranks are
 kept between calls, so a test pays a rank's start-up (a fresh interpreter importing torch,
-megatron-core and this package: ~3 s of CPU each, most of a small test's time) once per pool
-instead of once per call (tests/conftest.py closes a module's pools when the module ends).
-There is one pool per world size and environment: a call made under another environment (a
-test's ``monkeypatch.setenv``) gets ranks started under it, as a fresh spawn would. Each call
+megatron-core and this package: ~5 s of CPU each on 2 busy cores, most of a small test's time)
+once per pool instead of once per call (tests/conftest.py closes a module's pools when the
+module ends). A pool's ranks are forked from multiprocessing's forkserver, which imported those
+once, so a new pool starts in ~0.05 s of CPU per rank. There is one pool per world size and
+environment: a call made under another environment than this module's import-time one (a
+test's ``monkeypatch.setenv``) gets ranks spawned under it, as a fresh spawn would. Each call
 still gets a new port, a new process group and megatron parallel state, the same seeds, and
 afterwards the rank puts back what a call may change process-wide (environment variables,
 default dtype, grad mode, megatron's cached checkpoint-writer queue: ``_FRESH_STATE``). A call that fails or runs past its deadline ends the whole pool (the next call
@@ -101,18 +103,33 @@ _FRESH_STATE = (
 fresh process would have them (only for modules a job imported)."""
 
 
-def _pooled_worker(rank: int, world_size: int, jobs, results, parent_pid: int) -> None:
+def _running(process: "psutil.Process") -> bool:
+    """``process`` still runs: not gone, not another process on its reused pid, not a zombie."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _pooled_worker(rank: int, world_size: int, jobs, results, owner_pid: int) -> None:
     """A pool rank: run jobs (pickled ``(fn, port, tp, pp, ep, vpp, etp, seed, args, kwargs)``)
     until it gets None or its parent is gone. Each job runs exactly as ``_worker`` runs it in a
     fresh process, then what a job may change process-wide is put back."""
     import torch
 
+    import psutil
+
     environ = dict(os.environ)
+    # The pool's owner, not the parent: a forked rank's parent is the forkserver, which lives
+    # as long as any process it forked does (each holds its keep-alive pipe).
+    owner = psutil.Process(owner_pid)
     while True:
         try:
             job = jobs.get(timeout=_PARENT_POLL_S)
         except queue.Empty:
-            if os.getppid() != parent_pid:  # the parent died (kill -9): nobody will send None
+            if not _running(owner):  # the owner died (kill -9): nobody will send None
                 return
             continue
         if job is None:
@@ -131,10 +148,9 @@ def _pooled_worker(rank: int, world_size: int, jobs, results, parent_pid: int) -
 
 
 class _RankPool:
-    """``world_size`` spawned ranks waiting for jobs; see the module docstring."""
+    """``world_size`` ranks waiting for jobs, started by ``ctx`` (see the module docstring)."""
 
-    def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+    def __init__(self, world_size: int, ctx: mp.context.BaseContext):
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world_size)]
         self.procs = [ctx.Process(target=_pooled_worker, args=(r, world_size, self.jobs[r], self.results, os.getpid()),
@@ -177,6 +193,41 @@ _MAX_POOLS = 3  # the least recently used beyond this are closed (each rank hold
 _VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)  # pytest changes it for every test
 
 
+_FORKSERVER_PRELOAD = ["megatron_grpo.testing.distributed"]  # imports torch, megatron-core and the runtime
+
+
+def _environment() -> tuple:
+    """This process's environment as a pool's key holds it."""
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k not in _VOLATILE_ENV))
+
+
+_FORKSERVER_ENV = _environment()
+"""The environment the forkserver is started under, every rank it forks has it: this module's
+import-time one (in the test suite: at collection, before any test changes it)."""
+
+
+_forkserver_ours: Optional[bool] = None  # None: not decided yet (no pool of that environment yet)
+
+
+def _start_context(key: tuple) -> mp.context.BaseContext:
+    """How a pool of ``key`` starts its ranks: forked from the forkserver, a process that
+    imported torch, megatron-core and this module once (a rank then starts in ~0.05 s of CPU,
+    not the ~5 s of a spawned interpreter's imports), when the caller's environment is the
+    forkserver's; otherwise spawned, as a fresh call's ranks are (a module may read the
+    environment at import: TRITON_INTERPRET, say). A forkserver that other code started first
+    (its environment and imports unknown) is not used."""
+    global _forkserver_ours
+    from multiprocessing import forkserver
+
+    if key[1] != _FORKSERVER_ENV:
+        return mp.get_context("spawn")
+    if _forkserver_ours is None:
+        _forkserver_ours = getattr(forkserver._forkserver, "_forkserver_pid", None) is None
+        if _forkserver_ours:
+            mp.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return mp.get_context("forkserver" if _forkserver_ours else "spawn")
+
+
 def close_pools() -> None:
     """End every rank pool of this process (run at exit)."""
     while _POOLS:
@@ -184,7 +235,7 @@ def close_pools() -> None:
 
 
 def _pool_key(world_size: int) -> tuple:
-    return (world_size, tuple(sorted((k, v) for k, v in os.environ.items() if k not in _VOLATILE_ENV)))
+    return (world_size, _environment())
 
 
 def _pool_for(key: tuple) -> _RankPool:
@@ -194,7 +245,7 @@ def _pool_for(key: tuple) -> _RankPool:
             pool.kill()
         while len(_POOLS) >= _MAX_POOLS:
             _POOLS.pop(next(iter(_POOLS))).close()
-        pool = _RankPool(key[0])
+        pool = _RankPool(key[0], _start_context(key))
         # Registered after multiprocessing's own exit hook (it is imported by the first start):
         # atexit runs last-registered first, and that hook joins every non-daemon child, which
         # would wait forever for ranks still waiting for jobs.
