@@ -2,8 +2,10 @@
 quiet megatron/TE warnings, the small demo models the end-to-end modules share, and the
 session's shared SGLang servers."""
 
+import json
 import os
 import sys
+import time
 import warnings
 
 import pytest
@@ -191,6 +193,21 @@ def pytest_addoption(parser):
                           "loaded CI machine); each stops by itself after --busy-max-s seconds")
     parser.addoption("--busy-max-s", type=float, default=3600.0, metavar="S",
                      help="lifetime bound of each --busy process (default 3600)")
+    parser.addoption("--timeline", metavar="PATH",
+                     help="append one JSON line per test to PATH (its worker, start, end, node id): where each "
+                          "worker's time went, idle tail included (tools/suite_timeline.py summarises it)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``--timeline PATH``: time each test's whole protocol (setup, call, teardown) on its worker."""
+    start = time.time()
+    yield
+    path = item.config.getoption("--timeline")
+    if path:
+        with open(path, "a") as f:  # one short line per write: the workers' lines do not interleave
+            f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "start": start,
+                                "end": time.time(), "test": item.nodeid}) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)
