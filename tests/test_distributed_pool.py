@@ -99,19 +99,32 @@ def test_a_calls_process_wide_changes_do_not_reach_the_next():
 
 
 def test_a_call_under_another_environment_gets_ranks_started_under_it(monkeypatch):
-    """As a fresh spawn would: the ranks see the caller's environment (TRITON_INTERPRET, say,
-    which a module reads at import), not the one a pool was started under."""
+    """As a fresh spawn would: the ranks see the caller's environment, not the one a pool was
+    started under. They are forked from the forkserver (torch and megatron-core imported once)
+    unless a variable read at import differs from the forkserver's (TRITON_INTERPRET, say):
+    then spawned."""
+    from megatron_grpo.testing import distributed
+
+    # the import-time values of the variables read at import, whatever an earlier test left:
+    # this test checks the mechanism (such a leak makes later pools spawn: time, not a failure)
+    import_env = dict(distributed._FORKSERVER_IMPORT_ENV)
+    for k, _ in distributed._read_at_import(distributed._environment()):
+        if k not in import_env:
+            monkeypatch.delenv(k)
+    for k, v in import_env.items():
+        monkeypatch.setenv(k, v)
     plain = run_distributed(_describe, 2, fresh=False)
-    monkeypatch.setenv("POOL_TEST_ENV", "set")
+    monkeypatch.setenv("POOL_TEST_ENV", "set")  # read by no import: the forkserver's ranks get it
     changed = run_distributed(_describe, 2, fresh=False)
-    assert [r["env"] for r in plain] == [None, None] and [r["env"] for r in changed] == ["set", "set"]
-    assert not set(_pids(plain)) & set(_pids(changed))
-    # the first pool's ranks were forked from the forkserver (started under the first pool's
-    # environment, with torch and megatron-core imported); the other environment's spawned
-    forkserver = {r["ppid"] for r in plain}
+    monkeypatch.setenv("TRITON_POOL_TEST_ENV", "set")  # a TRITON_ variable: spawned ranks
+    spawned = run_distributed(_describe, 2, fresh=False)
+    assert [r["env"] for r in plain] == [None, None] and [r["env"] for r in changed + spawned] == ["set"] * 4
+    assert len(set(_pids(plain)) | set(_pids(changed)) | set(_pids(spawned))) == 6  # three pools
+    forkserver = {r["ppid"] for r in plain + changed}
     assert len(forkserver) == 1 and forkserver != {os.getpid()}
     assert "multiprocessing.forkserver" in " ".join(psutil.Process(forkserver.pop()).cmdline())
-    assert {r["ppid"] for r in changed} == {os.getpid()}
+    assert {r["ppid"] for r in spawned} == {os.getpid()}
+    monkeypatch.delenv("TRITON_POOL_TEST_ENV")
     monkeypatch.delenv("POOL_TEST_ENV")
     assert _pids(run_distributed(_describe, 2, fresh=False)) == _pids(plain)  # the first pool, kept
 

@@ -2,6 +2,7 @@
 each worker's busy time and idle tail, against a hand-built timeline and a real pytest run."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,9 +28,10 @@ def test_summary_of_a_hand_built_timeline():
 
 def test_a_real_run_writes_one_line_per_test_and_the_tool_reads_it(tmp_path, capsys):
     timeline = tmp_path / "timeline.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}  # this run may be a worker's
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeline", str(timeline),
                           "tests/test_suite_timeline.py::test_summary_of_a_hand_built_timeline"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-2000:]
     (line,) = [json.loads(x) for x in timeline.read_text().splitlines()]
     assert line["worker"] == "main" and line["test"].endswith("test_summary_of_a_hand_built_timeline")

@@ -22,14 +22,16 @@ megatron-core and this package: ~5 s of CPU each on 2 busy cores, most of a smal
 once per pool instead of once per call (tests/conftest.py closes a module's pools when the
 module ends). A pool's ranks are forked from multiprocessing's forkserver, which imported those
 once, so a new pool starts in ~0.05 s of CPU per rank. There is one pool per world size and
-environment: a call made under another environment than this module's import-time one (a
-test's ``monkeypatch.setenv``) gets ranks spawned under it, as a fresh spawn would. Each call
+environment, and its ranks run under the caller's environment; a call whose environment differs
+from this module's import-time one in a variable torch, triton or megatron-core read at import
+(a test's ``monkeypatch.setenv("TRITON_INTERPRET", "1")``) gets ranks spawned under it, as a
+fresh spawn would. Each call
 still gets a new port, a new process group and megatron parallel state, the same seeds, and
 afterwards the rank puts back what a call may change process-wide (environment variables,
 default dtype, grad mode, megatron's cached checkpoint-writer queue: ``_FRESH_STATE``). A call that fails or runs past its deadline ends the whole pool (the next call
 starts fresh ranks), so a broken state never reaches another test. ``fresh=True`` forces new
 processes for a function that must see a first import (tools' benchmarks never use the pool).
-A pool's ranks exit when their parent does (they watch its pid). A call whose ranks fail in a
+A pool's ranks exit when the process that made the pool does (they watch its pid). A call whose ranks fail in a
 pool (not one that times out) is run once more in fresh processes, and their outcome is the
 call's: a state that leaked from an earlier call, which no test is meant to see, then shows as
 a ``RankPoolWarning`` (with the pooled traceback) instead of a failure that a fresh process
@@ -113,18 +115,22 @@ def _running(process: "psutil.Process") -> bool:
         return False
 
 
-def _pooled_worker(rank: int, world_size: int, jobs, results, owner_pid: int) -> None:
+def _pooled_worker(rank: int, world_size: int, jobs, results, owner_pid: int, caller_env: dict) -> None:
     """A pool rank: run jobs (pickled ``(fn, port, tp, pp, ep, vpp, etp, seed, args, kwargs)``)
-    until it gets None or its parent is gone. Each job runs exactly as ``_worker`` runs it in a
-    fresh process, then what a job may change process-wide is put back."""
+    until it gets None or the pool's owner is gone. Each job runs exactly as ``_worker`` runs it
+    in a fresh process, then what a job may change process-wide is put back."""
+    import psutil
     import torch
 
-    import psutil
-
+    os.environ.clear()  # the caller's, as a spawned rank's (a forked one has the forkserver's)
+    os.environ.update(caller_env)
     environ = dict(os.environ)
     # The pool's owner, not the parent: a forked rank's parent is the forkserver, which lives
     # as long as any process it forked does (each holds its keep-alive pipe).
-    owner = psutil.Process(owner_pid)
+    try:
+        owner = psutil.Process(owner_pid)
+    except psutil.NoSuchProcess:  # the owner died while this rank started
+        return
     while True:
         try:
             job = jobs.get(timeout=_PARENT_POLL_S)
@@ -153,7 +159,7 @@ class _RankPool:
     def __init__(self, world_size: int, ctx: mp.context.BaseContext):
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_pooled_worker, args=(r, world_size, self.jobs[r], self.results, os.getpid()),
+        self.procs = [ctx.Process(target=_pooled_worker, args=(r, world_size, self.jobs[r], self.results, os.getpid(), dict(os.environ)),
                                   daemon=False)
                       for r in range(world_size)]
         for p in self.procs:
@@ -194,6 +200,14 @@ _VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)  # pytest changes it for every test
 
 
 _FORKSERVER_PRELOAD = ["megatron_grpo.testing.distributed"]  # imports torch, megatron-core and the runtime
+_READ_AT_IMPORT = ("TRITON_", "TORCH", "PYTORCH_", "CUDA_", "PYTHON")
+_SET_BY_TORCH = ("TORCHINDUCTOR_CACHE_DIR",)  # torch exports its default when it first needs it
+"""Environment variables (prefixes) that torch, triton and megatron-core may read while they are
+imported (TRITON_INTERPRET picks triton's interpreter when a kernel is defined, say): a forked
+rank has the forkserver's imports, so these must be the caller's. Other variables are the
+caller's anyway (a rank adopts its caller's environment first thing); the test process's own
+change them freely (``runtime.parallel.initialize`` sets MASTER_PORT, building a megatron model
+sets NVTE_*), which must not cost the forkserver."""
 
 
 def _environment() -> tuple:
@@ -201,25 +215,27 @@ def _environment() -> tuple:
     return tuple(sorted((k, v) for k, v in os.environ.items() if k not in _VOLATILE_ENV))
 
 
-_FORKSERVER_ENV = _environment()
-"""The environment the forkserver is started under, every rank it forks has it: this module's
-import-time one (in the test suite: at collection, before any test changes it)."""
+def _read_at_import(environ: tuple) -> tuple:
+    return tuple((k, v) for k, v in environ if k.startswith(_READ_AT_IMPORT) and k not in _SET_BY_TORCH)
 
 
+_FORKSERVER_IMPORT_ENV = _read_at_import(_environment())
+"""``_READ_AT_IMPORT``'s part of this module's import-time environment (in the test suite: at
+collection, before any test changes it): the forkserver's, whatever else differs when it starts."""
 _forkserver_ours: Optional[bool] = None  # None: not decided yet (no pool of that environment yet)
 
 
 def _start_context(key: tuple) -> mp.context.BaseContext:
     """How a pool of ``key`` starts its ranks: forked from the forkserver, a process that
     imported torch, megatron-core and this module once (a rank then starts in ~0.05 s of CPU,
-    not the ~5 s of a spawned interpreter's imports), when the caller's environment is the
-    forkserver's; otherwise spawned, as a fresh call's ranks are (a module may read the
-    environment at import: TRITON_INTERPRET, say). A forkserver that other code started first
-    (its environment and imports unknown) is not used."""
+    not the ~5 s of a spawned interpreter's imports), unless the caller's environment differs
+    from the forkserver's in a variable read at import (``_READ_AT_IMPORT``); then spawned, as
+    a fresh call's ranks are. A forkserver that other code started first (its imports and
+    environment unknown) is not used."""
     global _forkserver_ours
     from multiprocessing import forkserver
 
-    if key[1] != _FORKSERVER_ENV:
+    if _read_at_import(key[1]) != _FORKSERVER_IMPORT_ENV:
         return mp.get_context("spawn")
     if _forkserver_ours is None:
         _forkserver_ours = getattr(forkserver._forkserver, "_forkserver_pid", None) is None
