@@ -51,6 +51,8 @@ import traceback
 import warnings
 from typing import Any, Callable, Optional
 
+import psutil
+
 from megatron_grpo.runtime import cpu_shim, parallel
 from megatron_grpo.runtime.process import free_port  # noqa: F401 - re-exported for tests
 
@@ -105,10 +107,8 @@ _FRESH_STATE = (
 fresh process would have them (only for modules a job imported)."""
 
 
-def _running(process: "psutil.Process") -> bool:
+def _running(process: psutil.Process) -> bool:
     """``process`` still runs: not gone, not another process on its reused pid, not a zombie."""
-    import psutil
-
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -119,7 +119,6 @@ def _pooled_worker(rank: int, world_size: int, jobs, results, owner_pid: int, ca
     """A pool rank: run jobs (pickled ``(fn, port, tp, pp, ep, vpp, etp, seed, args, kwargs)``)
     until it gets None or the pool's owner is gone. Each job runs exactly as ``_worker`` runs it
     in a fresh process, then what a job may change process-wide is put back."""
-    import psutil
     import torch
 
     os.environ.clear()  # the caller's, as a spawned rank's (a forked one has the forkserver's)
