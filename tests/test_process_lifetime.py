@@ -271,6 +271,7 @@ def test_ctrl_c_with_save_on_stop_false_stops_in_one_line_and_saves_nothing(demo
     assert code == 130 and len(lines) == 1, said
     assert lines[0].startswith("error: stopped by SIGINT after step ") and \
         "saved nothing (checkpoint.save_on_stop is false)" in lines[0], lines[0]
+    assert lines[0].endswith("; there is none yet: the same command starts over"), lines[0]
     assert complete_checkpoints(run_dir) == []
     written = Path(checkpoints_dir(run_dir))
     assert not written.exists() or not any(written.iterdir()), sorted(written.rglob("*"))

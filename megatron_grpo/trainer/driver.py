@@ -54,6 +54,8 @@ def stop_before(trainer: Trainer, steps_done: int) -> None:
         saved = f"saved a checkpoint of step {steps_done}"
     else:
         saved = "saved nothing (checkpoint.save_on_stop is false)"
+    resume = ("the same command resumes from the newest one" if ckpt.complete_checkpoints(cfg.trainer.run_dir)
+              else "there is none yet: the same command starts over")
     raise stop.RunStopped(
         f"stopped by {name} after step {steps_done} of {cfg.trainer.num_steps}: {saved} in "
-        f"{ckpt.checkpoints_dir(cfg.trainer.run_dir)}; the same command resumes from the newest one", signum)
+        f"{ckpt.checkpoints_dir(cfg.trainer.run_dir)}; {resume}", signum)
