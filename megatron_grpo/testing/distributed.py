@@ -31,8 +31,8 @@ afterwards the rank puts back what a call may change process-wide (environment v
 default dtype, grad mode, megatron's cached checkpoint-writer queue: ``_FRESH_STATE``). A call that fails or runs past its deadline ends the whole pool (the next call
 starts fresh ranks), so a broken state never reaches another test. ``fresh=True`` forces new
 processes for a function that must see a first import (tools' benchmarks never use the pool).
-A pool's ranks exit when the process that made the pool does (they watch its pid). A call whose ranks fail in a
-pool (not one that times out) is run once more in fresh processes, and their outcome is the
+A pool's ranks exit when the process that made the pool does (they watch its pid). A call
+whose ranks fail in a pool (not one that times out) is run once more in fresh processes, and their outcome is the
 call's: a state that leaked from an earlier call, which no test is meant to see, then shows as
 a ``RankPoolWarning`` (with the pooled traceback) instead of a failure that a fresh process
 would not have had. (Seen once in CI, not reproduced: a 2-rank attention check failed in a pool.)
@@ -192,21 +192,21 @@ class _RankPool:
 
 
 _POOLS: dict[tuple, _RankPool] = {}
-"""Pools by (world size, environment): a rank's environment is its parent's at spawn, so a call
-made under another environment (a test's ``monkeypatch.setenv``) gets ranks started under it."""
+"""Pools by (world size, environment): a pool's ranks run under the environment of the call
+that made them, so a call made under another one (a test's ``monkeypatch.setenv``) gets its own."""
 _MAX_POOLS = 3  # the least recently used beyond this are closed (each rank holds ~0.5 GB)
 _VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)  # pytest changes it for every test
 
 
 _FORKSERVER_PRELOAD = ["megatron_grpo.testing.distributed"]  # imports torch, megatron-core and the runtime
 _READ_AT_IMPORT = ("TRITON_", "TORCH", "PYTORCH_", "CUDA_", "PYTHON")
-_SET_BY_TORCH = ("TORCHINDUCTOR_CACHE_DIR",)  # torch exports its default when it first needs it
 """Environment variables (prefixes) that torch, triton and megatron-core may read while they are
 imported (TRITON_INTERPRET picks triton's interpreter when a kernel is defined, say): a forked
 rank has the forkserver's imports, so these must be the caller's. Other variables are the
 caller's anyway (a rank adopts its caller's environment first thing); the test process's own
 change them freely (``runtime.parallel.initialize`` sets MASTER_PORT, building a megatron model
 sets NVTE_*), which must not cost the forkserver."""
+_SET_BY_TORCH = ("TORCHINDUCTOR_CACHE_DIR",)  # torch exports its default when it first needs it
 
 
 def _environment() -> tuple:
