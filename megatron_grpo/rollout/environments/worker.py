@@ -118,7 +118,10 @@ def _server_main() -> None:
     authkey = bytes.fromhex(sys.stdin.readline().strip())
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
-    listener = Listener(address, family="AF_UNIX", authkey=authkey)
+    # bound under another name and renamed once listening: the trainer waits for ``address``
+    # to exist, and a socket file that exists before listen() refuses connections
+    listener = Listener(address + ".binding", family="AF_UNIX", authkey=authkey)
+    os.rename(address + ".binding", address)
     threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
     while True:
         try:
