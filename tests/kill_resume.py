@@ -12,7 +12,7 @@ With ``--extra KEY=VALUE`` (repeatable) both runs get more overrides: an environ
 workers die with the run (tests/test_kill_resume.py).
 
     python tests/kill_resume.py --kills 20          # the full version (several minutes)
-    python tests/kill_resume.py --kills 2 --steps 8 # what CI runs (tests/test_kill_resume.py, with
+    python tests/kill_resume.py --kills 1 --steps 6 # what CI runs (tests/test_kill_resume.py, with
                                                     # --demo: the session's shared demo model)
 
 Prints `kills: K, resumes: R, checkpoints lost: L, metrics equal: yes|no` and exits non-zero

@@ -13,27 +13,30 @@ from tests.demo_run import ENV, NUDGE, NUDGE_OVERRIDES, ROOT
 from tests.kill_resume import main, run_cmd
 from tests.launch_nodes import running_with
 
+STEPS = 6
+
 
 @pytest.fixture(scope="module")
 def straight(demo, tmp_path_factory):
-    """The uninterrupted 8-step run (embedded engine) both engines' killed runs must equal: the
+    """The uninterrupted 6-step run (embedded engine) both engines' killed runs must equal: the
     in-process engine takes the embedded run's steps (tests/test_trainer_e2e.py), within the
     comparison's 1e-6."""
     run_dir = tmp_path_factory.mktemp("straight") / "run"
-    assert subprocess.run(run_cmd(demo, run_dir, 8), cwd=ROOT, env=ENV, capture_output=True).returncode == 0
+    assert subprocess.run(run_cmd(demo, run_dir, STEPS), cwd=ROOT, env=ENV, capture_output=True).returncode == 0
     return run_dir
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine,kills", [("embedded", 2), ("inprocess", 1)])
-def test_kill_minus_9_and_resume(demo, straight, tmp_path, capsys, engine, kills):
-    # seed 1's dice: the first kill lands during a checkpoint save, the second 2.0 s after the
-    # resumed run's first new step
-    # (the full version, tests/kill_resume.py --kills 20, kills at many more moments)
-    code = main(["--kills", str(kills), "--steps", "8", "--seed", "1", "--workdir", str(tmp_path), "--max-seconds",
+@pytest.mark.parametrize("engine", ["embedded", "inprocess"])
+def test_kill_minus_9_and_resume(demo, straight, tmp_path, capsys, engine):
+    # seed 1's die: the kill lands during a checkpoint save (the environment run below is
+    # killed mid-run; the full version, tests/kill_resume.py --kills 20, kills at many more
+    # moments, resumed runs included)
+    code = main(["--kills", "1", "--steps", str(STEPS), "--seed", "1", "--workdir", str(tmp_path), "--max-seconds",
                  "900", "--demo", str(demo), f"--straight={straight}", f"--extra=rollout.engine={engine}"])
     out = capsys.readouterr().out
     assert code == 0, out
+    assert "kills: 1," in out and "during a save" in out, out  # the run did not finish before its kill
     assert "checkpoints lost: 0" in out and "metrics equal: yes" in out and "prompts equal: yes" in out
     # nothing outlives the kills: not the ranks, not the engine, not the checkpoint writers a
     # rank forked when it was killed during a save (they hold copies of its sockets)
@@ -46,11 +49,13 @@ def test_kill_minus_9_and_resume_with_an_environment(demo, tmp_path, capsys):
     env_file = tmp_path / "nudge.py"
     env_file.write_text(NUDGE)
     extra = [f"rollout.environment={env_file}:Nudge", *NUDGE_OVERRIDES]
-    # seed 2's die: the kill lands 7.6 s after the run's first step, mid-run
-    code = main(["--kills", "1", "--steps", "6", "--seed", "2", "--workdir", str(tmp_path), "--max-seconds", "900",
+    # seed 37's die: the kill lands 0.7 s after the run's first step, mid-run (seed 2's, 7.6 s,
+    # came after the run's last step: it finished unkilled)
+    code = main(["--kills", "1", "--steps", "6", "--seed", "37", "--workdir", str(tmp_path), "--max-seconds", "900",
                  "--demo", str(demo), *(f"--extra={e}" for e in extra)])
     out = capsys.readouterr().out
     assert code == 0, out
+    assert "kills: 1," in out and "after 0.7s" in out, out
     assert "checkpoints lost: 0" in out and "metrics equal: yes" in out and "prompts equal: yes" in out
     # the environments' fork servers and workers died with the killed runs: none orphaned
     assert running_with(str(tmp_path)) == []
