@@ -1,7 +1,7 @@
-"""Held-out evaluation on the real pipeline: `megatron-grpo train` (TP=2, embedded engine)
+"""Held-out evaluation on the real pipeline: `megatron-grpo train` (TP=2, in-process engine)
 evaluating every 2 steps, a resumed run that neither repeats nor skips an evaluation, and
-`megatron-grpo eval` on a trainer checkpoint (same numbers as in training) and on an HF
-directory (greedy accuracy equal to transformers' argmax). The run also scores with a
+`megatron-grpo eval` on a trainer checkpoint (same numbers as in training) and, with a launched
+engine, on an HF directory (greedy accuracy equal to transformers' argmax). The run also scores with a
 file-path reward on token ids, loaded by the launched ranks without PYTHONPATH."""
 
 import json
@@ -26,7 +26,9 @@ def trained(tmp_path_factory, demo):
     (root / "plugin").mkdir()
     (root / "plugin" / "len_reward.py").write_text(REWARD_FILE)
     label = f"{root}/plugin/len_reward.py:ids_len"
-    extra = ("eval.every_n_steps=2", "checkpoint.save_every=2", "eval.pass_k=[1,4,8]",
+    # the in-process engine: the training run's and `eval --checkpoint`'s (the eval CLI's launched
+    # engine is the HF-directory test's)
+    extra = ("rollout.engine=inprocess", "eval.every_n_steps=2", "checkpoint.save_every=2", "eval.pass_k=[1,4,8]",
              f"reward.functions=[{{name: math_exact_match}}, {{name: '{label}', weight: 0.0}}]")
     run_dir = root / "run"
     out = subprocess.run(train_cmd(demo, run_dir, STEPS, *extra), cwd=ROOT, env=ENV, capture_output=True, text=True,

@@ -1,5 +1,6 @@
 """A short `megatron-grpo train` run with multi-turn episodes (TP=2 on 2 gloo ranks + the
-embedded engine): the environment's observations are in the trained sequences, the
+in-process engine; the launched engines' episodes are tests/test_multi_turn_engines.py's): the
+environment's observations are in the trained sequences, the
 multi_turn/* metrics reach metrics.jsonl, and the held-out evaluation's responses are episodes
 with the environment too (a `single_turn` set's are not)."""
 
@@ -16,7 +17,7 @@ def test_two_steps_with_an_environment_log_the_multi_turn_metrics(demo, tmp_path
     env_file.write_text(NUDGE)
     run_dir = tmp_path / "run"
     heldout = demo / "arithmetic_heldout.jsonl"
-    cmd = train_cmd(demo, run_dir, 2, f"rollout.environment={env_file}:Nudge",
+    cmd = train_cmd(demo, run_dir, 2, "rollout.engine=inprocess", f"rollout.environment={env_file}:Nudge",
                     "rollout.multi_turn.observation_role=user", "rollout.multi_turn.max_turns=3",
                     "rollout.multi_turn.max_episode_tokens=64",
                     "rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=16",

@@ -445,8 +445,10 @@ def test_the_documented_example_runs_on_the_real_engine(tok, embedded):
 
 # ---- megatron-grpo train --------------------------------------------------------------------------
 
-SMALL = ("rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=16",
-         "parallel.micro_batch_size=8", "eval.every_n_steps=0", "logging.plot=false")
+SMALL = ("rollout.engine=inprocess", "rollout.prompts_per_step=4", "rollout.num_generations=4",
+         "parallel.global_batch_size=16", "parallel.micro_batch_size=8", "eval.every_n_steps=0", "logging.plot=false")
+"""A small run on the in-process engine (a custom function over the launched engine's HTTP client
+is the tests above, on the ``embedded`` fixture)."""
 
 
 @pytest.mark.slow
