@@ -417,14 +417,13 @@ CASES: dict[str, Case] = {
                                              "wandb is not installed"),
 }
 
-# Run through a real `python -m megatron_grpo.cli train` process: a representative of every
-# group (config, parallel sizes, model dir, tokenizer, data, rewards).
+# Run through a real `python -m megatron_grpo.cli train` process (~3 s of interpreter start-up
+# each): a representative of every group (config, overrides, parallel sizes, model dir,
+# tokenizer, data, rewards) and the inputs that once hung or exhausted a process.
 SUBPROCESS_CASES = {
-    "yaml_syntax_error", "unknown_top_level_key", "negative_learning_rate", "nproc_not_divisible_by_tp",
-    "global_batch_not_dividing_rollout_batch", "model_dir_missing", "partial_model_dir_no_weights",
-    "tokenizer_bigger_than_vocab", "dataset_missing", "dataset_bad_json_line", "dataset_missing_answer_field",
-    "dataset_empty", "reward_module_does_not_import", "yaml_alias_bomb", "override_inf_temperature",
-    "dataset_10mb_line",
+    "yaml_syntax_error", "yaml_alias_bomb", "override_inf_temperature", "nproc_not_divisible_by_tp",
+    "partial_model_dir_no_weights", "tokenizer_bigger_than_vocab", "dataset_bad_json_line", "dataset_10mb_line",
+    "reward_module_does_not_import",
 }
 
 
