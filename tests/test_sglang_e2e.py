@@ -1,12 +1,15 @@
 """The trainer end to end on the real SGLang 0.5.23 (CPU build from launch/setup_sglang_cpu.sh):
 two launched servers for the demo task at TP=2 with a distributed weight sync every step,
-verified by the log-prob probe, one server killed mid-run; an external server given in
-rollout.urls (the session's shared server, tests/sglang_shared.py).
+verified by the log-prob probe, one server killed mid-run and relaunched, then the launcher
+killed -9 with nothing of it left; an external server given in rollout.urls (the session's
+shared server, tests/sglang_shared.py).
 
 Each run is a few steps of `megatron-grpo train` in a subprocess, as a user starts it. The
 launched-server checks (the dtype resolved from the checkpoint, a sync every step) are made on
 the two-server run rather than on a run of their own: one SGLang launch on 2 CPU cores costs
-~1.5 min, and the two-server run exercises the same launch and sync path for each server."""
+~1.5 min, and the two-server run exercises the same launch and sync path for each server. For
+the same reason it is also tests/test_process_lifetime.py's kill at the moment the launched
+SGLang serves."""
 
 import re
 import subprocess
@@ -16,11 +19,15 @@ import time
 import psutil
 import pytest
 
-from megatron_grpo.rollout import RolloutClient
+from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.rollout import RolloutClient, RolloutError
+from megatron_grpo.rollout.http_engine import start_servers
 from megatron_grpo.testing.sglang_cpu import require_sglang
 from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
 from tests.sglang_shared import API_KEY
 
+GRACE_S = 15.0
+"""Seconds a killed launcher's tree may take to go (tests/test_process_lifetime.py's)."""
 SGLANG = ["rollout.engine=sglang", "rollout.sglang.mem_fraction_static=0.1", "rollout.launch_timeout_s=600"]
 
 pytestmark = pytest.mark.slow
@@ -57,13 +64,21 @@ def test_external_sglang_in_rollout_urls(demo, tmp_path, sglang_servers):
     assert not (run_dir / "rollout" / "server.log").exists()  # nothing launched
     with RolloutClient([url], api_key=API_KEY) as client:
         assert client.weight_version(url) == "3"  # the server serves the last step's weights
-    # the wrong kind named for an external server is a one-line error, not a failed sync
-    out = subprocess.run(train_cmd(demo, tmp_path / "wrong", 1, *sglang_servers.train_overrides(url, "embedded")),
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
-    assert out.returncode != 0 and "is not a megatron-grpo embedded engine" in out.stderr
+    # the wrong kind named for an external server is an error naming it, before any sync: what
+    # rank 0 does first with rollout.urls (a RolloutError from a rank is one line on the
+    # command's stderr: tests/test_engine_failures.py's external engine that is down)
+    wrong = RolloutConfig(engine="embedded", urls=[url], api_key=API_KEY, launch_timeout_s=60)
+    with pytest.raises(RolloutError, match=f"{re.escape(url)}.*is not a megatron-grpo embedded engine"):
+        start_servers(wrong, model_dir=str(demo / "model"), run_dir=str(tmp_path / "wrong"))
 
 
-def test_two_launched_servers_train_at_tp2_share_the_work_and_survive_a_death(demo, tmp_path):
+def test_two_launched_servers_train_at_tp2_share_the_work_survive_a_death_and_die_with_the_launcher(demo, tmp_path):
+    """Two launched servers at TP=2; server 1 is killed after step 2 and relaunched; once the
+    relaunched one has served, the launcher is killed -9 (as tests/test_process_lifetime.py
+    kills it at other moments) and every process of its tree, both SGLang servers' schedulers
+    and detokenizers included, must be gone within ``GRACE_S``. (The servers' orderly stop is
+    the same ``RolloutServerManager.stop`` the session's shared servers end with, whose
+    teardown fails on a survivor.)"""
     run_dir = tmp_path / "run"
     killed = {}
 
@@ -80,17 +95,43 @@ def test_two_launched_servers_train_at_tp2_share_the_work_and_survive_a_death(de
 
     killer = threading.Thread(target=kill_second_server_after_step_2, daemon=True)
     killer.start()
-    run_train(train_cmd(demo, run_dir, 5, *SGLANG, "rollout.num_servers=2", "rollout.max_restarts=2"))
+    with open(tmp_path / "train.log", "wb") as log:
+        proc = subprocess.Popen(train_cmd(demo, run_dir, 30, *SGLANG, "rollout.num_servers=2", "rollout.max_restarts=2"),
+                                cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        # two steps after the one that saw the restart: the relaunched server has served
+        while not ((rows := read_metrics(run_dir)) and rows[-1]["engine_restarts"] >= 1
+                   and sum(r["engine_restarts"] >= 1 for r in rows) >= 2):
+            assert proc.poll() is None, (tmp_path / "train.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, f"no restart served within 600 s: {len(rows)} steps"
+            time.sleep(0.2)
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        servers = [p for p in tree if "sglang.launch_server" in " ".join(p.cmdline())]
+        roots = [p for p in servers if p.ppid() not in {q.pid for q in servers}]  # not their forked children
+        assert len(roots) == 2, [p.cmdline() for p in tree]
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(tree, timeout=GRACE_S)
+        survivors = [" ".join(p.cmdline())[:120] for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert survivors == [], f"alive {GRACE_S:.0f} s after a kill -9 of the launcher: {survivors}"
+    finally:  # whatever a failure above left: the launcher's tree and anything naming the run
+        for p in psutil.process_iter(["cmdline"]):
+            if p.pid == proc.pid or str(run_dir) in " ".join(p.info["cmdline"] or []):
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
     killer.join(timeout=10)
     rows = read_metrics(run_dir)
-    assert_healthy_steps(rows, 5)
-    assert killed and rows[-1]["engine_restarts"] >= 1
+    assert_healthy_steps(rows, len(rows))
+    assert killed and len(rows) >= 4
     logs = [(run_dir / "rollout" / name).read_text() for name in ("server.log", "server_1.log")]
     for log in logs:  # requests spread over both, and both received every update
         assert "POST /generate" in log and "POST /update_weights_from_distributed" in log
         assert "sglang.launch_server" in log and "--dtype float32" in log  # auto -> the checkpoint's dtype
-    # the server never killed got every sync: 6 (start + 5 steps), 1+ bucket each
-    assert logs[0].count("POST /update_weights_from_distributed") >= 6
+    # the server never killed got every sync: 1 + steps, 1+ bucket each
+    assert logs[0].count("POST /update_weights_from_distributed") >= 1 + len(rows)
     assert logs[1].count("=== ") == 2  # launched, then relaunched after the kill
     ports = {m for log in logs for m in re.findall(r"--port (\d+)", log)}
     assert not _sglang_processes(ports)
