@@ -198,16 +198,30 @@ def pytest_addoption(parser):
                           "worker's time went, idle tail included (tools/suite_timeline.py summarises it)")
 
 
+def _cpu_s() -> tuple[float, float]:
+    """(CPU seconds of this process, of its children that have been waited for): a waited
+    child's count includes its own waited children (a launcher's torchrun and ranks)."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """``--timeline PATH``: time each test's whole protocol (setup, call, teardown) on its worker."""
-    start = time.time()
+    """``--timeline PATH``: time each test's whole protocol (setup, call, teardown) on its worker,
+    with the CPU it used in the worker (``cpu_s``) and in the subprocesses it waited for
+    (``children_cpu_s``; not the rank pool's ranks, the session's SGLang servers or killed
+    processes nobody waited for)."""
+    start, (own, kids) = time.time(), _cpu_s()
     yield
     path = item.config.getoption("--timeline")
     if path:
+        own_end, kids_end = _cpu_s()
         with open(path, "a") as f:  # one short line per write: the workers' lines do not interleave
             f.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"), "start": start,
-                                "end": time.time(), "test": item.nodeid}) + "\n")
+                                "end": time.time(), "cpu_s": round(own_end - own, 3),
+                                "children_cpu_s": round(kids_end - kids, 3), "test": item.nodeid}) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)
