@@ -321,14 +321,16 @@ SLOW_STOP_S = 20  # a stop takes ~2 s here (quiet or beside 4 busy processes): p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("slurm", [KILL_WAIT_S], indirect=True)
-def test_scancel_stops_the_job_in_one_line_per_node_and_saves_the_finished_step(demo, tmp_path, no_leftovers, slurm):
-    """Slurm's own cancel, as a user's `scancel JOBID` or a preemption sends it: SIGTERM to every
-    process of the job's steps on both nodes, SIGKILL ``KillWait`` later. Each node's launcher
-    prints one line, the ranks finish their step and save it, all before the SIGKILL; nothing
-    is left. (Under the emulated cluster's proctrack/pgid the engine, in a session of its own,
-    gets no signal: its rank stops it. The signal reaching the engine too is
-    tests/test_process_lifetime.py's Slurm test.)"""
-    run_dir = tmp_path / "run"
+def test_scancel_stops_the_job_in_one_line_per_node_and_sbatch_resumes_it(demo, tmp_path, no_leftovers, slurm):
+    """`sbatch launch/slurm.sbatch` on two emulated nodes, then Slurm's own cancel, as a user's
+    `scancel JOBID` or a preemption sends it: SIGTERM to every process of the job's steps on
+    both nodes, SIGKILL ``KillWait`` later. Each node's launcher prints one line, the ranks
+    finish their step and save it, all before the SIGKILL; nothing is left. The same `sbatch`
+    then resumes from that checkpoint and finishes the run (exit 0), the engine serving the
+    weights trained across both jobs. (Under the emulated cluster's proctrack/pgid the engine,
+    in a session of its own, gets no signal: its rank stops it. The signal reaching the engine
+    too is tests/test_process_lifetime.py's Slurm test.)"""
+    run_dir = tmp_path / "run dir"  # a space: the overrides reach every node intact
     job_log = tmp_path / "job.out"
     job = slurm.submit(["--gpus-per-node=0", "--cpus-per-task=1", f"--output={job_log}", "launch/slurm.sbatch", CONFIG,
                         *overrides(demo, run_dir, 500, "checkpoint.save_every=0",
@@ -365,6 +367,15 @@ def test_scancel_stops_the_job_in_one_line_per_node_and_saves_the_finished_step(
     assert took < KILL_WAIT_S, (took, said[-3000:], stacks)  # stopped by us, not by Slurm's SIGKILL
     print(f"the nodes' lines came {took:.1f} s after scancel: {ours}")
 
+    # the CPU-only cluster has no GPUs: override the script's GPU/CPU request, as sbatch allows
+    resumed_log = tmp_path / "resumed.out"
+    out = slurm.sbatch(["--gpus-per-node=0", "--cpus-per-task=1", f"--output={resumed_log}", "launch/slurm.sbatch",
+                        CONFIG, *overrides(demo, run_dir, stopped_at + 1)], timeout_s=RUN_S, MASTER_PORT=str(free_port()))
+    assert out.returncode == 0, out.stderr + resumed_log.read_text(errors="replace")[-3000:]
+    assert f"resumed from checkpoint step {stopped_at}" in resumed_log.read_text(errors="replace")
+    assert steps_logged(run_dir) == list(range(1, stopped_at + 2))
+    assert_engine_served_the_trained_weights(run_dir)
+
 
 def _dump_stacks(run_dir: Path) -> str:
     """The run's processes and every rank's Python stacks (``kill -USR1``, runtime/stacks.py)."""
@@ -390,15 +401,3 @@ def _launcher_lines(job_log: Path) -> list[str]:
     """The launchers' lines in a Slurm job's log (srun's and slurmstepd's have their prefixes)."""
     text = job_log.read_text(errors="replace") if job_log.exists() else ""
     return [line for line in text.splitlines() if line.startswith("error:")]
-
-
-@pytest.mark.slow
-def test_slurm_sbatch_on_two_emulated_nodes(demo, tmp_path, no_leftovers, slurm):
-    run_dir = tmp_path / "run dir"  # a space: the overrides reach every node intact
-    job_log = tmp_path / "job.out"
-    # the CPU-only cluster has no GPUs: override the script's GPU/CPU request, as sbatch allows
-    out = slurm.sbatch(["--gpus-per-node=0", "--cpus-per-task=1", f"--output={job_log}", "launch/slurm.sbatch", CONFIG,
-                        *overrides(demo, run_dir, 2)], timeout_s=RUN_S, MASTER_PORT=str(free_port()))
-    assert out.returncode == 0, out.stderr + job_log.read_text(errors="replace")[-3000:]
-    assert steps_logged(run_dir) == [1, 2]
-    assert_engine_served_the_trained_weights(run_dir)

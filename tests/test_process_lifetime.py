@@ -234,7 +234,7 @@ def _stop_with(signum: int, to: str, demo: Path, tmp_path: Path, *,
 def test_sigterm_to_the_launcher_saves_the_finished_step_in_one_line(demo, tmp_path):
     """SIGTERM to `megatron-grpo train` alone (a supervisor's stop): one line, a checkpoint of
     the last finished step, and the ranks' stacks on kill -USR1 while it ran. (That the same
-    command resumes from a stop's checkpoint: the Slurm test below.)"""
+    command resumes from a stop's checkpoint: tests/test_launch_scripts.py's scancel test.)"""
     from megatron_grpo.trainer.checkpoint import complete_checkpoints
 
     code, said, run_dir, _ = _stop_with(signal.SIGTERM, "launcher", demo, tmp_path,
@@ -267,7 +267,7 @@ def test_ctrl_c_with_save_on_stop_false_stops_in_one_line_and_saves_nothing(demo
 
 
 @pytest.mark.slow
-def test_slurms_sigterm_to_every_process_saves_and_the_same_command_resumes(demo, tmp_path):
+def test_slurms_sigterm_to_every_process_stops_in_one_line_and_saves_the_finished_step(demo, tmp_path):
     """Slurm's stop (``scancel --signal=TERM``, preemption): SIGTERM to every process of the job
     step at about the same time: the launcher, torchrun, the ranks AND the engine server, which
     exits of it while the ranks finish their step. Emulated here by signalling each process of
@@ -275,8 +275,9 @@ def test_slurms_sigterm_to_every_process_saves_and_the_same_command_resumes(demo
     tests/test_launch_scripts.py tracks a job's processes by process group (proctrack/pgid),
     which would miss the engine (its own session), while clusters track them by cgroup and
     reach it. The run must stop within seconds in one line with every process gone, keep the
-    previous complete checkpoint, save the last finished step without the engine, and resume
-    there with the same command."""
+    previous complete checkpoint, and save the last finished step without the engine. (The same
+    command resuming from a stop's checkpoint: tests/test_launch_scripts.py's scancel test,
+    under a real Slurm.)"""
     from megatron_grpo.trainer.checkpoint import complete_checkpoints
 
     def step_3_generated(run_dir: Path) -> bool:
@@ -309,11 +310,6 @@ def test_slurms_sigterm_to_every_process_saves_and_the_same_command_resumes(demo
     # the step in progress, a checkpoint and the shutdown: seconds, far from stop_timeout_s
     assert seconds < 60, (seconds, said)
     print(f"stopped {seconds:.1f} s after the signal: {lines[0]}")
-    resumed = subprocess.run(train_cmd(demo, run_dir, stopped_at + 1, "logging.plot=false"), cwd=ROOT, env=ENV,
-                             capture_output=True, text=True, timeout=DEADLINE_S)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from checkpoint step {stopped_at}" in resumed.stdout + resumed.stderr
-    assert len(read_metrics(run_dir)) == stopped_at + 1
 
 
 def test_torchruns_report_of_a_signal_read_before_our_own_is_the_stop(tmp_path, capfd):
