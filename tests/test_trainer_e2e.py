@@ -1,7 +1,6 @@
 """The whole pipeline, really started: `megatron-grpo train` on the demo task (TP=2 on 2 gloo
-ranks + the in-process rollout engine, the README demo's) learns and writes everything; the
-launched embedded engine (its distributed weight sync over a process group) reproduces that
-run's first steps. Kill -9 and resume are
+ranks + the embedded rollout engine + distributed weight sync) learns and writes everything; the
+in-process engine (its in-memory sync) reproduces that run's first steps. Kill -9 and resume are
 in tests/test_kill_resume.py."""
 
 import subprocess
@@ -13,7 +12,6 @@ from tests.demo_run import ENV, ROOT, make_demo, read_metrics, train_cmd
 # a faster schedule than the full demo's, so that 60 steps show learning (constant: a shorter
 # run with the same overrides takes the same first steps)
 SCHEDULE = ("optimizer.lr=2e-3", "optimizer.lr_decay_style=constant")
-INPROCESS = "rollout.engine=inprocess"  # after train_cmd's DEMO_ENGINE (embedded): it wins
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +21,9 @@ def demo_inputs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def learned(demo_inputs, tmp_path_factory):
-    """The in-process engine's 60-step run: (its run directory, its stdout)."""
-    run_dir = tmp_path_factory.mktemp("inprocess") / "run"
-    out = run_train(train_cmd(demo_inputs, run_dir, 60, "checkpoint.save_every=30", *SCHEDULE, INPROCESS))
+    """The embedded engine's 60-step run: (its run directory, its stdout)."""
+    run_dir = tmp_path_factory.mktemp("embedded") / "run"
+    out = run_train(train_cmd(demo_inputs, run_dir, 60, "checkpoint.save_every=30", *SCHEDULE))
     return run_dir, out.stdout
 
 
@@ -70,23 +68,23 @@ def test_short_demo_learns_and_writes_everything(learned):
 
 
 @pytest.mark.slow
-def test_embedded_engine_takes_the_in_process_runs_first_steps(learned, demo_inputs, tmp_path):
+def test_in_process_engine_takes_the_embedded_runs_first_steps(learned, demo_inputs, tmp_path):
     """The in-process engine is the embedded engine's generation code in rank 0, synced in
-    memory instead of over HTTP and a process group: with the same seed the launched embedded
-    engine samples the same tokens (identical rewards), and the loss, which reads the engine's
-    log-probs, differs only by fp32 rounding (the two batch the engine's forwards differently;
-    measured ~1e-8). So the in-process run's learning above is the embedded engine's too."""
+    memory instead of over HTTP: with the same seed it samples the same tokens (identical
+    rewards), and the loss, which reads the engine's log-probs, differs only by fp32 rounding
+    (the two batch the engine's forwards differently; measured ~1e-8). So the embedded run's
+    learning above is the in-process engine's too, at a seventh of the cost."""
     run_dir = tmp_path / "run"
     steps = 8
-    out = run_train(train_cmd(demo_inputs, run_dir, steps, "checkpoint.save_every=30", *SCHEDULE))
+    out = run_train(train_cmd(demo_inputs, run_dir, steps, "checkpoint.save_every=30", *SCHEDULE,
+                              "rollout.engine=inprocess"))
     rows = check_outputs(run_dir, out.stdout, steps, [steps])
-    assert (run_dir / "rollout" / "server.log").is_file()  # a launched engine served this run
-    inprocess = read_metrics(learned[0])[:steps]
-    assert [r["rollout/prompt_indices"] for r in rows] == [r["rollout/prompt_indices"] for r in inprocess]
-    assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in inprocess]
-    assert [r["response_length_mean"] for r in rows] == [r["response_length_mean"] for r in inprocess]
+    embedded = read_metrics(learned[0])[:steps]
+    assert [r["rollout/prompt_indices"] for r in rows] == [r["rollout/prompt_indices"] for r in embedded]
+    assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in embedded]
+    assert [r["response_length_mean"] for r in rows] == [r["response_length_mean"] for r in embedded]
     for key in ("loss", "grad_norm", "entropy", "ppo_kl"):
-        assert all(abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(b[key])) for a, b in zip(rows, inprocess)), key
+        assert all(abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(b[key])) for a, b in zip(rows, embedded)), key
 
 
 @pytest.mark.slow
@@ -98,7 +96,7 @@ def test_entropy_bonus_schedule_reaches_the_loss(demo_inputs, tmp_path):
     the loss is -weight * entropy to well within the 0.12 that separates the three weights."""
     run_dir = tmp_path / "run"
     out = run_train(train_cmd(demo_inputs, run_dir, 3, "algorithm.entropy_coef=0.1",
-                              "algorithm.entropy_coef_end=0.0", INPROCESS))
+                              "algorithm.entropy_coef_end=0.0", "rollout.engine=inprocess"))
     rows = check_outputs(run_dir, out.stdout, 3, [3])
     assert [r["entropy_coef"] for r in rows] == pytest.approx([0.1, 0.05, 0.0], abs=1e-12)
     for r in rows:
