@@ -64,7 +64,7 @@ def test_short_demo_learns_and_writes_everything(learned):
     rows = check_outputs(run_dir, stdout, 60, [30, 60])
     first = sum(r["reward_mean"] for r in rows[:15]) / 15
     last = sum(r["reward_mean"] for r in rows[-15:]) / 15
-    assert first < 0.2 and last > first + 0.05, (first, last)  # measured: 0.088 -> 0.164
+    assert first < 0.2 and last > first + 0.05, (first, last)  # measured: 0.105 -> 0.176 (micro-batches of 64)
 
 
 @pytest.mark.slow
