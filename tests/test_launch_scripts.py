@@ -370,7 +370,8 @@ def test_scancel_stops_the_job_in_one_line_per_node_and_sbatch_resumes_it(demo, 
     # the CPU-only cluster has no GPUs: override the script's GPU/CPU request, as sbatch allows
     resumed_log = tmp_path / "resumed.out"
     out = slurm.sbatch(["--gpus-per-node=0", "--cpus-per-task=1", f"--output={resumed_log}", "launch/slurm.sbatch",
-                        CONFIG, *overrides(demo, run_dir, stopped_at + 1)], timeout_s=RUN_S, MASTER_PORT=str(free_port()))
+                        CONFIG, *overrides(demo, run_dir, stopped_at + 1)],
+                       timeout_s=RUN_S, MASTER_PORT=str(free_port()))
     assert out.returncode == 0, out.stderr + resumed_log.read_text(errors="replace")[-3000:]
     assert f"resumed from checkpoint step {stopped_at}" in resumed_log.read_text(errors="replace")
     assert steps_logged(run_dir) == list(range(1, stopped_at + 2))

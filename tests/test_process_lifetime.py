@@ -179,12 +179,15 @@ def _two_steps_logged_and_the_ranks_stacks_dumped(run_dir: Path) -> bool:
     for rank in ranks:
         rank.send_signal(signal.SIGUSR1)
     files = [stacks_file(run_dir, r) for r in range(2)]
+    # faulthandler appends a dump as its signal handler runs: the file exists, partly written,
+    # before the main thread's last frame (runpy's) is in it
     deadline = time.monotonic() + 30
-    while not all(f.is_file() and "most recent call first" in f.read_text() for f in files):
+    while not all(f.is_file() and "_run_module_as_main" in f.read_text() for f in files):
         assert time.monotonic() < deadline, [f.read_text() if f.is_file() else f"{f}: missing" for f in files]
         time.sleep(0.1)
     for f in files:  # the main thread is in the trainer's loop: the view a hung run needs
-        assert "megatron_grpo/trainer/driver.py" in f.read_text() and "Thread 0x" in f.read_text(), f.read_text()
+        text = f.read_text()
+        assert "megatron_grpo/trainer/driver.py" in text and "Thread 0x" in text, text
     return True
 
 

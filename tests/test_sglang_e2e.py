@@ -96,8 +96,8 @@ def test_two_launched_servers_train_at_tp2_share_the_work_survive_a_death_and_di
     killer = threading.Thread(target=kill_second_server_after_step_2, daemon=True)
     killer.start()
     with open(tmp_path / "train.log", "wb") as log:
-        proc = subprocess.Popen(train_cmd(demo, run_dir, 30, *SGLANG, "rollout.num_servers=2", "rollout.max_restarts=2"),
-                                cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        command = train_cmd(demo, run_dir, 30, *SGLANG, "rollout.num_servers=2", "rollout.max_restarts=2")
+        proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
         # two steps after the one that saw the restart: the relaunched server has served
@@ -113,7 +113,8 @@ def test_two_launched_servers_train_at_tp2_share_the_work_survive_a_death_and_di
         proc.kill()
         proc.wait()
         _, alive = psutil.wait_procs(tree, timeout=GRACE_S)
-        survivors = [" ".join(p.cmdline())[:120] for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        survivors = [" ".join(p.cmdline())[:120] for p in alive
+                     if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert survivors == [], f"alive {GRACE_S:.0f} s after a kill -9 of the launcher: {survivors}"
     finally:  # whatever a failure above left: the launcher's tree and anything naming the run
         for p in psutil.process_iter(["cmdline"]):
