@@ -131,8 +131,9 @@ def test_two_launched_servers_train_at_tp2_share_the_work_survive_a_death_and_di
     for log in logs:  # requests spread over both, and both received every update
         assert "POST /generate" in log and "POST /update_weights_from_distributed" in log
         assert "sglang.launch_server" in log and "--dtype float32" in log  # auto -> the checkpoint's dtype
-    # the server never killed got every sync: 1 + steps, 1+ bucket each
-    assert logs[0].count("POST /update_weights_from_distributed") >= 1 + len(rows)
+    # the server never killed got every sync, 1+ bucket each: at the start and after each
+    # logged step (the last one's may have been cut by the launcher's kill)
+    assert logs[0].count("POST /update_weights_from_distributed") >= len(rows)
     assert logs[1].count("=== ") == 2  # launched, then relaunched after the kill
     ports = {m for log in logs for m in re.findall(r"--port (\d+)", log)}
     assert not _sglang_processes(ports)
