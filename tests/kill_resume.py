@@ -76,15 +76,44 @@ def rank_processes(run_dir: Path) -> list:
             and str(run_dir) in c and "torch.distributed.run" not in c]
 
 
+GRACE_S = 15.0
+"""Seconds a killed launcher's processes may take to go (the kernel's parent-death signals are
+immediate; this covers a loaded machine)."""
+
+
+def process_tree(pid: int) -> list:
+    """``pid``'s process and every descendant (psutil processes; empty once it is gone)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def survivors(tree: list, grace_s: float = GRACE_S) -> list[str]:
+    """Command lines (first 120 characters) of the processes of ``tree`` still running, zombies
+    aside, ``grace_s`` seconds from now at the latest (it returns once all are gone)."""
+    import psutil
+
+    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    found = []
+    for p in alive:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(" ".join(p.cmdline())[:120])
+        except psutil.Error:  # gone since
+            pass
+    return found
+
+
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every descendant at once (torchrun starts its workers in
     their own sessions, so a process-group kill would miss the ranks): a node dying."""
     import psutil
 
-    try:
-        family = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
+    family = process_tree(proc.pid)
     for p in family:
         try:
             p.kill()

@@ -332,9 +332,8 @@ def test_scancel_stops_the_job_in_one_line_per_node_and_sbatch_resumes_it(demo, 
     too is tests/test_process_lifetime.py's Slurm test.)"""
     run_dir = tmp_path / "run dir"  # a space: the overrides reach every node intact
     job_log = tmp_path / "job.out"
-    job = slurm.submit(["--gpus-per-node=0", "--cpus-per-task=1", f"--output={job_log}", "launch/slurm.sbatch", CONFIG,
-                        *overrides(demo, run_dir, 500, "checkpoint.save_every=0",
-                                   f"checkpoint.stop_timeout_s={STOP_TIMEOUT_S}")],
+    job = slurm.submit(_job_args(job_log, overrides(demo, run_dir, 500, "checkpoint.save_every=0",
+                                                    f"checkpoint.stop_timeout_s={STOP_TIMEOUT_S}")),
                        MASTER_PORT=str(free_port()))
     try:
         deadline = time.monotonic() + RUN_S
@@ -367,15 +366,20 @@ def test_scancel_stops_the_job_in_one_line_per_node_and_sbatch_resumes_it(demo, 
     assert took < KILL_WAIT_S, (took, said[-3000:], stacks)  # stopped by us, not by Slurm's SIGKILL
     print(f"the nodes' lines came {took:.1f} s after scancel: {ours}")
 
-    # the CPU-only cluster has no GPUs: override the script's GPU/CPU request, as sbatch allows
     resumed_log = tmp_path / "resumed.out"
-    out = slurm.sbatch(["--gpus-per-node=0", "--cpus-per-task=1", f"--output={resumed_log}", "launch/slurm.sbatch",
-                        CONFIG, *overrides(demo, run_dir, stopped_at + 1)],
-                       timeout_s=RUN_S, MASTER_PORT=str(free_port()))
+    out = slurm.sbatch(_job_args(resumed_log, overrides(demo, run_dir, stopped_at + 1)), timeout_s=RUN_S,
+                       MASTER_PORT=str(free_port()))
     assert out.returncode == 0, out.stderr + resumed_log.read_text(errors="replace")[-3000:]
     assert f"resumed from checkpoint step {stopped_at}" in resumed_log.read_text(errors="replace")
     assert steps_logged(run_dir) == list(range(1, stopped_at + 2))
     assert_engine_served_the_trained_weights(run_dir)
+
+
+def _job_args(job_log: Path, run_overrides: list[str]) -> list[str]:
+    """sbatch's arguments for launch/slurm.sbatch on the demo: the CPU-only cluster has no GPUs,
+    so the script's GPU/CPU request is overridden, as sbatch allows."""
+    return ["--gpus-per-node=0", "--cpus-per-task=1", f"--output={job_log}", "launch/slurm.sbatch", CONFIG,
+            *run_overrides]
 
 
 def _dump_stacks(run_dir: Path) -> str:

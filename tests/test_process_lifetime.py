@@ -29,22 +29,10 @@ import psutil
 import pytest
 
 from tests.demo_run import ENV, NUDGE, NUDGE_OVERRIDES, ROOT, read_metrics, train_cmd
-from tests.kill_resume import rank_processes
-
-GRACE_S = 15.0
-"""Seconds the killed tree may take to go (the kernel's parent-death signals are immediate;
-this covers a loaded machine)."""
+from tests.kill_resume import GRACE_S, process_tree, rank_processes, survivors
 
 DEADLINE_S = 300.0
 """Longest wait for a moment to come (a cold start on a loaded 2-core machine)."""
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
 
 
 def _cmdline(p: psutil.Process) -> str:
@@ -105,20 +93,19 @@ def _kill_at(moment: str, whole_group: bool, demo: Path, tmp_path: Path) -> list
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
     try:
-        while not MOMENTS[moment](tree := _tree(proc.pid), run_dir):
+        while not MOMENTS[moment](tree := process_tree(proc.pid), run_dir):
             assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
             assert time.monotonic() < deadline, f"{moment!r} not reached in {DEADLINE_S:.0f} s"
             time.sleep(0.05)
-        tree = _tree(proc.pid)  # everything that exists at the kill
+        tree = process_tree(proc.pid)  # everything that exists at the kill
         if whole_group:
             os.killpg(proc.pid, signal.SIGKILL)
         else:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        _, alive = psutil.wait_procs(tree, timeout=GRACE_S)
-        return [_cmdline(p)[:120] for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        return survivors(tree)
     finally:
-        for p in _tree(proc.pid) + [q for q in psutil.process_iter() if str(run_dir) in _cmdline(q)]:
+        for p in process_tree(proc.pid) + [q for q in psutil.process_iter() if str(run_dir) in _cmdline(q)]:
             try:
                 p.kill()
             except psutil.Error:
@@ -210,7 +197,7 @@ def _stop_with(signum: int, to: str, demo: Path, tmp_path: Path, *,
             assert proc.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
             assert time.monotonic() < deadline, f"{ready.__name__} not reached in time"
             time.sleep(0.1)
-        tree = _tree(proc.pid)
+        tree = process_tree(proc.pid)
         err.flush()
         offset = (tmp_path / "stderr").stat().st_size
         signalled = time.monotonic()
@@ -220,11 +207,10 @@ def _stop_with(signum: int, to: str, demo: Path, tmp_path: Path, *,
             (os.killpg if to == "group" else os.kill)(proc.pid, signum)
         code = proc.wait(timeout=DEADLINE_S)
         seconds = time.monotonic() - signalled
-        _, alive = psutil.wait_procs(tree, timeout=GRACE_S)
-        assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+        assert survivors(tree) == []
         return code, (tmp_path / "stderr").read_bytes()[offset:].decode(), run_dir, seconds
     finally:
-        for p in _tree(proc.pid):
+        for p in process_tree(proc.pid):
             try:
                 p.kill()
             except psutil.Error:

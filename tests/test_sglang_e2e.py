@@ -24,10 +24,9 @@ from megatron_grpo.rollout import RolloutClient, RolloutError
 from megatron_grpo.rollout.http_engine import start_servers
 from megatron_grpo.testing.sglang_cpu import require_sglang
 from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+from tests.kill_resume import GRACE_S, process_tree, survivors
 from tests.sglang_shared import API_KEY
 
-GRACE_S = 15.0
-"""Seconds a killed launcher's tree may take to go (tests/test_process_lifetime.py's)."""
 SGLANG = ["rollout.engine=sglang", "rollout.sglang.mem_fraction_static=0.1", "rollout.launch_timeout_s=600"]
 
 pytestmark = pytest.mark.slow
@@ -106,16 +105,14 @@ def test_two_launched_servers_train_at_tp2_share_the_work_survive_a_death_and_di
             assert proc.poll() is None, (tmp_path / "train.log").read_text()[-4000:]
             assert time.monotonic() < deadline, f"no restart served within 600 s: {len(rows)} steps"
             time.sleep(0.2)
-        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        tree = process_tree(proc.pid)
         servers = [p for p in tree if "sglang.launch_server" in " ".join(p.cmdline())]
         roots = [p for p in servers if p.ppid() not in {q.pid for q in servers}]  # not their forked children
         assert len(roots) == 2, [p.cmdline() for p in tree]
         proc.kill()
         proc.wait()
-        _, alive = psutil.wait_procs(tree, timeout=GRACE_S)
-        survivors = [" ".join(p.cmdline())[:120] for p in alive
-                     if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert survivors == [], f"alive {GRACE_S:.0f} s after a kill -9 of the launcher: {survivors}"
+        left = survivors(tree)
+        assert left == [], f"alive {GRACE_S:.0f} s after a kill -9 of the launcher: {left}"
     finally:  # whatever a failure above left: the launcher's tree and anything naming the run
         for p in psutil.process_iter(["cmdline"]):
             if p.pid == proc.pid or str(run_dir) in " ".join(p.info["cmdline"] or []):
