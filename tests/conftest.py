@@ -43,8 +43,8 @@ def _rank_pools_end_with_their_module():
 def demo(tmp_path_factory):
     """The demo model and data sets (tools/make_demo_model.py, 20 warm-up steps), built once for
     the session (12-20 s per build on 2 shared cores): the end-to-end modules that need a working
-    model, not the full demo's learning curve, read it; none writes into it.
-    tests/test_trainer_e2e.py builds the real demo's (150 warm-up steps) for its learning check."""
+    model read it (tests/test_trainer_e2e.py's learning check too: it starts at chance, as the
+    README's does after 60 warm-up steps); none writes into it."""
     return make_demo(tmp_path_factory.mktemp("demo"), warmup_steps=20)
 
 

@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def make_demo(out: Path, warmup_steps: int = 150) -> Path:
-    """Build the demo model + dataset into ``out`` (the real demo's by default)."""
+def make_demo(out: Path, warmup_steps: int) -> Path:
+    """Build the demo model + dataset into ``out`` with ``warmup_steps`` steps of format warm-up
+    (the README's demo: tools/make_demo_model.py's default, 60)."""
     subprocess.run([sys.executable, "tools/make_demo_model.py", "--out", str(out), "--warmup-steps",
                     str(warmup_steps)], cwd=ROOT, check=True, capture_output=True)
     return out
