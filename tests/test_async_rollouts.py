@@ -25,6 +25,7 @@ from megatron_grpo.rollout.manager import RolloutServerManager
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
 from megatron_grpo.rollout.embedded.generation import Sequence
 from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
+from megatron_grpo.testing.tiny_models import DEMO_ARCH
 from megatron_grpo.trainer.async_rollouts import (AsyncRolloutSchedule, Group, admission_limit, is_stale, resume_note,
                                                   settled_state, start_version, take_groups, token_lags)
 from megatron_grpo.trainer.components import build_rollout_side
@@ -38,9 +39,12 @@ LONG = {"temperature": 1.0, "max_new_tokens": 160, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def versions(tmp_path_factory):
-    """Three HF directories of one architecture with different weights: versions 0, 1, 2."""
+    """Three HF directories of one architecture with different weights: versions 0, 1, 2. The
+    demo models' size (``DEMO_ARCH``), so that the real-SGLang test below is served by the
+    session's shared server of that architecture (tests/sglang_shared.py) rather than a launch
+    of its own."""
     root = tmp_path_factory.mktemp("versions")
-    return [make_hf_model(root / f"v{v}", "qwen2", tied=False, seed=10 + v) for v in range(3)]
+    return [make_hf_model(root / f"v{v}", "qwen2", tied=False, seed=10 + v, **DEMO_ARCH) for v in range(3)]
 
 
 def _update(engine: EmbeddedEngine, hf_dir, version: str) -> None:
