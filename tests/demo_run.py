@@ -104,6 +104,17 @@ NUDGE_OVERRIDES = ("rollout.multi_turn.observation_role=user", "rollout.multi_tu
 """A small multi-turn demo run with NUDGE (plus ``rollout.environment=FILE:Nudge``)."""
 
 
+def wait_for_steps(run_dir: Path, steps: int, procs, timeout_s: float = 300.0, poll_s: float = 0.1) -> None:
+    """Return once ``run_dir``'s metrics hold ``steps`` records; fail if one of ``procs`` (the
+    run's processes: a launcher, or one per node) ends first or ``timeout_s`` passes."""
+    procs = procs if isinstance(procs, (list, tuple)) else [procs]
+    deadline = time.monotonic() + timeout_s
+    while len(read_metrics(run_dir)) < steps:
+        assert all(p.poll() is None for p in procs), f"the run ended before step {steps}"
+        assert time.monotonic() < deadline, f"step {steps} not logged within {timeout_s:.0f} s"
+        time.sleep(poll_s)
+
+
 def kill_engine_after(proc: subprocess.Popen, run_dir: Path, steps: int, settle_s: float = 0.0,
                       deadline_s: float = 300.0) -> str:
     """SIGKILL the engine server of the running ``megatron-grpo train`` ``proc`` once ``steps``
@@ -112,10 +123,7 @@ def kill_engine_after(proc: subprocess.Popen, run_dir: Path, steps: int, settle_
     import psutil
 
     try:
-        deadline = time.monotonic() + deadline_s
-        while len(read_metrics(run_dir)) < steps:
-            assert proc.poll() is None and time.monotonic() < deadline, f"step {steps} not reached"
-            time.sleep(0.01)
+        wait_for_steps(run_dir, steps, proc, deadline_s, poll_s=0.01)
         time.sleep(settle_s)
         (engine,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
                      if "megatron_grpo.rollout.serve" in " ".join(p.cmdline())]

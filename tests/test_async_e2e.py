@@ -10,12 +10,11 @@ are tests/test_async_rollouts.py."""
 import json
 import re
 import subprocess
-import time
 from collections import Counter
 
 import pytest
 
-from tests.demo_run import ENV, ROOT, kill_engine_after, read_metrics, train_cmd
+from tests.demo_run import ENV, ROOT, kill_engine_after, read_metrics, train_cmd, wait_for_steps
 from tests.kill_resume import kill_tree
 from tests.launch_nodes import running_with
 
@@ -63,10 +62,7 @@ def test_kill_minus_9_mid_flight_and_resume_trains_each_prompt_once(demo, tmp_pa
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while len(read_metrics(run_dir)) < 3:  # groups of steps 4 and 5 are in flight by now
-            assert proc.poll() is None and time.monotonic() < deadline, "step 3 not reached"
-            time.sleep(0.05)
+        wait_for_steps(run_dir, 3, proc, poll_s=0.05)  # groups of steps 4 and 5 are in flight by now
     finally:
         kill_tree(proc)
     before, straight = groups(run_dir), read_metrics(run_dir)

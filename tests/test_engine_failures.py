@@ -5,29 +5,17 @@ bounded time with one line naming the engine and exit code 1."""
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
 from megatron_grpo.testing.distributed import free_port
-from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+from tests.demo_run import ENV, ROOT, read_metrics, train_cmd, wait_for_steps
 
 
 def cmd(demo, run_dir, steps, *extra):
     return train_cmd(demo, run_dir, steps, "logging.plot=false", "checkpoint.save_every=0",
                      "rollout.request_timeout_s=20", "rollout.max_retries=2", *extra)
-
-
-def wait_for_step(run_dir: Path, step: int, proc, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    path = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the run ended early"
-        if path.is_file() and sum(1 for line in path.read_text().splitlines() if line.strip()) >= step:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"step {step} not reached")
 
 
 def serve_processes(root_pid: int) -> list[psutil.Process]:
@@ -40,7 +28,7 @@ def test_launched_engine_killed_mid_run_is_restarted(demo, tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(cmd(demo, run_dir, 8), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=ENV)
-    wait_for_step(run_dir, 3, proc)
+    wait_for_steps(run_dir, 3, proc)
     (engine,) = serve_processes(proc.pid)
     engine.kill()
     out, err = proc.communicate(timeout=300)
@@ -65,7 +53,7 @@ def test_external_engine_down_is_a_bounded_one_line_error(demo, tmp_path):
                                     "rollout.max_restarts=1"),
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=ENV)
-        wait_for_step(run_dir, 2, proc)
+        wait_for_steps(run_dir, 2, proc)
         server.kill()
         killed = time.monotonic()
         out, err = proc.communicate(timeout=300)

@@ -29,7 +29,7 @@ from megatron_grpo.runtime.process import free_port
 from megatron_grpo.trainer.checkpoint import complete_checkpoints
 from megatron_grpo.trainer.cli import _launcher_exception as launcher_exception
 from megatron_grpo.trainer.nodes import NodeError, NodeSpec
-from tests.demo_run import ROOT, demo_overrides, read_metrics
+from tests.demo_run import ROOT, demo_overrides, read_metrics, wait_for_steps
 from tests.launch_nodes import (CONFIG, SLURM_PROGRAMS, EmulatedSlurm, log, running_with, script_env, slurm_installed,
                                 start_node, start_nodes, stop_nodes, wait_nodes)
 from tests.kill_resume import kill_tree, rank_processes
@@ -209,14 +209,6 @@ def assert_engine_served_the_trained_weights(run_dir):
     assert max(r["rollout_train_logprobs_abs_diff_mean"] for r in read_metrics(run_dir)) < 1e-4
 
 
-def wait_for_rows(run_dir, count, nodes, timeout_s=RUN_S):
-    deadline = time.monotonic() + timeout_s
-    while len(read_metrics(run_dir)) < count:
-        assert all(n.poll() is None for n in nodes), "a node ended early"
-        assert time.monotonic() < deadline, f"{count} steps not logged within {timeout_s} s"
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_two_nodes_train(demo, tmp_path, no_leftovers):
     """Two `multi_node.sh`, the engine launched by global rank 0. (A relaunch of two nodes
@@ -253,7 +245,7 @@ def test_node_killed_ends_the_other_in_time_and_relaunch_resumes(demo, tmp_path,
     args = overrides(demo, run_dir, 8, "checkpoint.save_every=2", f"rollout.urls=[{external_engine}]")
     nodes = start_nodes(2, args, tmp_path, "killed")
     try:
-        wait_for_rows(run_dir, 3, nodes)
+        wait_for_steps(run_dir, 3, nodes, RUN_S)
         kill_tree(nodes[1])
         killed = time.monotonic()
         assert wait_nodes(nodes[:1], 120) == [1]
