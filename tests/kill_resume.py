@@ -54,8 +54,10 @@ def running(pid: int) -> bool:
     reaps an orphan's) counts as gone, as does a pid that no longer exists."""
     import psutil
 
+    from megatron_grpo.runtime.process import alive
+
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return alive(psutil.Process(pid))
     except psutil.NoSuchProcess:
         return False
 
@@ -97,11 +99,13 @@ def survivors(tree: list, grace_s: float = GRACE_S) -> list[str]:
     aside, ``grace_s`` seconds from now at the latest (it returns once all are gone)."""
     import psutil
 
-    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    from megatron_grpo.runtime.process import alive
+
+    _, left = psutil.wait_procs(tree, timeout=grace_s)
     found = []
-    for p in alive:
+    for p in left:
         try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+            if alive(p):
                 found.append(" ".join(p.cmdline())[:120])
         except psutil.Error:  # gone since
             pass

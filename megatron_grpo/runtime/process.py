@@ -1,6 +1,6 @@
 """Process helpers shared by the trainer ranks, the rollout server launcher and the tests:
 lifetime (die with the parent, also for forked children; exit without the interpreter's
-teardown) and a free port to listen on."""
+teardown), whether a process still runs, and a free port to listen on."""
 
 from __future__ import annotations
 
@@ -73,6 +73,17 @@ def forks_die_with_this_process():
         yield
     finally:
         _forks_die -= 1
+
+
+def alive(process) -> bool:
+    """``process`` (a ``psutil.Process``) still runs: not gone, not another process on its
+    reused pid, and not a zombie (exited, its parent not having reaped it yet)."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -54,7 +54,7 @@ from typing import Any, Callable, Optional
 import psutil
 
 from megatron_grpo.runtime import cpu_shim, parallel
-from megatron_grpo.runtime.process import free_port  # noqa: F401 - re-exported for tests
+from megatron_grpo.runtime.process import alive, free_port  # noqa: F401 - free_port re-exported for tests
 
 
 class RankFailure(RuntimeError):
@@ -107,14 +107,6 @@ _FRESH_STATE = (
 fresh process would have them (only for modules a job imported)."""
 
 
-def _running(process: psutil.Process) -> bool:
-    """``process`` still runs: not gone, not another process on its reused pid, not a zombie."""
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _pooled_worker(rank: int, world_size: int, jobs, results, owner_pid: int, caller_env: dict) -> None:
     """A pool rank: run jobs (pickled ``(fn, port, tp, pp, ep, vpp, etp, seed, args, kwargs)``)
     until it gets None or the pool's owner is gone. Each job runs exactly as ``_worker`` runs it
@@ -134,7 +126,7 @@ def _pooled_worker(rank: int, world_size: int, jobs, results, owner_pid: int, ca
         try:
             job = jobs.get(timeout=_PARENT_POLL_S)
         except queue.Empty:
-            if not _running(owner):  # the owner died (kill -9): nobody will send None
+            if not alive(owner):  # the owner died (kill -9): nobody will send None
                 return
             continue
         if job is None:
