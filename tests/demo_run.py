@@ -44,11 +44,12 @@ engine; tests of it pass ``rollout.engine=inprocess``, which comes later and win
 
 
 DEMO_MICRO_BATCH = "parallel.micro_batch_size=64"
-"""The tests' micro-batch: the demo's whole global batch of 64 (the YAML's 16 makes 4 per
-optimizer step). How a batch is cut into micro-batches does not change the gradient beyond
-rounding (tests/test_losses_invariance.py, tests/test_trainer_step_equivalence.py), and on 2
-CPU cores at TP=2 each micro-batch costs its own forward, backward and gloo all-reduces: a
-20-step run measured 50 -> 34 CPU s (1.3 -> 0.5 per step)."""
+"""The tests' micro-batch: the demo's whole global batch of 64, as the YAML has it now, pinned
+so that the tests' cost does not follow the demo's tuning. How a batch is cut into micro-batches
+does not change the gradient beyond rounding (tests/test_losses_invariance.py,
+tests/test_trainer_step_equivalence.py), and on 2 CPU cores at TP=2 each micro-batch costs its
+own forward, backward and gloo all-reduces: a 20-step run measured 50 -> 34 CPU s at 64 against
+16 (1.3 -> 0.5 per step)."""
 
 
 def demo_overrides(demo: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
