@@ -540,3 +540,19 @@ def test_sglang_reads_its_key_from_a_0600_file_never_from_its_command_line(demo,
     assert httpx.post(url + "/generate", json=body, timeout=60).status_code == 401
     answered = httpx.post(url + "/generate", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
     assert answered.status_code == 200, answered.text[:300]
+
+
+def test_a_per_run_key_never_starts_with_a_dash_and_a_configured_one_may_not():
+    """SGLang turns the key file into ``--api-key VALUE``; a value starting with "-" is read as an
+    option and the launch fails ("expected one argument": CI drew such a key from
+    token_urlsafe). The per-run key is hex; a configured one is refused at load, unechoed."""
+    from megatron_grpo.config import ConfigError, RolloutConfig, load_config
+    from megatron_grpo.rollout.http_engine import run_api_key
+
+    keys = [run_api_key(RolloutConfig()) for _ in range(2000)]
+    assert len(set(keys)) == len(keys) and all(len(k) == 64 and int(k, 16) >= 0 for k in keys)
+    config = ROOT / "yaml_configs" / "demo_cpu.yaml"
+    with pytest.raises(ConfigError, match=r"rollout.api_key: must not start with '-'") as e:
+        load_config(config, ["rollout.api_key=-secret-value"])
+    assert "secret-value" not in str(e.value)
+    assert load_config(config, ["rollout.api_key=s-e-c-r-e-t"]).rollout.api_key == "s-e-c-r-e-t"

@@ -322,10 +322,13 @@ def load_config(
 
 def error_source(where: str, overrides: list[str], path: str) -> str:
     """What to name for a bad value at dotted key ``where``: the command-line override that set
-    it (the last one wins, as when applied), or else the YAML file."""
+    it (the last one wins, as when applied), or else the YAML file. A secret's value
+    (``SECRET_KEYS``) is not repeated."""
     for text in reversed(overrides):
         key = text.split("=", 1)[0].strip()
         if key and (where == key or where.startswith((key + ".", key + "["))):
+            if tuple(key.split(".")) in SECRET_KEYS:
+                return f"override '{key}=<redacted>'"
             return f"override {text!r}"
     return path
 

@@ -343,6 +343,9 @@ class RolloutConfig:
         check(self.sampling_mask_max_kept >= 1, "sampling_mask_max_kept",
               f"must be >= 1, got {self.sampling_mask_max_kept}")
         check(self.port is None or 0 < self.port < 65536, "port", f"must be in 1..65535, got {self.port}")
+        # the key itself is never echoed (a secret); SGLang reads a key starting with "-" as an option
+        check(self.api_key is None or not self.api_key.startswith("-"), "api_key",
+              "must not start with '-' (SGLang's argument parser would read it as an option)")
         check(self.num_servers >= 1, "num_servers", f"must be >= 1, got {self.num_servers}")
         check(self.verify_logprob_tolerance > 0, "verify_logprob_tolerance", "must be > 0")
         check(self.max_restarts >= 0, "max_restarts", f"must be >= 0, got {self.max_restarts}")

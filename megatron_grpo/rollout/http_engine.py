@@ -27,7 +27,10 @@ def run_api_key(rollout_cfg) -> Optional[str]:
     (``rollout.urls``) that were given none."""
     if rollout_cfg.api_key or rollout_cfg.urls:
         return rollout_cfg.api_key
-    return secrets.token_urlsafe(32)
+    # hex, 256 bits: SGLang turns its --config file into arguments, and a key starting with "-"
+    # (1 in 64 of token_urlsafe's) is read as an option, failing the launch ("--api-key:
+    # expected one argument"; seen in CI)
+    return secrets.token_hex(32)
 
 
 def start_servers(rollout_cfg, *, model_dir: str, run_dir: str,
