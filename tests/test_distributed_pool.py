@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import psutil
 import pytest
@@ -90,10 +91,22 @@ def test_ranks_serve_many_calls_with_new_groups_and_sizes():
     assert [r["rand"] for r in fresh] == [r["rand"] for r in tp2]
 
 
+# A pooled call's process-group set-up can fail for reasons of the machine, not of a left state:
+# seen once in CI, gloo's connectFullMesh "Connection closed by peer" on 2 busy cores. The
+# harness then retries in fresh processes (other pids), which says nothing about a left state.
+_TRANSIENT = ("connectFullMesh", "Connection closed by peer", "Connection reset by peer", "DistNetworkError")
+
+
 def test_a_calls_process_wide_changes_do_not_reach_the_next():
-    dirty = run_distributed(_dirty, 2, fresh=False)
-    after = run_distributed(_describe, 2, fresh=False)
-    assert _pids(after) == dirty
+    for attempt in range(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RankPoolWarning)
+            dirty = run_distributed(_dirty, 2, fresh=False)
+            after = run_distributed(_describe, 2, fresh=False)
+        retried = [str(w.message) for w in caught if issubclass(w.category, RankPoolWarning)]
+        if _pids(after) == dirty or not retried or not any(t in retried[-1] for t in _TRANSIENT):
+            break  # served by the pool, or a failure that is not the machine's: judged below
+    assert _pids(after) == dirty, retried
     assert all(r["leak"] is None and r["dtype"] == torch.float32 and r["grad"] and r["writer_queue"] is None
                for r in after)
 

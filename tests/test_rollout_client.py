@@ -209,7 +209,27 @@ def test_control_routes(server, client):
     assert not future.done()  # requests wait while paused
     client.continue_generation(url)
     assert len(future.result(timeout=60)) == 1
+    client.flush_cache(url)  # right after an answer: SGLang's scheduler may not be idle yet
+
+
+def test_a_flush_waits_until_the_engine_is_idle(server, client):
+    """A flush sent while a generation runs: SGLang refuses it at once unless told to wait
+    (``idle_wait_s=0``: HTTP 400), and with the client's default it flushes after the request
+    finished. The embedded engine has no cache to flush: it answers at once."""
+    kind, url = server
+    long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    if kind == "sglang":
+        future = client.submit(client.aio.generate(PROMPTS[:1], 1, long))
+        time.sleep(0.3)
+        with pytest.raises(RolloutError, match="HTTP 400"):
+            client.flush_cache(url, idle_wait_s=0)
+        assert not future.done()
+    future = client.submit(client.aio.generate(PROMPTS[:1], 1, long))
+    time.sleep(0.3)
     client.flush_cache(url)
+    if kind == "sglang":
+        assert future.done()  # the flush waited for the request to finish
+    assert len(future.result(timeout=60)[0].output_ids) == 200
 
 
 @pytest.fixture

@@ -59,6 +59,7 @@ ROUTES: dict[str, tuple[str, str]] = {
 # Answers worth retrying: the server (or a proxy in front of it) is restarting or overloaded.
 _RETRY_STATUS = frozenset({502, 503, 504})
 _CONNECT_TIMEOUT_S = 10.0
+FLUSH_IDLE_WAIT_S = 60.0  # how long a flush waits for the engine to go idle (``flush_cache``)
 _MAX_BACKOFF_S = 8.0
 
 
@@ -280,8 +281,15 @@ class AsyncRolloutClient:
     async def continue_generation(self, url: str) -> Any:
         return await self.call("continue_generation", {}, url=url)
 
-    async def flush_cache(self, url: str) -> Any:
-        return await self.call("flush_cache", {}, url=url)
+    async def flush_cache(self, url: str, idle_wait_s: float = FLUSH_IDLE_WAIT_S) -> Any:
+        """Flush ``url``'s prefix cache once its scheduler is idle, waiting up to ``idle_wait_s``.
+
+        SGLang refuses a flush while a request is still queued or running (HTTP 400, "Flush
+        cache failed"), which a request's answer can precede by a scheduler iteration (seen
+        right after a generate returned); its ``?timeout=`` defers the flush until idle
+        instead. The embedded engine has nothing to flush and ignores the parameter."""
+        method, path = ROUTES["flush_cache"]
+        return await self.call((method, f"{path}?timeout={idle_wait_s:g}"), {}, url=url)
 
     async def update_weights_from_disk(self, url: str, model_path: str, *,
                                        weight_version: Optional[str] = None,
@@ -537,8 +545,8 @@ class RolloutClient:
     def continue_generation(self, url: str) -> Any:
         return self.run(self.aio.continue_generation(url))
 
-    def flush_cache(self, url: str) -> Any:
-        return self.run(self.aio.flush_cache(url))
+    def flush_cache(self, url: str, idle_wait_s: float = FLUSH_IDLE_WAIT_S) -> Any:
+        return self.run(self.aio.flush_cache(url, idle_wait_s))
 
     def begin_weight_update(self, url: str) -> Any:
         return self.call("begin_weight_update", {}, url=url)
