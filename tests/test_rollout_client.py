@@ -6,7 +6,6 @@ CI and are skipped, with the reason, elsewhere.
 References are transformers' own forward of the same checkpoint in this process.
 """
 
-import os
 import time
 from pathlib import Path
 
