@@ -64,8 +64,9 @@ def running(pid: int) -> bool:
 
 def rank_processes(run_dir: Path) -> list:
     """The training ranks (psutil processes) of the run writing ``run_dir``: the
-    ``python -m megatron_grpo.train`` processes naming it, without torchrun (whose command line
-    names that module too)."""
+    ``python -m megatron_grpo.train`` processes naming it, without a torchrun started as a
+    command (whose command line names that module too; the launcher's forked agent has the
+    launcher's, ``megatron_grpo.cli train``)."""
     import psutil
 
     def cmdline(p) -> str:

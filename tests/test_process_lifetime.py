@@ -28,6 +28,7 @@ import httpx
 import psutil
 import pytest
 
+from megatron_grpo.trainer.cli import AGENT_NAME
 from tests.demo_run import ENV, NUDGE, NUDGE_OVERRIDES, ROOT, read_metrics, train_cmd
 from tests.kill_resume import GRACE_S, process_tree, rank_processes, survivors
 
@@ -38,6 +39,13 @@ DEADLINE_S = 300.0
 def _cmdline(p: psutil.Process) -> str:
     try:
         return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
     except psutil.Error:
         return ""
 
@@ -58,7 +66,7 @@ def _environment_worker(tree: list[psutil.Process], run: Path) -> bool:
 
 
 MOMENTS: dict[str, Callable[[list[psutil.Process], Path], bool]] = {
-    "torchrun started": lambda tree, run: any("torch.distributed.run" in _cmdline(p) for p in tree),
+    "torchrun started": lambda tree, run: any(_name(p) == AGENT_NAME.decode() for p in tree),
     "ranks importing": lambda tree, run: len(_ranks(tree)) >= 1,
     "engine starting": lambda tree, run: any(c for r in _ranks(tree) for c in _children(r)),
     "training": lambda tree, run: len(read_metrics(run)) >= 1,

@@ -26,14 +26,15 @@ runs. ``megatron-grpo --help`` imports no sub-command (0.1-0.2 s); ``validate-co
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
+import traceback
+import warnings
 from pathlib import Path
+from typing import NoReturn
 
 from megatron_grpo.config import ConfigError, ExperimentConfig, load_config
 from megatron_grpo.preflight import load_experiment
@@ -43,7 +44,7 @@ from megatron_grpo.rollout.http_engine import spawn_servers
 from megatron_grpo.runtime import parallel, stacks, stop
 from megatron_grpo.runtime.collectives import RunAborted
 from megatron_grpo.runtime.library_warnings import quiet_library_warnings
-from megatron_grpo.runtime.process import die_with_parent
+from megatron_grpo.runtime.process import die_with_parent, set_process_name
 from megatron_grpo.trainer import nodes
 
 EXIT_USER_ERROR = 2
@@ -94,14 +95,92 @@ def _record_user_error(line: str, path: str) -> None:
         os.unlink(tmp)
 
 
-def _child_setup(parent_pid: int) -> None:
-    """torchrun's pre-exec: take SIGTERM again (the launcher held it while starting it) and die
-    with the launcher."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    die_with_parent(parent_pid)
+class _Agent:
+    """torchrun's elastic agent in a child forked from the launcher: ``Popen``'s interface as
+    ``_launch_ranks`` uses it (``pid``, ``stderr``, ``poll``, ``wait``, ``send_signal``).
+
+    Forked, not exec'd (``python -m torch.distributed.run``): the launcher has imported torch
+    for its pre-flight, and a fresh interpreter spends ~1.9 CPU s importing it again before it
+    starts a rank (2 cores, measured), on every launch and in series with everything after.
+    The agent computes nothing, so no thread pool of torch's is needed in the fork."""
+
+    def __init__(self, torchrun_args: list[str], env: dict[str, str]):
+        read_fd, write_fd = os.pipe()
+        parent = os.getpid()
+        for stream in (sys.stdout, sys.stderr):  # nothing buffered here may be written twice
+            stream.flush()
+        with warnings.catch_warnings():  # Python >= 3.12 warns of any thread (a tokenizer's pool)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            _run_agent(torchrun_args, env, parent, write_fd)  # never returns
+        os.close(write_fd)
+        self.pid = pid
+        self.stderr = os.fdopen(read_fd, "rb", buffering=0)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        # Not reaped by this call (``forward_stop`` runs it while ``wait`` may be in waitpid);
+        # until this process reaps the child its pid is its own, exited or not.
+        if self.returncode is None:
+            os.kill(self.pid, signum)
 
 
-def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
+AGENT_NAME = b"torchrun"
+"""The forked agent's process name (``ps -o comm``, ``psutil.Process.name()``): its command
+line is the launcher's."""
+
+
+def _run_agent(torchrun_args: list[str], env: dict[str, str], parent_pid: int, stderr_fd: int) -> NoReturn:
+    """The forked child: torchrun's ``main(torchrun_args)`` under ``env``, its stderr (and its
+    ranks') on ``stderr_fd``; exits with torchrun's exit code and never returns to the launcher."""
+    code = 1
+    try:
+        os.dup2(stderr_fd, 2)  # inheritable: the ranks write here too
+        os.close(stderr_fd)
+        # the launcher's SIGTERM handler forwards to its agent: not this process's; then take
+        # SIGTERM again (the launcher held it while forking) and die with the launcher
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        die_with_parent(parent_pid)
+        set_process_name(AGENT_NAME)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = ["torchrun", *torchrun_args]
+        from torch.distributed.run import main as torchrun
+
+        torchrun(torchrun_args)
+        code = 0
+    except SystemExit as e:  # as the interpreter ends on one
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught one
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed pipe: the launcher is gone
+                pass
+        os._exit(code)
+
+
+def _launch_ranks(torchrun_args: list[str], env: dict[str, str]) -> int:
     """Run torchrun, forwarding its stderr live, and turn a user error raised in a rank during
     training (a reward function that raises, ...) into ONE line and exit code 2.
 
@@ -115,7 +194,7 @@ def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
         # A SIGTERM for this process goes on to torchrun, which stops its ranks cleanly; the
         # ranks' stderr is this pipe, so dying here would otherwise kill them at their next write.
         stopping: list[int] = []  # the stop signal received, once one was
-        started: list[subprocess.Popen] = []
+        started: list[_Agent] = []
 
         def forward_stop(signum, frame):
             stopping.append(signum)
@@ -124,15 +203,13 @@ def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
 
         # SIGTERM is held from before torchrun starts until the handler can reach it: a stop that
         # arrives while it starts (Slurm's preemption during start-up) is forwarded, not fatal
-        # to this process alone. The child unblocks it before exec (it inherits the mask).
+        # to this process alone. The child unblocks it (it inherits the mask, not a pending signal).
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         previous = signal.signal(signal.SIGTERM, forward_stop)
         try:
             try:
                 # torchrun dies with this process (a kill -9 of the launcher alone), and its ranks with it.
-                started.append(subprocess.Popen(cmd, env={**env, ERROR_FILE_ENV: str(error_file)},
-                                                stderr=subprocess.PIPE,
-                                                preexec_fn=functools.partial(_child_setup, os.getpid())))
+                started.append(_Agent(torchrun_args, {**env, ERROR_FILE_ENV: str(error_file)}))
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a held stop is forwarded here
             proc = started[0]
@@ -158,7 +235,7 @@ def _launch_ranks(cmd: list[str], env: dict[str, str]) -> int:
 _TORCHRUN_SIGNALLED = re.compile(rb"[^\n]*Received (\d+) death signal, shutting down workers")
 
 
-def _forward_stderr(proc: subprocess.Popen, error_file: Path, stopping: list[int], keep_bytes: int = 4096) -> bytes:
+def _forward_stderr(proc: _Agent, error_file: Path, stopping: list[int], keep_bytes: int = 4096) -> bytes:
     """Copy ``proc``'s stderr to ours until it closes, except after a rank recorded its error
     in ``error_file`` or a stop signal came (``stopping``: torchrun's shutdown report follows,
     and the ranks record where they stopped); returns the last ``keep_bytes`` of it. A second
@@ -222,13 +299,13 @@ def main(argv: list[str]) -> int:
         check_run(cfg, nproc)  # on every node: each reads the model and data from its own disk
     except user_errors() as e:
         return _fail(describe_user_error(e, args.config, _data_file(args.config, args.overrides), args.overrides))
-    cmd = [sys.executable, "-m", "torch.distributed.run", *node.torchrun_args(cfg.parallel.distributed_timeout_s),
-           f"--nproc_per_node={nproc}", "-m", "megatron_grpo.train", "--config", args.config, *args.overrides]
+    torchrun_args = [*node.torchrun_args(cfg.parallel.distributed_timeout_s), f"--nproc_per_node={nproc}",
+                     "-m", "megatron_grpo.train", "--config", args.config, *args.overrides]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "MEGATRON_GRPO_PREFLIGHT_DONE": "1",
            # how long torchrun lets the ranks finish a step and save after a stop signal
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, round(cfg.checkpoint.stop_timeout_s)))}
-    return _launch_ranks(cmd, env)
+    return _launch_ranks(torchrun_args, env)
 
 
 def _data_file(config_path: str, overrides: list[str]) -> str | None:
