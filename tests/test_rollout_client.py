@@ -212,9 +212,9 @@ def test_control_routes(server, client):
 
 
 def test_a_flush_waits_until_the_engine_is_idle(server, client):
-    """A flush sent while a generation runs: SGLang refuses it at once unless told to wait
-    (``idle_wait_s=0``: HTTP 400), and with the client's default it flushes after the request
-    finished. The embedded engine has no cache to flush: it answers at once."""
+    """A flush sent while a generation runs: SGLang refuses it (``idle_wait_s=0``, one try:
+    HTTP 400), and with the client's default the flush is retried until the request finished.
+    The embedded engine has no cache to flush: it answers at once."""
     kind, url = server
     long = SamplingParams(max_new_tokens=200, ignore_eos=True)
     if kind == "sglang":
@@ -227,7 +227,7 @@ def test_a_flush_waits_until_the_engine_is_idle(server, client):
     time.sleep(0.3)
     client.flush_cache(url)
     if kind == "sglang":
-        assert future.done()  # the flush waited for the request to finish
+        assert future.done()  # the flush was retried until the request finished
     assert len(future.result(timeout=60)[0].output_ids) == 200
 
 

@@ -25,6 +25,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import threading
+import time
 from typing import Any, Awaitable, Optional, Sequence
 
 import httpx
@@ -59,7 +60,8 @@ ROUTES: dict[str, tuple[str, str]] = {
 # Answers worth retrying: the server (or a proxy in front of it) is restarting or overloaded.
 _RETRY_STATUS = frozenset({502, 503, 504})
 _CONNECT_TIMEOUT_S = 10.0
-FLUSH_IDLE_WAIT_S = 60.0  # how long a flush waits for the engine to go idle (``flush_cache``)
+FLUSH_IDLE_WAIT_S = 60.0  # how long a flush retries while the engine is busy (``flush_cache``)
+_FLUSH_RETRY_S = 0.2
 _MAX_BACKOFF_S = 8.0
 
 
@@ -282,14 +284,22 @@ class AsyncRolloutClient:
         return await self.call("continue_generation", {}, url=url)
 
     async def flush_cache(self, url: str, idle_wait_s: float = FLUSH_IDLE_WAIT_S) -> Any:
-        """Flush ``url``'s prefix cache once its scheduler is idle, waiting up to ``idle_wait_s``.
+        """Flush ``url``'s prefix cache, retrying for up to ``idle_wait_s`` while it is busy.
 
-        SGLang refuses a flush while a request is still queued or running (HTTP 400, "Flush
-        cache failed"), which a request's answer can precede by a scheduler iteration (seen
-        right after a generate returned); its ``?timeout=`` defers the flush until idle
-        instead. The embedded engine has nothing to flush and ignores the parameter."""
-        method, path = ROUTES["flush_cache"]
-        return await self.call((method, f"{path}?timeout={idle_wait_s:g}"), {}, url=url)
+        SGLang refuses a flush while a request is still running (HTTP 400, "Flush cache
+        failed"), which a request's answer can precede by a scheduler iteration (seen right
+        after a generate returned). Its own deferral (``/flush_cache?timeout=``) is no use here:
+        it waits for the waiting queue to empty too, which never happens while generation is
+        paused with requests queued (a sync's pause), where an immediate flush succeeds. So the
+        immediate flush is retried. The embedded engine has nothing to flush: it always answers 200."""
+        deadline = time.monotonic() + idle_wait_s
+        while True:
+            try:
+                return await self.call("flush_cache", {}, url=url)
+            except RolloutError as e:
+                if e.status != 400 or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(_FLUSH_RETRY_S)
 
     async def update_weights_from_disk(self, url: str, model_path: str, *,
                                        weight_version: Optional[str] = None,

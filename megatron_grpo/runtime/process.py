@@ -38,18 +38,6 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def set_process_name(name: bytes) -> None:
-    """This process's name as ``ps -o comm``, ``top`` and ``psutil.Process.name()`` show it (at
-    most 15 bytes; PR_SET_NAME). The command line stays the one it was started with. A no-op
-    where prctl is unavailable."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)  # 15 = PR_SET_NAME
-    except OSError:
-        pass
-
-
 _forks_die = 0  # > 0 while ``forks_die_with_this_process`` is active
 _hook_registered = False
 _forking_pid = 0  # the pid of the process that forks: a child's parent

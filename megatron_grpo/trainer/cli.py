@@ -44,7 +44,7 @@ from megatron_grpo.rollout.http_engine import spawn_servers
 from megatron_grpo.runtime import parallel, stacks, stop
 from megatron_grpo.runtime.collectives import RunAborted
 from megatron_grpo.runtime.library_warnings import quiet_library_warnings
-from megatron_grpo.runtime.process import die_with_parent, set_process_name
+from megatron_grpo.runtime.process import die_with_parent
 from megatron_grpo.trainer import nodes
 
 EXIT_USER_ERROR = 2
@@ -102,7 +102,8 @@ class _Agent:
     Forked, not exec'd (``python -m torch.distributed.run``): the launcher has imported torch
     for its pre-flight, and a fresh interpreter spends ~1.9 CPU s importing it again before it
     starts a rank (2 cores, measured), on every launch and in series with everything after.
-    The agent computes nothing, so no thread pool of torch's is needed in the fork."""
+    The agent computes nothing, so no thread pool of torch's is needed in the fork. It keeps the
+    launcher's command line; ``ps -o comm`` shows ``pt_elastic``, the name torch gives it."""
 
     def __init__(self, torchrun_args: list[str], env: dict[str, str]):
         read_fd, write_fd = os.pipe()
@@ -139,11 +140,6 @@ class _Agent:
             os.kill(self.pid, signum)
 
 
-AGENT_NAME = b"torchrun"
-"""The forked agent's process name (``ps -o comm``, ``psutil.Process.name()``): its command
-line is the launcher's."""
-
-
 def _run_agent(torchrun_args: list[str], env: dict[str, str], parent_pid: int, stderr_fd: int) -> NoReturn:
     """The forked child: torchrun's ``main(torchrun_args)`` under ``env``, its stderr (and its
     ranks') on ``stderr_fd``; exits with torchrun's exit code and never returns to the launcher."""
@@ -156,7 +152,6 @@ def _run_agent(torchrun_args: list[str], env: dict[str, str], parent_pid: int, s
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         die_with_parent(parent_pid)
-        set_process_name(AGENT_NAME)
         os.environ.clear()
         os.environ.update(env)
         sys.argv = ["torchrun", *torchrun_args]
