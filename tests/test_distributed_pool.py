@@ -98,7 +98,7 @@ _TRANSIENT = ("connectFullMesh", "Connection closed by peer", "Connection reset 
 
 
 def test_a_calls_process_wide_changes_do_not_reach_the_next():
-    for attempt in range(3):
+    for _ in range(3):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RankPoolWarning)
             dirty = run_distributed(_dirty, 2, fresh=False)
