@@ -7,6 +7,7 @@ each forward seen by a hook on the embedding (prefix sharing).
 
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -72,6 +73,18 @@ def test_sequences_joining_mid_batch_are_exact_and_batch_invariant(engine):
         alone = make(i, PROMPTS[i % len(PROMPTS)], LENGTHS[i])
         generate(engine.model, [alone], max_batch_size=4)
         assert alone.output_ids == seqs[i].output_ids
+
+
+def test_generation_passes_the_cache_the_way_this_transformers_takes_it(engine):
+    """transformers 5.2x deprecates ``past_key_values=`` for ``cache=`` (removed in 5.40): the
+    engine uses whichever keyword the model's forward declares, so no deprecation warning is
+    raised and the output is the same as before (the exactness test above)."""
+    seqs = [make(i, PROMPTS[i], 3) for i in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(engine.model, seqs, max_batch_size=4)
+    assert not [w for w in caught if "past_key_values" in str(w.message)], [str(w.message) for w in caught]
+    assert max_logprob_error(engine.model, seqs) <= 1e-5
 
 
 def test_samples_of_one_prompt_share_one_prefill(engine):

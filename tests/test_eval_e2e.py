@@ -1,5 +1,5 @@
 """Held-out evaluation on the real pipeline: `megatron-grpo train` (TP=2, in-process engine)
-evaluating every 2 steps, a resumed run that neither repeats nor skips an evaluation, and
+evaluating before step 1 (`eval.at_start`) and every 2 steps, a resumed run that neither repeats nor skips an evaluation, and
 `megatron-grpo eval` on a trainer checkpoint (same numbers as in training) and, with a launched
 engine, on an HF directory (greedy accuracy equal to transformers' argmax). The run also scores with a
 file-path reward on token ids, loaded by the launched ranks without PYTHONPATH."""
@@ -28,7 +28,7 @@ def trained(tmp_path_factory, demo):
     label = f"{root}/plugin/len_reward.py:ids_len"
     # the in-process engine: the training run's and `eval --checkpoint`'s (the eval CLI's launched
     # engine is the HF-directory test's)
-    extra = ("rollout.engine=inprocess", "eval.every_n_steps=2", "checkpoint.save_every=2", "eval.pass_k=[1,4,8]",
+    extra = ("rollout.engine=inprocess", "eval.at_start=true", "eval.every_n_steps=2", "checkpoint.save_every=2", "eval.pass_k=[1,4,8]",
              f"reward.functions=[{{name: math_exact_match}}, {{name: '{label}', weight: 0.0}}]")
     run_dir = root / "run"
     out = subprocess.run(train_cmd(demo, run_dir, STEPS, *extra), cwd=ROOT, env=ENV, capture_output=True, text=True,
@@ -45,12 +45,14 @@ def eval_rows(run_dir, step):
 @pytest.mark.slow
 def test_training_evaluates_every_n_steps_on_the_engine(trained):
     rows = read_metrics(trained["run"])
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert [r["step"] for r in rows if "eval/heldout/pass@1" in r] == [2, 4]
-    for r in rows:
-        assert r["train_elapsed_s"] < r["elapsed_s"]  # engine start-up and model build are not training
-    for step in (2, 4):
-        record, samples = rows[step - 1], eval_rows(trained["run"], step)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in rows if "eval/heldout/pass@1" in r] == [0, 2, 4]
+    assert set(rows[0]) == {"step", "elapsed_s"} | {k for k in rows[0] if k.startswith(("eval/", "time/eval"))}
+    for r in rows[1:]:
+        assert r["train_elapsed_s"] < r["elapsed_s"]  # engine start-up, model build and the start's eval are not training
+    assert rows[1]["train_elapsed_s"] < rows[1]["elapsed_s"] - rows[0]["elapsed_s"] + 1.0
+    for step in (0, 2, 4):
+        record, samples = rows[step], eval_rows(trained["run"], step)
         assert len(samples) == 6 * 8  # 6 held-out problems x n=8
         # pass@k recomputed by hand from the scored responses: 1 - C(n-c, k) / C(n, k)
         correct = [sum(s["correct"] for s in samples if s["prompt_index"] == i) for i in range(6)]
@@ -80,11 +82,11 @@ def test_a_resumed_run_neither_repeats_nor_skips_an_evaluation(trained):
     assert out.returncode == 0, out.stderr[-4000:]
     assert "resumed from checkpoint step 2" in out.stdout
     original, resumed = read_metrics(trained["run"]), read_metrics(run)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    assert [r["step"] for r in resumed if "eval/heldout/pass@1" in r] == [2, 4]
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]  # the start's evaluation is not redone
+    assert [r["step"] for r in resumed if "eval/heldout/pass@1" in r] == [0, 2, 4]
     assert step2_file.stat().st_mtime_ns == before
-    keys = [k for k in original[3] if k.startswith("eval/")]
-    assert {k: resumed[3][k] for k in keys} == {k: original[3][k] for k in keys}
+    keys = [k for k in original[4] if k.startswith("eval/")]
+    assert {k: resumed[4][k] for k in keys} == {k: original[4][k] for k in keys}
     assert eval_rows(run, 4) == eval_rows(trained["run"], 4)
 
 
@@ -108,7 +110,7 @@ def test_eval_cli_on_a_checkpoint_reproduces_the_training_evaluation(trained):
     assert out.returncode == 0, out.stderr[-4000:]
     (line,) = [json.loads(x) for x in out.stdout.splitlines()]
     assert line["step"] == 4 and line["set"] == "heldout"
-    record = read_metrics(trained["run"])[3]
+    record = read_metrics(trained["run"])[4]
     assert {k: v for k, v in line.items() if k.startswith("eval/")} == {
         k: v for k, v in record.items() if k.startswith("eval/")}
     assert json.loads((out_dir / "eval_metrics.jsonl").read_text()) == line

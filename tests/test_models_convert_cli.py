@@ -184,6 +184,15 @@ def test_user_errors_are_one_line_with_exit_2(qwen2_dir, tmp_path, capsys):
     assert run_in_process(h2m, "--hf-dir", qwen2_dir, "--output-dir", tmp_path / "o", "--tp", 2) == 2
     assert "run under torchrun --nproc-per-node 2" in one_line_error(capsys, h2m)
 
+    # a size the model cannot be split at: refused before any rank starts, naming the sizes that work
+    heads = json.loads((qwen2_dir / "config.json").read_text())
+    assert run_in_process(h2m, "--hf-dir", qwen2_dir, "--output-dir", tmp_path / "o", "--tp", 3) == 2
+    assert (f"--tp 3 does not divide the model's num_attention_heads = {heads['num_attention_heads']} "
+            f"({qwen2_dir}/config.json); tensor-parallel sizes that work: 1, 2") in one_line_error(capsys, h2m)
+    assert run_in_process(h2m, "--hf-dir", qwen2_dir, "--output-dir", tmp_path / "o", "--pp", 3) == 2
+    assert "--pp 3 does not divide the model's num_hidden_layers = 2" in one_line_error(capsys, h2m)
+    assert not (tmp_path / "o").exists()
+
     assert run_in_process(m2h, "--ckpt-dir", qwen2_dir, "--output-dir", tmp_path / "o") == 2
     assert "not a megatron-core distributed checkpoint (no metadata.json)" in one_line_error(capsys, m2h)
 

@@ -153,6 +153,15 @@ class AlgorithmConfig:
     of holding a few whole groups in generation order (TRL's default). Off by default, as in
     verl: the demo's measured runs cut in generation order. No effect with one mini-batch."""
 
+    skip_zero_advantage_steps: bool = True
+    """A step whose every advantage is zero (|A| <= 1e-6: every group's rewards equal) skips its
+    old-log-prob pass and its optimizer steps when nothing else gives a gradient
+    (entropy_coef and kl_loss_coef 0 at that step, no router replay); counted as
+    `skipped_zero_advantage` in the metrics. Unlike a zero-gradient Adam step, the skipped step
+    does not move the weights by momentum or weight decay. DAPO's dynamic sampling
+    (rollout.dynamic_sampling.enabled) is the other remedy: it refills the batch with groups that
+    have a signal."""
+
     off_policy_correction: OffPolicyCorrectionConfig = field(default_factory=OffPolicyCorrectionConfig)
     """Train/rollout mismatch correction (TIS, sequence masks, outlier masks)."""
 

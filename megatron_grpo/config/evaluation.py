@@ -62,6 +62,10 @@ class EvalConfig:
     at_end: bool = True
     """Evaluate after the last step."""
 
+    at_start: bool = False
+    """Evaluate the starting weights before step 1 (logged as step 0; not on a resumed run,
+    whose metrics.jsonl already holds it): the baseline a learning curve is read against."""
+
     pass_k: list[int] = field(default_factory=lambda: [1])
     """k values of pass@k (unbiased estimator); a set reports those with k <= its n."""
 

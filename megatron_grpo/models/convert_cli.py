@@ -28,7 +28,7 @@ from megatron_grpo.models.checkpoint import (
     load_megatron_checkpoint,
     save_megatron_checkpoint,
 )
-from megatron_grpo.models.hf_config import load_hf_config
+from megatron_grpo.models.hf_config import load_hf_config, split_problem
 from megatron_grpo.models.hf_export import config_dtype, save_hf_checkpoint
 from megatron_grpo.models.self_check import DEFAULT_TOLERANCE, round_params_, run_self_check
 from megatron_grpo.models.weights import SafetensorsReader, load_hf_weights
@@ -74,6 +74,7 @@ def hf_to_megatron(args) -> int:
     hf_config = load_hf_config(args.hf_dir)
     SafetensorsReader(args.hf_dir)  # fail now on missing weights, before starting ranks
     _check_output(args.output_dir, args.overwrite, args.hf_dir)
+    _check_split(hf_config, args, args.hf_dir)
     dtype = DTYPES.get(args.dtype) or config_dtype(hf_config)
     _initialize(args.tp, args.pp, args.ep)
     say = _printer()
@@ -103,6 +104,7 @@ def hf_to_megatron(args) -> int:
 def megatron_to_hf(args) -> int:
     hf_config = checkpoint_hf_config(args.ckpt_dir)
     _check_output(args.output_dir, args.overwrite, args.ckpt_dir)
+    _check_split(hf_config, args, Path(args.ckpt_dir) / HF_SUBDIR)
     out_dtype = DTYPES.get(args.dtype) or config_dtype(hf_config)
     # fp32 for the self-check's reference forward; the stored dtype otherwise (less memory).
     model_dtype = torch.float32 if args.self_check else (checkpoint_dtype(args.ckpt_dir) or out_dtype)
@@ -181,6 +183,15 @@ def _check_output(out: Path, overwrite: bool, source: Path) -> None:
         raise ModelError(f"--output-dir {out} is inside the input directory {source}; choose another directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ModelError(f"--output-dir {out} exists and is not empty (pass --overwrite to replace it)")
+
+
+def _check_split(hf_config, args, config_dir: Path) -> None:
+    """Refuse --tp/--pp the model cannot be split at, in one line, before any rank builds it
+    (megatron-core would fail on every rank with a long traceback)."""
+    problem = split_problem(hf_config, args.tp, args.pp)
+    if problem:
+        flag, why = problem
+        raise ModelError(f"--{flag} {why.replace('(config.json)', f'({config_dir}/config.json)')}")
 
 
 @torch.no_grad()

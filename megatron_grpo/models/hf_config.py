@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from megatron_grpo.models.architectures import get_architecture
@@ -66,3 +67,28 @@ def sidecar_files(hf_dir: str | Path) -> list[Path]:
     path = Path(hf_dir)
     found = {p for pattern in SIDECAR_PATTERNS for p in path.glob(pattern) if p.is_file()}
     return sorted(found)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def split_problem(hf_config, tp: int, pp: int) -> tuple[str, str] | None:
+    """Why the model of ``hf_config`` cannot be split at ``tp`` x ``pp``, as (``"tp"`` or
+    ``"pp"``, one line naming the config.json field and the sizes that work), or None.
+
+    Megatron splits the attention heads and the key/value heads over TP ranks and the layers
+    over PP stages, so each must be divisible: SmolLM2-135M (9 heads, 3 KV heads) takes TP 1 or
+    3, never 2."""
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    for count, name in ((heads, "num_attention_heads"), (kv_heads, "num_key_value_heads")):
+        if count % tp:
+            works = ", ".join(str(d) for d in _divisors(math.gcd(heads, kv_heads)))
+            return "tp", (f"{tp} does not divide the model's {name} = {count} (config.json); "
+                          f"tensor-parallel sizes that work: {works}")
+    layers = hf_config.num_hidden_layers
+    if layers % pp:
+        works = ", ".join(str(d) for d in _divisors(layers))
+        return "pp", (f"{pp} does not divide the model's num_hidden_layers = {layers} (config.json); "
+                      f"pipeline-parallel sizes that work: {works}")
+    return None

@@ -16,6 +16,7 @@ from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.data import DataError, load_prompt_dataset
 from megatron_grpo.models import ModelError, get_architecture, load_hf_config
+from megatron_grpo.models.hf_config import split_problem
 from megatron_grpo.models.builder import check_packing, use_transformer_engine
 from megatron_grpo.models.checkpoint import MARKER, checkpoint_path
 from megatron_grpo.models.tokenizer import load_tokenizer
@@ -51,11 +52,10 @@ def check_model_dir(cfg: ExperimentConfig):
     except ModelError as e:
         raise _in_key("model.hf_dir", f"{hf_dir}/config.json: {e}") from None
     parallel_cfg = cfg.parallel
-    for count, name, size, key in ((hf_config.num_attention_heads, "num_attention_heads", parallel_cfg.tp, "parallel.tp"),
-                                   (hf_config.num_key_value_heads, "num_key_value_heads", parallel_cfg.tp, "parallel.tp"),
-                                   (hf_config.num_hidden_layers, "num_hidden_layers", parallel_cfg.pp, "parallel.pp")):
-        if count % size:
-            raise ConfigError(key, f"{size} does not divide the model's {name} = {count} ({hf_dir}/config.json)")
+    problem = split_problem(hf_config, parallel_cfg.tp, parallel_cfg.pp)
+    if problem:
+        flag, why = problem
+        raise ConfigError(f"parallel.{flag}", why.replace("(config.json)", f"({hf_dir}/config.json)"))
     if parallel_cfg.pack_sequences:
         try:
             check_packing(hf_config, cfg.model.attention_backend)

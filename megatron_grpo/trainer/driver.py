@@ -22,6 +22,8 @@ def train(cfg: ExperimentConfig, spawned: Optional[RolloutServerManager] = None)
     ``spawned``: rank 0's rollout servers, started at its start-up (``Trainer.build``)."""
     trainer = Trainer.build(cfg, spawned)
     try:
+        if trainer.start_step == 0 and cfg.eval.at_start:
+            trainer.evaluate_at_start()
         trainer.logger.begin_training()
         stop_before(trainer, trainer.start_step)
         for step in range(trainer.start_step, cfg.trainer.num_steps):

@@ -37,6 +37,7 @@ engine), whatever the engine (``rollout.protocol.RolloutEngine``).
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -86,6 +87,8 @@ class Updates:
     """One entry per optimizer step this rank reports (the last pipeline stage's)."""
     skipped: int = 0
     """Optimizer steps skipped for a non-finite loss or gradient."""
+    skipped_zero_advantage: bool = False
+    """The whole update was skipped: nothing in the batch gives a gradient (``has_gradient``)."""
 
 
 @dataclass
@@ -175,10 +178,11 @@ class Trainer:
         timer = StepTimer()
         result = self.rollout(step, timer)
         batch, local = self.shard(result.batch, step)
-        moe_metrics = self.score(local)
-        timer.lap("logprob")
         algorithm = self.step_algorithm(step)
-        updates = self.update(step, batch, local, algorithm)
+        skip = self.cfg.algorithm.skip_zero_advantage_steps and not has_gradient(batch, algorithm)
+        moe_metrics = {} if skip else self.score(local)
+        timer.lap("logprob")
+        updates = Updates(skipped_zero_advantage=True) if skip else self.update(step, batch, local, algorithm)
         timer.lap("train")
         if self.routing is not None:  # without an old-log-prob pass: the (single) update's forward
             for key, value in self.routing.take_metrics().items():  # collective; restarts the count
@@ -269,12 +273,12 @@ class Trainer:
         return dataclasses.replace(cfg, entropy_coef=entropy_coef_at(cfg, step, self.cfg.trainer.num_steps),
                                    entropy_coef_end=None)
 
-    def evaluate(self, step: int) -> dict:
-        """Collective, when due: rank 0 evaluates every held-out set on the engine's current
-        weights (those of ``step``), one round at a time; every rank waits only for one round
-        in a broadcast (``engine.rollout``, which also recovers a failed engine). Returns the
+    def evaluate(self, step: int, due: bool = False) -> dict:
+        """Collective, when due (``due``: the run's start, whatever the schedule): rank 0
+        evaluates every held-out set on the engine's current weights (those of ``step``), one
+        round at a time; every rank waits only for one round in a broadcast (``engine.rollout``, which also recovers a failed engine). Returns the
         ``eval/...`` metrics on rank 0 (empty elsewhere) and writes the scored responses."""
-        if not self.cfg.eval.due(step, self.cfg.trainer.num_steps):
+        if not self.cfg.eval.sets or not (due or self.cfg.eval.due(step, self.cfg.trainer.num_steps)):
             return {}
         evaluator = self.evaluator
         rounds = broadcast(evaluator.rounds() if evaluator is not None else None)
@@ -287,6 +291,14 @@ class Trainer:
         evaluator.write_samples(Path(self.cfg.trainer.run_dir) / "eval", step, results)
         return evaluator.summarize(results)
 
+    def evaluate_at_start(self) -> None:
+        """Collective: evaluate the starting weights (the engine serves them after
+        ``build``'s sync) and log them as step 0, before training time starts counting."""
+        start = time.perf_counter()
+        metrics = self.evaluate(0, due=True)
+        if self.rank == 0 and metrics:
+            self.records.append(self.logger.log(0, {**metrics, "time/eval_s": time.perf_counter() - start}))
+
     def record(self, rollout_stats: dict, updates: Updates, synced: SyncStats) -> dict:
         """The step's metrics (collective): rollout stats, the training metrics pooled over
         its optimizer steps (sent from the reporting last-stage rank), lr, skipped updates,
@@ -294,10 +306,11 @@ class Trainer:
         reporter = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
                     and ps.get_data_parallel_rank() == 0)
         box = [None] * dist.get_world_size()
-        dist.all_gather_object(box, pool_optimizer_steps(updates.metrics) if reporter else None)
-        record = {**rollout_stats, **next(m for m in box if m is not None)}
+        dist.all_gather_object(box, pool_optimizer_steps(updates.metrics) if reporter and updates.metrics else None)
+        record = {**rollout_stats, **next((m for m in box if m is not None), {})}  # {}: the update was skipped
         record["lr"] = float(self.policy.optimizer.param_groups[0]["lr"])
         record["skipped_updates"] = updates.skipped
+        record["skipped_zero_advantage"] = int(updates.skipped_zero_advantage)
         record["engine_restarts"] = self.engine.restarts
         record["weight_sync_verified"] = int(synced.verified)
         if synced.probe_logprob_abs_diff is not None:
@@ -351,6 +364,22 @@ def _resume(cfg: ExperimentConfig, policy: Policy, sampler: PromptSampler, rank:
     if rank == 0:
         print(f"[megatron-grpo] {resume_dir}: resumed from checkpoint step {state['step']}", flush=True)
     return state["step"], state
+
+
+ZERO_ADVANTAGE = 1e-6
+"""|advantage| at or below which a sequence gives no policy gradient (equal rewards normalise
+to exactly 0 for 0/1 rewards; other values leave rounding noise of ~1e-16 / std_eps)."""
+
+
+def has_gradient(batch: TrainBatch, algorithm: AlgorithmConfig) -> bool:
+    """Whether updating on ``batch`` (the whole rollout batch, every rank the same) gives a
+    gradient: some advantage is non-zero, or a term that does not scale with the advantage
+    is on (the entropy bonus, the KL loss) or router replay is (its metrics come from the
+    update's forward). Every policy loss (PPO, GSPO, CISPO, SAPO) is the advantage times a
+    function of the ratio, so with every |A| <= ZERO_ADVANTAGE its gradient is zero."""
+    if algorithm.entropy_coef > 0 or algorithm.kl_loss_coef > 0 or algorithm.router_replay:
+        return True
+    return bool(batch.advantages.abs().max() > ZERO_ADVANTAGE)
 
 
 def pool_optimizer_steps(parts: list[dict]) -> dict:

@@ -28,6 +28,8 @@ batch at a time bounds that to a few copies per quarter of the batch that turns 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from typing import Callable, Optional
 
 import torch
@@ -59,6 +61,13 @@ def _records(recorder: Optional[RoutingRecorder], seqs: list[Sequence]) -> bool:
     return recorder is not None and any(s.return_routed_experts and not s.finished for s in seqs)
 
 
+@functools.cache
+def cache_kwarg(model_type: type) -> str:
+    """The keyword a transformers causal LM takes its KV cache by: ``cache`` from transformers
+    5.2x (``past_key_values`` is deprecated there and goes in 5.40), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model_type.forward).parameters else "past_key_values"
+
+
 @torch.inference_mode()
 def prefill(model: torch.nn.Module, seqs: list[Sequence], *, pad_id: int,
             recorder: Optional[RoutingRecorder]) -> RunningBatch:
@@ -75,7 +84,7 @@ def prefill(model: torch.nn.Module, seqs: list[Sequence], *, pad_id: int,
     cache = DynamicCache()
     records = _records(recorder, seqs)
     with recorder.capture() if records else contextlib.nullcontext():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, **{cache_kwarg(type(model)): cache},
                     use_cache=True, logits_to_keep=0 if any(want_prompt) else 1)
     width = ids.shape[1]
     routed = recorder.take(len(distinct)) if records else None
@@ -132,7 +141,8 @@ def decode_step(model: torch.nn.Module, batch: RunningBatch, tokens_B: torch.Ten
     records = _records(recorder, batch.seqs)
     with recorder.capture() if records else contextlib.nullcontext():
         out = model(input_ids=tokens_B.unsqueeze(1), attention_mask=batch.mask_BT,
-                    position_ids=batch.next_pos_B.unsqueeze(1), past_key_values=batch.cache, use_cache=True)
+                    position_ids=batch.next_pos_B.unsqueeze(1), **{cache_kwarg(type(model)): batch.cache},
+                    use_cache=True)
     if records:
         routed = recorder.take(len(batch))  # [B, 1, layers, k]
         for row, s in enumerate(batch.seqs):
