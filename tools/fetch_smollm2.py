@@ -178,7 +178,10 @@ def build(gguf: Path, out_dir: Path) -> None:
     from megatron_grpo.models.checkpoint import replace_dir
     from megatron_grpo.models.gguf_import import gguf_to_hf
 
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by a killed run (we hold the lock)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    tmp.mkdir()  # before the ~40 s conversion: an unwritable place fails at once
     try:
         try:
             gguf_to_hf(gguf, tmp, eos_token=EOS_TOKEN)
