@@ -131,7 +131,7 @@ def test_a_failed_write_leaves_the_old_file(tmp_path):
 def test_the_tool_writes_disjoint_splits_the_grader_can_score(tool, tmp_path, capsys):
     out = tmp_path / "chain_sum"
     args = ["--task", "chain_sum", "--size", "60", "--heldout", "20", "--seed", "3", "--out", str(out),
-            "--config", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}']
+            "--config", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}']  # --task-config's alias
     assert tool.main(args) == 0
     assert "wrote 60 training and 20 held-out rows of chain_sum" in capsys.readouterr().out
     assert sorted(os.listdir(out)) == ["heldout.jsonl", "train.jsonl"]  # no temp files
@@ -157,16 +157,16 @@ def test_the_tool_writes_disjoint_splits_the_grader_can_score(tool, tmp_path, ca
 @pytest.mark.parametrize("args, expected", [
     (["--task", "chain_sun"], "error: --task: unknown reasoning-gym task 'chain_sun'; did you mean 'chain_sum'? tasks: "),
     (["--task", "composite"], "error: --task: composite is not supported: it mixes tasks"),
-    (["--task", "chain_sum", "--config", '{"bogus": 1}'],
-     "error: --config: chain_sum has no setting 'bogus'; its settings: min_terms, max_terms, min_digits, max_digits, "
+    (["--task", "chain_sum", "--task-config", '{"bogus": 1}'],
+     "error: --task-config: chain_sum has no setting 'bogus'; its settings: min_terms, max_terms, min_digits, max_digits, "
      "allow_negation"),
-    (["--task", "chain_sum", "--config", '{"min_terms": 0}'],
-     "error: --config: chain_sum refuses these settings: min_terms must be positive"),
-    (["--task", "chain_sum", "--config", "min_terms=2"], "error: --config: not JSON: "),
-    (["--task", "chain_sum", "--config", '{"seed": 1}'], "error: --config: 'seed' is set by --seed, not in --config"),
+    (["--task", "chain_sum", "--task-config", '{"min_terms": 0}'],
+     "error: --task-config: chain_sum refuses these settings: min_terms must be positive"),
+    (["--task", "chain_sum", "--task-config", "min_terms=2"], "error: --task-config: not JSON: "),
+    (["--task", "chain_sum", "--task-config", '{"seed": 1}'], "error: --task-config: 'seed' is set by --seed, not in --task-config"),
     (["--task", "chain_sum", "--prompt-template", "Solve."], "error: --prompt-template: expected one of plain, "),
     (["--task", "chain_sum", "--heldout", "0"], "error: --heldout: must be >= 1, got 0"),
-    (["--task", "chain_sum", "--size", "500", "--config",
+    (["--task", "chain_sum", "--size", "500", "--task-config",
       '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "allow_negation": false}'],
      "error: --size: chain_sum gave "),
 ])

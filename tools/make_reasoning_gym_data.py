@@ -42,8 +42,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--size", type=int, required=True, help="training rows")
     parser.add_argument("--heldout", type=int, required=True, help="held-out rows")
     parser.add_argument("--seed", type=int, default=0, help="reasoning-gym's seed (default 0)")
-    parser.add_argument("--config", default="{}", help="the task's settings as a JSON object, e.g. "
-                                                       "'{\"min_terms\": 2, \"max_terms\": 4}' (default {})")
+    # also --config; the docs say --task-config: every other --config of this project is an experiment's YAML
+    parser.add_argument("--task-config", "--config", dest="task_config", default="{}",
+                        help="the task's settings as a JSON object, e.g. '{\"min_terms\": 2, \"max_terms\": 4}' "
+                             "(default {})")
     parser.add_argument("--prompt-template", default=DEFAULT_TEMPLATE,
                         help=f"one of {', '.join(TEMPLATES)} (default {DEFAULT_TEMPLATE}: asks for the final answer "
                              "inside <answer></answer>), or a text holding {question}")
@@ -52,13 +54,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def settings_of(text: str) -> dict:
-    """The ``--config`` JSON object; TaskError otherwise."""
+    """The ``--task-config`` JSON object; TaskError otherwise."""
     try:
         value = json.loads(text)
     except ValueError as e:
-        raise TaskError("--config", f"not JSON: {' '.join(str(e).split())}") from None
+        raise TaskError("--task-config", f"not JSON: {' '.join(str(e).split())}") from None
     if not isinstance(value, dict):
-        raise TaskError("--config", f"expected a JSON object of the task's settings, got {text!r}")
+        raise TaskError("--task-config", f"expected a JSON object of the task's settings, got {text!r}")
     return value
 
 
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             template = prompt_template(args.prompt_template)
         except ValueError as e:
             raise TaskError("--prompt-template", str(e)) from None
-        task_config = settings_of(args.config)
+        task_config = settings_of(args.task_config)
         check_task(args.task, task_config)
         split = make_split(args.task, task_config, args.seed, args.size, args.heldout)
         train = [make_row(e, template, task_config) for e in split.train]

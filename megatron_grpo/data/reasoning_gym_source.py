@@ -7,7 +7,7 @@ One row per reasoning-gym entry::
     {"prompt": "<the question, wrapped by the prompt template>",
      "answer": "<the entry's answer as a string; '' when the task has no single answer>",
      "entry": {"question": ..., "answer": ..., "metadata": {...}},   # the whole entry, JSON-safe
-     "task_config": {...}}                                            # the task settings given (--config)
+     "task_config": {...}}                                            # the task settings given (--task-config)
 
 The ``reasoning_gym`` reward (``rewards/reasoning_gym_reward.py``) scores a response with the
 task's own ``score_answer(answer, entry)`` on ``entry`` read back with ``entry_from_json``,
@@ -72,7 +72,7 @@ REFUSED_TASKS = {"composite": "it mixes tasks; make one file per task (the train
 
 class TaskError(ValueError):
     """A task or its settings that reasoning-gym refuses; ``flag`` is the command-line flag
-    (``--task``, ``--config``, ``--size``), ``str(e)`` one line."""
+    (``--task``, ``--task-config``, ``--size``), ``str(e)`` one line."""
 
     def __init__(self, flag: str, message: str):
         self.flag = flag
@@ -197,7 +197,7 @@ def _registry() -> dict:
 
 
 def check_task(task: str, task_config: dict) -> None:
-    """TaskError naming ``--task`` or ``--config`` unless reasoning-gym has ``task`` and
+    """TaskError naming ``--task`` or ``--task-config`` unless reasoning-gym has ``task`` and
     accepts ``task_config`` as its settings."""
     registry = _registry()
     if task in REFUSED_TASKS:
@@ -210,14 +210,14 @@ def check_task(task: str, task_config: dict) -> None:
     settings = [f for f in registry[task][1].__dataclass_fields__ if f not in ("seed", "size")]
     for key in task_config:
         if key in ("seed", "size"):
-            raise TaskError("--config", f"'{key}' is set by --{key}, not in --config")
+            raise TaskError("--task-config", f"'{key}' is set by --{key}, not in --task-config")
         if key not in settings:
-            raise TaskError("--config", f"{task} has no setting {key!r}; its settings: {', '.join(settings)}")
+            raise TaskError("--task-config", f"{task} has no setting {key!r}; its settings: {', '.join(settings)}")
     try:
         create_task(task, task_config, seed=0, size=1)
     except Exception as e:  # the task's own validation: asserts, TypeErrors on a wrong type, ...
         message = " ".join(str(e).split()) or type(e).__name__
-        raise TaskError("--config", f"{task} refuses these settings: {message}") from None
+        raise TaskError("--task-config", f"{task} refuses these settings: {message}") from None
 
 
 def create_task(task: str, task_config: dict, seed: int, size: int):
@@ -244,7 +244,7 @@ def make_split(task: str, task_config: dict, seed: int, num_train: int, num_held
     kept, drawn = distinct_questions(draw_entries(task, task_config, seed, limit), wanted)
     if len(kept) < wanted:
         raise TaskError("--size", f"{task} gave {len(kept)} distinct questions in {drawn} draws, fewer than "
-                                  f"--size + --heldout = {wanted}; ask for fewer or widen the task (--config)")
+                                  f"--size + --heldout = {wanted}; ask for fewer or widen the task (--task-config)")
     return Split(kept[:num_train], kept[num_train:], drawn)
 
 
