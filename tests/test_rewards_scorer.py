@@ -145,7 +145,7 @@ def test_broken_user_module_import_is_one_line(tmp_path, monkeypatch):
 @pytest.mark.parametrize("raw, expected", [
     ({"functions": [{"name": "math_exact_matc"}]},
      "reward.functions[0].name: unknown reward function 'math_exact_matc'; did you mean 'math_exact_match'? "
-     "built-ins: math_exact_match, format, remote (an HTTP server), a dotted path pkg.module.fn or a file path "
+     "built-ins: math_exact_match, format, reasoning_gym, math_verify, remote (an HTTP server), a dotted path pkg.module.fn or a file path "
      "path/to/file.py:fn"),
     ({"functions": []}, "reward.functions: needs at least one reward function"),
     ({"functions": [{"name": "format", "weight": 0}]}, "reward.functions: every weight is 0, so every reward would be 0"),

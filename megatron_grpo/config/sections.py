@@ -143,9 +143,10 @@ class RemoteRewardConfig:
 @dataclass(kw_only=True)
 class RewardFunctionConfig:
     name: str
-    """A built-in reward (`math_exact_match`, `format`), `remote` (an HTTP server, see `remote`),
-    a dotted path `pkg.module.fn` or a file path `path/to/rewards.py:fn` (relative to the current
-    directory). The function declares what it takes by its parameter names (docs/rewards.md)."""
+    """A built-in reward (`math_exact_match`, `format`, `reasoning_gym`, `math_verify`), `remote`
+    (an HTTP server, see `remote`), a dotted path `pkg.module.fn` or a file path
+    `path/to/rewards.py:fn` (relative to the current directory). The function declares what it
+    takes by its parameter names (docs/rewards.md)."""
 
     label: Optional[str] = None
     """Name of the function's metrics (`reward/<label>`, `eval/<set>/reward/<label>_mean`) and
@@ -158,7 +159,8 @@ class RewardFunctionConfig:
 
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the function (`math_exact_match`: use_last_number; `format`:
-    style = boxed | hash | boxed_or_hash | number)."""
+    style = boxed | hash | boxed_or_hash | number; `reasoning_gym`, `math_verify`: extract =
+    answer_tag | boxed | last_number | none, timeout_s)."""
 
     max_concurrency: int = 32
     """Calls of this function in flight at once (async functions and `remote` overlap; a plain
