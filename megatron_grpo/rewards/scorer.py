@@ -37,7 +37,8 @@ class ScoredBatch:
     """Unweighted value of each function per response (label -> [batch]), for logging."""
 
     stats: dict[str, float] = field(default_factory=dict)
-    """Counters of the functions that keep some (``<label>/retries`` of a remote reward)."""
+    """Counters of the functions that keep some (``<label>/retries`` of a remote reward,
+    ``<label>/timeouts`` of ``math_verify`` and ``reasoning_gym``)."""
 
 
 @dataclass(frozen=True)
