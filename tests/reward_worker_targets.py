@@ -30,3 +30,7 @@ def dies(code: int):
 
 def pid() -> int:
     return os.getpid()
+
+
+def reads_stdin() -> str:
+    return os.read(0, 100).decode()  # /dev/null in the worker: the requests stay out of reach

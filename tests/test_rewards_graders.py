@@ -242,6 +242,9 @@ def test_worker_errors_are_one_line_and_prints_do_not_corrupt_answers(capfd):
     noisy, raises, dies = target("noisy"), target("raises"), target("dies")
     try:
         assert noisy([1, 2], timeout_s=60) == [1, 2] and noisy("x", timeout_s=5) == "x"
+        reads_stdin = target("reads_stdin")
+        assert reads_stdin(timeout_s=60) == "" and reads_stdin(timeout_s=5) == ""
+        reads_stdin.close()
         assert "this goes to stderr" in capfd.readouterr().err
         with pytest.raises(WorkerError, match=r"^raises: KeyError: 'bad'$"):
             raises("bad", timeout_s=60)

@@ -17,11 +17,11 @@ and neither an alarm nor a thread can interrupt a C call; killing a process alwa
 * It is kept for the calls that follow (a call costs ~0.1 ms of transport), killed on a
   timeout and started again on the next call.
 * Calls from several threads take turns (one worker, one lock).
-* Messages are length-prefixed pickles over its stdin/stdout. Its file descriptor 1 is pointed
-  at stderr, so a ``print`` in graded code cannot corrupt the stream; it ignores SIGINT, so a
-  Ctrl-C reaches the trainer (which finishes its step) and not the grader in the middle of it.
-  It exits when its stdin closes (the trainer exited), and it shares the trainer's process
-  group, so whatever stops the group stops it too.
+* Messages are length-prefixed pickles over its stdin/stdout. Its file descriptors 1 and 0 are
+  then pointed at stderr and /dev/null, so graded code (a ``print``) cannot corrupt the stream.
+  It ignores SIGINT, so a Ctrl-C reaches the trainer (which finishes its step) and not the
+  grader in the middle of it. It exits when its stdin closes (the trainer exited), and it
+  shares the trainer's process group, so whatever stops the group stops it too.
 * A worker that dies during a call (a crash in C code) or cannot start is a ``WorkerError``,
   one line: a reward that failed that way is not a wrong answer.
 """
@@ -187,8 +187,9 @@ def serve(target: str) -> None:
     """The worker's loop: answer ``("ok", result)`` or ``("raised", one line)`` to each request
     on stdin, until stdin closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which finishes its step
-    answers = os.dup(1)
+    requests, answers = os.dup(0), os.dup(1)
     os.dup2(2, 1)  # the graded code's prints go to stderr, not into the answers
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # and it cannot read the requests
     try:
         fn = _load(target)
     except Exception as e:
@@ -197,7 +198,7 @@ def serve(target: str) -> None:
     _write(answers, ("ready", None))
     while True:
         try:
-            args = _read(0, None)
+            args = _read(requests, None)
         except EOFError:
             return
         try:
