@@ -180,6 +180,13 @@ def test_label_and_counters_through_the_scorer_and_one_line_errors():
             s.score_samples([RewardSample(prompt="", response="<answer>1</answer>", answer="1",
                                           row={"entry": {"question": "q", "answer": "1", "metadata": {}}})])
         assert "the row's entry has no metadata.source_dataset" in str(e.value) and "\n" not in str(e.value)
+        with pytest.raises(RewardError) as e:
+            s.score_samples([RewardSample(prompt="", response="<answer>1</answer>", answer="1", row={
+                "entry": {"question": "q", "answer": "1", "metadata": {"source_dataset": "chain_sum"}},
+                "task_config": {"min_terms": 0}})])
+        assert str(e.value) == ("reward.functions[0] (reasoning_gym) raised on sample 0: WorkerError: reasoning_gym: "
+                                "ValueError: reasoning-gym cannot make task 'chain_sum' with the row's task_config "
+                                '{"min_terms": 0}: AssertionError: min_terms must be positive')
     finally:
         s.close()
 
@@ -233,6 +240,11 @@ def test_worker_answers_keeps_its_process_and_restarts_after_a_timeout():
             sleepy(30, timeout_s=0.5)
         assert time.monotonic() - start < 5
         assert sleepy(0.01, timeout_s=60) == 0.01  # a new worker
+        # the setup runs before the call, outside its deadline
+        slow_setup = IsolatedFunction("tests.reward_worker_targets:echo", "echo",
+                                      setup="tests.reward_worker_targets:sleepy")
+        assert slow_setup("x", timeout_s=0.5, setup_args=(1.0,)) == ("x",)
+        slow_setup.close()
     finally:
         for f in (pid, echo, sleepy):
             f.close()

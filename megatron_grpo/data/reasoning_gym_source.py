@@ -7,7 +7,7 @@ One row per reasoning-gym entry::
     {"prompt": "<the question, wrapped by the prompt template>",
      "answer": "<the entry's answer as a string; '' when the task has no single answer>",
      "entry": {"question": ..., "answer": ..., "metadata": {...}},   # the whole entry, JSON-safe
-     "task_config": {...}}                                            # the task settings given (--task-config)
+     "task_config": {...}}                                            # the settings of --task-config
 
 The ``reasoning_gym`` reward (``rewards/reasoning_gym_reward.py``) scores a response with the
 task's own ``score_answer(answer, entry)`` on ``entry`` read back with ``entry_from_json``,
@@ -23,12 +23,13 @@ writes a tuple as ``{"__tuple__": [...]}`` and a dict with a non-string key as
 cannot hold exactly (a set, NaN, an object) is a ``ValueError`` naming its path in the entry.
 
 **Held-out split, disjoint by question.** Entries are drawn in the dataset's order (for a
-given ``--seed``), a question already seen (compared with whitespace collapsed) is skipped, the first ``num_train`` distinct questions are the training split and the next
+given ``--seed``), a question already seen (compared with whitespace collapsed) is skipped,
+the first ``num_train`` distinct questions are the training split and the next
 ``num_heldout`` the held-out one. A task whose questions repeat is drawn further (up to
 ``MAX_DRAW_FACTOR`` times the rows asked for) before it is refused.
 
-reasoning-gym is an optional dependency (``pip install 'megatron-grpo[reasoning]'``); only
-``draw_entries`` and ``check_task`` import it.
+reasoning-gym is an optional dependency (``pip install 'megatron-grpo[reasoning]'``) and takes
+~1.8 s to import: only ``check_task`` and ``create_task`` import it, when entries are drawn.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ and neither an alarm nor a thread can interrupt a C call; killing a process alwa
   trainer's ``__main__``, with this package first on its ``PYTHONPATH``; start-up and imports
   (~1-2 s) are outside the deadline, which counts from the request.
 * It is kept for the calls that follow (a call costs ~0.1 ms of transport), killed on a
-  timeout and started again on the next call.
+  timeout and started again on the next call. What a call needs once per worker (sympy's LaTeX
+  parser, a reasoning-gym task's data files) is done by an optional ``setup`` function, also
+  outside the deadline, so a cold worker on a busy machine does not time a right answer out.
 * Calls from several threads take turns (one worker, one lock).
 * Messages are length-prefixed pickles over its stdin/stdout. Its file descriptors 1 and 0 are
   then pointed at stderr and /dev/null, so graded code (a ``print``) cannot corrupt the stream.
@@ -53,7 +55,7 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 """The directory holding this ``megatron_grpo``: first on the worker's path, so it imports the
 same copy of the package as the trainer."""
 
-WORKER_CODE = "import sys; from megatron_grpo.rewards.isolated import serve; serve(sys.argv[1])"
+WORKER_CODE = "import sys; from megatron_grpo.rewards.isolated import serve; serve(*sys.argv[1:])"
 
 
 class CallTimeout(Exception):
@@ -114,29 +116,43 @@ def _stop(proc: subprocess.Popen) -> None:
 
 class IsolatedFunction:
     """``target`` (``"pkg.module:function"``, importable, picklable arguments and result) run in a
-    worker process; ``name`` names it in errors. See the module docstring."""
+    worker process; ``name`` names it in errors. ``setup`` (optional, another target) is run
+    before each call under ``START_TIMEOUT_S`` rather than the call's deadline: what a call
+    needs once per worker (imports, a parser's tables, a task's data files), cached by the
+    setup function itself. See the module docstring."""
 
-    def __init__(self, target: str, name: str):
+    def __init__(self, target: str, name: str, setup: str | None = None):
         self.target = target
+        self.setup = setup
         self.name = name
         self._proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
         self._lock = threading.Lock()
 
-    def __call__(self, *args: Any, timeout_s: float) -> Any:
-        """``function(*args)`` in the worker; CallTimeout after ``timeout_s`` seconds (the worker is
-        then killed), WorkerError if it raised or the worker died."""
+    def __call__(self, *args: Any, timeout_s: float, setup_args: tuple = ()) -> Any:
+        """``setup(*setup_args)`` then ``function(*args)`` in the worker; CallTimeout when the call
+        takes over ``timeout_s`` seconds (the worker is then killed), WorkerError if either raised,
+        the setup took over ``START_TIMEOUT_S`` or the worker died."""
         with self._lock:
             proc = self._worker()
-            try:
-                _write(proc.stdin.fileno(), args)
-                status, value = _read(proc.stdout.fileno(), time.monotonic() + timeout_s)
-            except CallTimeout:
-                self._kill()
-                raise
-            except (EOFError, BrokenPipeError):
-                code = self._kill()
-                raise WorkerError(f"{self.name}: its worker process died during a call (exit code {code})") from None
+            if self.setup is not None:
+                try:
+                    self._request(proc, "setup", setup_args, START_TIMEOUT_S)
+                except CallTimeout:
+                    raise WorkerError(f"{self.name}: its worker's setup took over {START_TIMEOUT_S:g} s") from None
+            return self._request(proc, "call", args, timeout_s)
+
+    def _request(self, proc: subprocess.Popen, kind: str, args: tuple, timeout_s: float) -> Any:
+        """One request's answer; the worker is killed on a timeout or when it died."""
+        try:
+            _write(proc.stdin.fileno(), (kind, args))
+            status, value = _read(proc.stdout.fileno(), time.monotonic() + timeout_s)
+        except CallTimeout:
+            self._kill()
+            raise
+        except (EOFError, BrokenPipeError):
+            code = self._kill()
+            raise WorkerError(f"{self.name}: its worker process died during a call (exit code {code})") from None
         if status == "raised":
             raise WorkerError(f"{self.name}: {value}")
         return value
@@ -148,8 +164,8 @@ class IsolatedFunction:
         if self._proc is None:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(PACKAGE_PARENT),
                                                                           os.environ.get("PYTHONPATH")) if p)}
-            proc = subprocess.Popen([sys.executable, "-c", WORKER_CODE, self.target], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, env=env)
+            proc = subprocess.Popen([sys.executable, "-c", WORKER_CODE, self.target, self.setup or ""],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             self._proc = proc
             self._finalizer = weakref.finalize(self, _stop, proc)
             try:
@@ -183,26 +199,26 @@ def _load(target: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), attr)
 
 
-def serve(target: str) -> None:
+def serve(target: str, setup: str = "") -> None:
     """The worker's loop: answer ``("ok", result)`` or ``("raised", one line)`` to each request
-    on stdin, until stdin closes."""
+    ``(kind, args)`` on stdin (kind ``call``: ``target``, ``setup``: ``setup``), until stdin closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which finishes its step
     requests, answers = os.dup(0), os.dup(1)
     os.dup2(2, 1)  # the graded code's prints go to stderr, not into the answers
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # and it cannot read the requests
     try:
-        fn = _load(target)
+        functions = {"call": _load(target), "setup": _load(setup) if setup else None}
     except Exception as e:
         _write(answers, ("raised", _one_line(e)))
         return
     _write(answers, ("ready", None))
     while True:
         try:
-            args = _read(requests, None)
+            kind, args = _read(requests, None)
         except EOFError:
             return
         try:
-            reply = ("ok", fn(*args))
+            reply = ("ok", functions[kind](*args))
         except Exception as e:
             reply = ("raised", _one_line(e))
         _write(answers, reply)

@@ -41,6 +41,20 @@ log = logging.getLogger(__name__)
 TOOL = "tools/make_reasoning_gym_data.py"
 
 
+def task_of(row: dict) -> tuple[str, str]:
+    """(task name, settings as JSON text) of a row the tool wrote; ValueError saying what is
+    missing (the data is wrong, not the response)."""
+    if "entry" not in row:
+        raise ValueError(f"the row has no 'entry' field: reasoning_gym scores rows made by {TOOL} "
+                         f"(fields here: {', '.join(sorted(row)) or 'none'})")
+    metadata = row["entry"].get("metadata") if isinstance(row["entry"], dict) else None
+    task = metadata.get("source_dataset") if isinstance(metadata, dict) else None
+    if not isinstance(task, str):
+        raise ValueError(f"the row's entry has no metadata.source_dataset: it must be a reasoning-gym entry, as "
+                         f"{TOOL} writes it")
+    return task, json.dumps(row.get("task_config") or {}, sort_keys=True)
+
+
 class ReasoningGymReward:
     """Per-sample reward ``(response, row) -> float`` (see the module docstring); one instance
     per configured function, holding its worker and counters."""
@@ -56,16 +70,15 @@ class ReasoningGymReward:
         self.timeouts = 0
         self.grader_errors = 0
         self._logged: set[str] = set()
-        self._worker = IsolatedFunction(f"{__name__}:score_in_worker", "reasoning_gym")
+        self._worker = IsolatedFunction(f"{__name__}:score_in_worker", "reasoning_gym",
+                                        setup=f"{__name__}:prepare_in_worker")
         self.__name__ = "reasoning_gym"
 
     def __call__(self, response: str, row: dict) -> float:
-        if "entry" not in row:
-            raise ValueError(f"the row has no 'entry' field: reasoning_gym scores rows made by {TOOL} "
-                             f"(fields here: {', '.join(sorted(row)) or 'none'})")
-        answer = self.extract(response)
+        task, settings = task_of(row)
         try:
-            score, error = self._worker(answer, row["entry"], row.get("task_config") or {}, timeout_s=self.timeout_s)
+            score, error = self._worker(self.extract(response), row["entry"], settings, timeout_s=self.timeout_s,
+                                        setup_args=(task, settings))
         except CallTimeout:
             self.timeouts += 1
             return 0.0
@@ -91,8 +104,10 @@ class ReasoningGymReward:
 
 
 @functools.lru_cache(maxsize=64)
-def _grader(task: str, settings: str):
-    """The ``score_answer`` of ``task`` made with ``settings`` (JSON text: a cache key)."""
+def prepare_in_worker(task: str, settings: str):
+    """The ``score_answer`` of ``task`` made with ``settings`` (JSON text: a cache key). The
+    worker's setup, outside a call's deadline: importing reasoning-gym and making a task (arc_agi
+    reads its data files) take seconds."""
     # in the worker only: reasoning-gym is optional and takes ~1.8 s to import
     import reasoning_gym
 
@@ -103,15 +118,12 @@ def _grader(task: str, settings: str):
                          f"{type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
-def score_in_worker(answer: Optional[str], entry_json: Any, task_config: dict) -> tuple[float, Optional[tuple[str, str]]]:
+def score_in_worker(answer: Optional[str], entry_json: dict, settings: str) -> tuple[Any, Optional[tuple[str, str]]]:
     """(score, None), or (0.0, (task, error)) when the grader raised on the answer. Runs in the
-    worker; ValueError (which stops the run) when the entry itself is unusable."""
+    worker, after ``prepare_in_worker`` (cached) made the grader."""
     entry = entry_from_json(entry_json)
-    task = entry.get("metadata", {}).get("source_dataset") if isinstance(entry, dict) else None
-    if not isinstance(task, str):
-        raise ValueError(f"the row's entry has no metadata.source_dataset: it must be a reasoning-gym entry, as {TOOL} "
-                         "writes it")
-    score_answer = _grader(task, json.dumps(task_config, sort_keys=True))
+    task = entry["metadata"]["source_dataset"]
+    score_answer = prepare_in_worker(task, settings)
     try:
         return score_answer(answer, entry), None
     except Exception as e:
