@@ -14,7 +14,7 @@ and neither an alarm nor a thread can interrupt a C call; killing a process alwa
   loads every reward). It is ``python -c`` importing only the target's module, never the
   trainer's ``__main__``, with this package first on its ``PYTHONPATH``; start-up and imports
   (~1-2 s) are outside the deadline, which counts from the request.
-* It is kept for the calls that follow (a call costs ~0.1 ms of transport), killed on a
+* It is kept for the calls that follow (a round trip costs ~30 µs), killed on a
   timeout and started again on the next call. What a call needs once per worker (sympy's LaTeX
   parser, a reasoning-gym task's data files) is done by an optional ``setup`` function, also
   outside the deadline, so a cold worker on a busy machine does not time a right answer out.
@@ -117,9 +117,9 @@ def _stop(proc: subprocess.Popen) -> None:
 class IsolatedFunction:
     """``target`` (``"pkg.module:function"``, importable, picklable arguments and result) run in a
     worker process; ``name`` names it in errors. ``setup`` (optional, another target) is run
-    before each call under ``START_TIMEOUT_S`` rather than the call's deadline: what a call
-    needs once per worker (imports, a parser's tables, a task's data files), cached by the
-    setup function itself. See the module docstring."""
+    before a call under ``START_TIMEOUT_S`` rather than the call's deadline, once per worker
+    process and distinct ``setup_args`` (hashable): what calls need once (imports, a parser's
+    tables, a task's data files). See the module docstring."""
 
     def __init__(self, target: str, name: str, setup: str | None = None):
         self.target = target
@@ -128,6 +128,8 @@ class IsolatedFunction:
         self._proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
         self._lock = threading.Lock()
+        self._set_up: set[tuple] = set()
+        """The ``setup_args`` the running worker has been set up with."""
 
     def __call__(self, *args: Any, timeout_s: float, setup_args: tuple = ()) -> Any:
         """``setup(*setup_args)`` then ``function(*args)`` in the worker; CallTimeout when the call
@@ -135,11 +137,12 @@ class IsolatedFunction:
         the setup took over ``START_TIMEOUT_S`` or the worker died."""
         with self._lock:
             proc = self._worker()
-            if self.setup is not None:
+            if self.setup is not None and setup_args not in self._set_up:  # one round trip less per call
                 try:
                     self._request(proc, "setup", setup_args, START_TIMEOUT_S)
                 except CallTimeout:
                     raise WorkerError(f"{self.name}: its worker's setup took over {START_TIMEOUT_S:g} s") from None
+                self._set_up.add(setup_args)
             return self._request(proc, "call", args, timeout_s)
 
     def _request(self, proc: subprocess.Popen, kind: str, args: tuple, timeout_s: float) -> Any:
@@ -182,6 +185,7 @@ class IsolatedFunction:
     def _kill(self) -> int | None:
         """Stop the worker; its exit code (negative: the signal that ended it)."""
         proc, self._proc = self._proc, None
+        self._set_up.clear()
         if proc is None:
             return None
         self._finalizer.detach()
