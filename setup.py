@@ -35,6 +35,9 @@ setup(
         "sglang": ["sglang>=0.5.23"],
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb"],
+        # reasoning-gym's tasks as data (tools/make_reasoning_gym_data.py) and the reasoning_gym and
+        # math_verify rewards; imported only by the commands and reward workers that use them
+        "reasoning": ["reasoning-gym>=0.1.25", "math-verify>=0.9.0"],
         # tensorboard: its logging test; triton: the Triton kernels' tests (its CPU interpreter;
         # CUDA builds of torch bring triton, the CPU wheel does not); pytest-xdist: the suite runs on
         # two workers (launch/run_tests.sh). pytest < 9.1: xdist 3.8 groups tests by renaming their

@@ -25,11 +25,12 @@ def trained(tmp_path_factory, demo):
     root = tmp_path_factory.mktemp("eval_e2e")
     (root / "plugin").mkdir()
     (root / "plugin" / "len_reward.py").write_text(REWARD_FILE)
-    label = f"{root}/plugin/len_reward.py:ids_len"
+    label = "ids_len"  # a file path's default label: its function's name
     # the in-process engine: the training run's and `eval --checkpoint`'s (the eval CLI's launched
     # engine is the HF-directory test's)
-    extra = ("rollout.engine=inprocess", "eval.at_start=true", "eval.every_n_steps=2", "checkpoint.save_every=2", "eval.pass_k=[1,4,8]",
-             f"reward.functions=[{{name: math_exact_match}}, {{name: '{label}', weight: 0.0}}]")
+    extra = ("rollout.engine=inprocess", "eval.at_start=true", "eval.every_n_steps=2", "checkpoint.save_every=2",
+             "eval.pass_k=[1,4,8]",
+             f"reward.functions=[{{name: math_exact_match}}, {{name: '{root}/plugin/len_reward.py:ids_len', weight: 0.0}}]")
     run_dir = root / "run"
     out = subprocess.run(train_cmd(demo, run_dir, STEPS, *extra), cwd=ROOT, env=ENV, capture_output=True, text=True,
                          timeout=900)

@@ -156,3 +156,16 @@ def test_the_environment_may_decide_correct_but_only_for_episodes():
         _experiment(sets=sets + [{"name": "b", "path": "x.jsonl", "single_turn": True}], correct_function="environment")
     with pytest.raises(ConfigError, match="eval.correct_function: 'environment' is not a reward function label"):
         _experiment(None, sets=sets, correct_function="environment")
+
+
+def test_correct_function_names_a_label():
+    sets = [{"name": "a", "path": "x.jsonl"}]
+    reward = {"functions": [{"name": "math_exact_match"}, {"name": "pkg.rewards.judge", "label": "judged"}]}
+    raw = {"model": {"hf_dir": "m"}, "data": {"train_file": "d.jsonl"}, "trainer": {"run_dir": "r"}, "reward": reward,
+           "eval": {"sets": sets, "correct_function": "judged"}}
+    assert build_section(ExperimentConfig, raw).eval.correct_function == "judged"
+    raw["eval"]["correct_function"] = "pkg.rewards.judge"
+    with pytest.raises(ConfigError) as e:
+        build_section(ExperimentConfig, raw)
+    assert str(e.value) == ("eval.correct_function: 'pkg.rewards.judge' is not a reward function label; labels: "
+                            "math_exact_match, judged ('pkg.rewards.judge' is the name of the function labelled 'judged')")

@@ -99,9 +99,9 @@ def test_whole_sample_named_fields_and_legacy_pair(forms):
     out = s.score_samples([sample(), sample(response="8", answer="8", response_ids=[1, 2, 3], finish_reason="length",
                                            row={"difficulty": "easy"})])
     assert out.per_function == {
-        "reward_forms.whole": [2.0, 3.5],
-        "reward_forms.fields": [2.25, 0.25],
-        "reward_forms.legacy": [2.0, 2.0],
+        "whole": [2.0, 3.5],
+        "fields": [2.25, 0.25],
+        "legacy": [2.0, 2.0],
     }
     # the text-only entry point still works for (response, answer) functions
     assert scorer({"name": "reward_forms.legacy"}).score(["7 ", "x"], ["7", "7"]).rewards == [1.0, 0.0]
@@ -127,7 +127,7 @@ def test_fields_come_from_the_dataset_row_and_the_engine_sample(forms, tmp_path)
 def test_batch_functions_sync_and_async(forms):
     s = scorer({"name": "reward_forms.batch", "kwargs": {"offset": 10.0}}, {"name": "reward_forms.async_batch"})
     out = s.score_samples([sample(), sample(prompt_ids=[1]), sample(prompt_ids=[])])
-    assert out.per_function == {"reward_forms.batch": [10.0, 11.0, 12.0], "reward_forms.async_batch": [3.0, 1.0, 0.0]}
+    assert out.per_function == {"batch": [10.0, 11.0, 12.0], "async_batch": [3.0, 1.0, 0.0]}
     with pytest.raises(RewardError) as e:
         scorer({"name": "reward_forms.short_batch"}).score_samples([sample(), sample()])
     assert str(e.value) == ("reward.functions[0] (reward_forms.short_batch) returned 1 values for 2 samples; "

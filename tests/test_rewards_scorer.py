@@ -49,7 +49,7 @@ def test_weighted_sum_with_builtin_and_user_function(user_module):
     assert out.per_function == {
         "math_exact_match": [1.0, 1.0, 0.0],
         "format": [1.0, 0.0, 1.0],
-        "my_rewards.length_penalty": pytest.approx([-1.0, -0.2, -0.9]),
+        "length_penalty": pytest.approx([-1.0, -0.2, -0.9]),  # a dotted path's label: its function's name
     }
     assert out.rewards == pytest.approx([1 + 0.5 - 2.0, 1 + 0 - 0.4, 0 + 0.5 - 1.8])
 
@@ -57,6 +57,44 @@ def test_weighted_sum_with_builtin_and_user_function(user_module):
 def test_repeated_names_get_indexed_labels():
     s = scorer([{"name": "format", "kwargs": {"style": "boxed"}}, {"name": "format", "kwargs": {"style": "hash"}}])
     assert s.labels == ["format[0]", "format[1]"]
+
+
+def test_labels_name_the_metrics(tmp_path, monkeypatch, user_module):
+    (tmp_path / "file_rewards.py").write_text("def length_penalty(response, answer):\n    return 0.0\n")
+    monkeypatch.chdir(tmp_path)
+    file_name = f"{tmp_path}/file_rewards.py:length_penalty"
+    s = scorer([{"name": "math_exact_match"}, {"name": "format", "label": "boxed"},
+                {"name": "my_rewards.length_penalty"}, {"name": file_name}, {"name": "file_rewards.py:length_penalty",
+                                                                            "label": "brevity"}])
+    # a built-in keeps its name; a dotted or file path gives its function's name, indexed when it repeats
+    assert s.labels == ["math_exact_match", "boxed", "length_penalty[2]", "length_penalty[3]", "brevity"]
+    assert list(s.score(["\\boxed{1}"], ["1"]).per_function) == s.labels
+
+
+@pytest.mark.parametrize("functions, expected", [
+    ([{"name": "format", "label": "x"}, {"name": "math_exact_match", "label": "x"}],
+     "reward.functions[1].label: 'x' is already the label of reward.functions[0]; labels name metrics and must be unique"),
+    ([{"name": "format"}, {"name": "format"}, {"name": "math_exact_match", "label": "format[1]"}],
+     "reward.functions[2].label: 'format[1]' is already the label of reward.functions[1]; labels name metrics and "
+     "must be unique"),
+    ([{"name": "format", "label": "a/b"}],
+     "reward.functions[0].label: must be non-empty, without '/' or whitespace (it names metrics reward/<label>), "
+     "got 'a/b'"),
+    ([{"name": "format", "label": ""}], "reward.functions[0].label: must be non-empty, without '/' or whitespace"),
+    ([{"name": "format", "label": "two words"}], "reward.functions[0].label: must be non-empty, without '/' or whitespace"),
+    ([{"name": "my_pkg.environment"}],
+     "reward.functions[0].label: 'environment' is reserved for the environment's own reward in evaluation; "
+     "set another label"),
+])
+def test_label_validation(functions, expected):
+    with pytest.raises(ConfigError) as e:
+        build_section(RewardConfig, {"functions": functions}, "reward")
+    assert str(e.value).startswith(expected)
+
+
+def test_a_default_label_yields_to_a_given_one():
+    cfg = build_section(RewardConfig, {"functions": [{"name": "format"}, {"name": "pkg.fn", "label": "format"}]}, "reward")
+    assert cfg.labels == ["format[0]", "format"]
 
 
 @pytest.mark.parametrize("fn, expected", [
@@ -107,7 +145,7 @@ def test_broken_user_module_import_is_one_line(tmp_path, monkeypatch):
 @pytest.mark.parametrize("raw, expected", [
     ({"functions": [{"name": "math_exact_matc"}]},
      "reward.functions[0].name: unknown reward function 'math_exact_matc'; did you mean 'math_exact_match'? "
-     "built-ins: math_exact_match, format, remote (an HTTP server), a dotted path pkg.module.fn or a file path "
+     "built-ins: math_exact_match, format, reasoning_gym, math_verify, remote (an HTTP server), a dotted path pkg.module.fn or a file path "
      "path/to/file.py:fn"),
     ({"functions": []}, "reward.functions: needs at least one reward function"),
     ({"functions": [{"name": "format", "weight": 0}]}, "reward.functions: every weight is 0, so every reward would be 0"),

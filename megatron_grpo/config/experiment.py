@@ -21,6 +21,7 @@ from megatron_grpo.config.evaluation import EvalConfig
 from megatron_grpo.config.model import ModelConfig, ParallelConfig
 from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.config.sections import (
+    ENV_LABEL,
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
@@ -100,15 +101,18 @@ class ExperimentConfig:
 
         labels = self.reward.labels
         if self.rollout.environment is not None:  # an evaluation episode's own reward (evaluation/runner.py)
-            labels = [*labels, "environment"]
+            labels = [*labels, ENV_LABEL]
             plain = next((s.name for s in self.eval.sets if s.single_turn), None)
-            check(self.eval.correct_function != "environment" or plain is None, "eval.correct_function",
+            check(self.eval.correct_function != ENV_LABEL or plain is None, "eval.correct_function",
                   f"environment decides only episodes, but set {plain!r} has single_turn: true; name a reward "
                   "function or set single_turn: false")
+        by_name = {f.name: label for f, label in zip(self.reward.functions, self.reward.labels)}
+        hint = (f" ({self.eval.correct_function!r} is the name of the function labelled "
+                f"{by_name[self.eval.correct_function]!r})" if self.eval.correct_function in by_name else "")
         check(
             self.eval.correct_function is None or self.eval.correct_function in labels,
             "eval.correct_function",
-            f"{self.eval.correct_function!r} is not a reward function label; labels: {', '.join(labels)}",
+            f"{self.eval.correct_function!r} is not a reward function label; labels: {', '.join(labels)}{hint}",
         )
 
     @property

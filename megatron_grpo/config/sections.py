@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -10,6 +11,23 @@ from megatron_grpo.config.base import check
 
 REMOTE = "remote"
 """The reward function name of the HTTP reward kind (``reward.functions[i].remote``)."""
+
+ENV_LABEL = "environment"
+"""The label of an evaluation episode's own reward from the environment (evaluation/runner.py),
+which ``eval.correct_function`` may name; no reward function may take it."""
+
+LABEL_RE = re.compile(r"^[^/\s]+$")
+"""A reward label: it becomes one path part of ``reward/<label>`` (a '/' would collide with
+the ``reward/<label>/<counter>`` keys of a function's counters)."""
+
+
+def default_label(name: str) -> str:
+    """The metric label of a reward function named ``name`` when it gives none: ``fn`` of a
+    file path ``path/to/file.py:fn`` or a dotted path ``pkg.module.fn``; the name itself for a
+    built-in or ``remote`` (which hold neither ':' nor '.')."""
+    if ":" in name:
+        return name.rpartition(":")[2]
+    return name.rpartition(".")[2]
 
 
 @dataclass(kw_only=True)
@@ -125,16 +143,24 @@ class RemoteRewardConfig:
 @dataclass(kw_only=True)
 class RewardFunctionConfig:
     name: str
-    """A built-in reward (`math_exact_match`, `format`), `remote` (an HTTP server, see `remote`),
-    a dotted path `pkg.module.fn` or a file path `path/to/rewards.py:fn` (relative to the current
-    directory). The function declares what it takes by its parameter names (docs/rewards.md)."""
+    """A built-in reward (`math_exact_match`, `format`, `reasoning_gym`, `math_verify`), `remote`
+    (an HTTP server, see `remote`), a dotted path `pkg.module.fn` or a file path
+    `path/to/rewards.py:fn` (relative to the current directory). The function declares what it
+    takes by its parameter names (docs/rewards.md)."""
+
+    label: Optional[str] = None
+    """Name of the function's metrics (`reward/<label>`, `eval/<set>/reward/<label>_mean`) and
+    what `eval.correct_function` names; no '/' or whitespace. null = the name for a built-in or
+    `remote`, the function's own name (`fn`) for a dotted or file path, with `[i]` appended when
+    that default repeats another label."""
 
     weight: float = 1.0
     """Weight of this function in the summed reward (may be negative for a penalty)."""
 
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the function (`math_exact_match`: use_last_number; `format`:
-    style = boxed | hash | boxed_or_hash | number)."""
+    style = boxed | hash | boxed_or_hash | number; `reasoning_gym`, `math_verify`: extract =
+    answer_tag | boxed | last_number | none, timeout_s)."""
 
     max_concurrency: int = 32
     """Calls of this function in flight at once (async functions and `remote` overlap; a plain
@@ -145,6 +171,8 @@ class RewardFunctionConfig:
 
     def __post_init__(self):
         # Whether the name is one the reward registry resolves: preflight/rules.py (check_reward).
+        check(self.label is None or LABEL_RE.match(self.label) is not None, "label",
+              f"must be non-empty, without '/' or whitespace (it names metrics reward/<label>), got {self.label!r}")
         check(math.isfinite(self.weight), "weight", f"must be a finite number, got {self.weight}")
         check(self.max_concurrency >= 1, "max_concurrency", f"must be >= 1, got {self.max_concurrency}")
         if self.name == REMOTE:
@@ -168,12 +196,23 @@ class RewardConfig:
             "functions",
             "every weight is 0, so every reward would be 0",
         )
+        labels = self.labels
+        for i, label in enumerate(labels):
+            check(label != ENV_LABEL, f"functions[{i}].label", f"'{ENV_LABEL}' is reserved for the environment's own "
+                  "reward in evaluation; set another label")
+            first = labels.index(label)
+            check(first == i, f"functions[{i}].label", f"{label!r} is already the label of reward.functions[{first}]; "
+                  "labels name metrics and must be unique")
 
     @property
     def labels(self) -> list[str]:
-        """Metric label of each function: its name, or ``name[i]`` when a name repeats."""
-        names = [f.name for f in self.functions]
-        return [n if names.count(n) == 1 else f"{n}[{i}]" for i, n in enumerate(names)]
+        """Metric label of each function: its ``label``, else its default (``default_label``),
+        with ``[i]`` appended when a default repeats another label."""
+        defaults = [default_label(f.name) for f in self.functions]
+        given = [f.label for f in self.functions]
+        taken = [g if g is not None else d for g, d in zip(given, defaults)]
+        return [g if g is not None else (d if taken.count(d) == 1 else f"{d}[{i}]")
+                for i, (g, d) in enumerate(zip(given, defaults))]
 
 
 @dataclass(kw_only=True)

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_grpo.config import ExperimentConfig
+from megatron_grpo.config.sections import ENV_LABEL
 from megatron_grpo.data import Prompt, load_prompt_dataset
 from megatron_grpo.evaluation.passk import mean_pass_at_k
 from megatron_grpo.rewards.sample import reward_samples
@@ -109,7 +110,7 @@ def episode_row(scored: float, values: dict[str, float], episode, env_reward: st
     ``values["environment"]`` (0 when it failed; ``values`` is updated), turns and failure."""
     failed = episode.error is not None
     env = 0.0 if failed else float(episode.env_reward)
-    values["environment"] = env
+    values[ENV_LABEL] = env
     reward = 0.0 if failed else (env if env_reward == "replace" else scored + env)
     return {"reward": reward, "turns": episode.num_turns, "env_error": episode.error}
 

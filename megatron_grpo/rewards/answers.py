@@ -15,9 +15,10 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
-from typing import Optional
+from typing import Callable, Literal, Optional
 
 BOXED_RE = re.compile(r"\\\s*boxed\s*\{")
+ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 HASH_RE = re.compile(r"#\s*#\s*#\s*#")  # GSM8K's "#### 72" marker, possibly decoded with spaces
 LAST_NUMBER_RE = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
@@ -54,6 +55,38 @@ def last_number(text: str) -> Optional[str]:
     """The last number in ``text`` (``-3``, ``1,000``, ``2.5``), or None."""
     found = LAST_NUMBER_RE.findall(text)
     return found[-1] if found else None
+
+
+def extract_answer_tag(text: str) -> Optional[str]:
+    """Content of the LAST complete ``<answer>...</answer>``, stripped (reasoning-gym's
+    convention, as its ``extract_answer``), or None."""
+    found = ANSWER_TAG_RE.findall(text)
+    return found[-1].strip() if found else None
+
+
+def extract_boxed_answer(text: str) -> Optional[str]:
+    """Content of the last ``\\boxed{}``, stripped (None when absent or empty)."""
+    found = extract_boxed(text)
+    return None if found is None else found.strip() or None
+
+
+def extract_whole(text: str) -> Optional[str]:
+    """The whole response, stripped (None when that is empty)."""
+    return text.strip() or None
+
+
+ANSWER_EXTRACTORS: dict[str, Callable[[str], Optional[str]]] = {
+    "answer_tag": extract_answer_tag,
+    "boxed": extract_boxed_answer,
+    "last_number": last_number,
+    "none": extract_whole,
+}
+"""How a reward that takes ``extract`` reads the answer out of a response: the text inside the
+last ``<answer></answer>``, the last ``\\boxed{}``, the last number, or the whole response;
+None when there is none (the answer is then wrong)."""
+
+ExtractName = Literal["answer_tag", "boxed", "last_number", "none"]
+"""The names of ``ANSWER_EXTRACTORS``, as a type a reward's ``extract`` kwarg is checked against."""
 
 
 def extract_final_answer(text: str, use_last_number: bool = True) -> Optional[str]:

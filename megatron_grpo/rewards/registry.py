@@ -2,7 +2,8 @@
 
 ``name`` is one of
 
-* a built-in (``BUILTIN_REWARDS``: ``math_exact_match``, ``format``);
+* a built-in (``BUILTIN_REWARDS``: ``math_exact_match``, ``format``, ``reasoning_gym``,
+  ``math_verify``);
 * ``remote``: an HTTP reward server, configured by the function's ``remote:`` section
   (``rewards/remote.py``);
 * a dotted path ``pkg.module.fn``, imported (the module must be importable);
@@ -21,6 +22,7 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import re
 import sys
 import typing
@@ -31,15 +33,24 @@ from megatron_grpo.config.base import ConfigError, _check_value
 from megatron_grpo.config.sections import REMOTE
 from megatron_grpo.rewards.builtin import format_reward, math_exact_match
 from megatron_grpo.rewards.calling import RewardCall, plan_call
+from megatron_grpo.rewards.math_verify_reward import MathVerifyReward
+from megatron_grpo.rewards.reasoning_gym_reward import ReasoningGymReward
 from megatron_grpo.rewards.remote import RemoteReward
 
 RewardFn = Callable[..., Any]
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {
+BUILTIN_REWARDS: dict[str, RewardFn | type] = {
     "math_exact_match": math_exact_match,
     "format": format_reward,
+    "reasoning_gym": ReasoningGymReward,
+    "math_verify": MathVerifyReward,
 }
-"""Built-in reward name -> function."""
+"""Built-in reward name -> function, or class. A class is made once per configured function
+with its ``kwargs`` (it keeps a worker process and counters of its own) and the instance is
+the reward; its ``requires`` (import name -> package) must be installed."""
+
+EXTRA_HINT = "pip install 'megatron-grpo[reasoning]'"
+"""How to install the optional packages of the built-ins that need some."""
 
 DOTTED_PATH_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 FILE_PATH_RE = re.compile(r"^(?P<path>.+\.py):(?P<attr>[A-Za-z_]\w*)$")
@@ -120,14 +131,37 @@ def resolve_reward(fcfg, index: int) -> RewardCall:
     problem = name_problem(fcfg.name)
     if problem:
         raise ConfigError(f"{key}.name", problem)
+    kwargs = fcfg.kwargs
     if fcfg.name == REMOTE:
         fn: RewardFn = RemoteReward(fcfg.remote, key)
+    elif isinstance(BUILTIN_REWARDS.get(fcfg.name), type):
+        fn, kwargs = make_builtin(fcfg.name, fcfg.kwargs, key), {}
     elif fcfg.name in BUILTIN_REWARDS:
         fn = BUILTIN_REWARDS[fcfg.name]
     elif FILE_PATH_RE.match(fcfg.name):
         fn = load_file(fcfg.name, f"{key}.name")
     else:
         fn = import_dotted(fcfg.name, f"{key}.name")
-    call = plan_call(fn, fcfg.kwargs, key)
-    check_kwarg_types(fn, fcfg.kwargs, f"{key}.kwargs")
+    call = plan_call(fn, kwargs, key)
+    check_kwarg_types(fn, kwargs, f"{key}.kwargs")
     return call
+
+
+def make_builtin(name: str, kwargs: dict[str, Any], key: str) -> RewardFn:
+    """The instance of built-in class ``BUILTIN_REWARDS[name]`` made with ``kwargs``; ConfigError
+    naming ``key.name`` when a package it needs is missing, ``key.kwargs`` when the kwargs do not fit."""
+    cls = BUILTIN_REWARDS[name]
+    missing = [package for module, package in cls.requires.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ConfigError(f"{key}.name", f"{name} needs the optional package {', '.join(missing)}: {EXTRA_HINT}")
+    sig = inspect.signature(cls)
+    sig = sig.replace(parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()])  # as written in YAML
+    try:
+        sig.bind(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{key}.kwargs", f"do not fit {name}{sig}: {e}") from None
+    check_kwarg_types(cls.__init__, kwargs, f"{key}.kwargs")
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ConfigError(f"{key}.kwargs", str(e)) from None

@@ -37,7 +37,8 @@ class ScoredBatch:
     """Unweighted value of each function per response (label -> [batch]), for logging."""
 
     stats: dict[str, float] = field(default_factory=dict)
-    """Counters of the functions that keep some (``<label>/retries`` of a remote reward)."""
+    """Counters of the functions that keep some (``<label>/retries`` of a remote reward,
+    ``<label>/timeouts`` of ``math_verify`` and ``reasoning_gym``)."""
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,13 @@ class RewardScorer:
         self.functions: list[_Function] = []
         for i, (f, label) in enumerate(zip(reward_cfg.functions, reward_cfg.labels)):
             call = resolve_reward(f, i)
-            self.functions.append(_Function(label, f"reward.functions[{i}] ({label})", call, float(f.weight),
+            self.functions.append(_Function(label, f"reward.functions[{i}] ({f.name})", call, float(f.weight),
                                             f.max_concurrency))
         self._loop = asyncio.new_event_loop()
 
     @property
     def labels(self) -> list[str]:
-        """Metric label of each function (its name, or ``name[i]`` when a name repeats)."""
+        """Metric label of each function (``RewardConfig.labels``: ``reward/<label>`` in metrics)."""
         return [f.label for f in self.functions]
 
     def score(self, responses: list[str], answers: list[str]) -> ScoredBatch:
