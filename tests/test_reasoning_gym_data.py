@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from megatron_grpo.data.reasoning_gym_source import (
+    make_split,
     TEMPLATES,
     distinct_questions,
     entry_from_json,
@@ -99,6 +100,22 @@ def test_distinct_questions_skip_repeats_and_draw_no_further_than_needed():
     kept, drawn = distinct_questions(iter([{"question": "x"}, {"question": " x "}]), 3)
     assert len(kept) == 1 and drawn == 2  # ran out
     assert question_key(" 1 +\n2 = ") == "1 + 2 ="
+
+
+def test_the_split_deals_distinct_questions_so_both_sides_share_a_difficulty_mix():
+    """chain_sum's 1-digit sums are few and repeat early: cut as "first N train, next M held
+    out", the held-out side was nearly all 2-digit sums (a harder set than training)."""
+    split = make_split("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
+                       seed=0, num_train=400, num_heldout=200)
+    questions = [question_key(e["question"]) for e in split.train + split.heldout]
+    assert len(set(questions)) == 600
+
+    def one_digit(entries):
+        return sum(e["metadata"]["num_digits"] == 1 for e in entries) / len(entries)
+
+    assert one_digit(split.train) > 0.15  # the mix this test is about
+    assert abs(one_digit(split.train) - one_digit(split.heldout)) < 0.08, (one_digit(split.train),
+                                                                           one_digit(split.heldout))
 
 
 def test_prompt_templates_and_the_row():
