@@ -50,7 +50,7 @@ def greedy_responses(model, prompt_ids: list[list[int]], max_new_tokens: int, eo
     """Each prompt's greedy continuation (token ids, cut after the first end-of-sequence id)."""
     out: list[list[int]] = []
     for start in range(0, len(prompt_ids), batch_size):
-        ids, mask = left_pad(prompt_ids[start:start + batch_size], pad_id)
+        ids, mask = (t.to(model.device) for t in left_pad(prompt_ids[start:start + batch_size], pad_id))
         generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                    do_sample=False, eos_token_id=eos_ids, pad_token_id=pad_id)
         for row in generated[:, ids.shape[1]:].tolist():
