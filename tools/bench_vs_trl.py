@@ -368,7 +368,8 @@ def smollm2_departures(cfg: ExperimentConfig, device: str) -> list[str]:
         GENERATION,
         "Processes: TRL runs one process with --trl-threads torch threads; ours runs "
         "parallel.world_size data-parallel ranks with one thread each, each taking an equal share of every "
-        "optimizer step's sequences (the in-process engine generates in rank 0's process).",
+        "optimizer step's sequences; the in-process engine generates in rank 0's process, the embedded "
+        "one in its own.",
         MICRO_BATCHES,
         *([] if one_step else [TOKEN_MEAN, MINI_BATCH_ORDER]),
         *([WARM_UP] if cfg.optimizer.lr_warmup_steps else []),
@@ -634,7 +635,8 @@ def summary_record(args: argparse.Namespace, results: dict[str, list[dict]], bre
         "workload": args.workload, "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "batches": args.batches, "stop_after": args.stop_after, "seeds": args.seeds,
-        "target": args.target, "window": args.window, "sets": args.sets, "load_average": list(os.getloadavg()),
+        "target": args.target, "window": args.window, "sets": args.sets, "heldout_rows": args.heldout_rows,
+        "load_average": list(os.getloadavg()),
         "setups": {name: {"median": {k: median_of(runs, k) for k in ("s_per_batch", "hit_batch", "s_to_target")}
                           | {"final_reward": statistics.median(r["final_reward"] for r in runs)},
                           "per_seed": runs, "time_per_step_s": breakdown.get(name, {})}
