@@ -279,9 +279,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def check_tokenization(tokenizer, prompts: list, model_dir: str) -> None:
-    """TRL tokenizes the prompt text again: it must give the trainer's ids."""
+    """TRL tokenizes the prompt text again (``processing_class(text=prompts)``, special tokens
+    added as the tokenizer adds them): it must give the trainer's ids."""
     for pr in prompts[:4]:
-        if tokenizer(pr.text, add_special_tokens=False)["input_ids"] != pr.prompt_ids:
+        if tokenizer(text=[pr.text])["input_ids"][0] != pr.prompt_ids:
             raise SystemExit(f"{model_dir}: TRL would tokenize prompt {pr.index} differently")
 
 
