@@ -1,12 +1,14 @@
 """tools/bench_vs_trl.py: the mapping of our config to TRL's GRPOConfig, the departures it lists
-(pinned to docs/benchmarks.md), its flags, and, slow and only where the TRL venv of
-tools/setup_trl_venv.sh exists (CI does not build it), a reasoning-workload run of both sides."""
+(pinned to docs/benchmarks.md), its flags, the held-out arithmetic of --workload smollm2 on
+hand-made records, and, slow and only where the TRL venv of tools/setup_trl_venv.sh exists (CI
+does not build it), a reasoning-workload run of both sides."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -22,6 +24,7 @@ sys.modules["bench_vs_trl"] = bench  # its dataclass looks its module up there
 _SPEC.loader.exec_module(bench)
 
 REASONING = ROOT / "yaml_configs" / "reasoning_cpu.yaml"
+SMOLLM2 = ROOT / "yaml_configs" / "smollm2_135m_chain_sum_cpu.yaml"
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 GRPO_KEYS = {
     "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation", "num_generations",
@@ -126,6 +129,141 @@ def test_cuda_without_a_gpu_exits_non_zero_in_one_line(capsys):
     assert bench.main(["--device", "cuda", "--workload", "reasoning"]) == bench.EXIT_NO_CUDA
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--device cuda" in err
+
+
+def smollm2_cfg(*overrides: str, rows: int | None = None):
+    shared = bench.shared_overrides("smollm2", ROOT / "d", batches=40, seed=3, mbs=None, sets=list(overrides),
+                                    heldout_rows=rows)
+    return load_config(SMOLLM2, shared)
+
+
+def test_smollm2_config_maps_to_trl_with_its_hyper_parameters():
+    args = bench.trl_grpo_args(smollm2_cfg(), batches=40, device="cpu")
+    assert set(args) == GRPO_KEYS
+    # 4 prompts x 8 = 32 per rollout batch = one optimizer step of 32 (DP2 x 16 on ours; 2 x 16 on TRL's)
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"],
+            args["steps_per_generation"], args["num_generations"], args["max_steps"]) == (16, 2, 2, 8, 40)
+    assert (args["max_completion_length"], args["temperature"], args["top_k"], args["top_p"]) == (32, 0.7, 0, 1.0)
+    assert (args["learning_rate"], args["lr_scheduler_type"], args["warmup_steps"]) == (5e-6, "constant_with_warmup", 0)
+    assert (args["epsilon"], args["epsilon_high"], args["loss_type"], args["scale_rewards"]) == (0.2, 0.28, "dapo", "group")
+    assert (args["beta"], args["entropy_coef"], args["num_iterations"], args["max_grad_norm"]) == (0.0, 0.0, 1, 1.0)
+    assert (args["seed"], args["use_cpu"], args["bf16"], args["gradient_checkpointing"]) == (3, True, False, False)
+
+
+def test_smollm2_both_sides_evaluate_the_same_greedy_set():
+    cfg = smollm2_cfg(rows=4)
+    (greedy,) = cfg.eval.sets  # the config's sampled set is dropped: TRL's side has no sampler to match it
+    assert (greedy.name, greedy.path, greedy.n, greedy.temperature, greedy.max_samples) == \
+        (bench.HELDOUT_SET, str(ROOT / "d" / "heldout.jsonl"), 1, 0.0, 4)
+    assert (cfg.eval.at_start, cfg.eval.at_end, cfg.eval.every_n_steps) == (True, True, 10)
+    assert [s for s in range(41) if cfg.eval.due(s, 40)] == [0, 10, 20, 30, 40]  # 0: due(0) is every_n's; at_start
+    assert smollm2_cfg("eval.every_n_steps=5").eval.every_n_steps == 5  # --set comes last
+    assert smollm2_cfg().eval.sets[0].max_samples is None
+    ours = bench.ours_overrides(["x=1"], run_dir=ROOT / "r", tp=1, shuffled=False, engine="inprocess",
+                                device="cpu", dp=2, evaluate=True)
+    assert "parallel.world_size=2" in ours and "eval.sets=[]" not in ours and ours[0] == "x=1"
+    assert "eval.sets=[]" in bench.ours_overrides([], run_dir=ROOT / "r", tp=2, shuffled=False, engine="embedded",
+                                                  device="cpu")
+    assert bench.shared_overrides("reasoning", ROOT / "d", batches=2, seed=1, mbs=None, sets=[]) == \
+        bench.shared_overrides("reasoning", ROOT / "d", batches=2, seed=1, mbs=None, sets=[], heldout_rows=4)
+
+
+def _launch_args(script: str, tool: str) -> list[str]:
+    """The arguments ``script`` gives ``tool`` (continuation lines joined, shell quoting undone)."""
+    text = (ROOT / script).read_text().replace("\\\n", " ")
+    (line,) = [line for line in text.splitlines() if tool in line and not line.lstrip().startswith("#")]
+    words = shlex.split(line)
+    return words[words.index(tool) + 1:]
+
+
+def test_smollm2_builds_what_the_launch_script_builds():
+    wl = bench.WORKLOADS["smollm2"]
+    fetch, data = wl.build
+    assert fetch == ("tools/fetch_smollm2.py", "--out", "{out}/model")
+    launched = _launch_args("launch/smollm2_cpu.sh", "tools/make_reasoning_gym_data.py")
+    assert launched[launched.index("--out"):] == ["--out", "runs/smollm2/chain_sum"]
+    assert list(data) == ["tools/make_reasoning_gym_data.py", *launched[:launched.index("--out")], "--out", "{out}"]
+    yaml_sets = load_config(SMOLLM2, ["model.hf_dir=unused"]).eval.sets
+    assert any(s.name == bench.HELDOUT_SET and s.temperature == 0 and s.path.endswith(wl.heldout_file)
+               for s in yaml_sets)
+
+
+def test_smollm2_defaults_and_refusals(capsys):
+    a = bench.parse_args(["--workload", "smollm2"])
+    assert (a.batches, a.engines, a.tp, a.micro_batch_size, a.target, a.window, a.heldout_rows) == \
+        (40, ["inprocess"], [1], [None], 0.5, 10, None)
+    d = bench.parse_args([])
+    assert (d.batches, d.engines) == (150, ["embedded"])
+    for argv in (["--workload", "smollm2", "--stop-after", "5"], ["--workload", "reasoning", "--heldout-rows", "4"],
+                 ["--workload", "smollm2", "--device", "cuda"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert capsys.readouterr().err.strip().splitlines()[-1].split(": error: ")[1].startswith("--")
+
+
+def test_smollm2_departures_are_listed_in_the_docs():
+    docs = _flat((ROOT / "docs" / "benchmarks.md").read_text())
+    cpu = bench.smollm2_departures(smollm2_cfg(), "cpu")
+    # one optimizer step a rollout batch and no warm-up: no normaliser, order or warm-up departure
+    assert not {bench.TOKEN_MEAN, bench.MINI_BATCH_ORDER, bench.WARM_UP} & set(cpu)
+    assert any(d.startswith("Held-out evaluation:") for d in cpu) and any(d.startswith("Training clock:") for d in cpu)
+    more = bench.smollm2_departures(smollm2_cfg("rollout.prompts_per_step=8", "optimizer.lr_warmup_steps=2"), "cpu")
+    assert set(more) - set(cpu) == {bench.TOKEN_MEAN, bench.MINI_BATCH_ORDER, bench.WARM_UP}
+    for line in cpu:
+        assert _flat(line) in docs, line
+
+
+def _curve(*points):
+    return [{"step": s, "train_s": t, "accuracy": a} for s, t, a in points]
+
+
+def test_heldout_curves_are_read_from_both_logs():
+    metrics = [{"step": 0, "eval/greedy/pass@1": 0.25, "elapsed_s": 30.0},  # the start: before the training clock
+               {"step": 1, "reward_mean": 0.5, "train_elapsed_s": 9.0},
+               {"step": 2, "reward_mean": 0.5, "train_elapsed_s": 18.0, "eval/greedy/pass@1": 0.3,
+                "eval/sampled/pass@1": 0.1}]
+    assert bench.ours_heldout_curve(metrics) == _curve((0, 0.0, 0.25), (2, 18.0, 0.3))
+    lines = [{"reward_code": {}}, {"eval_step": 0, "set": "greedy", "accuracy": 0.245, "train_s": 0.0},
+             {"batch": 1, "reward_mean": 0.4, "wall_s": 20.0},
+             {"eval_step": 1, "set": "greedy", "accuracy": 0.3, "num_prompts": 200, "train_s": 21.5}, {"done": True}]
+    assert bench.trl_heldout_curve(lines) == _curve((0, 0.0, 0.245), (1, 21.5, 0.3))
+
+
+def test_heldout_record_and_medians():
+    ours = _curve((0, 0, 0.25), (10, 50, 0.30), (20, 100, 0.41), (40, 200, 0.50))
+    trl = _curve((0, 0, 0.245), (20, 200, 0.35), (40, 400, 0.40))
+    r = bench.heldout_record(ours, trl, ours_rescored=0.49, trl_rescored=0.40)
+    assert (r["trl_start"], r["trl_end"], r["trl_rescored"], r["trl_train_s"]) == (0.245, 0.40, 0.40, 400)
+    assert (r["ours_start"], r["ours_end"], r["ours_rescored"], r["ours_train_s"]) == (0.25, 0.50, 0.49, 200)
+    assert (r["ours_s_to_trl_final"], r["ratio"]) == (100, 0.25)  # the first of ours at or above 0.40
+    assert bench.seconds_to_reach(ours, 0.30) == 50 and bench.seconds_to_reach(ours, 0.51) is None
+    slow = bench.heldout_record(ours, trl, 0.49, trl_rescored=0.6)
+    assert (slow["ours_s_to_trl_final"], slow["ratio"]) == (None, None)
+    third = bench.heldout_record(ours, _curve((0, 0, 0.2), (40, 100, 0.3)), 0.45, trl_rescored=0.3)
+    assert third["ratio"] == 0.5
+    medians = bench.heldout_medians([r, third, bench.heldout_record(ours, trl, 0.5, 0.41)])
+    assert (medians["trl_train_s"], medians["ours_rescored"], medians["ratio"]) == (400, 0.49, 0.25)
+    assert bench.heldout_medians([r, slow])["ratio"] is None  # a seed that never got there: no median
+    assert bench.heldout_medians([r, slow])["trl_end"] == 0.40
+
+
+def test_heldout_summary_and_table(capsys):
+    args = bench.parse_args(["--workload", "smollm2", "--seeds", "1", "2"])
+    ours = _curve((0, 0, 0.25), (40, 200, 0.5))
+    records = [bench.heldout_record(ours, _curve((0, 0, 0.245), (40, 400, 0.4)), 0.5, 0.4),
+               bench.heldout_record(ours, _curve((0, 0, 0.245), (40, 300, 0.6)), 0.5, 0.6)]
+    seed = {"s_per_batch": 5.0, "hit_batch": None, "s_to_target": None, "final_reward": 0.5}
+    record = bench.summary_record(args, {bench.TRL_NAME: [seed, seed]}, {}, ["d"], {"ours": records})
+    assert record["heldout"]["ours"]["per_seed"] == records
+    assert record["heldout"]["ours"]["median"]["ratio"] is None and record["departures"] == ["d"]
+    assert json.loads(json.dumps(record)) == record
+    bench.print_heldout(args, {"ours": records})
+    table = capsys.readouterr().out
+    assert "| 1 | 0.245 -> 0.400 (0.400) | 400 | 0.250 -> 0.500 (0.500) | 200 | 200 s = 0.50x TRL's |" in table
+    assert "| 2 | 0.245 -> 0.600 (0.600) | 300 | 0.250 -> 0.500 (0.500) | 200 | never |" in table
+    assert "| median | 0.245 -> 0.500 (0.500) | 350 | 0.250 -> 0.500 (0.500) | 200 | never |" in table
+    flat = bench.heldout_record(ours, _curve((0, 0, 0.245), (40, 300, 0.2)), 0.5, 0.2)
+    assert flat["ratio"] == 0 and "| at the start: TRL ended no higher than ours began |" in bench.heldout_row("3", flat)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ reward function.
     PY tools/bench_trl_worker.py --model DIR --data FILE --batches N --out FILE [--seed S] [--in-order]
         [--stop-after M]
     PY tools/bench_trl_worker.py --config YAML [--set KEY=VALUE ...] --grpo-args JSON --out FILE
-        [--in-order] [--stop-after M]
+        [--in-order] [--stop-after M] [--evaluate --save-model DIR]
 
 The first form is the CPU demo (its hyper-parameters are this script's flags). The second
 trains any config ``bench_vs_trl.trl_grpo_args`` can map (``--workload reasoning``): it loads
@@ -18,7 +18,17 @@ the config with the trainer's own ``load_config`` and the same overrides as our 
 the model, its dtype, the prompts and the reward from it (the trainer's ``RewardScorer`` on
 the config's ``reward:`` section), and ``GRPOConfig(**JSON)`` for the rest. The log's first
 line names the files the reward code was imported from, which the bench checks are its
-checkout's (run with that checkout first on ``PYTHONPATH``).
+checkout's (run with that checkout first on ``PYTHONPATH``). A reward function sees each
+response with its prompt's whole row (``RewardSample.row``), as in the trainer.
+
+``--evaluate`` (``--workload smollm2``) evaluates the config's greedy held-out sets in this
+process, as the trainer does in its run: before training when ``eval.at_start``, then after
+each rollout batch ``eval.due`` names, with ``tools/score_with_transformers.py``'s
+``greedy_accuracy`` (transformers' greedy ``generate`` on the same prompt ids, the same reward
+and "correct"). Its training clock then starts at TRL's ``on_train_begin`` and leaves the
+evaluations out, as the trainer's ``train_elapsed_s`` does; each evaluation is a log line
+``{"eval_step", "set", "accuracy", "num_prompts", "train_s"}``. ``--save-model DIR`` writes the
+trained model (and the tokenizer's files) as a Hugging Face folder for the bench to re-score.
 """
 
 from __future__ import annotations
@@ -27,9 +37,12 @@ import argparse
 import inspect
 import json
 import os
+import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 # Both sides get the machine's cores: torch reads this before it starts its thread pool.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -40,14 +53,20 @@ from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer import grpo_trainer as trl_grpo_module  # noqa: E402
 
-from megatron_grpo.config import load_config  # noqa: E402
+from megatron_grpo.config import ExperimentConfig, load_config  # noqa: E402
 from megatron_grpo.config.sections import DataConfig  # noqa: E402
 from megatron_grpo.data import load_prompt_dataset  # noqa: E402
 from megatron_grpo.models.tokenizer import load_tokenizer  # noqa: E402
 from megatron_grpo.rewards import RewardScorer, math_exact_match  # noqa: E402
+from megatron_grpo.rewards.sample import RewardSample  # noqa: E402
+from score_with_transformers import greedy_accuracy  # noqa: E402  (this script's folder, tools/)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.float32}
 """Our model.dtype -> the dtype TRL's model is loaded in (bf16: fp32 weights, GRPOConfig.bf16 autocasts)."""
+EVAL_BATCH_SIZE = 32
+"""Prompts per greedy ``generate`` call of an evaluation (tools/score_with_transformers.py's default)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+"""Files copied beside ``--save-model``'s weights: the tokenizer exactly as the run read it."""
 
 
 def trl_config(args, out_dir: str) -> GRPOConfig:
@@ -101,36 +120,137 @@ class StopAfter(TrainerCallback):
         return control
 
 
-def demo_setup(args) -> tuple[str, list, GRPOConfig, torch.dtype, callable, dict]:
-    """The demo's model dir, prompts, GRPOConfig, dtype, scoring and reward code (from the flags)."""
+class TrainClock:
+    """Seconds of training: from ``start()``, less the evaluations given to ``exclude``."""
+
+    def __init__(self):
+        self.started_at: float | None = None
+        self.excluded_s = 0.0
+
+    def start(self) -> None:
+        self.started_at = time.monotonic()
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded_s += seconds
+
+    def __call__(self) -> float:
+        return 0.0 if self.started_at is None else time.monotonic() - self.started_at - self.excluded_s
+
+
+class HeldOutEval(TrainerCallback):
+    """Starts ``clock`` when TRL's training begins, and calls ``evaluate(batch, model)`` after
+    each rollout batch (``steps_per_batch`` of TRL's optimizer steps, its ``global_step``)."""
+
+    def __init__(self, evaluate, steps_per_batch: int, clock: TrainClock):
+        self.evaluate, self.steps_per_batch, self.clock = evaluate, steps_per_batch, clock
+
+    def on_train_begin(self, args, state, control, **_):
+        self.clock.start()
+
+    def on_step_end(self, args, state, control, model=None, **_):
+        if state.global_step % self.steps_per_batch == 0:
+            self.evaluate(state.global_step // self.steps_per_batch, model)
+
+
+def held_out_evaluator(cfg, tokenizer, scorer: RewardScorer, clock: TrainClock, write):
+    """``evaluate(step, model)``: the greedy accuracy of every ``cfg.eval.sets`` entry when
+    ``cfg.eval`` has one due after ``step`` (0: the start), written as a log line; its time is
+    left off ``clock``."""
+    for s in cfg.eval.sets:
+        if s.temperature != 0 or s.n != 1:
+            raise SystemExit(f"bench_trl_worker: eval.sets[{s.name}]: --evaluate scores greedy sets "
+                             f"(temperature 0, n 1); got temperature {s.temperature}, n {s.n}")
+
+    def evaluate(step: int, model) -> None:
+        due = cfg.eval.at_start if step == 0 else cfg.eval.due(step, cfg.trainer.num_steps)
+        if not due:
+            return
+        train_s, started = clock(), time.monotonic()
+        model.eval()
+        for s in cfg.eval.sets:
+            accuracy, num_prompts = greedy_accuracy(model, tokenizer, cfg, s, scorer, EVAL_BATCH_SIZE)
+            write({"eval_step": step, "set": s.name, "accuracy": accuracy, "num_prompts": num_prompts,
+                   "train_s": round(train_s, 3)})
+        model.train()
+        clock.exclude(time.monotonic() - started)
+
+    return evaluate
+
+
+def save_model(model, model_dir: str, out_dir: Path) -> None:
+    """``model``'s weights and config as a Hugging Face folder, with ``model_dir``'s tokenizer files."""
+    model.save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:
+        if (Path(model_dir) / name).is_file():
+            shutil.copy2(Path(model_dir) / name, out_dir / name)
+
+
+@dataclass(kw_only=True)
+class Setup:
+    """What one form of the worker trains: the model, prompts, TRL's config and the scoring."""
+
+    model_dir: str
+    prompts: list
+    """The training ``Prompt``s, tokenized by our loader."""
+    config: GRPOConfig
+    dtype: torch.dtype
+    """The dtype TRL's model is loaded in."""
+    score: Callable[[list[str], list], list[float]]
+    """(completions, their prompts) -> rewards."""
+    code: dict
+    """Reward label -> the file its function was imported from."""
+    cfg: Optional[ExperimentConfig] = None
+    """Our config (the config form)."""
+    scorer: Optional[RewardScorer] = None
+    """The trainer's scorer built from ``cfg.reward`` (the config form)."""
+
+
+def source_file(fn) -> str:
+    """The file a reward function, or the class of a callable reward object, was imported from."""
+    return inspect.getsourcefile(fn if inspect.isroutine(fn) else type(fn))
+
+
+def demo_setup(args) -> Setup:
+    """The demo's (its settings are the flags)."""
     tokenizer = load_tokenizer(args.model)
     prompts = load_prompt_dataset(DataConfig(train_file=args.data), tokenizer).prompts
-    score = lambda completions, answers: [math_exact_match(c, a) for c, a in zip(completions, answers)]  # noqa: E731
-    code = {"math_exact_match": inspect.getsourcefile(math_exact_match)}
-    return args.model, prompts, trl_config(args, str(Path(args.out).parent / "trl_out")), torch.float32, score, code
+    return Setup(model_dir=args.model, prompts=prompts, config=trl_config(args, str(Path(args.out).parent / "trl_out")),
+                 dtype=torch.float32, score=lambda completions, rows: [
+                     math_exact_match(c, p.answer) for c, p in zip(completions, rows)],
+                 code={"math_exact_match": inspect.getsourcefile(math_exact_match)})
 
 
-def config_setup(args) -> tuple[str, list, GRPOConfig, torch.dtype, callable, dict]:
-    """The same from our config (``--config``, ``--set``) and the mapped ``--grpo-args``."""
+def config_setup(args) -> Setup:
+    """From our config (``--config``, ``--set``) and the mapped ``--grpo-args``; the scoring is
+    the trainer's ``RewardScorer`` on the config's ``reward:`` section."""
     cfg = load_config(args.config, args.sets)
     tokenizer = load_tokenizer(cfg.model.hf_dir)
     prompts = load_prompt_dataset(cfg.data, tokenizer).prompts
     scorer = RewardScorer(cfg.reward)
-    score = lambda completions, answers: scorer.score(completions, answers).rewards  # noqa: E731
-    code = {f.label: inspect.getsourcefile(f.call.fn) for f in scorer.functions}
     grpo_args = json.loads(Path(args.grpo_args).read_text())
     if not grpo_args["use_cpu"] and not torch.cuda.is_available():
         raise SystemExit("bench_trl_worker: the GRPO arguments ask for a GPU but this python's torch sees no CUDA "
                          f"({torch.__version__}); accepted: a TRL venv with CUDA torch, or --device cpu")
     config = GRPOConfig(output_dir=str(Path(args.out).parent / "trl_out"), **grpo_args)
-    return cfg.model.hf_dir, prompts, config, DTYPES[cfg.model.dtype], score, code
+    return Setup(model_dir=cfg.model.hf_dir, prompts=prompts, config=config, dtype=DTYPES[cfg.model.dtype],
+                 score=lambda completions, rows: scorer.score_samples(samples_of(completions, rows)).rewards,
+                 code={f.label: source_file(f.call.fn) for f in scorer.functions}, cfg=cfg, scorer=scorer)
 
 
-def main() -> None:
+def samples_of(completions: list[str], prompts: list) -> list[RewardSample]:
+    """What the trainer's reward functions see of TRL's decoded completions of ``prompts``."""
+    return [RewardSample(prompt=p.text, response=c, answer=p.answer, prompt_ids=list(p.prompt_ids), row=p.fields)
+            for c, p in zip(completions, prompts)]
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None, help="our experiment YAML (with --grpo-args); replaces the demo flags")
     p.add_argument("--set", dest="sets", action="append", default=[], help="override of --config (repeatable)")
     p.add_argument("--grpo-args", default=None, help="JSON of GRPOConfig keyword arguments (bench_vs_trl.trl_grpo_args)")
+    p.add_argument("--evaluate", action="store_true",
+                   help="evaluate --config's greedy eval.sets at its eval steps (training clock without them)")
+    p.add_argument("--save-model", default=None, help="write the trained model here as a Hugging Face folder")
     p.add_argument("--model")
     p.add_argument("--data")
     p.add_argument("--out", required=True)
@@ -153,43 +273,70 @@ def main() -> None:
     if (args.config is None) != (args.grpo_args is None) or (args.config is None and None in (
             args.model, args.data, args.batches)):
         p.error("give --config with --grpo-args, or the demo's --model, --data and --batches")
+    if args.evaluate and args.config is None:
+        p.error("--evaluate: the held-out sets are --config's eval.sets; accepted with --config")
+    return args
+
+
+def check_tokenization(tokenizer, prompts: list, model_dir: str) -> None:
+    """TRL tokenizes the prompt text again (``processing_class(text=prompts)``, special tokens
+    added as the tokenizer adds them): it must give the trainer's ids."""
+    for pr in prompts[:4]:
+        if tokenizer(text=[pr.text])["input_ids"][0] != pr.prompt_ids:
+            raise SystemExit(f"{model_dir}: TRL would tokenize prompt {pr.index} differently")
+
+
+def main() -> None:
+    args = parse_args()
     if args.in_order:  # TRL shuffles the rollout batch before splitting it into optimizer steps
         trl_grpo_module.shuffle_sequence_dict = lambda batch: batch
-
-    model_dir, prompts, config, dtype, score, code = (demo_setup if args.config is None else config_setup)(args)
-    tokenizer = load_tokenizer(model_dir)
-    for pr in prompts[:4]:  # TRL tokenizes the text again: it must give the trainer's ids
-        ids = tokenizer(pr.text, add_special_tokens=False)["input_ids"]
-        if ids != pr.prompt_ids:
-            raise SystemExit(f"{model_dir}: TRL would tokenize prompt {pr.index} differently")
-    dataset = Dataset.from_list([{"prompt": pr.text, "answer": pr.answer} for pr in prompts])
+    setup = (demo_setup if args.config is None else config_setup)(args)
+    config = setup.config
+    tokenizer = load_tokenizer(setup.model_dir)
+    check_tokenization(tokenizer, setup.prompts, setup.model_dir)
+    # the reward looks each completion's prompt up by position: its row goes to the reward functions
+    dataset = Dataset.from_list([{"prompt": pr.text, "prompt_index": i} for i, pr in enumerate(setup.prompts)])
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.open("w")
-    log.write(json.dumps({"reward_code": code, "python": sys.executable}) + "\n")
-    t0 = time.monotonic()
 
-    def reward(completions, answer, **_):
-        # called once per rollout batch, right after generation: the batch's clock tick
-        rewards = score(completions, answer)
-        log.write(json.dumps({"batch": reward.calls + 1, "reward_mean": sum(rewards) / len(rewards),
-                              "wall_s": time.monotonic() - t0}) + "\n")
+    def write(record: dict) -> None:
+        log.write(json.dumps(record) + "\n")
         log.flush()
+
+    write({"reward_code": setup.code, "python": sys.executable})
+    clock = TrainClock()
+    if not args.evaluate:
+        clock.start()  # the other workloads' clock: from before TRL builds its model and trainer
+
+    def reward(completions, prompt_index, **_):
+        # called once per rollout batch, right after generation: the batch's clock tick
+        rewards = setup.score(completions, [setup.prompts[i] for i in prompt_index])
         reward.calls += 1
+        write({"batch": reward.calls, "reward_mean": sum(rewards) / len(rewards), "wall_s": clock()})
         return rewards
 
     reward.calls = 0
     torch.manual_seed(config.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(setup.model_dir, dtype=setup.dtype)
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
                           processing_class=tokenizer)
-    if args.stop_after is not None:  # optimizer steps: TRL's global_step
-        trainer.add_callback(StopAfter(args.stop_after * config.steps_per_generation
-                                       // config.gradient_accumulation_steps))
+    steps_per_batch = config.steps_per_generation // config.gradient_accumulation_steps  # TRL's global_step
+    if args.evaluate:
+        evaluate = held_out_evaluator(setup.cfg, tokenizer, setup.scorer, clock, write)
+        evaluate(0, trainer.model)  # the starting weights, on the trainer's device
+        trainer.add_callback(HeldOutEval(evaluate, steps_per_batch, clock))
+    if args.stop_after is not None:
+        trainer.add_callback(StopAfter(args.stop_after * steps_per_batch))
     trainer.train()
-    log.write(json.dumps({"done": True, "wall_s": time.monotonic() - t0}) + "\n")
+    wall_s = clock()
+    if args.save_model is not None:  # before "done": the bench reads a run back only when it is complete
+        save_model(trainer.accelerator.unwrap_model(trainer.model), setup.model_dir, Path(args.save_model))
+    write({"done": True, "wall_s": wall_s})
     log.close()
+    if setup.scorer is not None:
+        setup.scorer.close()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     bash tools/setup_trl_venv.sh                     # once: .venv-trl with torch 2.13.0 + trl
     python tools/bench_vs_trl.py [--batches 150] [--seeds 1234 1235] [--tp 1 2] [--engines embedded inprocess]
     python tools/bench_vs_trl.py --workload reasoning [--device cuda] [--set rollout.max_new_tokens=64 ...]
+    python tools/bench_vs_trl.py --workload smollm2 [--seeds 1 2 3] [--heldout-rows N] [--set ...]
 
 Both sides train the CPU demo's model (``tools/make_demo_model.py``: a tiny Qwen2 at chance
 on single-token addition) on the same prompts with the same hyper-parameters: 16 prompts x
@@ -30,6 +31,18 @@ multi-digit addition with a written-out chain of thought, responses of tens of t
 (the worker's log names the file, and the run stops if it is another copy). ``--set KEY=VALUE``
 overrides the config for both sides. ``reasoning_departures`` lists what still differs; it is
 printed, written to the summary and pinned to docs/benchmarks.md by a test.
+
+``--workload smollm2`` trains a real pretrained model, SmolLM2-135M-Instruct, on reasoning-gym's
+chain_sum as ``launch/smollm2_cpu.sh`` does (``yaml_configs/smollm2_135m_chain_sum_cpu.yaml``:
+ours DP2 with the in-process engine, 40 rollout batches; TRL mapped and scored as for
+``reasoning``), and measures held-out greedy accuracy against training seconds: both sides
+evaluate the config's greedy set on the 200 held-out problems at the start, every
+``eval_every`` batches and at the end (ours on its engine in training, TRL in its process with
+``tools/score_with_transformers.py``'s ``greedy_accuracy``; neither clock counts evaluations),
+then both final models are re-scored by ``tools/score_with_transformers.py``. Per seed and the
+median: each side's accuracy at the start and the end, its training seconds, and the seconds at
+which ours reaches TRL's re-scored final accuracy as a fraction of TRL's training seconds.
+``smollm2_departures`` lists what differs, like ``reasoning_departures``.
 
 ``--device cuda`` runs both sides on GPU 0 (our side at TP=1; with the launched embedded engine
 the weights go over ``rollout.weight_sync_transport=tensor``, as ``tools/gpu_smoke.py`` does;
@@ -61,14 +74,15 @@ EXIT_NO_CUDA = 2
 
 @dataclass(frozen=True, kw_only=True)
 class Workload:
-    """What both sides train: our config, the tool that builds its model and prompts, and the
+    """What both sides train: our config, the tools that build its model and prompts, and the
     reward target that fits it."""
 
     config: str
     """Our experiment YAML, relative to the repository root."""
 
-    build: str
-    """Script writing ``DIR/model`` and ``DIR/<train_file>`` (run with ``--out DIR``)."""
+    build: tuple[tuple[str, ...], ...]
+    """Commands writing ``DIR/model`` and ``DIR/<train_file>``: each a script (relative to the
+    repository root) and its arguments, ``{out}`` standing for DIR."""
 
     train_file: str
     """File name of the training prompts in the built directory."""
@@ -82,16 +96,49 @@ class Workload:
     micro_batch_size: int | None
     """Default ``--micro-batch-size`` (None: the config's)."""
 
+    batches: int = 150
+    """Default ``--batches``."""
+
+    dp: int = 1
+    """Data-parallel ranks of our side: its world size is TP x dp."""
+
+    engine: str = "embedded"
+    """Default ``--engines``."""
+
+    heldout_file: str | None = None
+    """Held-out prompts in the built directory. When set, both sides evaluate them greedily
+    (``HELDOUT_SET``) at the start, every ``eval_every`` rollout batches and at the end, and both
+    final models are re-scored by tools/score_with_transformers.py; None: neither evaluates."""
+
+    eval_every: int = 0
+    """``eval.every_n_steps`` of both sides with ``heldout_file`` (0: start and end only)."""
+
+
+HELDOUT_SET = "greedy"
+"""Name of the held-out set both sides evaluate (temperature 0, one response a prompt)."""
+
+CHAIN_SUM_DATA = ("--task", "chain_sum", "--size", "2000", "--heldout", "200", "--seed", "0", "--task-config",
+                  '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}', "--prompt-template", "plain")
+"""tools/make_reasoning_gym_data.py's arguments in launch/smollm2_cpu.sh (a test checks they agree)."""
 
 WORKLOADS = {
     # chance is 0.09; 16 prompts x 16 per batch
-    "demo": Workload(config="yaml_configs/demo_cpu.yaml", build="tools/make_demo_model.py",
+    "demo": Workload(config="yaml_configs/demo_cpu.yaml", build=(("tools/make_demo_model.py", "--out", "{out}"),),
                      train_file="arithmetic.jsonl", target=0.5, window=10, micro_batch_size=64),
     # the warm-up starts near 0.3 on the training split and the 20-step mean of docs/reasoning.md's
     # 150-step run ranges 0.30-0.35: 16 prompts a batch make the training reward noisy, so the
     # window is wide and the target the top of that range
-    "reasoning": Workload(config="yaml_configs/reasoning_cpu.yaml", build="tools/make_reasoning_model.py",
+    "reasoning": Workload(config="yaml_configs/reasoning_cpu.yaml",
+                          build=(("tools/make_reasoning_model.py", "--out", "{out}"),),
                           train_file="train.jsonl", target=0.35, window=20, micro_batch_size=None),
+    # SmolLM2-135M-Instruct on chain_sum, as launch/smollm2_cpu.sh: DP2 with the in-process engine,
+    # its 40 steps; the measure is held-out greedy accuracy (0.245 for the base model), the
+    # rolling training reward (4 prompts x 8 a batch) only a side figure
+    "smollm2": Workload(config="yaml_configs/smollm2_135m_chain_sum_cpu.yaml",
+                        build=(("tools/fetch_smollm2.py", "--out", "{out}/model"),
+                               ("tools/make_reasoning_gym_data.py", *CHAIN_SUM_DATA, "--out", "{out}")),
+                        train_file="train.jsonl", target=0.5, window=10, micro_batch_size=None, batches=40, dp=2,
+                        engine="inprocess", heldout_file="heldout.jsonl", eval_every=10),
 }
 
 
@@ -116,21 +163,36 @@ def summarize(walls: list[float], rewards: list[float], window: int, target: flo
     }
 
 
+def _metric_rows(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl ([] when the file is missing)."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def _reward_rows(path: Path) -> list[dict]:
     """The rows of a metrics.jsonl that carry a step's reward ([] when the file is missing)."""
-    if not path.exists():
+    return [r for r in _metric_rows(path) if "reward_mean" in r]
+
+
+def heldout_overrides(wl: Workload, data_dir: Path, rows: int | None) -> list[str]:
+    """Both sides' held-out evaluation: only the greedy set, on the built held-out file (its first
+    ``rows`` prompts; None: all), every ``wl.eval_every`` batches. [] without ``heldout_file``."""
+    if wl.heldout_file is None:
         return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if "reward_mean" in r]
+    greedy = {"name": HELDOUT_SET, "path": str(data_dir / wl.heldout_file), "n": 1, "temperature": 0.0,
+              "max_samples": rows}
+    return [f"eval.sets={json.dumps([greedy])}", f"eval.every_n_steps={wl.eval_every}", "eval.at_start=true",
+            "eval.at_end=true"]
 
 
 def shared_overrides(workload: str, data_dir: Path, *, batches: int, seed: int, mbs: int | None,
-                     sets: list[str]) -> list[str]:
+                     sets: list[str], heldout_rows: int | None = None) -> list[str]:
     """Overrides of the workload's config that both sides read (the TRL side through
     ``trl_grpo_args`` and its worker's ``load_config``); ``sets``: the user's ``--set``, last."""
     wl = WORKLOADS[workload]
     overrides = [f"model.hf_dir={data_dir}/model", f"data.train_file={data_dir}/{wl.train_file}",
                  f"trainer.num_steps={batches}", f"trainer.seed={seed}",
-                 *([] if mbs is None else [f"parallel.micro_batch_size={mbs}"])]
+                 *([] if mbs is None else [f"parallel.micro_batch_size={mbs}"]),
+                 *heldout_overrides(wl, data_dir, heldout_rows)]
     if workload == "demo":
         # the TRL worker's demo schedule (its --lr / --min-lr defaults); the demo itself now runs
         # 2e-4 (yaml_configs/demo_cpu.yaml), and both sides must share one
@@ -141,11 +203,13 @@ def shared_overrides(workload: str, data_dir: Path, *, batches: int, seed: int, 
 
 
 def ours_overrides(shared: list[str], *, run_dir: Path, tp: int, shuffled: bool, engine: str,
-                   device: str) -> list[str]:
-    """Our run's overrides: the shared ones, then this run's layout and bookkeeping. Neither
-    side evaluates held-out sets (TRL's run has none)."""
+                   device: str, dp: int = 1, evaluate: bool = False) -> list[str]:
+    """Our run's overrides: the shared ones, then this run's layout (``tp`` x ``dp`` ranks) and
+    bookkeeping. Without ``evaluate`` it evaluates no held-out set (TRL's run has none); the
+    checkpoint is the last step's only."""
     overrides = [
-        *shared, f"trainer.run_dir={run_dir}", f"parallel.tp={tp}", f"parallel.world_size={tp}", "eval.sets=[]",
+        *shared, f"trainer.run_dir={run_dir}", f"parallel.tp={tp}", f"parallel.world_size={tp * dp}",
+        *([] if evaluate else ["eval.sets=[]"]),
         "checkpoint.save_every=0", "checkpoint.resume=never", "logging.progress_bar=false", "logging.plot=false",
         f"algorithm.shuffle_mini_batches={str(shuffled).lower()}", f"rollout.engine={engine}",
     ]
@@ -244,34 +308,30 @@ def trl_grpo_args(cfg: ExperimentConfig, *, batches: int, device: str) -> dict:
     return args
 
 
-def reasoning_departures(cfg: ExperimentConfig, device: str) -> list[str]:
-    """Every way the two sides of ``--workload reasoning`` still differ with ``cfg``, one
-    sentence each (printed, written to the summary, and listed in docs/benchmarks.md)."""
-    out = [
-        "Generation: TRL calls model.generate on each rollout batch inside its training process "
-        "(padded, until the longest response ends); ours samples on the engine of --engines "
-        "(continuous batching) and syncs the weights into it every batch.",
-        "Processes: TRL runs one process with --trl-threads torch threads; ours runs TP trainer "
-        "ranks with one thread each (plus the engine's process with the embedded engine).",
-        "Micro-batches: ours cuts each optimizer step into length-sorted micro-batches of at most "
-        "parallel.micro_batch_size sequences and parallel.max_tokens_per_microbatch tokens; TRL "
-        "into fixed micro-batches of parallel.micro_batch_size sequences padded to their longest. "
-        "The gradient is the same; the work is not.",
-        "Token-mean normaliser: ours divides an optimizer step's summed token loss by that step's "
-        "own response tokens; TRL's dapo divides by the rollout batch's response tokens over its "
-        "optimizer steps per batch, so with responses of unequal length a step of longer "
-        "responses weighs more on TRL's side.",
-        "Mini-batch order: TRL shuffles each rollout batch across its optimizer steps; ours cuts "
-        "it in generation order (algorithm.shuffle_mini_batches: false) unless --ours-shuffled.",
-        "Warm-up: ours trains optimizer step k (from 0) at lr (k+1)/lr_warmup_steps of the peak; "
-        "transformers' schedule at k/lr_warmup_steps, so TRL's first step has lr 0 and its "
-        "warm-up ends one step later.",
-        "Advantages: the std epsilon is 1e-6 on ours and 1e-4 on TRL's.",
-        "Prompt order: each side shuffles the prompts with its own generator from the same seed "
-        "number, so the batches hold different prompts.",
-        "No held-out evaluation on either side (ours runs with eval.sets=[]): the target is on "
-        "the training reward, which docs/reasoning.md shows moves little in 150 steps.",
-    ]
+GENERATION = ("Generation: TRL calls model.generate on each rollout batch inside its training process "
+              "(padded, until the longest response ends); ours samples on the engine of --engines "
+              "(continuous batching) and syncs the weights into it every batch.")
+MICRO_BATCHES = ("Micro-batches: ours cuts each optimizer step into length-sorted micro-batches of at most "
+                 "parallel.micro_batch_size sequences and parallel.max_tokens_per_microbatch tokens; TRL "
+                 "into fixed micro-batches of parallel.micro_batch_size sequences padded to their longest. "
+                 "The gradient is the same; the work is not.")
+TOKEN_MEAN = ("Token-mean normaliser: ours divides an optimizer step's summed token loss by that step's "
+              "own response tokens; TRL's dapo divides by the rollout batch's response tokens over its "
+              "optimizer steps per batch, so with responses of unequal length a step of longer "
+              "responses weighs more on TRL's side.")
+MINI_BATCH_ORDER = ("Mini-batch order: TRL shuffles each rollout batch across its optimizer steps; ours cuts "
+                    "it in generation order (algorithm.shuffle_mini_batches: false) unless --ours-shuffled.")
+WARM_UP = ("Warm-up: ours trains optimizer step k (from 0) at lr (k+1)/lr_warmup_steps of the peak; "
+           "transformers' schedule at k/lr_warmup_steps, so TRL's first step has lr 0 and its "
+           "warm-up ends one step later.")
+ADVANTAGES = "Advantages: the std epsilon is 1e-6 on ours and 1e-4 on TRL's."
+PROMPT_ORDER = ("Prompt order: each side shuffles the prompts with its own generator from the same seed "
+                "number, so the batches hold different prompts.")
+
+
+def config_departures(cfg: ExperimentConfig, device: str) -> list[str]:
+    """The departures that follow from ``cfg``'s precision and correction and from ``device``."""
+    out = []
     if cfg.algorithm.off_policy_correction.tis_ratio_type is not None:
         out.append("Off-policy correction: ours applies the config's TIS "
                    f"({cfg.algorithm.off_policy_correction.tis_ratio_type}); TRL applies none without "
@@ -285,60 +345,196 @@ def reasoning_departures(cfg: ExperimentConfig, device: str) -> list[str]:
     return out
 
 
+def reasoning_departures(cfg: ExperimentConfig, device: str) -> list[str]:
+    """Every way the two sides of ``--workload reasoning`` still differ with ``cfg``, one
+    sentence each (printed, written to the summary, and listed in docs/benchmarks.md)."""
+    return [
+        GENERATION,
+        "Processes: TRL runs one process with --trl-threads torch threads; ours runs TP trainer "
+        "ranks with one thread each (plus the engine's process with the embedded engine).",
+        MICRO_BATCHES, TOKEN_MEAN, MINI_BATCH_ORDER, WARM_UP, ADVANTAGES, PROMPT_ORDER,
+        "No held-out evaluation on either side (ours runs with eval.sets=[]): the target is on "
+        "the training reward, which docs/reasoning.md shows moves little in 150 steps.",
+        *config_departures(cfg, device),
+    ]
+
+
+def smollm2_departures(cfg: ExperimentConfig, device: str) -> list[str]:
+    """The same for ``--workload smollm2``: what differs between the two sides, including how
+    each evaluates held-out accuracy and counts training time."""
+    r, par = cfg.rollout, cfg.parallel
+    one_step = r.prompts_per_step * r.num_generations == par.global_batch_size  # no order, one normaliser
+    return [
+        GENERATION,
+        "Processes: TRL runs one process with --trl-threads torch threads; ours runs "
+        "parallel.world_size data-parallel ranks with one thread each, each taking an equal share of every "
+        "optimizer step's sequences; the in-process engine generates in rank 0's process, the embedded "
+        "one in its own.",
+        MICRO_BATCHES,
+        *([] if one_step else [TOKEN_MEAN, MINI_BATCH_ORDER]),
+        *([WARM_UP] if cfg.optimizer.lr_warmup_steps else []),
+        ADVANTAGES, PROMPT_ORDER,
+        "Held-out evaluation: ours generates the greedy set on its rollout engine; TRL with "
+        "transformers' model.generate in its training process (left-padded batches of 32, the "
+        "code of tools/score_with_transformers.py). Both final models are re-scored by that tool, "
+        "the yardstick of the comparison.",
+        "Training clock: ours is train_elapsed_s, from the first step's start; TRL's from its "
+        "trainer's on_train_begin. Neither counts start-up (model load, engine start, TRL's "
+        "trainer construction), evaluations or the final save.",
+        *config_departures(cfg, device),
+    ]
+
+
+DEPARTURES = {"reasoning": reasoning_departures, "smollm2": smollm2_departures}
+"""Workloads whose TRL side is mapped from our config -> the departures they list."""
+
+
 def run_ours(tp: int, mbs: int | None, seed: int, batches: int, data_dir: Path, out: Path,
              reuse: bool = False, shuffled: bool = False, engine: str = "embedded", *,
-             workload: str = "demo", device: str = "cpu", sets: list[str] = ()) -> tuple[dict, dict]:
+             workload: str = "demo", device: str = "cpu", sets: list[str] = (),
+             heldout_rows: int | None = None) -> tuple[dict, dict, Path]:
+    """Our side's run: (walls and rewards per batch, median seconds per step of each ``time/*_s``
+    metric, the run directory)."""
+    wl = WORKLOADS[workload]
     tag = "" if engine == "embedded" else f"_{engine}"  # the embedded runs keep their directories (--reuse)
     prefix = "" if workload == "demo" else f"{workload}_"
     tag += "" if device == "cpu" else f"_{device}"
     run_dir = out / f"{prefix}ours_tp{tp}_mbs{mbs or 'cfg'}_seed{seed}{'_shuffled' if shuffled else ''}{tag}"
-    shared = shared_overrides(workload, data_dir, batches=batches, seed=seed, mbs=mbs, sets=sets)
-    overrides = ours_overrides(shared, run_dir=run_dir, tp=tp, shuffled=shuffled, engine=engine, device=device)
+    shared = shared_overrides(workload, data_dir, batches=batches, seed=seed, mbs=mbs, sets=sets,
+                              heldout_rows=heldout_rows)
+    overrides = ours_overrides(shared, run_dir=run_dir, tp=tp, shuffled=shuffled, engine=engine, device=device,
+                               dp=wl.dp, evaluate=wl.heldout_file is not None)
     rows = _reward_rows(run_dir / "metrics.jsonl") if reuse else []
     if not rows or rows[-1]["step"] != batches:
         subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config",
-                        str(ROOT / WORKLOADS[workload].config), *overrides],
+                        str(ROOT / wl.config), *overrides],
                        check=True, cwd=ROOT, env=device_env(device, 1), stdout=subprocess.DEVNULL)
         rows = _reward_rows(run_dir / "metrics.jsonl")
     times = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[-1]
              if k.startswith("time") and k.endswith("_s") and all(k in r for r in rows[1:])}
-    return {"walls": [r["train_elapsed_s"] for r in rows], "rewards": [r["reward_mean"] for r in rows]}, times
+    return {"walls": [r["train_elapsed_s"] for r in rows], "rewards": [r["reward_mean"] for r in rows]}, times, run_dir
+
+
+def trl_log_dir(out: Path, seed: int, in_order: bool, workload: str, device: str) -> Path:
+    """Where a TRL run writes its log (``batches.jsonl``), GRPO arguments and model."""
+    prefix = "" if workload == "demo" else f"{workload}_"
+    tag = "" if device == "cpu" else f"_{device}"
+    return out / f"{prefix}trl{'_inorder' if in_order else ''}_seed{seed}{tag}"
+
+
+def trl_command(log: Path, *, workload: str, seed: int, batches: int, data_dir: Path, device: str,
+                mbs: int | None, sets: list[str], heldout_rows: int | None) -> list[str]:
+    """The worker's arguments but for --in-order and --stop-after: the demo's flags, or our
+    config with the shared overrides and the mapped GRPOConfig (written beside the log), and
+    with a held-out set, its evaluation and the trained model's folder (``LOG_DIR/hf``)."""
+    if workload == "demo":
+        return ["--model", f"{data_dir}/model", "--data", f"{data_dir}/arithmetic.jsonl", "--batches", str(batches),
+                "--seed", str(seed), "--out", str(log)]
+    # the worker reads our config, as the trainer does, and trains with the mapped GRPOConfig
+    shared = shared_overrides(workload, data_dir, batches=batches, seed=seed, mbs=mbs, sets=sets,
+                              heldout_rows=heldout_rows)
+    cfg = load_config(ROOT / WORKLOADS[workload].config, shared)
+    args_file = log.parent / "grpo_args.json"
+    args_file.write_text(json.dumps(trl_grpo_args(cfg, batches=batches, device=device), indent=1) + "\n")
+    evaluate = ["--evaluate", "--save-model", str(log.parent / "hf")] if WORKLOADS[workload].heldout_file else []
+    return ["--config", str(ROOT / WORKLOADS[workload].config), *(f"--set={o}" for o in shared),
+            "--grpo-args", str(args_file), "--out", str(log), *evaluate]
 
 
 def run_trl(python: str, threads: int, seed: int, batches: int, data_dir: Path, out: Path,
             in_order: bool = False, reuse: bool = False, stop_after: int | None = None, *,
-            workload: str = "demo", device: str = "cpu", mbs: int | None = None, sets: list[str] = ()) -> dict:
-    prefix = "" if workload == "demo" else f"{workload}_"
-    tag = "" if device == "cpu" else f"_{device}"
-    log = out / f"{prefix}trl{'_inorder' if in_order else ''}_seed{seed}{tag}" / "batches.jsonl"
+            workload: str = "demo", device: str = "cpu", mbs: int | None = None, sets: list[str] = (),
+            heldout_rows: int | None = None) -> tuple[dict, list[dict]]:
+    """TRL's side's run: (walls and rewards per batch, every line of its log)."""
+    log = trl_log_dir(out, seed, in_order, workload, device) / "batches.jsonl"
     done = reuse and log.exists() and any('"done"' in line for line in log.read_text().splitlines())
-    common = [*(["--in-order"] if in_order else []), *([] if stop_after is None else ["--stop-after", str(stop_after)])]
-    if workload == "demo":
-        cmd = ["--model", f"{data_dir}/model", "--data", f"{data_dir}/arithmetic.jsonl", "--batches", str(batches),
-               "--seed", str(seed), "--out", str(log), *common]
-    else:  # the worker reads our config, as the trainer does, and trains with the mapped GRPOConfig
-        shared = shared_overrides(workload, data_dir, batches=batches, seed=seed, mbs=mbs, sets=sets)
-        cfg = load_config(ROOT / WORKLOADS[workload].config, shared)
-        log.parent.mkdir(parents=True, exist_ok=True)
-        args_file = log.parent / "grpo_args.json"
-        args_file.write_text(json.dumps(trl_grpo_args(cfg, batches=batches, device=device), indent=1) + "\n")
-        cmd = ["--config", str(ROOT / WORKLOADS[workload].config), *(f"--set={o}" for o in shared),
-               "--grpo-args", str(args_file), "--out", str(log), *common]
     if not done:
-        stderr = log.parent / "worker.log"
         log.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [*trl_command(log, workload=workload, seed=seed, batches=batches, data_dir=data_dir, device=device,
+                            mbs=mbs, sets=sets, heldout_rows=heldout_rows),
+               *(["--in-order"] if in_order else []),
+               *([] if stop_after is None else ["--stop-after", str(stop_after)])]
+        stderr = log.parent / "worker.log"
         with open(stderr, "w") as err:
             proc = subprocess.run([python, str(ROOT / "tools/bench_trl_worker.py"), *cmd], cwd=ROOT,
                                   env=device_env(device, threads), stdout=err, stderr=subprocess.STDOUT)
         if proc.returncode != 0:
             tail = " | ".join(stderr.read_text().strip().splitlines()[-2:])
             raise SystemExit(f"TRL worker exited {proc.returncode} ({stderr}): {tail[-600:]}")
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    code = next((r for r in rows if "reward_code" in r), None)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    code = next((r for r in lines if "reward_code" in r), None)
     if code is not None and not all(Path(f).resolve().is_relative_to(ROOT) for f in code["reward_code"].values()):
         raise SystemExit(f"{log}: the TRL worker scored with {code['reward_code']}, not this checkout's ({ROOT})")
-    rows = [r for r in rows if "batch" in r]
-    return {"walls": [r["wall_s"] for r in rows], "rewards": [r["reward_mean"] for r in rows]}
+    rows = [r for r in lines if "batch" in r]
+    return {"walls": [r["wall_s"] for r in rows], "rewards": [r["reward_mean"] for r in rows]}, lines
+
+
+def export_ours(run_dir: Path, reuse: bool = False) -> Path:
+    """Our run's last checkpoint as a Hugging Face folder, ``RUN_DIR/hf`` (as launch/smollm2_cpu.sh)."""
+    hf = run_dir / "hf"
+    if not (reuse and (hf / "config.json").is_file()):
+        checkpoints = run_dir / "checkpoints"
+        subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "convert-megatron-to-hf", "--ckpt-dir",
+                        str(checkpoints / (checkpoints / "latest").read_text().strip()), "--output-dir", str(hf),
+                        "--overwrite"], check=True, cwd=ROOT, env=device_env("cpu", 2), stdout=subprocess.DEVNULL)
+    return hf
+
+
+def rescore(model_dir: Path, config: str, shared: list[str], reuse: bool = False) -> float:
+    """Held-out greedy accuracy of the Hugging Face folder ``model_dir`` by
+    tools/score_with_transformers.py (the one grader of both sides' final models), on two
+    threads; written beside the folder as ``transformers_greedy.json``."""
+    result = model_dir.parent / "transformers_greedy.json"
+    if not (reuse and result.is_file()):
+        subprocess.run([sys.executable, str(ROOT / "tools/score_with_transformers.py"), "--config", str(ROOT / config),
+                        "--model", str(model_dir), "--set", HELDOUT_SET, "--out", str(result), *shared],
+                       check=True, cwd=ROOT, env=device_env("cpu", 2), stdout=subprocess.DEVNULL)
+    return json.loads(result.read_text())["accuracy"]
+
+
+def ours_heldout_curve(metrics: list[dict]) -> list[dict]:
+    """``{"step", "train_s", "accuracy"}`` of each held-out evaluation in our metrics.jsonl rows
+    (step 0, the start, at 0 s; ``train_s``: ``train_elapsed_s``, evaluations excluded)."""
+    key = f"eval/{HELDOUT_SET}/pass@1"
+    return [{"step": r["step"], "train_s": r["train_elapsed_s"] if r["step"] else 0.0, "accuracy": r[key]}
+            for r in metrics if key in r]
+
+
+def trl_heldout_curve(lines: list[dict]) -> list[dict]:
+    """The same from the TRL worker's log lines (its ``--evaluate`` records)."""
+    return [{"step": r["eval_step"], "train_s": r["train_s"], "accuracy": r["accuracy"]}
+            for r in lines if r.get("set") == HELDOUT_SET]
+
+
+def seconds_to_reach(curve: list[dict], accuracy: float) -> float | None:
+    """Training seconds at the first evaluation of ``curve`` at or above ``accuracy`` (an upper
+    bound: it may have been reached between evaluations); None when none is."""
+    return next((p["train_s"] for p in curve if p["accuracy"] >= accuracy), None)
+
+
+def heldout_record(ours: list[dict], trl: list[dict], ours_rescored: float, trl_rescored: float) -> dict:
+    """One seed's held-out comparison of our curve with TRL's. The target is TRL's final model
+    re-scored by the independent grader; ``ratio``: the seconds ours takes to reach it over
+    TRL's whole training seconds (goal: at most 0.5)."""
+    reach = seconds_to_reach(ours, trl_rescored)
+    return {
+        "trl_start": trl[0]["accuracy"], "trl_end": trl[-1]["accuracy"], "trl_rescored": trl_rescored,
+        "trl_train_s": trl[-1]["train_s"],
+        "ours_start": ours[0]["accuracy"], "ours_end": ours[-1]["accuracy"], "ours_rescored": ours_rescored,
+        "ours_train_s": ours[-1]["train_s"],
+        "ours_s_to_trl_final": reach, "ratio": None if reach is None else reach / trl[-1]["train_s"],
+        "curves": {"trl": trl, "ours": ours},
+    }
+
+
+HELDOUT_KEYS = ("trl_start", "trl_end", "trl_rescored", "trl_train_s", "ours_start", "ours_end", "ours_rescored",
+                "ours_train_s", "ours_s_to_trl_final", "ratio")
+"""The per-seed figures of ``heldout_record`` that get a median."""
+
+
+def heldout_medians(records: list[dict]) -> dict:
+    """Median over seeds of each figure (None where a seed never reached TRL's final accuracy)."""
+    return {k: median_of(records, k) for k in HELDOUT_KEYS}
 
 
 def first(raw: dict, n: int | None) -> dict:
@@ -361,26 +557,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="demo",
                    help="demo: the CPU demo's one-token addition; reasoning: multi-digit addition with a chain "
-                        "of thought (yaml_configs/reasoning_cpu.yaml's hyper-parameters on both sides)")
+                        "of thought (yaml_configs/reasoning_cpu.yaml's hyper-parameters on both sides); smollm2: "
+                        "SmolLM2-135M-Instruct on reasoning-gym chain_sum (yaml_configs/smollm2_135m_chain_sum_cpu"
+                        ".yaml), held-out greedy accuracy against training seconds")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: both sides on GPU 0 (our side at TP=1); cpu: no GPU visible to either")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="override of the workload's config for both sides (--workload reasoning; repeatable)")
-    p.add_argument("--batches", type=int, default=150, help="rollout batches per run")
+                   help="override of the workload's config for both sides (--workload reasoning or smollm2; "
+                        "repeatable)")
+    p.add_argument("--batches", type=int, default=None, help="rollout batches per run (default: smollm2 40, else 150)")
+    p.add_argument("--heldout-rows", type=int, default=None,
+                   help="--workload smollm2: evaluate the first N held-out prompts (default: all 200)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1234])
     p.add_argument("--tp", type=int, nargs="+", default=None,
-                   help="megatron-grpo TP sizes to run (default: 1 2 on cpu, 1 on cuda)")
+                   help="megatron-grpo TP sizes to run (default: 1 2 on cpu, 1 on cuda and with smollm2's DP2)")
     p.add_argument("--micro-batch-size", type=int, nargs="+", default=None,
                    help="megatron-grpo micro-batch sizes to run (default: demo 64, one micro-batch per optimizer "
                         "step, as TRL's per-device batch, where the demo config uses 16; reasoning: the config's "
                         "8). With --workload reasoning TRL's micro-batch is the first of them")
-    p.add_argument("--engines", nargs="+", default=["embedded"], choices=["embedded", "inprocess", "sglang"],
+    p.add_argument("--engines", nargs="+", default=None, choices=["embedded", "inprocess", "sglang"],
                    help="megatron-grpo rollout engines to run (rollout.engine): embedded in its own process, "
-                        "inprocess in trainer rank 0's")
+                        "inprocess in trainer rank 0's (default: smollm2 inprocess, else embedded)")
     p.add_argument("--target", type=float, default=None,
-                   help="rolling mean reward to reach (default: demo 0.5, reasoning 0.35)")
+                   help="rolling mean reward to reach (default: demo 0.5, reasoning 0.35, smollm2 0.5)")
     p.add_argument("--window", type=int, default=None,
-                   help="batches in the rolling mean (default: demo 10, reasoning 20)")
+                   help="batches in the rolling mean (default: demo 10, reasoning 20, smollm2 10)")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"),
                    help="python of the TRL venv (tools/setup_trl_venv.sh)")
     p.add_argument("--trl-threads", type=int, default=2,
@@ -403,84 +604,110 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     wl = WORKLOADS[args.workload]
     if args.tp is None:
-        args.tp = [1] if args.device == "cuda" else [1, 2]
+        args.tp = [1] if args.device == "cuda" or wl.dp > 1 else [1, 2]
     if args.micro_batch_size is None:
         args.micro_batch_size = [wl.micro_batch_size]
+    args.batches = wl.batches if args.batches is None else args.batches
+    args.engines = [wl.engine] if args.engines is None else args.engines
     args.target = wl.target if args.target is None else args.target
     args.window = wl.window if args.window is None else args.window
     if args.device == "cuda" and args.tp != [1]:
         p.error(f"--tp {' '.join(map(str, args.tp))}: --device cuda runs on one GPU; accepted: --tp 1")
+    if args.device == "cuda" and wl.dp > 1:
+        p.error(f"--device cuda: one GPU, and --workload {args.workload} trains {wl.dp} data-parallel ranks; "
+                "accepted: --device cpu")
     if args.sets and args.workload == "demo":
-        p.error("--set: the demo's settings are the TRL worker's flags; accepted with --workload reasoning")
+        p.error("--set: the demo's settings are the TRL worker's flags; accepted with --workload reasoning or smollm2")
+    if wl.heldout_file is None and args.heldout_rows is not None:
+        p.error(f"--heldout-rows: --workload {args.workload} evaluates no held-out set; accepted with --workload "
+                "smollm2")
+    if wl.heldout_file is not None and args.stop_after is not None:
+        p.error(f"--stop-after: --workload {args.workload} evaluates at the end of the run; accepted: --batches")
     return args
 
 
 def summary_record(args: argparse.Namespace, results: dict[str, list[dict]], breakdown: dict[str, dict],
-                   departures: list[str]) -> dict:
-    """The JSON summary: the run's settings, each setup's per-seed figures and medians."""
+                   departures: list[str], heldout: dict[str, list[dict]] | None = None) -> dict:
+    """The JSON summary: the run's settings, each setup's per-seed figures and medians, and with
+    a held-out set each of our setups' held-out comparison with TRL (per seed and median)."""
     return {
         "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
         "workload": args.workload, "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "batches": args.batches, "stop_after": args.stop_after, "seeds": args.seeds,
-        "target": args.target, "window": args.window, "sets": args.sets, "load_average": list(os.getloadavg()),
+        "target": args.target, "window": args.window, "sets": args.sets, "heldout_rows": args.heldout_rows,
+        "load_average": list(os.getloadavg()),
         "setups": {name: {"median": {k: median_of(runs, k) for k in ("s_per_batch", "hit_batch", "s_to_target")}
                           | {"final_reward": statistics.median(r["final_reward"] for r in runs)},
                           "per_seed": runs, "time_per_step_s": breakdown.get(name, {})}
                    for name, runs in results.items()},
+        "heldout": {name: {"median": heldout_medians(records), "per_seed": records}
+                    for name, records in (heldout or {}).items()},
         "departures": departures,
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench_vs_trl: --device cuda but torch.cuda.is_available() is False on this machine; "
-              "accepted here: --device cpu", file=sys.stderr)
-        return EXIT_NO_CUDA
-    if not Path(args.trl_python).exists():
-        print(f"--trl-python {args.trl_python}: not found; run `bash tools/setup_trl_venv.sh` first",
-              file=sys.stderr)
-        return 2
+def build_workload(wl: Workload, data_dir: Path) -> None:
+    """Run the workload's build commands into ``data_dir`` (each skips what is already written
+    or writes the same files again)."""
+    for script, *script_args in wl.build:
+        proc = subprocess.run([sys.executable, str(ROOT / script), *(a.replace("{out}", str(data_dir))
+                                                                    for a in script_args)],
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{script} exited {proc.returncode}: {proc.stderr.strip()[-600:]}")
 
-    out = Path(args.out).resolve()  # the sides run from the repository root
+
+TRL_NAME = "TRL GRPOTrainer (1 process)"
+
+
+def ours_name(engine: str, tp: int, mbs: int | None, shuffled: bool) -> str:
+    return (f"megatron-grpo {engine}, TP={tp}, micro-batch {mbs or 'of the config'}"
+            + (", shuffled mini-batches" if shuffled else ""))
+
+
+def run_seed(args: argparse.Namespace, seed: int, data_dir: Path, out: Path, results: dict, breakdown: dict,
+             heldout: dict) -> None:
+    """Every setup of one seed, one after the other (TRL first); appends to ``results`` (the
+    reward summary per setup), ``breakdown`` (our step's times) and, with a held-out set,
+    ``heldout`` (each of our setups against TRL, both final models re-scored)."""
     wl = WORKLOADS[args.workload]
-    data_dir = out / args.workload  # the demo's stays out/demo, as --reuse expects
-    subprocess.run([sys.executable, str(ROOT / wl.build), "--out", str(data_dir)],
-                   check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
-    departures = []
-    if args.workload == "reasoning":
-        cfg = load_config(ROOT / wl.config, shared_overrides(args.workload, data_dir, batches=args.batches,
-                                                             seed=args.seeds[0], mbs=args.micro_batch_size[0],
-                                                             sets=args.sets))
-        trl_grpo_args(cfg, batches=args.batches, device=args.device)  # refuse an unmappable config up front
-        departures = reasoning_departures(cfg, args.device)
-    side = dict(workload=args.workload, device=args.device, sets=args.sets)
-    results: dict[str, list[dict]] = {}
-    breakdown: dict[str, dict] = {}
-    for seed in args.seeds:  # interleaved, so drifting machine load hits every setup alike
-        trl_mbs = args.micro_batch_size[0]
-        raw = first(run_trl(args.trl_python, args.trl_threads, seed, args.batches, data_dir, out, reuse=args.reuse,
-                            stop_after=args.stop_after, mbs=trl_mbs, **side), args.stop_after)
-        results.setdefault("TRL GRPOTrainer (1 process)", []).append(
-            summarize(raw["walls"], raw["rewards"], args.window, args.target))
-        if args.trl_in_order:
-            raw = first(run_trl(args.trl_python, args.trl_threads, seed, args.batches, data_dir, out, in_order=True,
-                                reuse=args.reuse, stop_after=args.stop_after, mbs=trl_mbs, **side), args.stop_after)
-            results.setdefault("TRL, optimizer steps in generation order", []).append(
-                summarize(raw["walls"], raw["rewards"], args.window, args.target))
-        for engine, tp, mbs, shuffled in itertools.product(args.engines, args.tp, args.micro_batch_size,
-                                                           [False, True] if args.ours_shuffled else [False]):
-            raw, times = run_ours(tp, mbs, seed, args.batches, data_dir, out, args.reuse, shuffled, engine, **side)
-            raw = first(raw, args.stop_after)
-            name = (f"megatron-grpo {engine}, TP={tp}, micro-batch {mbs or 'of the config'}"
-                    + (", shuffled mini-batches" if shuffled else ""))
-            results.setdefault(name, []).append(summarize(raw["walls"], raw["rewards"], args.window, args.target))
-            breakdown[name] = times
-        print(f"seed {seed} done", flush=True)
+    side = dict(workload=args.workload, device=args.device, sets=args.sets, heldout_rows=args.heldout_rows)
+    trl_mbs = args.micro_batch_size[0]
+    raw, trl_lines = run_trl(args.trl_python, args.trl_threads, seed, args.batches, data_dir, out, reuse=args.reuse,
+                             stop_after=args.stop_after, mbs=trl_mbs, **side)
+    results.setdefault(TRL_NAME, []).append(summarize(**first(raw, args.stop_after), window=args.window,
+                                                      target=args.target))
+    if args.trl_in_order:
+        raw, _ = run_trl(args.trl_python, args.trl_threads, seed, args.batches, data_dir, out, in_order=True,
+                         reuse=args.reuse, stop_after=args.stop_after, mbs=trl_mbs, **side)
+        results.setdefault("TRL, optimizer steps in generation order", []).append(
+            summarize(**first(raw, args.stop_after), window=args.window, target=args.target))
+    if wl.heldout_file is not None:
+        shared = shared_overrides(args.workload, data_dir, batches=args.batches, seed=seed, mbs=trl_mbs,
+                                  sets=args.sets, heldout_rows=args.heldout_rows)
+        trl_dir = trl_log_dir(out, seed, False, args.workload, args.device)
+        trl_rescored = rescore(trl_dir / "hf", wl.config, shared, args.reuse)
+    for engine, tp, mbs, shuffled in itertools.product(args.engines, args.tp, args.micro_batch_size,
+                                                       [False, True] if args.ours_shuffled else [False]):
+        raw, times, run_dir = run_ours(tp, mbs, seed, args.batches, data_dir, out, args.reuse, shuffled, engine,
+                                       **side)
+        name = ours_name(engine, tp, mbs, shuffled)
+        results.setdefault(name, []).append(summarize(**first(raw, args.stop_after), window=args.window,
+                                                      target=args.target))
+        breakdown[name] = times
+        if wl.heldout_file is not None:
+            shared = shared_overrides(args.workload, data_dir, batches=args.batches, seed=seed, mbs=mbs,
+                                      sets=args.sets, heldout_rows=args.heldout_rows)
+            ours_rescored = rescore(export_ours(run_dir, args.reuse), wl.config, shared, args.reuse)
+            heldout.setdefault(name, []).append(heldout_record(
+                ours_heldout_curve(_metric_rows(run_dir / "metrics.jsonl")), trl_heldout_curve(trl_lines),
+                ours_rescored, trl_rescored))
 
-    trl = results["TRL GRPOTrainer (1 process)"]
+
+def print_reward_tables(args: argparse.Namespace, results: dict[str, list[dict]], breakdown: dict[str, dict]) -> None:
+    """The training-reward tables: median per setup, then per seed, then our step's times."""
+    trl = results[TRL_NAME]
     trl_s, trl_hit = median_of(trl, "s_per_batch"), median_of(trl, "s_to_target")
     shown = args.batches if args.stop_after is None else f"first {args.stop_after} of {args.batches}"
     print(f"\n{args.workload} workload on {args.device}: {shown} rollout batches x {len(args.seeds)} seed(s); "
@@ -507,11 +734,69 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | " + " | ".join(cells) + f" | {mean} |")
     for name, times in breakdown.items():
         print(f"\n{name}, median seconds per step: " + ", ".join(f"{k}={v:.2f}" for k, v in times.items()))
+
+
+def heldout_row(label: str, r: dict) -> str:
+    """One table row of a ``heldout_record`` (or of their medians)."""
+    seconds = r["ours_s_to_trl_final"]
+    reach = ("never" if seconds is None else "at the start: TRL ended no higher than ours began" if seconds == 0
+             else f"{seconds:.0f} s = {r['ratio']:.2f}x TRL's")
+    return (f"| {label} | {r['trl_start']:.3f} -> {r['trl_end']:.3f} ({r['trl_rescored']:.3f}) | "
+            f"{r['trl_train_s']:.0f} | {r['ours_start']:.3f} -> {r['ours_end']:.3f} ({r['ours_rescored']:.3f}) | "
+            f"{r['ours_train_s']:.0f} | {reach} |")
+
+
+def print_heldout(args: argparse.Namespace, heldout: dict[str, list[dict]]) -> None:
+    """Per our setup: held-out greedy accuracy at the start and the end of each side, training
+    seconds, and when ours reaches TRL's final accuracy; per seed and the median."""
+    for name, records in heldout.items():
+        print(f"\nHeld-out greedy accuracy ({HELDOUT_SET} set), TRL against {name}: start -> end of the run's "
+              "own evaluation (the final model re-scored by tools/score_with_transformers.py); training s: "
+              "evaluation excluded; ours reaching TRL's re-scored final accuracy: at the first of our evaluations "
+              "at or above it\n")
+        print("| seed | TRL accuracy | TRL training s | ours accuracy | ours training s | ours reaches TRL's final |")
+        print("|---|---|---|---|---|---|")
+        for seed, r in zip(args.seeds, records):
+            print(heldout_row(str(seed), r))
+        if len(records) > 1:
+            print(heldout_row("median", heldout_medians(records)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_vs_trl: --device cuda but torch.cuda.is_available() is False on this machine; "
+              "accepted here: --device cpu", file=sys.stderr)
+        return EXIT_NO_CUDA
+    if not Path(args.trl_python).exists():
+        print(f"--trl-python {args.trl_python}: not found; run `bash tools/setup_trl_venv.sh` first",
+              file=sys.stderr)
+        return 2
+
+    out = Path(args.out).resolve()  # the sides run from the repository root
+    wl = WORKLOADS[args.workload]
+    data_dir = out / args.workload  # the demo's stays out/demo, as --reuse expects
+    build_workload(wl, data_dir)
+    departures = []
+    if args.workload in DEPARTURES:
+        cfg = load_config(ROOT / wl.config, shared_overrides(args.workload, data_dir, batches=args.batches,
+                                                             seed=args.seeds[0], mbs=args.micro_batch_size[0],
+                                                             sets=args.sets, heldout_rows=args.heldout_rows))
+        trl_grpo_args(cfg, batches=args.batches, device=args.device)  # refuse an unmappable config up front
+        departures = DEPARTURES[args.workload](cfg, args.device)
+    results: dict[str, list[dict]] = {}
+    breakdown: dict[str, dict] = {}
+    heldout: dict[str, list[dict]] = {}
+    for seed in args.seeds:  # interleaved, so drifting machine load hits every setup alike
+        run_seed(args, seed, data_dir, out, results, breakdown, heldout)
+        print(f"seed {seed} done", flush=True)
+    print_reward_tables(args, results, breakdown)
+    print_heldout(args, heldout)
     if departures:
         print("\nDepartures between the two sides:\n" + "\n".join(f"* {d}" for d in departures))
     summary = Path(args.json or out / "summary.json")
     summary.parent.mkdir(parents=True, exist_ok=True)
-    summary.write_text(json.dumps(summary_record(args, results, breakdown, departures), indent=1) + "\n")
+    summary.write_text(json.dumps(summary_record(args, results, breakdown, departures, heldout), indent=1) + "\n")
     print(f"\nsummary: {summary}")
     return 0
 

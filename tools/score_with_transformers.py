@@ -50,7 +50,7 @@ def greedy_responses(model, prompt_ids: list[list[int]], max_new_tokens: int, eo
     """Each prompt's greedy continuation (token ids, cut after the first end-of-sequence id)."""
     out: list[list[int]] = []
     for start in range(0, len(prompt_ids), batch_size):
-        ids, mask = left_pad(prompt_ids[start:start + batch_size], pad_id)
+        ids, mask = (t.to(model.device) for t in left_pad(prompt_ids[start:start + batch_size], pad_id))
         generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                    do_sample=False, eos_token_id=eos_ids, pad_token_id=pad_id)
         for row in generated[:, ids.shape[1]:].tolist():
@@ -62,6 +62,26 @@ def greedy_responses(model, prompt_ids: list[list[int]], max_new_tokens: int, eo
 def correct_label(cfg, labels: list[str]) -> str:
     """The reward label that decides correctness (``eval.correct_function``, default the first)."""
     return cfg.eval.correct_function or labels[0]
+
+
+def greedy_accuracy(model, tokenizer, cfg, eval_set, scorer: RewardScorer, batch_size: int) -> tuple[float, int]:
+    """(accuracy, number of prompts) of ``model``'s greedy responses to ``eval_set`` (one of
+    ``cfg.eval.sets``), rendered as the run renders them and graded by ``scorer`` (built from
+    ``cfg.reward``) as the run decides "correct". Also the TRL side of
+    ``tools/bench_vs_trl.py --workload smollm2`` evaluates with this, inside its training."""
+    prompts = load_prompt_dataset(cfg.data, tokenizer, path=eval_set.path).prompts[:eval_set.max_samples]
+    eos_ids = sorted({int(i) for i in ([model.generation_config.eos_token_id] if isinstance(
+        model.generation_config.eos_token_id, int) else model.generation_config.eos_token_id or [])}
+                     | {int(tokenizer.eos_token_id)})
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    responses = greedy_responses(model, [p.prompt_ids for p in prompts],
+                                 eval_set.max_new_tokens or cfg.rollout.max_new_tokens, eos_ids, pad_id, batch_size)
+    samples = [RewardSample(prompt=p.text, response=tokenizer.decode(r, skip_special_tokens=True), answer=p.answer,
+                            response_ids=r, prompt_ids=list(p.prompt_ids),
+                            finish_reason="stop" if r and r[-1] in eos_ids else "length", row=p.fields)
+               for p, r in zip(prompts, responses)]
+    values = scorer.score_samples(samples).per_function[correct_label(cfg, scorer.labels)]
+    return sum(v >= cfg.eval.correct_threshold for v in values) / len(values), len(prompts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,26 +112,13 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     tokenizer = load_tokenizer(str(args.model))
-    prompts = load_prompt_dataset(cfg.data, tokenizer, path=eval_set.path).prompts[:eval_set.max_samples]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    eos_ids = sorted({int(i) for i in ([model.generation_config.eos_token_id] if isinstance(
-        model.generation_config.eos_token_id, int) else model.generation_config.eos_token_id or [])}
-                     | {int(tokenizer.eos_token_id)})
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    responses = greedy_responses(model, [p.prompt_ids for p in prompts],
-                                 eval_set.max_new_tokens or cfg.rollout.max_new_tokens, eos_ids, pad_id,
-                                 args.batch_size)
     scorer = RewardScorer(cfg.reward)
     try:
-        samples = [RewardSample(prompt=p.text, response=tokenizer.decode(r, skip_special_tokens=True), answer=p.answer,
-                                response_ids=r, prompt_ids=list(p.prompt_ids),
-                                finish_reason="stop" if r and r[-1] in eos_ids else "length", row=p.fields)
-                   for p, r in zip(prompts, responses)]
-        values = scorer.score_samples(samples).per_function[correct_label(cfg, scorer.labels)]
+        accuracy, num_prompts = greedy_accuracy(model, tokenizer, cfg, eval_set, scorer, args.batch_size)
     finally:
         scorer.close()
-    line = {"set": eval_set.name, "num_prompts": len(prompts),
-            "accuracy": sum(v >= cfg.eval.correct_threshold for v in values) / len(values),
+    line = {"set": eval_set.name, "num_prompts": num_prompts, "accuracy": accuracy,
             "seconds": round(time.perf_counter() - started, 1)}
     print(json.dumps(line), flush=True)
     if args.out is not None:
