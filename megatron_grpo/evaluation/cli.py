@@ -15,6 +15,9 @@ evaluation at that step did, so the numbers can be compared one to one. One JSON
 set goes to stdout and to ``OUT/eval_metrics.jsonl``; the scored responses to
 ``OUT/<set>/step_NNNNNN.jsonl``. OUT defaults to ``<trainer.run_dir>/evaluations/<DIR's name>``.
 
+The engine runs with ``OMP_NUM_THREADS`` torch threads, 1 when it is unset: what ``megatron-grpo
+train`` gives each rank, so the evaluation runs as the training's does (``THREADS_DEFAULT``).
+
 Exit codes: 0 success, 2 bad input (one line on stderr), 1 the engine failed.
 """
 
@@ -24,9 +27,12 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
 
 from megatron_grpo.config import ConfigError, ExperimentConfig
 from megatron_grpo.evaluation.runner import Evaluator, load_sets
@@ -48,6 +54,12 @@ from megatron_grpo.trainer.components import build_rollout_side
 
 METRICS_FILE = "eval_metrics.jsonl"
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1
+THREADS_DEFAULT = 1
+"""torch threads when OMP_NUM_THREADS is unset, as for the trainer's ranks (trainer/cli.py).
+torch's own default, a thread per core, made this command 3-7x slower than the training's
+evaluation on a 2-core machine with other work on it: the decode's small matrix products gain
+nothing from a second thread and lose much to OpenMP's waits when a core is busy (measured in
+docs/evaluation.md)."""
 
 
 class CheckpointError(ValueError):
@@ -159,6 +171,7 @@ def _fail(message: str, code: int = EXIT_USER_ERROR) -> int:
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     quiet_library_warnings()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or THREADS_DEFAULT))
     try:
         cfg = load_experiment(args.config, args.overrides)
         if not cfg.eval.sets:
