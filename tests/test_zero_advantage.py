@@ -1,5 +1,5 @@
 """A step whose every group has equal rewards has no policy gradient: the trainer skips its
-old-log-prob pass and its optimizer steps (``algorithm.skip_zero_advantage_steps``) unless the
+old-log-prob pass and its optimizer steps (``algorithm.skip_zero_advantage_steps``, opt-in) unless the
 entropy bonus, a KL loss or router replay still gives one (``trainer.has_gradient``)."""
 
 import dataclasses
@@ -49,14 +49,14 @@ def run(demo, run_dir, *extra):
 
 @pytest.mark.slow
 def test_a_step_without_signal_skips_its_update(demo, constant_reward, tmp_path):
-    skipped = run(demo, tmp_path / "skip", constant_reward)
+    skipped = run(demo, tmp_path / "skip", constant_reward, "algorithm.skip_zero_advantage_steps=true")
     assert [r["skipped_zero_advantage"] for r in skipped] == [1, 1]
     for r in skipped:
         assert r["reward_mean"] == 1.0 and r["reward_std"] == 0.0
         assert "loss" not in r and "grad_norm" not in r  # no optimizer step ran
         assert r["weight_sync_verified"] == 1
-    # the same run with the skip off pays for an update that changes nothing: loss and gradient 0
-    updated = run(demo, tmp_path / "update", constant_reward, "algorithm.skip_zero_advantage_steps=false")
+    # the same run with the skip off (the default) pays for an update that changes nothing: loss and gradient 0
+    updated = run(demo, tmp_path / "update", constant_reward)  # the default
     assert [r["skipped_zero_advantage"] for r in updated] == [0, 0]
     assert all(r["loss"] == 0.0 and r["grad_norm"] == 0.0 for r in updated)
     assert sum(r["time/train_s"] for r in skipped) < sum(r["time/train_s"] for r in updated)

@@ -153,11 +153,12 @@ class AlgorithmConfig:
     of holding a few whole groups in generation order (TRL's default). Off by default, as in
     verl: the demo's measured runs cut in generation order. No effect with one mini-batch."""
 
-    skip_zero_advantage_steps: bool = True
+    skip_zero_advantage_steps: bool = False
     """A step whose every advantage is zero (|A| <= 1e-6: every group's rewards equal) skips its
     old-log-prob pass and its optimizer steps when nothing else gives a gradient
     (entropy_coef and kl_loss_coef 0 at that step, no router replay); counted as
-    `skipped_zero_advantage` in the metrics. Unlike a zero-gradient Adam step, the skipped step
+    `skipped_zero_advantage` in the metrics. Off by default: a skipped step runs no trainer
+    forward, so it logs no loss and no train/rollout mismatch. Unlike a zero-gradient Adam step, the skipped step
     does not move the weights by momentum or weight decay. DAPO's dynamic sampling
     (rollout.dynamic_sampling.enabled) is the other remedy: it refills the batch with groups that
     have a signal."""
