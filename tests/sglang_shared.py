@@ -47,6 +47,18 @@ from megatron_grpo.rollout.types import SamplingParams
 from megatron_grpo.rollout.manager import RolloutServerManager
 from megatron_grpo.testing.tiny_models import build_tokenizer
 
+SGLANG_MEMORY = {"mem_fraction_static": 0.5, "extra_args": ["--max-total-tokens", "65536"]}
+"""How every test's SGLang server sizes its memory. SGLang on CPU sizes its KV pool from the
+machine's free memory: what is free after loading the weights, less (1 - fraction) x what was
+free before. At 0.1 the weights and whatever the other test worker allocates meanwhile had to
+fit in a tenth of the free memory, and a launch beside a SmolLM2 run failed ("Loaded weights
+leave no GPU memory for the KV cache under --mem-fraction-static=0.1"); half leaves room for
+the other worker, and the pool is capped at 65,536 tokens (a few hundred MB for the tiny
+models; the suite's largest batches hold a few thousand)."""
+SGLANG_OVERRIDES = ["rollout.sglang.mem_fraction_static=0.5",
+                    "rollout.sglang.extra_args=[--max-total-tokens, '65536']"]
+"""``SGLANG_MEMORY`` as config overrides of a `megatron-grpo train` command line."""
+
 API_KEY = f"shared-sglang-{secrets.token_hex(16)}"
 """The key every shared server enforces (given to SGLang in a 0600 file, as for any launch).
 Random per session: the runs that use a shared server get it as an override on their command
@@ -116,7 +128,7 @@ class _Server:
 
     def __init__(self, model_dir: Path, run_dir: Path):
         cfg = RolloutConfig(engine="sglang", api_key=API_KEY, dtype="float32", launch_timeout_s=600,
-                            request_timeout_s=120, sglang=SGLangConfig(mem_fraction_static=0.1))
+                            request_timeout_s=120, sglang=SGLangConfig(**SGLANG_MEMORY))
         self.manager = RolloutServerManager(cfg, model_dir=str(model_dir), run_dir=run_dir)
         (self.url,) = self.manager.start()
         self.client = RolloutClient([self.url], api_key=API_KEY, request_timeout_s=120, max_retries=2)

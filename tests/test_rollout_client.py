@@ -21,6 +21,7 @@ from megatron_grpo.wire.group import destroy_custom_process_group, init_custom_p
 from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_system_sharing
 from megatron_grpo.testing.sglang_cpu import require_sglang
 from megatron_grpo.testing.tiny_models import save_tiny_model
+from tests.sglang_shared import SGLANG_MEMORY
 
 API_KEY = "test-key"
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
@@ -48,7 +49,7 @@ def server(request, model_dir, tmp_path_factory):
     if kind == "sglang":
         require_sglang()
     cfg = RolloutConfig(engine=kind, api_key=API_KEY, dtype="float32", launch_timeout_s=600, request_timeout_s=120,
-                        sglang=SGLangConfig(mem_fraction_static=0.1))
+                        sglang=SGLangConfig(**SGLANG_MEMORY))
     manager = RolloutServerManager(cfg, model_dir=model_dir, run_dir=run_dir)
     try:
         (url,) = manager.start()

@@ -25,9 +25,9 @@ from megatron_grpo.rollout.http_engine import start_servers
 from megatron_grpo.testing.sglang_cpu import require_sglang
 from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
 from tests.kill_resume import GRACE_S, process_tree, survivors
-from tests.sglang_shared import API_KEY
+from tests.sglang_shared import API_KEY, SGLANG_OVERRIDES
 
-SGLANG = ["rollout.engine=sglang", "rollout.sglang.mem_fraction_static=0.1", "rollout.launch_timeout_s=600"]
+SGLANG = ["rollout.engine=sglang", *SGLANG_OVERRIDES, "rollout.launch_timeout_s=600"]
 
 pytestmark = pytest.mark.slow
 
