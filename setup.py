@@ -38,6 +38,9 @@ setup(
         # reasoning-gym's tasks as data (tools/make_reasoning_gym_data.py) and the reasoning_gym and
         # math_verify rewards; imported only by the commands and reward workers that use them
         "reasoning": ["reasoning-gym>=0.1.25", "math-verify>=0.9.0"],
+        # a GGUF file as an HF folder (tools/fetch_smollm2.py, models/gguf_import.py): transformers'
+        # GGUF loader needs both
+        "gguf": ["gguf>=0.10.0", "accelerate>=1.0"],
         # tensorboard: its logging test; triton: the Triton kernels' tests (its CPU interpreter;
         # CUDA builds of torch bring triton, the CPU wheel does not); pytest-xdist: the suite runs on
         # two workers (launch/run_tests.sh). pytest < 9.1: xdist 3.8 groups tests by renaming their

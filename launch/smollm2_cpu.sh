@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-python -m pip install --quiet --disable-pip-version-check -e ".[reasoning]"
+python -m pip install --quiet --disable-pip-version-check -e ".[reasoning,gguf]"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 config=yaml_configs/smollm2_135m_chain_sum_cpu.yaml
 run_dir="${RUN_DIR:-runs/smollm2_cpu}"

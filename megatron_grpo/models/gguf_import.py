@@ -37,6 +37,9 @@ def load_gguf(gguf_path: Path):
     try:
         tokenizer = AutoTokenizer.from_pretrained(**where)
         model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+    except ImportError as e:  # transformers' GGUF loader needs the gguf package and accelerate
+        raise ModelError(f"{gguf_path}: reading GGUF needs gguf and accelerate: pip install 'megatron-grpo[gguf]' "
+                         f"({str(e).splitlines()[0]})") from None
     except (ValueError, KeyError, OSError) as e:  # unknown architecture, tokenizer or file
         raise ModelError(f"{gguf_path}: transformers cannot read it as GGUF ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
