@@ -144,7 +144,7 @@ def test_smollm2_config_maps_to_trl_with_its_hyper_parameters():
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"],
             args["steps_per_generation"], args["num_generations"], args["max_steps"]) == (16, 2, 2, 8, 40)
     assert (args["max_completion_length"], args["temperature"], args["top_k"], args["top_p"]) == (32, 0.7, 0, 1.0)
-    assert (args["learning_rate"], args["lr_scheduler_type"], args["warmup_steps"]) == (5e-6, "constant_with_warmup", 0)
+    assert (args["learning_rate"], args["lr_scheduler_type"], args["warmup_steps"]) == (2e-5, "constant_with_warmup", 0)
     assert (args["epsilon"], args["epsilon_high"], args["loss_type"], args["scale_rewards"]) == (0.2, 0.28, "dapo", "group")
     assert (args["beta"], args["entropy_coef"], args["num_iterations"], args["max_grad_norm"]) == (0.0, 0.0, 1, 1.0)
     assert (args["seed"], args["use_cpu"], args["bf16"], args["gradient_checkpointing"]) == (3, True, False, False)

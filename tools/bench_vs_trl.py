@@ -118,7 +118,7 @@ HELDOUT_SET = "greedy"
 """Name of the held-out set both sides evaluate (temperature 0, one response a prompt)."""
 
 CHAIN_SUM_DATA = ("--task", "chain_sum", "--size", "2000", "--heldout", "200", "--seed", "0", "--task-config",
-                  '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}', "--prompt-template", "plain")
+                  '{"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}', "--prompt-template", "plain")
 """tools/make_reasoning_gym_data.py's arguments in launch/smollm2_cpu.sh (a test checks they agree)."""
 
 WORKLOADS = {
