@@ -242,7 +242,10 @@ SERIALIZE = "megatron_grpo/wire/serialize.py"
 # Where unpickling is allowed: the allow-listed tensor unpickler, and the test harness, which
 # unpickles what its own spawned rank sent over a private pipe (the trust multiprocessing's
 # queue already places in it: it unpickles every message itself).
-PICKLERS = {SERIALIZE, "megatron_grpo/testing/distributed.py"}
+PICKLERS = {SERIALIZE, "megatron_grpo/testing/distributed.py",
+            # the graders' worker process: requests and answers between the scorer and the child
+            # it started, over that child's private stdin/stdout pipes (the harness's trust)
+            "megatron_grpo/rewards/isolated.py"}
 
 
 def _is_safe_yaml_loader(path: str, node: ast.Call) -> bool:
@@ -452,9 +455,11 @@ def test_plugins_are_imported_only_when_named(plugin_package):
 def test_dynamic_imports_only_from_fixed_registries_or_config():
     """Every importlib.import_module / __import__ call site is one of the known ones: the CLI's
     sub-command registry, the reward registry (config-named paths), the CPU shim's fixed list,
-    the environments' fork server's fixed RUN_TARGETS."""
+    the environments' fork server's fixed RUN_TARGETS, the graders' worker (built-in modules)."""
     allowed = {"megatron_grpo/cli.py", "megatron_grpo/rewards/registry.py", "megatron_grpo/runtime/cpu_shim.py",
-               "megatron_grpo/rollout/environments/worker.py"}
+               "megatron_grpo/rollout/environments/worker.py",
+               # the graders' worker: imports the built-in reward modules the scorer names
+               "megatron_grpo/rewards/isolated.py"}
     sites = set()
     for path, tree in _package_sources().items():
         for node in ast.walk(tree):
