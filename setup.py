@@ -41,6 +41,9 @@ setup(
         # a GGUF file as an HF folder (tools/fetch_smollm2.py, models/gguf_import.py): transformers'
         # GGUF loader needs both
         "gguf": ["gguf>=0.10.0", "accelerate>=1.0"],
+        # peft: loads an exported LoRA adapter onto the HF model (the export's independent check and
+        # users' own inference); training LoRA needs nothing beyond the base install
+        "lora": ["peft>=0.17"],
         # tensorboard: its logging test; triton: the Triton kernels' tests (its CPU interpreter;
         # CUDA builds of torch bring triton, the CPU wheel does not); pytest-xdist: the suite runs on
         # two workers (launch/run_tests.sh). pytest < 9.1: xdist 3.8 groups tests by renaming their

@@ -2,10 +2,51 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from megatron_grpo.config.base import check
+
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "all-linear")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA adapters on the trainer's linears (docs/lora.md); the base weights are frozen."""
+
+    rank: int = 16
+    """Rank r of each adapter (A is [r, in], B is [out, r])."""
+
+    alpha: float = 32.0
+    """Scale numerator: the adapter adds (alpha / rank) * B @ A to each adapted weight (peft's
+    lora_alpha)."""
+
+    dropout: float = 0.0
+    """Dropout on the adapter's input in the update's forward (not in the log-prob passes, so
+    it perturbs the importance ratio); tp=1 only."""
+
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Megatron-core linears to adapt: linear_qkv (q, k, v), linear_proj (o), linear_fc1 (gate,
+    up), linear_fc2 (down), or all-linear for all four. Mixture-of-experts experts are not
+    adapted (refused)."""
+
+    init_seed: int = 0
+    """Seed of the A matrices (the same adapters at every tp/pp)."""
+
+    def __post_init__(self):
+        check(self.rank >= 1, "rank", f"must be >= 1, got {self.rank}")
+        check(self.alpha > 0 and math.isfinite(self.alpha), "alpha", f"must be > 0, got {self.alpha}")
+        check(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
+        check(bool(self.target_modules), "target_modules", f"must name at least one of {', '.join(LORA_TARGETS)}")
+        for t in self.target_modules:
+            check(t in LORA_TARGETS, "target_modules",
+                  f"{t!r} is not a LoRA target; accepted: {', '.join(LORA_TARGETS)} (megatron-core's names: "
+                  "q/k/v_proj -> linear_qkv, o_proj -> linear_proj, gate/up_proj -> linear_fc1, down_proj -> linear_fc2)")
+        check(len(set(self.target_modules)) == len(self.target_modules), "target_modules",
+              f"lists a target twice: {self.target_modules}")
+        check(self.init_seed >= 0, "init_seed", f"must be >= 0, got {self.init_seed}")
 
 
 @dataclass(kw_only=True)
@@ -54,6 +95,10 @@ class ModelConfig:
     kernel on CPU; packed sequences). unfused: megatron-core's local spec as shipped (batched
     matmul + softmax, memory quadratic in the length), kept for comparison. sdpa and unfused
     cannot run parallel.sequence_parallel (the local spec has no sequence-parallel norm)."""
+
+    lora: Optional[LoraConfig] = None
+    """LoRA: train low-rank adapters on the frozen model instead of all its weights
+    (docs/lora.md). null: full fine-tuning."""
 
     def __post_init__(self):
         check(bool(self.hf_dir), "hf_dir", "must name a Hugging Face model directory")

@@ -45,9 +45,12 @@ def _section_rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
         tp = hints[f.name]
         key = f"{prefix}{f.name}"
         rows.append((key, type_name(tp), _default(f), docs.get(f.name, "")))
+        origin_args = typing.get_args(tp)
+        optional = [a for a in origin_args if a is not type(None)] if type(None) in origin_args else []
         if dataclasses.is_dataclass(tp):
             rows += _section_rows(tp, f"{key}.")
-        origin_args = typing.get_args(tp)
+        elif len(optional) == 1 and dataclasses.is_dataclass(optional[0]):  # a section that may be null
+            rows += _section_rows(optional[0], f"{key}.")
         if typing.get_origin(tp) is list and origin_args and dataclasses.is_dataclass(origin_args[0]):
             rows += _section_rows(origin_args[0], f"{key}[].")
     return rows

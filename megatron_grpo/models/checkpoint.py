@@ -25,6 +25,7 @@ import torch
 
 from megatron_grpo.models.errors import ModelError
 from megatron_grpo.models.hf_config import load_hf_config, sidecar_files
+from megatron_grpo.models.lora import load_lora_state, lora_metadata, lora_sharded_state_dict
 from megatron_grpo.runtime.process import forks_die_with_this_process
 
 HF_SUBDIR = "hf"
@@ -83,6 +84,9 @@ def save_megatron_checkpoint(model_chunks: list, ckpt_dir: str | Path, extra_sta
             "dtype": str(next(model_chunks[0].parameters()).dtype).removeprefix("torch."),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
+        lora = lora_metadata(model_chunks)
+        if lora is not None:  # the checkpoint holds adapters only: say what they adapt and where the base is
+            meta["lora"] = lora
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         replace_dir(tmp, final)
     dist.barrier()
@@ -106,6 +110,20 @@ def load_megatron_checkpoint(model_chunks: list, ckpt_dir: str | Path):
     return loaded.get("extra_state")
 
 
+def load_lora_adapters(model_chunks: list, ckpt_dir: str | Path) -> None:
+    """Load the LoRA adapters of ``ckpt_dir`` (a LoRA training checkpoint, saved at any TP/PP)
+    into ``model_chunks`` (already adapted: ``lora.apply_lora``). Collective."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    path = checkpoint_path(ckpt_dir)
+    try:
+        loaded = dist_checkpointing.load(lora_sharded_state_dict(model_chunks), str(path))
+    except CheckpointingException as e:
+        raise ModelError(f"{path}: {str(e).splitlines()[0]}") from None
+    load_lora_state(model_chunks, loaded)
+
+
 def checkpoint_path(ckpt_dir: str | Path) -> Path:
     """``ckpt_dir`` if it is a megatron-grpo checkpoint; ModelError naming what is missing."""
     path = Path(ckpt_dir)
@@ -122,6 +140,12 @@ def checkpoint_path(ckpt_dir: str | Path) -> Path:
 def checkpoint_hf_config(ckpt_dir: str | Path):
     """The HF config stored in a checkpoint (its ``name_or_path`` is ``CKPT_DIR/hf``)."""
     return load_hf_config(checkpoint_path(ckpt_dir) / HF_SUBDIR)
+
+
+def checkpoint_lora(ckpt_dir: str | Path) -> dict | None:
+    """The ``lora`` entry of a checkpoint holding LoRA adapters (``lora.lora_metadata``), else None."""
+    meta = checkpoint_path(ckpt_dir) / META_FILE
+    return json.loads(meta.read_text()).get("lora") if meta.is_file() else None
 
 
 def checkpoint_dtype(ckpt_dir: str | Path) -> torch.dtype | None:

@@ -11,6 +11,7 @@ Exit codes: 0 success, 1 self-check failure, 2 user error (one line on stderr).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -24,12 +25,16 @@ from megatron_grpo.models.checkpoint import (
     HF_SUBDIR,
     checkpoint_dtype,
     checkpoint_hf_config,
+    checkpoint_lora,
     dir_bytes,
+    load_lora_adapters,
     load_megatron_checkpoint,
     save_megatron_checkpoint,
 )
 from megatron_grpo.models.hf_config import load_hf_config, split_problem
 from megatron_grpo.models.hf_export import config_dtype, save_hf_checkpoint
+from megatron_grpo.models.lora import apply_lora, iter_adapters, spec_from_metadata
+from megatron_grpo.models.lora_export import save_peft_adapter
 from megatron_grpo.models.self_check import DEFAULT_TOLERANCE, round_params_, run_self_check
 from megatron_grpo.models.weights import SafetensorsReader, load_hf_weights
 from megatron_grpo.runtime import parallel
@@ -66,6 +71,14 @@ def megatron_to_hf_parser() -> argparse.ArgumentParser:
                                 description="Megatron checkpoint (any TP/PP) -> Hugging Face directory")
     p.add_argument("--ckpt-dir", required=True, type=Path, help="megatron-grpo checkpoint directory")
     p.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size")
+    lora = p.add_mutually_exclusive_group()
+    lora.add_argument("--lora", action="store_true",
+                      help="a LoRA checkpoint: write its adapters as a peft adapter folder (self-check: peft on the HF base)")
+    lora.add_argument("--merge", action="store_true",
+                      help="a LoRA checkpoint: write the merged model (base + adapters) as an HF directory")
+    p.add_argument("--base", type=Path, default=None,
+                   help="a LoRA checkpoint's base (HF directory or megatron-grpo checkpoint); default: the one it "
+                        "was trained from, recorded in the checkpoint")
     _common_args(p)
     return p
 
@@ -102,6 +115,9 @@ def hf_to_megatron(args) -> int:
 
 
 def megatron_to_hf(args) -> int:
+    lora = checkpoint_lora(args.ckpt_dir)
+    if lora is not None or args.lora or args.merge:
+        return lora_to_hf(args, lora)
     hf_config = checkpoint_hf_config(args.ckpt_dir)
     _check_output(args.output_dir, args.overwrite, args.ckpt_dir)
     _check_split(hf_config, args, Path(args.ckpt_dir) / HF_SUBDIR)
@@ -128,6 +144,89 @@ def megatron_to_hf(args) -> int:
     result = run_self_check(chunks, hf_config, args.output_dir, args.tolerance)
     say(result.line())
     return 0 if result.ok else 1
+
+
+def lora_to_hf(args, lora: dict | None) -> int:
+    """A LoRA checkpoint (adapters only) -> a peft adapter folder (``--lora``) or the merged HF
+    model (``--merge``), each with its self-check against an independent HF forward."""
+    if lora is None:
+        raise ModelError(f"--{'lora' if args.lora else 'merge'}: {args.ckpt_dir} holds no LoRA adapters "
+                         "(a full checkpoint: convert it without --lora/--merge)")
+    if not (args.lora or args.merge):
+        raise ModelError(f"{args.ckpt_dir} holds LoRA adapters only: pass --lora (a peft adapter folder) or "
+                         "--merge (the merged model)")
+    base_hf, base_ckpt = _lora_base(args.base, lora["base"])
+    hf_config = checkpoint_hf_config(args.ckpt_dir)
+    _check_output(args.output_dir, args.overwrite, args.ckpt_dir)
+    _check_split(hf_config, args, Path(args.ckpt_dir) / HF_SUBDIR)
+    if args.lora and args.self_check and importlib.util.find_spec("peft") is None:
+        raise ModelError("the --lora self-check loads the adapter with peft, which is not installed: "
+                         "pip install 'megatron-grpo[lora]' or pass --no-self-check")
+    out_dtype = DTYPES.get(args.dtype) or (torch.float32 if args.lora else config_dtype(hf_config))
+    _initialize(args.tp, args.pp, args.ep)
+    say = _printer()
+
+    t0 = time.perf_counter()
+    chunks = build_model(hf_config, dtype=torch.float32, init_weights=False)
+    _fill_nan(chunks)
+    if base_ckpt is not None:
+        load_megatron_checkpoint(chunks, base_ckpt)
+    else:
+        load_hf_weights(chunks, base_hf, hf_config)
+    spec = spec_from_metadata(lora)
+    apply_lora(chunks, spec, base=lora["base"])
+    load_lora_adapters(chunks, args.ckpt_dir)
+    if args.lora:
+        written = save_peft_adapter(chunks, hf_config, args.output_dir, spec=spec,
+                                    base_model_name_or_path=str(base_hf), dtype=out_dtype)
+        say(f"wrote the peft adapter {args.output_dir} (r={spec.rank}, lora_alpha={spec.alpha:g}, "
+            f"{', '.join(spec.hf_target_modules())}; {written / 1e6:.2f} MB) in {time.perf_counter() - t0:.1f}s")
+    else:
+        written = save_hf_checkpoint(chunks, hf_config, args.output_dir, sidecar_dir=Path(args.ckpt_dir) / HF_SUBDIR,
+                                     dtype=out_dtype, max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
+                                     progress=_is_rank0())
+        say(f"wrote the merged model {args.output_dir} ({written / 1e6:.1f} MB of {out_dtype} weights) "
+            f"in {time.perf_counter() - t0:.1f}s")
+    if not args.self_check:
+        return 0
+    if args.lora:
+        round_params_([p for _, a in iter_adapters(chunks) for p in a.parameters()], out_dtype)
+        result = run_self_check(chunks, hf_config, base_hf, args.tolerance, adapter_dir=args.output_dir)
+    else:
+        _fold_adapters_(chunks, out_dtype)
+        result = run_self_check(chunks, hf_config, args.output_dir, args.tolerance)
+    say(result.line())
+    return 0 if result.ok else 1
+
+
+@torch.no_grad()
+def _fold_adapters_(chunks: list, dtype: torch.dtype) -> None:
+    """Make the chunks hold what ``--merge`` wrote: every adapted weight replaced by its merged
+    value rounded to ``dtype``, the adapters zeroed (B = 0), every other weight rounded."""
+    adapted = [p for c in chunks for p in c.parameters() if getattr(p, "lora_adapter", None) is not None]
+    for param in adapted:
+        param.copy_(param.lora_adapter.merged(param).to(dtype))
+    round_params_([p for c in chunks for p in c.parameters()], dtype)
+    for _, adapter in iter_adapters(chunks):
+        adapter.lora_B.zero_()
+
+
+def _lora_base(override: Path | None, recorded: dict) -> tuple[Path, Path | None]:
+    """(HF directory of the base, its megatron-grpo checkpoint or None) of a LoRA export:
+    ``--base`` if given, else the base recorded in the checkpoint; ModelError if missing."""
+    if override is not None:
+        if (override / "metadata.json").is_file():  # a megatron-grpo checkpoint: its hf/ has the config
+            return override / HF_SUBDIR, override
+        if not (override / "config.json").is_file():
+            raise ModelError(f"--base {override}: neither an HF model directory nor a megatron-grpo checkpoint")
+        return override, None
+    ckpt = recorded.get("megatron_ckpt")
+    hf_dir = Path(recorded.get("hf_dir") or "")
+    if ckpt and not Path(ckpt).is_dir():
+        raise ModelError(f"the LoRA base checkpoint {ckpt} (recorded at training) is gone: pass --base")
+    if not (hf_dir / "config.json").is_file():
+        raise ModelError(f"the LoRA base {hf_dir} (recorded at training) has no config.json: pass --base")
+    return hf_dir, Path(ckpt) if ckpt else None
 
 
 COMMANDS = {

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from megatron_grpo.models.forward import forward_logits, gather_vocab
+from megatron_grpo.models.lora_export import peft_logits
 from megatron_grpo.runtime.device import collective_device, collective_tensor
 
 PROBE_BATCH, PROBE_SEQ, PROBE_SEED = 2, 32, 1234
@@ -92,16 +93,19 @@ def round_params_(params, dtype: torch.dtype) -> None:
 
 def run_self_check(model_chunks: list, hf_config, hf_dir: str | Path,
                    tolerance: float = DEFAULT_TOLERANCE,
-                   hf_round_to: torch.dtype = torch.float32) -> SelfCheckResult:
+                   hf_round_to: torch.dtype = torch.float32,
+                   adapter_dir: str | Path | None = None) -> SelfCheckResult:
     """Compare the (fp32) Megatron chunks with the HF model in ``hf_dir`` (its weights
-    rounded to ``hf_round_to``). Collective; the same result on every rank."""
+    rounded to ``hf_round_to``), with the peft adapter of ``adapter_dir`` loaded onto it by
+    peft when given. Collective; the same result on every rank."""
     import torch.distributed as dist
 
     ids = probe_input_ids(hf_config.vocab_size)
     ours = megatron_logits_on_rank0(model_chunks, hf_config, ids)
     value = 0.0
     if dist.get_rank() == 0:
-        ref = hf_logits(hf_dir, ids, round_to=hf_round_to)
+        ref = (peft_logits(hf_dir, adapter_dir, ids) if adapter_dir is not None
+               else hf_logits(hf_dir, ids, round_to=hf_round_to))
         value = float((ours - ref).abs().max()) if ours.shape == ref.shape else float("inf")
     diff = collective_tensor([value])
     dist.broadcast(diff, src=0)

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from megatron_grpo.models.architectures import TE_ALIASES, ParamMapping, get_architecture
 from megatron_grpo.models.architectures.moe import MoEMLP
 from megatron_grpo.models.errors import ModelError
+from megatron_grpo.models.lora import MODULE_NAME as LORA_MODULE
+from megatron_grpo.models.lora import merged_source
 
 
 class SafetensorsReader:
@@ -54,7 +56,8 @@ class SafetensorsReader:
 def resolve_params(chunk, mappings: list[ParamMapping]) -> list[tuple[ParamMapping, torch.nn.Parameter]]:
     """Pair every mapping with the chunk's parameter (local or TE spec name), checking that
     the mapping covers every parameter of the chunk exactly once."""
-    params = dict(chunk.named_parameters())
+    # LoRA adapters (models.lora) are not HF weights: they are merged into their base weight
+    params = {n: p for n, p in chunk.named_parameters() if not n.startswith(f"{LORA_MODULE}.")}
     pairs, used = [], set()
     for m in mappings:
         name = m.megatron_name
@@ -128,7 +131,8 @@ def iter_hf_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.
     slot gathered over EP, so every EP rank yields all experts). Each tensor is the
     parameter's fp32 *main* copy where megatron-core's mixed-precision optimizer keeps one
     (``param.main_param``, bf16/fp16 training: ``weight_source``), else the parameter itself;
-    it keeps that tensor's dtype and device and is a fresh copy. Tied embeddings are yielded once, as
+    it keeps that tensor's dtype and device and is a fresh copy. A LoRA-adapted weight is
+    yielded merged (``W + scale * B @ A`` from the frozen base, in fp32). Tied embeddings are yielded once, as
     ``model.embed_tokens.weight``, by the first PP stage.
     """
     from megatron.core import parallel_state as ps
@@ -166,9 +170,10 @@ def weight_source(param) -> torch.Tensor:
 
 
 def _gather(param, m: ParamMapping, size: int, group) -> list[torch.Tensor]:
-    """The shards of ``param``'s value (``weight_source``) on every rank of ``group`` (just
-    this one if replicated)."""
-    local = weight_source(param).detach()
+    """The shards of ``param``'s value (``weight_source``; a LoRA-adapted weight merged with its
+    adapter, in fp32) on every rank of ``group`` (just this one if replicated)."""
+    merged = merged_source(param, weight_source)  # fp32 W + scale * B @ A of a LoRA-adapted weight
+    local = (merged if merged is not None else weight_source(param)).detach()
     if size == 1 or m.layout.replicated:
         return [local]
     shards = [torch.empty_like(local) for _ in range(size)]

@@ -17,7 +17,8 @@ from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.data import DataError, load_prompt_dataset
 from megatron_grpo.models import ModelError, get_architecture, load_hf_config
 from megatron_grpo.models.hf_config import split_problem
-from megatron_grpo.models.builder import check_packing, use_transformer_engine
+from megatron_grpo.models.builder import check_packing, resolve_attention_backend, use_transformer_engine
+from megatron_grpo.models.lora import lora_problem, spec_from_config
 from megatron_grpo.models.checkpoint import MARKER, checkpoint_path
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.models.weights import SafetensorsReader
@@ -56,6 +57,12 @@ def check_model_dir(cfg: ExperimentConfig):
     if problem:
         flag, why = problem
         raise ConfigError(f"parallel.{flag}", why.replace("(config.json)", f"({hf_dir}/config.json)"))
+    if cfg.model.lora is not None:
+        problem = lora_problem(spec_from_config(cfg.model.lora), hf_config, tp=parallel_cfg.tp,
+                               attention_backend=resolve_attention_backend(cfg.model.attention_backend),
+                               sequence_parallel=parallel_cfg.sequence_parallel)
+        if problem:
+            raise ConfigError(*problem)
     if parallel_cfg.pack_sequences:
         try:
             check_packing(hf_config, cfg.model.attention_backend)

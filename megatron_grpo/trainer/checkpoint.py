@@ -34,6 +34,7 @@ from megatron_grpo.models.checkpoint import MARKER, STATE_FILE
 from megatron_grpo.runtime.device import cuda_available
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.models import model_sharded_state_dict, save_megatron_checkpoint
+from megatron_grpo.models.lora import has_lora, load_lora_state, lora_sharded_state_dict
 
 CKPT_RE = re.compile(r"^step_(\d{6,})$")
 
@@ -103,8 +104,10 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 def training_sharded_state_dict(model_chunks, optimizer, *, is_loading: bool = False) -> dict:
     """Model and optimizer sharded state of this rank (megatron-core dist_checkpointing);
-    the optimizer's is megatron's sharded optimizer state dict, plain or distributed."""
-    model_sd = model_sharded_state_dict(model_chunks)
+    the optimizer's is megatron's sharded optimizer state dict, plain or distributed. A LoRA
+    policy's model state is its adapters alone: the frozen base is where the run loaded it
+    from (``model.hf_dir`` / ``model.megatron_ckpt``), not saved again."""
+    model_sd = lora_sharded_state_dict(model_chunks) if has_lora(model_chunks) else model_sharded_state_dict(model_chunks)
     state = dict(model_sd)
     state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                       metadata=dict(OPTIMIZER_METADATA))
@@ -230,8 +233,11 @@ def load_training_checkpoint(ckpt_dir: Path, model_chunks, optimizer) -> dict[st
     with torch_adam_checkpoint_load(optimizer):
         state = training_sharded_state_dict(model_chunks, optimizer, is_loading=True)
         loaded = dist_checkpointing.load(state, str(ckpt_dir))
-        for key, chunk in zip([k for k in state if k.startswith("model")], model_chunks):
-            chunk.load_state_dict(loaded[key], strict=True)
+        if has_lora(model_chunks):
+            load_lora_state(model_chunks, loaded)
+        else:
+            for key, chunk in zip([k for k in state if k.startswith("model")], model_chunks):
+                chunk.load_state_dict(loaded[key], strict=True)
         optimizer.load_state_dict(loaded["optimizer"])
     rank_file = ckpt_dir / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rank_file.is_file():  # absent when resuming with more ranks than were saved

@@ -5,6 +5,7 @@ rollout side (sampling parameters, tokenizer, data, rewards)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -15,7 +16,9 @@ from megatron.core import parallel_state
 from megatron_grpo.config import ExperimentConfig
 from megatron_grpo.data import PromptSampler
 from megatron_grpo.models import build_model, load_hf_config, load_hf_weights, load_megatron_checkpoint
-from megatron_grpo.models.builder import check_moe_training, check_packing
+from megatron_grpo.models.builder import check_moe_training, check_packing, resolve_attention_backend
+from megatron_grpo.models.errors import ModelError
+from megatron_grpo.models.lora import apply_lora, lora_problem, spec_from_config
 from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rollout.engines import ENGINES
@@ -65,10 +68,23 @@ def build_policy(cfg: ExperimentConfig) -> Policy:
         check_packing(hf_config, cfg.model.attention_backend)
     modules = _build_and_load(cfg, hf_config, recompute=cfg.model.recompute_activations,
                               sequence_parallel=cfg.parallel.sequence_parallel)
+    if cfg.model.lora is not None:  # freeze the base before DDP: it and the optimizer see the adapters only
+        spec = spec_from_config(cfg.model.lora)
+        problem = lora_problem(spec, hf_config, tp=parallel_state.get_tensor_model_parallel_world_size(),
+                               attention_backend=resolve_attention_backend(cfg.model.attention_backend),
+                               sequence_parallel=cfg.parallel.sequence_parallel)
+        if problem:
+            raise ModelError(f"{problem[0]}: {problem[1]}")
+        apply_lora(modules, spec, base=_absolute(hf_dir=cfg.model.hf_dir, megatron_ckpt=cfg.model.megatron_ckpt))
     use_dist_opt = resolve_distributed_optimizer(cfg.parallel.use_distributed_optimizer, cuda_available())
     chunks = wrap_ddp(modules, use_dist_opt)
     optimizer = build_optimizer(chunks, cfg.optimizer, DTYPES[cfg.model.dtype], use_dist_opt)
     return Policy(modules=modules, chunks=chunks, optimizer=optimizer, hf_config=hf_config)
+
+
+def _absolute(**paths: Optional[str]) -> dict:
+    """``paths`` made absolute (None kept): a LoRA checkpoint names its base from anywhere."""
+    return {k: str(Path(v).resolve()) if v else None for k, v in paths.items()}
 
 
 def build_reference(cfg: ExperimentConfig, hf_config) -> Optional[list]:

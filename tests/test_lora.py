@@ -1,0 +1,213 @@
+"""LoRA on megatron-core's parallel linears (models/lora.py, docs/lora.md).
+
+* Bad ``model.lora`` configs are refused at load in one line; layouts LoRA cannot train here
+  (mixture-of-experts experts, TransformerEngine's fused norm, sequence parallelism, dropout
+  at tp > 1) are refused by the pre-flight before a rank starts.
+* One LoRA GRPO step (SGD, so any gradient difference shows in the update) at TP2, PP2 and
+  TP2xPP2 gives TP1's loss, grad norm, updated adapters and merged weights; DDP and the
+  optimizer hold the adapters only.
+* The exported peft adapter, loaded onto the HF model by the ``peft`` library, gives the
+  Megatron LoRA model's logits (fp32, <= 1e-5) at TP2 and PP2, where the base alone is far off.
+"""
+
+import zlib
+
+import pytest
+import torch
+
+from megatron_grpo.config.base import ConfigError, build_section
+from megatron_grpo.config.model import LoraConfig
+from megatron_grpo.models.lora import LoraSpec, lora_problem, resolve_targets
+from megatron_grpo.testing.distributed import run_distributed
+from megatron_grpo.testing.tiny_models import tiny_config
+
+RANK, ALPHA = 4, 8.0
+
+
+@pytest.mark.parametrize("raw,key,words", [
+    ({"rank": 0}, "model.lora.rank", ">= 1"),
+    ({"alpha": 0}, "model.lora.alpha", "> 0"),
+    ({"alpha": -2.0}, "model.lora.alpha", "> 0"),
+    ({"dropout": 1.0}, "model.lora.dropout", "[0, 1)"),
+    ({"target_modules": ["q_proj"]}, "model.lora.target_modules", "linear_qkv"),
+    ({"target_modules": []}, "model.lora.target_modules", "at least one"),
+    ({"target_modules": ["linear_qkv", "linear_qkv"]}, "model.lora.target_modules", "twice"),
+    ({"ranks": 8}, "model.lora", "ranks"),
+])
+def test_bad_lora_config_is_one_line(raw, key, words):
+    with pytest.raises(ConfigError) as e:
+        build_section(LoraConfig, raw, "model.lora")
+    line = e.value.one_line()
+    assert "\n" not in line and key in line and words in line, line
+
+
+def test_targets_resolve_in_megatron_order():
+    assert resolve_targets(["all-linear"]) == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert resolve_targets(["linear_fc2", "linear_qkv"]) == ("linear_qkv", "linear_fc2")
+    spec = LoraSpec(rank=8, alpha=16, dropout=0.0, targets=resolve_targets(["linear_qkv", "linear_fc1"]))
+    assert spec.scale == 2.0
+    assert spec.hf_target_modules() == ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+
+
+def test_layouts_lora_cannot_train_are_refused():
+    dense = tiny_config("qwen2")
+    spec = LoraSpec(rank=4, alpha=8, dropout=0.0, targets=resolve_targets(["all-linear"]))
+    ok = dict(tp=2, attention_backend="sdpa", sequence_parallel=False)
+    assert lora_problem(spec, dense, **ok) is None
+    moe = tiny_config("qwen3_moe")
+    key, message = lora_problem(spec, moe, **ok)
+    assert key == "model.lora.target_modules" and "linear_fc1, linear_fc2" in message and "experts" in message
+    attention_only = LoraSpec(rank=4, alpha=8, dropout=0.0, targets=("linear_qkv", "linear_proj"))
+    assert lora_problem(attention_only, moe, **ok) is None  # the attention of an MoE model is adapted
+    assert lora_problem(spec, dense, **{**ok, "attention_backend": "te"})[0] == "model.lora"
+    assert lora_problem(spec, dense, **{**ok, "sequence_parallel": True})[0] == "model.lora"
+    dropout = LoraSpec(rank=4, alpha=8, dropout=0.1, targets=spec.targets)
+    assert lora_problem(dropout, dense, **ok)[0] == "model.lora.dropout"
+    assert lora_problem(dropout, dense, **{**ok, "tp": 1}) is None
+
+
+# ---- distributed ---------------------------------------------------------------------------
+
+def set_nonzero_b(chunks, hf_config):
+    """Give every B a value that does not depend on the layout: drawn per HF module (seeded by
+    its name) in HF layout, then sliced by the base weight's own layout for this TP rank. With
+    B != 0, A gets a gradient too (at B = 0 it would not)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.models.weights import chunk_params
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    for chunk in chunks:
+        for m, param in chunk_params(chunk, hf_config):
+            adapter = getattr(param, "lora_adapter", None)
+            if adapter is None:
+                continue
+            rows = m.layout.from_shards([param.detach()] * tp)  # only the HF shapes are used
+            parts = [torch.randn(t.shape[0], RANK, generator=torch.Generator().manual_seed(zlib.crc32(n.encode())))
+                     * 0.05 for n, t in zip(m.hf_names, rows)]
+            with torch.no_grad():
+                b = m.layout.to_shard(parts, tp_rank, tp) if adapter.kind == "column" else parts[0]
+                adapter.lora_B.copy_(b)
+
+
+def _lora_step(rank, world, hf_dir):
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
+    from megatron_grpo.models import iter_hf_weights
+    from megatron_grpo.models.lora import iter_adapters
+    from megatron_grpo.models.lora_export import iter_lora_weights
+    from megatron_grpo.models.weights import exports_weights
+    from megatron_grpo.testing.batches import random_train_batch
+    from megatron_grpo.testing.policy import build_test_policy
+    from megatron_grpo.trainer.batch import dp_shard
+    from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
+
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"])
+    policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32", lora=lora),
+                               OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0))
+    set_nonzero_b(policy.modules, policy.hf_config)
+    algo = AlgorithmConfig(eps_clip_high=0.28, off_policy_correction={"tis_ratio_type": "token"})
+    spec = ScoringSpec(temperature=0.7, vocab_size=policy.hf_config.vocab_size)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    full = random_train_batch(8)
+    local = dp_shard(full, dp_rank, dp, 8)
+    old = compute_log_probs(policy.chunks, local, 2, spec, None)
+    local.old_log_probs = old if old is not None else torch.zeros_like(local.rollout_log_probs)
+    metrics, applied, grad_norm = train_mini_batch(
+        policy.chunks, policy.optimizer, local, algo, spec, 2, int(full.loss_mask.sum()),
+        full.num_sequences, dp, ps.get_data_parallel_group(), None)
+    adapters = dict(iter_lora_weights(policy.modules, policy.hf_config)) if exports_weights() else {}
+    merged = {k: v.clone() for k, v in iter_hf_weights(policy.modules, policy.hf_config)}
+    adapter_params = {id(p) for _, a in iter_adapters(policy.modules) for p in a.parameters()}
+    optimized = [p for g in policy.optimizer.param_groups for p in g["params"]]
+    buffers = sum(b.grad_data.numel() for c in policy.chunks for b in c.buffers)
+    return {"metrics": metrics, "applied": applied, "grad_norm": grad_norm, "adapters": adapters,
+            "merged": merged, "optimized_are_adapters": {id(p) for p in optimized} == adapter_params,
+            "grad_buffer": buffers, "adapter_numel": sum(a.lora_A.numel() + a.lora_B.numel()
+                                                         for _, a in iter_adapters(policy.modules))}
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    from megatron_grpo.testing.tiny_models import save_tiny_model
+
+    return str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=1))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_hf):
+    (ref,) = run_distributed(_lora_step, 1, tiny_hf, tp=1, pp=1, timeout_s=300)
+    return ref
+
+
+@pytest.mark.slow
+def test_only_the_adapters_are_trained(reference, tiny_hf):
+    from safetensors.torch import load_file
+
+    assert reference["applied"] and reference["optimized_are_adapters"]
+    # DDP's gradient buffer holds the adapters and nothing else (the frozen base has none)
+    assert reference["grad_buffer"] == reference["adapter_numel"]
+    # both A and B moved (B != 0 before the step, so A had a gradient)
+    assert reference["metrics"]["loss"] != 0
+    base = load_file(f"{tiny_hf}/model.safetensors")
+    moved = [k for k, v in reference["merged"].items() if not torch.equal(v, base[k].float())]
+    assert any("q_proj" in k for k in moved) and any("down_proj" in k for k in moved)
+    assert not any("norm" in k or "embed" in k for k in moved)  # frozen: bitwise unchanged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,tp,pp", [(2, 2, 1), (2, 1, 2), (4, 2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
+def test_lora_step_matches_tp1(tiny_hf, reference, world, tp, pp):
+    results = run_distributed(_lora_step, world, tiny_hf, tp=tp, pp=pp, timeout_s=300)
+    ref_m = reference["metrics"]
+    reporters = [r for r in results if r["metrics"] is not None]
+    assert reporters
+    for r in reporters:
+        assert r["applied"] and r["optimized_are_adapters"]
+        assert abs(r["metrics"]["loss"] - ref_m["loss"]) <= 1e-5 * max(1, abs(ref_m["loss"]))
+        assert abs(r["grad_norm"] - reference["grad_norm"]) <= 1e-5 * max(1, reference["grad_norm"]), (
+            r["grad_norm"], reference["grad_norm"])
+    adapters = {k: v for r in results for k, v in r["adapters"].items()}
+    assert set(adapters) == set(reference["adapters"])
+    assert max((adapters[k] - v).abs().max().item() for k, v in reference["adapters"].items()) <= 1e-6
+    merged = {k: v for r in results for k, v in r["merged"].items()}
+    assert set(merged) == set(reference["merged"])
+    assert max((merged[k] - v).abs().max().item() for k, v in reference["merged"].items()) <= 1e-5
+
+
+def _peft_equivalence(rank, world, hf_dir, out_dir):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_grpo.config import ModelConfig, OptimizerConfig
+    from megatron_grpo.models.lora_export import peft_logits, save_peft_adapter
+    from megatron_grpo.models.self_check import megatron_logits_on_rank0, probe_input_ids
+    from megatron_grpo.testing.policy import build_test_policy
+
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"])
+    policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32", lora=lora), OptimizerConfig(name="sgd"))
+    set_nonzero_b(policy.modules, policy.hf_config)
+    spec = policy.modules[0].lora_spec
+    ids = probe_input_ids(policy.hf_config.vocab_size)
+    ours = megatron_logits_on_rank0(policy.modules, policy.hf_config, ids)
+    save_peft_adapter(policy.modules, policy.hf_config, out_dir, spec=spec, base_model_name_or_path=hf_dir)
+    if rank != 0:
+        return None
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)(input_ids=ids).logits
+    return {"peft": (ours - peft_logits(hf_dir, out_dir, ids)).abs().max().item(),
+            "base": (ours - base).abs().max().item()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_peft_loads_the_exported_adapter(tiny_hf, tmp_path, tp, pp):
+    import json
+
+    out = tmp_path / "adapter"
+    result = run_distributed(_peft_equivalence, 2, tiny_hf, str(out), tp=tp, pp=pp, timeout_s=300)[0]
+    assert result["peft"] <= 1e-5, result
+    assert result["base"] > 0.05, result  # the adapters change the logits: the comparison is not vacuous
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (RANK, ALPHA)
+    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
