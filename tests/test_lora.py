@@ -90,7 +90,7 @@ def set_nonzero_b(chunks, hf_config):
                 adapter.lora_B.copy_(b)
 
 
-def _lora_step(rank, world, hf_dir):
+def _lora_step(rank, world, hf_dir, recompute=False):
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
@@ -104,7 +104,7 @@ def _lora_step(rank, world, hf_dir):
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
 
     lora = LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"])
-    policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32", lora=lora),
+    policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32", lora=lora, recompute_activations=recompute),
                                OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0))
     set_nonzero_b(policy.modules, policy.hf_config)
     algo = AlgorithmConfig(eps_clip_high=0.28, off_policy_correction={"tis_ratio_type": "token"})
@@ -141,6 +141,16 @@ def reference(tiny_hf):
     return ref
 
 
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    """A 4-layer model (pp2 x vpp2 needs a layer per virtual stage) and its TP1 step."""
+    from megatron_grpo.testing.tiny_models import save_tiny_model
+
+    hf_dir = str(save_tiny_model(tmp_path_factory.mktemp("hf4"), "llama", seed=2, num_layers=4))
+    (ref,) = run_distributed(_lora_step, 1, hf_dir, tp=1, pp=1, timeout_s=300)
+    return hf_dir, ref
+
+
 @pytest.mark.slow
 def test_only_the_adapters_are_trained(reference, tiny_hf):
     from safetensors.torch import load_file
@@ -159,7 +169,20 @@ def test_only_the_adapters_are_trained(reference, tiny_hf):
 @pytest.mark.slow
 @pytest.mark.parametrize("world,tp,pp", [(2, 2, 1), (2, 1, 2), (4, 2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
 def test_lora_step_matches_tp1(tiny_hf, reference, world, tp, pp):
-    results = run_distributed(_lora_step, world, tiny_hf, tp=tp, pp=pp, timeout_s=300)
+    _assert_same_step(run_distributed(_lora_step, world, tiny_hf, tp=tp, pp=pp, timeout_s=300), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,vpp,recompute", [(1, 2, 2, False), (2, 1, None, True)], ids=["pp2xvpp2", "tp2-recompute"])
+def test_lora_step_with_virtual_pipeline_and_recomputation(four_layers, tp, pp, vpp, recompute):
+    """The interleaved schedule (adapters in every model chunk) and full activation
+    recomputation (the forward hook re-run inside megatron's checkpoint) give TP1's step."""
+    hf_dir, reference = four_layers
+    results = run_distributed(_lora_step, 2, hf_dir, recompute, tp=tp, pp=pp, vpp=vpp, timeout_s=300)
+    _assert_same_step(results, reference)
+
+
+def _assert_same_step(results, reference):
     ref_m = reference["metrics"]
     reporters = [r for r in results if r["metrics"] is not None]
     assert reporters

@@ -228,6 +228,11 @@ def apply_lora(chunks: list, spec: LoraSpec, base: Optional[dict] = None) -> Non
                 adapters[key] = adapter
                 weight.lora_adapter = adapter  # read by the weight sync / export (merged_source)
                 linear.register_forward_hook(_hook(adapter))
+        if chunk.pre_process and chunk.config.recompute_granularity is not None:
+            # megatron's recomputation (an autograd Function over the layers' input) runs no
+            # backward when that input needs no gradient, which a frozen embedding's output
+            # does not: the adapters would silently get none (peft's enable_input_require_grads)
+            chunk.embedding.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
         chunk.lora_adapters = adapters
         chunk.lora_spec = spec
         chunk.lora_base = base
