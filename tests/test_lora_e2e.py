@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
 
 STEPS = 4
-LORA = ("rollout.engine=inprocess", "model.lora.rank=8", "model.lora.alpha=16", "optimizer.lr=2e-3",
+LORA = ("rollout.engine=inprocess", "model.lora.rank=4", "model.lora.alpha=8", "optimizer.lr=2e-3",
         "optimizer.lr_decay_style=constant", "optimizer.lr_warmup_steps=0",  # the same lr at 2 and 4 steps
         "checkpoint.save_every=2", "logging.plot=false")
 COMPARED = ("reward_mean", "loss", "ppo_kl", "entropy", "grad_norm", "rollout_train_logprobs_abs_diff_mean")
@@ -44,11 +44,10 @@ def straight(demo, tmp_path_factory):
 def test_lora_run_syncs_verified_and_saves_adapters_only(straight, demo):
     run_dir, rows = straight
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert all(r["weight_sync_verified"] == 1 for r in rows)  # checksums of every merged tensor, every sync
-    assert max(r["rollout_train_logprobs_abs_diff_mean"] for r in rows) <= 1e-5
+    _check_adapter_syncs(rows, demo)
     ckpt = run_dir / "checkpoints" / f"step_{STEPS:06d}"
     meta = json.loads((ckpt / "megatron_grpo.json").read_text())
-    assert meta["lora"]["rank"] == 8 and meta["lora"]["base"]["hf_dir"] == str((demo / "model").resolve())
+    assert meta["lora"]["rank"] == 4 and meta["lora"]["base"]["hf_dir"] == str((demo / "model").resolve())
     keys = list(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
     model_keys = [k for k in keys if not k.startswith("optimizer")]
     assert model_keys and all(k.startswith("lora_adapters.") for k in model_keys), model_keys[:5]
@@ -56,6 +55,24 @@ def test_lora_run_syncs_verified_and_saves_adapters_only(straight, demo):
     ckpt_bytes = sum(p.stat().st_size for p in ckpt.glob("*.distcp"))
     base_bytes = (demo / "model" / "model.safetensors").stat().st_size
     assert ckpt_bytes < 0.5 * base_bytes, (ckpt_bytes, base_bytes)
+
+
+def _check_adapter_syncs(rows, demo):
+    """Every sync sent the adapters alone (<= 5% of the model's bytes) and passed the probe:
+    the engine's log-probs (its own merge) = the trainer's LoRA forward (fp32, <= 1e-5)."""
+    model_bytes = (demo / "model" / "model.safetensors").stat().st_size
+    assert all(r["weight_sync_verified"] == 1 for r in rows)
+    assert all(0 < r["weight_sync_bytes"] <= 0.05 * model_bytes for r in rows), [r["weight_sync_bytes"] for r in rows]
+    assert max(r["weight_sync_probe_logprob_abs_diff"] for r in rows) <= 1e-5
+    assert max(r["rollout_train_logprobs_abs_diff_mean"] for r in rows) <= 1e-5
+
+
+@pytest.mark.slow
+def test_pp2_lora_run_gathers_the_stages_adapters(demo, tmp_path):
+    """At PP2 the second stage's adapters reach the engine through rank 0 (gather_object)."""
+    rows = _train(demo, tmp_path / "pp2", 2, "parallel.tp=1", "parallel.pp=2", "checkpoint.save_every=0",
+                  "eval.sets=[]")
+    _check_adapter_syncs(rows, demo)
 
 
 @pytest.mark.slow
@@ -83,7 +100,7 @@ def test_tp2_lora_checkpoint_exports_at_tp1(straight, tmp_path):
     adapter = _convert("--ckpt-dir", ckpt, "--output-dir", tmp_path / "adapter", "--lora")
     assert adapter.returncode == 0 and "self-check OK" in adapter.stdout, adapter.stdout + adapter.stderr[-2000:]
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (8, 16, "LORA")
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8, "LORA")
     merged = _convert("--ckpt-dir", ckpt, "--output-dir", tmp_path / "merged", "--merge")
     assert merged.returncode == 0 and "self-check OK" in merged.stdout, merged.stdout + merged.stderr[-2000:]
     plain = _convert("--ckpt-dir", ckpt, "--output-dir", tmp_path / "plain")

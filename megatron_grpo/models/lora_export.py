@@ -47,9 +47,11 @@ def _gather_tp(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def iter_lora_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """(peft name, full fp32 tensor) of every adapter of this PP stage. Collective over the TP
-    group (every TP rank of the stage iterates to the end; all of them receive the tensors)."""
+def iter_adapters_hf(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(HF weight name, A ``[r, in]``, B ``[out, r]``) of every adapted HF module of this PP
+    stage, full fp32 tensors (the optimizer's main copies in bf16 training). Collective over
+    the TP group (every TP rank of the stage iterates to the end; all of them receive them).
+    A fused adapter gives each of its modules its A (the same tensor) and its rows of B."""
     for chunk in model_chunks:
         for m, param in chunk_params(chunk, hf_config):
             adapter = getattr(param, "lora_adapter", None)
@@ -58,13 +60,18 @@ def iter_lora_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torc
             a = weight_source(adapter.lora_A).detach().float()
             b = weight_source(adapter.lora_B).detach().float()
             if adapter.kind == "column":  # A replicated, B split like the weight's rows
-                a_full, b_parts = [a] * len(m.hf_names), m.layout.from_shards(_gather_tp(b))
+                a_full, b_parts = [a.clone()] * len(m.hf_names), m.layout.from_shards(_gather_tp(b))  # one A, shared
             else:  # row: A split like the weight's columns, B replicated
-                a_full, b_parts = TPSplit(dim=1).from_shards(_gather_tp(a)), [b]
-            for hf_name, a_i, b_i in zip(m.hf_names, a_full, b_parts):
-                name_a, name_b = peft_names(hf_name)
-                yield name_a, a_i.clone()
-                yield name_b, b_i.clone()
+                a_full, b_parts = TPSplit(dim=1).from_shards(_gather_tp(a)), [b.clone()]
+            yield from zip(m.hf_names, a_full, b_parts)
+
+
+def iter_lora_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """(peft name, full fp32 tensor) of every adapter of this PP stage (``iter_adapters_hf``)."""
+    for hf_name, a, b in iter_adapters_hf(model_chunks, hf_config):
+        name_a, name_b = peft_names(hf_name)
+        yield name_a, a.clone()
+        yield name_b, b
 
 
 def adapter_config(spec: LoraSpec, base_model_name_or_path: str) -> dict:

@@ -120,7 +120,7 @@ def _shape_error(m: ParamMapping, hf: list[torch.Tensor], param, detail: str) ->
 
 
 @torch.no_grad()
-def iter_hf_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model_chunks: list, hf_config, *, merge_lora: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full HF-layout tensor) for every parameter of this PP stage: first the
     non-expert tensors of all chunks, then the experts (MoE models).
 
@@ -132,7 +132,8 @@ def iter_hf_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.
     parameter's fp32 *main* copy where megatron-core's mixed-precision optimizer keeps one
     (``param.main_param``, bf16/fp16 training: ``weight_source``), else the parameter itself;
     it keeps that tensor's dtype and device and is a fresh copy. A LoRA-adapted weight is
-    yielded merged (``W + scale * B @ A`` from the frozen base, in fp32). Tied embeddings are yielded once, as
+    yielded merged (``W + scale * B @ A`` from the frozen base, in fp32), or as the frozen base
+    with ``merge_lora=False`` (what an engine that merges on its side loads first). Tied embeddings are yielded once, as
     ``model.embed_tokens.weight``, by the first PP stage.
     """
     from megatron.core import parallel_state as ps
@@ -141,7 +142,7 @@ def iter_hf_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.
     tp_group = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group())
     for m, param in pairs:
         if not m.is_expert:
-            yield from zip(m.hf_names, m.layout.from_shards(_gather(param, m, *tp_group)))
+            yield from zip(m.hf_names, m.layout.from_shards(_gather(param, m, *tp_group, merge_lora)))
     if not any(m.is_expert for m, _ in pairs):
         return
     etp_group = (ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_group())
@@ -149,7 +150,7 @@ def iter_hf_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.
     for m, param in pairs:
         if not m.is_expert:
             continue
-        for j, tensor in enumerate(m.layout.from_shards(_gather(param, m, *etp_group))):
+        for j, tensor in enumerate(m.layout.from_shards(_gather(param, m, *etp_group, merge_lora))):
             if ep == 1:
                 yield m.hf_names[j], tensor
                 continue
@@ -169,10 +170,10 @@ def weight_source(param) -> torch.Tensor:
     return main if isinstance(main, torch.Tensor) and main.shape == param.shape else param
 
 
-def _gather(param, m: ParamMapping, size: int, group) -> list[torch.Tensor]:
+def _gather(param, m: ParamMapping, size: int, group, merge_lora: bool = True) -> list[torch.Tensor]:
     """The shards of ``param``'s value (``weight_source``; a LoRA-adapted weight merged with its
     adapter, in fp32) on every rank of ``group`` (just this one if replicated)."""
-    merged = merged_source(param, weight_source)  # fp32 W + scale * B @ A of a LoRA-adapted weight
+    merged = merged_source(param, weight_source) if merge_lora else None  # fp32 W + scale * B @ A
     local = (merged if merged is not None else weight_source(param)).detach()
     if size == 1 or m.layout.replicated:
         return [local]

@@ -36,8 +36,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_grpo.models import iter_hf_weights
+from megatron_grpo.models.lora import has_lora
+from megatron_grpo.models.lora_export import iter_adapters_hf
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
-from megatron_grpo.sync.syncer import SyncStats, WeightSyncError
+from megatron_grpo.sync.syncer import Probe, SyncStats, WeightSyncError, probe_tokens
 from megatron_grpo.wire.checksum import compare_checksums, tensor_checksum
 
 
@@ -72,8 +74,12 @@ class InMemorySyncer:
     """Per-step sync of Megatron chunks into rank 0's ``engine`` (None on the other ranks)."""
 
     def __init__(self, rollout_cfg, hf_config, engine: Optional[EmbeddedEngine], *,
-                 iter_weights: Optional[Callable] = None):
+                 iter_weights: Optional[Callable] = None, probe: Optional[Probe] = None):
+        """``probe``: the trainer's log-probs of the probe sequence (collective), which verifies
+        the syncs of a LoRA policy (the engine merges the adapters itself)."""
         self.rollout_cfg = rollout_cfg
+        self.probe = probe
+        self.lora_base_loaded = False  # the engine holds the frozen base: LoRA syncs send adapters only
         self.hf_config = hf_config
         self.engine = engine
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -108,13 +114,22 @@ class InMemorySyncer:
     def _sync(self, model_chunks: list, step: int, verify: bool, stats: SyncStats, expected: dict[str, str],
               kept: list) -> None:
         """``sync``'s phases: the copy, the gather of later stages, the check, the version."""
-        error = None
-        if self.participant:
-            error = self._stage(model_chunks, verify, stats, expected, kept)
-        agree(error, f"copy (step {step})")
-        if self.pp > 1:
-            self._gather_stages(kept, verify, stats, expected, step)
-        if verify:
+        lora = has_lora(model_chunks)
+        if not (lora and self.lora_base_loaded):  # every weight: merged, or a LoRA policy's frozen base
+            if lora and self.rank == 0:
+                self.engine.forget_lora_base()
+            error = None
+            if self.participant:
+                error = self._stage(model_chunks, verify and not lora, stats, expected, kept, merge_lora=not lora)
+            agree(error, f"copy (step {step})")
+            if self.pp > 1:
+                self._gather_stages(kept, verify and not lora, stats, expected, step)
+        if lora:
+            self._sync_adapters(model_chunks, step, stats)
+            self.lora_base_loaded = True
+            if verify:
+                self._verify_probe(step, stats)
+        elif verify:
             problem = None
             if self.rank == 0:
                 c0 = time.perf_counter()
@@ -131,6 +146,62 @@ class InMemorySyncer:
             agree(problem, f"verification (step {step})")
         if self.rank == 0:
             self.engine.weight_version = str(step)
+
+    def _sync_adapters(self, model_chunks: list, step: int, stats: SyncStats) -> None:
+        """Collective: every stage's adapters (``lora_export.iter_adapters_hf``: full A and B per
+        HF module, gathered over TP) to rank 0, whose engine serves ``base + scale * B @ A``."""
+        t0 = time.perf_counter()
+        triples, error = [], None
+        if self.participant:
+            try:
+                triples = list(iter_adapters_hf(model_chunks, self.hf_config))
+            except Exception as e:  # noqa: BLE001 - reported collectively
+                error = _one_line(e)
+        agree(error, f"adapters (step {step})")
+        if self.pp > 1:
+            gathered = [None] * dist.get_world_size() if self.rank == 0 else None
+            mine = [(n, a.cpu(), b.cpu()) for n, a, b in triples] if self.sender and self.rank != 0 else None
+            dist.gather_object(mine, gathered, dst=0)
+            if self.rank == 0:
+                triples += [t for part in gathered[1:] if part for t in part]
+        error = None
+        if self.rank == 0:
+            try:
+                stats.num_tensors += len({id(t) for _, a, b in triples for t in (a, b)})
+                # a fused adapter's A serves q/k/v (gate/up): one tensor, counted once
+                sent = {id(t): t for _, a, b in triples for t in (a, b)}
+                stats.num_bytes += sum(t.numel() * t.element_size() for t in sent.values())
+                with self.engine.exclusive():
+                    self.engine.merge_lora(triples, model_chunks[0].lora_spec.scale)
+            except Exception as e:  # noqa: BLE001
+                error = _one_line(e)
+        agree(error, f"LoRA merge in the engine (step {step})")
+        stats.send_seconds += time.perf_counter() - t0
+
+    def _verify_probe(self, step: int, stats: SyncStats) -> None:
+        """Collective: the engine's log-probs of the probe sequence equal the trainer's (its LoRA
+        forward) within ``rollout.verify_logprob_tolerance``."""
+        c0 = time.perf_counter()
+        tokens = probe_tokens(self.hf_config.vocab_size)
+        mine = self.probe(tokens) if self.probe is not None else None
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        problem = None
+        if self.rank == 0:
+            trainer = next((g for g in gathered if g is not None), None)
+            try:
+                served = self.engine.prompt_logprobs(tokens)
+                diff = torch.tensor(served, dtype=torch.float64) - torch.tensor(trainer, dtype=torch.float64)
+                stats.probe_logprob_abs_diff = float(diff.abs().mean())
+                if not stats.probe_logprob_abs_diff <= self.rollout_cfg.verify_logprob_tolerance:
+                    problem = (f"the in-process engine's log-probs on the probe differ from the trainer's by "
+                               f"{stats.probe_logprob_abs_diff:.3g} on average after the step {step} sync "
+                               f"(rollout.verify_logprob_tolerance={self.rollout_cfg.verify_logprob_tolerance}; "
+                               f"engine dtype {self.engine.dtype})")
+            except Exception as e:  # noqa: BLE001 - agreed on below
+                problem = f"cannot probe: {_one_line(e)}"
+        stats.checksum_seconds += time.perf_counter() - c0
+        agree(problem, f"probe verification (step {step})")
 
     def _load(self, named: Iterator[tuple[str, torch.Tensor]], verify: bool, stats: SyncStats,
               expected: dict[str, str]) -> None:
@@ -151,12 +222,13 @@ class InMemorySyncer:
         with self.engine.exclusive():
             self.engine.load_weights(converted(), compute_checksums=verify)
 
-    def _stage(self, model_chunks, verify, stats, expected, kept) -> Optional[str]:
+    def _stage(self, model_chunks, verify, stats, expected, kept, merge_lora: bool = True) -> Optional[str]:
         """Iterate this stage's weights: rank 0 loads them, a later stage's sender keeps them,
         TP peers only feed the gather. Returns an error or None (after draining the iterator,
         so TP peers are never left in a collective)."""
         t0 = time.perf_counter()
-        weights = self._iter_weights(model_chunks, self.hf_config)
+        weights = (self._iter_weights(model_chunks, self.hf_config) if merge_lora
+                   else iter_hf_weights(model_chunks, self.hf_config, merge_lora=False))
         error = None
         try:
             if self.rank == 0:
@@ -186,7 +258,8 @@ class InMemorySyncer:
         agree(error, f"copy of the later pipeline stages (step {step})")
 
     def reset(self) -> None:
-        """Nothing to forget: the engine lives and dies with this process."""
+        """Send every weight again at the next sync (the engine lives and dies with this process)."""
+        self.lora_base_loaded = False
 
     def close(self) -> None:
         """Nothing to close (the engine is closed by its ``InProcessEngine``)."""

@@ -146,7 +146,7 @@ def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Option
     ``spawned``: rank 0's servers already started at its start-up (``spawn_servers``)."""
     if ENGINES[cfg.rollout.engine].in_process:
         engine = start_inprocess(cfg.rollout, model_dir=cfg.model.hf_dir) if owner else None
-        return InProcessEngine(engine, InMemorySyncer(cfg.rollout, hf_config, engine),
+        return InProcessEngine(engine, InMemorySyncer(cfg.rollout, hf_config, engine, probe=probe),
                                timeout_s=cfg.rollout.request_timeout_s)
     manager = client = None
     # the per-run key of launched servers (run_api_key) lives only in this copy, never in cfg,

@@ -306,13 +306,16 @@ class Trainer:
         reporter = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
                     and ps.get_data_parallel_rank() == 0)
         box = [None] * dist.get_world_size()
-        dist.all_gather_object(box, pool_optimizer_steps(updates.metrics) if reporter and updates.metrics else None)
-        record = {**rollout_stats, **next((m for m in box if m is not None), {})}  # {}: the update was skipped
+        mine = pool_optimizer_steps(updates.metrics) if reporter and updates.metrics else None
+        dist.all_gather_object(box, (mine, synced.num_bytes))
+        record = {**rollout_stats, **next((m for m, _ in box if m is not None), {})}  # {}: the update was skipped
         record["lr"] = float(self.policy.optimizer.param_groups[0]["lr"])
         record["skipped_updates"] = updates.skipped
         record["skipped_zero_advantage"] = int(updates.skipped_zero_advantage)
         record["engine_restarts"] = self.engine.restarts
         record["weight_sync_verified"] = int(synced.verified)
+        # each sender counts what it sent (a LoRA policy's in-process sync: the adapters alone)
+        record["weight_sync_bytes"] = sum(sent for _, sent in box)
         if synced.probe_logprob_abs_diff is not None:
             record["weight_sync_probe_logprob_abs_diff"] = synced.probe_logprob_abs_diff
         return record

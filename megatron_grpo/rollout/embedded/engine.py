@@ -37,7 +37,7 @@ import torch
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.models.weights import SafetensorsReader
 from megatron_grpo.ops.quantize import QuantScheme
-from megatron_grpo.rollout.embedded.generation import Sequence
+from megatron_grpo.rollout.embedded.generation import Sequence, prompt_logprobs
 from megatron_grpo.rollout.embedded.quantize import quantize_decoder_linears
 from megatron_grpo.rollout.embedded.scheduler import StepControl, run_continuous
 from megatron_grpo.rollout.embedded.served_names import served_tensors
@@ -104,6 +104,7 @@ class EmbeddedEngine:
         # name -> checksum of the parameter as loaded by the last update that asked for it,
         # computed in the background so it overlaps the next bucket's transfer.
         self._checksums: dict[str, Future] = {}
+        self._lora_base: dict[str, torch.Tensor] = {}  # name -> fp32 base of a LoRA-merged parameter
         self._checksum_pool = ThreadPoolExecutor(1, thread_name_prefix="engine-checksum")
         self._thread = threading.Thread(target=self._scheduler, name="engine-scheduler", daemon=True)
         self._thread.start()
@@ -307,6 +308,41 @@ class EmbeddedEngine:
         for module in touched:
             module.requantize()
         return count
+
+    @torch.no_grad()
+    def merge_lora(self, adapters: Iterable[tuple[str, torch.Tensor, torch.Tensor]], scale: float, *,
+                   compute_checksums: bool = False) -> int:
+        """Serve ``W_base + scale * B @ A`` for each ``(name, A [r, in], B [out, r])``, computed in
+        fp32 from the parameter's LoRA base (call inside ``exclusive()``; ``load_weights`` does the
+        copy, checks and checksums). The base is the parameter as the first merge found it (the
+        weight sync loads the unmerged base first, after ``forget_lora_base``) and is kept in fp32,
+        so every merge starts from it: nothing accumulates from one merge to the next."""
+        def merged():
+            for name, a, b in adapters:
+                param = self._params.get(name)
+                if param is None:
+                    raise EngineError(f"unknown parameter name {name!r}")
+                base = self._lora_base.get(name)
+                if base is None:
+                    base = self._lora_base[name] = param.detach().float().clone()
+                a, b = a.to(self.device, torch.float32), b.to(self.device, torch.float32)
+                if b.shape[0] != base.shape[0] or a.shape[1] != base.shape[1] or a.shape[0] != b.shape[1]:
+                    raise EngineError(f"{name}: LoRA A {list(a.shape)} / B {list(b.shape)} do not fit the "
+                                      f"model's {list(base.shape)}")
+                yield name, base + scale * (b @ a)
+        return self.load_weights(merged(), compute_checksums=compute_checksums)
+
+    def forget_lora_base(self) -> None:
+        """Drop the kept LoRA bases (the next ``merge_lora`` keeps the parameters as they are then)."""
+        self._lora_base = {}
+
+    @torch.no_grad()
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-probs of ``token_ids[1:]`` given their prefix at temperature 1 (the weight sync's
+        probe), from one forward of the served model."""
+        with self.exclusive():
+            logits = self.model(input_ids=torch.tensor([token_ids], device=self.device)).logits[0]
+        return [float(x) for x in prompt_logprobs(logits, token_ids, 1, 1.0)]
 
     def load_from_disk(self, model_path: str, *, compute_checksums: bool = False) -> int:
         """Load every ``*.safetensors`` file of a directory (call inside ``exclusive()``)."""
