@@ -53,6 +53,14 @@ class AsyncScripted(Scripted):
         await asyncio.sleep(0)
         return Scripted.step(self, response)
 
+class Huge:
+    """An observation of 50 MB (issue 48: 100 MB grew the trainer to 16.5 GB)."""
+    def __init__(self, row):
+        pass
+
+    def step(self, response):
+        return {"observation": "7 " * 25_000_000, "done": False}
+
 class NoStep:
     def __init__(self, row):
         pass
@@ -247,6 +255,47 @@ def test_hung_sync_env_is_killed_within_the_timeout(tok, env_file):
     (ep,) = runner(tok, f"{env_file}:Scripted", env_timeout_s=1.0).run(
         ScriptedEngine(tok), [make_prompt(tok, script="hang")], 1, SamplingParams(max_new_tokens=16))
     assert ep.error == "timeout" and ep.num_turns == 1 and episode_stats([ep])["multi_turn/env_timeouts"] == 1
+
+
+class SizeSpy:
+    """The tokenizer, recording the longest text handed to it or to its chat template."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.longest = 0
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def _seen(self, text):
+        assert len(text) < 1_000_000, f"the tokenizer was handed {len(text)} characters"
+        self.longest = max(self.longest, len(text))
+
+    def __call__(self, text, **kwargs):
+        self._seen(text)
+        return self._tok(text, **kwargs)
+
+    def apply_chat_template(self, messages, **kwargs):
+        for m in messages:
+            self._seen(m["content"])
+        return self._tok.apply_chat_template(messages, **kwargs)
+
+
+def test_huge_observation_is_cut_before_it_is_tokenized(tok, env_file):
+    spy = SizeSpy(tok)
+    r = runner(spy, f"{env_file}:Huge", max_turns=3, max_episode_tokens=40, env_timeout_s=30.0)
+    (ep,) = r.run(ScriptedEngine(tok), [make_prompt(tok)], 1, SamplingParams(max_new_tokens=16))
+    # 5 model tokens, then an observation of at most 34 tokens' worth of characters: it does not
+    # fit (the episode ends, length, as it would uncut) and nothing near its size was tokenized
+    assert ep.sample.finish_reason == "length" and ep.num_turns == 1 and ep.error is None
+    assert ep.observations_cut == 1 and episode_stats([ep])["multi_turn/observations_cut"] == 1
+    assert spy.longest <= r.renderer.observation_char_limit(40 - 5 - 1) + 100  # + the template around it
+    # the worker sends at most the limit plus one character: 50 MB never crosses the pipe
+    env = EnvProcess(f"{env_file}:Huge", {}, timeout_s=30.0)
+    try:
+        assert len(env.step("anything", 100)["observation"]) == 101
+    finally:
+        env.close()
 
 
 def test_constructor_error_ends_the_episode(tok, env_file):

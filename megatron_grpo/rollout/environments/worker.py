@@ -176,7 +176,7 @@ def raise_site(e: BaseException, env_file: str) -> str:
 
 
 def _serve(conn, spec: str, row: dict) -> None:
-    """A worker: load, construct, then answer ("step", response) until ("close", _)."""
+    """A worker: load, construct, then answer ("step", response, max_observation_chars) until ("close", ...)."""
     conn.send(("ready", None))
     where = describe(spec)
     try:
@@ -201,7 +201,7 @@ def _serve(conn, spec: str, row: dict) -> None:
     loop: Optional[asyncio.AbstractEventLoop] = None
     while True:
         try:
-            op, arg = conn.recv()
+            op, arg, max_chars = conn.recv()
         except EOFError:
             return
         if op == "close":
@@ -215,10 +215,15 @@ def _serve(conn, spec: str, row: dict) -> None:
             conn.send(("error", {"message": f"step raised {one_line(e)}", "where": raise_site(e, env_file)}))
             continue
         try:
-            conn.send(("ok", check_step_result(out, where)))
+            answer = check_step_result(out, where)
         except ValueError as e:
             conn.send(("contract", str(e)))
             return
+        if answer["observation"] is not None and max_chars is not None:
+            # one character past the limit: the trainer sees the cut (and counts it) without
+            # a huge observation ever crossing the pipe or being copied into its process
+            answer["observation"] = answer["observation"][:max_chars + 1]
+        conn.send(("ok", answer))
 
 
 def _check(conn, spec: str) -> None:
@@ -275,10 +280,12 @@ class EnvProcess:
         self._await("start-up", STARTUP_TIMEOUT_S)
         self._await("the constructor", timeout_s)
 
-    def step(self, response: str) -> dict:
-        """The environment's ``{"observation", "done", "reward"}`` for ``response``."""
+    def step(self, response: str, max_observation_chars: Optional[int] = None) -> dict:
+        """The environment's ``{"observation", "done", "reward"}`` for ``response``; an
+        observation longer than ``max_observation_chars`` is cut to that length plus one in the
+        worker (the caller sees that it was longer, and nothing larger is sent)."""
         try:
-            self._conn.send(("step", response))
+            self._conn.send(("step", response, max_observation_chars))
         except (BrokenPipeError, OSError):
             self.kill()
             raise EnvCallError("error", "the worker process is gone", self.where) from None
@@ -312,7 +319,7 @@ class EnvProcess:
         if self._closed:
             return
         try:
-            self._conn.send(("close", None))
+            self._conn.send(("close", None, None))
         except (BrokenPipeError, OSError):
             pass
         self.kill()
