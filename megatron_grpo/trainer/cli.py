@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import select
 import signal
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -231,17 +233,39 @@ def _launch_ranks(torchrun_args: list[str], env: dict[str, str]) -> int:
 _TORCHRUN_SIGNALLED = re.compile(rb"[^\n]*Received (\d+) death signal, shutting down workers")
 
 
+def _read_stderr(proc: _Agent, exited_at: list[float]) -> bytes:
+    """The next chunk of ``proc``'s stderr; b"" at its end, or ``DRAIN_S`` after ``proc`` exited
+    (``exited_at``: when that was first seen), whatever still holds the pipe open."""
+    fd = proc.stderr.fileno()
+    while True:
+        if not exited_at and proc.poll() is not None:
+            exited_at.append(time.monotonic())
+        if exited_at and time.monotonic() - exited_at[0] >= DRAIN_S:
+            return b""
+        if select.select([fd], [], [], POLL_S)[0]:
+            return os.read(fd, 65536)
+
+
+POLL_S = 0.5
+"""How often the launcher looks whether torchrun's agent has exited while its stderr is quiet."""
+DRAIN_S = 1.0
+"""After the agent exited, how long its stderr may stay quiet before the launcher stops reading:
+a process a rank left behind (a user's subprocess) may hold the pipe open for ever."""
+
+
 def _forward_stderr(proc: _Agent, error_file: Path, stopping: list[int], keep_bytes: int = 4096) -> bytes:
-    """Copy ``proc``'s stderr to ours until it closes, except after a rank recorded its error
-    in ``error_file`` or a stop signal came (``stopping``: torchrun's shutdown report follows,
-    and the ranks record where they stopped); returns the last ``keep_bytes`` of it. A second
-    Ctrl-C leaves at once: this process exits and every rank dies with it."""
+    """Copy ``proc``'s stderr to ours until it closes, or ``proc`` has exited (``_read_stderr``),
+    except after a rank recorded its error in ``error_file`` or a stop signal came
+    (``stopping``: torchrun's shutdown report follows, and the ranks record where they
+    stopped); returns the last ``keep_bytes`` of it. A second Ctrl-C leaves at once: this
+    process exits and every rank dies with it."""
     out = getattr(sys.stderr, "buffer", None)
     tail = b""
     interrupts = 0  # Ctrl-Cs this process received
+    exited_at: list[float] = []
     while True:
         try:
-            chunk = os.read(proc.stderr.fileno(), 65536)
+            chunk = _read_stderr(proc, exited_at)
         except KeyboardInterrupt:
             interrupts += 1
             if interrupts > 1:
