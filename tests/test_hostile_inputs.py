@@ -572,6 +572,18 @@ def returns_nan(response, answer):
 
 def returns_inf(response, answer):
     return -math.inf
+
+def exits(response, answer):
+    import sys
+    sys.exit(0)
+
+def hangs(response, answer):
+    while True:
+        pass
+
+async def hangs_async(response, answer):
+    import asyncio
+    await asyncio.sleep(600)
 """
 
 
@@ -600,6 +612,46 @@ def test_reward_misbehaving_at_scoring_time(bad_rewards, fn, expected):
     line = cli.describe_user_error(err.value, "run.yaml")
     assert line.startswith(f"run.yaml: reward.functions[1] ({name}) {expected}"), line
     assert "\n" not in line
+
+
+@pytest.mark.parametrize("fn,expected", [
+    ("exits", "called sys.exit(0) on sample 0; a reward function returns a number, it does not end the run"),
+    ("hangs", "took longer than 0.5s on sample 0 (reward.functions[1].timeout_s); its worker process was killed"),
+    ("hangs_async", "took longer than 0.5s on sample 0 (reward.functions[1].timeout_s); the call was cancelled"),
+])
+def test_reward_that_exits_or_hangs_stops_the_run_in_one_line(bad_rewards, fn, expected):
+    """Issue 48: sys.exit(0) in a reward function ended the run with exit code 0, and a hung
+    one hung the run until it was stopped by hand. Both are now the same one-line RewardError
+    (exit 2) as a raise, the hang past ``reward.functions[i].timeout_s``."""
+    import time
+
+    from megatron_grpo.config.base import build_section
+    from megatron_grpo.config.sections import RewardConfig
+    from megatron_grpo.rewards import RewardError, RewardScorer
+
+    name = f"{bad_rewards}.{fn}"
+    deadline = {} if fn == "exits" else {"timeout_s": 0.5}
+    scorer = RewardScorer(build_section(RewardConfig, {"functions": [{"name": "format"}, {"name": name, **deadline}]},
+                                        "reward"))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RewardError) as err:
+            scorer.score(["fine", "boom"], ["1", "2"])
+    finally:
+        scorer.close()
+    line = cli.describe_user_error(err.value, "run.yaml")
+    assert line == f"run.yaml: reward.functions[1] ({name}) {expected}"
+    assert time.monotonic() - t0 < 30  # the worker's start-up (imports) is outside the deadline
+
+
+def test_reward_timeout_is_refused_where_the_function_has_its_own():
+    from megatron_grpo.config.base import ConfigError, build_section
+    from megatron_grpo.config.sections import RewardConfig
+    from megatron_grpo.rewards import RewardScorer
+
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\].timeout_s: is for dotted and file-path functions; "
+                                          r"format has its own deadline"):
+        RewardScorer(build_section(RewardConfig, {"functions": [{"name": "format", "timeout_s": 5}]}, "reward"))
 
 
 @pytest.mark.slow
