@@ -34,3 +34,9 @@ def pid() -> int:
 
 def reads_stdin() -> str:
     return os.read(0, 100).decode()  # /dev/null in the worker: the requests stay out of reach
+
+
+def spawns(marker: str) -> int:
+    import subprocess
+
+    return subprocess.Popen(["sleep", marker]).pid  # a grader's child: dies with the worker

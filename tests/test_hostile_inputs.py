@@ -505,7 +505,52 @@ def test_the_good_config_passes_preflight(world, tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "_launch_ranks", lambda cmd, env: launched.append(cmd) or 0)
     assert cli.main(["--config", ctx.config()]) == 0
     assert launched and "megatron_grpo.train" in launched[0]
-    assert not ctx.run_dir.exists()
+    assert [p.name for p in ctx.run_dir.iterdir()] == [".lock"]  # the run directory's lock, and nothing else
+
+
+# ---- two runs on one run directory ----------------------------------------------------------
+
+def test_a_second_run_on_a_run_dir_in_use_stops_in_one_line(world, tmp_path, monkeypatch, capfd):
+    """Issue 48: two runs on one directory destroyed each other's checkpoint and metrics. The
+    first start holds the lock while its ranks run (here: while ``_launch_ranks`` runs, which
+    writes what rank 0 writes and starts the second run); the second stops at pre-flight with
+    one line naming the holder's pid and exit 2, and the first's files are untouched."""
+    ctx = Ctx(tmp_path, world)
+    path = ctx.config()
+    second = {}
+
+    def first_run(cmd, env):
+        ctx.run_dir.mkdir(exist_ok=True)
+        (ctx.run_dir / "config.yaml").write_text("first\n")
+        (ctx.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+        before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in ctx.run_dir.iterdir()}
+        monkeypatch.setattr(cli, "_launch_ranks", _no_launch)
+        capfd.readouterr()
+        second["code"] = cli.main(["--config", path])
+        second["err"] = capfd.readouterr().err
+        second["same"] = before == {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in ctx.run_dir.iterdir()}
+        return 0
+
+    monkeypatch.setattr(cli, "_launch_ranks", first_run)
+    assert cli.main(["--config", path]) == 0
+    assert second["code"] == 2 and second["err"].count("\n") == 1, second
+    assert second["err"] == (f"error: {path}: trainer.run_dir: {ctx.run_dir} is in use by another run (pid "
+                             f"{os.getpid()} holds {ctx.run_dir / '.lock'}); stop it or choose another "
+                             "trainer.run_dir\n")
+    assert second["same"]
+
+
+def test_the_lock_of_a_dead_run_is_taken_over(world, tmp_path, monkeypatch):
+    """A holder killed with -9 leaves its lock file (and pid) but no lock: flock dies with it."""
+    ctx = Ctx(tmp_path, world)
+    holder = subprocess.run([sys.executable, "-c", "import os, sys; from megatron_grpo.runtime.run_lock import "
+                             "lock_run_dir; lock_run_dir(sys.argv[1]); print(os.getpid(), flush=True); "
+                             "os.kill(os.getpid(), 9)", str(ctx.run_dir)],
+                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert holder.returncode == -9 and (ctx.run_dir / ".lock").read_text() == holder.stdout
+    monkeypatch.setattr(cli, "_launch_ranks", lambda cmd, env: 0)
+    assert cli.main(["--config", ctx.config()]) == 0
+    assert (ctx.run_dir / ".lock").read_text() == f"{os.getpid()}\n"
 
 
 # ---- reward functions that misbehave at scoring time ------------------------------------------
@@ -527,6 +572,18 @@ def returns_nan(response, answer):
 
 def returns_inf(response, answer):
     return -math.inf
+
+def exits(response, answer):
+    import sys
+    sys.exit(0)
+
+def hangs(response, answer):
+    while True:
+        pass
+
+async def hangs_async(response, answer):
+    import asyncio
+    await asyncio.sleep(600)
 """
 
 
@@ -555,6 +612,46 @@ def test_reward_misbehaving_at_scoring_time(bad_rewards, fn, expected):
     line = cli.describe_user_error(err.value, "run.yaml")
     assert line.startswith(f"run.yaml: reward.functions[1] ({name}) {expected}"), line
     assert "\n" not in line
+
+
+@pytest.mark.parametrize("fn,expected", [
+    ("exits", "called sys.exit(0) on sample 0; a reward function returns a number, it does not end the run"),
+    ("hangs", "took longer than 0.5s on sample 0 (reward.functions[1].timeout_s); its worker process was killed"),
+    ("hangs_async", "took longer than 0.5s on sample 0 (reward.functions[1].timeout_s); the call was cancelled"),
+])
+def test_reward_that_exits_or_hangs_stops_the_run_in_one_line(bad_rewards, fn, expected):
+    """Issue 48: sys.exit(0) in a reward function ended the run with exit code 0, and a hung
+    one hung the run until it was stopped by hand. Both are now the same one-line RewardError
+    (exit 2) as a raise, the hang past ``reward.functions[i].timeout_s``."""
+    import time
+
+    from megatron_grpo.config.base import build_section
+    from megatron_grpo.config.sections import RewardConfig
+    from megatron_grpo.rewards import RewardError, RewardScorer
+
+    name = f"{bad_rewards}.{fn}"
+    deadline = {} if fn == "exits" else {"timeout_s": 0.5}
+    scorer = RewardScorer(build_section(RewardConfig, {"functions": [{"name": "format"}, {"name": name, **deadline}]},
+                                        "reward"))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RewardError) as err:
+            scorer.score(["fine", "boom"], ["1", "2"])
+    finally:
+        scorer.close()
+    line = cli.describe_user_error(err.value, "run.yaml")
+    assert line == f"run.yaml: reward.functions[1] ({name}) {expected}"
+    assert time.monotonic() - t0 < 30  # the worker's start-up (imports) is outside the deadline
+
+
+def test_reward_timeout_is_refused_where_the_function_has_its_own():
+    from megatron_grpo.config.base import ConfigError, build_section
+    from megatron_grpo.config.sections import RewardConfig
+    from megatron_grpo.rewards import RewardScorer
+
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\].timeout_s: is for dotted and file-path functions; "
+                                          r"format has its own deadline"):
+        RewardScorer(build_section(RewardConfig, {"functions": [{"name": "format", "timeout_s": 5}]}, "reward"))
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ identity with the real embedded engine, the loss over model tokens only, environ
 import os
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from megatron_grpo.losses import compute_policy_loss
 from megatron_grpo.config.algorithm import AlgorithmConfig, OffPolicyCorrectionConfig
 from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
 from megatron_grpo.rollout.environments.builtin import BUILTINS, Calculator, GuessNumber
+from megatron_grpo.rollout.environments.worker import fork_server
 from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_rewards, episode_stats
 from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
 from megatron_grpo.rollout.types import Sample, SamplingParams
@@ -52,6 +54,24 @@ class AsyncScripted(Scripted):
     async def step(self, response):
         await asyncio.sleep(0)
         return Scripted.step(self, response)
+
+class Huge:
+    """An observation of 50 MB (issue 48: 100 MB grew the trainer to 16.5 GB)."""
+    def __init__(self, row):
+        pass
+
+    def step(self, response):
+        return {"observation": "7 " * 25_000_000, "done": False}
+
+class Spawner:
+    """Starts a ``sleep`` in every step (issue 48: these outlived the run)."""
+    def __init__(self, row):
+        self.marker = row["marker"]
+
+    def step(self, response):
+        import subprocess
+        subprocess.Popen(["sleep", self.marker])
+        return {"observation": "result 7", "done": False}
 
 class NoStep:
     def __init__(self, row):
@@ -247,6 +267,85 @@ def test_hung_sync_env_is_killed_within_the_timeout(tok, env_file):
     (ep,) = runner(tok, f"{env_file}:Scripted", env_timeout_s=1.0).run(
         ScriptedEngine(tok), [make_prompt(tok, script="hang")], 1, SamplingParams(max_new_tokens=16))
     assert ep.error == "timeout" and ep.num_turns == 1 and episode_stats([ep])["multi_turn/env_timeouts"] == 1
+
+
+class SizeSpy:
+    """The tokenizer, recording the longest text handed to it or to its chat template."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self.longest = 0
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def _seen(self, text):
+        assert len(text) < 1_000_000, f"the tokenizer was handed {len(text)} characters"
+        self.longest = max(self.longest, len(text))
+
+    def __call__(self, text, **kwargs):
+        self._seen(text)
+        return self._tok(text, **kwargs)
+
+    def apply_chat_template(self, messages, **kwargs):
+        for m in messages:
+            self._seen(m["content"])
+        return self._tok.apply_chat_template(messages, **kwargs)
+
+
+def test_huge_observation_is_cut_before_it_is_tokenized(tok, env_file):
+    spy = SizeSpy(tok)
+    r = runner(spy, f"{env_file}:Huge", max_turns=3, max_episode_tokens=40, env_timeout_s=30.0)
+    (ep,) = r.run(ScriptedEngine(tok), [make_prompt(tok)], 1, SamplingParams(max_new_tokens=16))
+    # 5 model tokens, then an observation of at most 34 tokens' worth of characters: it does not
+    # fit (the episode ends, length, as it would uncut) and nothing near its size was tokenized
+    assert ep.sample.finish_reason == "length" and ep.num_turns == 1 and ep.error is None
+    assert ep.observations_cut == 1 and episode_stats([ep])["multi_turn/observations_cut"] == 1
+    assert spy.longest <= r.renderer.observation_char_limit(40 - 5 - 1) + 100  # + the template around it
+    # the worker sends at most the limit plus one character: 50 MB never crosses the pipe
+    env = EnvProcess(f"{env_file}:Huge", {}, timeout_s=30.0)
+    try:
+        assert len(env.step("anything", 100)["observation"]) == 101
+    finally:
+        env.close()
+
+
+def _sleeps(marker: str, wait_s: float = 5.0) -> list[int]:
+    """Pids of live processes whose command line holds ``marker``, after waiting (bounded) for
+    them to go (a killed process is a zombie, with no command line, until it is reaped)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if proc.name.isdigit() and marker.encode() in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+        if not pids or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.05)
+
+
+def test_an_environments_children_die_with_its_worker(tok, env_file):
+    """Each worker leads its own process group, killed whole when its episode ends, and by the
+    fork server as it exits (the trainer's process ended) for the workers still running."""
+    marker = f"600.{os.getpid()}1"
+    t0 = time.monotonic()
+    episodes = runner(tok, f"{env_file}:Spawner", max_turns=2).run(
+        ScriptedEngine(tok), [make_prompt(tok, marker=marker)], 2, SamplingParams(max_new_tokens=16))
+    assert [e.error for e in episodes] == [None, None] and time.monotonic() - t0 < 30
+    try:
+        assert _sleeps(marker) == []
+        # the trainer's process ends while an environment runs: the fork server's exit ends its children
+        env = EnvProcess(f"{env_file}:Spawner", {"marker": marker}, timeout_s=5.0)
+        env.step("anything")
+        assert len(_sleeps(marker, wait_s=0)) == 1
+        fork_server().close()
+        assert _sleeps(marker) == []
+    finally:
+        for pid in _sleeps(marker, wait_s=0):
+            os.kill(pid, 9)
 
 
 def test_constructor_error_ends_the_episode(tok, env_file):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -324,6 +325,31 @@ def test_torchruns_report_of_a_signal_read_before_our_own_is_the_stop(tmp_path, 
     proc.wait(timeout=30)
     assert capfd.readouterr().err == "a rank line\n"
     assert stopping == [signal.SIGINT]
+
+
+def test_the_launcher_stops_reading_once_torchrun_has_exited(tmp_path, capfd):
+    """Issue 48: a process a rank left behind (an environment's ``sleep 600``) held the ranks'
+    stderr pipe open, and ``megatron-grpo train`` waited for its end for ever after the run had
+    finished. The launcher now stops reading once torchrun's agent has exited (cli.DRAIN_S later)."""
+    import sys
+
+    from megatron_grpo.trainer.cli import _forward_stderr
+
+    marker = f"600.{os.getpid()}"
+    agent = ("import subprocess, sys\n"
+             f"subprocess.Popen(['sleep', '{marker}'])\n"  # inherits stderr, outlives this process
+             "sys.stderr.write('the summary\\n')\n")
+    proc = subprocess.Popen([sys.executable, "-c", agent], stderr=subprocess.PIPE)
+    reader = threading.Thread(target=_forward_stderr, args=(proc, tmp_path / "no_error", []), daemon=True)
+    try:
+        reader.start()
+        reader.join(timeout=15)
+        assert not reader.is_alive(), "still reading the stderr the orphan holds open"
+        assert proc.returncode == 0 and capfd.readouterr().err == "the summary\n"
+    finally:
+        for p in psutil.process_iter():
+            if marker in _cmdline(p):
+                p.kill()
 
 
 def _ranks_started(run_dir: Path) -> bool:

@@ -4,9 +4,11 @@ the scorer, counted in reward/<label>/timeouts), one-line errors; and the worker
 them (rewards/isolated.py)."""
 
 import json
+import os
 import threading
 import time
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -268,3 +270,27 @@ def test_worker_errors_are_one_line_and_prints_do_not_corrupt_answers(capfd):
     finally:
         for f in (noisy, raises, dies):
             f.close()
+
+
+def test_what_a_grader_starts_dies_with_its_worker():
+    """Issue 48: a worker leads its own process group, killed whole when the worker stops."""
+    marker = f"600.{os.getpid()}2"
+    spawns = target("spawns")
+    child = spawns(marker, timeout_s=60)
+    os.kill(child, 0)  # running
+    spawns.close()
+    deadline = time.monotonic() + 5
+    try:
+        while _cmdline_has(child, marker):  # a killed child is a zombie (no command line) until reaped
+            assert time.monotonic() < deadline, "the grader's child outlived its worker"
+            time.sleep(0.05)
+    finally:
+        if _cmdline_has(child, marker):
+            os.kill(child, 9)
+
+
+def _cmdline_has(pid: int, marker: str) -> bool:
+    try:
+        return marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

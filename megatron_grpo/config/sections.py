@@ -169,12 +169,20 @@ class RewardFunctionConfig:
     remote: Optional[RemoteRewardConfig] = None
     """The HTTP server of a `remote` reward (required then, and only then)."""
 
+    timeout_s: Optional[float] = None
+    """Deadline of one call of a dotted or file-path function (one sample, or one batch for a
+    batch function); null = 60. A plain function runs in a worker process, killed when a call
+    passes it; an async one is cancelled. Past it the run stops with one line naming the
+    function and the sample. Built-ins take `kwargs.timeout_s`, `remote` its `remote.timeout_s`."""
+
     def __post_init__(self):
         # Whether the name is one the reward registry resolves: preflight/rules.py (check_reward).
         check(self.label is None or LABEL_RE.match(self.label) is not None, "label",
               f"must be non-empty, without '/' or whitespace (it names metrics reward/<label>), got {self.label!r}")
         check(math.isfinite(self.weight), "weight", f"must be a finite number, got {self.weight}")
         check(self.max_concurrency >= 1, "max_concurrency", f"must be >= 1, got {self.max_concurrency}")
+        check(self.timeout_s is None or (math.isfinite(self.timeout_s) and self.timeout_s > 0), "timeout_s",
+              f"must be > 0, got {self.timeout_s}")
         if self.name == REMOTE:
             check(self.remote is not None, "remote", "is required for a remote reward (url, timeout_s, ...)")
             check(not self.kwargs, "kwargs", "a remote reward takes no kwargs (its server gets the whole sample)")

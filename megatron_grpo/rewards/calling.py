@@ -46,15 +46,24 @@ class RewardCall:
     by_name: tuple[str, ...]
     """Parameters filled from the sample by name (``sample`` or field names)."""
 
-    def call_one(self, sample: RewardSample) -> Any:
-        """``fn``'s result (a number, or an awaitable of one) for one sample."""
+    def one_arguments(self, sample: RewardSample) -> tuple[tuple, dict[str, Any]]:
+        """(args, kwargs) of ``fn``'s call for one sample."""
         args = tuple(getattr(sample, f) for f in self.positional)
         named = {n: sample if n == SAMPLE_PARAM else getattr(sample, n) for n in self.by_name}
-        return self.fn(*args, **named, **self.kwargs)
+        return args, {**named, **self.kwargs}
+
+    def batch_arguments(self, samples: list[RewardSample]) -> dict[str, Any]:
+        """The kwargs of ``fn``'s call for a batch."""
+        return {BATCH_PARAM: list(samples), **self.kwargs}
+
+    def call_one(self, sample: RewardSample) -> Any:
+        """``fn``'s result (a number, or an awaitable of one) for one sample."""
+        args, kwargs = self.one_arguments(sample)
+        return self.fn(*args, **kwargs)
 
     def call_batch(self, samples: list[RewardSample]) -> Any:
         """``fn``'s result (a sequence of numbers, or an awaitable of one) for a batch."""
-        return self.fn(**{BATCH_PARAM: list(samples)}, **self.kwargs)
+        return self.fn(**self.batch_arguments(samples))
 
 
 async def resolve(value: Any) -> Any:

@@ -22,8 +22,10 @@ and neither an alarm nor a thread can interrupt a C call; killing a process alwa
 * Messages are length-prefixed pickles over its stdin/stdout. Its file descriptors 1 and 0 are
   then pointed at stderr and /dev/null, so graded code (a ``print``) cannot corrupt the stream.
   It ignores SIGINT, so a Ctrl-C reaches the trainer (which finishes its step) and not the
-  grader in the middle of it. It exits when its stdin closes (the trainer exited), and it
-  shares the trainer's process group, so whatever stops the group stops it too.
+  grader in the middle of it. It leads a session and process group of its own, killed whole
+  when the worker is stopped, and when its stdin closes (the trainer exited) it kills its group,
+  so nothing the graded code started outlives it (issue 48: an environment's children held
+  ``megatron-grpo train`` open).
 * A worker that dies during a call (a crash in C code) or cannot start is a ``WorkerError``,
   one line: a reward that failed that way is not a wrong answer.
 """
@@ -105,7 +107,12 @@ def _read(fd: int, deadline: float | None) -> Any:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """Kill ``proc`` and reap it (a finalizer: it must not raise)."""
+    """Kill ``proc`` with its process group (what the graded code started) and reap it (a
+    finalizer: it must not raise)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # it leads its own group (start_new_session), until reaped
+    except (ProcessLookupError, PermissionError):
+        pass
     if proc.poll() is None:
         proc.kill()
     proc.wait()
@@ -167,8 +174,9 @@ class IsolatedFunction:
         if self._proc is None:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(PACKAGE_PARENT),
                                                                           os.environ.get("PYTHONPATH")) if p)}
+            # a session of its own: a process the graded code starts is killed with it (_stop)
             proc = subprocess.Popen([sys.executable, "-c", WORKER_CODE, self.target, self.setup or ""],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
             self._proc = proc
             self._finalizer = weakref.finalize(self, _stop, proc)
             try:
@@ -219,7 +227,9 @@ def serve(target: str, setup: str = "") -> None:
     while True:
         try:
             kind, args = _read(requests, None)
-        except EOFError:
+        except EOFError:  # the trainer's process ended: end what the graded code started too
+            if os.getpgrp() == os.getpid():  # its own group (start_new_session), never the trainer's
+                os.killpg(os.getpgrp(), signal.SIGKILL)
             return
         try:
             reply = ("ok", functions[kind](*args))

@@ -125,12 +125,21 @@ def check_kwarg_types(fn: RewardFn, kwargs: dict[str, Any], key: str) -> None:
                 pass  # a type the config checker does not know (ndarray, ...): not checked
 
 
+def is_user_function(name: str) -> bool:
+    """Whether ``reward.functions[i].name`` is the user's code (a dotted or file path)."""
+    return name not in BUILTIN_REWARDS and name != REMOTE and name_problem(name) is None
+
+
 def resolve_reward(fcfg, index: int) -> RewardCall:
     """How to call ``reward.functions[index]`` (a ``RewardFunctionConfig``), kwargs checked."""
     key = f"reward.functions[{index}]"
     problem = name_problem(fcfg.name)
     if problem:
         raise ConfigError(f"{key}.name", problem)
+    if fcfg.timeout_s is not None and not is_user_function(fcfg.name):
+        where = "remote.timeout_s" if fcfg.name == REMOTE else "kwargs.timeout_s, where it takes one"
+        raise ConfigError(f"{key}.timeout_s", f"is for dotted and file-path functions; {fcfg.name} has its own "
+                                              f"deadline ({where})")
     kwargs = fcfg.kwargs
     if fcfg.name == REMOTE:
         fn: RewardFn = RemoteReward(fcfg.remote, key)

@@ -12,13 +12,15 @@ function at a time; the functions themselves are scored one after the other.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_grpo.rewards.calling import RewardCall, bounded_gather, resolve
-from megatron_grpo.rewards.registry import resolve_reward
+from megatron_grpo.rewards.local import DEFAULT_TIMEOUT_S, PluginRaised, PluginStopped, WorkerCall, is_async
+from megatron_grpo.rewards.registry import is_user_function, resolve_reward
 from megatron_grpo.rewards.sample import RewardSample
 
 
@@ -45,13 +47,66 @@ class ScoredBatch:
 class _Function:
     label: str
     where: str
-    call: RewardCall
+    call: RewardCall | WorkerCall
     weight: float
     max_concurrency: int
+    timeout_s: float | None = None
+    """Deadline of an in-process call (a user's async function: cancelled past it)."""
 
 
 def _one_line(e: BaseException) -> str:
+    if isinstance(e, PluginRaised):  # already the worker's one line of the function's exception
+        return str(e)
     return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
+def _exit_stopped(code: Any) -> PluginStopped:
+    return PluginStopped(f"called sys.exit({code!r})", "; a reward function returns a number, it does not end "
+                         "the run")
+
+
+class _Exited(Exception):
+    """SystemExit inside a task, carried as an Exception: asyncio would let a SystemExit end the
+    loop (and the rank, with exit code 0)."""
+
+    def __init__(self, code: Any):
+        self.code = code
+
+
+async def _guarded(value: Any) -> Any:
+    try:
+        return await resolve(value)
+    except SystemExit as e:
+        raise _Exited(e.code) from None
+
+
+async def _call(f: _Function, value: Any) -> Any:
+    """``value`` (a call's result, or its awaitable) awaited under ``f``'s deadline; past it, or
+    on a ``sys.exit``, a ``PluginStopped`` (the function's own TimeoutError stays its own)."""
+    try:
+        if f.timeout_s is None or not inspect.isawaitable(value):
+            return await _guarded(value)
+        task = asyncio.ensure_future(_guarded(value))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=f.timeout_s)
+        finally:
+            if not task.done():  # past the deadline, or this call was cancelled (another one failed)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)  # its finally blocks run now, in this loop
+        if not done:
+            raise PluginStopped(f"took longer than {f.timeout_s:g}s", f" ({f.where.split()[0]}.timeout_s); the "
+                                "call was cancelled")
+        return task.result()
+    except _Exited as e:
+        raise _exit_stopped(e.code) from None
+
+
+def _started(f: _Function, start) -> Any:
+    """``start()`` (the call), a plain function's ``sys.exit`` caught as ``_call`` does."""
+    try:
+        return start()
+    except SystemExit as e:
+        raise _exit_stopped(e.code) from None
 
 
 def _check_value(value: Any, where: str, j: int) -> float:
@@ -68,9 +123,13 @@ class RewardScorer:
     def __init__(self, reward_cfg):
         self.functions: list[_Function] = []
         for i, (f, label) in enumerate(zip(reward_cfg.functions, reward_cfg.labels)):
-            call = resolve_reward(f, i)
+            call, timeout_s = resolve_reward(f, i), None
+            if is_user_function(f.name):  # the user's code: a deadline (rewards/local.py)
+                timeout_s = f.timeout_s or DEFAULT_TIMEOUT_S
+                if not is_async(call.fn):
+                    call, timeout_s = WorkerCall(call, f.name, f"reward.functions[{i}]", timeout_s), None
             self.functions.append(_Function(label, f"reward.functions[{i}] ({f.name})", call, float(f.weight),
-                                            f.max_concurrency))
+                                            f.max_concurrency, timeout_s))
         self._loop = asyncio.new_event_loop()
 
     @property
@@ -102,7 +161,9 @@ class RewardScorer:
     async def _values(self, f: _Function, samples: list[RewardSample]) -> list[float]:
         if f.call.batch:
             try:
-                values = list(await resolve(f.call.call_batch(samples)))
+                values = list(await _call(f, _started(f, lambda: f.call.call_batch(samples))))
+            except PluginStopped as e:
+                raise RewardError(f"{f.where} {e.what} on a batch of {len(samples)}{e.why}") from None
             except Exception as e:
                 raise RewardError(f"{f.where} raised on a batch of {len(samples)}: {_one_line(e)}") from e
             if len(values) != len(samples):
@@ -112,7 +173,9 @@ class RewardScorer:
 
         async def one(j: int) -> float:
             try:
-                value = await resolve(f.call.call_one(samples[j]))
+                value = await _call(f, _started(f, lambda: f.call.call_one(samples[j])))
+            except PluginStopped as e:
+                raise RewardError(f"{f.where} {e.what} on sample {j}{e.why}") from None
             except Exception as e:
                 raise RewardError(f"{f.where} raised on sample {j}: {_one_line(e)}") from e
             return _check_value(value, f.where, j)
@@ -127,4 +190,6 @@ class RewardScorer:
             aclose = getattr(f.call.fn, "aclose", None)
             if aclose is not None:
                 self._loop.run_until_complete(aclose())
+            if isinstance(f.call, WorkerCall):
+                f.call.close()
         self._loop.close()

@@ -6,7 +6,8 @@ For each prompt, ``n`` episodes run; each one is
     loop:  model turn   = engine.generate(prompt + everything so far)   token ids in, ids + log-probs out
            answer       = env.step(the turn's text)                     observation, done, reward
            stop on done, no observation, rollout.multi_turn.max_turns or the token budget
-           append the observation's ids (rollout/turns.py: the template's delta render)
+           append the observation's ids (rollout/turns.py: the template's delta render;
+           an observation is cut to what the budget left can hold before it is tokenized)
 
 Token-in/token-out: every model turn is a ``generate`` on the exact token ids of the episode
 so far, never re-tokenized text, and the episode's ``Sample`` keeps those ids: model tokens
@@ -59,6 +60,9 @@ class Episode:
     error: Optional[str] = None
     """None, or why the episode ended early: ``error`` (the environment raised or died),
     ``timeout`` or ``observation`` (an observation with unknown tokens)."""
+    observations_cut: int = 0
+    """Observations longer than the episode's token budget allows in characters, cut before
+    they were rendered (``TurnRenderer.observation_char_limit``)."""
     env_s: float = 0.0
     """Seconds in environment calls (construction and steps)."""
     generate_s: float = 0.0
@@ -145,7 +149,7 @@ class EpisodeRunner:
         masses: list[float] = []
         versions: list[str] = []
         token_versions: list[Optional[str]] = []  # per output token (None: observation, or not reported)
-        server, finish, error, env_reward, turns = "", "stop", None, 0.0, 0
+        server, finish, error, env_reward, turns, cut = "", "stop", None, 0.0, 0, 0
         env_s = gen_s = 0.0
         env: Optional[EnvProcess] = None
         t0 = time.monotonic()
@@ -174,13 +178,19 @@ class EpisodeRunner:
                 if finish == "abort":
                     break
                 text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
+                # an observation may use what is left less one model token; a longer text cannot
+                # fit, and is cut before the template and the tokenizer see it (bounded memory)
+                limit = self.renderer.observation_char_limit(cfg.max_episode_tokens - len(out_ids) - 1)
                 t0 = time.monotonic()
-                answer = await loop.run_in_executor(pool, env.step, text)
+                answer = await loop.run_in_executor(pool, env.step, text, limit)
                 env_s += time.monotonic() - t0
                 env_reward += answer["reward"]
                 if answer["done"] or answer["observation"] is None or turns >= cfg.max_turns:
                     break
-                obs = self.renderer.observation_ids(s.output_ids, answer["observation"])
+                observation = answer["observation"]
+                if len(observation) > limit:
+                    observation, cut = observation[:limit], cut + 1
+                obs = self.renderer.observation_ids(s.output_ids, observation)
                 if len(out_ids) + len(obs) >= cfg.max_episode_tokens:  # no room for another model token
                     finish = "length"
                     break
@@ -209,7 +219,7 @@ class EpisodeRunner:
                         kept_ids=kept if sampling.sampling_mask_max_kept > 0 else None,
                         log_kept_mass=masses if sampling.sampling_mask_max_kept > 0 else None)
         return Episode(sample=sample, num_turns=turns, env_reward=env_reward, error=error, env_s=env_s,
-                       generate_s=gen_s)
+                       generate_s=gen_s, observations_cut=cut)
 
     def _report(self, kind: str, where: str, message: str) -> None:
         """Print a failure once per (kind, site); every occurrence is counted in the metrics."""
@@ -263,6 +273,7 @@ def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
         "multi_turn/env_errors": float(sum(e.error == "error" for e in episodes)),
         "multi_turn/env_timeouts": float(sum(e.error == "timeout" for e in episodes)),
         "multi_turn/observations_refused": float(sum(e.error == "observation" for e in episodes)),
+        "multi_turn/observations_cut": float(sum(e.observations_cut for e in episodes)),
         "multi_turn/env_s": float(sum(e.env_s for e in episodes)),
         "multi_turn/generate_s": float(sum(e.generate_s for e in episodes)),
     }

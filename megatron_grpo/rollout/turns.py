@@ -23,6 +23,14 @@ content ``a``.
 
 An observation whose ids contain the tokenizer's unknown token is refused
 (``ObservationError``): the episode ends and is counted, the observation is never trained on.
+
+An observation is bounded before it is rendered or tokenized (``observation_char_limit``): no
+token of the vocabulary covers more than ``max_chars_per_token`` characters of text, so a text
+longer than ``budget * max_chars_per_token`` characters tokenizes to more than ``budget``
+tokens and cannot fit the episode's token budget anyway. Cutting it there changes nothing for
+the episode (it still ends, ``length``), but a 100 MB observation is never handed whole to
+the chat template and the tokenizer, whose memory grows many times the text's size (16.5 GB
+for 100 MB, issue 48).
 """
 
 from __future__ import annotations
@@ -37,6 +45,13 @@ PLACEHOLDER = "1"
 
 Formatter = Callable[[str, object], Sequence[int]]
 """``fn(observation, tokenizer) -> token ids`` following a model turn."""
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters of text one token of ``tokenizer`` covers: its longest vocabulary
+    entry (byte-level BPE writes a byte as one character, SentencePiece a character as one, and
+    a byte-fallback token ``<0x0A>`` is longer than the byte it stands for), at least 1."""
+    return max(1, max((len(t) for t in tokenizer.get_vocab()), default=1))
 
 
 class ObservationError(ValueError):
@@ -63,6 +78,7 @@ class TurnRenderer:
         self.role = role
         self.formatter = formatter
         self.unk_id = getattr(tokenizer, "unk_token_id", None)
+        self.max_chars_per_token = max_chars_per_token(tokenizer)
         self.closing: list[int] = []
         self._base: list[int] = []
         if formatter is None:
@@ -100,6 +116,11 @@ class TurnRenderer:
                                         "after its generation prompt")
         self.closing = body[len(content):]
         self._base = renders[1]
+
+    def observation_char_limit(self, budget_tokens: int) -> int:
+        """Characters of an observation kept when at most ``budget_tokens`` tokens of it can be
+        used: a longer text would tokenize to more (module docstring), so it is cut there first."""
+        return max(0, budget_tokens) * self.max_chars_per_token
 
     def observation_ids(self, model_ids: Sequence[int], text: str) -> list[int]:
         """Token ids after the model turn ``model_ids`` (the engine's tokens) that add the

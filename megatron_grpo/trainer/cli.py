@@ -28,9 +28,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import select
 import signal
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -45,6 +47,7 @@ from megatron_grpo.runtime import parallel, stacks, stop
 from megatron_grpo.runtime.collectives import RunAborted
 from megatron_grpo.runtime.library_warnings import quiet_library_warnings
 from megatron_grpo.runtime.process import die_with_parent
+from megatron_grpo.runtime.run_lock import lock_run_dir
 from megatron_grpo.trainer import nodes
 
 EXIT_USER_ERROR = 2
@@ -230,17 +233,39 @@ def _launch_ranks(torchrun_args: list[str], env: dict[str, str]) -> int:
 _TORCHRUN_SIGNALLED = re.compile(rb"[^\n]*Received (\d+) death signal, shutting down workers")
 
 
+def _read_stderr(proc: _Agent, exited_at: list[float]) -> bytes:
+    """The next chunk of ``proc``'s stderr; b"" at its end, or ``DRAIN_S`` after ``proc`` exited
+    (``exited_at``: when that was first seen), whatever still holds the pipe open."""
+    fd = proc.stderr.fileno()
+    while True:
+        if not exited_at and proc.poll() is not None:
+            exited_at.append(time.monotonic())
+        if exited_at and time.monotonic() - exited_at[0] >= DRAIN_S:
+            return b""
+        if select.select([fd], [], [], POLL_S)[0]:
+            return os.read(fd, 65536)
+
+
+POLL_S = 0.5
+"""How often the launcher looks whether torchrun's agent has exited while its stderr is quiet."""
+DRAIN_S = 1.0
+"""After the agent exited, how long its stderr may stay quiet before the launcher stops reading:
+a process a rank left behind (a user's subprocess) may hold the pipe open for ever."""
+
+
 def _forward_stderr(proc: _Agent, error_file: Path, stopping: list[int], keep_bytes: int = 4096) -> bytes:
-    """Copy ``proc``'s stderr to ours until it closes, except after a rank recorded its error
-    in ``error_file`` or a stop signal came (``stopping``: torchrun's shutdown report follows,
-    and the ranks record where they stopped); returns the last ``keep_bytes`` of it. A second
-    Ctrl-C leaves at once: this process exits and every rank dies with it."""
+    """Copy ``proc``'s stderr to ours until it closes, or ``proc`` has exited (``_read_stderr``),
+    except after a rank recorded its error in ``error_file`` or a stop signal came
+    (``stopping``: torchrun's shutdown report follows, and the ranks record where they
+    stopped); returns the last ``keep_bytes`` of it. A second Ctrl-C leaves at once: this
+    process exits and every rank dies with it."""
     out = getattr(sys.stderr, "buffer", None)
     tail = b""
     interrupts = 0  # Ctrl-Cs this process received
+    exited_at: list[float] = []
     while True:
         try:
-            chunk = os.read(proc.stderr.fileno(), 65536)
+            chunk = _read_stderr(proc, exited_at)
         except KeyboardInterrupt:
             interrupts += 1
             if interrupts > 1:
@@ -292,6 +317,11 @@ def main(argv: list[str]) -> int:
         nproc = args.nproc or _ranks_per_node(cfg, node.nnodes)
         cfg = load_experiment(args.config, args.overrides, world_size=nproc * node.nnodes)
         check_run(cfg, nproc)  # on every node: each reads the model and data from its own disk
+        # The run directory's lock, before anything is written there (runtime/run_lock.py). This
+        # process holds it: it starts before the ranks and ends after them, while rank 0, which
+        # writes config.yaml and metrics.jsonl, starts later (the lock must come first) and can
+        # die first. Node 0 only: the other nodes of a run write into the same (shared) directory.
+        lock = lock_run_dir(cfg.trainer.run_dir) if node.node_rank == 0 else None
     except user_errors() as e:
         return _fail(describe_user_error(e, args.config, _data_file(args.config, args.overrides), args.overrides))
     torchrun_args = [*node.torchrun_args(cfg.parallel.distributed_timeout_s), f"--nproc_per_node={nproc}",
@@ -300,7 +330,11 @@ def main(argv: list[str]) -> int:
            "MEGATRON_GRPO_PREFLIGHT_DONE": "1",
            # how long torchrun lets the ranks finish a step and save after a stop signal
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, round(cfg.checkpoint.stop_timeout_s)))}
-    return _launch_ranks(torchrun_args, env)
+    try:
+        return _launch_ranks(torchrun_args, env)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _data_file(config_path: str, overrides: list[str]) -> str | None:
@@ -347,10 +381,13 @@ def rank_main(argv: list[str]) -> int:
     args = _parse(argv, "python -m megatron_grpo.train")
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    lock = None
     try:
         cfg = load_experiment(args.config, args.overrides, world_size=world)
         if rank == 0 and not os.environ.get("MEGATRON_GRPO_PREFLIGHT_DONE"):
             check_run(cfg)
+            # a bare torchrun: no launcher holds the run directory's lock, so rank 0 does (main)
+            lock = lock_run_dir(cfg.trainer.run_dir)
     except user_errors() as e:
         return _report(e, rank, args.config, _data_file(args.config, args.overrides))
     stacks.dump_stacks_on_signal(cfg.trainer.run_dir, rank)  # kill -USR1: where a hung rank is
@@ -383,4 +420,6 @@ def rank_main(argv: list[str]) -> int:
         if spawned is not None:
             spawned.stop()  # a run that failed before the trainer adopted them (idempotent)
         parallel.destroy()
+        if lock is not None:
+            lock.release()
     return 0

@@ -7,7 +7,8 @@ environment on request, over an authenticated Unix socket (``multiprocessing.con
 Forking there is safe (the server is single-purpose) and fast (no interpreter start per
 episode); the server exits when the trainer's process does (its stdin closes), and a worker
 exits when its connection closes or its fork server exits (a hung one too: Linux's parent-death
-signal). The same server forks the worker of a custom rollout function (``run`` requests:
+signal). Each worker leads a process group of its own, killed whole (``kill_worker``, and by the
+fork server as it exits), so no process the user's code started outlives its worker. The same server forks the worker of a custom rollout function (``run`` requests:
 ``rollout/function_worker.py``).
 
 ``EnvProcess(spec, row, timeout_s)`` gets a worker, which loads ``spec``, constructs the
@@ -94,8 +95,12 @@ class _ForkServer:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+            self.proc.stdin.close()  # the server kills its workers' process groups and exits
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -122,7 +127,7 @@ def _server_main() -> None:
     # to exist, and a socket file that exists before listen() refuses connections
     listener = Listener(address + ".binding", family="AF_UNIX", authkey=authkey)
     os.rename(address + ".binding", address)
-    threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
+    threading.Thread(target=lambda: (sys.stdin.read(), _kill_worker_groups(), os._exit(0)), daemon=True).start()
     while True:
         try:
             conn = listener.accept()
@@ -132,6 +137,10 @@ def _server_main() -> None:
         if os.fork() == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.close(listener._listener._socket.fileno())  # not listener.close(): that unlinks the socket
+            # A session (and process group) of its own: whatever the user's code starts (a
+            # ``sleep 600`` subprocess) is in it, and ``kill_worker`` kills the whole group. A
+            # child left behind kept the ranks' stderr open and ``megatron-grpo train`` waiting.
+            os.setsid()
             _die_with_parent(server_pid)
             try:
                 request = conn.recv()
@@ -156,6 +165,22 @@ socket (authenticated, the trainer's only) cannot name arbitrary code. Imported 
 because function_worker imports this module."""
 
 
+def _kill_worker_groups() -> None:
+    """SIGKILL the process group of every worker still alive (the fork server is exiting: the
+    trainer's process ended). Its workers would die with it anyway (parent-death signal), but
+    not what they started."""
+    for children in Path("/proc/self/task").glob("*/children"):
+        try:
+            pids = children.read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                os.killpg(int(pid), signal.SIGKILL)  # a worker leads its group (os.setsid)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def _die_with_parent(server_pid: int) -> None:
     """SIGKILL this worker when the fork server exits (which it does when the trainer's process
     ends), even if the user's code hangs and never reads its connection again. Linux only."""
@@ -176,7 +201,7 @@ def raise_site(e: BaseException, env_file: str) -> str:
 
 
 def _serve(conn, spec: str, row: dict) -> None:
-    """A worker: load, construct, then answer ("step", response) until ("close", _)."""
+    """A worker: load, construct, then answer ("step", response, max_observation_chars) until ("close", ...)."""
     conn.send(("ready", None))
     where = describe(spec)
     try:
@@ -201,7 +226,7 @@ def _serve(conn, spec: str, row: dict) -> None:
     loop: Optional[asyncio.AbstractEventLoop] = None
     while True:
         try:
-            op, arg = conn.recv()
+            op, arg, max_chars = conn.recv()
         except EOFError:
             return
         if op == "close":
@@ -215,10 +240,15 @@ def _serve(conn, spec: str, row: dict) -> None:
             conn.send(("error", {"message": f"step raised {one_line(e)}", "where": raise_site(e, env_file)}))
             continue
         try:
-            conn.send(("ok", check_step_result(out, where)))
+            answer = check_step_result(out, where)
         except ValueError as e:
             conn.send(("contract", str(e)))
             return
+        if answer["observation"] is not None and max_chars is not None:
+            # one character past the limit: the trainer sees the cut (and counts it) without
+            # a huge observation ever crossing the pipe or being copied into its process
+            answer["observation"] = answer["observation"][:max_chars + 1]
+        conn.send(("ok", answer))
 
 
 def _check(conn, spec: str) -> None:
@@ -252,8 +282,15 @@ def check_environment(spec: str, timeout_s: float) -> None:
 
 
 def kill_worker(pid: int, wait_s: float = 2.0) -> None:
-    """SIGKILL ``pid`` and wait (bounded) until the fork server's kernel reaping has removed it."""
+    """SIGKILL worker ``pid`` with its whole process group (what the user's code started), and
+    wait (bounded) until the fork server's kernel reaping has removed it. A group outlives its
+    leader while a member lives, and its id is not reused meanwhile, so a worker that already
+    died still has its children killed here."""
     deadline = time.monotonic() + wait_s
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     try:
         os.kill(pid, signal.SIGKILL)
         while time.monotonic() < deadline:
@@ -275,10 +312,12 @@ class EnvProcess:
         self._await("start-up", STARTUP_TIMEOUT_S)
         self._await("the constructor", timeout_s)
 
-    def step(self, response: str) -> dict:
-        """The environment's ``{"observation", "done", "reward"}`` for ``response``."""
+    def step(self, response: str, max_observation_chars: Optional[int] = None) -> dict:
+        """The environment's ``{"observation", "done", "reward"}`` for ``response``; an
+        observation longer than ``max_observation_chars`` is cut to that length plus one in the
+        worker (the caller sees that it was longer, and nothing larger is sent)."""
         try:
-            self._conn.send(("step", response))
+            self._conn.send(("step", response, max_observation_chars))
         except (BrokenPipeError, OSError):
             self.kill()
             raise EnvCallError("error", "the worker process is gone", self.where) from None
@@ -312,7 +351,7 @@ class EnvProcess:
         if self._closed:
             return
         try:
-            self._conn.send(("close", None))
+            self._conn.send(("close", None, None))
         except (BrokenPipeError, OSError):
             pass
         self.kill()
