@@ -22,7 +22,8 @@ if [[ ! -f runs/smollm2/chain_sum/heldout.jsonl ]]; then
 fi
 megatron-grpo train --config "$config" "trainer.run_dir=$run_dir" "$@"
 # the independent check: the trained weights exported to HF, greedy held-out accuracy with transformers
+# (--merge: a LoRA run's adapters merged into the base; a full run's checkpoint converts as usual)
 ckpt="$run_dir/checkpoints/$(cat "$run_dir/checkpoints/latest")"
-megatron-grpo convert-megatron-to-hf --ckpt-dir "$ckpt" --output-dir "$run_dir/hf" --overwrite
+megatron-grpo convert-megatron-to-hf --ckpt-dir "$ckpt" --output-dir "$run_dir/hf" --overwrite --merge
 python tools/score_with_transformers.py --config "$config" --model "$run_dir/hf" --set greedy \
   --out "$run_dir/transformers_greedy.json" "trainer.run_dir=$run_dir" "$@"

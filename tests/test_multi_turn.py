@@ -3,6 +3,7 @@ identity with the real embedded engine, the loss over model tokens only, environ
 (errors, timeouts, a hung sync environment killed) and the one-line errors of bad input."""
 
 import os
+import uuid
 import textwrap
 import time
 from pathlib import Path
@@ -330,7 +331,7 @@ def _sleeps(marker: str, wait_s: float = 5.0) -> list[int]:
 def test_an_environments_children_die_with_its_worker(tok, env_file):
     """Each worker leads its own process group, killed whole when its episode ends, and by the
     fork server as it exits (the trainer's process ended) for the workers still running."""
-    marker = f"600.{os.getpid()}1"
+    marker = f"600.{uuid.uuid4().int % 10**12}1"  # unique: a stale sleep of another run never matches
     t0 = time.monotonic()
     episodes = runner(tok, f"{env_file}:Spawner", max_turns=2).run(
         ScriptedEngine(tok), [make_prompt(tok, marker=marker)], 2, SamplingParams(max_new_tokens=16))

@@ -18,6 +18,7 @@ importing left both alive (parent 1), blocked in the rendezvous for its whole ti
 from __future__ import annotations
 
 import os
+import uuid
 import signal
 import subprocess
 import threading
@@ -335,7 +336,7 @@ def test_the_launcher_stops_reading_once_torchrun_has_exited(tmp_path, capfd):
 
     from megatron_grpo.trainer.cli import _forward_stderr
 
-    marker = f"600.{os.getpid()}"
+    marker = f"600.{uuid.uuid4().int % 10**12}"  # unique: a stale sleep of another run never matches
     agent = ("import subprocess, sys\n"
              f"subprocess.Popen(['sleep', '{marker}'])\n"  # inherits stderr, outlives this process
              "sys.stderr.write('the summary\\n')\n")

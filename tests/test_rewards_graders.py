@@ -5,6 +5,7 @@ them (rewards/isolated.py)."""
 
 import json
 import os
+import uuid
 import threading
 import time
 import typing
@@ -274,7 +275,7 @@ def test_worker_errors_are_one_line_and_prints_do_not_corrupt_answers(capfd):
 
 def test_what_a_grader_starts_dies_with_its_worker():
     """Issue 48: a worker leads its own process group, killed whole when the worker stops."""
-    marker = f"600.{os.getpid()}2"
+    marker = f"600.{uuid.uuid4().int % 10**12}2"  # unique: a stale sleep of another run never matches
     spawns = target("spawns")
     child = spawns(marker, timeout_s=60)
     os.kill(child, 0)  # running

@@ -75,7 +75,8 @@ def megatron_to_hf_parser() -> argparse.ArgumentParser:
     lora.add_argument("--lora", action="store_true",
                       help="a LoRA checkpoint: write its adapters as a peft adapter folder (self-check: peft on the HF base)")
     lora.add_argument("--merge", action="store_true",
-                      help="a LoRA checkpoint: write the merged model (base + adapters) as an HF directory")
+                      help="a LoRA checkpoint: write the merged model (base + adapters) as an HF directory "
+                           "(a full checkpoint converts as without it)")
     p.add_argument("--base", type=Path, default=None,
                    help="a LoRA checkpoint's base (HF directory or megatron-grpo checkpoint); default: the one it "
                         "was trained from, recorded in the checkpoint")
@@ -116,7 +117,7 @@ def hf_to_megatron(args) -> int:
 
 def megatron_to_hf(args) -> int:
     lora = checkpoint_lora(args.ckpt_dir)
-    if lora is not None or args.lora or args.merge:
+    if lora is not None or args.lora:  # --merge on a full checkpoint: nothing to merge, converted as usual
         return lora_to_hf(args, lora)
     hf_config = checkpoint_hf_config(args.ckpt_dir)
     _check_output(args.output_dir, args.overwrite, args.ckpt_dir)
@@ -150,8 +151,8 @@ def lora_to_hf(args, lora: dict | None) -> int:
     """A LoRA checkpoint (adapters only) -> a peft adapter folder (``--lora``) or the merged HF
     model (``--merge``), each with its self-check against an independent HF forward."""
     if lora is None:
-        raise ModelError(f"--{'lora' if args.lora else 'merge'}: {args.ckpt_dir} holds no LoRA adapters "
-                         "(a full checkpoint: convert it without --lora/--merge)")
+        raise ModelError(f"--lora: {args.ckpt_dir} holds no LoRA adapters (a full checkpoint: convert it "
+                         "without --lora)")
     if not (args.lora or args.merge):
         raise ModelError(f"{args.ckpt_dir} holds LoRA adapters only: pass --lora (a peft adapter folder) or "
                          "--merge (the merged model)")

@@ -1,0 +1,33 @@
+"""tools/lora_vs_full.py's table: per arm and seed, the mean with its spread, and each arm's
+held-out accuracy at the other's end time (by wall time), from metrics records."""
+
+from tools.lora_vs_full import at_time, curve, table
+
+KEY = "eval/heldout/pass@1"
+
+
+def _run(step_s: float, heldout: list[float], reward: float) -> list[dict]:
+    rows = [{"step": 0, KEY: heldout[0]}]
+    for step in range(1, 41):
+        row = {"step": step, "reward_mean": reward, "train_elapsed_s": step * step_s, "time/step_s": step_s}
+        if step % 20 == 0:
+            row[KEY] = heldout[step // 20]
+        rows.append(row)
+    return rows
+
+
+def test_curve_and_time_lookup():
+    points = curve(_run(2.0, [0.1, 0.3, 0.5], 0.4), KEY)
+    assert points == [(0, 0.0, 0.1), (20, 40.0, 0.3), (40, 80.0, 0.5)]
+    assert at_time(points, 39.0) == 0.1 and at_time(points, 40.0) == 0.3 and at_time(points, 1e9) == 0.5
+
+
+def test_table_compares_by_step_and_by_wall_time():
+    arms = {"full": {1: _run(2.0, [0.1, 0.3, 0.5], 0.4), 2: _run(2.0, [0.1, 0.2, 0.4], 0.2)},
+            "lora": {1: _run(1.0, [0.1, 0.2, 0.3], 0.3), 2: _run(1.0, [0.1, 0.2, 0.3], 0.3)}}
+    text = table(arms, KEY)
+    assert "| full | mean (min-max) | 0.100 (0.100-0.100) | 0.450 (0.400-0.500) | 0.300 (0.200-0.400) |" in text
+    assert "| lora | 1 | 0.100 | 0.300 | 0.300 | 40 | 1.00 |" in text
+    # LoRA ends at 40 s, when full had reached 0.3 and 0.2; at full's 80 s LoRA has ended at 0.3
+    assert "full at lora's mean end time (40 s of training): held-out 0.250 (0.200-0.300)" in text
+    assert "lora at full's mean end time (80 s of training): held-out 0.300 (0.300-0.300)" in text

@@ -1,0 +1,201 @@
+"""LoRA vs full fine-tuning on one model, in one run: trainable parameters, optimizer state,
+peak memory, update-step time and the weight sync's bytes and seconds.
+
+    python tools/bench_lora.py [--model smollm2|demo] [--tp 1] [--pp 1] [--world 2] [--rank 16]
+                               [--alpha 32] [--targets all-linear] [--steps 4] [--rows 16] [--tokens 128]
+                               [--dtype float32] [--json OUT]
+
+Each mode (full, then LoRA) runs in fresh ranks (``run_distributed(fresh=True)``: the peak RSS
+is the mode's own) that build the trainer's policy (``trainer.components.build_policy``: megatron
+chunks, DDP, megatron-core optimizer; Adam), run ``--steps`` GRPO updates on one random batch
+of ``--rows`` sequences of ``--tokens`` tokens (one optimizer step each, micro-batches of 4
+rows) and time each; then the weight sync's payload is built as the in-process engine's sync
+builds it (full: every weight merged, gathered over TP; LoRA: A and B gathered) and rank 0
+loads it into an ``EmbeddedEngine`` of the same model (full: ``load_weights``; LoRA:
+``merge_lora``, the engine's fp32 merge), timed.
+
+Reported per mode: trainable parameters, optimizer state bytes (fp32 main copies and Adam
+moments, this rank), DDP gradient-buffer bytes, peak RSS of rank 0 (``ru_maxrss``: everything
+the process ever held, model and engine included), median update seconds (the first step
+excluded: warm-up), sync bytes and seconds (gather + engine load); and LoRA/full ratios.
+``--model smollm2`` fetches the main job's model into its cache first (``tools/fetch_smollm2.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from megatron_grpo.testing.distributed import run_distributed  # noqa: E402
+
+
+def _batch(vocab: int, rows: int, tokens: int, seed: int = 0):
+    """``rows`` sequences: a quarter prompt, the rest response, random ids and advantages."""
+    from megatron_grpo.trainer.batch import build_train_batch
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt = tokens // 4
+    prompts = [torch.randint(0, vocab, (prompt,), generator=gen).tolist() for _ in range(rows)]
+    outputs = [torch.randint(0, vocab, (tokens - prompt,), generator=gen).tolist() for _ in range(rows)]
+    logps = [(-torch.rand(tokens - prompt, generator=gen) * 3).tolist() for _ in range(rows)]
+    return build_train_batch(prompts, outputs, logps, torch.randn(rows, generator=gen), pad_id=0)
+
+
+def _tensor_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def _optimizer_state_bytes(optimizer) -> int:
+    """Adam moments + fp32 main parameters (mixed precision) of this rank."""
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+    state = [t for opt in inner for s in opt.state.values() for t in s.values()]
+    mains = [p for opt in inner for g in opt.param_groups for p in g["params"]
+             if getattr(optimizer, "config", None) is not None and optimizer.config.bf16]
+    return _tensor_bytes(state) + _tensor_bytes(mains)
+
+
+def _bench(rank, world, hf_dir, lora, dtype, steps, rows, tokens):
+    import resource
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
+    from megatron_grpo.config.model import LoraConfig
+    from megatron_grpo.models import iter_hf_weights
+    from megatron_grpo.models.lora import has_lora
+    from megatron_grpo.models.lora_export import iter_adapters_hf
+    from megatron_grpo.models.weights import exports_weights
+    from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
+    from megatron_grpo.testing.policy import build_test_policy
+    from megatron_grpo.trainer.batch import dp_shard
+    from megatron_grpo.trainer.megatron_step import ScoringSpec, train_mini_batch
+
+    torch.manual_seed(0)
+    model = ModelConfig(hf_dir=hf_dir, dtype=dtype, lora=LoraConfig(**lora) if lora else None)
+    policy = build_test_policy(model, OptimizerConfig(name="adam", lr=1e-6, clip_grad=1.0))
+    vocab = policy.hf_config.vocab_size
+    spec = ScoringSpec(temperature=1.0, vocab_size=vocab)
+    algo = AlgorithmConfig()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    full = _batch(vocab, rows, tokens)
+    local = dp_shard(full, dp_rank, dp, rows)
+    local.old_log_probs = local.rollout_log_probs.clone()
+    seconds = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_mini_batch(policy.chunks, policy.optimizer, local, algo, spec, 4, int(full.loss_mask.sum()),
+                         full.num_sequences, dp, ps.get_data_parallel_group(), None)
+        dist.barrier()
+        seconds.append(time.perf_counter() - t0)
+    params = [p for c in policy.modules for p in c.parameters()]
+    out = {"trainable": sum(p.numel() for p in params if p.requires_grad),
+           "total_params": sum(p.numel() for p in params),
+           "optimizer_bytes": _optimizer_state_bytes(policy.optimizer),
+           "grad_buffer_bytes": sum(b.grad_data.numel() * b.grad_data.element_size()
+                                    for c in policy.chunks for b in c.buffers),
+           "update_s": statistics.median(seconds[1:] or seconds)}
+    # the sync's payload as the in-process sync builds it (pp = 1 here: rank 0 holds it all)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if has_lora(policy.modules):
+        payload = list(iter_adapters_hf(policy.modules, policy.hf_config)) if exports_weights() else []
+        sent = {id(t): t for _, a, b in payload for t in (a, b)}
+    else:
+        payload = list(iter_hf_weights(policy.modules, policy.hf_config)) if exports_weights() else []
+        sent = {id(t): t for _, t in payload}
+    gather_s = time.perf_counter() - t0
+    if rank == 0:
+        engine = EmbeddedEngine(hf_dir, dtype="float32")
+        try:
+            with engine.exclusive():
+                if has_lora(policy.modules):
+                    engine.load_weights(iter_hf_weights(policy.modules, policy.hf_config, merge_lora=False))
+                    t0 = time.perf_counter()
+                    engine.merge_lora(payload, policy.modules[0].lora_spec.scale)
+                else:
+                    t0 = time.perf_counter()
+                    engine.load_weights(iter(payload))
+                load_s = time.perf_counter() - t0
+        finally:
+            engine.shutdown()
+        out.update(sync_bytes=sum(t.numel() * 4 for t in sent.values()), sync_gather_s=gather_s, sync_load_s=load_s,
+                   peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    elif has_lora(policy.modules) and exports_weights():
+        list(iter_hf_weights(policy.modules, policy.hf_config, merge_lora=False))  # rank 0's base load gathers
+    return out
+
+
+def _model_dir(name: str, work: Path) -> str:
+    if name == "smollm2":
+        from tools.fetch_smollm2 import default_cache_dir, fetch_smollm2
+
+        return str(fetch_smollm2(default_cache_dir() / "hf"))
+    from megatron_grpo.testing.tiny_models import save_tiny_model
+
+    return str(save_tiny_model(work / "demo", "qwen2", seed=0, hidden_size=128, intermediate_size=256))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=["smollm2", "demo"], default="smollm2")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--alpha", type=float, default=32.0)
+    p.add_argument("--targets", default="all-linear", help="comma-separated model.lora.target_modules")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.pp != 1:
+        p.error("--pp 1 only: the sync payload is measured on rank 0 holding every stage")
+    lora = {"rank": args.rank, "alpha": args.alpha, "target_modules": args.targets.split(",")}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = _model_dir(args.model, Path(tmp))
+        results = {}
+        for mode, cfg in (("full", None), ("lora", lora)):
+            ranks = run_distributed(_bench, args.world, hf_dir, cfg, args.dtype, args.steps, args.rows, args.tokens,
+                                    tp=args.tp, pp=args.pp, fresh=True, timeout_s=3600)
+            results[mode] = ranks[0]
+    rows = [("trainable parameters (rank 0)", "trainable", "{:,}"),
+            ("optimizer state, MB (rank 0)", "optimizer_bytes", "{:.1f}"),
+            ("DDP gradient buffers, MB (rank 0)", "grad_buffer_bytes", "{:.1f}"),
+            ("peak RSS of rank 0, MB", "peak_rss_bytes", "{:.0f}"),
+            ("update step, s (median)", "update_s", "{:.3f}"),
+            ("sync payload, MB", "sync_bytes", "{:.3f}"),
+            ("sync gather, s", "sync_gather_s", "{:.3f}"),
+            ("sync engine load / merge, s", "sync_load_s", "{:.3f}")]
+    print(f"model {args.model}, {args.dtype}, world {args.world} (tp {args.tp}), LoRA rank {args.rank} alpha "
+          f"{args.alpha:g} on {args.targets}; {args.rows} rows x {args.tokens} tokens, {args.steps} Adam steps")
+    print(f"{'':36s} {'full':>14s} {'LoRA':>14s} {'LoRA/full':>10s}")
+    for label, key, fmt in rows:
+        f, lo = results["full"][key], results["lora"][key]
+        scale = 1e6 if key.endswith("bytes") else 1
+        f, lo = (f / scale, lo / scale) if scale != 1 else (f, lo)
+        print(f"{label:36s} {fmt.format(f):>14s} {fmt.format(lo):>14s} {lo / f if f else float('nan'):>10.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
