@@ -14,7 +14,7 @@ overrides on top of the workload's config (a finished run is read, not run again
 
 The default LoRA arm is rank 16, alpha 32 on all four linears at 10x the full run's learning
 rate (the usual ratio for LoRA; ``--lora`` replaces it). Printed: per arm, per seed and the
-mean with the spread (min-max): the held-out accuracy at the start and at the end, the mean
+mean with the spread (min-max): the held-out accuracy at the first and the last evaluation, the mean
 training reward of the last 20 steps, the training seconds and the median step; then the
 held-out accuracy of each arm at the other's end time (by wall time). The plot
 (``<out>/<workload>.png``) draws reward (20-step mean) and held-out accuracy against step and
@@ -79,15 +79,16 @@ def fmt(v, spec=".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def spread(values: list) -> str:
+def spread(values: list, spec: str = ".3f") -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "-"
-    return f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+    return f"{statistics.mean(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
 
 
 def table(arms: dict[str, dict[int, list[dict]]], heldout_key: str) -> str:
-    lines = ["| arm | seed | held-out start | held-out end | reward, last 20 steps | training s | median step s |",
+    lines = ["| arm | seed | held-out, first eval | held-out, last eval | reward, last 20 steps | training s | "
+             "median step s |",
              "|---|---|---|---|---|---|---|"]
     summaries = {arm: {seed: summarize(rows, heldout_key) for seed, rows in runs.items()} for arm, runs in arms.items()}
     for arm, by_seed in summaries.items():
@@ -96,7 +97,7 @@ def table(arms: dict[str, dict[int, list[dict]]], heldout_key: str) -> str:
                          f"{fmt(s['reward_last20'])} | {fmt(s['seconds'], '.0f')} | {fmt(s['step_s'], '.2f')} |")
         col = lambda k: [s[k] for s in by_seed.values()]  # noqa: E731
         lines.append(f"| {arm} | mean (min-max) | {spread(col('heldout_start'))} | {spread(col('heldout_end'))} | "
-                     f"{spread(col('reward_last20'))} | {spread(col('seconds'))} | {spread(col('step_s'))} |")
+                     f"{spread(col('reward_last20'))} | {spread(col('seconds'), '.0f')} | {spread(col('step_s'), '.2f')} |")
     names = list(arms)
     if len(names) == 2:
         lines.append("")
