@@ -63,8 +63,8 @@ def _optimizer_state_bytes(optimizer) -> int:
     """Adam moments + fp32 main parameters (mixed precision) of this rank."""
     inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]
     state = [t for opt in inner for s in opt.state.values() for t in s.values()]
-    mains = [p for opt in inner for g in opt.param_groups for p in g["params"]
-             if getattr(optimizer, "config", None) is not None and optimizer.config.bf16]
+    # in bf16 the inner optimizer steps fp32 copies of the parameters; in fp32, the parameters themselves
+    mains = [p for opt in inner for g in opt.param_groups for p in g["params"]] if optimizer.config.bf16 else []
     return _tensor_bytes(state) + _tensor_bytes(mains)
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron_grpo.models.checkpoint import replace_dir
 from megatron_grpo.models.layouts import TPSplit
 from megatron_grpo.models.lora import LoraSpec
-from megatron_grpo.models.weights import chunk_params, exports_weights, weight_source
+from megatron_grpo.models.weights import all_gather_shards, chunk_params, exports_weights, weight_source
 
 PEFT_PREFIX = "base_model.model."
 CONFIG_FILE = "adapter_config.json"
@@ -38,12 +38,7 @@ def peft_names(hf_weight_name: str) -> tuple[str, str]:
 def _gather_tp(tensor: torch.Tensor) -> list[torch.Tensor]:
     from megatron.core import parallel_state as ps
 
-    tp = ps.get_tensor_model_parallel_world_size()
-    if tp == 1:
-        return [tensor]
-    shards = [torch.empty_like(tensor) for _ in range(tp)]
-    dist.all_gather(shards, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
-    return shards
+    return all_gather_shards(tensor, ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group())
 
 
 @torch.no_grad()
@@ -70,7 +65,7 @@ def iter_lora_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torc
     """(peft name, full fp32 tensor) of every adapter of this PP stage (``iter_adapters_hf``)."""
     for hf_name, a, b in iter_adapters_hf(model_chunks, hf_config):
         name_a, name_b = peft_names(hf_name)
-        yield name_a, a.clone()
+        yield name_a, a.clone()  # a fused adapter's modules share one A: safetensors refuses shared memory
         yield name_b, b
 
 

@@ -175,7 +175,13 @@ def _gather(param, m: ParamMapping, size: int, group, merge_lora: bool = True) -
     adapter, in fp32) on every rank of ``group`` (just this one if replicated)."""
     merged = merged_source(param, weight_source) if merge_lora else None  # fp32 W + scale * B @ A
     local = (merged if merged is not None else weight_source(param)).detach()
-    if size == 1 or m.layout.replicated:
+    return [local] if m.layout.replicated else all_gather_shards(local, size, group)
+
+
+def all_gather_shards(local: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    """Every rank's ``local`` over ``group`` (of ``size`` ranks), ordered by rank (no
+    collective when ``size`` is 1)."""
+    if size == 1:
         return [local]
     shards = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(shards, local.contiguous(), group=group)

@@ -39,7 +39,7 @@ from megatron_grpo.models import iter_hf_weights
 from megatron_grpo.models.lora import has_lora
 from megatron_grpo.models.lora_export import iter_adapters_hf
 from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
-from megatron_grpo.sync.syncer import Probe, SyncStats, WeightSyncError, probe_tokens
+from megatron_grpo.sync.syncer import Probe, SyncStats, WeightSyncError, probe_abs_diff, probe_tokens
 from megatron_grpo.wire.checksum import compare_checksums, tensor_checksum
 
 
@@ -191,8 +191,7 @@ class InMemorySyncer:
             trainer = next((g for g in gathered if g is not None), None)
             try:
                 served = self.engine.prompt_logprobs(tokens)
-                diff = torch.tensor(served, dtype=torch.float64) - torch.tensor(trainer, dtype=torch.float64)
-                stats.probe_logprob_abs_diff = float(diff.abs().mean())
+                stats.probe_logprob_abs_diff = probe_abs_diff(served, trainer)
                 if not stats.probe_logprob_abs_diff <= self.rollout_cfg.verify_logprob_tolerance:
                     problem = (f"the in-process engine's log-probs on the probe differ from the trainer's by "
                                f"{stats.probe_logprob_abs_diff:.3g} on average after the step {step} sync "

@@ -100,6 +100,12 @@ class SyncStats:
     """Largest (over engines) mean |engine - trainer| log-prob on the probe, when probed."""
 
 
+def probe_abs_diff(served: list[float], trainer: list[float]) -> float:
+    """Mean |engine - trainer| log-prob over the probe's tokens (in float64)."""
+    diff = torch.tensor(served, dtype=torch.float64) - torch.tensor(trainer, dtype=torch.float64)
+    return float(diff.abs().mean())
+
+
 def probe_tokens(vocab_size: int, length: int = _PROBE_LENGTH) -> list[int]:
     """A fixed pseudo-random token sequence for the log-prob probe (same on every rank)."""
     gen = torch.Generator().manual_seed(20240917)
@@ -368,8 +374,7 @@ class WeightSyncer:
                 stats.probe_logprob_abs_diff = 0.0
                 for url in self.urls:
                     served = self.client.prompt_logprobs(url, tokens)
-                    diff = torch.tensor(served, dtype=torch.float64) - torch.tensor(trainer, dtype=torch.float64)
-                    mean = float(diff.abs().mean())
+                    mean = probe_abs_diff(served, trainer)
                     stats.probe_logprob_abs_diff = max(stats.probe_logprob_abs_diff, mean)
                     if not mean <= self.rollout_cfg.verify_logprob_tolerance:
                         problem = (f"engine {url} log-probs on the probe differ from the trainer's by {mean:.3g} "
