@@ -6,7 +6,7 @@
 #
 # SGLang publishes no CPU build of its kernels, so a plain `pip install sglang` cannot serve on a
 # machine without a GPU. This script installs sglang 0.5.23 without its dependencies, then the
-# dependencies that work on CPU (megatron_grpo/testing/sglang_cpu/requirements.txt, torch 2.14.1
+# dependencies that work on CPU (launch/sglang_cpu/requirements.txt, torch 2.14.1
 # as sglang pins it), and copies the small `sgl_kernel` CPU stand-in from the same folder into
 # the environment. About 7 GB and a few minutes the first time; a second run with the same inputs
 # only checks the environment (a stamp file records what it was built from). The trainer's own
@@ -16,7 +16,7 @@
 # GPU machines do not need this: install sglang the ordinary way (`pip install "sglang>=0.5.23"`).
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-src="$here/megatron_grpo/testing/sglang_cpu"
+src="$here/launch/sglang_cpu"
 venv="${MEGATRON_GRPO_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/megatron-grpo/sglang-cpu}"
 python="${PYTHON:-python3}"
 sglang_version="0.5.23"

@@ -15,7 +15,7 @@ if __name__ == "__main__":
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()  # also dies now if torchrun's agent is already gone
 
-    from megatron_grpo.trainer.cli import rank_main
+    from megatron_grpo.trainer.rank import rank_main
 
     # rank_main returns once everything the rank started is closed; an exception (a bug)
     # propagates with its traceback and the normal exit

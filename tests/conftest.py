@@ -14,15 +14,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# run_distributed keeps its spawned ranks between calls (megatron_grpo/testing/distributed.py)
+# run_distributed keeps its spawned ranks between calls (tests/support/distributed.py)
 os.environ.setdefault("MEGATRON_GRPO_RANK_POOL", "1")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
 from megatron_grpo.config.rollout import RolloutConfig  # noqa: E402  (after the warning filter above)
-from megatron_grpo.rollout.client import RolloutClient  # noqa: E402
-from megatron_grpo.rollout.manager import RolloutServerManager  # noqa: E402
-from megatron_grpo.testing.sglang_cpu import require_sglang  # noqa: E402
-from megatron_grpo.testing.tiny_models import save_tiny_model  # noqa: E402
+from megatron_grpo.generation.client import RolloutClient  # noqa: E402
+from megatron_grpo.generation.manager import RolloutServerManager  # noqa: E402
+from tests.support.sglang import require_sglang  # noqa: E402
+from megatron_grpo.models.tiny import save_tiny_model  # noqa: E402
 from tests.demo_run import make_demo, make_tool_demo  # noqa: E402  (needs ROOT on sys.path, set just above)
 from tests.sglang_shared import SGLangServers  # noqa: E402
 from tools.fetch_smollm2 import default_cache_dir, fetch_smollm2  # noqa: E402
@@ -35,7 +35,7 @@ def _rank_pools_end_with_their_module():
     one module's calls can reach another's (the pool's saving is within a module: its tests'
     calls)."""
     yield
-    from megatron_grpo.testing.distributed import close_pools
+    from tests.support.distributed import close_pools
 
     close_pools()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from megatron_grpo.rollout.embedded.generation import Sequence
-from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
+from megatron_grpo.engine.generation import Sequence
+from megatron_grpo.engine.sampling import resolve_sampling_params
 
 
 def run(engine, prompts, params: dict, logprob_start_len=-1, timeout_s=120, hold=True) -> list[Sequence]:

@@ -42,10 +42,10 @@ import psutil
 import torch
 
 from megatron_grpo.config.rollout import RolloutConfig, SGLangConfig
-from megatron_grpo.rollout import RolloutClient, RolloutError
-from megatron_grpo.rollout.types import SamplingParams
-from megatron_grpo.rollout.manager import RolloutServerManager
-from megatron_grpo.testing.tiny_models import build_tokenizer
+from megatron_grpo.generation import RolloutClient, RolloutError
+from megatron_grpo.wire.samples import SamplingParams
+from megatron_grpo.generation.manager import RolloutServerManager
+from megatron_grpo.models.tiny import build_tokenizer
 
 SGLANG_MEMORY = {"mem_fraction_static": 0.5, "extra_args": ["--max-total-tokens", "65536"]}
 """How every test's SGLang server sizes its memory. SGLang on CPU sizes its KV pool from the

@@ -16,9 +16,9 @@ import pytest
 
 from megatron_grpo.config import RolloutConfig
 from megatron_grpo.preflight.rules import check_rollout
-from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
-from megatron_grpo.rollout.inprocess import InProcessEngine
-from megatron_grpo.rollout.types import SamplingParams
+from megatron_grpo.engine.engine import EmbeddedEngine
+from megatron_grpo.generation.inprocess import InProcessEngine
+from megatron_grpo.wire.samples import SamplingParams
 from megatron_grpo.sync.in_memory import InMemorySyncer
 from tests.demo_run import read_metrics
 from tests.models_fixtures import hf_tensors
@@ -72,7 +72,7 @@ def test_the_preflight_accepts_async_on_every_engine_that_reports_versions(monke
     for engine in ("inprocess", "embedded"):
         check_rollout(RolloutConfig(mode="async", engine=engine))
     from megatron_grpo.config import ConfigError
-    from megatron_grpo.rollout.engines.inprocess import InProcessAdapter
+    from megatron_grpo.generation.engines.inprocess import InProcessAdapter
 
     monkeypatch.setattr(InProcessAdapter, "reports_token_versions", False)  # an engine without them
     with pytest.raises(ConfigError, match="rollout.mode.*async needs per-token weight versions.*'inprocess'"):

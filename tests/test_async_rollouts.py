@@ -20,14 +20,15 @@ from megatron_grpo.config import ConfigError, RolloutConfig, load_config
 from megatron_grpo.data import PromptSampler, load_prompt_dataset
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.preflight.rules import check_rollout
-from megatron_grpo.rollout.client import RolloutClient, versions_from_spans
-from megatron_grpo.rollout.manager import RolloutServerManager
-from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
-from megatron_grpo.rollout.embedded.generation import Sequence
-from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
-from megatron_grpo.testing.tiny_models import DEMO_ARCH
-from megatron_grpo.trainer.async_rollouts import (AsyncRolloutSchedule, Group, admission_limit, is_stale, resume_note,
+from megatron_grpo.generation.client import RolloutClient, versions_from_spans
+from megatron_grpo.generation.manager import RolloutServerManager
+from megatron_grpo.engine.engine import EmbeddedEngine
+from megatron_grpo.engine.generation import Sequence
+from megatron_grpo.engine.sampling import resolve_sampling_params
+from megatron_grpo.models.tiny import DEMO_ARCH
+from megatron_grpo.rollout.async_source import (AsyncRolloutSchedule, Group, admission_limit, is_stale, resume_note,
                                                   settled_state, start_version, take_groups, token_lags)
+from megatron_grpo.rollout.generate import GenerationContext
 from megatron_grpo.trainer.components import build_rollout_side
 from tests.demo_run import NUDGE, ROOT, demo_overrides
 from tests.models_fixtures import hf_tensors, make_hf_model
@@ -245,7 +246,8 @@ def test_the_scheduler_drops_stale_groups_whose_episodes_span_weight_updates(dem
         client = RolloutClient.from_config(cfg.rollout, manager.urls)
         (url,) = manager.urls
         gate = _Gate(client)
-        schedule = AsyncRolloutSchedule(cfg, _Supervisor(), gate, side, start_step=0)
+        ctx = GenerationContext(gate, side.sampling, side.scorer, side.tokenizer, cfg, side.rollout_function)
+        schedule = AsyncRolloutSchedule(cfg, _Supervisor(), ctx, sampler, start_step=0)
         rows = []
         try:
             client.update_weight_version(url, "0")
@@ -388,8 +390,8 @@ def test_sglang_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_t
     """What the weight sync does to SGLang in async mode (retract, load, label, continue), twice
     while every sequence is mid-flight: SGLang's weight_versions spans give each token the
     version whose weights drew it, and its log-prob is that version's (HF reference)."""
-    from megatron_grpo.rollout import RolloutClient
-    from megatron_grpo.rollout.client import parse_generate_item
+    from megatron_grpo.generation import RolloutClient
+    from megatron_grpo.generation.client import parse_generate_item
     from tests.sglang_shared import API_KEY
 
     url = sglang_servers.serve(versions[0])

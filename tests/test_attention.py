@@ -16,7 +16,7 @@ tokens; and the refusals (unfused attention, MoE models) at build time and in pr
 import pytest
 import torch
 
-from megatron_grpo.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from tests.models_fixtures import PROBE_IDS, hf_reference_logits, make_hf_model
 
 TOL = 1e-5
@@ -270,7 +270,7 @@ def test_packing_refusals(hf_models):
     from megatron_grpo.models import load_hf_config
     from megatron_grpo.models.builder import check_packing
     from megatron_grpo.models.errors import ModelError
-    from megatron_grpo.testing.tiny_models import tiny_config
+    from megatron_grpo.models.tiny import tiny_config
 
     dense = load_hf_config(hf_models["qwen2"][0])
     check_packing(dense, "auto")  # sdpa on CPU
@@ -286,7 +286,7 @@ def test_preflight_refuses_packing_an_moe_model(tmp_path):
 
     from megatron_grpo.config import ConfigError
     from megatron_grpo.preflight.run import check_model_dir
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     hf_dir = str(save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=4))
     cfg = SimpleNamespace(model=SimpleNamespace(hf_dir=hf_dir, attention_backend="auto", lora=None),
@@ -301,8 +301,9 @@ def test_packed_log_prob_pass_with_kept_sets(hf_models, single_rank):
     """The trainer's log-prob pass (``compute_log_probs``) packed = unpacked, with the
     sampling-mask replay's kept sets (``kept_ids``, gathered into the packed layout)."""
     from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
-    from megatron_grpo.testing.batches import random_train_batch
+    from tests.support.batches import random_train_batch
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs
+    from megatron_grpo.trainer.microbatch import MicroBatching
 
     hf_dir = hf_models["qwen2"][0]
     cfg = load_hf_config(hf_dir)
@@ -316,10 +317,10 @@ def test_packed_log_prob_pass_with_kept_sets(hf_models, single_rank):
     kept[0, :, 2:] = -1  # sets of different sizes
     batch.kept_ids = kept
     spec = ScoringSpec(temperature=0.7, vocab_size=cfg.vocab_size)
-    unpacked = compute_log_probs(chunks, batch, 2, spec, 16)
-    packed = compute_log_probs(chunks, batch, 2, spec, 16, pack_sequences=True)
+    unpacked = compute_log_probs(chunks, batch, MicroBatching(2, 16), spec)
+    packed = compute_log_probs(chunks, batch, MicroBatching(2, 16, pack=True), spec)
     mask = batch.loss_mask > 0
     assert (packed[mask] - unpacked[mask]).abs().max().item() <= TOL
     batch.kept_ids = None
-    full = compute_log_probs(chunks, batch, 2, spec, 16, pack_sequences=True)
+    full = compute_log_probs(chunks, batch, MicroBatching(2, 16, pack=True), spec)
     assert (packed[mask] > full[mask] + 1e-3).all()  # the truncated distribution really applied

@@ -4,7 +4,7 @@ import dataclasses
 from pathlib import Path
 
 from megatron_grpo.config import ExperimentConfig
-from megatron_grpo.config.base import _hints, field_docs
+from megatron_grpo.config.base import field_types, field_docs
 from megatron_grpo.config.reference import render
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +21,7 @@ def test_reference_file_matches_schema():
 def _walk(cls):
     yield cls
     for f in dataclasses.fields(cls):
-        tp = _hints(cls)[f.name]
+        tp = field_types(cls)[f.name]
         args = getattr(tp, "__args__", ()) or ()
         for t in (tp, *args):
             if dataclasses.is_dataclass(t):

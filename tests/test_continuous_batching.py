@@ -1,4 +1,4 @@
-"""Continuous batching in the embedded engine (``rollout/embedded/scheduler.py``).
+"""Continuous batching in the embedded engine (``engine/scheduler.py``).
 
 References: transformers' own unpadded full forward of each finished sequence (log-probs to
 1e-5), the same seeded sequence generated alone (batch invariance), and the row count of
@@ -12,11 +12,11 @@ import warnings
 import pytest
 import torch
 
-from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
-from megatron_grpo.rollout.embedded.generation import Sequence
-from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
-from megatron_grpo.rollout.embedded.scheduler import StepControl, run_continuous
-from megatron_grpo.testing.tiny_models import save_tiny_model
+from megatron_grpo.engine.engine import EmbeddedEngine
+from megatron_grpo.engine.generation import Sequence
+from megatron_grpo.engine.sampling import resolve_sampling_params
+from megatron_grpo.engine.scheduler import StepControl, run_continuous
+from megatron_grpo.models.tiny import save_tiny_model
 from tests.test_rollout_engine import reference_logprobs
 from tests.test_router_replay import hf_topk
 

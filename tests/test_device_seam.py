@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from megatron_grpo.runtime import device
-from megatron_grpo.testing.distributed import run_distributed
-from megatron_grpo.trainer.batch import TrainBatch, build_train_batch
+from tests.support.distributed import run_distributed
+from megatron_grpo.rollout.batch import TrainBatch, build_train_batch
 
 N_SEQ, MICRO = 4, 2
 
@@ -31,14 +31,14 @@ def _batch():
 
 def _policy(hf_dir):
     from megatron_grpo.config import ModelConfig, OptimizerConfig
-    from megatron_grpo.testing.policy import build_test_policy
+    from tests.support.policy import build_test_policy
 
     return build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32"), OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0))
 
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=4))
 

@@ -1,4 +1,4 @@
-"""The rank pool behind ``run_distributed`` in the test suite (megatron_grpo/testing/distributed.py):
+"""The rank pool behind ``run_distributed`` in the test suite (tests/support/distributed.py):
 its ranks serve many calls (each with a new process group and the requested parallel sizes),
 no call's process-wide changes reach the next, a failed or timed-out call ends the pool, and its
 ranks die with their parent."""
@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from megatron_grpo.testing.distributed import RankFailure, RankPoolWarning, run_distributed
+from tests.support.distributed import RankFailure, RankPoolWarning, run_distributed
 from tests.kill_resume import running
 
 pytestmark = pytest.mark.slow  # spawns ranks
@@ -116,7 +116,7 @@ def test_a_call_under_another_environment_gets_ranks_started_under_it(monkeypatc
     started under. They are forked from the forkserver (torch and megatron-core imported once)
     unless a variable read at import differs from the forkserver's (TRITON_INTERPRET, say):
     then spawned."""
-    from megatron_grpo.testing import distributed
+    from tests.support import distributed
 
     # the import-time values of the variables read at import, whatever an earlier test left:
     # this test checks the mechanism (such a leak makes later pools spawn: time, not a failure)
@@ -182,7 +182,7 @@ def test_pool_ranks_die_with_their_parent(tmp_path):
     script.write_text(textwrap.dedent("""
         import sys, time
         sys.path.insert(0, sys.argv[1])
-        from megatron_grpo.testing.distributed import run_distributed
+        from tests.support.distributed import run_distributed
         from tests.test_distributed_pool import _sleep
         if __name__ == "__main__":
             print(*run_distributed(_sleep, 2, 0, fresh=False), flush=True)

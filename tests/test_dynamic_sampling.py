@@ -13,7 +13,7 @@ from megatron_grpo.config.dapo import DynamicSamplingConfig, OverlongConfig
 from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.data.prompts import Prompt
 from megatron_grpo.rewards.scorer import ScoredBatch
-from megatron_grpo.trainer.dynamic_sampling import choose_groups, informative_groups, overlong_penalty
+from megatron_grpo.rollout.dynamic_sampling import choose_groups, informative_groups, overlong_penalty
 
 N = 4
 
@@ -60,9 +60,9 @@ def _prompt(i: int, const: bool) -> Prompt:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from megatron_grpo.models.tokenizer import load_tokenizer
-    from megatron_grpo.rollout import RolloutClient
-    from megatron_grpo.rollout.manager import RolloutServerManager
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.generation import RolloutClient
+    from megatron_grpo.generation.manager import RolloutServerManager
+    from megatron_grpo.models.tiny import save_tiny_model
 
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=5))
     manager = RolloutServerManager(RolloutConfig(dtype="float32"), model_dir=model_dir,
@@ -80,13 +80,13 @@ def _cfg(**rollout):
 
 
 def _run(engine, cfg, more):
-    from megatron_grpo.rollout import SamplingParams
-    from megatron_grpo.trainer.rollout_step import generate_and_score
+    from megatron_grpo.generation import SamplingParams
+    from megatron_grpo.rollout.generate import GenerationContext, generate_and_score
 
     client, tok = engine
     sampling = SamplingParams(temperature=1.0, max_new_tokens=cfg.rollout.max_new_tokens)
-    return generate_and_score(0, [_prompt(0, True), _prompt(1, False)], client, sampling,
-                              _PerPromptReward(), tok, cfg, more_prompts=more)
+    ctx = GenerationContext(client, sampling, _PerPromptReward(), tok, cfg, more_prompts=more)
+    return generate_and_score(ctx, 0, [_prompt(0, True), _prompt(1, False)])
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ def test_shipped_shapes_count_like_transformers(name):
 def test_parameter_count_equals_an_instantiated_models_numel(model_type, tied):
     from transformers import AutoModelForCausalLM
 
-    from megatron_grpo.testing.tiny_models import tiny_config
+    from megatron_grpo.models.tiny import tiny_config
 
     config = tiny_config(model_type, tie_word_embeddings=tied)
     model = AutoModelForCausalLM.from_config(config)
@@ -143,7 +143,7 @@ def _convert_and_compare(rank, world, hf_dir):
 def test_a_shrunk_sized_model_loads_in_the_converter(tmp_path):
     from transformers import AutoTokenizer
 
-    from megatron_grpo.testing.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     out = tmp_path / "q05"
     subprocess.run([sys.executable, str(ROOT / "tools/make_sized_model.py"), "--shape", "qwen2.5-0.5b",

@@ -16,7 +16,7 @@ import torch
 from megatron_grpo.config import ExperimentConfig, RolloutConfig
 from megatron_grpo.config.base import ConfigError, build_section
 from megatron_grpo.preflight import check_rollout, layout_problem
-from megatron_grpo.rollout.engines import ENGINES
+from megatron_grpo.generation.engines import ENGINES
 from megatron_grpo.runtime import placement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -239,8 +239,8 @@ class _RecordingAdapter:
 def _colocated_guard(rank, world):
     from types import SimpleNamespace
 
-    from megatron_grpo.rollout.http_engine import HttpEngine
-    from megatron_grpo.trainer.engine_supervisor import EngineSupervisor
+    from megatron_grpo.generation.http_engine import HttpEngine
+    from megatron_grpo.rollout.supervisor import EngineSupervisor
 
     calls = []
     manager = SimpleNamespace(urls=["http://e0", "http://e1"], adapter=_RecordingAdapter(calls), launched=True)
@@ -257,7 +257,7 @@ def _colocated_guard(rank, world):
 
 
 def test_colocated_engine_releases_after_generation_and_resumes_around_the_sync():
-    from megatron_grpo.testing.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     (calls,) = run_distributed(_colocated_guard, 1, timeout_s=120)
     assert calls == [("sync", 0), ("release", "http://e0"), ("release", "http://e1"),
@@ -266,7 +266,7 @@ def test_colocated_engine_releases_after_generation_and_resumes_around_the_sync(
 
 
 def test_memory_routes_are_named_only_by_the_sglang_adapter():
-    from megatron_grpo.rollout.engines import sglang
+    from megatron_grpo.generation.engines import sglang
 
     assert sglang._RELEASE_MEMORY[1] == "/release_memory_occupation"
     assert ENGINES["sglang"].supports_memory_release and not ENGINES["embedded"].supports_memory_release

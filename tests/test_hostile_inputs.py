@@ -3,7 +3,7 @@ stderr naming the file and the key or line, and nothing in the run directory.
 
 A tiny HF model and a 4-line JSONL dataset are built once; each case copies what it breaks.
 Cases marked SUBPROCESS run the real command (`python -m megatron_grpo.cli train ...`) to
-prove the exit code and the bare stderr; the others call `megatron_grpo.trainer.cli.main` in
+prove the exit code and the bare stderr; the others call `megatron_grpo.launcher.cli.main` in
 the test process (the same code path, without ~4 s of interpreter start-up each), with the
 rank launcher replaced by a failure: reaching it would mean the bad input was not caught.
 
@@ -28,7 +28,7 @@ from typing import Callable
 import pytest
 import yaml
 
-from megatron_grpo.trainer import cli
+from megatron_grpo.launcher import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_LINES = [{"prompt": f"what is {i} plus 1", "answer": str(i + 1)} for i in range(4)]
@@ -37,7 +37,7 @@ DATA_LINES = [{"prompt": f"what is {i} plus 1", "answer": str(i + 1)} for i in r
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The good inputs every case starts from: a tiny qwen2 model and a 4-prompt dataset."""
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("hostile")
     model = save_tiny_model(root / "model", "qwen2", seed=0)
@@ -449,7 +449,7 @@ def test_rejected_in_process(name, world, tmp_path, monkeypatch, capfd):
     ctx = Ctx(tmp_path, world)
     argv, needles = CASES[name](ctx)
     monkeypatch.syspath_prepend(str(ctx.plugin_dir))
-    monkeypatch.setattr(cli, "_launch_ranks", _no_launch)
+    monkeypatch.setattr(cli, "launch_ranks", _no_launch)
     capfd.readouterr()
     code = cli.main(argv)
     out, err = capfd.readouterr()
@@ -502,7 +502,7 @@ def test_the_good_config_passes_preflight(world, tmp_path, monkeypatch):
     """The cases are not vacuous: the unbroken inputs pass pre-flight (up to the launch)."""
     ctx = Ctx(tmp_path, world)
     launched = []
-    monkeypatch.setattr(cli, "_launch_ranks", lambda cmd, env: launched.append(cmd) or 0)
+    monkeypatch.setattr(cli, "launch_ranks", lambda cmd, env: launched.append(cmd) or 0)
     assert cli.main(["--config", ctx.config()]) == 0
     assert launched and "megatron_grpo.train" in launched[0]
     assert [p.name for p in ctx.run_dir.iterdir()] == [".lock"]  # the run directory's lock, and nothing else
@@ -524,14 +524,14 @@ def test_a_second_run_on_a_run_dir_in_use_stops_in_one_line(world, tmp_path, mon
         (ctx.run_dir / "config.yaml").write_text("first\n")
         (ctx.run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
         before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in ctx.run_dir.iterdir()}
-        monkeypatch.setattr(cli, "_launch_ranks", _no_launch)
+        monkeypatch.setattr(cli, "launch_ranks", _no_launch)
         capfd.readouterr()
         second["code"] = cli.main(["--config", path])
         second["err"] = capfd.readouterr().err
         second["same"] = before == {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in ctx.run_dir.iterdir()}
         return 0
 
-    monkeypatch.setattr(cli, "_launch_ranks", first_run)
+    monkeypatch.setattr(cli, "launch_ranks", first_run)
     assert cli.main(["--config", path]) == 0
     assert second["code"] == 2 and second["err"].count("\n") == 1, second
     assert second["err"] == (f"error: {path}: trainer.run_dir: {ctx.run_dir} is in use by another run (pid "
@@ -548,7 +548,7 @@ def test_the_lock_of_a_dead_run_is_taken_over(world, tmp_path, monkeypatch):
                              "os.kill(os.getpid(), 9)", str(ctx.run_dir)],
                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert holder.returncode == -9 and (ctx.run_dir / ".lock").read_text() == holder.stdout
-    monkeypatch.setattr(cli, "_launch_ranks", lambda cmd, env: 0)
+    monkeypatch.setattr(cli, "launch_ranks", lambda cmd, env: 0)
     assert cli.main(["--config", ctx.config()]) == 0
     assert (ctx.run_dir / ".lock").read_text() == f"{os.getpid()}\n"
 

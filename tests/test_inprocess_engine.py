@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from megatron_grpo.config import RolloutConfig
-from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
-from megatron_grpo.rollout.inprocess import InProcessEngine, start_inprocess
-from megatron_grpo.rollout.types import SamplingParams
-from megatron_grpo.testing.distributed import run_distributed
-from megatron_grpo.testing.tiny_models import save_tiny_model
+from megatron_grpo.engine.engine import EmbeddedEngine
+from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
+from megatron_grpo.wire.samples import SamplingParams
+from tests.support.distributed import run_distributed
+from megatron_grpo.models.tiny import save_tiny_model
 from tests.engine_runs import run
 from tests.test_sync_weights import NUM_HF_TENSORS, engine_vs_trainer, perturb
 
@@ -70,7 +70,7 @@ def test_truncated_samples_match_hf_forward_and_the_engines_own_sequences(engine
 
 
 def test_bad_input_is_one_rollout_error(engine):
-    from megatron_grpo.rollout.types import RolloutError
+    from megatron_grpo.wire.samples import RolloutError
 
     with pytest.raises(RolloutError, match="input_ids must be in"):
         engine.generate([[10**6]], 1, SamplingParams(max_new_tokens=2))

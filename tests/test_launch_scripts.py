@@ -27,8 +27,8 @@ import torch.distributed as dist
 from megatron_grpo.runtime.parallel import peer_failure
 from megatron_grpo.runtime.process import free_port
 from megatron_grpo.trainer.checkpoint import complete_checkpoints
-from megatron_grpo.trainer.cli import _launcher_exception as launcher_exception
-from megatron_grpo.trainer.nodes import NodeError, NodeSpec
+from megatron_grpo.launcher.agent import launcher_exception
+from megatron_grpo.launcher.nodes import NodeError, NodeSpec
 from tests.demo_run import ROOT, demo_overrides, read_metrics, wait_for_steps
 from tests.launch_nodes import (CONFIG, SLURM_PROGRAMS, EmulatedSlurm, log, running_with, script_env, slurm_installed,
                                 start_node, start_nodes, stop_nodes, wait_nodes)
@@ -230,7 +230,7 @@ def test_two_nodes_train(demo, tmp_path, no_leftovers):
 def external_engine(demo):
     """`megatron-grpo serve` started on its own, as on a separate rollout node; its URL."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "megatron_grpo.rollout.serve", "--model-dir", str(demo / "model"),
+    server = subprocess.Popen([sys.executable, "-m", "megatron_grpo.engine.serve", "--model-dir", str(demo / "model"),
                                "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     yield f"http://127.0.0.1:{port}"

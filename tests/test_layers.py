@@ -1,15 +1,19 @@
 """The package's layers, pinned: a module never imports a higher layer, production code never
-imports ``testing/``, and the imports of the package's own modules sit at the top of the file
+imports test code (``tests/``), and the imports of the package's own modules sit at the top of the file
 except a few, each with its reason written beside it.
 
 The order (low to high; docs/design.md, "Layers", says why):
 
-    config < runtime < wire, ops, models, data, rewards, losses, metrics_log < rollout
-           < sync, evaluation < preflight < trainer < entry points < testing
+    config < runtime < wire, ops, models, data, rewards, losses, metrics_log < engine < generation
+           < sync < rollout < evaluation < preflight < trainer < launcher < entry points
+
+``engine`` is the inference server we ship; ``generation`` its client side (and SGLang's); the
+trainer reaches the engine only through ``generation.inprocess``. No package imports test code
+(``tests/support`` is outside the package, and the wheel).
 
 Packages of one layer may import each other only without a cycle. Entry points (the command
 lines: ``megatron_grpo/cli.py``, ``train.py``, every ``*cli.py``, ``config/reference.py``,
-``rollout/serve.py``, ``metrics_log/__main__.py``) sit in the top production layer wherever
+``engine/serve.py``, ``metrics_log/__main__.py``) sit in the top production layer wherever
 their file lives. Only ``ast`` is used: nothing of the package is imported, so the test runs in
 well under a second.
 """
@@ -29,17 +33,20 @@ LAYERS: list[tuple[str, ...]] = [
     ("config",),
     ("runtime",),
     ("wire", "ops", "models", "data", "rewards", "losses", "metrics_log"),
+    ("engine",),
+    ("generation",),
+    ("sync",),
     ("rollout",),
-    ("sync", "evaluation"),
+    ("evaluation",),
     ("preflight",),
     ("trainer",),
+    ("launcher",),
     ("<entry>",),
-    ("testing",),
 ]
 LAYER_OF = {package: i for i, layer in enumerate(LAYERS) for package in layer}
 
 ENTRY_POINTS = {"megatron_grpo.cli", "megatron_grpo.train", "megatron_grpo.config.reference",
-                "megatron_grpo.rollout.serve", "megatron_grpo.metrics_log.__main__"}
+                "megatron_grpo.engine.serve", "megatron_grpo.metrics_log.__main__"}
 
 FUNCTION_IMPORT_BUDGET = 25
 """Most imports of the package's own modules allowed inside functions, in the whole package."""
@@ -100,7 +107,7 @@ def imports_of(source: str, module: str, path: str, is_package: bool, known: set
         else:
             continue
         for target in dict.fromkeys(targets):
-            if target == "megatron_grpo" or target.startswith("megatron_grpo."):
+            if target.split(".")[0] in ("megatron_grpo", "tests"):
                 found.append(Import(module, path, node.lineno, target, id(node) in in_function,
                                     _has_reason(lines, node)))
     return found
@@ -109,6 +116,8 @@ def imports_of(source: str, module: str, path: str, is_package: bool, known: set
 def layer(module: str) -> tuple[int, str]:
     """(layer index, package) of a dotted module name."""
     parts = module.split(".")
+    if parts[0] == "tests":
+        return len(LAYERS), "tests"
     if module in ENTRY_POINTS or parts[-1] == "cli" or parts[-1].endswith("_cli"):
         return LAYER_OF["<entry>"], "<entry>"
     package = parts[1] if len(parts) > 1 else "<entry>"
@@ -116,14 +125,14 @@ def layer(module: str) -> tuple[int, str]:
 
 
 def layer_problems(found: list[Import]) -> list[str]:
-    """One line per import of a higher layer, of ``testing`` from production code, or of a
+    """One line per import of a higher layer, of test code from production code, or of a
     package of the same layer that imports this one back (a cycle)."""
     problems, same_layer = [], {}
     for imp in found:
         (src, src_pkg), (dst, dst_pkg) = layer(imp.module), layer(imp.target)
         where = f"{imp.path}:{imp.line}: {imp.module} imports {imp.target}"
-        if dst_pkg == "testing" and src_pkg != "testing":
-            problems.append(f"{where} (production code never imports testing/)")
+        if dst_pkg == "tests":
+            problems.append(f"{where} (production code never imports test code)")
         elif dst > src:
             problems.append(f"{where} (layer {LAYERS[dst]} is above {LAYERS[src]})")
         elif dst == src and src_pkg != dst_pkg:
@@ -163,7 +172,7 @@ def test_every_package_has_a_layer():
     assert packages <= set(LAYER_OF), f"packages without a layer: {sorted(packages - set(LAYER_OF))}"
 
 
-def test_no_module_imports_a_higher_layer_or_testing():
+def test_no_module_imports_a_higher_layer_or_test_code():
     problems = layer_problems(package_imports())
     assert not problems, "imports against the layer order:\n" + "\n".join(problems)
 
@@ -173,15 +182,83 @@ def test_function_level_imports_are_few_and_give_their_reason():
     assert not problems, "\n".join(problems)
 
 
+ENGINE_MAY_IMPORT = {"config", "runtime", "wire", "models", "ops", "engine"}
+"""The engine we ship stands alone: below it only the wire format, the models and the ops."""
+ENGINE_IMPORTERS = {"megatron_grpo.generation.inprocess", "megatron_grpo.sync.in_memory"}
+"""The only modules outside ``engine/`` that import it: the in-process engine and its in-memory
+weight receiver; the trainer reaches the engine through them (or over HTTP)."""
+
+
+def engine_problems(found: list[Import]) -> list[str]:
+    problems = []
+    for imp in found:
+        src_pkg, dst_pkg = layer(imp.module)[1], layer(imp.target)[1]
+        where = f"{imp.path}:{imp.line}: {imp.module} imports {imp.target}"
+        if src_pkg == "engine" and dst_pkg not in ENGINE_MAY_IMPORT:
+            problems.append(f"{where} (the engine imports only {sorted(ENGINE_MAY_IMPORT - {'engine'})})")
+        if dst_pkg == "engine" and src_pkg != "engine" and imp.module not in ENGINE_IMPORTERS \
+                and layer(imp.module)[0] != LAYER_OF["<entry>"]:
+            problems.append(f"{where} (only {sorted(ENGINE_IMPORTERS)} reach the engine)")
+    return problems
+
+
+def test_the_engine_stands_alone_and_is_reached_through_the_in_process_adapter():
+    problems = engine_problems(package_imports())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_engine_rules_can_fail():
+    known = {"megatron_grpo.engine.engine", "megatron_grpo.rollout.generate", "megatron_grpo.wire.samples"}
+    bad = imports_of("from megatron_grpo.rollout.generate import RolloutResult\n"
+                     "from megatron_grpo.wire.samples import Sample\n", "megatron_grpo.engine.x", "engine/x.py", False,
+                     known)
+    bad += imports_of("from megatron_grpo.engine.engine import EmbeddedEngine\n", "megatron_grpo.trainer.y",
+                      "trainer/y.py", False, known)
+    problems = engine_problems(bad)
+    assert len(problems) == 2, problems
+    assert "engine/x.py:1:" in problems[0] and "the engine imports only" in problems[0]
+    assert "trainer/y.py:1:" in problems[1] and "reach the engine" in problems[1]
+
+
+def test_the_wheel_ships_no_test_code():
+    """setup.py's package list (its own ``find_packages`` call) holds no test package."""
+    from setuptools import find_packages
+
+    packages = find_packages(str(ROOT), include=["megatron_grpo", "megatron_grpo.*"])
+    assert "megatron_grpo.engine" in packages and "megatron_grpo.launcher" in packages
+    assert not [p for p in packages if "test" in p.split(".")[-1]], packages
+    assert 'find_packages(include=["megatron_grpo", "megatron_grpo.*"])' in (ROOT / "setup.py").read_text()
+
+
+def private_import_problems(found_sources: dict[str, str]) -> list[str]:
+    """``from megatron_grpo.x import _name`` between modules: a private name is its module's."""
+    problems = []
+    for path, source in found_sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron_grpo"):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.asname]
+                if private:
+                    problems.append(f"{path}:{node.lineno}: imports private {', '.join(private)} from {node.module}")
+    return problems
+
+
+def test_no_module_imports_another_modules_private_names():
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+    problems = private_import_problems(sources)
+    assert not problems, "\n".join(problems)
+    assert private_import_problems({"x.py": "from megatron_grpo.config.base import _secret\n"}) == [
+        "x.py:1: imports private _secret from megatron_grpo.config.base"]
+
+
 # ---- the checker can fail ---------------------------------------------------------------------
 
-KNOWN = {"megatron_grpo.config.base", "megatron_grpo.trainer.driver", "megatron_grpo.testing.tiny_models",
-         "megatron_grpo.rollout.engines", "megatron_grpo.runtime.device", "megatron_grpo.sync",
-         "megatron_grpo.evaluation"}
+KNOWN = {"megatron_grpo.config.base", "megatron_grpo.trainer.driver", "tests.support.distributed",
+         "megatron_grpo.generation.engines", "megatron_grpo.runtime.device", "megatron_grpo.losses",
+         "megatron_grpo.rewards"}
 
 BAD_MODULE = '''
-from megatron_grpo.rollout.engines import ENGINES
-from megatron_grpo.testing.tiny_models import MAX_NUMBER
+from megatron_grpo.generation.engines import ENGINES
+from tests.support.distributed import run_distributed
 from ..runtime import device
 
 
@@ -202,8 +279,8 @@ def test_the_checker_fails_on_a_synthetic_bad_module():
     problems = layer_problems(found)
     assert len(problems) == 4, problems
     assert problems[0].startswith("megatron_grpo/config/bad.py:2: megatron_grpo.config.bad imports "
-                                  "megatron_grpo.rollout.engines (layer ('rollout',) is above ('config',))")
-    assert "bad.py:3:" in problems[1] and "never imports testing/" in problems[1]
+                                  "megatron_grpo.generation.engines (layer ('generation',) is above ('config',))")
+    assert "bad.py:3:" in problems[1] and "never imports test code" in problems[1]
     assert "bad.py:4:" in problems[2] and "megatron_grpo.runtime.device" in problems[2]
     assert "bad.py:8:" in problems[3] and "megatron_grpo.trainer.driver" in problems[3]
 
@@ -216,14 +293,14 @@ def test_the_checker_fails_on_a_synthetic_bad_module():
 
 
 def test_the_checker_sees_a_cycle_inside_one_layer():
-    sync = imports_of("from megatron_grpo import evaluation\n", "megatron_grpo.sync.x", "s.py", False, KNOWN)
-    evaluation = imports_of("import megatron_grpo.sync\n", "megatron_grpo.evaluation.y", "e.py", False, KNOWN)
-    assert layer_problems(sync) == [] and layer_problems(evaluation) == []
-    (problem,) = layer_problems(sync + evaluation)
-    assert "a cycle between evaluation and sync" in problem
+    losses = imports_of("from megatron_grpo import rewards\n", "megatron_grpo.losses.x", "l.py", False, KNOWN)
+    rewards = imports_of("import megatron_grpo.losses\n", "megatron_grpo.rewards.y", "r.py", False, KNOWN)
+    assert layer_problems(losses) == [] and layer_problems(rewards) == []
+    (problem,) = layer_problems(losses + rewards)
+    assert "a cycle between losses and rewards" in problem
 
 
-@pytest.mark.parametrize("module", ["megatron_grpo.cli", "megatron_grpo.trainer.cli", "megatron_grpo.models.convert_cli",
-                                    "megatron_grpo.rollout.serve"])
+@pytest.mark.parametrize("module", ["megatron_grpo.cli", "megatron_grpo.launcher.cli", "megatron_grpo.models.convert_cli",
+                                    "megatron_grpo.engine.serve"])
 def test_entry_points_sit_above_the_trainer(module):
     assert layer(module)[0] > LAYER_OF["trainer"]

@@ -19,8 +19,8 @@ import torch
 from megatron_grpo.config.base import ConfigError, build_section
 from megatron_grpo.config.model import LoraConfig
 from megatron_grpo.models.lora import LoraSpec, lora_problem, resolve_targets
-from megatron_grpo.testing.distributed import run_distributed
-from megatron_grpo.testing.tiny_models import tiny_config
+from tests.support.distributed import run_distributed
+from megatron_grpo.models.tiny import tiny_config
 
 RANK, ALPHA = 4, 8.0
 
@@ -99,9 +99,9 @@ def _lora_step(rank, world, hf_dir, recompute=False):
     from megatron_grpo.models.lora import iter_adapters
     from megatron_grpo.models.lora_export import iter_lora_weights
     from megatron_grpo.models.weights import exports_weights
-    from megatron_grpo.testing.batches import random_train_batch
-    from megatron_grpo.testing.policy import build_test_policy
-    from megatron_grpo.trainer.batch import dp_shard
+    from tests.support.batches import random_train_batch
+    from tests.support.policy import build_test_policy
+    from megatron_grpo.rollout.batch import dp_shard
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
 
     lora = LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"])
@@ -113,11 +113,11 @@ def _lora_step(rank, world, hf_dir, recompute=False):
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     full = random_train_batch(8)
     local = dp_shard(full, dp_rank, dp, 8)
-    old = compute_log_probs(policy.chunks, local, 2, spec, None)
+    old = compute_log_probs(policy.chunks, local, 2, spec)
     local.old_log_probs = old if old is not None else torch.zeros_like(local.rollout_log_probs)
     metrics, applied, grad_norm = train_mini_batch(
         policy.chunks, policy.optimizer, local, algo, spec, 2, int(full.loss_mask.sum()),
-        full.num_sequences, dp, ps.get_data_parallel_group(), None)
+        full.num_sequences, dp, ps.get_data_parallel_group())
     adapters = dict(iter_lora_weights(policy.modules, policy.hf_config)) if exports_weights() else {}
     merged = {k: v.clone() for k, v in iter_hf_weights(policy.modules, policy.hf_config)}
     adapter_params = {id(p) for _, a in iter_adapters(policy.modules) for p in a.parameters()}
@@ -131,7 +131,7 @@ def _lora_step(rank, world, hf_dir, recompute=False):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=1))
 
@@ -145,7 +145,7 @@ def reference(tiny_hf):
 @pytest.fixture(scope="module")
 def four_layers(tmp_path_factory):
     """A 4-layer model (pp2 x vpp2 needs a layer per virtual stage) and its TP1 step."""
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     hf_dir = str(save_tiny_model(tmp_path_factory.mktemp("hf4"), "llama", seed=2, num_layers=4))
     (ref,) = run_distributed(_lora_step, 1, hf_dir, tp=1, pp=1, timeout_s=300)
@@ -206,7 +206,7 @@ def _peft_equivalence(rank, world, hf_dir, out_dir):
     from megatron_grpo.config import ModelConfig, OptimizerConfig
     from megatron_grpo.models.lora_export import peft_logits, save_peft_adapter
     from megatron_grpo.models.self_check import megatron_logits_on_rank0, probe_input_ids
-    from megatron_grpo.testing.policy import build_test_policy
+    from tests.support.policy import build_test_policy
 
     lora = LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"])
     policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32", lora=lora), OptimizerConfig(name="sgd"))
@@ -245,7 +245,7 @@ def _gradients_vs_peft(rank, world, hf_dir, out_dir):
     from megatron_grpo.models.lora import iter_adapters
     from megatron_grpo.models.lora_export import save_peft_adapter
     from megatron_grpo.models.self_check import probe_input_ids
-    from megatron_grpo.testing.policy import build_test_policy
+    from tests.support.policy import build_test_policy
 
     lora = LoraConfig(rank=RANK, alpha=ALPHA, target_modules=["all-linear"])
     policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32", lora=lora), OptimizerConfig(name="sgd"))

@@ -8,7 +8,7 @@ import torch
 
 from megatron_grpo.config import AlgorithmConfig
 from megatron_grpo.losses import compute_policy_loss, reduce_metrics
-from megatron_grpo.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 # Two micro-batches: tokens x = [1, 2] (part A) and [3, 4, 5, 6] (part B); 1 and 3 rows.
 PART_A = {"num_valid_tokens": 2.0, "num_sequences": 1.0, "x_mean": 1.5, "x_std": 0.5, "x_max": 2.0,

@@ -3,7 +3,7 @@ held, each micro-batch cut to its own longest row, and the log-probs put back in
 
 import torch
 
-from megatron_grpo.trainer.batch import build_train_batch
+from megatron_grpo.rollout.batch import build_train_batch
 from megatron_grpo.trainer.microbatch import (fixed_plan, packed_plan, plan_micro_batches, sequence_lengths,
                                               split, token_budget_plan, unsplit)
 
@@ -68,7 +68,7 @@ def test_mini_batch_order_mixes_groups_the_same_on_every_rank_and_resume():
     that is one mini-batch keeps its order."""
     import torch
 
-    from megatron_grpo.trainer.batch import mini_batch_order
+    from megatron_grpo.rollout.batch import mini_batch_order
 
     assert mini_batch_order(16, 16, seed=1, step=0) is None
     order = mini_batch_order(16, 4, seed=1, step=0)

@@ -22,21 +22,21 @@ counted twice over DP, a missing TP reduction: an error of order 1 of the update
 import pytest
 import torch
 
-from megatron_grpo.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 N_SEQ, GLOBAL_BATCH, MICRO = 8, 8, 2
 STEP_RTOL = 5e-2
 
 
 def _batch():
-    from megatron_grpo.testing.batches import random_train_batch
+    from tests.support.batches import random_train_batch
 
     return random_train_batch(N_SEQ)
 
 
 def _policy(hf_dir, optimizer):
     from megatron_grpo.config import ModelConfig
-    from megatron_grpo.testing.policy import build_test_policy
+    from tests.support.policy import build_test_policy
 
     return build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="bfloat16"), optimizer)
 
@@ -45,7 +45,7 @@ def _train_step(policy):
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.config import AlgorithmConfig
-    from megatron_grpo.trainer.batch import dp_shard
+    from megatron_grpo.rollout.batch import dp_shard
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
 
     algo = AlgorithmConfig(eps_clip_high=0.28, off_policy_correction={"tis_ratio_type": "token"})
@@ -85,7 +85,7 @@ def _bf16_step(rank, world, hf_dir):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=1))
 
@@ -166,7 +166,7 @@ _DIRECT = {
 def _sync_into_engine(rank, world, hf_dir, url):
     from megatron_grpo.config import OptimizerConfig
     from megatron_grpo.config.rollout import RolloutConfig
-    from megatron_grpo.rollout import RolloutClient
+    from megatron_grpo.generation import RolloutClient
     from megatron_grpo.sync.syncer import WeightSyncer
 
     policy = _policy(hf_dir, OptimizerConfig(name="adam", lr=1e-4, clip_grad=0.0))
@@ -193,7 +193,7 @@ def _sync_into_engine(rank, world, hf_dir, url):
 @pytest.mark.slow
 def test_fp32_engine_receives_the_main_weights(tiny_hf, tmp_path):
     from megatron_grpo.config.rollout import RolloutConfig
-    from megatron_grpo.rollout.manager import RolloutServerManager
+    from megatron_grpo.generation.manager import RolloutServerManager
 
     cfg = RolloutConfig(dtype="float32", launch_timeout_s=180)
     with RolloutServerManager(cfg, model_dir=tiny_hf, run_dir=tmp_path) as manager:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from tests.models_fixtures import PROBE_IDS, hf_reference_logits, hf_tensors, make_hf_model
 
 TOL = 1e-5

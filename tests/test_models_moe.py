@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_grpo.models.errors import ModelError
-from megatron_grpo.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from tests.models_fixtures import hf_reference_logits, hf_tensors, make_hf_model
 from tests.test_models_equivalence import build_and_load, build_from_checkpoint, probe
 

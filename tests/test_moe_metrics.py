@@ -19,7 +19,7 @@ def test_load_metrics_by_hand():
 
 
 def _batch():
-    from megatron_grpo.trainer.batch import build_train_batch
+    from megatron_grpo.rollout.batch import build_train_batch
 
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(7, 200, (n,), generator=gen).tolist() for n in (3, 5, 4, 2, 6)]
@@ -47,7 +47,7 @@ def _hand_counts(hf_dir, batch) -> torch.Tensor:
 
 def test_router_load_equals_hand_count(single_rank, tmp_path):
     from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs
     from megatron_grpo.trainer.moe_metrics import RouterLoad
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megatron_grpo.config.rollout import RolloutConfig
-from megatron_grpo.rollout.manager import RolloutServerManager, weight_sync_dir
-from megatron_grpo.testing.distributed import run_distributed
-from megatron_grpo.testing.tiny_models import save_tiny_model
+from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
+from tests.support.distributed import run_distributed
+from megatron_grpo.models.tiny import save_tiny_model
 from tests.models_fixtures import hf_tensors
 from tests.test_sync_weights import _check, _sync_worker
 from tests.test_trainer_step_equivalence import _initial_weights, _merged_weights, _one_step
@@ -25,7 +25,7 @@ def moe_dir(tmp_path_factory):
 def test_engine_serves_fused_experts_under_checkpoint_names(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_grpo.rollout.embedded.served_names import served_tensors
+    from megatron_grpo.engine.served_names import served_tensors
 
     path = save_tiny_model(tmp_path / model_type, model_type, seed=5)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)

@@ -22,9 +22,9 @@ from megatron_grpo.rollout.environments.builtin import BUILTINS, Calculator, Gue
 from megatron_grpo.rollout.environments.worker import fork_server
 from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_rewards, episode_stats
 from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
-from megatron_grpo.rollout.types import Sample, SamplingParams
-from megatron_grpo.testing.tiny_models import build_tokenizer
-from megatron_grpo.trainer.batch import build_train_batch
+from megatron_grpo.wire.samples import Sample, SamplingParams
+from megatron_grpo.models.tiny import build_tokenizer
+from megatron_grpo.rollout.batch import build_train_batch
 
 ENV_SOURCE = '''
 import asyncio, time

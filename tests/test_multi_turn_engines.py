@@ -17,12 +17,12 @@ import pytest
 
 from megatron_grpo.config.rollout import MultiTurnConfig, RolloutConfig
 from megatron_grpo.data.prompts import Prompt, render_prompt
-from megatron_grpo.rollout.client import RolloutClient
-from megatron_grpo.rollout.manager import RolloutServerManager, weight_sync_dir
+from megatron_grpo.generation.client import RolloutClient
+from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
 from megatron_grpo.rollout.multi_turn import EpisodeRunner
 from megatron_grpo.rollout.turns import TurnRenderer
-from megatron_grpo.rollout.types import SamplingParams
-from megatron_grpo.testing.tiny_models import DEMO_ARCH, build_tokenizer, save_tiny_model
+from megatron_grpo.wire.samples import SamplingParams
+from megatron_grpo.models.tiny import DEMO_ARCH, build_tokenizer, save_tiny_model
 from tests.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
 from tests.sglang_shared import API_KEY
 

@@ -7,7 +7,7 @@ the batch's masks for two reductions (observation tokens in no count)."""
 import pytest
 import torch
 
-from megatron_grpo.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 N_SEQ, GLOBAL_BATCH, MICRO = 8, 8, 2
 
@@ -17,9 +17,9 @@ def _one_step(rank, world, hf_dir, reduction):
 
     from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
     from megatron_grpo.models import iter_hf_weights
-    from megatron_grpo.testing.batches import random_multi_turn_batch
-    from megatron_grpo.testing.policy import build_test_policy
-    from megatron_grpo.trainer.batch import dp_shard
+    from tests.support.batches import random_multi_turn_batch
+    from tests.support.policy import build_test_policy
+    from megatron_grpo.rollout.batch import dp_shard
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
 
     # SGD: the update is proportional to the gradient, so any gradient difference shows
@@ -41,7 +41,7 @@ def _one_step(rank, world, hf_dir, reduction):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=1))
 
@@ -56,7 +56,7 @@ def _reference(tiny_hf, reduction):
 
 
 def test_the_batch_interleaves_observations():
-    from megatron_grpo.testing.batches import random_multi_turn_batch
+    from tests.support.batches import random_multi_turn_batch
 
     b = random_multi_turn_batch(N_SEQ)
     # rows with an observation between two model turns: a 0 inside the loss mask's span of 1s
@@ -71,7 +71,7 @@ def test_tp1_loss_is_the_hand_computation_over_model_tokens(tiny_hf, reduction):
     """First step: pi_old = pi_theta, so every ratio is 1 and the PPO loss per token is -A_i.
     token_mean: -sum_i A_i m_i / sum_i m_i (m_i: row i's model tokens, observations not counted);
     seq_mean_token_mean: -mean_i A_i (each row's mean over its model tokens is A_i)."""
-    from megatron_grpo.testing.batches import random_multi_turn_batch
+    from tests.support.batches import random_multi_turn_batch
 
     b = random_multi_turn_batch(N_SEQ)
     m = b.loss_mask.sum(dim=1)

@@ -24,13 +24,13 @@ import math
 import pytest
 import torch
 
-from megatron_grpo.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 N_SEQ, MICRO = 4, 2
 
 
 def _batch():
-    from megatron_grpo.trainer.batch import build_train_batch
+    from megatron_grpo.rollout.batch import build_train_batch
 
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(7, 200, (3 + i % 2,), generator=gen).tolist() for i in range(N_SEQ)]
@@ -41,7 +41,7 @@ def _batch():
 
 def _policy(hf_dir):
     from megatron_grpo.config import ModelConfig, OptimizerConfig
-    from megatron_grpo.testing.policy import build_test_policy
+    from tests.support.policy import build_test_policy
 
     return build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32"), OptimizerConfig(name="adam", lr=1e-2, clip_grad=1.0))
 
@@ -101,7 +101,7 @@ def _guard(rank, world, hf_dir):
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     hf_dir = str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=2))
     (res,) = run_distributed(_guard, 1, hf_dir, tp=1, pp=1, timeout_s=300)

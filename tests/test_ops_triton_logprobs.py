@@ -32,7 +32,7 @@ import torch
 from megatron_grpo.config import ModelConfig
 from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.ops.vocab_parallel import KERNELS
-from megatron_grpo.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 from megatron_grpo.models.packing import pack
 from megatron_grpo.trainer.megatron_step import ScoringSpec, _packed_token_scores, _token_scores
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_grpo.ops import vocab_parallel_log_probs
-from megatron_grpo.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 # name -> case. Leading shape [S, B] = [3, 2] (6 tokens); tiny vocabularies.
 CASES = {

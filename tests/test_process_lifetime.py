@@ -311,7 +311,7 @@ def test_torchruns_report_of_a_signal_read_before_our_own_is_the_stop(tmp_path, 
     forwarded, and the output before it still is."""
     import sys
 
-    from megatron_grpo.trainer.cli import _forward_stderr
+    from megatron_grpo.launcher.agent import forward_stderr as _forward_stderr
 
     torchrun = (
         "import sys, time\n"
@@ -334,7 +334,7 @@ def test_the_launcher_stops_reading_once_torchrun_has_exited(tmp_path, capfd):
     finished. The launcher now stops reading once torchrun's agent has exited (cli.DRAIN_S later)."""
     import sys
 
-    from megatron_grpo.trainer.cli import _forward_stderr
+    from megatron_grpo.launcher.agent import forward_stderr as _forward_stderr
 
     marker = f"600.{uuid.uuid4().int % 10**12}"  # unique: a stale sleep of another run never matches
     agent = ("import subprocess, sys\n"
@@ -378,7 +378,7 @@ def test_sigterm_during_start_up_stops_in_one_line_and_leaves_nothing(demo, tmp_
 def test_a_stop_signal_ends_the_wait_for_a_starting_server(monkeypatch):
     """A rank waiting for its rollout server to become healthy stops at once on SIGTERM (one line,
     exit code 143 through RunStopped) instead of waiting out the launch timeout."""
-    from megatron_grpo.rollout.manager import wait_healthy
+    from megatron_grpo.generation.manager import wait_healthy
     from megatron_grpo.runtime import stop
     from megatron_grpo.runtime.process import free_port
 

@@ -21,10 +21,10 @@ import torch
 
 from megatron_grpo.ops.quantize import (QuantScheme, dequantize, fake_quantize, quantize, quantize_weight,
                                         quantized_linear, scales_from, row_absmax)
-from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
-from megatron_grpo.rollout.embedded.quantize import QuantizedLinear
-from megatron_grpo.testing.distributed import run_distributed
-from megatron_grpo.testing.tiny_models import save_tiny_model
+from megatron_grpo.engine.engine import EmbeddedEngine
+from megatron_grpo.engine.quantize import QuantizedLinear
+from tests.support.distributed import run_distributed
+from megatron_grpo.models.tiny import save_tiny_model
 from megatron_grpo.wire.checksum import tensor_checksum
 from tests.engine_runs import run
 
@@ -211,7 +211,7 @@ def test_sync_into_quantized_engine_checksums_what_was_sent(fp8_engine, model_di
 
 def _probe_worker(rank, world_size, model_dir):
     from megatron_grpo.config import ModelConfig, OptimizerConfig
-    from megatron_grpo.testing.policy import build_test_policy
+    from tests.support.policy import build_test_policy
     from megatron_grpo.trainer.megatron_step import ScoringSpec, probe_log_probs
 
     policy = build_test_policy(ModelConfig(hf_dir=str(model_dir), dtype="float32"), OptimizerConfig(name="sgd"))
@@ -270,7 +270,7 @@ def test_preflight_and_launch_commands():
     from megatron_grpo.config import ConfigError, ExperimentConfig, RolloutConfig
     from megatron_grpo.config.base import build_section
     from megatron_grpo.preflight import check_rollout, layout_problem
-    from megatron_grpo.rollout.engines import ENGINES
+    from megatron_grpo.generation.engines import ENGINES
 
     def rollout(**kwargs):
         return build_section(RolloutConfig, kwargs, "rollout")

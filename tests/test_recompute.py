@@ -12,7 +12,7 @@ On CPU this runs through the CPU shim's redirection of megatron's CUDA RNG save/
 import pytest
 import torch
 
-from megatron_grpo.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 N_SEQ, MICRO = 8, 2
 
@@ -22,8 +22,8 @@ def _one_step(hf_dir, recompute):
 
     from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
     from megatron_grpo.models import iter_hf_weights
-    from megatron_grpo.testing.batches import random_train_batch
-    from megatron_grpo.testing.policy import build_test_policy
+    from tests.support.batches import random_train_batch
+    from tests.support.policy import build_test_policy
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
 
     policy = build_test_policy(ModelConfig(hf_dir=hf_dir, recompute_activations=recompute),
@@ -50,7 +50,7 @@ def _both_steps(rank, world, hf_dir):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=3))
 

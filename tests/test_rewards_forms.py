@@ -12,8 +12,8 @@ from megatron_grpo.config.sections import RewardConfig
 from megatron_grpo.data import load_prompt_dataset
 from megatron_grpo.config.sections import DataConfig
 from megatron_grpo.rewards import RewardError, RewardSample, RewardScorer
-from megatron_grpo.rollout.types import Sample
-from megatron_grpo.testing.tiny_models import build_tokenizer
+from megatron_grpo.wire.samples import Sample
+from megatron_grpo.models.tiny import build_tokenizer
 from megatron_grpo.rewards.sample import reward_samples
 
 FORMS = """

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from megatron_grpo.config.rollout import RolloutConfig, SGLangConfig
-from megatron_grpo.rollout import RolloutClient, RolloutError, SamplingParams
-from megatron_grpo.rollout.manager import RolloutServerManager, free_port, weight_sync_dir
+from megatron_grpo.generation import RolloutClient, RolloutError, SamplingParams
+from megatron_grpo.generation.manager import RolloutServerManager, free_port, weight_sync_dir
 from megatron_grpo.wire.buckets import plan_buckets
 from megatron_grpo.wire.checksum import tensor_checksum
 from megatron_grpo.wire.group import destroy_custom_process_group, init_custom_process_group
 from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_system_sharing
-from megatron_grpo.testing.sglang_cpu import require_sglang
-from megatron_grpo.testing.tiny_models import save_tiny_model
+from tests.support.sglang import require_sglang
+from megatron_grpo.models.tiny import save_tiny_model
 from tests.sglang_shared import SGLANG_MEMORY
 
 API_KEY = "test-key"
@@ -143,7 +143,7 @@ def test_only_a_call_alone_in_flight_skips_the_batching_window():
     requests' bodies are recorded before they would be sent."""
     import asyncio
 
-    from megatron_grpo.rollout.client import AsyncRolloutClient
+    from megatron_grpo.generation.client import AsyncRolloutClient
 
     client = AsyncRolloutClient(["http://127.0.0.1:9"], sequences_per_request=256)
     bodies = []
@@ -171,7 +171,7 @@ def test_only_a_call_alone_in_flight_skips_the_batching_window():
 
 
 def test_request_chunks():
-    from megatron_grpo.rollout.client import request_chunks
+    from megatron_grpo.generation.client import request_chunks
 
     assert request_chunks(3, 4, None, 1) == [(0, 1), (1, 2), (2, 3)]  # one request per prompt
     assert request_chunks(8, 16, 256, 1) == [(0, 8)]  # the whole batch in one request
@@ -368,7 +368,7 @@ def test_prompt_logprobs_are_at_temperature_one(server, client, hf_model):
 def test_engine_adapter_verifier_sees_a_stale_tensor(server, client, hf_model):
     """Each adapter's verifier against its real server: what it serves passes, a tensor the
     trainer sent differently is named."""
-    from megatron_grpo.rollout.engines import ENGINES
+    from megatron_grpo.generation.engines import ENGINES
     from megatron_grpo.wire.checksum import tensor_checksum
 
     kind, url = server
@@ -388,7 +388,7 @@ def test_release_memory_occupation_is_never_called_without_a_gpu():
     exercised here): the client has no such route, and no code path of the package names it."""
     from pathlib import Path
 
-    from megatron_grpo.rollout.client import ROUTES
+    from megatron_grpo.generation.client import ROUTES
 
     assert not any("memory_occupation" in path for _, path in ROUTES.values())
     package = Path(__file__).resolve().parent.parent / "megatron_grpo"

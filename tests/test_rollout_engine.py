@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
-from megatron_grpo.rollout.embedded.generation import Sequence
-from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
-from megatron_grpo.testing.tiny_models import save_tiny_model
+from megatron_grpo.engine.engine import EmbeddedEngine
+from megatron_grpo.engine.generation import Sequence
+from megatron_grpo.engine.sampling import resolve_sampling_params
+from megatron_grpo.models.tiny import save_tiny_model
 from tests.engine_runs import run
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20]]
@@ -161,7 +161,7 @@ def test_server_info_counts_generate_requests_in_flight_and_answered(engine):
     (what tests/test_process_lifetime.py waits on to signal a run after a step's generation)."""
     from fastapi.testclient import TestClient
 
-    from megatron_grpo.rollout.embedded.server import build_app
+    from megatron_grpo.engine.server import build_app
 
     with TestClient(build_app(engine)) as client:
         def requests() -> dict:

@@ -8,9 +8,9 @@ import psutil
 import pytest
 
 from megatron_grpo.config.rollout import RolloutConfig
-from megatron_grpo.rollout import RolloutClient, RolloutError, SamplingParams
-from megatron_grpo.rollout.manager import RolloutServerManager, free_port
-from megatron_grpo.testing.tiny_models import save_tiny_model
+from megatron_grpo.generation import RolloutClient, RolloutError, SamplingParams
+from megatron_grpo.generation.manager import RolloutServerManager, free_port
+from megatron_grpo.models.tiny import save_tiny_model
 
 
 @pytest.mark.slow
@@ -93,7 +93,7 @@ def test_a_picked_port_taken_before_the_server_binds_it_is_replaced(tmp_path, mo
     the server started; the server is launched again on another port, and the run goes on."""
     import socket
 
-    import megatron_grpo.rollout.manager as manager_module
+    import megatron_grpo.generation.manager as manager_module
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

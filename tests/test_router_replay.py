@@ -11,13 +11,13 @@ import threading
 import pytest
 import torch
 
-from megatron_grpo.rollout import routed_experts
-from megatron_grpo.rollout.embedded import routing
-from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
-from megatron_grpo.rollout.embedded.generation import Sequence
-from megatron_grpo.rollout.embedded.sampling import resolve_sampling_params
-from megatron_grpo.rollout.embedded.server import _render
-from megatron_grpo.testing.tiny_models import save_tiny_model
+from megatron_grpo.wire import routed_experts
+from megatron_grpo.engine import routing
+from megatron_grpo.engine.engine import EmbeddedEngine
+from megatron_grpo.engine.generation import Sequence
+from megatron_grpo.engine.sampling import resolve_sampling_params
+from megatron_grpo.engine.server import _render
+from megatron_grpo.models.tiny import save_tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
 PARAMS = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
@@ -143,7 +143,7 @@ def rollout(moe_model):
     response) and the hand count of (token, layer) routings that differ from the engine's."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_grpo.trainer.batch import build_train_batch, pad_routed_experts
+    from megatron_grpo.rollout.batch import build_train_batch, pad_routed_experts
 
     _, model_dir = moe_model
     eng, seqs = generate(model_dir, PROMPTS)
@@ -214,7 +214,7 @@ def _ep_worker(rank, world_size, model_dir, batch):
 
 @pytest.mark.slow
 def test_trainer_replays_engine_routing_ep2(rollout, moe_model):
-    from megatron_grpo.testing.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     if moe_model[0] != "qwen3_moe":
         pytest.skip("one architecture is enough at EP2 (both at TP1)")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_grpo.runtime import cpu_shim
-from megatron_grpo.testing.distributed import RankFailure, run_distributed
+from tests.support.distributed import RankFailure, run_distributed
 from tests.kill_resume import running
 
 VOCAB, SEQ, MBS, NUM_MB = 256, 16, 2, 2

@@ -19,8 +19,8 @@ import torch
 
 from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.ops.vocab_parallel import kept_column_mask
-from megatron_grpo.rollout.embedded.sampling import sample_tokens
-from megatron_grpo.testing.distributed import run_distributed
+from megatron_grpo.engine.sampling import sample_tokens
+from tests.support.distributed import run_distributed
 
 PADDED, VOCAB, TEMPERATURE, K = 64, 58, 0.7, 9
 NUM_TOKENS = 6
@@ -171,9 +171,9 @@ def served(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from megatron_grpo.config.rollout import RolloutConfig
-    from megatron_grpo.rollout.client import RolloutClient
-    from megatron_grpo.rollout.manager import RolloutServerManager
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.generation.client import RolloutClient
+    from megatron_grpo.generation.manager import RolloutServerManager
+    from megatron_grpo.models.tiny import save_tiny_model
 
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=5))
     cfg = RolloutConfig(engine="embedded", dtype="float32", launch_timeout_s=600, request_timeout_s=120)
@@ -190,7 +190,7 @@ def served(tmp_path_factory):
 
 @pytest.mark.slow
 def test_engine_and_trainer_both_score_the_truncated_distribution(served):
-    from megatron_grpo.rollout.types import SamplingParams
+    from megatron_grpo.wire.samples import SamplingParams
 
     _, client, hf = served
     temperature = 0.8
@@ -207,7 +207,7 @@ def _sets_off_the_rule(samples, hf, temperature: float, top_k: int, top_p: float
     """Checks the engine's truncated log-probs of ``samples`` against the trainer's op over the
     same kept sets on ``hf``'s logits (within ``tolerance``; the full-distribution ones differ),
     and returns how many kept sets differ from SGLang's joint rule on those logits."""
-    from megatron_grpo.trainer.batch import build_train_batch, pad_kept_ids, truncated_log_probs
+    from megatron_grpo.rollout.batch import build_train_batch, pad_kept_ids, truncated_log_probs
 
     masses = [m for s in samples for m in s.log_kept_mass]
     assert max(masses) <= 1e-6 and sum(masses) / len(masses) < -0.05, masses  # top_p cuts real mass
@@ -237,8 +237,8 @@ def test_sglang_and_trainer_both_score_the_truncated_distribution(demo, sglang_s
     scores with the sets, to fp32 level."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_grpo.rollout.client import RolloutClient
-    from megatron_grpo.rollout.types import SamplingParams
+    from megatron_grpo.generation.client import RolloutClient
+    from megatron_grpo.wire.samples import SamplingParams
     from tests.sglang_shared import API_KEY
 
     model_dir = demo / "model"
@@ -261,7 +261,7 @@ def test_sglang_and_trainer_both_score_the_truncated_distribution(demo, sglang_s
 
 
 def test_a_kept_set_without_its_token_is_refused():
-    from megatron_grpo.rollout.client import parse_sampling_mask
+    from megatron_grpo.generation.client import parse_sampling_mask
 
     meta = {"sampling_mask": {"kept_ids": [[3, 4], [7]], "log_kept_mass": [-0.1, -0.2]}}
     assert parse_sampling_mask(meta, [4, 7]) == ([[3, 4], [7]], [-0.1, -0.2])
@@ -327,7 +327,7 @@ def test_sglang_replays_the_mask_only_with_a_bounded_top_k():
 
 
 def test_sglang_sampling_mask_answer_gives_kept_sets_and_masses():
-    from megatron_grpo.rollout.client import parse_sampling_mask
+    from megatron_grpo.generation.client import parse_sampling_mask
 
     meta = {"output_token_sampling_mask": [[4, 3], [7]], "output_token_sampling_logprobs": [-0.25, 0.0]}
     kept, mass = parse_sampling_mask(meta, [4, 7], [-0.75, -1.5])
@@ -341,9 +341,9 @@ def test_sglang_sampling_mask_answer_gives_kept_sets_and_masses():
 def test_multi_turn_observation_tokens_carry_no_set_and_no_mass():
     """An episode's observation tokens (output_mask 0) are context: no kept set (scored on the
     full distribution, with no loss), log-prob 0, and out of the kept-mass metrics."""
-    from megatron_grpo.rollout.types import Sample
-    from megatron_grpo.trainer.batch import pad_kept_ids, truncated_log_probs
-    from megatron_grpo.trainer.rollout_step import _mask_stats
+    from megatron_grpo.wire.samples import Sample
+    from megatron_grpo.rollout.batch import pad_kept_ids, truncated_log_probs
+    from megatron_grpo.rollout.generate import _mask_stats
 
     episode = Sample(prompt_index=0, sample_index=0, prompt_ids=[1, 2], output_ids=[5, 9, 9, 6],
                      output_logprobs=[-1.0, 0.0, 0.0, -2.0], finish_reason="stop", weight_version="0",

@@ -57,8 +57,8 @@ LOOPBACK_V4 = "0100007F"  # 127.0.0.1 in /proc/net/tcp's little-endian hex
 def test_server_defaults_are_loopback():
     from megatron_grpo.config import RolloutConfig
     from megatron_grpo.config.rollout import SGLangConfig
-    from megatron_grpo.rollout.engines import ENGINES
-    from megatron_grpo.rollout.serve import parse_args
+    from megatron_grpo.generation.engines import ENGINES
+    from megatron_grpo.engine.serve import parse_args
 
     cfg = RolloutConfig(sglang=SGLangConfig(python=sys.executable))
     assert cfg.host == "127.0.0.1"
@@ -99,7 +99,7 @@ def _sync_store_listeners(rank, world):
 def test_weight_sync_store_listens_on_the_master_address_only():
     """torch's TCPStore server alone would listen on every interface ([::]); and the port the
     engines are told is held from before it is told, so no other process can take it."""
-    from megatron_grpo.testing.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     ((addresses, taken),) = run_distributed(_sync_store_listeners, 1, timeout_s=300)
     assert addresses == [LOOPBACK_V4]
@@ -108,7 +108,7 @@ def test_weight_sync_store_listens_on_the_master_address_only():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("sec") / "model", "qwen2", seed=0)
 
@@ -117,7 +117,7 @@ def tiny_model(tmp_path_factory):
 def engine(tiny_model, tmp_path_factory):
     """A real embedded engine launched by the manager with an API key."""
     from megatron_grpo.config import RolloutConfig
-    from megatron_grpo.rollout.manager import RolloutServerManager
+    from megatron_grpo.generation.manager import RolloutServerManager
 
     cfg = RolloutConfig(api_key=API_KEY, launch_timeout_s=180, dtype="float32")
     manager = RolloutServerManager(cfg, model_dir=str(tiny_model), run_dir=tmp_path_factory.mktemp("sec_run"))
@@ -130,7 +130,7 @@ def engine(tiny_model, tmp_path_factory):
 
 def _routes() -> list[tuple[str, str]]:
     """(method, path) of every route of the embedded engine's app."""
-    from megatron_grpo.rollout.embedded.server import build_app
+    from megatron_grpo.engine.server import build_app
 
     out = []
     for route in build_app(None, api_key=API_KEY).routes:  # the engine is only used by handlers
@@ -147,8 +147,8 @@ def test_a_launched_engine_gets_a_per_run_key_on_no_command_line(tiny_model, tmp
     import psutil
 
     from megatron_grpo.config import RolloutConfig
-    from megatron_grpo.rollout.http_engine import start_servers
-    from megatron_grpo.rollout.types import SamplingParams
+    from megatron_grpo.generation.http_engine import start_servers
+    from megatron_grpo.wire.samples import SamplingParams
 
     manager, client = start_servers(RolloutConfig(launch_timeout_s=180, dtype="float32"), model_dir=str(tiny_model),
                                     run_dir=tmp_path)
@@ -201,7 +201,7 @@ def test_the_api_key_is_compared_in_constant_time(monkeypatch):
 
     from fastapi.testclient import TestClient
 
-    from megatron_grpo.rollout.embedded.server import build_app
+    from megatron_grpo.engine.server import build_app
 
     compared = []
     real = hmac.compare_digest
@@ -242,7 +242,7 @@ SERIALIZE = "megatron_grpo/wire/serialize.py"
 # Where unpickling is allowed: the allow-listed tensor unpickler, and the test harness, which
 # unpickles what its own spawned rank sent over a private pipe (the trust multiprocessing's
 # queue already places in it: it unpickles every message itself).
-PICKLERS = {SERIALIZE, "megatron_grpo/testing/distributed.py",
+PICKLERS = {SERIALIZE, "tests/support/distributed.py",
             # the graders' worker process: requests and answers between the scorer and the child
             # it started, over that child's private stdin/stdout pipes (the harness's trust)
             "megatron_grpo/rewards/isolated.py"}
@@ -378,7 +378,7 @@ def test_safe_unpickler_still_reads_real_tensors():
 def test_malicious_pytorch_bin_is_not_executed_by_the_engine_loader(tiny_model, tmp_path):
     """A model dir whose weights are a pickle (pytorch_model.bin) that would run code: the
     embedded engine's loader (transformers, weights_only=True) refuses it."""
-    from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
+    from megatron_grpo.engine.engine import EmbeddedEngine
 
     bad = tmp_path / "model"
     shutil.copytree(tiny_model, bad)
@@ -552,7 +552,7 @@ def test_a_per_run_key_never_starts_with_a_dash_and_a_configured_one_may_not():
     option and the launch fails ("expected one argument": CI drew such a key from
     token_urlsafe). The per-run key is hex; a configured one is refused at load, unechoed."""
     from megatron_grpo.config import ConfigError, RolloutConfig, load_config
-    from megatron_grpo.rollout.http_engine import run_api_key
+    from megatron_grpo.generation.http_engine import run_api_key
 
     keys = [run_api_key(RolloutConfig()) for _ in range(2000)]
     assert len(set(keys)) == len(keys) and all(len(k) == 64 and int(k, 16) >= 0 for k in keys)

@@ -44,8 +44,8 @@ def launched(tmp_path_factory):
     """(url, run_dir, model_dir) of an embedded engine launched as a run launches it."""
     from megatron_grpo.config import RolloutConfig
     from megatron_grpo.config.rollout import EmbeddedConfig
-    from megatron_grpo.rollout.manager import RolloutServerManager
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.generation.manager import RolloutServerManager
+    from megatron_grpo.models.tiny import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path_factory.mktemp("hard") / "model", "qwen2", seed=0)
     run_dir = tmp_path_factory.mktemp("hard_run")

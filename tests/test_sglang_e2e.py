@@ -20,9 +20,9 @@ import psutil
 import pytest
 
 from megatron_grpo.config.rollout import RolloutConfig
-from megatron_grpo.rollout import RolloutClient, RolloutError
-from megatron_grpo.rollout.http_engine import start_servers
-from megatron_grpo.testing.sglang_cpu import require_sglang
+from megatron_grpo.generation import RolloutClient, RolloutError
+from megatron_grpo.generation.http_engine import start_servers
+from tests.support.sglang import require_sglang
 from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
 from tests.kill_resume import GRACE_S, process_tree, survivors
 from tests.sglang_shared import API_KEY, SGLANG_OVERRIDES

@@ -281,10 +281,10 @@ def test_real_sglang_greedy_tokens_equal_transformers(smollm2_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_grpo.config.rollout import RolloutConfig, SGLangConfig
-    from megatron_grpo.rollout.client import RolloutClient
-    from megatron_grpo.rollout.manager import RolloutServerManager
-    from megatron_grpo.rollout.types import SamplingParams
-    from megatron_grpo.testing.sglang_cpu import require_sglang
+    from megatron_grpo.generation.client import RolloutClient
+    from megatron_grpo.generation.manager import RolloutServerManager
+    from megatron_grpo.wire.samples import SamplingParams
+    from tests.support.sglang import require_sglang
     from tools.fetch_smollm2 import CHECK_CONVERSATIONS
 
     require_sglang()

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from megatron_grpo.config.rollout import RolloutConfig
-from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.wire.buckets import Bucket, plan_buckets
 from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
-from megatron_grpo.testing.tiny_models import save_tiny_model
+from megatron_grpo.models.tiny import save_tiny_model
 
 TIMEOUT_S = 5.0
 

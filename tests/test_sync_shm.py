@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from megatron_grpo.config.rollout import RolloutConfig
-from megatron_grpo.rollout.client import RolloutClient
-from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.generation.client import RolloutClient
+from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
 from megatron_grpo.sync.transports import ShmBucketWire
-from megatron_grpo.testing.tiny_models import save_tiny_model
+from megatron_grpo.models.tiny import save_tiny_model
 from megatron_grpo.wire.shm import PREFIX, SHM_DIR, open_segment
 
 TIMEOUT_S = 10.0
@@ -149,7 +149,7 @@ def test_segments_of_a_killed_trainer_are_swept_and_foreign_paths_refused(tmp_pa
 def test_each_engine_kind_names_its_tensor_wire():
     """SGLang keeps its own /update_weights_from_tensor payload everywhere; the embedded engine
     gets the shm wire on the CPU and SGLang's CUDA-IPC payload on a GPU."""
-    from megatron_grpo.rollout.engines import ENGINES
+    from megatron_grpo.generation.engines import ENGINES
     from megatron_grpo.sync.transports import TENSOR_WIRES
 
     # the in-process engine has no wire: it is synced by an in-memory copy (sync/in_memory.py)

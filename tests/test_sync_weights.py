@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.config.rollout import RolloutConfig
-from megatron_grpo.rollout.manager import RolloutServerManager, weight_sync_dir
-from megatron_grpo.rollout.types import SamplingParams
-from megatron_grpo.testing.distributed import run_distributed
-from megatron_grpo.testing.tiny_models import save_tiny_model
+from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
+from megatron_grpo.wire.samples import SamplingParams
+from tests.support.distributed import run_distributed
+from megatron_grpo.models.tiny import save_tiny_model
 
 TRANSPORTS = ["distributed", "tensor", "disk"]
 PROMPT = [5, 6, 7, 8, 9, 10]
@@ -87,7 +87,7 @@ def trainer_logprobs(chunks, hf_config, prompt, output) -> torch.Tensor | None:
 
 def _sync_worker(rank, world_size, url, work_dir, model_dir, transports, corrupt):
     from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
-    from megatron_grpo.rollout import RolloutClient
+    from megatron_grpo.generation import RolloutClient
     from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
 
     hf_config = load_hf_config(model_dir)

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_grpo.rollout.environments.builtin import Calculator
 from megatron_grpo.rollout.turns import TurnRenderer
-from megatron_grpo.testing.tiny_models import build_tokenizer
+from megatron_grpo.models.tiny import build_tokenizer
 from tests.demo_run import ENV, ROOT, read_metrics, tool_demo_overrides
 
 

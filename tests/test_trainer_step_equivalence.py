@@ -11,14 +11,14 @@ at TP1 and PP2."""
 import pytest
 import torch
 
-from megatron_grpo.testing.distributed import run_distributed
+from tests.support.distributed import run_distributed
 
 N_SEQ, GLOBAL_BATCH, MICRO = 8, 8, 2
 BUDGET = 18  # tokens per micro-batch: 1-3 rows of 4-7 tokens, so the shapes vary
 
 
 def _batch():
-    from megatron_grpo.testing.batches import random_train_batch
+    from tests.support.batches import random_train_batch
 
     return random_train_batch(N_SEQ)
 
@@ -32,9 +32,10 @@ def _one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=Fals
 
     from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
     from megatron_grpo.models import iter_hf_weights
-    from megatron_grpo.trainer.batch import dp_shard
-    from megatron_grpo.testing.policy import build_test_policy
+    from megatron_grpo.rollout.batch import dp_shard
+    from tests.support.policy import build_test_policy
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
+    from megatron_grpo.trainer.microbatch import MicroBatching
 
     # SGD: the update is proportional to the gradient, so any gradient difference shows
     # (Adam's first step is ~lr*sign(g) and would hide a wrongly scaled gradient).
@@ -48,14 +49,15 @@ def _one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=Fals
     local = dp_shard(full, dp_rank, dp, GLOBAL_BATCH)
     if regularized:  # a stand-in reference whose log-probs differ from the policy's: the KL has a gradient
         local.ref_log_probs = local.rollout_log_probs.clone()
-    old_lp = compute_log_probs(policy.chunks, local, MICRO, spec, budget, pack_sequences=pack)
+    batching = MicroBatching(MICRO, budget, pack)
+    old_lp = compute_log_probs(policy.chunks, local, batching, spec)
     if not skip_old:
         local.old_log_probs = old_lp
         if local.old_log_probs is None:  # not the last stage: the loss is computed elsewhere
             local.old_log_probs = torch.zeros_like(local.rollout_log_probs)
     metrics, applied, grad_norm = train_mini_batch(
-        policy.chunks, policy.optimizer, local, algo, spec, MICRO, int(full.loss_mask.sum()),
-        full.num_sequences, dp, ps.get_data_parallel_group(), budget, pack_sequences=pack)
+        policy.chunks, policy.optimizer, local, algo, spec, batching, int(full.loss_mask.sum()),
+        full.num_sequences, dp, ps.get_data_parallel_group())
     weights = {k: v.clone() for k, v in iter_hf_weights(policy.modules, policy.hf_config)}
     return {"metrics": metrics, "applied": applied, "grad_norm": grad_norm, "weights": weights,
             "old_lp": old_lp, "pp_rank": ps.get_pipeline_model_parallel_rank()}
@@ -63,7 +65,7 @@ def _one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=Fals
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=1))
 

@@ -20,9 +20,9 @@ from megatron_grpo.config.base import ConfigValueError
 from megatron_grpo.config.model import ParallelConfig
 from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.models.errors import ModelError
-from megatron_grpo.rollout.manager import RolloutServerManager, weight_sync_dir
-from megatron_grpo.testing.distributed import run_distributed
-from megatron_grpo.testing.tiny_models import save_tiny_model
+from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
+from tests.support.distributed import run_distributed
+from megatron_grpo.models.tiny import save_tiny_model
 from tests.models_fixtures import hf_reference_logits, make_hf_model
 from tests.test_models_moe import assert_matches
 from tests.test_sync_weights import _check, _sync_worker

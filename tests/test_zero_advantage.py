@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_grpo.config.algorithm import AlgorithmConfig
-from megatron_grpo.trainer.batch import TrainBatch
+from megatron_grpo.rollout.batch import TrainBatch
 from megatron_grpo.trainer.trainer import ZERO_ADVANTAGE, has_gradient
 from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
 

@@ -34,12 +34,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_grpo.testing.distributed import run_distributed  # noqa: E402
+from tests.support.distributed import run_distributed  # noqa: E402
 
 
 def long_tailed_batch(num_sequences: int, seed: int):
     """A TrainBatch with prompts of 4-12 tokens and responses of 8-128 tokens (long tail)."""
-    from megatron_grpo.trainer.batch import build_train_batch
+    from megatron_grpo.rollout.batch import build_train_batch
 
     gen = torch.Generator().manual_seed(seed)
     prompts, outputs = [], []
@@ -57,6 +57,7 @@ def _worker(rank, world, hf_dir, num_sequences, micro_batch_size, budgets, repea
     from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
     from megatron_grpo.trainer.components import build_policy
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
+    from megatron_grpo.trainer.microbatch import MicroBatching
     from megatron_grpo.trainer.microbatch import plan_micro_batches, sequence_lengths
 
     class Cfg:
@@ -77,10 +78,11 @@ def _worker(rank, world, hf_dir, num_sequences, micro_batch_size, budgets, repea
         plan = plan_micro_batches(batch, micro_batch_size, budget)
 
         def step():
-            batch.old_log_probs = compute_log_probs(policy.chunks, batch, micro_batch_size, spec, budget)
-            return train_mini_batch(policy.chunks, policy.optimizer, batch, algo, spec, micro_batch_size,
+            batching = MicroBatching(micro_batch_size, budget)
+            batch.old_log_probs = compute_log_probs(policy.chunks, batch, batching, spec)
+            return train_mini_batch(policy.chunks, policy.optimizer, batch, algo, spec, batching,
                                     int(batch.loss_mask.sum()), batch.num_sequences, 1,
-                                    ps.get_data_parallel_group(), budget)
+                                    ps.get_data_parallel_group())
 
         step()  # warm-up
         times, loss = [], None
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.sequences, args.repeats = 16, 1
     torch.set_num_threads(1)
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = str(save_tiny_model(tmp, "qwen2", seed=1))

@@ -43,11 +43,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_grpo.rollout.embedded.batch import RunningBatch  # noqa: E402
-from megatron_grpo.rollout.embedded.generation import Sequence, finish_reason_for, left_pad  # noqa: E402
-from megatron_grpo.rollout.embedded.sampling import draw_uniforms, resolve_sampling_params, sample_next  # noqa: E402
-from megatron_grpo.rollout.embedded.scheduler import StepControl, run_continuous  # noqa: E402
-from megatron_grpo.testing.tiny_models import save_tiny_model  # noqa: E402
+from megatron_grpo.engine.batch import RunningBatch  # noqa: E402
+from megatron_grpo.engine.generation import Sequence, finish_reason_for, left_pad  # noqa: E402
+from megatron_grpo.engine.sampling import draw_uniforms, resolve_sampling_params, sample_next  # noqa: E402
+from megatron_grpo.engine.scheduler import StepControl, run_continuous  # noqa: E402
+from megatron_grpo.models.tiny import save_tiny_model  # noqa: E402
 
 PAD_ID = 0
 

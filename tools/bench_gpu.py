@@ -238,9 +238,10 @@ def _train_arm(model_dir: str, sizes: Sizes, arm: list[str], responses: list[int
     tokens, the same for every arm); the peak memory is the update's."""
     from megatron.core import parallel_state as ps
 
-    from megatron_grpo.trainer.batch import build_train_batch
+    from megatron_grpo.rollout.batch import build_train_batch
     from megatron_grpo.trainer.components import build_policy
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
+    from megatron_grpo.trainer.microbatch import MicroBatching
 
     cuda = torch.cuda.is_available()
     cfg = train_config(model_dir, sizes.train_sequences, sizes.dtype, arm)
@@ -252,17 +253,15 @@ def _train_arm(model_dir: str, sizes: Sizes, arm: list[str], responses: list[int
     batch = build_train_batch(prompts, outputs, [[-1.0] * n for n in responses],
                               torch.randn(len(responses), generator=gen), pad_id=0)
     spec = ScoringSpec(1.0, vocab, cfg.model.logprob_chunk_size, cfg.model.logprob_kernel)
-    par = cfg.parallel
+    batching = MicroBatching.of(cfg.parallel)
 
     def score():
-        return compute_log_probs(policy.chunks, batch, par.micro_batch_size, spec, par.max_tokens_per_microbatch,
-                                 pack_sequences=par.pack_sequences)
+        return compute_log_probs(policy.chunks, batch, batching, spec)
 
     def update():
         metrics, applied, _ = train_mini_batch(
-            policy.chunks, policy.optimizer, batch, cfg.algorithm, spec, par.micro_batch_size,
-            int(batch.loss_mask.sum()), batch.num_sequences, 1, ps.get_data_parallel_group(),
-            par.max_tokens_per_microbatch, pack_sequences=par.pack_sequences)
+            policy.chunks, policy.optimizer, batch, cfg.algorithm, spec, batching,
+            int(batch.loss_mask.sum()), batch.num_sequences, 1, ps.get_data_parallel_group())
         assert applied, "the update was skipped (non-finite loss or gradient)"
         return metrics
 
@@ -289,7 +288,7 @@ def _train_arm(model_dir: str, sizes: Sizes, arm: list[str], responses: list[int
 
 
 def part_train(shape: str, sizes: Sizes, work: Path) -> dict:
-    from megatron_grpo.testing.distributed import run_distributed
+    from tests.support.distributed import run_distributed
 
     model_dir = sized_model(work, shape, sizes)
     arms = {name: TRAIN_ARMS[name] for name in sizes.train_arms}
@@ -351,7 +350,7 @@ def engine_generate(engine, reqs) -> None:
 
 
 def part_rollout(sizes: Sizes, work: Path) -> dict:
-    from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
+    from megatron_grpo.engine.engine import EmbeddedEngine
     from tools.bench_generation import run_hf
 
     model_dir = sized_model(work, TRAIN_MODELS[0], sizes)
@@ -394,8 +393,8 @@ def device_copy_seconds(num_bytes: int, repeats: int) -> float:
 
 def part_weight_sync(sizes: Sizes, work: Path) -> dict:
     from megatron_grpo.config.rollout import RolloutConfig
-    from megatron_grpo.rollout.manager import RolloutServerManager
-    from megatron_grpo.testing.distributed import run_distributed
+    from megatron_grpo.generation.manager import RolloutServerManager
+    from tests.support.distributed import run_distributed
     from tools.bench_weight_sync import _bench_worker
 
     model_dir = sized_model(work, TRAIN_MODELS[0], sizes)

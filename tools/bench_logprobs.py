@@ -70,7 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_grpo.ops import vocab_parallel_log_probs  # noqa: E402
 from megatron_grpo.runtime.device import compute_device  # noqa: E402
-from megatron_grpo.testing.distributed import run_distributed  # noqa: E402
+from tests.support.distributed import run_distributed  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_grpo.testing.distributed import run_distributed  # noqa: E402
+from tests.support.distributed import run_distributed  # noqa: E402
 
 
 def _batch(vocab: int, rows: int, tokens: int, seed: int = 0):
     """``rows`` sequences: a quarter prompt, the rest response, random ids and advantages."""
-    from megatron_grpo.trainer.batch import build_train_batch
+    from megatron_grpo.rollout.batch import build_train_batch
 
     gen = torch.Generator().manual_seed(seed)
     prompt = tokens // 4
@@ -80,9 +80,9 @@ def _bench(rank, world, hf_dir, lora, dtype, steps, rows, tokens):
     from megatron_grpo.models.lora import has_lora
     from megatron_grpo.models.lora_export import iter_adapters_hf
     from megatron_grpo.models.weights import exports_weights
-    from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
-    from megatron_grpo.testing.policy import build_test_policy
-    from megatron_grpo.trainer.batch import dp_shard
+    from megatron_grpo.engine.engine import EmbeddedEngine
+    from tests.support.policy import build_test_policy
+    from megatron_grpo.rollout.batch import dp_shard
     from megatron_grpo.trainer.megatron_step import ScoringSpec, train_mini_batch
 
     torch.manual_seed(0)
@@ -100,7 +100,7 @@ def _bench(rank, world, hf_dir, lora, dtype, steps, rows, tokens):
         dist.barrier()
         t0 = time.perf_counter()
         train_mini_batch(policy.chunks, policy.optimizer, local, algo, spec, 4, int(full.loss_mask.sum()),
-                         full.num_sequences, dp, ps.get_data_parallel_group(), None)
+                         full.num_sequences, dp, ps.get_data_parallel_group())
         dist.barrier()
         seconds.append(time.perf_counter() - t0)
     params = [p for c in policy.modules for p in c.parameters()]
@@ -146,7 +146,7 @@ def _model_dir(name: str, work: Path) -> str:
         from tools.fetch_smollm2 import default_cache_dir, fetch_smollm2
 
         return str(fetch_smollm2(default_cache_dir() / "hf"))
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     return str(save_tiny_model(work / "demo", "qwen2", seed=0, hidden_size=128, intermediate_size=256))
 

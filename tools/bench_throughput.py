@@ -85,8 +85,8 @@ def build_task(out: Path, steps: int, seed: int) -> Path:
     from transformers import AutoModelForCausalLM
 
     from megatron_grpo.data.synthetic import all_problems, generate, write_jsonl
-    from megatron_grpo.testing.tiny_models import DEMO_ARCH, WORDS, build_tokenizer, tiny_config
-    from megatron_grpo.testing.warmup import supervised_step
+    from megatron_grpo.models.tiny import DEMO_ARCH, WORDS, build_tokenizer, tiny_config
+    from megatron_grpo.models.tiny import supervised_step
 
     torch.manual_seed(seed)
     rng = random.Random(seed)

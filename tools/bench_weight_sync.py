@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from megatron_grpo.config.rollout import RolloutConfig  # noqa: E402
-from megatron_grpo.rollout.manager import RolloutServerManager  # noqa: E402
-from megatron_grpo.testing.distributed import run_distributed  # noqa: E402
+from megatron_grpo.generation.manager import RolloutServerManager  # noqa: E402
+from tests.support.distributed import run_distributed  # noqa: E402
 
 
 def memcpy_seconds(tensors: list[torch.Tensor], repeats: int) -> float:
@@ -75,7 +75,7 @@ def _bench_worker(rank, world_size, url, model_dir, work_dir, throughput_configs
     import statistics
 
     from megatron_grpo.models import build_model, iter_hf_weights, load_hf_config, load_hf_weights
-    from megatron_grpo.rollout import RolloutClient
+    from megatron_grpo.generation import RolloutClient
     from megatron_grpo.sync.syncer import WeightSyncer
     from megatron_grpo.sync.transports import TENSOR_WIRES
 
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
 
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from megatron_grpo.models.tiny import save_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_weight_sync_"))
     model_dir = str(save_tiny_model(tmp / "model", "qwen2", hidden_size=args.hidden, num_layers=args.layers,

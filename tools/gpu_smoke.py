@@ -158,8 +158,8 @@ def _self_check_worker(rank, world, hf_dir):
 
 
 def check_self_check(out: Path) -> None:
-    from megatron_grpo.testing.distributed import run_distributed
-    from megatron_grpo.testing.tiny_models import save_tiny_model
+    from tests.support.distributed import run_distributed
+    from megatron_grpo.models.tiny import save_tiny_model
 
     hf_dir = str(save_tiny_model(out / "self_check", "qwen2", seed=0))
     (res,) = run_distributed(_self_check_worker, 1, hf_dir, tp=1, pp=1, timeout_s=600)

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from megatron_grpo.data.synthetic import all_problems, generate, held_out_problems, write_jsonl
-from megatron_grpo.testing.tiny_models import DEMO_ARCH, build_tokenizer, tiny_config
-from megatron_grpo.testing.warmup import supervised_step
+from megatron_grpo.models.tiny import DEMO_ARCH, build_tokenizer, tiny_config
+from megatron_grpo.models.tiny import supervised_step
 
 MAX_OPERAND = 5  # sums 0..10: 36 problems; a uniform guess scores 1/11, the best question-blind answer 1/6
 HELD_OUT = 6  # of the 36, never trained on: the eval set

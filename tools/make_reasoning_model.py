@@ -37,8 +37,8 @@ import torch
 
 from megatron_grpo.data.reasoning import WORDS, AdditionTask, generate, write_jsonl
 from megatron_grpo.rewards.builtin import math_exact_match
-from megatron_grpo.testing.tiny_models import build_tokenizer, tiny_config
-from megatron_grpo.testing.warmup import supervised_step
+from megatron_grpo.models.tiny import build_tokenizer, tiny_config
+from megatron_grpo.models.tiny import supervised_step
 
 
 def reasoning_tokenizer():

@@ -71,7 +71,7 @@ def build(shape: str, out: Path, dtype: str = "bf16", overrides: dict | None = N
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_grpo.testing.tiny_models import build_tokenizer
+    from megatron_grpo.models.tiny import build_tokenizer
 
     raw = shape_config(shape, overrides)
     tokenizer = build_tokenizer(min(TOKENIZER_SIZE, raw["vocab_size"]))

@@ -31,7 +31,7 @@ import torch
 
 from megatron_grpo.data.synthetic import write_jsonl
 from megatron_grpo.rollout.turns import TurnRenderer
-from megatron_grpo.testing.tiny_models import DEMO_ARCH, build_tokenizer, tiny_config
+from megatron_grpo.models.tiny import DEMO_ARCH, build_tokenizer, tiny_config
 
 MAX_OPERAND = 99
 

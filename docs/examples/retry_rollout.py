@@ -8,7 +8,7 @@ engine's log-probs). Both rounds are batched: one generate call for every first 
 for every retry.
 """
 
-from megatron_grpo.rollout.types import Sample
+from megatron_grpo.wire.samples import Sample
 
 
 def retry_once(engine, prompts, n, sampling, seed, tokenizer):

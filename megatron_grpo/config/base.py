@@ -86,7 +86,7 @@ def type_name(tp: Any) -> str:
     return _type_name(tp)
 
 
-def _check_value(value: Any, tp: Any, where: str) -> Any:
+def check_value(value: Any, tp: Any, where: str) -> Any:
     """Validate ``value`` against type ``tp``; returns the value (or a built dataclass)."""
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -106,7 +106,7 @@ def _check_value(value: Any, tp: Any, where: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _check_value(value, arg, where)
+                return check_value(value, arg, where)
             except ConfigError as e:
                 errors.append(e)
         if len(errors) == 1:
@@ -120,7 +120,7 @@ def _check_value(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(where, f"expected a list, got {type(value).__name__} {value!r}")
         (item_tp,) = typing.get_args(tp) or (Any,)
-        return [_check_value(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [check_value(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(where, f"expected a mapping, got {type(value).__name__} {value!r}")
@@ -152,7 +152,7 @@ def _check_value(value: Any, tp: Any, where: str) -> Any:
 
 
 @lru_cache(maxsize=None)
-def _hints(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls, include_extras=False)
     return {k: (v.type if isinstance(v, dataclasses.InitVar) else v) for k, v in hints.items()}
 
@@ -163,7 +163,7 @@ def build_section(cls: type, raw: dict, where: str = "") -> Any:
     ``where`` is the dotted prefix of this section (``"algorithm"``) used in errors.
     """
     prefix = f"{where}." if where else ""
-    hints = _hints(cls)
+    hints = field_types(cls)
     names = list(inspect.signature(cls).parameters)  # fields and InitVars (deprecated aliases)
     kwargs = {}
     for key, value in raw.items():
@@ -173,7 +173,7 @@ def build_section(cls: type, raw: dict, where: str = "") -> Any:
             close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
             raise ConfigError(f"{prefix}{key}", f"unknown key{hint}")
-        kwargs[key] = _check_value(value, hints[key], f"{prefix}{key}")
+        kwargs[key] = check_value(value, hints[key], f"{prefix}{key}")
     for name, param in inspect.signature(cls).parameters.items():
         if param.default is inspect.Parameter.empty and name not in kwargs:
             raise ConfigError(f"{prefix}{name}", "is required but missing")

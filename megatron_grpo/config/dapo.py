@@ -1,5 +1,5 @@
 """`rollout.dynamic_sampling:` and `rollout.overlong:`: DAPO's batch shaping (Yu et al. 2025,
-"DAPO", sections 3.2 and 3.4). The mechanics are ``trainer.dynamic_sampling``."""
+"DAPO", sections 3.2 and 3.4). The mechanics are ``rollout.dynamic_sampling``."""
 
 from __future__ import annotations
 

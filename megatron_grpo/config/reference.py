@@ -12,7 +12,7 @@ import dataclasses
 import sys
 import typing
 
-from megatron_grpo.config.base import _hints, field_docs, type_name
+from megatron_grpo.config.base import field_types, field_docs, type_name
 from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.runtime.files import write_text_atomic
 
@@ -40,7 +40,7 @@ def _default(f: dataclasses.Field) -> str:
 def _section_rows(cls: type, prefix: str) -> list[tuple[str, str, str, str]]:
     rows = []
     docs = field_docs(cls)
-    hints = _hints(cls)
+    hints = field_types(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         key = f"{prefix}{f.name}"
@@ -69,7 +69,7 @@ def render() -> str:
     ]
     top_docs = field_docs(ExperimentConfig)
     for f in dataclasses.fields(ExperimentConfig):
-        cls = _hints(ExperimentConfig)[f.name]
+        cls = field_types(ExperimentConfig)[f.name]
         out += [f"## `{f.name}`", "", top_docs.get(f.name, ""), ""]
         out += ["| key | type | default | meaning |", "|---|---|---|---|"]
         for key, tp, default, doc in _section_rows(cls, f"{f.name}."):

@@ -42,10 +42,10 @@ from megatron_grpo.models.errors import ModelError
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.preflight import load_experiment
 from megatron_grpo.preflight.errors import USER_ERRORS, describe_user_error
-from megatron_grpo.rollout.types import RolloutError, SamplingParams
-from megatron_grpo.rollout.engines import ENGINES
-from megatron_grpo.rollout.http_engine import HttpEngine, start_servers
-from megatron_grpo.rollout.inprocess import InProcessEngine, start_inprocess
+from megatron_grpo.wire.samples import RolloutError, SamplingParams
+from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.generation.http_engine import HttpEngine, start_servers
+from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.runtime import parallel
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.runtime.library_warnings import quiet_library_warnings
@@ -55,7 +55,7 @@ from megatron_grpo.trainer.components import build_rollout_side
 METRICS_FILE = "eval_metrics.jsonl"
 EXIT_USER_ERROR, EXIT_FAILED = 2, 1
 THREADS_DEFAULT = 1
-"""torch threads when OMP_NUM_THREADS is unset, as for the trainer's ranks (trainer/cli.py).
+"""torch threads when OMP_NUM_THREADS is unset, as for the trainer's ranks (launcher/cli.py).
 torch's own default, a thread per core, made this command 3-7x slower than the training's
 evaluation on a 2-core machine with other work on it: the decode's small matrix products gain
 nothing from a second thread and lose much to OpenMP's waits when a core is busy (measured in

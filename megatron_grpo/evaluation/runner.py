@@ -64,7 +64,7 @@ class EvalSet:
     name: str
     n: int
     prompts: list[Prompt]
-    sampling: object  # rollout.types.SamplingParams
+    sampling: object  # wire.samples.SamplingParams
     single_turn: bool = False
     """Generate with the engine alone even when the run has a rollout function (an environment)."""
 
@@ -117,7 +117,7 @@ def episode_row(scored: float, values: dict[str, float], episode, env_reward: st
 
 class Evaluator:
     """Rank 0's evaluation machinery (see the module docstring). ``engine``: what generates
-    (a ``rollout.protocol.RolloutEngine``, or anything with its ``generate``); ``sampling``: the
+    (a ``generation.protocol.RolloutEngine``, or anything with its ``generate``); ``sampling``: the
     run's SamplingParams (stop ids, top-p/k); each set sets its temperature and length.
     ``rollout_function``: the run's (``RolloutSide.rollout_function``: the environment's
     ``EpisodeRunner`` or the user's function), or None for single-turn generation."""

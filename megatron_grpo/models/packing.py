@@ -9,7 +9,7 @@ too, for learned position embeddings); the core attention keeps each query insid
 Scoring: packed position p of row r at offset j scores the row's token j + 1, which is the
 packed token p + 1 while j + 1 < l_r; the last position of each row scores nothing.
 ``next_tokens`` / ``scored`` give those targets and positions, ``unpack`` scatters per-token
-values back to the [B, W] layout of ``trainer.batch`` (W = S - 1 for scores), so no padded
+values back to the [B, W] layout of ``rollout.batch`` (W = S - 1 for scores), so no padded
 [B, S, V] logits are ever materialised.
 """
 

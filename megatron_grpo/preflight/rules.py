@@ -12,7 +12,7 @@ from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.config.sections import RewardConfig
 from megatron_grpo.rewards.registry import name_problem
-from megatron_grpo.rollout.engines import ENGINES, EngineAdapter
+from megatron_grpo.generation.engines import ENGINES, EngineAdapter
 from megatron_grpo.runtime.placement import is_loopback
 
 

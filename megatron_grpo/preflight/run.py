@@ -24,7 +24,7 @@ from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.models.weights import SafetensorsReader
 from megatron_grpo.preflight.layout import layout_problem
 from megatron_grpo.rewards import RewardScorer
-from megatron_grpo.rollout.engines import ENGINES
+from megatron_grpo.generation.engines import ENGINES
 from megatron_grpo.runtime.device import cuda_available
 from megatron_grpo.runtime.placement import ranks_on_this_node
 

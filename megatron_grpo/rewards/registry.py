@@ -29,7 +29,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from megatron_grpo.config.base import ConfigError, _check_value
+from megatron_grpo.config.base import ConfigError, check_value
 from megatron_grpo.config.sections import REMOTE
 from megatron_grpo.rewards.builtin import format_reward, math_exact_match
 from megatron_grpo.rewards.calling import RewardCall, plan_call
@@ -120,7 +120,7 @@ def check_kwarg_types(fn: RewardFn, kwargs: dict[str, Any], key: str) -> None:
     for name, value in kwargs.items():
         if name in hints:
             try:
-                _check_value(value, hints[name], f"{key}.{name}")
+                check_value(value, hints[name], f"{key}.{name}")
             except TypeError:
                 pass  # a type the config checker does not know (ndarray, ...): not checked
 

@@ -50,7 +50,7 @@ def reward_samples(prompts: Sequence, samples: Sequence, tokenizer) -> list[Rewa
     ``RewardSample``s (training and evaluation alike).
 
     prompts: the ``data.Prompt``s of one generate call (``text``, ``answer``, ``fields``);
-    samples: the engine's ``rollout.types.Sample``s of them (``prompt_index``, ``output_ids``,
+    samples: the engine's ``wire.samples.Sample``s of them (``prompt_index``, ``output_ids``,
     ``prompt_ids``, ``finish_reason``); tokenizer: decodes the response, special tokens dropped."""
     out = []
     for s in samples:

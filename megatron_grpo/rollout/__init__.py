@@ -1,10 +1,11 @@
-"""Rollout: the client for SGLang's HTTP API, the embedded engine, and server management.
+"""Where each step's rollout batch comes from.
 
-The trainer uses ``RolloutClient`` (synchronous, several servers round-robin) and gets
-``Sample``s back; it never needs to know whether the server is SGLang or the embedded engine.
+* ``sources``: the ``RolloutSource`` protocol and the sync and one-step-off-policy sources;
+  ``async_source``: the async one (groups generated continuously, staleness bounded);
+* ``generate``: one step's generation, scoring and advantages into a ``TrainBatch``
+  (``batch``), with DAPO's dynamic sampling (``dynamic_sampling``);
+* ``supervisor``: every engine call the trainer makes, recovered from when the engine fails;
+* episodes: ``multi_turn`` (the runner), ``turns`` (token-exact turn rendering),
+  ``environments`` (environment classes, each in its own worker process);
+* ``rollout_function`` / ``function_worker``: the user's rollout function and its worker.
 """
-
-from megatron_grpo.rollout.client import AsyncRolloutClient, RolloutClient
-from megatron_grpo.rollout.types import RolloutError, Sample, SamplingParams
-
-__all__ = ["AsyncRolloutClient", "RolloutClient", "RolloutError", "Sample", "SamplingParams"]

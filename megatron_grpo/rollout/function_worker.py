@@ -37,7 +37,7 @@ class EngineProxy:
         self._conn = conn
 
     def generate(self, *args, **kwargs) -> list:
-        """``RolloutEngine.generate`` (rollout/protocol.py), forwarded; blocks until the trainer answers."""
+        """``RolloutEngine.generate`` (generation/protocol.py), forwarded; blocks until the trainer answers."""
         self._conn.send(("generate", (args, kwargs)))
         kind, payload = self._conn.recv()  # EOFError when the trainer is gone: the worker ends
         assert kind == "generated", kind

@@ -43,7 +43,7 @@ from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rewards.registry import load_file
 from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
 from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
-from megatron_grpo.rollout.types import Sample, SamplingParams
+from megatron_grpo.wire.samples import Sample, SamplingParams
 
 _SEED_MODULUS = 2**31 - 1
 

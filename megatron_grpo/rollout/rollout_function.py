@@ -4,7 +4,7 @@ A rollout function is called on rank 0 once per generation round as
 
     fn(engine, prompts, n, sampling, seed)  ->  n Samples (or Episodes) per prompt, prompt-major
 
-engine: anything with ``RolloutEngine.generate`` (``rollout/protocol.py``): token ids in, token
+engine: anything with ``RolloutEngine.generate`` (``generation/protocol.py``): token ids in, token
 ids and the engine's log-probs out; prompts: ``data.Prompt`` (``prompt_ids``, ``text``,
 ``answer``, ``fields``); sampling: the run's ``SamplingParams``; seed: the round's sampling
 seed (a resumed run passes the same one). A function whose signature has a ``tokenizer``
@@ -13,7 +13,7 @@ parameter also gets the run's tokenizer. It may be ``async def``.
 Three kinds, one call:
 
 * no ``rollout.rollout_function`` and no ``rollout.environment``: single-turn, the engine's own
-  ``generate`` (``trainer/rollout_step.py`` calls it directly, unchanged);
+  ``generate`` (``rollout/generate.py`` calls it directly, unchanged);
 * ``rollout.environment``: the built-in episode loop, ``EpisodeRunner`` (``rollout/multi_turn.py``),
   which returns ``Episode``s;
 * ``rollout.rollout_function: path/to/file.py:fn``: the user's function (slime's
@@ -40,7 +40,7 @@ from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.rollout import ENVIRONMENT_FILE_RE
 from megatron_grpo.rollout.environments.worker import fork_server, kill_worker
 from megatron_grpo.rollout.multi_turn import Episode
-from megatron_grpo.rollout.types import Sample, SamplingParams
+from megatron_grpo.wire.samples import Sample, SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort")
 EPISODE_ERRORS = (None, "error", "timeout", "observation")
@@ -164,7 +164,7 @@ def check_rollout_output(out: Any, prompts: Sequence, n: int, sampling: Sampling
         raise RolloutFunctionError(f"{where}: {msg}")
 
     if not isinstance(out, (list, tuple)):
-        fail(f"returned a {type(out).__name__}; expected a list of Sample (rollout/types.py) or Episode")
+        fail(f"returned a {type(out).__name__}; expected a list of Sample (wire/samples.py) or Episode")
     expected = len(prompts) * n
     if len(out) != expected:
         fail(f"returned {len(out)} items; expected {expected} (n={n} per prompt for {len(prompts)} prompts, "
@@ -172,7 +172,7 @@ def check_rollout_output(out: Any, prompts: Sequence, n: int, sampling: Sampling
     kinds = {type(x) for x in out}
     if not (kinds <= {Sample} or kinds <= {Episode}):
         names = sorted(k.__name__ for k in kinds)
-        fail(f"returned items of type {', '.join(names)}; expected all Sample (rollout/types.py) or all Episode "
+        fail(f"returned items of type {', '.join(names)}; expected all Sample (wire/samples.py) or all Episode "
              "(rollout/multi_turn.py)")
     replay = sampling.sampling_mask_max_kept > 0
     for i, item in enumerate(out):

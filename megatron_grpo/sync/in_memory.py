@@ -38,7 +38,7 @@ from megatron.core import parallel_state as ps
 from megatron_grpo.models import iter_hf_weights
 from megatron_grpo.models.lora import has_lora
 from megatron_grpo.models.lora_export import iter_adapters_hf
-from megatron_grpo.rollout.embedded.engine import EmbeddedEngine
+from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.sync.syncer import Probe, SyncStats, WeightSyncError, probe_abs_diff, probe_tokens
 from megatron_grpo.wire.checksum import compare_checksums, tensor_checksum
 

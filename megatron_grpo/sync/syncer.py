@@ -47,9 +47,9 @@ from megatron.core import parallel_state as ps
 
 from megatron_grpo.models import iter_hf_weights
 from megatron_grpo.models.weights import expert_hf_names
-from megatron_grpo.rollout.client import RolloutClient
-from megatron_grpo.rollout.engines import ENGINES
-from megatron_grpo.rollout.types import RolloutError
+from megatron_grpo.generation.client import RolloutClient
+from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.wire.samples import RolloutError
 from megatron_grpo.runtime.device import cuda_available
 from megatron_grpo.sync.transports import TRANSPORTS
 from megatron_grpo.wire.buckets import plan_buckets

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_grpo.rollout.types import RolloutError
+from megatron_grpo.wire.samples import RolloutError
 from megatron_grpo.runtime.device import collective_device, compute_device
 from megatron_grpo.wire.buckets import Bucket, unflatten
 from megatron_grpo.wire.group import bind_group_store, destroy_custom_process_group, init_custom_process_group

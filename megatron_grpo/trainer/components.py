@@ -21,14 +21,14 @@ from megatron_grpo.models.errors import ModelError
 from megatron_grpo.models.lora import apply_lora, lora_problem, spec_from_config
 from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.data.prompts import has_chat_template
-from megatron_grpo.rollout.engines import ENGINES
-from megatron_grpo.rollout.http_engine import HttpEngine, run_api_key, start_servers
-from megatron_grpo.rollout.inprocess import InProcessEngine, start_inprocess
-from megatron_grpo.rollout.manager import RolloutServerManager, weight_sync_dir
-from megatron_grpo.rollout.protocol import RolloutEngine
+from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.generation.http_engine import HttpEngine, run_api_key, start_servers
+from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
+from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
+from megatron_grpo.generation.protocol import RolloutEngine
 from megatron_grpo.rollout.multi_turn import EpisodeRunner
 from megatron_grpo.rollout.rollout_function import RolloutFunction
-from megatron_grpo.rollout.types import SamplingParams
+from megatron_grpo.wire.samples import SamplingParams
 from megatron_grpo.runtime.collectives import broadcast
 from megatron_grpo.runtime.device import cuda_available, resolve_distributed_optimizer
 from megatron_grpo.sync.in_memory import InMemorySyncer

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_grpo.config import ExperimentConfig
-from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.runtime import stop
 from megatron_grpo.trainer import checkpoint as ckpt
 from megatron_grpo.trainer.trainer import Trainer

@@ -37,8 +37,8 @@ from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.ops.quantize import QuantScheme
 from megatron_grpo.ops.vocab_parallel import Kernel
 from megatron_grpo.runtime.device import all_finite, collective_tensor, to_device
-from megatron_grpo.trainer.batch import TrainBatch, build_train_batch
-from megatron_grpo.trainer.microbatch import plan_micro_batches, sequence_lengths, split, unsplit
+from megatron_grpo.rollout.batch import TrainBatch, build_train_batch
+from megatron_grpo.trainer.microbatch import MicroBatching, plan_micro_batches, sequence_lengths, split, unsplit
 from megatron_grpo.trainer.moe_metrics import RouterLoad
 from megatron_grpo.trainer.router_replay import RoutingReplay
 
@@ -123,16 +123,15 @@ def old_log_probs_needed(num_iterations: int, num_mini_batches: int) -> bool:
     return num_iterations > 1 or num_mini_batches > 1
 
 
-def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, spec: ScoringSpec,
-                      max_tokens_per_microbatch: Optional[int] = None, router_load: Optional[RouterLoad] = None,
-                      routing: Optional[RoutingReplay] = None, pack_sequences: bool = False):
+def compute_log_probs(model_chunks, batch: TrainBatch, batching: MicroBatching | int, spec: ScoringSpec,
+                      router_load: Optional[RouterLoad] = None, routing: Optional[RoutingReplay] = None):
     """Forward-only scoring of ``batch``: float[N, T] log-probs on the last PP stage, None on
     the others (the loss is computed where the logits are). Micro-batches as in
     ``train_mini_batch`` (``trainer.microbatch``); positions past a row's last response
     token may be 0 under a token budget (they are never scored). ``router_load``: counts the
     MoE routing of the scored positions (``trainer.moe_metrics``). ``routing``: replays
     ``batch.routed_experts`` and counts mismatches (``trainer.router_replay``).
-    ``pack_sequences``: each micro-batch's rows run as one packed row (``models.packing``)."""
+    ``batching``: the micro-batches (``trainer.microbatch.MicroBatching``; an int: fixed rows)."""
     from megatron.core import parallel_state
 
     def forward_step(data_iterator, model):
@@ -151,8 +150,9 @@ def compute_log_probs(model_chunks, batch: TrainBatch, micro_batch_size: int, sp
     batch = to_device(batch)  # the batch is built on the CPU (rank 0) and broadcast
     for c in model_chunks:
         c.eval()
-    plan = plan_micro_batches(batch, micro_batch_size, max_tokens_per_microbatch, pack_sequences)
-    mbs = _micro_batches(batch, plan, pack_sequences)
+    batching = MicroBatching.coerce(batching)
+    plan = plan_micro_batches(batch, batching.rows, batching.max_tokens, batching.pack)
+    mbs = _micro_batches(batch, plan, batching.pack)
     with torch.no_grad(), (router_load.counting(len(mbs)) if router_load else contextlib.nullcontext()), \
             _routing_applied(routing, batch):
         outs = _run_schedule(model_chunks, mbs, forward_step, True)
@@ -169,23 +169,20 @@ def train_mini_batch(
     mini: TrainBatch,
     cfg: AlgorithmConfig,
     spec: ScoringSpec,
-    micro_batch_size: int,
+    batching: MicroBatching | int,
     num_tokens: int,
     num_sequences: int,
     dp_size: int,
     dp_group,
-    max_tokens_per_microbatch: Optional[int] = None,
     routing: Optional[RoutingReplay] = None,
-    pack_sequences: bool = False,
 ) -> tuple[dict[str, float] | None, bool, float]:
     """One optimizer step on this rank's share of a mini-batch.
 
     num_tokens / num_sequences: valid tokens / sequences of the GLOBAL mini-batch.
-    max_tokens_per_microbatch: None cuts ``micro_batch_size`` rows per micro-batch, else a
-    token budget (``trainer.microbatch``). ``mini.old_log_probs`` None means pi_old = pi_theta
+    batching: the micro-batches (``trainer.microbatch.MicroBatching``: fixed rows or a token
+    budget, packed or not; an int: fixed rows). ``mini.old_log_probs`` None means pi_old = pi_theta
     (``old_log_probs_needed``): the detached current log-probs stand in.
     ``routing``: replays ``mini.routed_experts`` in the forward (``trainer.router_replay``).
-    ``pack_sequences``: each micro-batch's rows run as one packed row (``models.packing``).
     The metrics carry ``num_padded_tokens`` / ``num_sequence_tokens`` (token slots run /
     real prompt+response tokens), whose ratio gives the padding fraction.
     Returns (metrics pooled over micro-batches and dp on the last stage else None,
@@ -195,8 +192,9 @@ def train_mini_batch(
     from megatron.core import parallel_state
 
     mini = to_device(mini)
-    mbs = _micro_batches(mini, plan_micro_batches(mini, micro_batch_size, max_tokens_per_microbatch,
-                                                  pack_sequences), pack_sequences)
+    batching = MicroBatching.coerce(batching)
+    mbs = _micro_batches(mini, plan_micro_batches(mini, batching.rows, batching.max_tokens, batching.pack),
+                         batching.pack)
     scale = len(mbs) * dp_size  # dp ranks may differ in len(mbs): each scales by its own
     want_entropy_grad = cfg.entropy_coef > 0
 

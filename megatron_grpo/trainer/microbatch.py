@@ -32,7 +32,30 @@ from typing import Optional
 
 import torch
 
-from megatron_grpo.trainer.batch import TrainBatch
+from megatron_grpo.rollout.batch import TrainBatch
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a rank's rows are cut into micro-batches, one value for every pass of a step
+    (``parallel.micro_batch_size``, ``max_tokens_per_microbatch``, ``pack_sequences``)."""
+
+    rows: int
+    """Rows per micro-batch (without a budget)."""
+    max_tokens: Optional[int] = None
+    """The token budget (None: fixed rows)."""
+    pack: bool = False
+    """Each micro-batch's rows run as one packed row (``models.packing``)."""
+
+    @classmethod
+    def of(cls, parallel) -> "MicroBatching":
+        """From the config's ``parallel`` section."""
+        return cls(parallel.micro_batch_size, parallel.max_tokens_per_microbatch, parallel.pack_sequences)
+
+    @classmethod
+    def coerce(cls, batching: "MicroBatching | int") -> "MicroBatching":
+        """A bare row count is fixed rows, unpacked (the tests' and benchmarks' short form)."""
+        return batching if isinstance(batching, MicroBatching) else cls(int(batching))
 
 
 @dataclass(frozen=True)

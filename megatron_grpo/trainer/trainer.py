@@ -9,11 +9,13 @@ One step, read top to bottom (``Trainer.step``):
 
 1. **rollout**: rank 0 draws prompts, the rollout engine samples ``num_generations`` responses
    each (token ids + the engine's log-probs), rewards are scored and group-normalised into
-   advantages; the TrainBatch is broadcast to every rank. With ``rollout.mode:
-   one_step_off_policy`` the next step's batch is then generated in the background while this
-   step trains, and waited for before the sync (``trainer/rollouts.py``); with ``async`` the
-   engine generates groups continuously and the step takes the first fresh whole groups to
-   finish (``trainer/async_rollouts.py``);
+   advantages; the TrainBatch is broadcast to every rank. The batch comes from the run's
+   ``RolloutSource`` (``rollout/sources.py``): with ``rollout.mode: one_step_off_policy`` the
+   next step's batch is generated in the background while this step trains, and waited for
+   before the sync; with ``async`` the engine generates groups continuously and the step takes
+   the first fresh whole groups to finish (``rollout/async_source.py``). The engine call is
+   four named hops from ``step``: ``RolloutSource.batch_for`` -> ``EngineSupervisor.rollout``
+   -> ``generate_and_score`` -> ``generate_round`` -> ``engine.generate``;
 2. **shard**: the batch is (optionally) shuffled across its mini-batches and each DP rank takes
    its rows;
 3. **score**: old-policy (and, with a KL loss, reference) log-probs are recomputed by Megatron
@@ -31,7 +33,7 @@ One step, read top to bottom (``Trainer.step``):
 
 Every rank runs the trainer (torchrun); rank 0 also owns the engine's generation, the data
 and the logging. Every engine call goes through ``EngineSupervisor`` (recovery from a failed
-engine), whatever the engine (``rollout.protocol.RolloutEngine``).
+engine), whatever the engine (``generation.protocol.RolloutEngine``).
 """
 
 from __future__ import annotations
@@ -50,26 +52,27 @@ from megatron_grpo.config import ExperimentConfig
 from megatron_grpo.config.algorithm import AlgorithmConfig, entropy_coef_at
 from megatron_grpo.data import PromptSampler, load_prompt_dataset
 from megatron_grpo.evaluation import Evaluator
+from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.losses import reduce_metrics
 from megatron_grpo.metrics_log import MetricsLogger
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.ops.quantize import scheme_of
-from megatron_grpo.rollout.manager import RolloutServerManager
+from megatron_grpo.rollout.async_source import resume_note
+from megatron_grpo.rollout.batch import TrainBatch, dp_shard, mini_batch_order
+from megatron_grpo.rollout.generate import GenerationContext
+from megatron_grpo.rollout.sources import RolloutSource, build_rollout_source
+from megatron_grpo.rollout.supervisor import EngineSupervisor
 from megatron_grpo.runtime import stop
 from megatron_grpo.runtime.collectives import RunAborted, broadcast
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.sync.syncer import SyncStats
 from megatron_grpo.trainer import checkpoint as ckpt
-from megatron_grpo.trainer.async_rollouts import AsyncRolloutSchedule, resume_note
-from megatron_grpo.trainer.batch import TrainBatch, dp_shard, mini_batch_order
 from megatron_grpo.trainer.components import (Policy, RolloutSide, build_engine, build_policy, build_reference,
                                               build_rollout_side)
-from megatron_grpo.trainer.engine_supervisor import EngineSupervisor
 from megatron_grpo.trainer.megatron_step import (ScoringSpec, compute_log_probs, old_log_probs_needed,
                                                  probe_log_probs, train_mini_batch)
+from megatron_grpo.trainer.microbatch import MicroBatching
 from megatron_grpo.trainer.moe_metrics import RouterLoad
-from megatron_grpo.trainer.rollout_step import RolloutResult, generate_and_score
-from megatron_grpo.trainer.rollouts import RolloutSchedule
 from megatron_grpo.trainer.router_replay import RoutingReplay
 from megatron_grpo.trainer.step_timer import StepTimer
 from megatron_grpo.trainer.update_plan import UpdatePlan
@@ -99,13 +102,14 @@ class Trainer:
     rank: int
     plan: UpdatePlan
     spec: ScoringSpec
+    batching: MicroBatching
     policy: Policy
     reference: Optional[list]
     """Frozen reference chunks, with a KL loss only."""
     routing: Optional[RoutingReplay]
     """MoE router replay (algorithm.router_replay) only."""
     engine: EngineSupervisor
-    rollouts: RolloutSchedule | AsyncRolloutSchedule
+    rollouts: RolloutSource
     side: Optional[RolloutSide]
     """Rank 0's sampling parameters, tokenizer, data and rewards."""
     evaluator: Optional[Evaluator]
@@ -122,7 +126,7 @@ class Trainer:
     def build(cls, cfg: ExperimentConfig, spawned: Optional[RolloutServerManager] = None) -> "Trainer":
         """Build every component (collective), resume from the last checkpoint when there is
         one, and sync the engine to the policy's weights. ``spawned``: rank 0's rollout
-        servers, already booting (``rollout.http_engine.spawn_servers``)."""
+        servers, already booting (``generation.http_engine.spawn_servers``)."""
         rank, run_dir = dist.get_rank(), cfg.trainer.run_dir
         tokenizer = load_tokenizer(cfg.model.hf_dir)
         sampler = PromptSampler(load_prompt_dataset(cfg.data, tokenizer), cfg.rollout.prompts_per_step,
@@ -154,20 +158,16 @@ class Trainer:
             if side is not None:
                 side.close()
             raise
-        generate = (lambda step, prompts: generate_and_score(
-            step, prompts, http, side.sampling, side.scorer, side.tokenizer, cfg,
-            more_prompts=side.sampler.next_batch, rollout_function=side.rollout_function)) if side is not None else None
-        if cfg.rollout.mode == "async":
-            rollouts = AsyncRolloutSchedule(cfg, engine, http if side is not None else None, side, start_step,
-                                            trainer_state.get("rollouts"))
-            if rank == 0 and start_step > 0:  # resumed: say what the checkpoint cannot give back
-                note = resume_note(trainer_state.get("rollouts"), start_step, cfg.rollout.prompts_per_step)
-                print(f"[megatron-grpo] {note}", flush=True)
-        else:
-            rollouts = RolloutSchedule(cfg.rollout.mode == "one_step_off_policy", engine,
-                                       side.sampler if side is not None else None, generate, cfg.trainer.num_steps)
+        ctx = (GenerationContext(http, side.sampling, side.scorer, side.tokenizer, cfg, side.rollout_function,
+                                 more_prompts=side.sampler.next_batch) if side is not None else None)
+        rollouts = build_rollout_source(cfg, engine, ctx, sampler if side is not None else None, start_step,
+                                        trainer_state)
+        if rank == 0 and start_step > 0 and cfg.rollout.mode == "async":  # what the checkpoint cannot give back
+            note = resume_note(trainer_state.get("rollouts"), start_step, cfg.rollout.prompts_per_step)
+            print(f"[megatron-grpo] {note}", flush=True)
         plan = UpdatePlan.from_config(cfg, ps.get_data_parallel_world_size())
-        return cls(cfg=cfg, rank=rank, plan=plan, spec=spec, policy=policy, reference=reference, routing=routing,
+        return cls(cfg=cfg, rank=rank, plan=plan, spec=spec, batching=MicroBatching.of(cfg.parallel), policy=policy,
+                   reference=reference, routing=routing,
                    engine=engine, rollouts=rollouts, side=side, evaluator=evaluator, logger=logger,
                    start_step=start_step, nonfinite_streak=trainer_state.get("nonfinite_streak", 0))
 
@@ -176,7 +176,11 @@ class Trainer:
     def step(self, step: int) -> None:
         """One GRPO step (collective; ``step`` is 0-based, its weights become version step+1)."""
         timer = StepTimer()
-        result = self.rollout(step, timer)
+        result, in_order = self.rollouts.batch_for(step)
+        self.engine.release_memory()  # colocated: the GPU is the trainer's until the sync
+        timer.lap("generate")
+        if in_order:  # the scoring was part of that wait (rank 0's; the others wait in the broadcast)
+            timer.move(result.stats["rollout/reward_s"], "generate", "reward")
         batch, local = self.shard(result.batch, step)
         algorithm = self.step_algorithm(step)
         skip = self.cfg.algorithm.skip_zero_advantage_steps and not has_gradient(batch, algorithm)
@@ -203,16 +207,6 @@ class Trainer:
         self.check_finite(step + 1)
         self.checkpoint_if_due(step + 1)
 
-    def rollout(self, step: int, timer: StepTimer) -> RolloutResult:
-        """Step ``step``'s scored batch on every rank (generated now, or collected from the
-        background); colocated engines then hand their memory back."""
-        result, in_order = self.rollouts.batch_for(step)
-        self.engine.release_memory()  # colocated: the GPU is the trainer's until the sync
-        timer.lap("generate")
-        if in_order:  # the scoring was part of that wait (rank 0's; the others wait in the broadcast)
-            timer.move(result.stats["rollout/reward_s"], "generate", "reward")
-        return result
-
     def shard(self, batch: TrainBatch, step: int) -> tuple[TrainBatch, TrainBatch]:
         """(the rollout batch in mini-batch order [N rows], this DP rank's rows of it
         [N / dp rows]); the order is shuffled across mini-batches when configured."""
@@ -231,17 +225,13 @@ class Trainer:
         if old_log_probs_needed(self.plan.num_iterations, self.plan.num_mini_batches):
             router_load = RouterLoad(self.policy.modules)  # counted where the pass runs: pi_old's routing
             local.old_log_probs = compute_log_probs(
-                self.policy.chunks, local, self.cfg.parallel.micro_batch_size, self.spec,
-                self.cfg.parallel.max_tokens_per_microbatch,
-                router_load=router_load if router_load.active else None, routing=self.routing,
-                pack_sequences=self.cfg.parallel.pack_sequences)
+                self.policy.chunks, local, self.batching, self.spec,
+                router_load=router_load if router_load.active else None, routing=self.routing)
             moe_metrics = router_load.metrics(self.cfg.parallel.sequence_parallel)  # collective; {} if dense
             if self.routing is not None:  # the policy that generated: engine vs trainer routing
                 moe_metrics.update(self.routing.take_metrics())
         if self.reference is not None:
-            local.ref_log_probs = compute_log_probs(self.reference, local, self.cfg.parallel.micro_batch_size,
-                                                    self.spec, self.cfg.parallel.max_tokens_per_microbatch,
-                                                    pack_sequences=self.cfg.parallel.pack_sequences)
+            local.ref_log_probs = compute_log_probs(self.reference, local, self.batching, self.spec)
         return moe_metrics
 
     def update(self, step: int, batch: TrainBatch, local: TrainBatch, algorithm: AlgorithmConfig) -> Updates:
@@ -256,9 +246,8 @@ class Trainer:
                 whole = batch.select(plan.global_rows(m))
                 metrics, applied, grad_norm = train_mini_batch(
                     self.policy.chunks, self.policy.optimizer, local.select(plan.local_rows(m)), algorithm,
-                    self.spec, self.cfg.parallel.micro_batch_size, int(whole.loss_mask.sum()), whole.num_sequences,
-                    plan.dp, ps.get_data_parallel_group(), self.cfg.parallel.max_tokens_per_microbatch,
-                    routing=self.routing, pack_sequences=self.cfg.parallel.pack_sequences)
+                    self.spec, self.batching, int(whole.loss_mask.sum()), whole.num_sequences,
+                    plan.dp, ps.get_data_parallel_group(), routing=self.routing)
                 updates.skipped += not applied
                 if metrics is not None:
                     updates.metrics.append({**metrics, "grad_norm": grad_norm, "iteration": it})
@@ -341,9 +330,8 @@ class Trainer:
     def save_checkpoint(self, step: int) -> None:
         """Collective: a training checkpoint of the state after ``step`` steps."""
         # rank 0's sampler is the one that advanced: every rank saves its state
-        state = broadcast({"step": step, "sampler": self.rollouts.sampler_state() if self.rank == 0 else None,
-                           "rollouts": self.rollouts.resume_state() if self.rank == 0 else None,
-                           "nonfinite_streak": self.nonfinite_streak})
+        source = self.rollouts.state() if self.rank == 0 else {"sampler": None, "rollouts": None}
+        state = broadcast({"step": step, **source, "nonfinite_streak": self.nonfinite_streak})
         ckpt.save_training_checkpoint(self.cfg.trainer.run_dir, step, self.policy.modules, self.policy.optimizer,
                                       state, self.cfg.checkpoint.keep_last)
 

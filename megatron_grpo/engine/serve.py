@@ -1,0 +1,103 @@
+"""`megatron-grpo serve`: run the embedded rollout engine as an SGLang-compatible HTTP server.
+
+    megatron-grpo serve --model-dir HF_DIR --host 127.0.0.1 --port PORT [--api-key KEY]
+
+Binds loopback by default. Any other address exposes the weight-update routes to the network,
+so it needs an API key (--api-key or $MEGATRON_GRPO_API_KEY): without one the server refuses to
+start. Also started by the trainer as ``python -m megatron_grpo.engine.serve``,
+with the request bounds of ``rollout.embedded``, the run's weight-sync directory as a trusted
+weight directory and the run's weight-update master address (``engine/policy.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Optional
+
+import torch
+import uvicorn
+
+from megatron_grpo.engine.engine import EmbeddedEngine
+from megatron_grpo.ops.quantize import FP8_DTYPES, scheme_of
+from megatron_grpo.engine.policy import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES,
+                                                   DEFAULT_MAX_REQUEST_TOKENS, ServerPolicy)
+from megatron_grpo.engine.server import build_app
+from megatron_grpo.generation.engines.embedded import API_KEY_ENV
+from megatron_grpo.runtime.placement import is_loopback
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="megatron-grpo serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", required=True, help="Hugging Face model directory to serve")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=30000, help="port (default: 30000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
+                   f"(default: ${API_KEY_ENV}, which keeps the key out of `ps`)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="parameter dtype (auto: the checkpoint's)")
+    p.add_argument("--quantization", default=None, choices=["fp8", "int8"],
+                   help="serve the decoder's attention and MLP projections quantized: fp8 (weights per output "
+                        "channel, activations per token) or int8 (weights only); default: as loaded")
+    p.add_argument("--fp8-format", default="e4m3", choices=sorted(FP8_DTYPES),
+                   help="float8 format of --quantization fp8 (e5m2: fewer mantissa bits, a larger mismatch)")
+    p.add_argument("--device", default="auto", help="where the model runs: auto (the GPU when CUDA is available, "
+                   "else the CPU), cpu, cuda or cuda:N")
+    p.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together (the running batch)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without sampling_seed")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body in bytes; larger ones are a 413 (default: %(default)s)")
+    p.add_argument("--max-request-sequences", type=int, default=DEFAULT_MAX_REQUEST_SEQUENCES,
+                   help="most sequences (inputs x n) one /generate may ask for (default: %(default)s)")
+    p.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS,
+                   help="most tokens one /generate may put in flight: per sequence its prompt plus "
+                        "max_new_tokens (default: %(default)s)")
+    p.add_argument("--trusted-weight-dir", action="append", default=[], metavar="DIR",
+                   help="a directory /update_weights_from_disk may load from (repeatable; the model "
+                        "directory always is); anything outside them is a 403")
+    p.add_argument("--weight-sync-master-address", default=None, metavar="ADDR",
+                   help="the one master address /init_weights_update_group may name (the trainer's "
+                        "rollout.weight_sync_master_address); default: loopback addresses only")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+        print(f"megatron-grpo serve: --model-dir {args.model_dir}: no config.json (not a Hugging Face "
+              "model directory)", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is None and not is_loopback(args.host):
+        print(f"megatron-grpo serve: --host {args.host} is reachable from the network and no API key is set: "
+              f"give one with --api-key KEY or ${API_KEY_ENV} (or bind 127.0.0.1)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    try:
+        policy = ServerPolicy(max_request_bytes=args.max_request_bytes,
+                              max_request_sequences=args.max_request_sequences,
+                              max_request_tokens=args.max_request_tokens,
+                              trusted_weight_dirs=(args.model_dir, *args.trusted_weight_dir),
+                              weight_sync_master_address=args.weight_sync_master_address)
+    except ValueError as e:
+        print(f"megatron-grpo serve: {e}", file=sys.stderr)
+        return 2
+    engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,
+                            device=args.device, quantization=scheme_of(args.quantization, args.fp8_format))
+    app = build_app(engine, api_key=api_key, policy=policy)
+    print(f"megatron-grpo serve: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Random TrainBatches for tests that compare one step across layouts (TP/PP/DP, batching,
+precision): the same rows on every rank and in every process, from a fixed seed."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_grpo.rollout.batch import TrainBatch, build_train_batch
+
+
+def random_train_batch(num_sequences: int, seed: int = 3) -> TrainBatch:
+    """``num_sequences`` rows: prompts of 3-5 and responses of 1-4 token ids in [7, 200), rollout
+    log-probs in (-3, 0] (off the trainer's, so the off-policy block does something) and
+    standard-normal advantages; padded with id 0 to [N, T]."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(7, 200, (int(torch.randint(3, 6, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(num_sequences)]
+    outputs = [torch.randint(7, 200, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(num_sequences)]
+    logps = [(-torch.rand(len(o), generator=gen) * 3).tolist() for o in outputs]
+    adv = torch.randn(num_sequences, generator=gen)
+    return build_train_batch(prompts, outputs, logps, adv, pad_id=0)
+
+
+def random_multi_turn_batch(num_sequences: int, seed: int = 5) -> TrainBatch:
+    """``num_sequences`` multi-turn rows: a prompt of 3-5 ids, then 1-3 model turns of 1-3 ids
+    with an observation of 1-3 ids between two turns (``output_mask`` 0: loss mask 0, rollout
+    log-prob 0), ids in [7, 200); rollout log-probs in (-3, 0] on model tokens, standard-normal
+    advantages; padded with id 0 to [N, T]. Row i's model-token count is ``loss_mask[i].sum()``."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def ids(lo: int, hi: int) -> list[int]:
+        return torch.randint(7, 200, (int(torch.randint(lo, hi + 1, (1,), generator=gen)),), generator=gen).tolist()
+
+    prompts, outputs, logps, masks = [], [], [], []
+    for _ in range(num_sequences):
+        prompts.append(ids(3, 5))
+        out, lp, mask = [], [], []
+        for turn in range(int(torch.randint(1, 4, (1,), generator=gen))):
+            if turn:
+                obs = ids(1, 3)
+                out, lp, mask = out + obs, lp + [0.0] * len(obs), mask + [0] * len(obs)
+            model = ids(1, 3)
+            out += model
+            lp += (-torch.rand(len(model), generator=gen) * 3).tolist()
+            mask += [1] * len(model)
+        outputs.append(out)
+        logps.append(lp)
+        masks.append(mask)
+    adv = torch.randn(num_sequences, generator=gen)
+    return build_train_batch(prompts, outputs, logps, adv, pad_id=0, output_masks=masks)
