@@ -151,7 +151,7 @@ class AlgorithmConfig:
     shuffle the batch's sequences (seeded by trainer.seed and the step, the same on every rank
     and after a resume) before cutting it into mini-batches, so each step mixes prompts instead
     of holding a few whole groups in generation order (TRL's default). Off by default, as in
-    verl: the demo's measured runs cut in generation order. No effect with one mini-batch."""
+    verl. No effect with one mini-batch."""
 
     skip_zero_advantage_steps: bool = False
     """A step whose every advantage is zero (|A| <= 1e-6: every group's rewards equal) skips its

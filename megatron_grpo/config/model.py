@@ -81,9 +81,7 @@ class ModelConfig:
     any device), triton (fused one-pass Triton kernels, ops/triton_logprobs.py; needs CUDA,
     refused at pre-flight without) or auto (triton for CUDA logits when triton is installed,
     else torch). Same values and gradients; the collectives are the same two all-reduces.
-    Measured on an H200 (docs/gpu.md): at V = 152k the Triton forward + backward is 18x faster
-    than torch's and 4.8x faster than megatron's log-prob-only cross entropy, within 2e-6 of
-    the torch path (one bf16 step in the gradient), so auto is the default."""
+    The speed of each on a GPU: docs/gpu.md."""
 
     recompute_activations: bool = False
     """Full activation recomputation of each transformer layer (saves memory, costs a forward)."""

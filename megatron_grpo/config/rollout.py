@@ -210,7 +210,7 @@ class RolloutConfig:
     """Parameter and compute dtype of a launched server, SGLang or embedded (`--dtype`; auto:
     the checkpoint's). It may differ from the trainer's model.dtype (a bf16 trainer's fp32 main
     weights are cast once to it in the weight sync); any difference shows as a train/rollout
-    log-prob mismatch (docs/off_policy.md measures bf16 against float32)."""
+    log-prob mismatch (docs/off_policy.md)."""
 
     quantization: Optional[Literal["fp8", "int8"]] = None
     """Serve the decoder's attention and MLP projections quantized (docs/off_policy.md,
