@@ -1,4 +1,5 @@
-"""The documentation cannot rot silently: README.md and docs/*.md are checked against the code.
+"""The documentation cannot rot silently: README.md, docs/*.md and docs/history/*.md are checked against
+the code.
 
 * every relative link resolves to a file, and a ``#anchor`` to a heading of that file (GitHub's
   slug rules); the code's own pointers into the docs (``docs/x.md#anchor`` in docstrings,
@@ -39,12 +40,13 @@ from megatron_grpo.config.experiment import yaml_load
 from megatron_grpo.preflight import build_experiment, load_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *sorted((ROOT / "docs" / "history").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 FENCE_RE = re.compile(r"^(```+|~~~+)\s*([\w+-]*)[^\n]*\n(.*?)^\1\s*$", re.S | re.M)
 LINK_RE = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING_RE = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.M)
-CODE_POINTER_RE = re.compile(r"docs/([\w.-]+\.md)(?:#([\w-]+))?")
+CODE_POINTER_RE = re.compile(r"docs/((?:history/)?[\w.-]+\.md)(?:#([\w-]+))?")
 REPO_PATH_RE = re.compile(r"`((?:megatron_grpo|tests|tools|launch|yaml_configs|docs)/[\w./*-]+)`")
 LAUNCH_CONFIG_SCRIPTS = {"launch/single_node.sh", "launch/multi_node.sh", "launch/slurm.sbatch"}
 DEMO_CONFIG = "yaml_configs/demo_cpu.yaml"

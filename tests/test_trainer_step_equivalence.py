@@ -24,7 +24,7 @@ def _batch():
 
 
 REGULARIZED = {"entropy_coef": 0.05, "kl_loss_coef": 0.05}
-"""The CPU demo's entropy bonus (yaml_configs/demo_cpu.yaml) and its KL arm's weight (docs/benchmarks.md)."""
+"""The CPU demo's entropy bonus (yaml_configs/demo_cpu.yaml) and its KL arm's weight (docs/history/benchmarks.md)."""
 
 
 def _one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=False, pack=False):

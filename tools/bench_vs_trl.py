@@ -20,7 +20,7 @@ between consecutive batches, start-up and the first batch excluded), the batch a
 ``--window``-batch rolling mean reward first reaches ``--target``, and the wall time from the
 first batch to that one; then the ratio of each megatron-grpo run to TRL. Where our step's
 time goes is printed from the trainer's own ``time/*_s`` metrics. Every departure between the
-two setups is listed in docs/benchmarks.md next to the table.
+two setups is listed in docs/benchmarks.md#departures-the-cpu-demo.
 
 ``--workload reasoning`` trains the reasoning workload instead (``tools/make_reasoning_model.py``:
 multi-digit addition with a written-out chain of thought, responses of tens of tokens) with
