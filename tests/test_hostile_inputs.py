@@ -671,7 +671,51 @@ def test_reward_error_in_a_real_run_is_one_line_and_exit_2(world, tmp_path):
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == (f"error: {path}: reward.functions[0] (hostile_run_rewards.boom) raised on sample 0: "
+    assert last == (f"error: {path}: step 1: reward.functions[0] (hostile_run_rewards.boom) raised on sample 0: "
                     "KeyError: 'grader bug'"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("error: ") == 1
+
+
+PLUGIN_RUN_CASES = {
+    # an environment whose step breaks the contract: a number where the observation must be text
+    "environment_non_string_observation": (
+        "envs.py", "class Bad:\n    def __init__(self, row):\n        pass\n\n"
+        "    def step(self, response):\n        return {'observation': 5, 'done': False, 'reward': 0.0}\n",
+        lambda cfg, f: cfg["rollout"].update(environment=f"{f}:Bad", engine="inprocess",
+                                             multi_turn={"max_episode_tokens": 16}),
+        "step 1: rollout.environment"),
+    # a rollout function whose samples hold ids outside the model's vocabulary
+    "rollout_function_out_of_vocabulary": (
+        "fn.py", "def oov(engine, prompts, n, sampling, seed):\n"
+        "    out = engine.generate([p.prompt_ids for p in prompts], n, sampling, sampling_seed=seed)\n"
+        "    for s in out:\n        s.output_ids = [10**9 for _ in s.output_ids]\n    return out\n",
+        lambda cfg, f: cfg["rollout"].update(rollout_function=f"{f}:oov", engine="inprocess"),
+        "step 1: rollout.rollout_function"),
+    # a reward no float can hold
+    "reward_past_float_range": (
+        "huge.py", "def huge(response, answer):\n    return 10**400\n",
+        lambda cfg, f: cfg.update(reward={"functions": [{"name": f"{f}:huge"}]}),
+        "step 1: reward.functions[0]"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PLUGIN_RUN_CASES))
+def test_a_plugin_that_breaks_its_contract_in_a_real_run_is_one_line_and_exit_2(name, world, tmp_path):
+    """Issue 48: an environment, a rollout function or a reward that breaks its contract while
+    the run trains ends it with exit 2 and one line naming the step and the plug-in; no
+    torchrun report, no traceback (they used to print inside one, exit 1)."""
+    file_name, source, edit, needle = PLUGIN_RUN_CASES[name]
+    ctx = Ctx(tmp_path, world)
+    plugin = ctx.plugin_dir / file_name
+    plugin.write_text(source)
+    path = ctx.config(lambda cfg: edit(cfg, plugin))
+    proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config", path],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          cwd=tmp_path, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {path}: {needle}") and file_name in last, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count("error: ") == 1

@@ -36,6 +36,7 @@ _CONFIG = EmbeddedConfig()
 DEFAULT_MAX_REQUEST_BYTES = _CONFIG.max_request_mb * 2**20
 DEFAULT_MAX_REQUEST_SEQUENCES = _CONFIG.max_request_sequences
 DEFAULT_MAX_REQUEST_TOKENS = _CONFIG.max_request_tokens
+DEFAULT_READ_TIMEOUT_S = 60.0  # a 16 MiB body at ~0.3 MB/s; the trainer's requests are far smaller
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,10 +59,16 @@ class ServerPolicy:
     weight_sync_master_address: Optional[str] = None
     """The one master address /init_weights_update_group may name; None: loopback addresses only."""
 
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    """Deadline for reading one request's body once its headers arrived: a slow or stalled
+    sender gets a 408 and its connection is closed, instead of holding a slot for ever."""
+
     def __post_init__(self):
         for key in ("max_request_bytes", "max_request_sequences", "max_request_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if not self.read_timeout_s > 0:
+            raise ValueError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
 
 
 def request_size_problem(policy: ServerPolicy, num_sequences: int, num_tokens: int) -> Optional[str]:

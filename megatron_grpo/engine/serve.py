@@ -23,7 +23,7 @@ import uvicorn
 from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.ops.quantize import FP8_DTYPES, scheme_of
 from megatron_grpo.engine.policy import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES,
-                                                   DEFAULT_MAX_REQUEST_TOKENS, ServerPolicy)
+                                         DEFAULT_MAX_REQUEST_TOKENS, DEFAULT_READ_TIMEOUT_S, ServerPolicy)
 from megatron_grpo.engine.server import build_app
 from megatron_grpo.generation.engines.embedded import API_KEY_ENV
 from megatron_grpo.runtime.placement import is_loopback
@@ -61,6 +61,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--weight-sync-master-address", default=None, metavar="ADDR",
                    help="the one master address /init_weights_update_group may name (the trainer's "
                         "rollout.weight_sync_master_address); default: loopback addresses only")
+    p.add_argument("--read-timeout-s", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
+                   help="deadline for reading a request body once its headers arrived; a slower sender gets a 408")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -84,7 +86,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                               max_request_sequences=args.max_request_sequences,
                               max_request_tokens=args.max_request_tokens,
                               trusted_weight_dirs=(args.model_dir, *args.trusted_weight_dir),
-                              weight_sync_master_address=args.weight_sync_master_address)
+                              weight_sync_master_address=args.weight_sync_master_address,
+                              read_timeout_s=args.read_timeout_s)
     except ValueError as e:
         print(f"megatron-grpo serve: {e}", file=sys.stderr)
         return 2

@@ -86,22 +86,38 @@ class RequestTooLarge(ValueError):
     """A request past one of the server's bounds (HTTP 413)."""
 
 
-async def _body(request: Request, max_bytes: int) -> dict:
+class _NonFinite(ValueError):
+    """A JSON body holding NaN, Infinity or -Infinity (Python's parser accepts them; JSON has none)."""
+
+
+def _refuse_constant(name: str) -> None:
+    raise _NonFinite(name)
+
+
+async def _body(request: Request, max_bytes: int, read_timeout_s: float = 60.0) -> dict:
     """The request's JSON object, read only up to ``max_bytes`` (413 past it, whatever the
-    Content-Length header claims); anything but a JSON object is a 400."""
+    Content-Length header claims) and within ``read_timeout_s`` (408 for a slow or stalled
+    sender); anything but a JSON object, or one holding NaN or Infinity, is a 400."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise HTTPException(413, f"the request body of {int(declared)} bytes exceeds this server's limit of "
                                  f"{max_bytes} bytes (--max-request-bytes)")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise HTTPException(413, f"the request body exceeds this server's limit of {max_bytes} bytes "
-                                     "(--max-request-bytes)")
-        chunks.append(chunk)
     try:
-        data = json.loads(b"".join(chunks))
+        async with asyncio.timeout(read_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise HTTPException(413, f"the request body exceeds this server's limit of {max_bytes} bytes "
+                                             "(--max-request-bytes)")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise HTTPException(408, f"the request body was not received within {read_timeout_s:g} s "
+                                 "(--read-timeout-s)") from None
+    try:
+        data = json.loads(b"".join(chunks), parse_constant=_refuse_constant)
+    except _NonFinite as e:
+        raise HTTPException(400, f"the request body holds {e}, which is not a JSON number") from None
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         raise HTTPException(400, "the request body must be JSON") from None
     if not isinstance(data, dict):
@@ -187,7 +203,7 @@ class _Routes:
         self._answered_on: tuple[str, int] = ("", 0)  # (weight version, requests answered on it)
 
     async def _body(self, request: Request) -> dict:
-        return await _body(request, self.policy.max_request_bytes)
+        return await _body(request, self.policy.max_request_bytes, self.policy.read_timeout_s)
 
     def table(self) -> list[tuple[str, list[str], Callable]]:
         """(path, methods, handler) of every route, in registration order."""

@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 from typing import NoReturn
 
-from megatron_grpo.preflight.report import ERROR_FILE_ENV, PEER_SUFFIX, fail
+from megatron_grpo.preflight.report import ERROR_FILE_ENV, EXIT_RUN_ABORTED, PEER_SUFFIX, fail
 from megatron_grpo.runtime import stop
 from megatron_grpo.runtime.process import die_with_parent
 
@@ -138,18 +138,36 @@ def launch_ranks(torchrun_args: list[str], env: dict[str, str]) -> int:
             code = proc.wait()
         finally:
             signal.signal(signal.SIGTERM, previous)
-        # A rank's own error is the cause; a lost peer (recorded apart) is usually its effect.
-        for recorded in (error_file, Path(f"{error_file}{PEER_SUFFIX}")):
-            if recorded.exists():
-                recorded_code, line = recorded.read_text().strip().split(" ", 1)
-                return fail(line, int(recorded_code))
+        # A rank's own error is the cause; a rank killed from outside is the cause of the others
+        # losing their peer (recorded apart), which is an effect.
+        if error_file.exists():
+            return _recorded(error_file)
+        cause = root_cause(tail) if code != 0 else None
+        if cause is not None and cause["exitcode"] < 0 and not stopping:
+            name = stop.signal_name(-cause["exitcode"])
+            pid = f" (pid {cause['pid']})" if cause["pid"] else ""
+            return fail(f"rank {cause['rank']}{pid} was killed by {name} from outside the run; the other ranks "
+                        "were stopped; the newest complete checkpoint is kept, and the same command resumes "
+                        "from it", EXIT_RUN_ABORTED)
+        if Path(f"{error_file}{PEER_SUFFIX}").exists():
+            return _recorded(Path(f"{error_file}{PEER_SUFFIX}"))
         if stopping:  # the ranks were killed before they could say where they stopped
             name = stop.signal_name(stopping[0])
             return fail(f"stopped by {name} before the ranks finished their step and saved (within "
                          "checkpoint.stop_timeout_s); the newest complete checkpoint is kept, and the same "
                          "command resumes from it", stop.exit_code(stopping[0]))
         reason = launcher_exception(tail) if code != 0 else None
-        return fail(f"torchrun stopped (exit code {code}): {reason}", code) if reason else code
+        if reason:
+            return fail(f"torchrun stopped (exit code {code}): {reason}", code)
+        if cause is not None:  # a rank's own traceback (a bug) was shown above
+            return fail(f"rank {cause['rank']} exited with code {cause['exitcode']}; its traceback is above", code)
+        return code
+
+
+def _recorded(path: Path) -> int:
+    """The one line a rank recorded (``preflight/report.py``), printed; its exit code."""
+    recorded_code, line = path.read_text().strip().split(" ", 1)
+    return fail(line, int(recorded_code))
 
 
 # torchrun's first line when a stop signal reaches it (its elastic agent, logged as a warning).
@@ -176,13 +194,95 @@ DRAIN_S = 1.0
 a process a rank left behind (a user's subprocess) may hold the pipe open for ever."""
 
 
+_TRACEBACK = b"Traceback (most recent call last):"
+_CONTINUED = (b" ", b"\t", b"Traceback", b"During handling", b"The above exception")
+_CHILD_FAILED = b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+# torchrun's log of its workers' ends ("Sending process N closing signal SIGTERM", "failed
+# (exitcode: -9) local_rank: 1"): restated by the launcher's one line
+_WORKER_LOG = re.compile(rb"[WEI]\d{4} [^\n]*torch/distributed/elastic/multiprocessing/api\.py:\d+\]")
+
+
+class TorchrunReportFilter:
+    """Holds back torchrun's own output about its end: its failure report (``ChildFailedError``
+    and the summary after it), its own failures (a rendezvous that timed out) and its log of
+    its workers' ends, which the launcher replaces with one line (``launch_ranks``). Everything
+    else passes at once, partial lines included (a progress bar), except a partial line that
+    may begin one of those; a traceback is held from its first line to its exception line, then
+    passed whole when it is a rank's."""
+
+    def __init__(self):
+        self.partial = b""  # an incomplete last line that may begin something held back
+        self.held: bytes | None = None  # a traceback being read, from its first line
+        self.report = False  # torchrun's failure report has begun: nothing more passes
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The part of ``chunk`` to show now."""
+        data, self.partial = self.partial + chunk, b""
+        lines = data.split(b"\n")
+        last = lines.pop()  # b"" when ``data`` ends a line
+        out = b"".join(self._line(line + b"\n") for line in lines)
+        if last and (self.held is not None or self.report or _may_begin_held(last)):
+            self.partial = last
+        else:
+            out += last
+        return b"" if self.report and not out else out
+
+    def _line(self, line: bytes) -> bytes:
+        if self.report:
+            return b""
+        body = line.rstrip(b"\r\n")
+        if self.held is None:
+            if body == _TRACEBACK:
+                self.held = line
+                return b""
+            return b"" if _WORKER_LOG.match(line) else line
+        self.held += line
+        if not body or body.startswith(_CONTINUED):
+            return b""
+        block, self.held = self.held, None  # ``body`` is the exception line: the traceback ends
+        if body.startswith(_CHILD_FAILED):
+            self.report = True  # its summary follows: held with it
+            return b""
+        if body.startswith(b"torch.distributed.") and b"torch/distributed/run.py" in block:
+            return b""  # torchrun's own failure: launch_ranks prints its last line
+        return block  # a rank's traceback
+
+    def finish(self) -> bytes:
+        """What is still held and must be shown (a traceback cut short; never torchrun's report)."""
+        held = (self.held or b"") + self.partial
+        self.held, self.partial = None, b""
+        return b"" if self.report else held
+
+
+def _may_begin_held(partial: bytes) -> bool:
+    """Whether an incomplete line may be the start of a traceback or of torchrun's log."""
+    return _TRACEBACK.startswith(partial) or partial.startswith(_TRACEBACK) or \
+        re.match(rb"[WEI]\d{0,4}(?: |$)", partial) is not None
+
+
+def root_cause(stderr_tail: bytes) -> dict | None:
+    """The first failure torchrun's report names (``rank``, ``pid``, ``exitcode``; a negative
+    exit code is the signal that killed it), None without a report."""
+    text = stderr_tail.decode(errors="replace")
+    at = text.rfind("Root Cause (first observed failure):")
+    if at < 0:
+        return None
+    fields = dict(re.findall(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)", text[at:], re.M))
+    pid = re.search(r"\(pid: (\d+)\)", text[at:])
+    if "rank" not in fields or "exitcode" not in fields:
+        return None
+    return {"rank": int(fields["rank"]), "exitcode": int(fields["exitcode"]), "pid": int(pid.group(1)) if pid else None}
+
+
 def forward_stderr(proc: _Agent, error_file: Path, stopping: list[int], keep_bytes: int = 4096) -> bytes:
     """Copy ``proc``'s stderr to ours until it closes, or ``proc`` has exited (``_read_stderr``),
     except after a rank recorded its error in ``error_file`` or a stop signal came
     (``stopping``: torchrun's shutdown report follows, and the ranks record where they
-    stopped); returns the last ``keep_bytes`` of it. A second Ctrl-C leaves at once: this
-    process exits and every rank dies with it."""
+    stopped), and except torchrun's own tracebacks (``TorchrunReportFilter``); returns the last
+    ``keep_bytes`` of it, unfiltered. A second Ctrl-C leaves at once: this process exits and
+    every rank dies with it."""
     out = getattr(sys.stderr, "buffer", None)
+    shown = TorchrunReportFilter()
     tail = b""
     interrupts = 0  # Ctrl-Cs this process received
     exited_at: list[float] = []
@@ -197,6 +297,7 @@ def forward_stderr(proc: _Agent, error_file: Path, stopping: list[int], keep_byt
                 stopping.append(signal.SIGINT)  # torchrun got it too and passes it to its ranks
             continue
         if not chunk:
+            _write(out, shown.finish() if not error_file.exists() and not stopping else b"")
             return tail
         tail = (tail + chunk)[-keep_bytes:]
         signalled = None if stopping else _TORCHRUN_SIGNALLED.search(chunk)
@@ -208,11 +309,17 @@ def forward_stderr(proc: _Agent, error_file: Path, stopping: list[int], keep_byt
         else:
             signalled = None
         if chunk and not error_file.exists() and (signalled or not stopping):
-            if out is not None:
-                out.write(chunk)
-                out.flush()
-            else:
-                sys.stderr.write(chunk.decode(errors="replace"))
+            _write(out, shown.feed(chunk))
+
+
+def _write(out, data: bytes) -> None:
+    if not data:
+        return
+    if out is not None:
+        out.write(data)
+        out.flush()
+    else:
+        sys.stderr.write(data.decode(errors="replace"))
 
 
 def launcher_exception(stderr_tail: bytes) -> str | None:

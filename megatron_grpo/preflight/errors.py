@@ -11,8 +11,14 @@ from megatron_grpo.config.experiment import error_source
 from megatron_grpo.data import DataError
 from megatron_grpo.models.errors import ModelError
 from megatron_grpo.rewards import RewardError
+from megatron_grpo.rollout.environments import EnvContractError
+from megatron_grpo.rollout.rollout_function import RolloutFunctionError
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelError, RewardError)
+PLUGIN_ERRORS: tuple[type[BaseException], ...] = (RewardError, EnvContractError, RolloutFunctionError)
+"""A user's plug-in (reward function, environment, rollout function) broke its contract: the
+message names the plug-in (file and function or class) and what was expected."""
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelError, *PLUGIN_ERRORS)
 """Exception types whose message is a complete one-line user-facing error."""
 
 

@@ -110,8 +110,16 @@ def _started(f: _Function, start) -> Any:
 
 
 def _check_value(value: Any, where: str, j: int) -> float:
-    if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-        raise RewardError(f"{where} returned {str(value)[:60]!r} ({type(value).__name__}) for sample {j}; "
+    try:  # float(10**400) overflows: not a finite number either
+        finite = isinstance(value, numbers.Real) and math.isfinite(float(value))
+    except OverflowError:
+        finite = False
+    if not finite:
+        try:
+            shown = repr(str(value)[:60])
+        except ValueError:  # an int past Python's digit limit cannot even be printed
+            shown = f"an integer of {value.bit_length()} bits"
+        raise RewardError(f"{where} returned {shown} ({type(value).__name__}) for sample {j}; "
                           "a reward must be a finite number")
     return float(value)
 

@@ -11,6 +11,7 @@ from typing import Optional
 
 from megatron_grpo.config import ExperimentConfig
 from megatron_grpo.generation.manager import RolloutServerManager
+from megatron_grpo.preflight.errors import PLUGIN_ERRORS
 from megatron_grpo.runtime import stop
 from megatron_grpo.trainer import checkpoint as ckpt
 from megatron_grpo.trainer.trainer import Trainer
@@ -32,6 +33,8 @@ def train(cfg: ExperimentConfig, spawned: Optional[RolloutServerManager] = None)
             except stop.StepInterrupted:  # the engine died with the stop signal mid-rollout
                 stop_before(trainer, step)  # raises RunStopped: the finished steps are saved
                 raise
+            except PLUGIN_ERRORS as e:  # the one line says which step the plug-in broke in
+                raise type(e)(f"step {step + 1}: {e}") from e
             if step + 1 < cfg.trainer.num_steps:  # after the last step the run is done anyway
                 stop_before(trainer, step + 1)
         trainer.logger.finish(print_summary=True)
