@@ -74,11 +74,17 @@ def test_kill_minus_9_mid_flight_and_resume_trains_each_prompt_once(demo, tmp_pa
     assert max(abs(r["is_ratio_mean"] - 1) for r in straight if r["rollout/policy_lag"] > 0) > 1e-4
     resumed = run(command + ["checkpoint.resume=auto"])
     rows = read_metrics(run_dir)
-    after = groups(run_dir)[len(before):]
+    resumed_from = int(re.search(r"async resume at step (\d+)", resumed.stdout).group(1))
+    # the group log is cut back to the checkpoint, as metrics.jsonl is: the killed run's lines up to
+    # it, then the resumed run's (issue 48: groups the killed run trained after the checkpoint were
+    # logged as trained twice)
+    log = groups(run_dir)
+    kept = [g for g in before if g["step"] <= resumed_from]
+    assert log[:len(kept)] == kept and len(kept) < len(before)
+    after = log[len(kept):]
     first_after = min(g["step"] for g in after)
-    # the killed run's trained groups up to the checkpoint it resumed from, then the resumed run's
-    kept = [g for g in before if g["fate"] == "trained" and g["step"] < first_after]
-    trained = kept + [g for g in after if g["fate"] == "trained"]
+    trained = [g for g in log if g["fate"] == "trained"]
+    kept = [g for g in kept if g["fate"] == "trained"]
     ids = Counter(g["gid"] for g in trained)
     assert sorted(ids) == list(range(steps * B)) and max(ids.values()) == 1, ids  # none lost, none twice
     prompt_of = {g["gid"]: g["prompt_index"] for g in before}

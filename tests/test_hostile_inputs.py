@@ -172,6 +172,20 @@ def _reward_case(module_source: str | None, name: str, *needles, kwargs=None) ->
     return case
 
 
+def _plugin_file_case(file_name: str, source: str, key: str, attr: str, *needles) -> Case:
+    """An environment or rollout function file ``file_name`` holding ``source``, named by ``key``."""
+    def case(ctx):
+        plugin = ctx.plugin_dir / file_name
+        plugin.write_text(source)
+
+        def edit(cfg):
+            cfg["rollout"].update({key.split(".")[1]: f"{plugin}:{attr}", "engine": "inprocess"})
+            cfg["rollout"]["multi_turn"] = {"max_episode_tokens": 16}
+        path = ctx.config(edit)
+        return ["--config", path], [path, key, *needles]
+    return case
+
+
 def _yaml_syntax(ctx):
     path = ctx.config("model:\n  hf_dir: x\ntrainer:\n  run_dir: [unclosed\n  num_steps: 3\n")
     return ["--config", path], [path, "line ", "YAML syntax error"]
@@ -412,6 +426,18 @@ CASES: dict[str, Case] = {
     "reward_kwargs_do_not_fit": _reward_case(NO_KWARG, "hostile_plugin_kwargs.fn", "kwargs", kwargs={"scale": 2}),
     "reward_all_weights_zero": _cfg_case(_set("reward.functions", [{"name": "format", "weight": 0}]),
                                          "reward.functions", "every weight is 0"),
+    # ---- environments and rollout functions: imported and checked before the run directory is written
+    "environment_class_missing": _plugin_file_case("envs.py", "class Env:\n    def step(self, r):\n        pass\n",
+                                                   "rollout.environment", "Nope", "envs.py:Nope",
+                                                   "has no attribute 'Nope'"),
+    "environment_without_step": _plugin_file_case("envs.py", "class Env:\n    pass\n", "rollout.environment", "Env",
+                                                  "envs.py:Env", "no method step"),
+    "environment_import_fails": _plugin_file_case("envs.py", "import no_such_module_xyz\nclass Env:\n    pass\n",
+                                                  "rollout.environment", "Env", "envs.py", "no_such_module_xyz"),
+    "rollout_function_import_fails": _plugin_file_case("fn.py", "import no_such_module_xyz\ndef f(*a):\n    pass\n",
+                                                       "rollout.rollout_function", "f", "fn.py", "no_such_module_xyz"),
+    "rollout_function_missing": _plugin_file_case("fn.py", "def f(engine, prompts, n, sampling, seed):\n    pass\n",
+                                                  "rollout.rollout_function", "g", "fn.py", "g"),
     # ---- logging -----------------------------------------------------------------------------
     "wandb_project_without_wandb": _cfg_case(_set("logging.wandb_project", "grpo"), "logging.wandb_project",
                                              "wandb is not installed"),
@@ -423,7 +449,7 @@ CASES: dict[str, Case] = {
 SUBPROCESS_CASES = {
     "yaml_syntax_error", "yaml_alias_bomb", "override_inf_temperature", "nproc_not_divisible_by_tp",
     "partial_model_dir_no_weights", "tokenizer_bigger_than_vocab", "dataset_bad_json_line", "dataset_10mb_line",
-    "reward_module_does_not_import",
+    "reward_module_does_not_import", "environment_import_fails", "rollout_function_import_fails",
 }
 
 

@@ -291,3 +291,71 @@ def test_the_payload_allow_list_is_what_the_sender_produces():
                      (torch.nn.parameter.Parameter, ())]:
         with pytest.raises(ValueError, match="is not allowed"):
             deserialize_named_tensors(base64.b64encode(pickle.dumps([("a", PickledCall(fn, *args))])).decode())
+
+
+# ---- what a body may hold, and how long it may take --------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(url, port) of ``megatron-grpo serve`` on the tiny model with a 1 s read deadline."""
+    import subprocess
+    import sys
+
+    from megatron_grpo.models.tiny import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("served") / "model", "qwen2", seed=0)
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_grpo.cli", "serve", "--model-dir", str(model_dir),
+                             "--port", str(port), "--dtype", "float32", "--num-threads", "1",
+                             "--read-timeout-s", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    try:
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "the server did not become healthy within 180 s"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield url, port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow  # starts its own server (~10 s on 2 busy cores)
+def test_non_finite_numbers_are_a_400_and_a_stalled_sender_a_408(served):
+    """Issue 48: ``logprob_start_len: Infinity`` was a 500 with a traceback in the server's log
+    (Python's JSON parser reads NaN and Infinity, which JSON has not); 100 half-sent requests
+    were held open past 22 s. Now: a 400 naming the constant, and a 408 once the body has not
+    arrived within --read-timeout-s, the connection closed; the server serves on."""
+    url, port = served
+    for constant in ("Infinity", "-Infinity", "NaN"):
+        body = ('{"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}, "logprob_start_len": '
+                f'{constant}}}')
+        r = httpx.post(f"{url}/generate", content=body, headers={"Content-Type": "application/json"}, timeout=30)
+        assert constant in _one_line(r, 400)
+    stalled = []
+    for _ in range(20):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"input_ids\": [5")  # 16 of the 100 bytes, then silence
+        stalled.append(s)
+    start = time.monotonic()
+    for s in stalled:
+        with s:
+            answer = b""
+            while chunk := s.recv(4096):  # until the server closes the connection
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b"--read-timeout-s" in answer
+    assert time.monotonic() - start < 8, "the stalled senders were not dropped within the deadline"
+    r = httpx.post(f"{url}/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}},
+                   timeout=30)
+    assert r.status_code == 200

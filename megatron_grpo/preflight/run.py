@@ -23,8 +23,11 @@ from megatron_grpo.models.checkpoint import MARKER, checkpoint_path
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.models.weights import SafetensorsReader
 from megatron_grpo.preflight.layout import layout_problem
-from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.rewards import RewardScorer
+from megatron_grpo.rollout.environments import check_environment
+from megatron_grpo.rollout.environments.worker import shutdown_fork_server
+from megatron_grpo.rollout.rollout_function import RolloutFunction
 from megatron_grpo.runtime.device import cuda_available
 from megatron_grpo.runtime.placement import ranks_on_this_node
 
@@ -125,8 +128,9 @@ def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
     engine's environment (an SGLang to launch), the GPU layout on this machine
     (``ranks_on_node`` trainer ranks, default torchrun's LOCAL_WORLD_SIZE), the model
     directory (config, weights, tokenizer vs vocabulary, tp/pp vs head and layer counts),
-    checkpoints to load, the dataset (every line), the reward functions (imported) and the
-    logging sinks. Raises ConfigError, DataError, ModelError or RewardError (one line each)."""
+    checkpoints to load, the dataset (every line), the reward functions, environment and
+    rollout function (imported and checked) and the logging sinks. Raises ConfigError,
+    DataError, ModelError, RewardError or EnvContractError (one line each)."""
     engine_problem = ENGINES[cfg.rollout.engine].preflight(cfg.rollout)
     if engine_problem:
         raise ConfigError("", engine_problem)  # the problem names its key
@@ -151,8 +155,26 @@ def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
                        f"eval.sets[{i}].max_new_tokens" if s.max_new_tokens else "rollout.max_new_tokens",
                        context, cfg.model.hf_dir)
     RewardScorer(cfg.reward).close()
+    check_plugins(cfg, tokenizer, getattr(hf_config, "vocab_size", None))
     if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb_project", "is set but wandb is not installed; pip install wandb or set it to null")
+
+
+def check_plugins(cfg: ExperimentConfig, tokenizer, vocab_size: int | None) -> None:
+    """``rollout.environment`` / ``rollout.rollout_function`` loaded and checked (the file
+    imports, the class or function exists with the right methods or arguments), in a worker
+    process as during the run, before anything is written; EnvContractError or ConfigError,
+    one line naming the file, otherwise."""
+    if cfg.rollout.environment is None and cfg.rollout.rollout_function is None:
+        return
+    try:
+        if cfg.rollout.environment is not None:
+            check_environment(cfg.rollout.environment, cfg.rollout.multi_turn.env_timeout_s)
+        else:
+            RolloutFunction.load(cfg.rollout.rollout_function, tokenizer, vocab_size=vocab_size,
+                                 timeout_s=cfg.rollout.rollout_function_timeout_s).close()
+    finally:
+        shutdown_fork_server()  # the run starts its own; the launcher keeps no worker process
 
 
 def check_fits(prompts, new_tokens: int, key: str, context: int, hf_dir: str) -> None:

@@ -25,7 +25,8 @@ arrival order. Step ``s`` (whose trainer holds the weights of version ``s``) tak
 
 The batch is a pure function of the arrival order (``take_groups``); every group's fate is
 appended to ``RUN_DIR/rollouts/async_groups.jsonl`` (step as in metrics.jsonl, group id, prompt, start version,
-arrival index). Each group's sampler seed depends only on its id and regeneration count. A
+arrival index), which a resumed run cuts back to its checkpoint's step as it does metrics.jsonl.
+Each group's sampler seed depends only on its id and regeneration count. A
 checkpoint stores the data position before the oldest draw with a group not yet trained or
 dropped, the ids of that draw and later ones already settled, and how many draws were made:
 a resumed run regenerates exactly the unsettled prompts, with the resumed weights (their
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Optional
 
 from megatron_grpo.config import ExperimentConfig
+from megatron_grpo.metrics_log.jsonl import truncate_metrics
 from megatron_grpo.rollout.generate import (GenerationContext, RolloutResult, generate_round, merge_rounds,
                                             result_from_rounds, sampling_seed)
 from megatron_grpo.rollout.supervisor import EngineSupervisor
@@ -198,6 +200,8 @@ class AsyncRolloutSchedule:
         self._next_draw = int(resume.get("draw", 0))
         self._skip = set(int(g) for g in resume.get("settled", []))
         self._log = (Path(cfg.trainer.run_dir) / "rollouts" / "async_groups.jsonl") if ctx is not None else None
+        if self._log is not None:  # cut back to the checkpoint's step, as metrics.jsonl: that work is redone
+            truncate_metrics(self._log, start_step)
 
     # ---- the trainer's interface -----------------------------------------------------------
 

@@ -117,6 +117,16 @@ def fork_server() -> _ForkServer:
         return _server
 
 
+def shutdown_fork_server() -> None:
+    """Stop this process's fork server and its workers, if it has one (a pre-flight's check
+    started it in a process that trains nothing: the launcher)."""
+    global _server
+    with _server_lock:
+        if _server is not None:
+            _server.close()
+            _server = None
+
+
 def _server_main() -> None:
     """The fork server: accept a connection, fork a worker for it, repeat (until stdin closes)."""
     address = sys.argv[1]
