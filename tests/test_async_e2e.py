@@ -14,9 +14,9 @@ from collections import Counter
 
 import pytest
 
-from tests.demo_run import ENV, ROOT, kill_engine_after, read_metrics, train_cmd, wait_for_steps
-from tests.kill_resume import kill_tree
-from tests.launch_nodes import running_with
+from tests.support.demo_run import ENV, ROOT, kill_engine_after, read_metrics, train_cmd, wait_for_steps
+from tests.support.kill_resume import kill_tree
+from tests.support.launch_nodes import running_with
 
 B, N = 8, 8  # prompts per step, responses per prompt
 

@@ -20,8 +20,8 @@ from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.generation.inprocess import InProcessEngine
 from megatron_grpo.wire.samples import SamplingParams
 from megatron_grpo.sync.in_memory import InMemorySyncer
-from tests.demo_run import read_metrics
-from tests.models_fixtures import hf_tensors
+from tests.support.demo_run import read_metrics
+from tests.support.models_fixtures import hf_tensors
 from tests.test_async_e2e import check_bound, cmd, groups, run
 from tests.test_async_rollouts import PROMPTS, check_token_versions, versions  # noqa: F401  (versions: a fixture)
 

@@ -30,8 +30,8 @@ from megatron_grpo.rollout.async_source import (AsyncRolloutSchedule, Group, adm
                                                   settled_state, start_version, take_groups, token_lags)
 from megatron_grpo.rollout.generate import GenerationContext
 from megatron_grpo.trainer.components import build_rollout_side
-from tests.demo_run import NUDGE, ROOT, demo_overrides
-from tests.models_fixtures import hf_tensors, make_hf_model
+from tests.support.demo_run import NUDGE, ROOT, demo_overrides
+from tests.support.models_fixtures import hf_tensors, make_hf_model
 from tests.test_async_e2e import check_bound
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20]]
@@ -42,7 +42,7 @@ LONG = {"temperature": 1.0, "max_new_tokens": 160, "ignore_eos": True}
 def versions(tmp_path_factory):
     """Three HF directories of one architecture with different weights: versions 0, 1, 2. The
     demo models' size (``DEMO_ARCH``), so that the real-SGLang test below is served by the
-    session's shared server of that architecture (tests/sglang_shared.py) rather than a launch
+    session's shared server of that architecture (tests/support/sglang_shared.py) rather than a launch
     of its own."""
     root = tmp_path_factory.mktemp("versions")
     return [make_hf_model(root / f"v{v}", "qwen2", tied=False, seed=10 + v, **DEMO_ARCH) for v in range(3)]
@@ -347,7 +347,7 @@ def _stream(url: str, prompt: list[int], seed: int, progress: list[int], results
     """One streamed /generate (the stream shows how far the sequence is); its last chunk."""
     import httpx
 
-    from tests.sglang_shared import API_KEY
+    from tests.support.sglang_shared import API_KEY
 
     body = {"input_ids": prompt, "sampling_params": {**LONG, "sampling_seed": seed}, "return_logprob": True,
             "logprob_start_len": -1, "stream": True}
@@ -392,7 +392,7 @@ def test_sglang_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_t
     version whose weights drew it, and its log-prob is that version's (HF reference)."""
     from megatron_grpo.generation import RolloutClient
     from megatron_grpo.generation.client import parse_generate_item
-    from tests.sglang_shared import API_KEY
+    from tests.support.sglang_shared import API_KEY
 
     url = sglang_servers.serve(versions[0])
     client = RolloutClient([url], api_key=API_KEY, request_timeout_s=120, max_retries=2)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.models_fixtures import PROBE_IDS, hf_reference_logits, hf_tensors, make_hf_model
+from tests.support.models_fixtures import PROBE_IDS, hf_reference_logits, hf_tensors, make_hf_model
 
 TOL = 1e-5
 CASES = [(m, t) for m in ("llama", "qwen2", "qwen3") for t in (False, True)]

@@ -14,7 +14,7 @@ import torch
 
 from megatron_grpo.models.errors import ModelError
 from tests.support.distributed import run_distributed
-from tests.models_fixtures import hf_reference_logits, hf_tensors, make_hf_model
+from tests.support.models_fixtures import hf_reference_logits, hf_tensors, make_hf_model
 from tests.test_models_equivalence import build_and_load, build_from_checkpoint, probe
 
 TOL = 1e-5

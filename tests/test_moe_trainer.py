@@ -11,7 +11,7 @@ from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
 from tests.support.distributed import run_distributed
 from megatron_grpo.models.tiny import save_tiny_model
-from tests.models_fixtures import hf_tensors
+from tests.support.models_fixtures import hf_tensors
 from tests.test_sync_weights import _check, _sync_worker
 from tests.test_trainer_step_equivalence import _initial_weights, _merged_weights, _one_step
 

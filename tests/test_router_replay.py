@@ -271,7 +271,7 @@ def test_train_with_router_replay_end_to_end(tmp_path):
     import sys
 
     from megatron_grpo.data.synthetic import generate as problems, write_jsonl
-    from tests.demo_run import ENV, ROOT, read_metrics
+    from tests.support.demo_run import ENV, ROOT, read_metrics
 
     model = save_tiny_model(tmp_path / "model", "qwen3_moe", seed=4)
     write_jsonl(problems(64, 0, 5, ("+",)), tmp_path / "data.jsonl")

@@ -530,7 +530,7 @@ def test_sglang_reads_its_key_from_a_0600_file_never_from_its_command_line(demo,
 
     import psutil
 
-    from tests.sglang_shared import API_KEY
+    from tests.support.sglang_shared import API_KEY
 
     url = sglang_servers.serve(demo / "model")
     port = url.rsplit(":", 1)[1]

@@ -23,7 +23,7 @@ from megatron_grpo.models.errors import ModelError
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
 from tests.support.distributed import run_distributed
 from megatron_grpo.models.tiny import save_tiny_model
-from tests.models_fixtures import hf_reference_logits, make_hf_model
+from tests.support.models_fixtures import hf_reference_logits, make_hf_model
 from tests.test_models_moe import assert_matches
 from tests.test_sync_weights import _check, _sync_worker
 from tests.test_trainer_step_equivalence import _merged_weights, _one_step
