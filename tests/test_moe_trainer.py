@@ -12,7 +12,7 @@ from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_d
 from tests.support.distributed import run_distributed
 from megatron_grpo.models.tiny import save_tiny_model
 from tests.support.models_fixtures import hf_tensors
-from tests.test_sync_weights import _check, _sync_worker
+from tests.support.sync_checks import check_sync, sync_worker
 from tests.test_trainer_step_equivalence import _initial_weights, _merged_weights, _one_step
 
 
@@ -81,8 +81,8 @@ def moe_engine_url(moe_dir, tmp_path_factory):
 @pytest.mark.slow
 def test_sync_from_ep2_ranks_engine_logprobs_match(moe_engine_url, moe_dir, tmp_path):
     transports = ["distributed", "tensor"]
-    results = run_distributed(_sync_worker, 2, *moe_engine_url, moe_dir, transports, False,
+    results = run_distributed(sync_worker, 2, *moe_engine_url, moe_dir, transports, False,
                               tp=1, pp=1, ep=2, timeout_s=400)
     # rank 1 holds half the experts: it takes part (a peer), rank 0 sends everything
-    assert _check(results, transports, 2) == ["coordinator+sender", "peer"]
+    assert check_sync(results, transports, 2) == ["coordinator+sender", "peer"]
     assert results[0]["stats"]["distributed"][1] == len(hf_tensors(moe_dir))

@@ -183,7 +183,7 @@ def replayed_log_probs(chunks, batch, replay: bool):
 
 
 def test_trainer_replays_engine_routing(rollout, single_rank):
-    from tests.test_models_equivalence import build_and_load
+    from tests.support.models_reference import build_and_load
 
     model_dir, batch, ref, frac_by_hand = rollout
     mask = batch.loss_mask > 0
@@ -205,7 +205,7 @@ def test_trainer_replays_engine_routing(rollout, single_rank):
 
 
 def _ep_worker(rank, world_size, model_dir, batch):
-    from tests.test_models_equivalence import build_and_load
+    from tests.support.models_reference import build_and_load
 
     _, chunks = build_and_load(model_dir)
     nudge(megatron_routers(chunks))
@@ -255,7 +255,7 @@ def test_router_replay_config_checks(tmp_path):
 def test_router_replay_refused_for_a_dense_model(single_rank, tmp_path):
     from megatron_grpo.models.errors import ModelError
     from megatron_grpo.trainer.router_replay import RoutingReplay
-    from tests.test_models_equivalence import build_and_load
+    from tests.support.models_reference import build_and_load
 
     _, chunks = build_and_load(save_tiny_model(tmp_path / "dense", "qwen2", seed=1))
     with pytest.raises(ModelError, match=r"^algorithm.router_replay needs a mixture-of-experts model; "

@@ -24,10 +24,9 @@ from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_d
 from tests.support.distributed import run_distributed
 from megatron_grpo.models.tiny import save_tiny_model
 from tests.support.models_fixtures import hf_reference_logits, make_hf_model
-from tests.test_models_moe import assert_matches
-from tests.test_sync_weights import _check, _sync_worker
+from tests.support.sync_checks import check_sync, sync_worker
 from tests.test_trainer_step_equivalence import _merged_weights, _one_step
-from tests.test_models_equivalence import build_and_load, build_from_checkpoint, probe
+from tests.support.models_reference import assert_matches, build_and_load, build_from_checkpoint, probe
 
 NUM_LAYERS = 4  # pp * vpp chunks of one layer each
 CASES = {"qwen3-tied": ("qwen3", True), "mixtral": ("mixtral", False)}
@@ -149,10 +148,10 @@ def test_sync_from_vpp2_ranks_engine_logprobs_match(models, tmp_path):
     transports = ["distributed", "tensor"]
     cfg = RolloutConfig(dtype="float32", launch_timeout_s=180)
     with RolloutServerManager(cfg, model_dir=hf_dir, run_dir=tmp_path / "run") as manager:
-        results = run_distributed(_sync_worker, 2, manager.urls[0], str(weight_sync_dir(tmp_path / "run")), hf_dir,
+        results = run_distributed(sync_worker, 2, manager.urls[0], str(weight_sync_dir(tmp_path / "run")), hf_dir,
                                   transports, False,
                                   tp=1, pp=2, vpp=2, timeout_s=500)
-    assert _check(results, transports, 2) == ["coordinator+sender", "sender"]
+    assert check_sync(results, transports, 2) == ["coordinator+sender", "sender"]
     # every HF tensor of the tied model is sent exactly once over the two stages' four chunks
     num_tensors = 1 + NUM_LAYERS * 11 + 1  # embed, 4 x (2 norms, q, k, v, o, q/k norm, gate, up, down), norm
     assert sum(r["stats"]["tensor"][1] for r in results) == num_tensors
