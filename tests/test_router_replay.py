@@ -216,7 +216,7 @@ def test_router_replay_config_checks(tmp_path):
 
     from megatron_grpo.config import ConfigError
     from megatron_grpo.preflight import load_experiment
-    from tests.test_config import with_change
+    from tests.support.configs import with_change
 
     def load(raw, name):
         p = tmp_path / name
