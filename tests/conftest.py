@@ -69,6 +69,15 @@ def sglang_servers(tmp_path_factory):
     servers.close()
 
 
+@pytest.fixture(scope="module")
+def weight_versions(tmp_path_factory):
+    """Three HF directories of one architecture with different weights, versions 0, 1 and 2
+    (tests/support/async_checks.py's ``make_weight_versions``), one set per module that asks."""
+    from tests.support.async_checks import make_weight_versions
+
+    return make_weight_versions(tmp_path_factory.mktemp("versions"))
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """SmolLM2-135M-Instruct, a real pretrained chat model, as a float32 HF directory
