@@ -29,7 +29,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+# Run as a script, its own folder (tests/support/, whose sglang.py would shadow the real package)
+# is sys.path[0]: the repository root takes its place.
+_REPO = str(Path(__file__).resolve().parents[2])
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = _REPO
+elif _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
 
 from megatron_grpo.trainer.checkpoint import complete_checkpoints  # noqa: E402
 from tests.support.demo_run import ENV, ROOT, make_demo, read_metrics, train_cmd  # noqa: E402
