@@ -353,7 +353,7 @@ def test_the_test_module_rule_can_fail():
     bad += imports_of("def f():\n    from tests.test_config import with_change\n", "tests.support.configs",
                       "tests/support/configs.py", False, known)
     problems = imported_test_module_problems(bad)
-    assert [p.split(": ", 1)[0] for p in problems] == ["tests/test_vpp.py:1", "tests/test_vpp.py:2", "tests/test_vpp.py:3",
-                                                       "tests/test_vpp.py:4", "tests/support/configs.py:2"], problems
+    assert [p.split(": ", 1)[0] for p in problems] == [f"tests/test_vpp.py:{line}" for line in (1, 2, 3, 4)] + [
+        "tests/support/configs.py:2"], problems
     assert problems[0] == ("tests/test_vpp.py:1: tests.test_vpp imports the test module tests.test_sync_weights "
                            "(shared helpers go in tests/support/)")

@@ -14,4 +14,5 @@ BASE = yaml.safe_load((ROOT / "yaml_configs" / "demo_cpu.yaml").read_text())
 
 def with_change(dotted, value):
     """``BASE`` with ``dotted`` set to ``value`` (a new dict: ``BASE`` is left as it is)."""
-    return apply_overrides(BASE, [f"{dotted}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"])
+    text = yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+    return apply_overrides(BASE, [f"{dotted}={text}"])
