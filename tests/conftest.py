@@ -23,8 +23,8 @@ from megatron_grpo.generation.client import RolloutClient  # noqa: E402
 from megatron_grpo.generation.manager import RolloutServerManager  # noqa: E402
 from tests.support.sglang import require_sglang  # noqa: E402
 from megatron_grpo.models.tiny import save_tiny_model  # noqa: E402
-from tests.demo_run import make_demo, make_tool_demo  # noqa: E402  (needs ROOT on sys.path, set just above)
-from tests.sglang_shared import SGLangServers  # noqa: E402
+from tests.support.demo_run import make_demo, make_tool_demo  # noqa: E402  (needs ROOT on sys.path, set just above)
+from tests.support.sglang_shared import SGLangServers  # noqa: E402
 from tools.fetch_smollm2 import default_cache_dir, fetch_smollm2  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def tool_demo(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sglang_servers(tmp_path_factory):
-    """The session's real SGLang servers (tests/sglang_shared.py): ``sglang_servers.serve(model_dir)``
+    """The session's real SGLang servers (tests/support/sglang_shared.py): ``sglang_servers.serve(model_dir)``
     resets the one of ``model_dir``'s architecture (launched on first use) to ``model_dir``'s
     weights, verifies it and returns its URL. Stopped when the session ends; its teardown fails
     if any of their processes outlives them."""
@@ -67,6 +67,15 @@ def sglang_servers(tmp_path_factory):
     servers = SGLangServers(tmp_path_factory.mktemp("sglang_shared"))
     yield servers
     servers.close()
+
+
+@pytest.fixture(scope="module")
+def weight_versions(tmp_path_factory):
+    """Three HF directories of one architecture with different weights, versions 0, 1 and 2
+    (tests/support/async_checks.py's ``make_weight_versions``), one set per module that asks."""
+    from tests.support.async_checks import make_weight_versions
+
+    return make_weight_versions(tmp_path_factory.mktemp("versions"))
 
 
 @pytest.fixture(scope="session")

@@ -7,78 +7,42 @@ regenerated. The engine-level exactness of per-token versions and log-probs, and
 on the launched engine without a trainer (dropped groups, episodes spanning weight updates),
 are tests/test_async_rollouts.py."""
 
-import json
 import re
 import subprocess
 from collections import Counter
 
 import pytest
 
-from tests.demo_run import ENV, ROOT, kill_engine_after, read_metrics, train_cmd, wait_for_steps
-from tests.kill_resume import kill_tree
-from tests.launch_nodes import running_with
-
-B, N = 8, 8  # prompts per step, responses per prompt
-
-
-def cmd(demo, run_dir, steps, k, *extra, b=B, n=N):
-    return train_cmd(demo, run_dir, steps, "rollout.mode=async", f"rollout.max_staleness={k}",
-                     f"rollout.prompts_per_step={b}", f"rollout.num_generations={n}",
-                     f"parallel.global_batch_size={b * n // 4}", f"parallel.micro_batch_size={min(8, b * n // 4)}",
-                     "logging.plot=false", "eval.every_n_steps=0",
-                     "algorithm.off_policy_correction={tis_ratio_type: token}", *extra)
-
-
-def run(command, timeout=600):
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return out
-
-
-def groups(run_dir) -> list[dict]:
-    path = run_dir / "rollouts" / "async_groups.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def check_bound(rows: list[dict], log: list[dict], k: int, b: int = B) -> None:
-    """Every trained token within k versions of the trained step's, by the metrics and by the
-    group log; each step trains B whole groups (N responses each: the trainer asserts the
-    batch size) with distinct ids."""
-    for r in rows:
-        version = r["step"] - 1  # the weights step r["step"] trained hold
-        assert 0 <= r["rollout/token_lag_min"] <= r["rollout/token_lag_max"] <= k, r
-        assert r["rollout/policy_lag"] == r["rollout/token_lag_max"] == version - r["rollout/weight_version"]
-        trained = [g for g in log if g["step"] == r["step"] and g["fate"] == "trained"]
-        assert len(trained) == b and len({g["gid"] for g in trained}) == b
-        assert all(version - g["start_version"] <= k for g in trained), trained
-        assert len(r["rollout/prompt_indices"].split(",")) == b
-
+from tests.support.async_checks import B, async_cmd, async_groups, check_bound, run_train
+from tests.support.demo_run import ENV, ROOT, kill_engine_after, read_metrics, wait_for_steps
+from tests.support.kill_resume import kill_tree
+from tests.support.launch_nodes import running_with
 
 @pytest.mark.slow
 def test_kill_minus_9_mid_flight_and_resume_trains_each_prompt_once(demo, tmp_path):
     k, steps = 2, 6
     run_dir = tmp_path / "run"
-    command = cmd(demo, run_dir, steps, k, "checkpoint.save_every=1", "checkpoint.keep_last=2")
+    command = async_cmd(demo, run_dir, steps, k, "checkpoint.save_every=1", "checkpoint.keep_last=2")
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV,
                             start_new_session=True)
     try:
         wait_for_steps(run_dir, 3, proc, poll_s=0.05)  # groups of steps 4 and 5 are in flight by now
     finally:
         kill_tree(proc)
-    before, straight = groups(run_dir), read_metrics(run_dir)
+    before, straight = async_groups(run_dir), read_metrics(run_dir)
     # up to the kill, an uninterrupted run: within the bound, and really asynchronous (the
     # engine ran ahead: lag k reached by step 3), the first batch fresh; stale samples show in
     # rho = pi_old / mu (fp32 rounding alone: ~1e-7)
     check_bound(straight, before, k)
     assert straight[0]["rollout/policy_lag"] == 0 and max(r["rollout/policy_lag"] for r in straight) == k
     assert max(abs(r["is_ratio_mean"] - 1) for r in straight if r["rollout/policy_lag"] > 0) > 1e-4
-    resumed = run(command + ["checkpoint.resume=auto"])
+    resumed = run_train(command + ["checkpoint.resume=auto"])
     rows = read_metrics(run_dir)
     resumed_from = int(re.search(r"async resume at step (\d+)", resumed.stdout).group(1))
     # the group log is cut back to the checkpoint, as metrics.jsonl is: the killed run's lines up to
     # it, then the resumed run's (issue 48: groups the killed run trained after the checkpoint were
     # logged as trained twice)
-    log = groups(run_dir)
+    log = async_groups(run_dir)
     kept = [g for g in before if g["step"] <= resumed_from]
     assert log[:len(kept)] == kept and len(kept) < len(before)
     after = log[len(kept):]
@@ -150,9 +114,9 @@ def test_multi_turn_groups_past_the_bound_are_regenerated_and_never_trained(demo
     env_file.write_text(DAWDLE)
     k, steps, b = 1, 4, 4
     run_dir = tmp_path / "run"
-    run(cmd(demo, run_dir, steps, k, f"rollout.environment={env_file}:Dawdle", "rollout.multi_turn.observation_role=user",
-            "rollout.multi_turn.max_episode_tokens=64", b=b, n=4))
-    rows, log = read_metrics(run_dir), groups(run_dir)
+    run_train(async_cmd(demo, run_dir, steps, k, f"rollout.environment={env_file}:Dawdle",
+                        "rollout.multi_turn.observation_role=user", "rollout.multi_turn.max_episode_tokens=64", b=b, n=4))
+    rows, log = read_metrics(run_dir), async_groups(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     check_bound(rows, log, k, b=b)
     assert max(r["rollout/policy_lag"] for r in rows) == k
@@ -172,11 +136,11 @@ def test_multi_turn_groups_past_the_bound_are_regenerated_and_never_trained(demo
 def test_engine_killed_mid_flight_is_restarted_and_its_groups_regenerated(demo, tmp_path):
     k, steps = 2, 5
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(cmd(demo, run_dir, steps, k, "rollout.request_timeout_s=20", "rollout.max_retries=2"),
+    proc = subprocess.Popen(async_cmd(demo, run_dir, steps, k, "rollout.request_timeout_s=20", "rollout.max_retries=2"),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     err = kill_engine_after(proc, run_dir, 2)
     assert proc.returncode == 0, err[-3000:]
-    rows, log = read_metrics(run_dir), groups(run_dir)
+    rows, log = read_metrics(run_dir), async_groups(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert rows[-1]["engine_restarts"] == 1
     check_bound(rows, log, k)
@@ -193,8 +157,8 @@ def test_async_on_the_real_sglang_keeps_the_bound_with_its_token_versions(demo, 
     k, steps = 1, 3
     run_dir = tmp_path / "run"
     url = sglang_servers.serve(demo / "model")
-    run(cmd(demo, run_dir, steps, k, *sglang_servers.train_overrides(url), b=4, n=4))
-    rows, log = read_metrics(run_dir), groups(run_dir)
+    run_train(async_cmd(demo, run_dir, steps, k, *sglang_servers.train_overrides(url), b=4, n=4))
+    rows, log = read_metrics(run_dir), async_groups(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     check_bound(rows, log, k, b=4)
     assert max(r["rollout/policy_lag"] for r in rows) == k  # really asynchronous

@@ -5,8 +5,9 @@ copies the new weights, sets the version and resumes, so sequences that span two
 token by token, the version and the log-prob of the weights that drew them. Checked through the
 real ``InProcessEngine.generate`` (called from a worker thread, as the async scheduler does)
 and the real ``InMemorySyncer``, against a float64 transformers forward of each version's
-weights (the reference of tests/test_async_rollouts.py). Then a real trainer run: the staleness
-bound, whole groups and lag ``k`` reached, as tests/test_async_e2e.py checks the embedded engine.
+weights (``check_token_versions``, tests/support/async_checks.py, as tests/test_async_rollouts.py
+checks the embedded engine). Then a real trainer run: the staleness bound, whole groups and lag
+``k`` reached, as tests/test_async_e2e.py checks the embedded engine.
 """
 
 import threading
@@ -20,10 +21,9 @@ from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.generation.inprocess import InProcessEngine
 from megatron_grpo.wire.samples import SamplingParams
 from megatron_grpo.sync.in_memory import InMemorySyncer
-from tests.demo_run import read_metrics
-from tests.models_fixtures import hf_tensors
-from tests.test_async_e2e import check_bound, cmd, groups, run
-from tests.test_async_rollouts import PROMPTS, check_token_versions, versions  # noqa: F401  (versions: a fixture)
+from tests.support.async_checks import PROMPTS, async_cmd, async_groups, check_bound, check_token_versions, run_train
+from tests.support.demo_run import read_metrics
+from tests.support.models_fixtures import hf_tensors
 
 NEW_TOKENS = 160
 
@@ -33,8 +33,8 @@ def _tokens_so_far(engine: EmbeddedEngine) -> list[int]:
     return [len(s.output_ids) for s in list(engine._taken)]
 
 
-def test_inprocess_sync_retracts_and_tokens_carry_their_version_and_log_prob(versions):
-    engine = EmbeddedEngine(versions[0], dtype="float32", max_batch_size=8, batch_window_s=0.0, seed=0)
+def test_inprocess_sync_retracts_and_tokens_carry_their_version_and_log_prob(weight_versions):
+    engine = EmbeddedEngine(weight_versions[0], dtype="float32", max_batch_size=8, batch_window_s=0.0, seed=0)
     engine.weight_version = "0"
     receiver = InMemorySyncer(RolloutConfig(mode="async", engine="inprocess"), None, engine,
                               iter_weights=lambda chunks, hf_config: iter(chunks))
@@ -59,13 +59,13 @@ def test_inprocess_sync_retracts_and_tokens_carry_their_version_and_log_prob(ver
                     break
                 assert time.monotonic() < deadline and "error" not in out, ("generation too slow", out)
                 time.sleep(0.001)
-            stats = receiver.sync(list(hf_tensors(versions[step]).items()), step)
+            stats = receiver.sync(list(hf_tensors(weight_versions[step]).items()), step)
             assert stats.verified and engine.weight_version == str(step) and engine.paused is None
         worker.join(timeout=120)
         assert not worker.is_alive() and "error" not in out, out
     finally:
         inprocess.close()
-    check_token_versions(out["samples"], versions, NEW_TOKENS, 1e-5)  # both syncs landed mid-flight
+    check_token_versions(out["samples"], weight_versions, NEW_TOKENS, 1e-5)  # both syncs landed mid-flight
 
 
 def test_the_preflight_accepts_async_on_every_engine_that_reports_versions(monkeypatch):
@@ -83,8 +83,8 @@ def test_the_preflight_accepts_async_on_every_engine_that_reports_versions(monke
 def test_async_training_on_the_inprocess_engine_keeps_the_bound(demo, tmp_path):
     k, steps, b, n = 2, 4, 4, 4
     run_dir = tmp_path / "run"
-    run(cmd(demo, run_dir, steps, k, "rollout.engine=inprocess", b=b, n=n))
-    rows, log = read_metrics(run_dir), groups(run_dir)
+    run_train(async_cmd(demo, run_dir, steps, k, "rollout.engine=inprocess", b=b, n=n))
+    rows, log = read_metrics(run_dir), async_groups(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     check_bound(rows, log, k, b=b)
     # really asynchronous: the engine ran ahead of the trainer up to the bound

@@ -14,7 +14,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from megatron_grpo.config import ConfigError, RolloutConfig, load_config
 from megatron_grpo.data import PromptSampler, load_prompt_dataset
@@ -25,27 +24,15 @@ from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.engine.generation import Sequence
 from megatron_grpo.engine.sampling import resolve_sampling_params
-from megatron_grpo.models.tiny import DEMO_ARCH
 from megatron_grpo.rollout.async_source import (AsyncRolloutSchedule, Group, admission_limit, is_stale, resume_note,
                                                   settled_state, start_version, take_groups, token_lags)
 from megatron_grpo.rollout.generate import GenerationContext
 from megatron_grpo.trainer.components import build_rollout_side
-from tests.demo_run import NUDGE, ROOT, demo_overrides
-from tests.models_fixtures import hf_tensors, make_hf_model
-from tests.test_async_e2e import check_bound
+from tests.support.demo_run import NUDGE, ROOT, demo_overrides
+from tests.support.async_checks import PROMPTS, check_bound, check_token_versions
+from tests.support.models_fixtures import hf_tensors
 
-PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20]]
 LONG = {"temperature": 1.0, "max_new_tokens": 160, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def versions(tmp_path_factory):
-    """Three HF directories of one architecture with different weights: versions 0, 1, 2. The
-    demo models' size (``DEMO_ARCH``), so that the real-SGLang test below is served by the
-    session's shared server of that architecture (tests/sglang_shared.py) rather than a launch
-    of its own."""
-    root = tmp_path_factory.mktemp("versions")
-    return [make_hf_model(root / f"v{v}", "qwen2", tied=False, seed=10 + v, **DEMO_ARCH) for v in range(3)]
 
 
 def _update(engine: EmbeddedEngine, hf_dir, version: str) -> None:
@@ -57,42 +44,8 @@ def _update(engine: EmbeddedEngine, hf_dir, version: str) -> None:
     engine.resume()
 
 
-def _reference(hf_dir, seq: Sequence, upto: int) -> list[float]:
-    """float64 log-probs of ``seq.output_ids[:upto]`` under the HF model of ``hf_dir``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([seq.prompt_ids + seq.output_ids[:upto]])).logits[0].double()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    n = len(seq.prompt_ids)
-    return [logprobs[n - 1 + i, t].item() for i, t in enumerate(seq.output_ids[:upto])]
-
-
-def check_token_versions(samples, versions, new_tokens: int, tolerance: float) -> None:
-    """Each of ``samples`` (sequences with ``prompt_ids``, ``output_ids``, ``output_logprobs``
-    and ``output_versions``) drew ``new_tokens`` tokens under versions "0", "1" and "2" in that
-    order (an update landed mid-flight twice), and each token's log-prob is the float64
-    reference of the version that drew it within ``tolerance``; and the reference tells the
-    versions apart (the first version-1 token scored by version 0 is off by more than 1e-3)."""
-    worst = 0.0
-    for s in samples:
-        assert len(s.output_versions) == len(s.output_ids) == len(s.output_logprobs) == new_tokens
-        assert all(s.output_versions.count(v) for v in ("0", "1", "2")), s.output_versions
-        assert s.output_versions == sorted(s.output_versions)  # monotone: no token went back
-        for v in range(3):
-            first = s.output_versions.index(str(v))
-            last = len(s.output_versions) - s.output_versions[::-1].index(str(v))
-            ref = _reference(versions[v], s, last)[first:]
-            worst = max(worst, max(abs(a - b) for a, b in zip(s.output_logprobs[first:last], ref)))
-    assert worst <= tolerance, worst
-    s = samples[0]
-    first = s.output_versions.index("1")
-    assert abs(_reference(versions[0], s, first + 1)[first] - s.output_logprobs[first]) > 1e-3
-
-
-def test_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_them(versions):
-    engine = EmbeddedEngine(versions[0], dtype="float32", max_batch_size=8, seed=0)
+def test_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_them(weight_versions):
+    engine = EmbeddedEngine(weight_versions[0], dtype="float32", max_batch_size=8, seed=0)
     try:
         engine.weight_version = "0"
         done = threading.Semaphore(0)
@@ -105,12 +58,12 @@ def test_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_them(ver
             while min(len(s.output_ids) for s in seqs) < target:
                 assert time.monotonic() < deadline, "generation too slow"
                 time.sleep(0.001)
-            _update(engine, versions[int(version)], version)
+            _update(engine, weight_versions[int(version)], version)
         for _ in seqs:
             assert done.acquire(timeout=120), "generation did not finish"
     finally:
         engine.shutdown()
-    check_token_versions(seqs, versions, 160, 1e-5)
+    check_token_versions(seqs, weight_versions, 160, 1e-5)
 
 
 # ---- the scheduler's rules (pure) -------------------------------------------------------------
@@ -347,7 +300,7 @@ def _stream(url: str, prompt: list[int], seed: int, progress: list[int], results
     """One streamed /generate (the stream shows how far the sequence is); its last chunk."""
     import httpx
 
-    from tests.sglang_shared import API_KEY
+    from tests.support.sglang_shared import API_KEY
 
     body = {"input_ids": prompt, "sampling_params": {**LONG, "sampling_seed": seed}, "return_logprob": True,
             "logprob_start_len": -1, "stream": True}
@@ -386,15 +339,15 @@ def _retract_when(client, url: str, progress: list[int], target: int, threads, r
 
 
 @pytest.mark.slow
-def test_sglang_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_them(versions, sglang_servers):
+def test_sglang_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_them(weight_versions, sglang_servers):
     """What the weight sync does to SGLang in async mode (retract, load, label, continue), twice
     while every sequence is mid-flight: SGLang's weight_versions spans give each token the
     version whose weights drew it, and its log-prob is that version's (HF reference)."""
     from megatron_grpo.generation import RolloutClient
     from megatron_grpo.generation.client import parse_generate_item
-    from tests.sglang_shared import API_KEY
+    from tests.support.sglang_shared import API_KEY
 
-    url = sglang_servers.serve(versions[0])
+    url = sglang_servers.serve(weight_versions[0])
     client = RolloutClient([url], api_key=API_KEY, request_timeout_s=120, max_retries=2)
     try:
         client.update_weight_version(url, "0")
@@ -406,7 +359,7 @@ def test_sglang_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_t
         for version, target in (("1", 20), ("2", 60)):
             _retract_when(client, url, progress, target, threads, results)
             client.flush_cache(url)
-            client.run(client.aio.update_weights_from_disk(url, str(versions[int(version)])))
+            client.run(client.aio.update_weights_from_disk(url, str(weight_versions[int(version)])))
             client.update_weight_version(url, version)
             client.continue_generation(url)
         for t in threads:
@@ -415,4 +368,4 @@ def test_sglang_tokens_carry_the_version_and_log_prob_of_the_weights_that_drew_t
     finally:
         client.close()
     samples = [parse_generate_item(item, prompt, i, 0, url) for i, (prompt, item) in enumerate(zip(PROMPTS, results))]
-    check_token_versions(samples, versions, 160, 1e-4)
+    check_token_versions(samples, weight_versions, 160, 1e-4)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.models_fixtures import PROBE_IDS, hf_reference_logits, make_hf_model
+from tests.support.models_fixtures import PROBE_IDS, hf_reference_logits, make_hf_model
 
 TOL = 1e-5
 MODELS = ("qwen2", "qwen3")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_grpo.config import load_config
-from tests.demo_run import ROOT
+from tests.support.demo_run import ROOT
 
 _SPEC = importlib.util.spec_from_file_location("bench_off_policy", ROOT / "tools" / "bench_off_policy.py")
 bench = importlib.util.module_from_spec(_SPEC)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_grpo.config import load_config
-from tests.demo_run import ENV, ROOT
+from tests.support.demo_run import ENV, ROOT
 
 _SPEC = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "tools" / "bench_vs_trl.py")
 bench = importlib.util.module_from_spec(_SPEC)

@@ -11,20 +11,16 @@ import yaml
 from megatron_grpo.config import AlgorithmConfig, ConfigError
 from megatron_grpo.config.experiment import apply_overrides
 from megatron_grpo.preflight import load_experiment
+from tests.support.configs import BASE, with_change
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "yaml_configs").glob("*.yaml"))
-BASE = yaml.safe_load((ROOT / "yaml_configs" / "demo_cpu.yaml").read_text())
 
 
 def write(tmp_path, raw, name="exp.yaml"):
     p = tmp_path / name
     p.write_text(raw if isinstance(raw, str) else yaml.safe_dump(raw))
     return p
-
-
-def with_change(dotted, value):
-    return apply_overrides(BASE, [f"{dotted}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"])
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

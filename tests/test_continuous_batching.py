@@ -17,8 +17,7 @@ from megatron_grpo.engine.generation import Sequence
 from megatron_grpo.engine.sampling import resolve_sampling_params
 from megatron_grpo.engine.scheduler import StepControl, run_continuous
 from megatron_grpo.models.tiny import save_tiny_model
-from tests.test_rollout_engine import reference_logprobs
-from tests.test_router_replay import hf_topk
+from tests.support.engine_runs import hf_topk, reference_logprobs
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [21, 22, 23]]
 LENGTHS = [3, 17, 5, 2, 9, 4, 12, 3, 6, 2, 8, 5]  # long-tailed: rows keep finishing and joining

@@ -5,7 +5,7 @@ same result. Each check runs in a fresh interpreter (the import order is the poi
 import subprocess
 import sys
 
-from tests.demo_run import ROOT
+from tests.support.demo_run import ROOT
 
 PROBE = """
 import sys, torch

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.support.distributed import RankFailure, RankPoolWarning, run_distributed
-from tests.kill_resume import running
+from tests.support.kill_resume import running
 
 pytestmark = pytest.mark.slow  # spawns ranks
 

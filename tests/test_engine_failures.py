@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from tests.support.distributed import free_port
-from tests.demo_run import ENV, ROOT, read_metrics, train_cmd, wait_for_steps
+from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd, wait_for_steps
 
 
 def cmd(demo, run_dir, steps, *extra):

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_grpo.data.synthetic import all_problems
 from megatron_grpo.runtime.files import write_text_atomic
-from tests.demo_run import DEMO_ENGINE, ENV, ROOT, read_metrics, train_cmd
+from tests.support.demo_run import DEMO_ENGINE, ENV, ROOT, read_metrics, train_cmd
 
 STEPS = 4
 REWARD_FILE = "def ids_len(response_ids, finish_reason):\n    return float(len(response_ids))\n"

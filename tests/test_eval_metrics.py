@@ -17,7 +17,7 @@ from megatron_grpo.evaluation import mean_pass_at_k, pass_at_k, set_metrics
 from megatron_grpo.evaluation.runner import episode_row
 from megatron_grpo.metrics_log import MetricsLogger, format_summary, read_metrics
 from megatron_grpo.metrics_log.report import matching_keys
-from tests.demo_run import ENV, ROOT
+from tests.support.demo_run import ENV, ROOT
 
 
 def test_pass_at_k_by_hand():

@@ -18,8 +18,8 @@ from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.wire.samples import SamplingParams
 from tests.support.distributed import run_distributed
 from megatron_grpo.models.tiny import save_tiny_model
-from tests.engine_runs import run
-from tests.test_sync_weights import NUM_HF_TENSORS, engine_vs_trainer, perturb
+from tests.support.engine_runs import run
+from tests.support.sync_checks import NUM_HF_TENSORS, engine_vs_trainer, perturb
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
 TRUNCATED = SamplingParams(temperature=1.2, top_p=0.8, top_k=40, min_p=0.02, max_new_tokens=10,

@@ -1,10 +1,10 @@
-"""CI's short version of tests/kill_resume.py: kill -9 the demo run (once during a checkpoint
+"""CI's short version of tests/support/kill_resume.py: kill -9 the demo run (once during a checkpoint
 save when the dice say so), resume, and require the uninterrupted run's metrics and prompts and
 no process left behind: single-turn with the in-process engine (the YAML's; its uninterrupted
 run uses the launched embedded engine, which takes the same steps), and multi-turn episodes of
 an environment with the launched embedded engine (its process killed with the tree and
 relaunched by the resumed run). The single-turn run with the embedded engine, killed during a
-save, is left to tests/kill_resume.py: what it added over these two (the engine's process in a
+save, is left to tests/support/kill_resume.py: what it added over these two (the engine's process in a
 tree killed during a save) cost two more launches of CI's bounded time."""
 
 import subprocess
@@ -13,9 +13,9 @@ import time
 import psutil
 import pytest
 
-from tests.demo_run import ENV, NUDGE, NUDGE_OVERRIDES, ROOT
-from tests.kill_resume import main, run_cmd
-from tests.launch_nodes import running_with
+from tests.support.demo_run import ENV, NUDGE, NUDGE_OVERRIDES, ROOT
+from tests.support.kill_resume import main, run_cmd
+from tests.support.launch_nodes import running_with
 
 STEPS = 6
 
@@ -33,7 +33,7 @@ def straight(demo, tmp_path_factory):
 @pytest.mark.slow
 def test_kill_minus_9_and_resume(demo, straight, tmp_path, capsys):
     # seed 1's die: the kill lands during a checkpoint save (the environment run below is
-    # killed mid-run; the full version, tests/kill_resume.py --kills 20, kills at many more
+    # killed mid-run; the full version, tests/support/kill_resume.py --kills 20, kills at many more
     # moments, resumed runs included)
     code = main(["--kills", "1", "--steps", str(STEPS), "--seed", "1", "--workdir", str(tmp_path), "--max-seconds",
                  "900", "--demo", str(demo), f"--straight={straight}", "--extra=rollout.engine=inprocess"])

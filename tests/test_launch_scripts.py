@@ -29,10 +29,10 @@ from megatron_grpo.runtime.process import free_port
 from megatron_grpo.trainer.checkpoint import complete_checkpoints
 from megatron_grpo.launcher.agent import launcher_exception
 from megatron_grpo.launcher.nodes import NodeError, NodeSpec
-from tests.demo_run import ROOT, demo_overrides, read_metrics, wait_for_steps
-from tests.launch_nodes import (CONFIG, SLURM_PROGRAMS, EmulatedSlurm, log, running_with, script_env, slurm_installed,
-                                start_node, start_nodes, stop_nodes, wait_nodes)
-from tests.kill_resume import kill_tree, rank_processes
+from tests.support.demo_run import ROOT, demo_overrides, read_metrics, wait_for_steps
+from tests.support.launch_nodes import (CONFIG, SLURM_PROGRAMS, EmulatedSlurm, log, running_with, script_env,
+                                        slurm_installed, start_node, start_nodes, stop_nodes, wait_nodes)
+from tests.support.kill_resume import kill_tree, rank_processes
 
 SCRIPTS = sorted(p for p in (ROOT / "launch").iterdir() if p.suffix in (".sh", ".sbatch"))
 # Variables of the user's shell that the scripts read: a test sets the ones it means.

@@ -14,8 +14,8 @@ import subprocess
 import pytest
 
 from megatron_grpo.launcher.agent import TorchrunReportFilter, launcher_exception, root_cause
-from tests.demo_run import ENV, ROOT, train_cmd, wait_for_steps
-from tests.kill_resume import process_tree, rank_processes, survivors
+from tests.support.demo_run import ENV, ROOT, train_cmd, wait_for_steps
+from tests.support.kill_resume import process_tree, rank_processes, survivors
 
 SIGKILL_REPORT = """rank 1 up
 rank 0 up

@@ -16,6 +16,9 @@ lines: ``megatron_grpo/cli.py``, ``train.py``, every ``*cli.py``, ``config/refer
 ``engine/serve.py``, ``metrics_log/__main__.py``) sit in the top production layer wherever
 their file lives. Only ``ast`` is used: nothing of the package is imported, so the test runs in
 well under a second.
+
+The tests themselves: a test module (``tests/**/test_*.py``) is imported by no other module of
+``tests/`` or ``tools/``; what several modules share lives in ``tests/support/``.
 """
 
 from __future__ import annotations
@@ -304,3 +307,53 @@ def test_the_checker_sees_a_cycle_inside_one_layer():
                                     "megatron_grpo.engine.serve"])
 def test_entry_points_sit_above_the_trainer(module):
     assert layer(module)[0] > LAYER_OF["trainer"]
+
+
+# ---- the tests: shared helpers only from tests/support/ ------------------------------------
+
+def is_test_module(module: str) -> bool:
+    """``tests.test_x``, ``tests.sub.test_y``: a module pytest collects."""
+    parts = module.split(".")
+    return parts[0] == "tests" and len(parts) > 1 and parts[-1].startswith("test_")
+
+
+def imported_test_module_problems(found: list[Import]) -> list[str]:
+    """One line per import of a test module by another module (a test module, a helper of
+    ``tests/support/``, ``conftest.py``, a tool)."""
+    return [f"{imp.path}:{imp.line}: {imp.module} imports the test module {imp.target} (shared helpers go in "
+            "tests/support/)" for imp in found if is_test_module(imp.target) and imp.target != imp.module]
+
+
+def imports_of_tests_and_tools() -> list[Import]:
+    files = sorted((ROOT / "tests").rglob("*.py")) + sorted((ROOT / "tools").rglob("*.py"))
+    known = {module_name(p, ROOT) for p in files}
+    found = []
+    for p in files:
+        found += imports_of(p.read_text(), module_name(p, ROOT), str(p.relative_to(ROOT)), p.name == "__init__.py",
+                            known)
+    return found
+
+
+def test_no_test_module_is_imported_by_another_module():
+    found = imports_of_tests_and_tools()
+    assert any(imp.target.startswith("tests.support.") for imp in found)  # the scan sees the tests' imports
+    problems = imported_test_module_problems(found)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_test_module_rule_can_fail():
+    known = {"tests.test_sync_weights", "tests.test_config", "tests.support.sync_checks", "tests.support"}
+    bad = imports_of("from tests.test_sync_weights import _check\n"
+                     "import tests.test_config\n"
+                     "from tests import test_config\n"
+                     "from .test_config import with_change\n"
+                     "from tests.support.sync_checks import check_sync\n"
+                     "from tests.test_vpp import NUM_LAYERS  # the module itself: not another\n",
+                     "tests.test_vpp", "tests/test_vpp.py", False, known)
+    bad += imports_of("def f():\n    from tests.test_config import with_change\n", "tests.support.configs",
+                      "tests/support/configs.py", False, known)
+    problems = imported_test_module_problems(bad)
+    assert [p.split(": ", 1)[0] for p in problems] == [f"tests/test_vpp.py:{line}" for line in (1, 2, 3, 4)] + [
+        "tests/support/configs.py:2"], problems
+    assert problems[0] == ("tests/test_vpp.py:1: tests.test_vpp imports the test module tests.test_sync_weights "
+                           "(shared helpers go in tests/support/)")

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd
 
 STEPS = 4
 LORA = ("rollout.engine=inprocess", "model.lora.rank=4", "model.lora.alpha=8", "optimizer.lr=2e-3",

@@ -9,8 +9,7 @@ import torch
 
 from megatron_grpo.config import AlgorithmConfig
 from megatron_grpo.losses import compute_advantages, compute_policy_loss
-
-from tests.test_losses_invariance import EXTRAS, LOSS_TYPES, REDUCTIONS, make_batch, make_config
+from tests.support.losses_cases import EXTRAS, LOSS_TYPES, REDUCTIONS, make_batch, make_config
 
 CASES = list(itertools.product(LOSS_TYPES, REDUCTIONS, EXTRAS))
 

@@ -59,7 +59,7 @@ def test_bad_parts_raise():
 def _loss_metrics(seed, empty=False):
     """Real compute_policy_loss metrics (all families of keys) of a small random batch;
     ``empty``: the same batch with every token masked (an all-padding micro-batch)."""
-    from tests.test_losses_invariance import make_batch
+    from tests.support.losses_cases import make_batch
 
     batch = make_batch(B=4, seed=seed)
     if empty:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_grpo.models.layouts import GatedFC1
-from tests.models_fixtures import PROBE_IDS, hf_reference_logits, hf_tensors, make_hf_model
+from tests.support.models_fixtures import PROBE_IDS, hf_reference_logits, hf_tensors, make_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TO_MEGATRON = str(ROOT / "tools" / "convert_hf_to_megatron.py")

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
-from tests.models_fixtures import PROBE_IDS, hf_reference_logits, hf_tensors, make_hf_model
+from tests.support.models_fixtures import hf_reference_logits, hf_tensors, make_hf_model
+from tests.support.models_reference import TOL, build_and_load, build_from_checkpoint, probe
 
-TOL = 1e-5
 CASES = [(m, t) for m in ("llama", "qwen2", "qwen3") for t in (False, True)]
 LAYOUTS = {  # name -> (world, tp, pp, cases)
     "tp2": (2, 2, 1, [("qwen2", False), ("llama", True)]),
@@ -45,49 +45,6 @@ def hf_models(tmp_path_factory):
 
 
 # ---- work done on every rank --------------------------------------------------------------
-def build_and_load(hf_dir, **build_kwargs):
-    from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
-
-    cfg = load_hf_config(hf_dir)
-    chunks = build_model(cfg, init_weights=False, **build_kwargs)
-    load_hf_weights(chunks, hf_dir, cfg)
-    return cfg, chunks
-
-
-def build_from_checkpoint(hf_dir, ckpt_dir, **build_kwargs):
-    """A NaN-filled model loaded from ``ckpt_dir``: any parameter it misses stays NaN."""
-    from megatron_grpo.models import build_model, checkpoint_hf_config, load_megatron_checkpoint
-
-    cfg = checkpoint_hf_config(ckpt_dir)
-    chunks = build_model(cfg, init_weights=False, **build_kwargs)
-    with torch.no_grad():
-        for p in chunks[0].parameters():
-            p.fill_(float("nan"))
-    extra = load_megatron_checkpoint(chunks, ckpt_dir)
-    return cfg, chunks, extra
-
-
-def probe(cfg, chunks, hf_dir):
-    """(full logits on the last stage's TP rank 0 or None, round-trip report of this rank)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_grpo.models import forward_logits, gather_vocab, iter_hf_weights
-
-    logits = forward_logits(chunks, PROBE_IDS)
-    if logits is not None:
-        logits = gather_vocab(logits, cfg.vocab_size)
-        if ps.get_tensor_model_parallel_rank() != 0:
-            logits = None
-    original = hf_tensors(hf_dir)
-    exported, not_bitwise = [], []
-    for name, tensor in iter_hf_weights(chunks, cfg):
-        exported.append(name)
-        ref = original.get(name)
-        if ref is None or ref.dtype != tensor.dtype or not torch.equal(ref, tensor):
-            not_bitwise.append(name)
-    return logits, {"exported": exported, "not_bitwise": not_bitwise}
-
-
 def _layout_worker(rank, world_size, cases, ckpt_in=None, ckpt_out=None):
     results = {}
     for (model_type, tied), hf_dir in cases:

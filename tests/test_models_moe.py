@@ -14,10 +14,9 @@ import torch
 
 from megatron_grpo.models.errors import ModelError
 from tests.support.distributed import run_distributed
-from tests.models_fixtures import hf_reference_logits, hf_tensors, make_hf_model
-from tests.test_models_equivalence import build_and_load, build_from_checkpoint, probe
+from tests.support.models_fixtures import hf_reference_logits, hf_tensors, make_hf_model
+from tests.support.models_reference import TOL, assert_matches, build_and_load, build_from_checkpoint, probe
 
-TOL = 1e-5
 CASES = {  # name -> (model_type, tied, extra config)
     "qwen3_moe-norm": ("qwen3_moe", False, {"norm_topk_prob": True}),
     "qwen3_moe-raw-tied": ("qwen3_moe", True, {"norm_topk_prob": False}),
@@ -34,20 +33,6 @@ def moe_models(tmp_path_factory):
         path = make_hf_model(root / name, model_type, tied, seed=10 + seed, **extra)
         out[name] = (str(path), hf_reference_logits(path))
     return out
-
-
-def assert_matches(results, hf_dir, ref):
-    """Every logits holder (one per dp replica) matches HF; the union of exported names is
-    the HF state dict, every tensor bitwise."""
-    logits = [r[0] for r in results if r[0] is not None]
-    assert logits
-    for got in logits:
-        delta = (got - ref).abs().max().item()
-        assert delta <= TOL, f"max |Δlogits| = {delta}"
-    not_bitwise = {n for r in results for n in r[1]["not_bitwise"]}
-    assert not not_bitwise, f"not bitwise after the round trip: {sorted(not_bitwise)}"
-    exported = {n for r in results for n in r[1]["exported"]}
-    assert sorted(exported) == sorted(hf_tensors(hf_dir))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

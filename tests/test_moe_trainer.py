@@ -11,9 +11,9 @@ from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
 from tests.support.distributed import run_distributed
 from megatron_grpo.models.tiny import save_tiny_model
-from tests.models_fixtures import hf_tensors
-from tests.test_sync_weights import _check, _sync_worker
-from tests.test_trainer_step_equivalence import _initial_weights, _merged_weights, _one_step
+from tests.support.models_fixtures import hf_tensors
+from tests.support.sync_checks import check_sync, sync_worker
+from tests.support.step_equivalence import initial_weights, merged_weights, one_step
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +45,14 @@ def test_engine_serves_fused_experts_under_checkpoint_names(model_type, tmp_path
 # ---- one GRPO step ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ep1_reference(moe_dir):
-    (ref,) = run_distributed(_one_step, 1, moe_dir, tp=1, pp=1, timeout_s=300)
+    (ref,) = run_distributed(one_step, 1, moe_dir, tp=1, pp=1, timeout_s=300)
     return ref
 
 
 @pytest.mark.slow
 def test_ep2_step_matches_ep1(moe_dir, ep1_reference):
     ref = ep1_reference
-    results = run_distributed(_one_step, 2, moe_dir, tp=1, pp=1, ep=2, timeout_s=400)
+    results = run_distributed(one_step, 2, moe_dir, tp=1, pp=1, ep=2, timeout_s=400)
     assert ref["applied"]
     for r in results:  # dp = 2: both ranks are last-stage reporters
         assert r["applied"]
@@ -60,10 +60,10 @@ def test_ep2_step_matches_ep1(moe_dir, ep1_reference):
         assert abs(r["grad_norm"] - ref["grad_norm"]) <= 1e-5 * max(1, ref["grad_norm"]), (r["grad_norm"], ref["grad_norm"])
     for r in results:  # every EP rank exports every expert
         assert set(r["weights"]) == set(ref["weights"])
-    weights = _merged_weights(results)
+    weights = merged_weights(results)
     worst = max((weights[k] - ref["weights"][k]).abs().max().item() for k in weights)
     assert worst <= 1e-5, worst
-    initial = _initial_weights(moe_dir)
+    initial = initial_weights(moe_dir)
     moved = [k for k in initial if ".experts." in k and not torch.equal(ref["weights"][k], initial[k])]
     assert moved  # the experts were updated (the comparison is not vacuous)
 
@@ -81,8 +81,8 @@ def moe_engine_url(moe_dir, tmp_path_factory):
 @pytest.mark.slow
 def test_sync_from_ep2_ranks_engine_logprobs_match(moe_engine_url, moe_dir, tmp_path):
     transports = ["distributed", "tensor"]
-    results = run_distributed(_sync_worker, 2, *moe_engine_url, moe_dir, transports, False,
+    results = run_distributed(sync_worker, 2, *moe_engine_url, moe_dir, transports, False,
                               tp=1, pp=1, ep=2, timeout_s=400)
     # rank 1 holds half the experts: it takes part (a peer), rank 0 sends everything
-    assert _check(results, transports, 2) == ["coordinator+sender", "peer"]
+    assert check_sync(results, transports, 2) == ["coordinator+sender", "peer"]
     assert results[0]["stats"]["distributed"][1] == len(hf_tensors(moe_dir))

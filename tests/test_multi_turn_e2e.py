@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
+from tests.support.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
 
 @pytest.mark.slow
 def test_two_steps_with_an_environment_log_the_multi_turn_metrics(demo, tmp_path):

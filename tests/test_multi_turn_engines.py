@@ -8,7 +8,7 @@
 * `megatron-grpo train` with an environment in one_step_off_policy mode (policy lag 1), on the
   embedded engine and on the real SGLang.
 
-The SGLang tests use the session's shared server (tests/sglang_shared.py), reset before each.
+The SGLang tests use the session's shared server (tests/support/sglang_shared.py), reset before each.
 """
 
 import subprocess
@@ -23,8 +23,8 @@ from megatron_grpo.rollout.multi_turn import EpisodeRunner
 from megatron_grpo.rollout.turns import TurnRenderer
 from megatron_grpo.wire.samples import SamplingParams
 from megatron_grpo.models.tiny import DEMO_ARCH, build_tokenizer, save_tiny_model
-from tests.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
-from tests.sglang_shared import API_KEY
+from tests.support.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
+from tests.support.sglang_shared import API_KEY
 
 pytestmark = pytest.mark.slow
 
@@ -147,7 +147,7 @@ def test_an_episode_spanning_a_weight_update_is_scored_by_the_new_weights(tok, e
 
 
 def test_episodes_on_the_real_sglang_are_token_in_token_out(tok, env_file, tmp_path, sglang_servers):
-    """On the session's shared SGLang server (tests/sglang_shared.py), reset to a tiny Qwen2 of
+    """On the session's shared SGLang server (tests/support/sglang_shared.py), reset to a tiny Qwen2 of
     the demo models' size."""
     model = save_tiny_model(tmp_path / "model", "qwen2", seed=3, **DEMO_ARCH)
     url = sglang_servers.serve(model)
@@ -194,7 +194,7 @@ def test_train_one_step_off_policy_with_an_environment(demo, tmp_path, env_file)
 
 
 def test_train_on_the_real_sglang_one_step_off_policy_with_an_environment(demo, tmp_path, env_file, sglang_servers):
-    """On the session's shared SGLang server (tests/sglang_shared.py) in rollout.urls, reset to
+    """On the session's shared SGLang server (tests/support/sglang_shared.py) in rollout.urls, reset to
     the demo model; the run syncs its weights into it before the first step and after each."""
     url = sglang_servers.serve(demo / "model")
     rows = _train_off_policy(demo, tmp_path, env_file, *sglang_servers.train_overrides(url))

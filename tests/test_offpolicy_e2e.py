@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.demo_run import ENV, ROOT, kill_engine_after, read_metrics, train_cmd
+from tests.support.demo_run import ENV, ROOT, kill_engine_after, read_metrics, train_cmd
 
 OFF = "rollout.mode=one_step_off_policy"
 PHASES = ("generate", "reward", "logprob", "train", "idle", "sync", "eval", "other")
@@ -57,7 +57,7 @@ def test_in_process_engine_generates_from_a_snapshot(demo, straight, tmp_path):
     """The in-process engine generates step s+1's batch while the optimizer changes the
     trainer's weights: it must sample from its own copy of the synced weights, so the run equals
     the launched engine's, metric for metric."""
-    from tests.kill_resume import COMPARED
+    from tests.support.kill_resume import COMPARED
 
     run_dir = tmp_path / "run"
     run(cmd(demo, run_dir, 6, "checkpoint.save_every=2", "checkpoint.keep_last=3", "rollout.engine=inprocess"))

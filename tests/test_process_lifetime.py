@@ -30,8 +30,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.demo_run import ENV, NUDGE, NUDGE_OVERRIDES, ROOT, read_metrics, train_cmd
-from tests.kill_resume import GRACE_S, process_tree, rank_processes, survivors
+from tests.support.demo_run import ENV, NUDGE, NUDGE_OVERRIDES, ROOT, read_metrics, train_cmd
+from tests.support.kill_resume import GRACE_S, process_tree, rank_processes, survivors
 
 DEADLINE_S = 300.0
 """Longest wait for a moment to come (a cold start on a loaded 2-core machine)."""

@@ -26,7 +26,7 @@ from megatron_grpo.engine.quantize import QuantizedLinear
 from tests.support.distributed import run_distributed
 from megatron_grpo.models.tiny import save_tiny_model
 from megatron_grpo.wire.checksum import tensor_checksum
-from tests.engine_runs import run
+from tests.support.engine_runs import run
 
 FP8 = QuantScheme("fp8")
 E5M2 = QuantScheme("fp8", "e5m2")
@@ -306,7 +306,7 @@ def test_quantized_demorun(demo, tmp_path):
 
     import yaml
 
-    from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+    from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd
 
     run_dir = tmp_path / "run"
     proc = subprocess.run(train_cmd(demo, run_dir, 2, "rollout.quantization=fp8", "eval.every_n_steps=0",

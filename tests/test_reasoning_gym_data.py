@@ -20,7 +20,7 @@ from megatron_grpo.data.reasoning_gym_source import (
     question_key,
     write_rows,
 )
-from tests.demo_run import ROOT
+from tests.support.demo_run import ROOT
 
 reasoning_gym = pytest.importorskip("reasoning_gym")  # the `reasoning` extra, which CI installs
 

@@ -20,7 +20,7 @@ from megatron_grpo.config import load_config
 from megatron_grpo.data.reasoning import (AdditionTask, chain_of, draw_pair, generate, is_held_out, main,
                                           prompt_of)
 from megatron_grpo.rewards.registry import resolve_reward
-from tests.demo_run import ENV, ROOT, read_metrics
+from tests.support.demo_run import ENV, ROOT, read_metrics
 
 CONFIG = ROOT / "yaml_configs" / "reasoning_cpu.yaml"
 CLAUSE_RE = re.compile(r"^(\d) \+ (\d) \+ ([01]) = (\d+) write (\d) carry ([01]) ,$")

@@ -229,7 +229,7 @@ def test_loading_starts_no_worker():
 
 
 def target(name):
-    return IsolatedFunction(f"tests.reward_worker_targets:{name}", name)
+    return IsolatedFunction(f"tests.support.reward_worker_targets:{name}", name)
 
 
 def test_worker_answers_keeps_its_process_and_restarts_after_a_timeout():
@@ -244,8 +244,8 @@ def test_worker_answers_keeps_its_process_and_restarts_after_a_timeout():
         assert time.monotonic() - start < 5
         assert sleepy(0.01, timeout_s=60) == 0.01  # a new worker
         # the setup runs before the call, outside its deadline
-        slow_setup = IsolatedFunction("tests.reward_worker_targets:echo", "echo",
-                                      setup="tests.reward_worker_targets:sleepy")
+        slow_setup = IsolatedFunction("tests.support.reward_worker_targets:echo", "echo",
+                                      setup="tests.support.reward_worker_targets:sleepy")
         assert slow_setup("x", timeout_s=0.5, setup_args=(1.0,)) == ("x",)
         slow_setup.close()
     finally:
@@ -266,8 +266,8 @@ def test_worker_errors_are_one_line_and_prints_do_not_corrupt_answers(capfd):
         with pytest.raises(WorkerError, match=r"^dies: its worker process died during a call \(exit code 3\)$"):
             dies(3, timeout_s=60)
         with pytest.raises(WorkerError, match=r"^missing: its worker process could not load "
-                                              r"tests.reward_worker_targets:missing: AttributeError"):
-            IsolatedFunction("tests.reward_worker_targets:missing", "missing")(timeout_s=60)
+                                              r"tests.support.reward_worker_targets:missing: AttributeError"):
+            IsolatedFunction("tests.support.reward_worker_targets:missing", "missing")(timeout_s=60)
     finally:
         for f in (noisy, raises, dies):
             f.close()

@@ -21,7 +21,7 @@ from megatron_grpo.wire.group import destroy_custom_process_group, init_custom_p
 from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_system_sharing
 from tests.support.sglang import require_sglang
 from megatron_grpo.models.tiny import save_tiny_model
-from tests.sglang_shared import SGLANG_MEMORY
+from tests.support.sglang_shared import SGLANG_MEMORY
 
 API_KEY = "test-key"
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]

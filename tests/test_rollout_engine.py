@@ -14,7 +14,7 @@ from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.engine.generation import Sequence
 from megatron_grpo.engine.sampling import resolve_sampling_params
 from megatron_grpo.models.tiny import save_tiny_model
-from tests.engine_runs import run
+from tests.support.engine_runs import reference_logprobs, run
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20]]
 
@@ -25,16 +25,6 @@ def engine(tmp_path_factory):
     eng = EmbeddedEngine(model_dir, dtype="float32", max_batch_size=16, seed=0)
     yield eng
     eng.shutdown()
-
-
-def reference_logprobs(model, seq: Sequence, temperature: float) -> torch.Tensor:
-    """float64 log_softmax(logits / T) of the full sequence at its output tokens."""
-    full = torch.tensor([seq.prompt_ids + seq.output_ids])
-    with torch.no_grad():
-        logits = model(full).logits[0].double()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    n = len(seq.prompt_ids)
-    return torch.stack([logprobs[n - 1 + i, t] for i, t in enumerate(seq.output_ids)])
 
 
 @pytest.mark.parametrize("params", [

@@ -26,7 +26,7 @@ from megatron_grpo.rollout.rollout_function import RolloutFunction, RolloutFunct
 from megatron_grpo.wire.samples import Sample, SamplingParams
 from megatron_grpo.models.tiny import build_tokenizer
 from megatron_grpo.rollout.generate import GenerationContext, generate_and_score
-from tests.kill_resume import running
+from tests.support.kill_resume import running
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "docs" / "examples" / "retry_rollout.py"
@@ -453,7 +453,7 @@ is the tests above, on the ``embedded`` fixture)."""
 
 @pytest.mark.slow
 def test_train_with_the_documented_rollout_function_and_a_broken_one(demo, tmp_path):
-    from tests.demo_run import ENV, read_metrics, train_cmd
+    from tests.support.demo_run import ENV, read_metrics, train_cmd
 
     run_dir = tmp_path / "run"
     cmd = train_cmd(demo, run_dir, 2, f"rollout.rollout_function={EXAMPLE}:retry_once", *SMALL)

@@ -2,8 +2,9 @@
 passes forced to it (``trainer.router_replay``).
 
 References: (a) the top-k of the router logits of a plain transformers forward over the same
-sequence, computed here by hand; (b) the engine's own log-probs, and a transformers forward
-whose routing is forced by hand to the engine's (hooks replacing the HF routers' top-k).
+sequence, computed by hand (``hf_topk``, tests/support/engine_runs.py); (b) the engine's own
+log-probs, and a transformers forward whose routing is forced by hand to the engine's (hooks
+replacing the HF routers' top-k).
 """
 
 import threading
@@ -18,6 +19,7 @@ from megatron_grpo.engine.generation import Sequence
 from megatron_grpo.engine.sampling import resolve_sampling_params
 from megatron_grpo.engine.server import _render
 from megatron_grpo.models.tiny import save_tiny_model
+from tests.support.engine_runs import hf_topk
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
 PARAMS = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True}
@@ -43,23 +45,6 @@ def generate(model_dir, prompts, params=PARAMS, routed=True):
     except BaseException:
         eng.shutdown()
         raise
-
-
-def hf_topk(model, token_ids: list[int]) -> torch.Tensor:
-    """int [P, num_moe_layers, k]: top-k of softmax(router logits) of a plain HF forward,
-    computed here from the logits the routers return (their own indices are ignored)."""
-    logits = []
-    routers = routing.moe_routers(model)
-    handles = [r.register_forward_hook(lambda m, i, o: logits.append(o[0].detach())) for r in routers]
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.tensor([token_ids]))
-    finally:
-        for h in handles:
-            h.remove()
-    k = routers[0].top_k
-    probs = torch.stack(logits, dim=1).float().softmax(dim=-1)  # [P, layers, E]
-    return probs.topk(k, dim=-1).indices
 
 
 def test_engine_routing_equals_hf_topk(moe_model):
@@ -183,7 +168,7 @@ def replayed_log_probs(chunks, batch, replay: bool):
 
 
 def test_trainer_replays_engine_routing(rollout, single_rank):
-    from tests.test_models_equivalence import build_and_load
+    from tests.support.models_reference import build_and_load
 
     model_dir, batch, ref, frac_by_hand = rollout
     mask = batch.loss_mask > 0
@@ -205,7 +190,7 @@ def test_trainer_replays_engine_routing(rollout, single_rank):
 
 
 def _ep_worker(rank, world_size, model_dir, batch):
-    from tests.test_models_equivalence import build_and_load
+    from tests.support.models_reference import build_and_load
 
     _, chunks = build_and_load(model_dir)
     nudge(megatron_routers(chunks))
@@ -231,7 +216,7 @@ def test_router_replay_config_checks(tmp_path):
 
     from megatron_grpo.config import ConfigError
     from megatron_grpo.preflight import load_experiment
-    from tests.test_config import with_change
+    from tests.support.configs import with_change
 
     def load(raw, name):
         p = tmp_path / name
@@ -255,7 +240,7 @@ def test_router_replay_config_checks(tmp_path):
 def test_router_replay_refused_for_a_dense_model(single_rank, tmp_path):
     from megatron_grpo.models.errors import ModelError
     from megatron_grpo.trainer.router_replay import RoutingReplay
-    from tests.test_models_equivalence import build_and_load
+    from tests.support.models_reference import build_and_load
 
     _, chunks = build_and_load(save_tiny_model(tmp_path / "dense", "qwen2", seed=1))
     with pytest.raises(ModelError, match=r"^algorithm.router_replay needs a mixture-of-experts model; "
@@ -271,7 +256,7 @@ def test_train_with_router_replay_end_to_end(tmp_path):
     import sys
 
     from megatron_grpo.data.synthetic import generate as problems, write_jsonl
-    from tests.demo_run import ENV, ROOT, read_metrics
+    from tests.support.demo_run import ENV, ROOT, read_metrics
 
     model = save_tiny_model(tmp_path / "model", "qwen3_moe", seed=4)
     write_jsonl(problems(64, 0, 5, ("+",)), tmp_path / "data.jsonl")

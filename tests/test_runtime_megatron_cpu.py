@@ -7,7 +7,7 @@ import torch
 
 from megatron_grpo.runtime import cpu_shim
 from tests.support.distributed import RankFailure, run_distributed
-from tests.kill_resume import running
+from tests.support.kill_resume import running
 
 VOCAB, SEQ, MBS, NUM_MB = 256, 16, 2, 2
 

@@ -239,7 +239,7 @@ def test_sglang_and_trainer_both_score_the_truncated_distribution(demo, sglang_s
 
     from megatron_grpo.generation.client import RolloutClient
     from megatron_grpo.wire.samples import SamplingParams
-    from tests.sglang_shared import API_KEY
+    from tests.support.sglang_shared import API_KEY
 
     model_dir = demo / "model"
     url = sglang_servers.serve(model_dir)
@@ -288,7 +288,7 @@ def _train_truncated(demo, run_dir, steps: int, *overrides: str) -> None:
     set sent, and a train/rollout mismatch at fp32 level."""
     import subprocess
 
-    from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+    from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd
 
     proc = subprocess.run(train_cmd(demo, run_dir, steps, "eval.every_n_steps=0", *overrides), cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=600)

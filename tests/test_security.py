@@ -26,6 +26,8 @@ import httpx
 import pytest
 import torch
 
+from tests.support.security import LOOPBACK_V4, PickledCall, listen_addresses
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_grpo"
 API_KEY = "s3cret-key"
@@ -33,23 +35,6 @@ API_KEY = "s3cret-key"
 
 def _package_sources() -> dict[str, ast.Module]:
     return {str(p.relative_to(ROOT)): ast.parse(p.read_text(), str(p)) for p in sorted(PACKAGE.rglob("*.py"))}
-
-
-def _listen_addresses(port: int) -> set[str]:
-    """Local addresses (hex, as in /proc/net/tcp*) of the sockets listening on ``port``."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        if not os.path.exists(table):
-            continue
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            addr, port_hex = fields[1].rsplit(":", 1)
-            if int(port_hex, 16) == port and fields[3] == "0A":  # 0A = LISTEN
-                found.add(addr)
-    return found
-
-
-LOOPBACK_V4 = "0100007F"  # 127.0.0.1 in /proc/net/tcp's little-endian hex
 
 
 # ---- servers bind loopback ---------------------------------------------------------------------
@@ -91,7 +76,7 @@ def _sync_store_listeners(rank, world):
     group = init_custom_process_group(backend="gloo", master_address="127.0.0.1", master_port=port,
                                       world_size=1, rank=0, group_name="security_probe", listen_socket=listen)
     try:
-        return sorted(_listen_addresses(port)), taken
+        return sorted(listen_addresses(port)), taken
     finally:
         destroy_custom_process_group(group)
 
@@ -168,7 +153,7 @@ def test_a_launched_engine_gets_a_per_run_key_on_no_command_line(tiny_model, tmp
 @pytest.mark.slow
 def test_launched_engine_listens_on_loopback_only(engine):
     port = int(engine.rsplit(":", 1)[1])
-    assert _listen_addresses(port) == {LOOPBACK_V4}
+    assert listen_addresses(port) == {LOOPBACK_V4}
 
 
 @pytest.mark.slow
@@ -307,18 +292,6 @@ def test_the_safe_unpickler_is_the_only_unpickler():
     calls = {_call_name(n) for n in ast.walk(tree) if isinstance(n, ast.Call)}
     assert not {c for c in calls if c.startswith("pickle.") and c != "pickle.UnpicklingError"}
     assert "_SafeUnpickler" in calls
-
-
-class PickledCall:
-    """Pickles as a call of ``fn(*args)``, by reference as torch's own reductions do (unpickling
-    ``PickledCall(open, path, "w")`` creates a file: a file appearing means code ran).
-    tests/test_security_engine.py builds sender-shaped payloads with it too."""
-
-    def __init__(self, fn, *args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
 
 
 def _payloads(marker: Path) -> dict[str, bytes]:
@@ -530,7 +503,7 @@ def test_sglang_reads_its_key_from_a_0600_file_never_from_its_command_line(demo,
 
     import psutil
 
-    from tests.sglang_shared import API_KEY
+    from tests.support.sglang_shared import API_KEY
 
     url = sglang_servers.serve(demo / "model")
     port = url.rsplit(":", 1)[1]

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.multiprocessing.reductions as reductions
 
-from tests.test_security import LOOPBACK_V4, PickledCall, _listen_addresses
+from tests.support.security import PickledCall, listen_addresses
 
 API_KEY = "engine-hardening-key"
 MAX_SEQUENCES = 8
@@ -108,7 +108,7 @@ def test_a_request_cannot_steer_the_weight_update_rendezvous(http):
         message = _one_line(http.post("/init_weights_update_group", json={**base, **body}), 400)
         assert fragment in message, (body, message)
     time.sleep(0.5)  # a rendezvous thread, had one started, would be listening by now
-    assert _listen_addresses(port) == set()
+    assert listen_addresses(port) == set()
     # the request the trainer sends (rank_offset 1, loopback) still joins: tests/test_sync_weights.py
 
 

@@ -2,7 +2,7 @@
 two launched servers for the demo task at TP=2 with a distributed weight sync every step,
 verified by the log-prob probe, one server killed mid-run and relaunched, then the launcher
 killed -9 with nothing of it left; an external server given in rollout.urls (the session's
-shared server, tests/sglang_shared.py).
+shared server, tests/support/sglang_shared.py).
 
 Each run is a few steps of `megatron-grpo train` in a subprocess, as a user starts it. The
 launched-server checks (the dtype resolved from the checkpoint, a sync every step) are made on
@@ -23,9 +23,9 @@ from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.generation import RolloutClient, RolloutError
 from megatron_grpo.generation.http_engine import start_servers
 from tests.support.sglang import require_sglang
-from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
-from tests.kill_resume import GRACE_S, process_tree, survivors
-from tests.sglang_shared import API_KEY, SGLANG_OVERRIDES
+from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd
+from tests.support.kill_resume import GRACE_S, process_tree, survivors
+from tests.support.sglang_shared import API_KEY, SGLANG_OVERRIDES
 
 SGLANG = ["rollout.engine=sglang", *SGLANG_OVERRIDES, "rollout.launch_timeout_s=600"]
 
@@ -54,7 +54,7 @@ def assert_healthy_steps(rows, steps):
 
 
 def test_external_sglang_in_rollout_urls(demo, tmp_path, sglang_servers):
-    """The session's shared SGLang server (tests/sglang_shared.py), reset to the demo model, is
+    """The session's shared SGLang server (tests/support/sglang_shared.py), reset to the demo model, is
     a server started elsewhere: the run uses it, launches none, and leaves it running."""
     url = sglang_servers.serve(demo / "model")
     run_dir = tmp_path / "run"

@@ -25,9 +25,9 @@ import pytest
 import torch
 
 from megatron_grpo.models.self_check import DEFAULT_TOLERANCE
-from tests.demo_run import ENV, ROOT, read_metrics
-from tests.kill_resume import GRACE_S, process_tree, survivors
-from tests.models_fixtures import hf_tensors
+from tests.support.demo_run import ENV, ROOT, read_metrics
+from tests.support.kill_resume import GRACE_S, process_tree, survivors
+from tests.support.models_fixtures import hf_tensors
 from tools.score_with_transformers import main as score_with_transformers
 
 CONFIG = "yaml_configs/smollm2_135m_chain_sum_cpu.yaml"

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd
 
 # a faster schedule than the full demo's, so that 60 steps show learning (constant: a shorter
 # run with the same overrides takes the same first steps)

@@ -12,55 +12,10 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
+from tests.support.step_equivalence import (MICRO, N_SEQ, REGULARIZED, initial_weights, merged_weights, one_step,
+                                             step_batch)
 
-N_SEQ, GLOBAL_BATCH, MICRO = 8, 8, 2
 BUDGET = 18  # tokens per micro-batch: 1-3 rows of 4-7 tokens, so the shapes vary
-
-
-def _batch():
-    from tests.support.batches import random_train_batch
-
-    return random_train_batch(N_SEQ)
-
-
-REGULARIZED = {"entropy_coef": 0.05, "kl_loss_coef": 0.05}
-"""The CPU demo's entropy bonus (yaml_configs/demo_cpu.yaml) and its KL arm's weight (docs/history/benchmarks.md)."""
-
-
-def _one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=False, pack=False):
-    from megatron.core import parallel_state as ps
-
-    from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
-    from megatron_grpo.models import iter_hf_weights
-    from megatron_grpo.rollout.batch import dp_shard
-    from tests.support.policy import build_test_policy
-    from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
-    from megatron_grpo.trainer.microbatch import MicroBatching
-
-    # SGD: the update is proportional to the gradient, so any gradient difference shows
-    # (Adam's first step is ~lr*sign(g) and would hide a wrongly scaled gradient).
-    policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32"),
-                               OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0))
-    algo = AlgorithmConfig(eps_clip_high=0.28, off_policy_correction={"tis_ratio_type": "token"},
-                           **(REGULARIZED if regularized else {}))
-    spec = ScoringSpec(temperature=0.7, vocab_size=policy.hf_config.vocab_size)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    full = _batch()
-    local = dp_shard(full, dp_rank, dp, GLOBAL_BATCH)
-    if regularized:  # a stand-in reference whose log-probs differ from the policy's: the KL has a gradient
-        local.ref_log_probs = local.rollout_log_probs.clone()
-    batching = MicroBatching(MICRO, budget, pack)
-    old_lp = compute_log_probs(policy.chunks, local, batching, spec)
-    if not skip_old:
-        local.old_log_probs = old_lp
-        if local.old_log_probs is None:  # not the last stage: the loss is computed elsewhere
-            local.old_log_probs = torch.zeros_like(local.rollout_log_probs)
-    metrics, applied, grad_norm = train_mini_batch(
-        policy.chunks, policy.optimizer, local, algo, spec, batching, int(full.loss_mask.sum()),
-        full.num_sequences, dp, ps.get_data_parallel_group())
-    weights = {k: v.clone() for k, v in iter_hf_weights(policy.modules, policy.hf_config)}
-    return {"metrics": metrics, "applied": applied, "grad_norm": grad_norm, "weights": weights,
-            "old_lp": old_lp, "pp_rank": ps.get_pipeline_model_parallel_rank()}
 
 
 @pytest.fixture(scope="module")
@@ -72,27 +27,20 @@ def tiny_hf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_hf):
-    (ref,) = run_distributed(_one_step, 1, tiny_hf, tp=1, pp=1, timeout_s=300)
+    (ref,) = run_distributed(one_step, 1, tiny_hf, tp=1, pp=1, timeout_s=300)
     return ref
 
 
 @pytest.fixture(scope="module")
 def regularized_reference(tiny_hf):
-    (ref,) = run_distributed(_one_step, 1, tiny_hf, None, False, True, tp=1, pp=1, timeout_s=300)
+    (ref,) = run_distributed(one_step, 1, tiny_hf, None, False, True, tp=1, pp=1, timeout_s=300)
     return ref
-
-
-def _merged_weights(results):
-    merged = {}
-    for r in results:
-        merged.update(r["weights"])
-    return merged
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (1, 1)], ids=["tp2", "pp2", "dp2"])
 def test_step_matches_tp1(tiny_hf, reference, tp, pp):
-    _assert_same_step(run_distributed(_one_step, 2, tiny_hf, tp=tp, pp=pp, timeout_s=300), reference, tiny_hf)
+    _assert_same_step(run_distributed(one_step, 2, tiny_hf, tp=tp, pp=pp, timeout_s=300), reference, tiny_hf)
 
 
 @pytest.mark.slow
@@ -100,7 +48,7 @@ def test_step_matches_tp1(tiny_hf, reference, tp, pp):
 def test_regularized_step_matches_tp1(tiny_hf, regularized_reference, reference, tp, pp):
     """With the entropy bonus and the k3 KL term on (vocab-parallel entropy and its gradient
     across TP ranks; the reference log-probs on the last stage) the TP2 / PP2 step equals TP1's."""
-    results = run_distributed(_one_step, 2, tiny_hf, None, False, True, tp=tp, pp=pp, timeout_s=300)
+    results = run_distributed(one_step, 2, tiny_hf, None, False, True, tp=tp, pp=pp, timeout_s=300)
     _assert_same_step(results, regularized_reference, tiny_hf, ("entropy", "kl_loss", "k3_kl"))
     # the two terms really changed the step (the comparison covers their gradients)
     worst = max((regularized_reference["weights"][k] - v).abs().max().item() for k, v in reference["weights"].items())
@@ -117,7 +65,7 @@ def test_token_budget_plan_varies_shapes():
     """The budget used below really regroups rows into micro-batches of different shapes."""
     from megatron_grpo.trainer.microbatch import plan_micro_batches
 
-    plan = plan_micro_batches(_batch(), MICRO, BUDGET)
+    plan = plan_micro_batches(step_batch(), MICRO, BUDGET)
     assert len(set(plan.lengths)) > 1 and len({len(r) for r in plan.rows}) > 1
     assert [r for rows in plan.rows for r in rows] != list(range(N_SEQ))  # reordered
 
@@ -127,11 +75,11 @@ def test_token_budget_plan_varies_shapes():
                          ids=["tp1", "tp2", "pp2", "dp2"])
 def test_token_budget_step_matches_fixed(tiny_hf, reference, world, tp, pp):
     """Token-budget micro-batches (log-prob pass and update) = fixed micro-batches of 2."""
-    results = run_distributed(_one_step, world, tiny_hf, BUDGET, tp=tp, pp=pp, timeout_s=300)
+    results = run_distributed(one_step, world, tiny_hf, BUDGET, tp=tp, pp=pp, timeout_s=300)
     _assert_same_step(results, reference, tiny_hf)
     for r in results:
         if r["old_lp"] is not None and world == 1:
-            mask = _batch().loss_mask > 0
+            mask = step_batch().loss_mask > 0
             assert (r["old_lp"][mask] - reference["old_lp"][mask]).abs().max() <= 1e-5
     for r in results:
         if r["metrics"] is not None:  # the budget cut padding: fewer token slots than 8 x 9
@@ -143,11 +91,11 @@ def test_token_budget_step_matches_fixed(tiny_hf, reference, world, tp, pp):
 def test_packed_step_matches_fixed(tiny_hf, reference, world, tp, pp):
     """Packed micro-batches (log-prob pass and update; at PP2 the packed rows' lengths vary
     along the pipeline) = fixed micro-batches of 2: same loss, grad norm, updated weights."""
-    results = run_distributed(_one_step, world, tiny_hf, BUDGET, False, False, True, tp=tp, pp=pp, timeout_s=300)
+    results = run_distributed(one_step, world, tiny_hf, BUDGET, False, False, True, tp=tp, pp=pp, timeout_s=300)
     _assert_same_step(results, reference, tiny_hf)
     for r in results:
         if r["old_lp"] is not None:
-            mask = _batch().loss_mask > 0
+            mask = step_batch().loss_mask > 0
             assert (r["old_lp"][mask] - reference["old_lp"][mask]).abs().max() <= 1e-5
         if r["metrics"] is not None:  # packing ran fewer token slots than the row-padded budget
             assert r["metrics"]["num_padded_tokens"] == r["metrics"]["num_sequence_tokens"]
@@ -158,7 +106,7 @@ def test_packed_step_matches_fixed(tiny_hf, reference, world, tp, pp):
 def test_skipping_old_log_prob_pass_is_exact(tiny_hf, reference, budget):
     """pi_old = detached current log-probs (no old-log-prob pass): same loss, grad norm and
     updated weights as the recomputed pi_old, i.e. same value and same gradient."""
-    (result,) = run_distributed(_one_step, 1, tiny_hf, budget, True, tp=1, pp=1, timeout_s=300)
+    (result,) = run_distributed(one_step, 1, tiny_hf, budget, True, tp=1, pp=1, timeout_s=300)
     _assert_same_step([result], reference, tiny_hf)
 
 
@@ -172,7 +120,7 @@ def _assert_same_step(results, reference, tiny_hf, extra_keys=()):
         assert abs(r["metrics"]["loss"] - ref_m["loss"]) <= 1e-5 * max(1, abs(ref_m["loss"])), (r["metrics"]["loss"], ref_m["loss"])
         for key in ("ppo_kl", "is_ratio_mean", "rollout_train_logprobs_abs_diff_mean", "num_valid_tokens", *extra_keys):
             assert abs(r["metrics"][key] - ref_m[key]) <= 1e-5, key
-    weights = _merged_weights(results)
+    weights = merged_weights(results)
     assert set(weights) == set(reference["weights"])
     worst = max((weights[k] - reference["weights"][k]).abs().max().item() for k in weights)
     assert worst <= 1e-5, worst
@@ -180,10 +128,4 @@ def _assert_same_step(results, reference, tiny_hf, extra_keys=()):
         assert abs(r["grad_norm"] - reference["grad_norm"]) <= 1e-5 * max(1, reference["grad_norm"]), (
             r["grad_norm"], reference["grad_norm"])
     # the update really moved the weights (the comparison is not vacuous)
-    assert any(not torch.equal(reference["weights"][k], v) for k, v in _initial_weights(tiny_hf).items())
-
-
-def _initial_weights(hf_dir):
-    from safetensors.torch import load_file
-
-    return load_file(f"{hf_dir}/model.safetensors")
+    assert any(not torch.equal(reference["weights"][k], v) for k, v in initial_weights(tiny_hf).items())

@@ -23,11 +23,10 @@ from megatron_grpo.models.errors import ModelError
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
 from tests.support.distributed import run_distributed
 from megatron_grpo.models.tiny import save_tiny_model
-from tests.models_fixtures import hf_reference_logits, make_hf_model
-from tests.test_models_moe import assert_matches
-from tests.test_sync_weights import _check, _sync_worker
-from tests.test_trainer_step_equivalence import _merged_weights, _one_step
-from tests.test_models_equivalence import build_and_load, build_from_checkpoint, probe
+from tests.support.models_fixtures import hf_reference_logits, make_hf_model
+from tests.support.sync_checks import check_sync, sync_worker
+from tests.support.step_equivalence import merged_weights, one_step
+from tests.support.models_reference import assert_matches, build_and_load, build_from_checkpoint, probe
 
 NUM_LAYERS = 4  # pp * vpp chunks of one layer each
 CASES = {"qwen3-tied": ("qwen3", True), "mixtral": ("mixtral", False)}
@@ -127,15 +126,15 @@ def test_pp2_vpp2_logits_round_trip_and_checkpoints(models, tmp_path):
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3_moe"])
 def test_vpp2_step_matches_pp2(model_type, tmp_path):
     hf_dir = str(save_tiny_model(tmp_path / model_type, model_type, seed=4, num_layers=NUM_LAYERS))
-    plain = run_distributed(_one_step, 2, hf_dir, tp=1, pp=2, timeout_s=500)
-    vpp = run_distributed(_one_step, 2, hf_dir, tp=1, pp=2, vpp=2, timeout_s=500)
+    plain = run_distributed(one_step, 2, hf_dir, tp=1, pp=2, timeout_s=500)
+    vpp = run_distributed(one_step, 2, hf_dir, tp=1, pp=2, vpp=2, timeout_s=500)
     ref = next(r for r in plain if r["metrics"] is not None)
     got = next(r for r in vpp if r["metrics"] is not None)
     assert ref["applied"] and got["applied"]
     assert abs(got["metrics"]["loss"] - ref["metrics"]["loss"]) <= 1e-6 * max(1, abs(ref["metrics"]["loss"]))
     for r in vpp:
         assert abs(r["grad_norm"] - ref["grad_norm"]) <= 1e-5 * max(1, ref["grad_norm"]), (r["grad_norm"], ref["grad_norm"])
-    want, have = _merged_weights(plain), _merged_weights(vpp)
+    want, have = merged_weights(plain), merged_weights(vpp)
     assert set(have) == set(want)
     worst = max((have[k] - want[k]).abs().max().item() for k in want)
     assert worst <= 1e-5, worst
@@ -149,10 +148,10 @@ def test_sync_from_vpp2_ranks_engine_logprobs_match(models, tmp_path):
     transports = ["distributed", "tensor"]
     cfg = RolloutConfig(dtype="float32", launch_timeout_s=180)
     with RolloutServerManager(cfg, model_dir=hf_dir, run_dir=tmp_path / "run") as manager:
-        results = run_distributed(_sync_worker, 2, manager.urls[0], str(weight_sync_dir(tmp_path / "run")), hf_dir,
+        results = run_distributed(sync_worker, 2, manager.urls[0], str(weight_sync_dir(tmp_path / "run")), hf_dir,
                                   transports, False,
                                   tp=1, pp=2, vpp=2, timeout_s=500)
-    assert _check(results, transports, 2) == ["coordinator+sender", "sender"]
+    assert check_sync(results, transports, 2) == ["coordinator+sender", "sender"]
     # every HF tensor of the tied model is sent exactly once over the two stages' four chunks
     num_tensors = 1 + NUM_LAYERS * 11 + 1  # embed, 4 x (2 norms, q, k, v, o, q/k norm, gate, up, down), norm
     assert sum(r["stats"]["tensor"][1] for r in results) == num_tensors

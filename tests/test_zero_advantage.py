@@ -11,7 +11,7 @@ import torch
 from megatron_grpo.config.algorithm import AlgorithmConfig
 from megatron_grpo.rollout.batch import TrainBatch
 from megatron_grpo.trainer.trainer import ZERO_ADVANTAGE, has_gradient
-from tests.demo_run import ENV, ROOT, read_metrics, train_cmd
+from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd
 
 CONSTANT_REWARD = "def always_one(response):\n    return 1.0\n"
 

@@ -89,7 +89,7 @@ ARCH_CONFIGS = {
 DEMO_ARCH = {"hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 """The size of the demo models (tools/make_demo_model.py, tools/make_tool_demo_model.py), a
 Qwen2: ``tiny_config("qwen2", **DEMO_ARCH)``. Tests that serve a model of this size share one
-SGLang server (tests/sglang_shared.py)."""
+SGLang server (tests/support/sglang_shared.py)."""
 
 
 def tiny_config(model_type: str = "qwen2", *, tie_word_embeddings: bool = False, hidden_size: int = 64,

@@ -1,3 +1,8 @@
 """Helpers shared by the tests (and the ``tools/`` benchmarks run from a checkout): the rank
-pool (``distributed``), random batches, a policy built by hand, the SGLang guard. Not part of
-the wheel; tests import shared helpers only from here."""
+pool (``distributed``), random batches, a policy built by hand, the SGLang guard and the
+session's shared SGLang servers (``sglang``, ``sglang_shared``), the CPU demo run as a user
+starts it (``demo_run``), kill -9 and resume (``kill_resume``, also a script), launched nodes
+(``launch_nodes``), the embedded engine driven in-process (``engine_runs``), tiny HF models
+whose every tensor matters (``models_fixtures``), the reward worker's targets
+(``reward_worker_targets``). Not part of the wheel; tests import shared helpers only from here
+(tests/test_layers.py checks that no test module imports another)."""

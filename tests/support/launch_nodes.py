@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 
 from megatron_grpo.runtime.process import free_port
-from tests.demo_run import ENV, ROOT
-from tests.kill_resume import kill_tree
+from tests.support.demo_run import ENV, ROOT
+from tests.support.kill_resume import kill_tree
 
 CONFIG = "yaml_configs/demo_cpu.yaml"
 

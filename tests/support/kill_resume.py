@@ -11,9 +11,9 @@ With ``--extra KEY=VALUE`` (repeatable) both runs get more overrides: an environ
 (``rollout.environment=...``) makes every response a multi-turn episode whose environment
 workers die with the run (tests/test_kill_resume.py).
 
-    python tests/kill_resume.py --kills 20          # the full version (several minutes)
-    python tests/kill_resume.py --kills 1 --steps 6 # what CI runs (tests/test_kill_resume.py, with
-                                                    # --demo: the session's shared demo model)
+    python tests/support/kill_resume.py --kills 20          # the full version (several minutes)
+    python tests/support/kill_resume.py --kills 1 --steps 6 # what CI runs (tests/test_kill_resume.py, with
+                                                            # --demo: the session's shared demo model)
 
 Prints `kills: K, resumes: R, checkpoints lost: L, metrics equal: yes|no` and exits non-zero
 on any violation.
@@ -29,10 +29,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Run as a script, its own folder (tests/support/, whose sglang.py would shadow the real package)
+# is sys.path[0]: the repository root takes its place.
+_REPO = str(Path(__file__).resolve().parents[2])
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = _REPO
+elif _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
 
 from megatron_grpo.trainer.checkpoint import complete_checkpoints  # noqa: E402
-from tests.demo_run import ENV, ROOT, make_demo, read_metrics, train_cmd  # noqa: E402
+from tests.support.demo_run import ENV, ROOT, make_demo, read_metrics, train_cmd  # noqa: E402
 
 COMPARED = ("reward_mean", "reward_std", "loss", "ppo_kl", "clip_ratio", "entropy", "grad_norm",
             "rollout_train_logprobs_abs_diff_mean", "is_ratio_mean", "response_length_mean", "lr")

@@ -1,0 +1,69 @@
+"""One GRPO optimizer step on every rank, through the real Megatron schedule, DDP, optimizer and
+loss (tests/test_trainer_step_equivalence.py compares layouts with it; test_vpp.py and
+test_moe_trainer.py compare VPP and EP steps): ``one_step`` runs it on a fixed random batch
+(``step_batch``) and returns the metrics, the updated HF weights and the old-policy log-probs."""
+
+import torch
+
+N_SEQ, GLOBAL_BATCH, MICRO = 8, 8, 2
+
+
+def step_batch():
+    from tests.support.batches import random_train_batch
+
+    return random_train_batch(N_SEQ)
+
+
+REGULARIZED = {"entropy_coef": 0.05, "kl_loss_coef": 0.05}
+"""The CPU demo's entropy bonus (yaml_configs/demo_cpu.yaml) and its KL arm's weight (docs/history/benchmarks.md)."""
+
+
+def one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=False, pack=False):
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
+    from megatron_grpo.models import iter_hf_weights
+    from megatron_grpo.rollout.batch import dp_shard
+    from tests.support.policy import build_test_policy
+    from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
+    from megatron_grpo.trainer.microbatch import MicroBatching
+
+    # SGD: the update is proportional to the gradient, so any gradient difference shows
+    # (Adam's first step is ~lr*sign(g) and would hide a wrongly scaled gradient).
+    policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32"),
+                               OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0))
+    algo = AlgorithmConfig(eps_clip_high=0.28, off_policy_correction={"tis_ratio_type": "token"},
+                           **(REGULARIZED if regularized else {}))
+    spec = ScoringSpec(temperature=0.7, vocab_size=policy.hf_config.vocab_size)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    full = step_batch()
+    local = dp_shard(full, dp_rank, dp, GLOBAL_BATCH)
+    if regularized:  # a stand-in reference whose log-probs differ from the policy's: the KL has a gradient
+        local.ref_log_probs = local.rollout_log_probs.clone()
+    batching = MicroBatching(MICRO, budget, pack)
+    old_lp = compute_log_probs(policy.chunks, local, batching, spec)
+    if not skip_old:
+        local.old_log_probs = old_lp
+        if local.old_log_probs is None:  # not the last stage: the loss is computed elsewhere
+            local.old_log_probs = torch.zeros_like(local.rollout_log_probs)
+    metrics, applied, grad_norm = train_mini_batch(
+        policy.chunks, policy.optimizer, local, algo, spec, batching, int(full.loss_mask.sum()),
+        full.num_sequences, dp, ps.get_data_parallel_group())
+    weights = {k: v.clone() for k, v in iter_hf_weights(policy.modules, policy.hf_config)}
+    return {"metrics": metrics, "applied": applied, "grad_norm": grad_norm, "weights": weights,
+            "old_lp": old_lp, "pp_rank": ps.get_pipeline_model_parallel_rank()}
+
+
+def merged_weights(results):
+    """The HF weights of all ranks' ``one_step`` results in one dict."""
+    merged = {}
+    for r in results:
+        merged.update(r["weights"])
+    return merged
+
+
+def initial_weights(hf_dir):
+    """The HF directory's weights before any step."""
+    from safetensors.torch import load_file
+
+    return load_file(f"{hf_dir}/model.safetensors")
