@@ -9,10 +9,10 @@ from __future__ import annotations
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.experiment import error_source
 from megatron_grpo.data import DataError
-from megatron_grpo.models.errors import ModelError
+from megatron_grpo.models.errors import CheckpointError, ModelError
 from megatron_grpo.rewards import RewardError
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelError, RewardError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelError, CheckpointError, RewardError)
 """Exception types whose message is a complete one-line user-facing error."""
 
 
@@ -26,5 +26,7 @@ def describe_user_error(e: BaseException, config_path: str, data_file: str | Non
         return e.one_line() if e.source else e.with_source(
             error_source(e.where, overrides or [], config_path)).one_line()
     if isinstance(e, DataError) and data_file and text.startswith(data_file):
+        return text
+    if isinstance(e, CheckpointError):  # it names the checkpoint, which is not in the config
         return text
     return f"{config_path}: {text}"
