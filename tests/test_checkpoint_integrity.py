@@ -60,7 +60,8 @@ def _failing(mode, rank):
     """A full disk on one rank, in one phase of the save: ``rng_rank1`` (each rank's RNG file:
     a phase of the trainer's own), ``common_rank0`` (megatron-core's common.pt, written by rank
     0 alone while rank 1 goes on into the save's collectives), ``shard_rank1`` (rank 1's shard
-    writer, which megatron-core reports to every rank)."""
+    writer, which megatron-core reports to every rank); or ``manager_killed_rank1``: the process
+    that collects rank 1's write results (megatron-core's manager, forked) killed with -9."""
     import torch
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -79,6 +80,10 @@ def _failing(mode, rank):
     torch.save = save
     if mode == "shard_rank1" and rank == 1:
         filesystem_async._write_item = write_item
+    if mode == "manager_killed_rank1" and rank == 1:  # the process rank 1's writer reports through
+        manager = filesystem_async._results_queue._manager
+        manager._process.kill()
+        manager._process.join()
     try:
         yield
     finally:
@@ -269,7 +274,7 @@ def test_ranks_resume_the_older_checkpoint_and_load_it(saved, tiny_hf, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fail", ["rng_rank1", "common_rank0", "shard_rank1"])
+@pytest.mark.parametrize("fail", ["rng_rank1", "common_rank0", "shard_rank1", "manager_killed_rank1"])
 def test_a_failed_save_ends_every_rank_in_one_line(tiny_hf, tmp_path, fail):
     run_dir = tmp_path / "run"
     # a failure inside megatron-core's save destroys the process group of the ranks it ends
@@ -281,7 +286,8 @@ def test_a_failed_save_ends_every_rank_in_one_line(tiny_hf, tmp_path, fail):
     assert len(errors) == 1, errors  # the same line on both ranks
     (line,) = errors
     assert line.startswith(f"could not save checkpoint step 4 to {run_dir / 'checkpoints'}: rank "), line
-    assert "No space left on device" in line and "\n" not in line and len(line) < 500, line
+    reason = "[Errno 32] Broken pipe" if fail == "manager_killed_rank1" else "No space left on device"
+    assert reason in line and "\n" not in line and len(line) < 500, line
     assert line.endswith("; the last complete checkpoint step_000002 is intact"), line
     assert max(r["seconds"] for r in results) < SAVE_S, results
     # the previous checkpoint and latest as they were; nothing half-written left
