@@ -88,6 +88,9 @@ class AgreedSave:
 
     WAIT_S = 15.0
     """How long a failed rank waits for its peers' reasons through the store."""
+    LOST_S = 2.0
+    """How long a rank that lost a peer looks for a failed save's reason before taking it for a
+    peer that died (a rank that fails writes its reason before it gives its groups up)."""
 
     def __init__(self, name: str, line: Callable[[str], str], cleanup: Optional[Callable[[], None]] = None):
         self.line = line
@@ -147,6 +150,8 @@ class AgreedSave:
         tag = "" if own is None else ("0" if weak else "1") + self._with_rank(self.rank, own)
         try:
             store.set(f"{self.key}/rank{self.rank}", tag)
+            if own is not None:
+                store.add(f"{self.key}/failed", 1)
             store.add(f"{self.key}/told", 1)
         except Exception:  # noqa: BLE001 - the store's host is gone too
             return own
@@ -155,10 +160,14 @@ class AgreedSave:
         # connections (a group still referenced, from a traceback's frame, stays open)
         parallel.destroy()
         gc.collect()
-        deadline = time.monotonic() + self.WAIT_S
+        started = time.monotonic()
+        deadline = started + self.WAIT_S
         tags: list[tuple[int, str]] = []
         try:
             while store.add(f"{self.key}/told", 0) < self.world and time.monotonic() < deadline:
+                if (own is None and time.monotonic() > started + self.LOST_S
+                        and store.add(f"{self.key}/failed", 0) == 0):
+                    return None  # no rank failed a save: a peer really went away (it wrote first)
                 time.sleep(0.05)
             for r in range(self.world):
                 if store.check([f"{self.key}/rank{r}"]):
