@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.support.distributed import run_distributed
+from tests.support.step_equivalence import policy_step
 
 N_SEQ, GLOBAL_BATCH, MICRO = 8, 8, 2
 STEP_RTOL = 5e-2
@@ -41,25 +42,6 @@ def _policy(hf_dir, optimizer):
     return build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="bfloat16"), optimizer)
 
 
-def _train_step(policy):
-    from megatron.core import parallel_state as ps
-
-    from megatron_grpo.config import AlgorithmConfig
-    from megatron_grpo.rollout.batch import dp_shard
-    from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
-
-    algo = AlgorithmConfig(eps_clip_high=0.28, off_policy_correction={"tis_ratio_type": "token"})
-    spec = ScoringSpec(temperature=0.7, vocab_size=policy.hf_config.vocab_size)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    full = _batch()
-    local = dp_shard(full, dp_rank, dp, GLOBAL_BATCH)
-    local.old_log_probs = compute_log_probs(policy.chunks, local, MICRO, spec)
-    if local.old_log_probs is None:  # not the last stage
-        local.old_log_probs = torch.zeros_like(local.rollout_log_probs)
-    return train_mini_batch(policy.chunks, policy.optimizer, local, algo, spec, MICRO,
-                            int(full.loss_mask.sum()), full.num_sequences, dp, ps.get_data_parallel_group())
-
-
 def _model_params(policy):
     return [p for c in policy.modules for p in c.parameters() if p.requires_grad]
 
@@ -72,7 +54,7 @@ def _bf16_step(rank, world, hf_dir):
     policy = _policy(hf_dir, OptimizerConfig(name="sgd", lr=1.0, clip_grad=0.0))
     params = _model_params(policy)
     initial = {k: v.clone() for k, v in iter_hf_weights(policy.modules, policy.hf_config)}
-    metrics, applied, grad_norm = _train_step(policy)
+    metrics, applied, grad_norm = policy_step(policy)
     # the mixed-precision structure, on every rank
     assert all(p.dtype == torch.bfloat16 for p in params)
     assert all(p.main_param.dtype == torch.float32 for p in params)  # fp32 main weights
@@ -126,7 +108,7 @@ def _save_resume(rank, world, hf_dir, run_dir):
     # for most of them, so the fp32 main weights differ from the bf16 parameters.
     opt = OptimizerConfig(name="adam", lr=1e-4, clip_grad=0.0)
     policy = _policy(hf_dir, opt)
-    _train_step(policy)
+    policy_step(policy)
     params = _model_params(policy)
     main = [p.main_param.detach().clone() for p in params]
     state = [{k: v.clone() for k, v in policy.optimizer.optimizer.state[p.main_param].items()} for p in params]
@@ -170,7 +152,7 @@ def _sync_into_engine(rank, world, hf_dir, url):
     from megatron_grpo.sync.syncer import WeightSyncer
 
     policy = _policy(hf_dir, OptimizerConfig(name="adam", lr=1e-4, clip_grad=0.0))
-    _train_step(policy)
+    policy_step(policy)
     client = RolloutClient([url], request_timeout_s=120)
     syncer = WeightSyncer(RolloutConfig(weight_sync_transport="distributed", request_timeout_s=120),
                           [url], policy.hf_config, client=client)

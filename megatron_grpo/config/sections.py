@@ -232,8 +232,9 @@ class CheckpointConfig:
     """Complete checkpoints kept; older ones are deleted."""
 
     resume: str = "auto"
-    """auto: continue from the run directory's latest complete checkpoint if any; never: start
-    fresh; or a checkpoint directory path."""
+    """auto: continue from the run directory's newest intact checkpoint if any (a damaged one is
+    skipped with one warning line; complete ones that are all damaged stop the run); never:
+    start fresh; or a checkpoint directory path (damaged: the run stops, no fallback)."""
 
     save_on_stop: bool = True
     """On SIGTERM or Ctrl-C (what Slurm sends before preemption), finish the current step, save

@@ -7,7 +7,8 @@ rollout engine and reward functions as the trainer. ``DIR`` is one of
 * a megatron-grpo checkpoint (a trainer's ``checkpoints/step_NNNNNN`` or a
   ``convert-hf-to-megatron`` output): converted to a temporary HF directory first (one
   process, the conversion code of ``models/``);
-* a run directory: its latest complete checkpoint.
+* a run directory: its newest intact checkpoint (``trainer.checkpoint.choose_resume``, as a
+  resumed run picks it: damaged ones are skipped with one line on stderr).
 
 The engine named by ``rollout.engine`` is launched on those weights. A checkpoint's step
 (from its ``trainer_state.json``; 0 otherwise) seeds the sampling exactly as the trainer's
@@ -38,7 +39,7 @@ from megatron_grpo.config import ConfigError, ExperimentConfig
 from megatron_grpo.evaluation.runner import Evaluator, load_sets
 from megatron_grpo.models.checkpoint import STATE_FILE
 from megatron_grpo.models.convert_cli import megatron_to_hf, megatron_to_hf_parser
-from megatron_grpo.models.errors import ModelError
+from megatron_grpo.models.errors import CheckpointError, ModelError
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.preflight import load_experiment
 from megatron_grpo.preflight.errors import USER_ERRORS, describe_user_error
@@ -60,10 +61,6 @@ torch's own default, a thread per core, made this command 3-7x slower than the t
 evaluation on a 2-core machine with other work on it: the decode's small matrix products gain
 nothing from a second thread and lose much to OpenMP's waits when a core is busy (measured in
 docs/evaluation.md)."""
-
-
-class CheckpointError(ValueError):
-    """``--checkpoint`` is not something that can be evaluated; one line."""
 
 
 @dataclasses.dataclass
@@ -126,10 +123,16 @@ def resolve_weights(path: Path, scratch: Path) -> Weights:
     if kind == "hf":
         return Weights(path, 0)
     if kind == "run":
-        latest = ckpt.find_resume_dir(path, "auto")
-        if latest is None:
+        choice = ckpt.choose_resume(path, "auto")
+        if choice.path is None:
             raise CheckpointError(f"--checkpoint {path}: the run directory has no complete checkpoint")
-        path = latest
+        if choice.note:
+            print(f"warning: {choice.note}", file=sys.stderr, flush=True)
+        path = choice.path
+    elif (path / ckpt.MARKER).is_file():  # a training checkpoint: verified as a resume would
+        problem = ckpt.checkpoint_problem(path)
+        if problem is not None:
+            raise CheckpointError(f"--checkpoint {path}: {problem}")
     return Weights(megatron_to_hf_dir(path, scratch / "hf"), _step_of(path))
 
 

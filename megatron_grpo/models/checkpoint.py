@@ -12,20 +12,30 @@ The state dict is ``model_sharded_state_dict(chunks)`` (``{"model": ...}``, or
 ``{"model0": ..., "model1": ...}`` with several chunks, Megatron-LM's convention); the trainer
 passes a superset (model + optimizer) as ``sharded_state_dict``. Writes go to a sibling temp
 directory renamed at the end, so an interrupted save leaves no half checkpoint.
+
+A save is collective, and a failure on one rank (a read-only directory, a full disk, a killed
+writer) must not leave the others waiting at a barrier: ``AgreedSave`` runs each phase so that
+every rank ends with the same ``CheckpointError`` line within seconds.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException  # a BaseException, not an Exception
 
-from megatron_grpo.models.errors import ModelError
+from megatron_grpo.models.errors import CheckpointError, ModelError
 from megatron_grpo.models.hf_config import load_hf_config, sidecar_files
 from megatron_grpo.models.lora import load_lora_state, lora_metadata, lora_sharded_state_dict
+from megatron_grpo.runtime import parallel
+from megatron_grpo.runtime.parallel import peer_failure
 from megatron_grpo.runtime.process import forks_die_with_this_process
 
 HF_SUBDIR = "hf"
@@ -38,6 +48,149 @@ STATE_FILE = "trainer_state.json"
 """The training checkpoint's step, data position and metrics count."""
 
 
+def failure_reason(e: BaseException) -> str:
+    """One line for what went wrong in a save: an OSError's own text (``[Errno 28] No space
+    left on device: PATH``), else ``Type: text``. torch.distributed.checkpoint's
+    ``CheckpointException`` (what megatron-core raises when a rank's shard writer failed, or
+    was killed) gives the first failed rank's wrapped error."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (inner, _trace) = sorted(failures.items(), key=lambda kv: kv[0])[0]
+        cause = inner.__cause__ if isinstance(inner, RuntimeError) and inner.__cause__ is not None else None
+        return f"rank {rank}: {failure_reason(cause or inner)}"
+    text = " ".join(str(e).split())
+    if isinstance(e, OSError):
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+class AgreedSave:
+    """The phases of one collective save, run so that a failure on any rank ends every rank
+    with the same ``CheckpointError(line(reason))``, within seconds, instead of a traceback on
+    one rank and the others blocked at the next barrier until the group's timeout.
+
+    * ``local(fn)``: this rank's file work (rank 0 alone, or every rank), then an
+      ``all_gather_object`` of each rank's error, which every rank reaches: the lowest failed
+      rank's reason is the line. It is also the phase's barrier.
+    * ``collective(fn)``: work that holds collectives of its own (megatron-core's
+      ``dist_checkpointing.save``). A rank that fails inside it may leave the others waiting
+      in a collective it will never join, so the ranks agree through the c10d store instead:
+      each failed rank writes its reason there, then destroys its process groups, which
+      unblocks its peers ("Connection closed by peer"; on the CPU path the checkpoint writer's
+      forked manager closes the copies of the rank's sockets it inherited, or they would stay
+      open: ``runtime.cpu_shim``); they write an empty reason and do the same, and every rank
+      reads all the reasons back. A peer failure with no reason anywhere
+      (a rank really died) is raised as it is (the lost-peer line, ``trainer/rank.py``).
+
+    ``cleanup`` runs on rank 0 after a failure (best effort: the half-written directories,
+    which would otherwise wait for the next save or resume, on a full disk most of all).
+    """
+
+    WAIT_S = 15.0
+    """How long a failed rank waits for its peers' reasons through the store."""
+    LOST_S = 2.0
+    """How long a rank that lost a peer looks for a failed save's reason before taking it for a
+    peer that died (a rank that fails writes its reason before it gives its groups up)."""
+
+    def __init__(self, name: str, line: Callable[[str], str], cleanup: Optional[Callable[[], None]] = None):
+        self.line = line
+        self.cleanup = cleanup
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.key = f"megatron_grpo/save/{name}"  # the same on every rank: the checkpoint's path
+
+    def _fail(self, reason: str) -> CheckpointError:
+        if self.rank == 0 and self.cleanup is not None:
+            try:
+                self.cleanup()
+            except Exception:  # noqa: BLE001 - best effort; the next save or resume removes them
+                pass
+        return CheckpointError(self.line(reason))
+
+    def local(self, fn: Callable[[], Any]) -> Any:
+        error, result = None, None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - any failure of a save is the save's one line
+            error = failure_reason(e)
+        errors: list[Optional[str]] = [None] * self.world
+        dist.all_gather_object(errors, error)
+        failed = [(r, text) for r, text in enumerate(errors) if text]
+        if failed:
+            rank, text = failed[0]
+            raise self._fail(self._with_rank(rank, text))
+        return result
+
+    def _with_rank(self, rank: int, text: str) -> str:
+        return f"rank {rank}: {text}" if self.world > 1 and not text.startswith("rank ") else text
+
+    def collective(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure of a save is its one line
+            own = None if peer_failure(e) else failure_reason(e)
+            lost = _without_tracebacks(e) if own is None else None
+        # Out of the except block: the traceback's frames are gone, and with them the references
+        # they held to the process groups, which destroying them must close (_agree_through_store).
+        reason = self._agree_through_store(own)
+        if reason is None:
+            raise lost
+        raise self._fail(reason) from None
+
+    def _agree_through_store(self, own: Optional[str]) -> Optional[str]:
+        """Every rank's reason (``own``, None for "a peer went away") through the c10d store;
+        the line's reason, or None when no rank had one of its own."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - no store: nothing to agree through
+            return own
+        # "1" marks a reason that says what failed; megatron-core's CheckpointException on the
+        # ranks that are not its coordinator names no failure (its details are on rank 0)
+        weak = own is not None and own.startswith("CheckpointException")
+        tag = "" if own is None else ("0" if weak else "1") + self._with_rank(self.rank, own)
+        try:
+            store.set(f"{self.key}/rank{self.rank}", tag)
+            if own is not None:
+                store.add(f"{self.key}/failed", 1)
+            store.add(f"{self.key}/told", 1)
+        except Exception:  # noqa: BLE001 - the store's host is gone too
+            return own
+        # peers blocked in a collective with this rank get an error now ("Connection closed by
+        # peer"): every group goes, megatron-core's too, and is collected, which closes its
+        # connections (a group still referenced, from a traceback's frame, stays open)
+        parallel.destroy()
+        gc.collect()
+        started = time.monotonic()
+        deadline = started + self.WAIT_S
+        tags: list[tuple[int, str]] = []
+        try:
+            while store.add(f"{self.key}/told", 0) < self.world and time.monotonic() < deadline:
+                if (own is None and time.monotonic() > started + self.LOST_S
+                        and store.add(f"{self.key}/failed", 0) == 0):
+                    return None  # no rank failed a save: a peer really went away (it wrote first)
+                time.sleep(0.05)
+            for r in range(self.world):
+                if store.check([f"{self.key}/rank{r}"]):
+                    tags.append((r, store.get(f"{self.key}/rank{r}").decode()))
+            store.add(f"{self.key}/read", 1)
+            # rank 0 may host the store (a bare torchrun's TCPStore): it stays until all have read
+            while self.rank == 0 and store.add(f"{self.key}/read", 0) < self.world and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store's host is gone: what was read so far
+            pass
+        ranked = [(tag[0] != "1", r, tag[1:]) for r, tag in tags if tag]
+        return min(ranked)[2] if ranked else own
+
+
+def _without_tracebacks(e: BaseException) -> BaseException:
+    """``e`` with no traceback along its chain: kept to be raised again, it holds no frame."""
+    seen = e
+    while seen is not None:
+        seen.__traceback__ = None
+        seen = seen.__cause__ or seen.__context__
+    return e
+
+
 def model_sharded_state_dict(model_chunks: list) -> dict:
     """The chunks' megatron-core sharded state dict, keyed ``model`` / ``model{i}``."""
     if len(model_chunks) == 1:
@@ -46,15 +199,17 @@ def model_sharded_state_dict(model_chunks: list) -> dict:
 
 
 def save_megatron_checkpoint(model_chunks: list, ckpt_dir: str | Path, extra_state=None, *,
-                             hf_dir: str | Path | None = None, sharded_state_dict=None) -> Path:
+                             hf_dir: str | Path | None = None, sharded_state_dict=None,
+                             agreed: Optional[AgreedSave] = None) -> Path:
     """Save the chunks (collective over all ranks) to ``ckpt_dir``, replacing it if it exists.
 
     ``extra_state``: plain data (dicts, lists, numbers, strings, tensors), identical on every
     rank, stored once and returned by ``load_megatron_checkpoint``. ``hf_dir``: where
     config.json and the tokenizer files are copied from; default: the directory the chunks'
-    ``hf_config`` was read from (``build_model`` records it).
+    ``hf_config`` was read from (``build_model`` records it). ``agreed``: the save's phases
+    (``AgreedSave``; the trainer passes its own, whose line names the training step); a
+    failure on any rank raises the same ``CheckpointError`` on every rank.
     """
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
 
     hf_config = model_chunks[0].hf_config
@@ -62,17 +217,29 @@ def save_megatron_checkpoint(model_chunks: list, ckpt_dir: str | Path, extra_sta
     final = Path(ckpt_dir)
     tmp = final.with_name(f".{final.name}.tmp")
     rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftover of an interrupted save
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    if agreed is None:
+        agreed = AgreedSave(str(final), lambda reason: f"could not save checkpoint {final}: {reason}",
+                            cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
+
+    def prepare() -> None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftover of an interrupted save
+            tmp.mkdir(parents=True)
+
+    agreed.local(prepare)
     state = sharded_state_dict if sharded_state_dict is not None else model_sharded_state_dict(model_chunks)
     if extra_state is not None:
         state = {**state, "extra_state": extra_state}  # a common (non-sharded) entry
-    with forks_die_with_this_process():  # megatron's forked writers must not outlive a killed rank
-        dist_checkpointing.save(state, str(tmp))
-    dist.barrier()
-    if rank == 0:
+
+    def write() -> None:
+        with forks_die_with_this_process():  # megatron's forked writers must not outlive a killed rank
+            dist_checkpointing.save(state, str(tmp))
+
+    agreed.collective(write)
+
+    def finish() -> None:
+        if rank != 0:
+            return
         _write_hf_sidecar(tmp / HF_SUBDIR, source, hf_config)
         meta = {
             "format": FORMAT,
@@ -89,7 +256,8 @@ def save_megatron_checkpoint(model_chunks: list, ckpt_dir: str | Path, extra_sta
             meta["lora"] = lora
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         replace_dir(tmp, final)
-    dist.barrier()
+
+    agreed.local(finish)
     return final
 
 

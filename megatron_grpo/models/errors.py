@@ -5,3 +5,9 @@ and exit with code 2."""
 
 class ModelError(ValueError):
     """A user-facing, one-line error about a model directory, config or checkpoint."""
+
+
+class CheckpointError(ModelError):
+    """A checkpoint that cannot be saved, verified or loaded: one line naming the checkpoint and
+    what is wrong (a damaged file, a read-only or full disk). Every rank raises the same line
+    (``models.checkpoint.AgreedSave``, ``trainer.checkpoint``), so the run ends with exit 2."""

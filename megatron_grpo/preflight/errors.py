@@ -9,7 +9,7 @@ from __future__ import annotations
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.experiment import error_source
 from megatron_grpo.data import DataError
-from megatron_grpo.models.errors import ModelError
+from megatron_grpo.models.errors import CheckpointError, ModelError
 from megatron_grpo.rewards import RewardError
 from megatron_grpo.rollout.environments import EnvContractError
 from megatron_grpo.rollout.rollout_function import RolloutFunctionError
@@ -18,7 +18,8 @@ PLUGIN_ERRORS: tuple[type[BaseException], ...] = (RewardError, EnvContractError,
 """A user's plug-in (reward function, environment, rollout function) broke its contract: the
 message names the plug-in (file and function or class) and what was expected."""
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelError, *PLUGIN_ERRORS)
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelError, CheckpointError,
+                                                *PLUGIN_ERRORS)
 """Exception types whose message is a complete one-line user-facing error."""
 
 
@@ -32,5 +33,7 @@ def describe_user_error(e: BaseException, config_path: str, data_file: str | Non
         return e.one_line() if e.source else e.with_source(
             error_source(e.where, overrides or [], config_path)).one_line()
     if isinstance(e, DataError) and data_file and text.startswith(data_file):
+        return text
+    if isinstance(e, CheckpointError):  # it names the checkpoint, which is not in the config
         return text
     return f"{config_path}: {text}"

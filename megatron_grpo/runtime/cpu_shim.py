@@ -204,12 +204,35 @@ def _fork_write_results_queue():
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    from multiprocessing.managers import SyncManager
+
     if filesystem_async._results_queue is None:
-        # the forked server holds copies of the rank's sockets: it must die with the rank
+        # the forked server must die with the rank; it closes the copies of the rank's sockets
+        # it inherited first, so that a connection the rank closes is closed (a peer blocked
+        # in a collective sees a rank that gave its group up at once: models.checkpoint.AgreedSave)
         with forks_die_with_this_process():
-            manager = mp.get_context("fork").Manager()
+            manager = SyncManager(ctx=mp.get_context("fork"))
+            manager.start(_close_inherited_sockets)
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
     return filesystem_async._results_queue
+
+
+def _close_inherited_sockets() -> None:
+    """In a forked child: close every socket it inherited (gloo's connections, the c10d
+    store's); a multiprocessing manager's server makes its own listener after this runs."""
+    import os
+    import stat
+
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: nothing to close by
+        return
+    for fd in fds:
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.close(fd)
+        except OSError:  # the directory's own descriptor, gone by now
+            pass
 
 
 def install() -> bool:

@@ -8,30 +8,62 @@ Layout under ``RUN_DIR/checkpoints/``::
       rng/rank_00000.pt     each rank's RNG states (ranks differ, so one file a rank): the CPU
                             generator's, and with CUDA the device generator's and megatron's
                             model-parallel CUDA RNG tracker's (dropout, TP init streams)
+      manifest.json         every other file's size, and a CRC-32 of each file up to 64 MiB
       COMPLETE              written last: a directory without it is never resumed from
     latest                  text file naming the newest complete checkpoint (atomic replace)
 
 Writing order: everything goes to ``.step_000020.tmp`` (models.checkpoint writes there and
-renames), the COMPLETE marker is written inside before the rename, then ``latest`` is
-replaced, then checkpoints beyond ``keep_last`` are deleted. A kill at any moment leaves
-either the previous complete checkpoint or the new one: never a partial one that resume
+renames), the manifest and then the COMPLETE marker are written inside before the rename, then
+``latest`` is replaced, then checkpoints beyond ``keep_last`` are deleted. A kill at any moment
+leaves either the previous complete checkpoint or the new one: never a partial one that resume
 would pick (partial temp directories are removed at the next save or resume).
+
+**Verified before loading.** A complete checkpoint can still be damaged afterwards (a disk or a
+copy that cut a file, a hand edit). ``checkpoint_problem`` compares the files with the manifest
+(size of each; CRC-32 of each file up to ``CRC_MAX_BYTES``: metadata, JSON, RNG states, common
+state, small shards), parses ``trainer_state.json`` for the keys the trainer reads and, for a
+checkpoint without a manifest, loads each RNG file. Large shards get their size only: a CRC means
+reading the whole file once more at save and at resume (gigabytes a shard for a real model, at
+disk speed, before the load reads it again); a cut or missing shard, the damage seen in
+practice, shows in its size, and megatron-core's own load fails on a shard it cannot parse
+(``load_training_checkpoint`` turns that into one line too). A checkpoint written before the
+manifest existed is accepted on its COMPLETE marker (and its state and RNG files) alone.
+
+``choose_resume`` (``checkpoint.resume: auto``) takes the newest intact checkpoint: ``latest``'s,
+then the other complete ones, newest first; skipping a damaged one is said in one line. When
+complete checkpoints exist and none is intact, the run stops in one line instead of starting
+from step 0 (a user would rather be told; ``checkpoint.resume: never`` starts over). An explicit
+``checkpoint.resume: PATH`` that is damaged stops the run: no fallback to another checkpoint.
+
+**Saving fails in one line.** ``save_training_checkpoint`` runs its phases through
+``models.checkpoint.AgreedSave``: a read-only directory, a full disk or a killed writer on any
+rank ends every rank with the same ``CheckpointError`` (``could not save checkpoint step N to
+DIR: rank R: ...; the last complete checkpoint step_... is intact``) and nothing of ``latest``
+or the older checkpoints is touched (the half-written directories are removed at once, best
+effort, and again at the next save or resume).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 import shutil
+import zlib
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException  # a BaseException, not an Exception
 
-from megatron_grpo.models.checkpoint import MARKER, STATE_FILE
+from megatron_grpo.config import ConfigError
+from megatron_grpo.models.checkpoint import MARKER, STATE_FILE, AgreedSave, failure_reason
+from megatron_grpo.models.errors import CheckpointError
+from megatron_grpo.runtime.collectives import broadcast
 from megatron_grpo.runtime.device import cuda_available
+from megatron_grpo.runtime.parallel import peer_failure
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.models import model_sharded_state_dict, save_megatron_checkpoint
 from megatron_grpo.models.lora import has_lora, load_lora_state, lora_sharded_state_dict
@@ -60,25 +92,185 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def find_resume_dir(run_dir: str | Path, resume: str) -> Optional[Path]:
-    """The checkpoint to resume from: ``never`` -> None; ``auto`` -> the ``latest`` pointer if
-    it names a complete checkpoint, else the newest complete one, else None; or a path,
-    which must be a complete checkpoint."""
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "megatron_grpo.checkpoint_manifest"
+CRC_MAX_BYTES = 64 << 20
+"""Files up to this size get a CRC-32 in the manifest, larger ones (model and optimizer shards
+of a real model) their size only (module docstring)."""
+STATE_KEYS = ("step", "sampler")
+"""What the trainer reads of ``trainer_state.json`` on resume (``trainer._resume``)."""
+SAMPLER_KEYS = ("epoch", "position", "seed", "shuffle", "num_prompts", "fingerprint")
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(ckpt_dir: Path) -> list[str]:
+    """The checkpoint's files the manifest covers: all but itself and the COMPLETE marker."""
+    return sorted(p.relative_to(ckpt_dir).as_posix() for p in ckpt_dir.rglob("*")
+                  if p.is_file() and p.name not in (MANIFEST, MARKER))
+
+
+def write_manifest(ckpt_dir: Path) -> None:
+    """``ckpt_dir/manifest.json``: each file's size, and its CRC-32 up to ``CRC_MAX_BYTES``."""
+    files = {}
+    for rel in _files(ckpt_dir):
+        size = (ckpt_dir / rel).stat().st_size
+        files[rel] = {"size": size, "crc32": _crc32(ckpt_dir / rel)} if size <= CRC_MAX_BYTES else {"size": size}
+    body = {"format": MANIFEST_FORMAT, "version": 1, "crc_max_bytes": CRC_MAX_BYTES, "files": files}
+    (ckpt_dir / MANIFEST).write_text(json.dumps(body, indent=1) + "\n")
+
+
+def _manifest_problem(ckpt_dir: Path) -> Optional[str]:
+    try:
+        manifest = json.loads((ckpt_dir / MANIFEST).read_text())
+        files = manifest["files"]
+        assert isinstance(files, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return f"{MANIFEST} is unreadable"
+    for rel, want in files.items():
+        path = ckpt_dir / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        size = path.stat().st_size
+        if size != want.get("size"):
+            return f"{rel} has {size} bytes, the manifest says {want.get('size')}"
+        if "crc32" in want and _crc32(path) != want["crc32"]:
+            return f"{rel} does not match its CRC-32 in the manifest"
+    return None
+
+
+def _state_problem(ckpt_dir: Path, step: Optional[int]) -> Optional[str]:
+    try:
+        state = json.loads((ckpt_dir / STATE_FILE).read_text())
+    except OSError:
+        return f"{STATE_FILE} is missing"
+    except ValueError:
+        return f"{STATE_FILE} is not valid JSON"
+    if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS):
+        return f"{STATE_FILE} lacks {', '.join(k for k in STATE_KEYS if not isinstance(state, dict) or k not in state)}"
+    if not isinstance(state["step"], int) or (step is not None and state["step"] != step):
+        return f"{STATE_FILE} says step {state['step']!r}, the directory step {step}"
+    sampler = state["sampler"]
+    if not isinstance(sampler, dict) or any(k not in sampler for k in SAMPLER_KEYS):
+        return f"{STATE_FILE}'s sampler position is incomplete"
+    return None
+
+
+def _rng_problem(ckpt_dir: Path) -> Optional[str]:
+    """Each rank's RNG file loads (for a checkpoint without a manifest, whose CRC covers them)."""
+    for path in sorted((ckpt_dir / "rng").glob("rank_*.pt")):
+        try:
+            state = torch.load(path, weights_only=True, map_location="cpu")
+            assert isinstance(state, dict) and isinstance(state.get("torch"), torch.Tensor)
+        except Exception:  # noqa: BLE001 - whatever torch.load makes of a damaged file
+            return f"rng/{path.name} is unreadable"
+    return None
+
+
+def checkpoint_problem(ckpt_dir: str | Path) -> Optional[str]:
+    """What is wrong with the training checkpoint ``ckpt_dir``, in a few words; None if it is
+    intact as far as can be told without loading it (module docstring: "Verified before
+    loading")."""
+    path = Path(ckpt_dir)
+    if not (path / MARKER).is_file():
+        return f"not a complete checkpoint (no {MARKER} file)"
+    m = CKPT_RE.match(path.name)
+    step = int(m.group(1)) if m else None
+    if (path / MANIFEST).is_file():
+        problem = _manifest_problem(path)
+    elif not (path / "metadata.json").is_file():  # written before the manifest: the marker, and these
+        problem = "metadata.json is missing"
+    else:
+        problem = _rng_problem(path)
+    return problem or _state_problem(path, step)
+
+
+@dataclasses.dataclass
+class ResumeChoice:
+    """The checkpoint to resume from (None: start at step 0) and, when damaged checkpoints were
+    skipped to find it, the one line that says so."""
+
+    path: Optional[Path]
+    note: Optional[str] = None
+
+
+def _names(skipped: list[tuple[Path, str]]) -> str:
+    parts = [f"{p.name} ({problem})" for p, problem in skipped]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def choose_resume(run_dir: str | Path, resume: str) -> ResumeChoice:
+    """The checkpoint to resume from. ``never``: none. A path: it, if intact (else a
+    ``ConfigError`` on ``checkpoint.resume``, no fallback). ``auto``: the ``latest`` pointer's
+    checkpoint, then the other complete ones newest first, the first intact one; damaged ones
+    are skipped with a note; none at all: start at step 0; complete ones but none intact: a
+    ``CheckpointError`` (a run is not silently started over)."""
     if resume == "never":
-        return None
+        return ResumeChoice(None)
     if resume != "auto":
         path = Path(resume)
-        if not (path / MARKER).is_file():
-            raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint (no {MARKER})")
-        return path
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise ConfigError("checkpoint.resume", f"{path} cannot be resumed from: {problem}")
+        return ResumeChoice(path)
     root = checkpoints_dir(run_dir)
+    candidates = [p for _, p in reversed(complete_checkpoints(run_dir))]
     pointer = root / "latest"
     if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if (named / MARKER).is_file():
-            return named
-    complete = complete_checkpoints(run_dir)
-    return complete[-1][1] if complete else None
+        try:
+            named = root / pointer.read_text().strip()
+        except (OSError, ValueError):
+            named = None
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+    skipped: list[tuple[Path, str]] = []
+    for path in candidates:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            note = None
+            if skipped:
+                verb = "is" if len(skipped) == 1 else "are"
+                note = (f"checkpoint{'s' if len(skipped) > 1 else ''} {_names(skipped)} in {root} {verb} damaged: "
+                        f"resuming from {path.name} instead")
+            return ResumeChoice(path, note)
+        skipped.append((path, problem))
+    if skipped:
+        raise CheckpointError(
+            f"no intact checkpoint to resume from in {root}: {_names(skipped)}; restore one, or set "
+            "checkpoint.resume: never to start over from step 0")
+    return ResumeChoice(None)
+
+
+def find_resume_dir(run_dir: str | Path, resume: str) -> Optional[Path]:
+    """``choose_resume(...).path``."""
+    return choose_resume(run_dir, resume).path
+
+
+def agreed_resume(run_dir: str | Path, resume: str) -> ResumeChoice:
+    """Collective: rank 0's ``choose_resume`` (it reads the files; after removing what
+    interrupted saves left), the same on every rank; its error, if any, raised on every rank."""
+    answer: Any = None
+    if dist.get_rank() == 0:
+        try:
+            remove_partial(run_dir)
+            answer = choose_resume(run_dir, resume)
+        except ConfigError as e:  # sent as plain data: these exceptions do not unpickle from their args
+            answer = ("config", e.where, e.message)
+        except CheckpointError as e:
+            answer = ("checkpoint", str(e))
+    answer = broadcast(answer)
+    if isinstance(answer, tuple) and answer[0] == "config":
+        raise ConfigError(answer[1], answer[2])
+    if isinstance(answer, tuple):
+        raise CheckpointError(answer[1])
+    return answer
 
 
 def remove_partial(run_dir: str | Path) -> None:
@@ -138,29 +330,50 @@ def set_rng_state(state: dict[str, Any], cuda: bool) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def save_failure_line(run_dir: str | Path, step: int, reason: str) -> str:
+    """The one line of a save that failed, naming what is still there to resume from."""
+    complete = complete_checkpoints(run_dir)
+    kept = (f"the last complete checkpoint {complete[-1][1].name} is intact" if complete
+            else "there is no complete checkpoint yet")
+    return f"could not save checkpoint step {step} to {checkpoints_dir(run_dir)}: {reason}; {kept}"
+
+
 def save_training_checkpoint(
     run_dir: str | Path, step: int, model_chunks, optimizer, trainer_state: dict[str, Any], keep_last: int
 ) -> Path:
-    """Collective: save a complete checkpoint of ``step`` and rotate old ones."""
+    """Collective: save a complete checkpoint of ``step`` and rotate old ones. A failure on
+    any rank raises the same ``CheckpointError`` on every rank (``AgreedSave``); ``latest`` and
+    the older checkpoints are then as they were."""
     rank = dist.get_rank()
     final = step_dir(run_dir, step)
-    if rank == 0:
-        remove_partial(run_dir)
-        final.parent.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
     # RNG states go to a per-rank staging dir first; they are moved in before COMPLETE.
     staging = final.with_name(f".{final.name}.rng")
-    if rank == 0:
-        staging.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    torch.save(rng_state(cuda_available()), staging / f"rank_{rank:05d}.pt")
-    dist.barrier()
-    state = training_sharded_state_dict(model_chunks, optimizer)
     tmp_final = final.with_name(f".{final.name}.pending")
-    save_megatron_checkpoint(model_chunks, tmp_final, extra_state=trainer_state, sharded_state_dict=state)
-    if rank == 0:
+
+    def cleanup() -> None:
+        for leftover in (staging, tmp_final, tmp_final.with_name(f".{tmp_final.name}.tmp")):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    agreed = AgreedSave(str(final), lambda reason: save_failure_line(run_dir, step, reason), cleanup)
+
+    def prepare() -> None:
+        if rank == 0:
+            remove_partial(run_dir)
+            staging.mkdir(parents=True, exist_ok=True)
+
+    agreed.local(prepare)
+    # every rank writes here first: a directory it cannot write to fails before megatron's save
+    agreed.local(lambda: torch.save(rng_state(cuda_available()), staging / f"rank_{rank:05d}.pt"))
+    state = training_sharded_state_dict(model_chunks, optimizer)
+    save_megatron_checkpoint(model_chunks, tmp_final, extra_state=trainer_state, sharded_state_dict=state,
+                             agreed=agreed)
+
+    def finish() -> None:
+        if rank != 0:
+            return
         staging.rename(tmp_final / "rng")
         (tmp_final / STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
+        write_manifest(tmp_final)
         write_text_atomic(tmp_final / MARKER, f"{step}\n")
         if final.exists():
             shutil.rmtree(final)
@@ -168,7 +381,8 @@ def save_training_checkpoint(
         write_text_atomic(checkpoints_dir(run_dir) / "latest", final.name + "\n")
         for _, old in complete_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+
+    agreed.local(finish)
     return final
 
 
@@ -227,19 +441,45 @@ def torch_adam_checkpoint_load(optimizer):
 
 def load_training_checkpoint(ckpt_dir: Path, model_chunks, optimizer) -> dict[str, Any]:
     """Collective: load model + optimizer (+ this rank's RNG) from ``ckpt_dir``; returns the
-    trainer state (step, data position, ...)."""
+    trainer state (step, data position, ...). A checkpoint that fails to load (damage the
+    manifest could not see, a checkpoint of another model) raises the same ``CheckpointError``
+    on every rank: the ranks agree after the load (megatron-core's load gathers its own read
+    errors, so no rank is left in a collective)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException  # with dist_checkpointing
 
+    error: Optional[str] = None
+    state: dict[str, Any] = {}
     with torch_adam_checkpoint_load(optimizer):
-        state = training_sharded_state_dict(model_chunks, optimizer, is_loading=True)
-        loaded = dist_checkpointing.load(state, str(ckpt_dir))
-        if has_lora(model_chunks):
-            load_lora_state(model_chunks, loaded)
-        else:
-            for key, chunk in zip([k for k in state if k.startswith("model")], model_chunks):
-                chunk.load_state_dict(loaded[key], strict=True)
-        optimizer.load_state_dict(loaded["optimizer"])
-    rank_file = ckpt_dir / "rng" / f"rank_{dist.get_rank():05d}.pt"
-    if rank_file.is_file():  # absent when resuming with more ranks than were saved
-        set_rng_state(torch.load(rank_file, weights_only=True, map_location="cpu"), cuda_available())
-    return json.loads((ckpt_dir / STATE_FILE).read_text())
+        sharded = training_sharded_state_dict(model_chunks, optimizer, is_loading=True)
+        try:
+            loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
+            if has_lora(model_chunks):
+                load_lora_state(model_chunks, loaded)
+            else:
+                for key, chunk in zip([k for k in sharded if k.startswith("model")], model_chunks):
+                    chunk.load_state_dict(loaded[key], strict=True)
+            optimizer.load_state_dict(loaded["optimizer"])
+            rank_file = ckpt_dir / "rng" / f"rank_{dist.get_rank():05d}.pt"
+            if rank_file.is_file():  # absent when resuming with more ranks than were saved
+                set_rng_state(torch.load(rank_file, weights_only=True, map_location="cpu"), cuda_available())
+            state = json.loads((ckpt_dir / STATE_FILE).read_text())
+        except (Exception, CheckpointException, CheckpointingException) as e:  # noqa: BLE001 - one line
+            if peer_failure(e):
+                raise
+            error = failure_reason(e)
+    errors: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, text) for r, text in enumerate(errors) if text]
+    if failed:
+        rank, text = failed[0]
+        where = f"rank {rank}: " if len(errors) > 1 and not text.startswith("rank ") else ""
+        raise CheckpointError(f"could not load checkpoint {ckpt_dir}: {where}{first_line(text)}")
+    return state
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    """``text`` cut to one line of at most ``limit`` characters (megatron-core's messages list
+    every tensor)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

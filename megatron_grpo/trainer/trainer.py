@@ -39,6 +39,7 @@ engine), whatever the engine (``generation.protocol.RolloutEngine``).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -347,9 +348,12 @@ class Trainer:
 def _resume(cfg: ExperimentConfig, policy: Policy, sampler: PromptSampler, rank: int) -> tuple[int, dict]:
     """(first step, trainer state) after loading the last complete checkpoint into the policy
     and the sampler when ``checkpoint.resume`` finds one; (0, {}) otherwise."""
-    resume_dir = ckpt.find_resume_dir(cfg.trainer.run_dir, cfg.checkpoint.resume)
+    choice = ckpt.agreed_resume(cfg.trainer.run_dir, cfg.checkpoint.resume)  # verified; rank 0 chose
+    resume_dir = choice.path
     if resume_dir is None:
         return 0, {}
+    if rank == 0 and choice.note:
+        print(f"[megatron-grpo] warning: {choice.note}", file=sys.stderr, flush=True)
     state = ckpt.load_training_checkpoint(resume_dir, policy.modules, policy.optimizer)
     sampler.load_state_dict(state["sampler"])
     if rank == 0:

@@ -67,3 +67,26 @@ def initial_weights(hf_dir):
     from safetensors.torch import load_file
 
     return load_file(f"{hf_dir}/model.safetensors")
+
+
+def policy_step(policy):
+    """One optimizer step of the corrected loss on ``step_batch()``'s rows of this DP rank, with
+    ``policy``'s own optimizer (tests that need real optimizer state: bf16 main weights, a
+    checkpoint holding Adam's moments). Returns ``train_mini_batch``'s result."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.config import AlgorithmConfig
+    from megatron_grpo.rollout.batch import dp_shard
+    from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
+
+    algo = AlgorithmConfig(eps_clip_high=0.28, off_policy_correction={"tis_ratio_type": "token"})
+    spec = ScoringSpec(temperature=0.7, vocab_size=policy.hf_config.vocab_size)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    full = step_batch()
+    local = dp_shard(full, dp_rank, dp, GLOBAL_BATCH)
+    local.old_log_probs = compute_log_probs(policy.chunks, local, MICRO, spec)
+    if local.old_log_probs is None:  # not the last stage
+        local.old_log_probs = torch.zeros_like(local.rollout_log_probs)
+    return train_mini_batch(policy.chunks, policy.optimizer, local, algo, spec, MICRO,
+                            int(full.loss_mask.sum()), full.num_sequences, dp, ps.get_data_parallel_group())
+
