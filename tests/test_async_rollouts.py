@@ -25,7 +25,7 @@ from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.engine.generation import Sequence
 from megatron_grpo.engine.sampling import resolve_sampling_params
 from megatron_grpo.rollout.async_source import (AsyncRolloutSchedule, Group, admission_limit, is_stale, resume_note,
-                                                  settled_state, start_version, take_groups, token_lags)
+                                                settled_state, start_version, take_groups, token_lags)
 from megatron_grpo.rollout.generate import GenerationContext
 from megatron_grpo.trainer.components import build_rollout_side
 from tests.support.demo_run import NUDGE, ROOT, demo_overrides

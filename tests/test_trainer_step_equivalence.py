@@ -13,7 +13,7 @@ import torch
 
 from tests.support.distributed import run_distributed
 from tests.support.step_equivalence import (MICRO, N_SEQ, REGULARIZED, initial_weights, merged_weights, one_step,
-                                             step_batch)
+                                            step_batch)
 
 BUDGET = 18  # tokens per micro-batch: 1-3 rows of 4-7 tokens, so the shapes vary
 

@@ -48,7 +48,7 @@ from megatron_grpo.wire import routed_experts
 from megatron_grpo.engine.engine import EmbeddedEngine, EngineError
 from megatron_grpo.engine.generation import Sequence
 from megatron_grpo.engine.policy import (ServerPolicy, rendezvous_problem, request_size_problem,
-                                                   trusted_weight_dir, untrusted_weight_path_message)
+                                         trusted_weight_dir, untrusted_weight_path_message)
 from megatron_grpo.engine.sampling import resolve_sampling_params
 from megatron_grpo.wire.serialize import deserialize_named_tensors
 
@@ -94,7 +94,7 @@ def _refuse_constant(name: str) -> None:
     raise _NonFinite(name)
 
 
-async def _body(request: Request, max_bytes: int, read_timeout_s: float = 60.0) -> dict:
+async def _body(request: Request, max_bytes: int, read_timeout_s: float) -> dict:
     """The request's JSON object, read only up to ``max_bytes`` (413 past it, whatever the
     Content-Length header claims) and within ``read_timeout_s`` (408 for a slow or stalled
     sender); anything but a JSON object, or one holding NaN or Infinity, is a 400."""

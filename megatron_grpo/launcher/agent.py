@@ -149,8 +149,9 @@ def launch_ranks(torchrun_args: list[str], env: dict[str, str]) -> int:
             return fail(f"rank {cause['rank']}{pid} was killed by {name} from outside the run; the other ranks "
                         "were stopped; the newest complete checkpoint is kept, and the same command resumes "
                         "from it", EXIT_RUN_ABORTED)
-        if Path(f"{error_file}{PEER_SUFFIX}").exists():
-            return _recorded(Path(f"{error_file}{PEER_SUFFIX}"))
+        lost_peer = Path(f"{error_file}{PEER_SUFFIX}")
+        if lost_peer.exists():
+            return _recorded(lost_peer)
         if stopping:  # the ranks were killed before they could say where they stopped
             name = stop.signal_name(stopping[0])
             return fail(f"stopped by {name} before the ranks finished their step and saved (within "

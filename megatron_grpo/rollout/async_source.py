@@ -174,7 +174,6 @@ class AsyncRolloutSchedule:
         self.engine = engine
         # one scoring call at a time: groups are scored in worker threads
         self.ctx = dataclasses.replace(ctx, scorer=_LockedScorer(ctx.scorer)) if ctx is not None else None
-        self.http = ctx.engine if ctx is not None else None
         self.sampler = sampler
         self.num_steps = cfg.trainer.num_steps
         self.k = cfg.rollout.max_staleness
@@ -240,7 +239,7 @@ class AsyncRolloutSchedule:
         deadline = time.monotonic() + 120.0
         while any(not f.done() for f in futures) and time.monotonic() < deadline:
             try:
-                self.http.abort_generation()
+                self.ctx.engine.abort_generation()
             except RolloutError:
                 pass  # a dead engine: its requests fail by themselves
             with self._cond:

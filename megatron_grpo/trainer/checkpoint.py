@@ -248,11 +248,6 @@ def choose_resume(run_dir: str | Path, resume: str) -> ResumeChoice:
     return ResumeChoice(None)
 
 
-def find_resume_dir(run_dir: str | Path, resume: str) -> Optional[Path]:
-    """``choose_resume(...).path``."""
-    return choose_resume(run_dir, resume).path
-
-
 def agreed_resume(run_dir: str | Path, resume: str) -> ResumeChoice:
     """Collective: rank 0's ``choose_resume`` (it reads the files; after removing what
     interrupted saves left), the same on every rank; its error, if any, raised on every rank."""
