@@ -4,7 +4,7 @@ except a few, each with its reason written beside it.
 
 The order (low to high; docs/design.md, "Layers", says why):
 
-    config < runtime < wire, ops, models, data, rewards, losses, metrics_log < engine < generation
+    config < runtime < wire, chat, ops, models, data, rewards, losses, metrics_log < engine < generation
            < sync < rollout < evaluation < preflight < trainer < launcher < entry points
 
 ``engine`` is the inference server we ship; ``generation`` its client side (and SGLang's); the
@@ -35,7 +35,7 @@ PACKAGE = ROOT / "megatron_grpo"
 LAYERS: list[tuple[str, ...]] = [
     ("config",),
     ("runtime",),
-    ("wire", "ops", "models", "data", "rewards", "losses", "metrics_log"),
+    ("wire", "chat", "ops", "models", "data", "rewards", "losses", "metrics_log"),
     ("engine",),
     ("generation",),
     ("sync",),
