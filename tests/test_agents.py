@@ -15,7 +15,7 @@ import pytest
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.rollout import MultiTurnConfig, RolloutConfig
-from megatron_grpo.data.prompts import Prompt, render_prompt
+from megatron_grpo.data.prompts import Prompt, prompt_messages, render_prompt
 from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.models.tiny import build_tokenizer, save_tiny_model
 from megatron_grpo.rollout.agents.front import AgentFront, EpisodeLog, same_message
@@ -48,7 +48,7 @@ def _grade(text, answer):
     return float(bool(words) and words[-1] == answer)
 
 def nudge(client, row):
-    messages = [{"role": "user", "content": row["prompt_text"]}]
+    messages = list(row["messages"])
     first = client.chat.completions.create(model="policy", messages=messages)
     messages += [first.choices[0].message.model_dump(exclude_none=True),
                  {"role": "user", "content": "please reply with only a number"}]
@@ -142,7 +142,7 @@ def engine(tmp_path_factory):
 def make_prompt(tok, index=0, question="what is 3 plus 4", answer="7"):
     text, prompt_ids = render_prompt(question, tok, use_template=True, system_prompt=None, where="test")
     return Prompt(index=index, where="test", text=text, prompt_ids=prompt_ids, answer=answer,
-                  fields={"prompt_text": question})
+                  fields={"prompt_text": question}, messages=prompt_messages(question, None))
 
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=[3])  # 3: <eos>

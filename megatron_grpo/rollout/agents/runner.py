@@ -200,7 +200,9 @@ class AgentRunner:
 
     def _episode(self, engine, index: int, prompt_index: int, sample_index: int, prompt, sampling: SamplingParams,
                  sampling_seed: Optional[int]) -> Episode:
-        row = {**prompt.fields, "prompt": prompt.text, "answer": prompt.answer}
+        # the row an agent gets: the dataset row's fields, the rendered prompt's text, the
+        # answer and the chat messages it renders (None without a template)
+        row = {**prompt.fields, "prompt": prompt.text, "answer": prompt.answer, "messages": prompt.messages}
         seed = None if sampling_seed is None else (sampling_seed + index * self.max_turns) % SEED_MODULUS
         episode_id = uuid.uuid4().hex
         self.front.open_episode(episode_id, EpisodeLog(engine=engine, sampling=sampling, seed=seed,
