@@ -185,8 +185,9 @@ def test_function_level_imports_are_few_and_give_their_reason():
     assert not problems, "\n".join(problems)
 
 
-ENGINE_MAY_IMPORT = {"config", "runtime", "wire", "models", "ops", "engine"}
-"""The engine we ship stands alone: below it only the wire format, the models and the ops."""
+ENGINE_MAY_IMPORT = {"config", "runtime", "wire", "chat", "models", "ops", "engine"}
+"""The engine we ship stands alone: below it only the wire format, the chat conventions (its
+OpenAI routes), the models and the ops."""
 ENGINE_IMPORTERS = {"megatron_grpo.generation.inprocess", "megatron_grpo.sync.in_memory"}
 """The only modules outside ``engine/`` that import it: the in-process engine and its in-memory
 weight receiver; the trainer reaches the engine through them (or over HTTP)."""
