@@ -159,26 +159,32 @@ def _get_json(url: str, timeout_s: float) -> Any:
         return json.loads(r.read())
 
 
-def _probe(url: str, deadline: float, alive: Callable[[], bool]) -> Server:
-    """The server at ``url`` once it answers /health (until ``deadline``, while ``alive()``), with
-    its fields."""
+def _wait_serving(url: str, deadline: float, alive: Callable[[], bool]) -> None:
+    """Return once the server at ``url`` answers /health; RuntimeError past ``deadline`` (one
+    try when it has passed already) or once ``alive()`` is false."""
     while True:
         try:
             _get_json(f"{url}/health", PROBE_TIMEOUT_S)
-            break
+            return
         except (OSError, ValueError) as e:
             if not alive():
                 raise RuntimeError("exited while starting") from None
             if time.monotonic() > deadline:
-                raise RuntimeError(f"did not answer {url}/health within its deadline ({one_line(e)})") from None
+                raise RuntimeError(f"did not answer {url}/health ({one_line(e)})") from None
             time.sleep(0.1)
+
+
+def _fields(url: str) -> tuple[str, Optional[str]]:
+    """(``action_field``, ``observation_field``) of the server's ``/schema``; ValueError (one line)
+    for an action the model's text cannot fill."""
     schema = _get_json(f"{url}/schema", PROBE_TIMEOUT_S)
-    return Server(url, action_field(schema.get("action", {})), observation_field(schema.get("observation", {})))
+    return action_field(schema.get("action", {})), observation_field(schema.get("observation", {}))
 
 
-def _start(target: str, workdir: str) -> Server:
+def _start(target: str, workdir: str) -> tuple[str, int, str]:
     """Fork ``target``'s server from this process (the fork server, OpenEnv's modules loaded) and
-    wait, bounded, until it serves."""
+    wait, bounded, until it serves: (its URL, its pid, its start time). RuntimeError (one line,
+    with the last line the server wrote) if it does not."""
     m = FILE_TARGET_RE.match(target)
     path = Path(m["path"]).expanduser().resolve()
     run_dir = tempfile.mkdtemp(prefix="openenv-", dir=workdir)
@@ -199,13 +205,12 @@ def _start(target: str, workdir: str) -> Server:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"did not listen within {START_TIMEOUT_S:g}s")
             time.sleep(0.02)
-        server = _probe(f"http://127.0.0.1:{int(Path(port_file).read_text())}", deadline,
-                        lambda: _start_time(pid) == started)
+        url = f"http://127.0.0.1:{int(Path(port_file).read_text())}"
+        _wait_serving(url, deadline, lambda: _start_time(pid) == started)
     except Exception as e:
         _kill(pid)
         raise RuntimeError(f"its server {one_line(e).removeprefix('RuntimeError: ')}{_last_line(log_file)}") from None
-    server.pid, server.started = pid, started
-    return server
+    return url, pid, started
 
 
 def _start_time(pid: int) -> Optional[str]:
@@ -260,15 +265,22 @@ def prepare(target: str, workdir: str) -> None:
         print(f"[megatron-grpo] rollout.environment openenv:{describe(target)}: its server (pid {server.pid}) "
               f"died; restarting it ({restarts} of at most {MAX_RESTARTS})", file=sys.stderr, flush=True)
     _preload_client()  # before the fork: the server (and every worker) inherits OpenEnv's modules
+    pid = started = None
     try:
         if FILE_TARGET_RE.match(target):
-            server = _start(target, workdir)
-        else:
-            server = _probe(target.rstrip("/"), time.monotonic(), lambda: True)  # yours: up before the run
+            url, pid, started = _start(target, workdir)
+        else:  # a server you run: up before the run starts, so one try
+            url = target.rstrip("/")
+            try:
+                _wait_serving(url, time.monotonic(), lambda: True)
+            except RuntimeError as e:
+                raise RuntimeError(f"no OpenEnv server answers: {e}") from None
+        server = Server(url, *_fields(url), pid=pid, started=started, restarts=restarts)
     except Exception as e:  # noqa: BLE001 (kept, and raised in one line by every worker)
+        if pid is not None:
+            _kill(pid)
         _failures[target] = one_line(e).removeprefix("RuntimeError: ").removeprefix("ValueError: ")
         return
-    server.restarts = restarts
     _servers[target] = server
     if server.pid is not None:
         print(f"[megatron-grpo] rollout.environment openenv:{describe(target)}: its server (pid {server.pid}) "
