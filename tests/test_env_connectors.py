@@ -335,13 +335,46 @@ def test_an_openenv_server_is_started_once_and_answers_as_the_environment_does(e
     assert server_pids() == [pid]
 
 
+TWO_FIELDS_APP = '''
+from openenv.core.env_server.http_server import create_app
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+
+class CodeAction(Action):
+    code: str
+    language: str
+
+
+class Runs(Environment):
+    def reset(self):
+        return Observation()
+
+    def step(self, action):
+        return Observation()
+
+    @property
+    def state(self):
+        return State()
+
+
+app = create_app(Runs, CodeAction, Observation)
+'''
+
+
 def test_an_openenv_app_that_does_not_start_is_one_line(tmp_path):
     broken = tmp_path / "broken_app.py"
     broken.write_text("raise RuntimeError('no database at /data/envs.sqlite')\n")
     with pytest.raises(EnvContractError, match=r"^rollout.environment openenv:.*broken_app.py:app: its server exited "
                                                r"while starting: RuntimeError: no database at /data/envs.sqlite$"):
         check_environment(f"openenv:{broken}:app", 30, prepare=True)
-    with pytest.raises(EnvContractError, match="openenv:http://127.0.0.1:9: did not answer"):
+    two_fields = tmp_path / "two_fields_app.py"
+    two_fields.write_text(TWO_FIELDS_APP)
+    with pytest.raises(EnvContractError, match=r"two_fields_app.py:app: its action has 2 string fields \(code, "
+                                               r"language\); a model turn's text can fill an action with exactly one"):
+        check_environment(f"openenv:{two_fields}:app", 30, prepare=True)
+    with pytest.raises(EnvContractError, match=r"openenv:http://127.0.0.1:9: no OpenEnv server answers: did not "
+                                               r"answer http://127.0.0.1:9/health \(URLError"):
         check_environment("openenv:http://127.0.0.1:9", 30, prepare=True)  # the discard port: nothing serves
 
 
