@@ -314,8 +314,9 @@ class RolloutConfig:
     environment: Optional[str] = None
     """Multi-turn episodes with an environment (docs/multi_turn.md): a built-in (calculator,
     guess_number) or `path/to/env.py:ClassName`, a class constructed with the dataset row whose
-    `step(response) -> {"observation", "done", "reward"}` answers each model turn. null:
-    single-turn rollouts."""
+    `step(response) -> {"observation", "done", "reward"}` answers each model turn; or an
+    environment of another library: `skyrl_gym:<env id>`, `openenv:path/to/app.py:app`,
+    `tools:path/to/env.py:ClassName` (a TRL environment_factory class). null: single-turn rollouts."""
 
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Turn limits, observation rendering and environment failures of `environment` episodes."""
