@@ -393,8 +393,12 @@ def test_an_openenv_server_that_dies_is_counted_restarted_and_ends_with_the_run(
     env.close()
     (again,) = server_pids()
     assert again != pid  # (the fork server said so on its stderr, in one line)
-    shutdown_fork_server()  # what the trainer's exit does: no server outlives the run
+    # the trainer's process killed by SIGKILL takes its fork server with it: the server follows
+    # (its parent-death signal; a trainer that exits closes the fork server's stdin, and the fork
+    # server kills the server's group: the training run below shows that one)
+    os.kill(fork_server().proc.pid, signal.SIGKILL)
     wait_gone(again)
+    shutdown_fork_server()
 
 
 def test_a_server_that_keeps_dying_stops_the_run_in_one_line(monkeypatch):
