@@ -13,7 +13,8 @@ text. One parser per convention, in one registry (``TOOL_CALL_FORMATS``):
   any number of calls; the text outside them is the message's ``content``;
 * ``compute``: the CPU tool demo's model (``models/tiny.py``'s word-level vocabulary has no
   braces-and-quotes JSON): ``compute <expression>`` calls the function ``compute`` with
-  ``{"expression": "<expression>"}``; the text before it is the content.
+  ``{"expression": "<expression>"}`` (as the built-in calculator environment reads it, an
+  empty or bad expression included: the tool answers it); the text before it is the content.
 
 A malformed call (no closing tag, JSON that does not parse, no ``name``, ``arguments`` not an
 object) never raises: it is left out of ``tool_calls``, its text stays in the content, and
@@ -104,9 +105,7 @@ def parse_compute(text: str, id_prefix: str = "call") -> ParsedTurn:
     m = _COMPUTE_RE.search(text)
     if m is None:
         return ParsedTurn(text.strip() or None)
-    expression = m["expr"].strip()
-    if not expression:
-        return ParsedTurn(text.strip() or None, errors=["a compute call without an expression"])
+    expression = m["expr"].strip()  # may be empty: the tool answers it (the calculator: "result ?")
     content = text[:m.start()].strip()
     return ParsedTurn(content or None, [_call("compute", {"expression": expression}, f"{id_prefix}_0")])
 

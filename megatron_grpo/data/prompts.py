@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from megatron_grpo.data.records import DataError, RawRecord
 
@@ -44,6 +44,10 @@ class Prompt:
 
     fields: dict = field(default_factory=dict, compare=False)
     """The dataset row's other fields (a reward function's ``row``)."""
+
+    messages: Optional[list[dict]] = field(default=None, compare=False)
+    """The chat messages ``text`` renders (system prompt included), None without a chat
+    template: what an agent (``rollout.agent``) sends as its first request's ``messages``."""
 
 
 def _type_name(value: Any) -> str:
@@ -96,6 +100,15 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def prompt_messages(prompt: str | list[dict], system_prompt: str | None) -> list[dict]:
+    """The chat messages of a validated prompt: a string is one user turn; ``system_prompt``
+    goes first unless the prompt has its own system turn."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
 def render_prompt(prompt: str | list[dict], tokenizer, *, use_template: bool, system_prompt: str | None,
                   where: str) -> tuple[str, list[int]]:
     """(text, ids) of one validated prompt.
@@ -112,9 +125,7 @@ def render_prompt(prompt: str | list[dict], tokenizer, *, use_template: bool, sy
                 + "; use a plain string prompt"
             )
         return prompt, list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    if system_prompt is not None and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system_prompt})
+    messages = prompt_messages(prompt, system_prompt)
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # a Jinja error in a user's template: say which prompt triggered it
@@ -164,5 +175,6 @@ def build_prompts(records: list[RawRecord], tokenizer, *, prompt_key: str, answe
         if not ids:
             raise DataError(f"{rec.where}: prompt tokenizes to zero tokens")
         prompts.append(Prompt(index=index, where=rec.where, text=text, prompt_ids=ids, answer=answer,
-                              fields=dict(rec.fields)))
+                              fields=dict(rec.fields),
+                              messages=prompt_messages(prompt, system_prompt) if use_template else None))
     return prompts

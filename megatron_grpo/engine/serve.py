@@ -24,6 +24,7 @@ from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.ops.quantize import FP8_DTYPES, scheme_of
 from megatron_grpo.engine.policy import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES,
                                          DEFAULT_MAX_REQUEST_TOKENS, DEFAULT_READ_TIMEOUT_S, ServerPolicy)
+from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS
 from megatron_grpo.engine.server import build_app
 from megatron_grpo.generation.engines.embedded import API_KEY_ENV
 from megatron_grpo.runtime.placement import is_loopback
@@ -63,6 +64,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "rollout.weight_sync_master_address); default: loopback addresses only")
     p.add_argument("--read-timeout-s", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
                    help="deadline for reading a request body once its headers arrived; a slower sender gets a 408")
+    p.add_argument("--tool-call-format", default="hermes", choices=sorted(TOOL_CALL_FORMATS),
+                   help="how /v1/chat/completions finds tool calls in a completion (default: hermes, "
+                        "<tool_call>{json}</tool_call> as Qwen and Hermes templates ask)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
 
@@ -93,7 +97,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,
                             device=args.device, quantization=scheme_of(args.quantization, args.fp8_format))
-    app = build_app(engine, api_key=api_key, policy=policy)
+    app = build_app(engine, api_key=api_key, policy=policy, tool_call_format=args.tool_call_format)
     print(f"megatron-grpo serve: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

@@ -29,7 +29,10 @@ Route groups, each a few methods of ``_Routes`` (which holds the engine) that ``
 * the distributed weight-update group: ``/init_weights_update_group``,
   ``/update_weights_from_distributed``, ``/destroy_weights_update_group``;
 * weight version: ``/get_weight_version``, ``/update_weight_version``;
-* weight inspection: ``/get_weights_by_name``, ``/weights_checksum``.
+* weight inspection: ``/get_weights_by_name``, ``/weights_checksum``;
+* OpenAI-compatible: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``
+  (``chat/openai_api.py``: the chat template renders ``messages`` and ``tools``, tool calls are
+  parsed in ``--tool-call-format``, and every answer carries its token ids and log-probs).
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
+from megatron_grpo.chat.openai_api import (Choice, OpenAIRequestError, Sampling, chat_response, completion_response,
+                                           error_body, parse_chat_request, parse_completion_request, render_chat,
+                                           stop_token_ids)
+from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS
 from megatron_grpo.wire import routed_experts
 from megatron_grpo.engine.engine import EmbeddedEngine, EngineError
 from megatron_grpo.engine.generation import Sequence
@@ -173,12 +180,16 @@ def _all_finished(items: list[Sequence]) -> asyncio.Future:
 
 
 def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None,
-              policy: ServerPolicy = ServerPolicy()) -> FastAPI:
+              policy: ServerPolicy = ServerPolicy(), tool_call_format: str = "hermes") -> FastAPI:
     """The HTTP app serving ``engine``; with ``api_key`` every route but /health needs
     ``Authorization: Bearer <api_key>`` (SGLang's rule) and answers 401 otherwise. ``policy``
-    bounds what one request may make it do (``policy.py``)."""
+    bounds what one request may make it do (``policy.py``); ``tool_call_format``: how the
+    OpenAI routes find tool calls in a completion (``chat/tool_calls.py``)."""
+    if tool_call_format not in TOOL_CALL_FORMATS:
+        raise ValueError(f"unknown tool-call format {tool_call_format!r} (known: {', '.join(TOOL_CALL_FORMATS)})")
     app = FastAPI(title="megatron-grpo embedded rollout engine", openapi_url=None)
     routes = _Routes(engine, api_key, policy)
+    routes.tool_call_format = tool_call_format
     if api_key:
         app.middleware("http")(routes.authenticate)
     app.exception_handler(HTTPException)(_http_error)
@@ -226,6 +237,9 @@ class _Routes:
             ("/update_weight_version", ["POST"], self.update_weight_version),
             ("/get_weights_by_name", ["GET", "POST"], self.get_weights_by_name),
             ("/weights_checksum", ["POST"], self.weights_checksum),
+            ("/v1/models", ["GET"], self.openai_models),
+            ("/v1/chat/completions", ["POST"], self.chat_completions),
+            ("/v1/completions", ["POST"], self.completions),
         ]
 
     async def authenticate(self, request: Request, call_next: Callable):
@@ -306,6 +320,79 @@ class _Routes:
         # A Response, not the list: FastAPI would walk every log-prob through its
         # jsonable_encoder first, which was a third of the server's time for short responses.
         return JSONResponse(outputs[0] if single and len(outputs) == 1 else outputs)
+
+    # ---- the OpenAI-compatible routes (chat/openai_api.py) ------------------------------
+
+    async def openai_models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.engine.model_dir, "object": "model",
+                                            "owned_by": "megatron-grpo"}]}
+
+    def _openai_sequences(self, prompt_ids: list[int], sampling: Sampling) -> list[Sequence]:
+        """The request's ``n`` sequences; OpenAIRequestError (400) or RequestTooLarge (413)."""
+        tok = self.engine.tokenizer
+        if not prompt_ids or max(prompt_ids) >= len(tok):
+            raise OpenAIRequestError("prompt", f"must be token ids below the vocabulary size {len(tok)}")
+        max_new = sampling.max_tokens or max(1, self.engine.max_context - len(prompt_ids))
+        raw = {"n": sampling.n, "max_new_tokens": max_new,
+               "stop_token_ids": stop_token_ids(sampling.stop, tok) + ([tok.eos_token_id] if tok.eos_token_id
+                                                                        is not None else [])}
+        for key in ("temperature", "top_p", "top_k", "min_p"):
+            if getattr(sampling, key) is not None:
+                raw[key] = getattr(sampling, key)
+        if sampling.seed is not None:
+            raw["sampling_seed"] = sampling.seed % 2**63
+        try:
+            params = resolve_sampling_params(raw)
+        except ValueError as e:
+            raise OpenAIRequestError(None, str(e)) from None
+        too_large = request_size_problem(self.policy, params.n, params.n * (len(prompt_ids) + params.max_new_tokens))
+        if too_large:
+            raise RequestTooLarge(too_large)
+        rid = uuid.uuid4().hex
+        return [Sequence(rid=f"{rid}-{j}", prompt_ids=list(prompt_ids), params=params, return_logprob=True,
+                         logprob_start_len=-1, return_sampling_mask=False, max_kept=1, return_routed_experts=False)
+                for j in range(params.n)]
+
+    async def _openai(self, request: Request, parse: Callable, prompt_of: Callable, answer: Callable):
+        """Parse, render, generate, answer: the shared path of the two OpenAI routes."""
+        body = await self._body(request)
+        try:
+            req = parse(body)
+            prompt_ids = await asyncio.to_thread(prompt_of, req)
+            items = self._openai_sequences(prompt_ids, req.sampling)
+        except OpenAIRequestError as e:
+            return JSONResponse(error_body(e), status_code=400)
+        except RequestTooLarge as e:
+            raise HTTPException(413, str(e)) from None
+        except Exception as e:  # the chat template refused the conversation (a Jinja error)
+            return JSONResponse(error_body(OpenAIRequestError("messages", f"{type(e).__name__}: {e}")), 400)
+        done = _all_finished(items)
+        try:
+            self.engine.submit(items, hold=False)
+        except EngineError as e:
+            return JSONResponse(error_body(OpenAIRequestError(None, str(e))), status_code=400)
+        await done
+        choices = [Choice(list(s.output_ids), list(s.output_logprobs), s.finish_reason["type"]) for s in items]
+        return JSONResponse(answer(req, prompt_ids, choices, items[0].weight_version))
+
+    async def chat_completions(self, request: Request):
+        tok = self.engine.tokenizer
+        return await self._openai(
+            request, parse_chat_request, lambda req: render_chat(tok, req.messages, req.tools),
+            lambda req, ids, choices, version: chat_response(tok, req, ids, choices,
+                                                             tool_call_format=self.tool_call_format,
+                                                             weight_version=version)[0])
+
+    async def completions(self, request: Request):
+        tok = self.engine.tokenizer
+
+        def prompt_of(req) -> list[int]:
+            return list(req.prompt) if isinstance(req.prompt, list) else tok.encode(req.prompt,
+                                                                                    add_special_tokens=False)
+
+        return await self._openai(
+            request, parse_completion_request, prompt_of,
+            lambda req, ids, choices, version: completion_response(tok, req, ids, choices, weight_version=version))
 
     # ---- pause, flush and continue ------------------------------------------------------
 

@@ -38,7 +38,8 @@ TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
 PROGRESS_KEYS = [("reward_mean", "reward"), ("loss", "loss"), ("ppo_kl", "kl"), ("multi_turn/turns_mean", "turns")]
 """(metric, label) shown next to the progress bar (when the record has it)."""
-ENV_FAILURE_KEYS = ("multi_turn/env_errors", "multi_turn/env_timeouts", "multi_turn/observations_refused")
+ENV_FAILURE_KEYS = ("multi_turn/env_errors", "multi_turn/env_timeouts", "multi_turn/observations_refused",
+                    "multi_turn/diverged")
 """Multi-turn runs: their sum is shown as ``env_err`` next to the progress bar."""
 TIME_KEYS = [("time/step_s", "step"), ("time/generate_s", "gen"), ("time/reward_s", "rew"),
              ("time/logprob_s", "lp"), ("time/train_s", "train"), ("time/idle_s", "idle"),

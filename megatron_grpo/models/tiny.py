@@ -26,10 +26,13 @@ WORDS = (
 SYMBOLS = list("+-*/=?.,:;()[]{}#\\$") + ["####", "\\boxed"]
 
 # A minimal chat template: enough for `apply_chat_template(..., add_generation_prompt=True)`.
+# A tool result is written as a user turn: the word-level vocabulary has no tool header, and
+# the tool demo's built-in loop (observation_role: user) and its OpenAI-SDK agent then see the
+# same tokens.
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}<|system|> {{ m['content'] }} "
-    "{% elif m['role'] == 'user' %}<|user|> {{ m['content'] }} "
+    "{% elif m['role'] in ('user', 'tool') %}<|user|> {{ m['content'] }} "
     "{% else %}<|assistant|> {{ m['content'] }} <eos> {% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

@@ -59,7 +59,8 @@ class Episode:
     """Sum of the environment's per-step rewards."""
     error: Optional[str] = None
     """None, or why the episode ended early: ``error`` (the environment raised or died),
-    ``timeout`` or ``observation`` (an observation with unknown tokens)."""
+    ``timeout``, ``observation`` (an observation with unknown tokens) or, for agent episodes,
+    ``diverged`` (a call's prompt did not continue the episode's tokens)."""
     observations_cut: int = 0
     """Observations longer than the episode's token budget allows in characters, cut before
     they were rendered (``TurnRenderer.observation_char_limit``)."""
@@ -67,6 +68,10 @@ class Episode:
     """Seconds in environment calls (construction and steps)."""
     generate_s: float = 0.0
     """Seconds in the engine's generate calls."""
+    tool_call_errors: int = 0
+    """Agent episodes (``rollout/agents``): malformed tool calls the model wrote (the agent saw them as text)."""
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Agent episodes: the numbers the agent returned besides its reward."""
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
     """The environment's named event counts, summed over its steps (a step's optional
     ``counts``: the tools connector's tool calls and failed ones, say)."""
@@ -281,10 +286,20 @@ def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
         "multi_turn/env_timeouts": float(sum(e.error == "timeout" for e in episodes)),
         "multi_turn/observations_refused": float(sum(e.error == "observation" for e in episodes)),
         "multi_turn/observations_cut": float(sum(e.observations_cut for e in episodes)),
+        "multi_turn/diverged": float(sum(e.error == "diverged" for e in episodes)),
+        "multi_turn/tool_call_errors": float(sum(e.tool_call_errors for e in episodes)),
         "multi_turn/env_s": float(sum(e.env_s for e in episodes)),
         "multi_turn/generate_s": float(sum(e.generate_s for e in episodes)),
+        **agent_metrics(episodes),
     }
     for e in episodes:
         for name, n in e.counts.items():
             stats[f"multi_turn/env/{name}"] = stats.get(f"multi_turn/env/{name}", 0.0) + float(n)
     return stats
+
+
+def agent_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """``agent/<name>_mean``: each number an agent returned besides its reward, averaged over
+    the episodes that returned it."""
+    names = sorted({k for e in episodes for k in e.metrics})
+    return {f"agent/{k}_mean": float(np.mean([e.metrics[k] for e in episodes if k in e.metrics])) for k in names}

@@ -43,7 +43,7 @@ from megatron_grpo.rollout.multi_turn import Episode
 from megatron_grpo.wire.samples import Sample, SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort")
-EPISODE_ERRORS = (None, "error", "timeout", "observation")
+EPISODE_ERRORS = (None, "error", "timeout", "observation", "diverged")
 _LOGPROB_SLACK = 1e-4  # a log-prob above 0 is not a probability's; float rounding of log(1) is below this
 KEY = "rollout.rollout_function"
 DEFAULT_TIMEOUT_S = 300.0

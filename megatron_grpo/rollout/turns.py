@@ -89,8 +89,10 @@ class TurnRenderer:
                                                                 else "the tokenizer has no chat template"))
             self._preflight()
 
-    def _ids(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def _ids(self, messages: list[dict], generation_prompt: bool, tools: Optional[Sequence[dict]] = None) -> list[int]:
+        kwargs = {"tools": list(tools)} if tools else {}
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  **kwargs)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _preflight(self) -> None:
@@ -127,17 +129,28 @@ class TurnRenderer:
         observation ``text`` and open the next assistant turn. ObservationError on unknown tokens."""
         if self.formatter is not None:
             ids = [int(t) for t in self.formatter(text, self.tokenizer)]
-            turn = ids
-        else:
-            full = self._ids([{"role": "user", "content": PLACEHOLDER}, {"role": "assistant", "content": PLACEHOLDER},
-                              {"role": self.role, "content": text}], True)
-            if not _is_prefix(self._base, full):
-                raise ObservationError("the chat template rewrote the earlier turns for this observation")
-            turn = full[len(self._base):]
-            # the template's end of the assistant turn, less what the engine generated of it
-            closed = bool(self.closing) and bool(model_ids) and model_ids[-1] == self.closing[0]
-            ids = (self.closing[1:] if closed else self.closing) + turn
-        if self.unk_id is not None and self.unk_id in turn:
+            self._check_known(ids, text)
+            return ids
+        return self.messages_ids(model_ids, [{"role": self.role, "content": text}])
+
+    def messages_ids(self, model_ids: Sequence[int], messages: Sequence[dict],
+                     tools: Optional[Sequence[dict]] = None) -> list[int]:
+        """Token ids after the model turn ``model_ids`` that add ``messages`` (any roles: tool
+        results, a user turn) and open the next assistant turn: the delta render of the module
+        docstring, ``tools`` handed to the template in both renders. ObservationError when the
+        template rewrites the earlier turns for them, or on unknown tokens."""
+        u, a = {"role": "user", "content": PLACEHOLDER}, {"role": "assistant", "content": PLACEHOLDER}
+        base = self._base if not tools else self._ids([u, a], False, tools)
+        full = self._ids([u, a, *messages], True, tools)
+        if not _is_prefix(base, full):
+            raise ObservationError("the chat template rewrote the earlier turns for this observation")
+        turn = full[len(base):]
+        self._check_known(turn, " ".join(str(m.get("content")) for m in messages))
+        # the template's end of the assistant turn, less what the engine generated of it
+        closed = bool(self.closing) and bool(model_ids) and model_ids[-1] == self.closing[0]
+        return (self.closing[1:] if closed else self.closing) + turn
+
+    def _check_known(self, ids: Sequence[int], text: str) -> None:
+        if self.unk_id is not None and self.unk_id in ids:
             raise ObservationError(f"the observation {text[:60]!r} tokenizes to the unknown token "
                                    f"{self.tokenizer.convert_ids_to_tokens(self.unk_id)!r}")
-        return ids

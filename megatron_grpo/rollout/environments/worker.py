@@ -195,7 +195,8 @@ def _server_main() -> None:
         conn.close()
 
 
-RUN_TARGETS = {"rollout_function": "megatron_grpo.rollout.function_worker:serve"}
+RUN_TARGETS = {"rollout_function": "megatron_grpo.rollout.function_worker:serve",
+               "agent": "megatron_grpo.rollout.agents.worker:serve"}
 """What a ("run", target, args) request may start in a forked worker: a fixed list, so the
 socket (authenticated, the trainer's only) cannot name arbitrary code. Imported when run,
 because function_worker imports this module."""

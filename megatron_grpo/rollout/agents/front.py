@@ -1,0 +1,335 @@
+"""The agent front: an OpenAI-compatible server on loopback, in front of the run's engine,
+that records every call of an episode as exact token ids.
+
+An agent (``rollout.agent``, ``rollout/agents/runner.py``) gets an OpenAI SDK client whose base
+URL names its episode, ``http://127.0.0.1:<port>/episodes/<id>/v1``; the front answers its
+``chat.completions`` and ``completions`` calls with the run's engine (any kind: embedded,
+in-process, SGLang: the same ``RolloutEngine.generate`` the built-in loops call) and keeps, per
+episode, each call's prompt ids, the engine's output ids, log-probs, kept sets and weight
+versions (``Call``). The trainer then builds the episode from those records
+(``trajectory.py``), never from the agent's text.
+
+Token-exactness across turns. A chat call's prompt is not re-tokenized from the agent's
+messages when it continues the episode: when its messages are the previous call's messages,
+then the assistant message the front answered (compared by role, content and tool calls, not
+by the SDK's extra fields), then new messages (tool results, a user turn), its prompt ids are
+
+    previous prompt ids + the engine's output ids + delta render of the new messages
+
+(the chat template's delta render of ``rollout/turns.py``, ``tools`` passed). Anything else
+(the agent edited or dropped earlier turns, sent another conversation) is rendered whole, and
+kept only if those ids still extend the episode token for token; otherwise the episode is
+marked ``diverged`` (counted, scored as ``on_env_error`` says, never trained on a
+re-tokenized prefix) and the call is still answered, so the agent finishes normally.
+
+What the run decides, not the request: the sampler's temperature, top_p, top_k and min_p are
+the run's (the trainer's log-probs are computed at them; a request asking for others is
+answered at the run's values, and said once on stderr); ``seed`` is the episode's (the same
+per-call seeds as the built-in loop, so a resumed run replays); ``max_tokens`` is capped by
+``rollout.max_new_tokens`` and what is left of the episode's token budget. A call past the
+budget or past ``max_turns`` calls is answered with an empty completion,
+``finish_reason: "length"``, and not recorded. ``n`` must be 1 (one trajectory per episode).
+
+The server is loopback-only with a random bearer key per run (the agents' workers get it);
+bodies are bounded (``MAX_BODY_BYTES``, 413). Requests for unknown episodes are 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from megatron_grpo.chat.openai_api import (ChatRequest, Choice, OpenAIRequestError, chat_response,
+                                           completion_response, error_body, parse_chat_request,
+                                           parse_completion_request, render_chat, stop_token_ids)
+from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
+from megatron_grpo.wire.samples import Sample, SamplingParams
+
+MAX_BODY_BYTES = 8 * 2**20
+START_TIMEOUT_S = 30.0
+SEED_MODULUS = 2**31 - 1
+MODEL_NAME = "policy"
+"""The model id the front answers to (``/v1/models``); requests may name any model."""
+
+
+@dataclass
+class Call:
+    """One recorded engine call: the prompt ids it was given and the engine's sample."""
+
+    prompt_ids: list[int]
+    sample: Sample
+    generate_s: float
+
+
+@dataclass
+class EpisodeLog:
+    """One episode's state in the front (see the module docstring)."""
+
+    engine: Any
+    """The RolloutEngine of the round."""
+    sampling: SamplingParams
+    seed: Optional[int]
+    """First call's sampling seed (None: unseeded); call k uses ``seed + k``."""
+    max_calls: int
+    max_tokens: int
+    """Token budget of the episode's output (model and context tokens after the first prompt)."""
+    calls: list[Call] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    """The last chat call's messages and the assistant message answered to it."""
+    error: Optional[str] = None
+    """None, ``diverged`` or ``observation`` (module docstring)."""
+    error_message: str = ""
+    tool_call_errors: int = 0
+    refused_calls: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def context(self) -> list[int]:
+        """Every token of the episode so far: the last prompt and the engine's answer to it."""
+        last = self.calls[-1]
+        return last.prompt_ids + last.sample.output_ids
+
+    def tokens_used(self, prompt_ids: list[int]) -> int:
+        return len(prompt_ids) - len(self.calls[0].prompt_ids) if self.calls else 0
+
+
+def _norm_calls(calls: Any) -> list:
+    out = []
+    for c in calls or []:
+        fn = c.get("function", {}) if isinstance(c, dict) else {}
+        args = fn.get("arguments")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        out.append((fn.get("name"), json.dumps(args, sort_keys=True)))
+    return out
+
+
+def same_message(a: dict, b: dict) -> bool:
+    """Whether two chat messages say the same: role, content (None and "" alike) and tool calls
+    (name and parsed arguments); the SDK's extra fields (refusal, annotations, ids) aside."""
+    return (a.get("role") == b.get("role") and (a.get("content") or "") == (b.get("content") or "")
+            and _norm_calls(a.get("tool_calls")) == _norm_calls(b.get("tool_calls")))
+
+
+class AgentFront:
+    """The server (module docstring). ``start()`` serves it on a free loopback port;
+    ``open_episode`` / ``close_episode`` bracket one episode's calls; ``close()`` stops it."""
+
+    def __init__(self, tokenizer, renderer: TurnRenderer, *, tool_call_format: str = "hermes",
+                 max_inflight: int = 64):
+        self.tokenizer = tokenizer
+        self.renderer = renderer
+        self.tool_call_format = tool_call_format
+        self.api_key = os.urandom(16).hex()
+        self._episodes: dict[str, EpisodeLog] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max_inflight, thread_name_prefix="agent-front")
+        self._said: set[str] = set()
+        self._server = None
+        self._thread: Optional[threading.Thread] = None
+        self.port: Optional[int] = None
+
+    # ---- episodes ------------------------------------------------------------------------
+
+    def base_url(self, episode_id: str) -> str:
+        return f"http://127.0.0.1:{self.port}/episodes/{episode_id}/v1"
+
+    def open_episode(self, episode_id: str, log: EpisodeLog) -> None:
+        with self._lock:
+            self._episodes[episode_id] = log
+
+    def close_episode(self, episode_id: str) -> EpisodeLog:
+        """The episode's log; later calls for it are 404 (and wait for one in progress)."""
+        with self._lock:
+            log = self._episodes.pop(episode_id)
+        with log.lock:
+            return log
+
+    # ---- calls ---------------------------------------------------------------------------
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            print(f"[megatron-grpo] rollout.agent: {message}", file=sys.stderr, flush=True)
+
+    def _sampling(self, log: EpisodeLog, req_sampling, max_new: int) -> SamplingParams:
+        for key in ("temperature", "top_p", "top_k", "min_p"):
+            asked = getattr(req_sampling, key)
+            run = getattr(log.sampling, key)
+            if asked is not None and float(asked) != float(run):
+                self._say_once(key, f"an agent asked {key}={asked}; rollouts sample at the run's {key}={run} "
+                                    "(the trainer's log-probs are computed at it)")
+        if req_sampling.n != 1:
+            raise OpenAIRequestError("n", "must be 1 in a training episode (one trajectory per episode)")
+        stops = stop_token_ids(req_sampling.stop, self.tokenizer)
+        return dataclasses.replace(log.sampling, max_new_tokens=max_new,
+                                   stop_token_ids=[*log.sampling.stop_token_ids, *stops])
+
+    def _chat_prompt(self, log: EpisodeLog, req: ChatRequest) -> list[int]:
+        """The call's prompt ids (module docstring); sets ``log.error`` when they do not extend the episode."""
+        if not log.calls or log.error is not None:
+            return render_chat(self.tokenizer, req.messages, req.tools)
+        k = len(log.messages)
+        if (len(req.messages) > k and all(same_message(a, b) for a, b in zip(req.messages[:k], log.messages))
+                and all(m["role"] != "assistant" for m in req.messages[k:])):
+            try:
+                return log.context + self.renderer.messages_ids(log.calls[-1].sample.output_ids, req.messages[k:],
+                                                                req.tools)
+            except ObservationError as e:
+                log.error, log.error_message = "observation", str(e)
+                return render_chat(self.tokenizer, req.messages, req.tools)
+        ids = render_chat(self.tokenizer, req.messages, req.tools)
+        context = log.context
+        if ids[:len(context)] != context:
+            log.error = "diverged"
+            log.error_message = (f"call {len(log.calls)}'s conversation does not continue the episode's previous "
+                                 "turn (its messages differ, and their rendering does not extend the episode's "
+                                 "tokens)")
+        return ids
+
+    def _generate(self, log: EpisodeLog, prompt_ids: list[int], req_sampling) -> Optional[Call]:
+        """The engine's answer to ``prompt_ids``, recorded (None: past the episode's budget)."""
+        left = log.max_tokens - log.tokens_used(prompt_ids)
+        if left <= 0 or len(log.calls) >= log.max_calls or log.error is not None:
+            log.refused_calls += 1
+            return None
+        max_new = min(log.sampling.max_new_tokens, left, req_sampling.max_tokens or left)
+        sampling = self._sampling(log, req_sampling, max_new)
+        seed = None if log.seed is None else (log.seed + len(log.calls)) % SEED_MODULUS
+        t0 = time.monotonic()
+        (sample,) = log.engine.generate([list(prompt_ids)], 1, sampling, sampling_seed=seed)
+        call = Call(list(prompt_ids), sample, time.monotonic() - t0)
+        log.calls.append(call)
+        return call
+
+    def chat(self, episode_id: str, body: Any) -> tuple[int, dict]:
+        """(HTTP status, JSON body) of a /v1/chat/completions call of ``episode_id``."""
+        log = self._episodes.get(episode_id)
+        if log is None:
+            return 404, {"error": {"message": f"no episode {episode_id!r} is open", "type": "not_found"}}
+        try:
+            req = parse_chat_request(body)
+            with log.lock:
+                prompt_ids = self._chat_prompt(log, req)
+                call = self._generate(log, prompt_ids, req.sampling)
+                choice = (Choice([], [], "length") if call is None else
+                          Choice(call.sample.output_ids, call.sample.output_logprobs, call.sample.finish_reason))
+                answer, turns = chat_response(self.tokenizer, req, prompt_ids, [choice],
+                                              tool_call_format=self.tool_call_format,
+                                              id_prefix=f"call_{len(log.calls)}",
+                                              weight_version=None if call is None else call.sample.weight_version)
+                if call is not None:
+                    log.tool_call_errors += len(turns[0].errors)
+                    log.messages = [*req.messages, answer["choices"][0]["message"]]
+                return 200, answer
+        except OpenAIRequestError as e:
+            return 400, error_body(e)
+
+    def completion(self, episode_id: str, body: Any) -> tuple[int, dict]:
+        """(HTTP status, JSON body) of a /v1/completions call: the prompt (text or ids) is used
+        as given, so it extends the episode only if its ids do."""
+        log = self._episodes.get(episode_id)
+        if log is None:
+            return 404, {"error": {"message": f"no episode {episode_id!r} is open", "type": "not_found"}}
+        try:
+            req = parse_completion_request(body)
+            ids = (list(req.prompt) if isinstance(req.prompt, list)
+                   else list(self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]))
+            vocab = len(self.tokenizer)
+            if any(t >= vocab for t in ids):
+                raise OpenAIRequestError("prompt", f"token ids must be below the vocabulary size {vocab}")
+            with log.lock:
+                if log.calls and log.error is None and ids[:len(log.context)] != log.context:
+                    log.error = "diverged"
+                    log.error_message = f"call {len(log.calls)}'s prompt does not extend the episode's tokens"
+                log.messages = []
+                call = self._generate(log, ids, req.sampling)
+                choice = (Choice([], [], "length") if call is None else
+                          Choice(call.sample.output_ids, call.sample.output_logprobs, call.sample.finish_reason))
+                return 200, completion_response(self.tokenizer, req, ids, [choice],
+                                                weight_version=None if call is None else call.sample.weight_version)
+        except OpenAIRequestError as e:
+            return 400, error_body(e)
+
+    # ---- the server ----------------------------------------------------------------------
+
+    def build_app(self) -> FastAPI:
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+        async def body_of(request: Request) -> Any:
+            auth = request.headers.get("authorization", "")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
+                return JSONResponse({"error": {"message": "invalid API key", "type": "authentication_error"}}, 401)
+            size = request.headers.get("content-length")
+            if size is None or not size.isdigit() or int(size) > MAX_BODY_BYTES:
+                return JSONResponse({"error": {"message": f"the body must have a Content-Length of at most "
+                                                          f"{MAX_BODY_BYTES} bytes", "type": "invalid_request_error"}},
+                                    413)
+            try:
+                return json.loads(await request.body())
+            except ValueError as e:
+                return JSONResponse(error_body(OpenAIRequestError(None, f"the body is not JSON: {e}")), 400)
+
+        async def answer(fn, episode_id: str, request: Request):
+            body = await body_of(request)
+            if isinstance(body, JSONResponse):
+                return body
+            status, out = await asyncio.get_running_loop().run_in_executor(self._pool, fn, episode_id, body)
+            return JSONResponse(out, status)
+
+        @app.post("/episodes/{episode_id}/v1/chat/completions")
+        async def chat(episode_id: str, request: Request):
+            return await answer(self.chat, episode_id, request)
+
+        @app.post("/episodes/{episode_id}/v1/completions")
+        async def completions(episode_id: str, request: Request):
+            return await answer(self.completion, episode_id, request)
+
+        @app.get("/episodes/{episode_id}/v1/models")
+        async def models(episode_id: str):
+            return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "megatron-grpo"}]}
+
+        return app
+
+    def start(self) -> "AgentFront":
+        """Serve on a free loopback port (in a thread of this process); returns when it answers."""
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.build_app(), log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                        name="agent-front")
+        self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the agent front (an OpenAI-compatible server on loopback) did not start")
+            time.sleep(0.01)
+        return self
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+        self._pool.shutdown(wait=False, cancel_futures=True)

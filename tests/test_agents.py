@@ -1,0 +1,454 @@
+"""Agents written against the OpenAI SDK (rollout.agent; docs/agents.md): the real `openai`
+client in a worker process, the run's loopback front, and the engine's exact tokens.
+
+References: the built-in environment loop (EpisodeRunner) on the same real engine with the same
+seeds (an SDK agent that asks what the environment would answer must give the same tokens,
+log-probs and rewards), the tokenizer's own chat template, and hand-built token sequences.
+"""
+
+import json
+import os
+import time
+
+import openai
+import pytest
+
+from megatron_grpo.config.base import ConfigError
+from megatron_grpo.config.rollout import MultiTurnConfig, RolloutConfig
+from megatron_grpo.data.prompts import Prompt, prompt_messages, render_prompt
+from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
+from megatron_grpo.models.tiny import build_tokenizer, save_tiny_model
+from megatron_grpo.rollout.agents.front import AgentFront, EpisodeLog, same_message
+from megatron_grpo.rollout.agents.runner import AgentContractError, AgentRunner
+from megatron_grpo.rollout.agents.trajectory import NotAnExtension, sample_from_calls
+from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_stats
+from megatron_grpo.rollout.turns import TurnRenderer
+from megatron_grpo.wire.samples import Sample, SamplingParams
+
+# The built-in loop's environment and the same task as SDK agents: turn 1 is always followed by
+# a nudge (so every episode has two model turns), turn 2's last word is graded.
+NUDGE_ENV = '''
+class Nudge:
+    def __init__(self, row):
+        self.answer, self.turn = str(row["answer"]), 0
+
+    def step(self, response):
+        self.turn += 1
+        if self.turn == 1:
+            return {"observation": "please reply with only a number", "done": False}
+        words = response.split()
+        return {"observation": None, "done": True, "reward": float(bool(words) and words[-1] == self.answer)}
+'''
+
+AGENTS = r'''
+import asyncio, json, os, time
+
+def _grade(text, answer):
+    words = (text or "").split()
+    return float(bool(words) and words[-1] == answer)
+
+def nudge(client, row):
+    messages = list(row["messages"])
+    first = client.chat.completions.create(model="policy", messages=messages)
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "user", "content": "please reply with only a number"}]
+    second = client.chat.completions.create(model="policy", messages=messages)
+    return {"reward": _grade(second.choices[0].message.content, row["answer"]), "calls": 2}
+
+async def nudge_async(client, row):
+    messages = [{"role": "user", "content": row["prompt_text"]}]
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    messages += [first.choices[0].message, {"role": "user", "content": "please reply with only a number"}]
+    second = await client.chat.completions.create(model="policy", messages=messages)
+    return _grade(second.choices[0].message.content, row["answer"])
+
+TOOLS = [{"type": "function", "function": {"name": "compute", "description": "arithmetic",
+          "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+def calculator(client, row):
+    """The built-in calculator, as an SDK agent with tools=: a call gets its result, an answer ends."""
+    from megatron_grpo.rollout.environments.builtin import evaluate, format_number
+    import re
+    messages = [{"role": "user", "content": row["prompt_text"]}]
+    for turn in range(2):
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        message = reply.choices[0].message
+        if not message.tool_calls:
+            numbers = re.findall(r"-?\d+(?:\.\d+)?", message.content or "")
+            return float(bool(numbers) and float(numbers[-1]) == float(row["answer"]))
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            try:
+                value = format_number(evaluate(json.loads(call.function.arguments)["expression"]))
+            except ValueError:
+                value = "?"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"result {value}"})
+    return 0.0
+
+def raises(client, row):
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "what"}])
+    raise RuntimeError("the agent's own bug")
+
+def hangs(client, row):
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "what"}])
+    time.sleep(600)
+
+def rewrites_history(client, row):
+    messages = [{"role": "user", "content": row["prompt_text"]}]
+    first = client.chat.completions.create(model="policy", messages=messages)
+    messages = [{"role": "user", "content": "what is 1 plus 1"}, {"role": "assistant", "content": "2"},
+                {"role": "user", "content": "please reply with only a number"}]
+    client.chat.completions.create(model="policy", messages=messages)
+    return 1.0
+
+def no_calls(client, row):
+    return 1.0
+
+def bad_result(client, row):
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "what"}])
+    return "yes"
+
+def bad_request(client, row):
+    try:
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "what"}], n=2)
+    except Exception as e:
+        return {"reward": 0.0, "refused": float(type(e).__name__ == "BadRequestError")}
+    return {"reward": 0.0, "refused": 0.0}
+'''
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("agents")
+    (d / "envs.py").write_text(NUDGE_ENV)
+    (d / "agents.py").write_text(AGENTS)
+    return d
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=11)
+    eng = InProcessEngine(start_inprocess(RolloutConfig(dtype="float32"), model_dir=str(model_dir)), None,
+                          timeout_s=120)
+    yield eng
+    eng.close()
+
+
+def make_prompt(tok, index=0, question="what is 3 plus 4", answer="7"):
+    text, prompt_ids = render_prompt(question, tok, use_template=True, system_prompt=None, where="test")
+    return Prompt(index=index, where="test", text=text, prompt_ids=prompt_ids, answer=answer,
+                  fields={"prompt_text": question}, messages=prompt_messages(question, None))
+
+
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=[3])  # 3: <eos>
+MAX_TURNS, BUDGET = 2, 32
+FRONT_SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=[3])
+
+
+def agent_runner(tok, files, fn, **kw):
+    settings = dict(max_turns=MAX_TURNS, max_episode_tokens=BUDGET, timeout_s=20.0, workers=2,
+                    tool_call_format="compute") | kw
+    return AgentRunner(f"{files}/agents.py:{fn}", tok, TurnRenderer(tok, "user"), **settings)
+
+
+def builtin_runner(tok, spec):
+    cfg = RolloutConfig(environment=spec, max_inflight_requests=2,
+                        multi_turn=MultiTurnConfig(observation_role="user", max_turns=MAX_TURNS,
+                                                   max_episode_tokens=BUDGET, env_timeout_s=20.0))
+    return EpisodeRunner.build(cfg, tok, use_template=True)
+
+
+def same_episodes(a, b):
+    for x, y in zip(a, b, strict=True):
+        assert x.sample.prompt_ids == y.sample.prompt_ids
+        assert x.sample.output_ids == y.sample.output_ids
+        assert x.sample.output_mask == y.sample.output_mask
+        assert x.sample.output_logprobs == pytest.approx(y.sample.output_logprobs, abs=1e-6)
+        assert (x.num_turns, x.env_reward, x.error) == (y.num_turns, y.env_reward, y.error)
+
+
+@pytest.mark.parametrize("fn", ["nudge", "nudge_async"])
+def test_an_sdk_agent_gives_the_builtin_loops_tokens_and_rewards(tok, files, engine, fn):
+    """Same engine, same seeds: the OpenAI-SDK agent's episodes are the environment loop's,
+    token for token (prompt, model turns, the nudge between them, masks, log-probs, rewards)."""
+    prompts = [make_prompt(tok, 0), make_prompt(tok, 1, "what is 9 plus 9", "18")]
+    builtin = builtin_runner(tok, f"{files}/envs.py:Nudge")(engine, prompts, 3, SAMPLING, 1234)
+    runner = agent_runner(tok, files, fn)
+    try:
+        agent = runner(engine, prompts, 3, SAMPLING, 1234)
+    finally:
+        runner.close()
+    assert all(e.num_turns == 2 for e in builtin)
+    same_episodes(agent, builtin)
+    if fn == "nudge":
+        assert episode_stats(agent)["agent/calls_mean"] == 2.0
+
+
+def test_an_sdk_agent_with_tools_is_the_builtin_calculator(tok, files, engine):
+    """tools= through the model's own call format (the demo's `compute`): same tokens as the
+    built-in calculator environment on the same seeds."""
+    prompts = [make_prompt(tok, i, f"what is {i} plus 5", str(i + 5)) for i in range(4)]
+    builtin = builtin_runner(tok, "calculator")(engine, prompts, 4, SAMPLING, 99)
+    runner = agent_runner(tok, files, "calculator")
+    try:
+        agent = runner(engine, prompts, 4, SAMPLING, 99)
+    finally:
+        runner.close()
+    same_episodes(agent, builtin)
+
+
+class Scripted:
+    """A RolloutEngine stand-in that answers each call with the next reply (ids), log-prob -0.5
+    per token: for replies a random tiny model would not sample (a tool call, a token sequence
+    that re-tokenizes differently)."""
+
+    def __init__(self, replies):
+        self.replies, self.prompts = list(replies), []
+
+    def generate(self, prompts, n, sampling, *, sampling_seed=None, **kw):
+        self.prompts.append(list(prompts[0]))
+        out = self.replies.pop(0)[: sampling.max_new_tokens]
+        return [Sample(prompt_index=0, sample_index=0, prompt_ids=list(prompts[0]), output_ids=list(out),
+                       output_logprobs=[-0.5] * len(out), finish_reason="stop", weight_version="7")]
+
+
+def ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture
+def front(tok):
+    f = AgentFront(tok, TurnRenderer(tok, "user"), tool_call_format="compute").start()
+    yield f
+    f.close()
+
+
+def open_episode(front, engine, **kw):
+    front.open_episode("ep", EpisodeLog(engine=engine, sampling=FRONT_SAMPLING, seed=5, **({"max_calls": 4,
+                                                                                       "max_tokens": 64} | kw)))
+    return openai.OpenAI(base_url=front.base_url("ep"), api_key=front.api_key, max_retries=0)
+
+
+def test_the_front_answers_tool_calls_with_token_ids_and_logprobs(tok, front):
+    engine = Scripted([ids(tok, "compute 3 + 4 <eos>"), ids(tok, "7 <eos>")])
+    client = open_episode(front, engine)
+    tools = [{"type": "function", "function": {"name": "compute", "parameters": {}}}]
+    messages = [{"role": "user", "content": "what is 3 plus 4"}]
+    first = client.chat.completions.create(model="policy", messages=messages, tools=tools, logprobs=True)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls[0].function.name == "compute"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"expression": "3 + 4"}
+    assert first.prompt_token_ids == engine.prompts[0] == ids(tok, tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True))
+    assert choice.token_ids == ids(tok, "compute 3 + 4 <eos>")
+    assert [t.logprob for t in choice.logprobs.content] == [-0.5] * 5
+    assert first.usage.prompt_tokens == len(first.prompt_token_ids) and first.usage.completion_tokens == 5
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "result 7"}]
+    second = client.chat.completions.create(model="policy", messages=messages, tools=tools)
+    assert second.choices[0].message.content == "7" and second.choices[0].finish_reason == "stop"
+    # the exact episode: prompt, the sampled call, the tool turn (delta render), the answer
+    assert engine.prompts[1] == engine.prompts[0] + ids(tok, "compute 3 + 4 <eos> <|user|> result 7 <|assistant|>")
+    log = front.close_episode("ep")
+    sample = sample_from_calls([(c.prompt_ids, c.sample) for c in log.calls], prompt_index=0, sample_index=0,
+                               with_kept=False)
+    assert sample.output_ids == ids(tok, "compute 3 + 4 <eos> <|user|> result 7 <|assistant|> 7 <eos>")
+    assert sample.output_mask == [1] * 5 + [0] * 4 + [1] * 2
+    assert log.error is None and log.tool_call_errors == 0
+
+
+def test_exact_tokens_when_re_tokenizing_the_history_would_differ(tok, front):
+    """The model sampled a special token inside its answer; the SDK's message holds the decoded
+    text without it, so re-rendering the history would give other ids than those sampled. The
+    front keeps the sampled ids (the previous prompt + the engine's output + the new turn)."""
+    sampled = ids(tok, "7 <|user|> 8 <eos>")
+    engine = Scripted([sampled, ids(tok, "7 <eos>")])
+    client = open_episode(front, engine)
+    messages = [{"role": "user", "content": "what is 3 plus 4"}]
+    first = client.chat.completions.create(model="policy", messages=messages)
+    assert first.choices[0].message.content == "7 8"
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "result 7"}]
+    client.chat.completions.create(model="policy", messages=messages)
+    exact = engine.prompts[0] + sampled + ids(tok, "<|user|> result 7 <|assistant|>")
+    naive = ids(tok, tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert engine.prompts[1] == exact
+    assert naive != exact and naive[:len(engine.prompts[0])] == engine.prompts[0]
+    assert front.close_episode("ep").error is None
+
+
+def test_a_conversation_that_does_not_continue_the_episode_is_refused(tok, front):
+    engine = Scripted([ids(tok, "5 <eos>"), ids(tok, "6 <eos>")])
+    client = open_episode(front, engine)
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "what is 2 plus 3"}])
+    again = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "what is 1 plus 1"}])
+    assert again.choices[0].finish_reason == "length" and again.choices[0].token_ids == []
+    log = front.close_episode("ep")
+    assert log.error == "diverged" and len(log.calls) == 1 and "does not continue" in log.error_message
+
+
+def test_budget_and_turn_limits_answer_length_without_recording(tok, front):
+    engine = Scripted([ids(tok, "1 2 3 4"), ids(tok, "5")])
+    client = open_episode(front, engine, max_calls=1)
+    messages = [{"role": "user", "content": "what"}]
+    first = client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+    assert first.choices[0].token_ids == ids(tok, "1 2")  # max_tokens honoured
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+    second = client.chat.completions.create(model="policy", messages=messages)
+    assert second.choices[0].finish_reason == "length" and second.choices[0].message.content == ""
+    log = front.close_episode("ep")
+    assert len(log.calls) == 1 and log.refused_calls == 1
+
+
+def test_requests_are_checked_and_authenticated(tok, front):
+    engine = Scripted([ids(tok, "5 <eos>")])
+    client = open_episode(front, engine)
+    msgs = [{"role": "user", "content": "what"}]
+    for kwargs, param in [({"n": 2}, "n"), ({"stream": True}, "stream"), ({"tool_choice": "required"}, "tool_choice"),
+                          ({"stop": ["what is"]}, "stop"), ({"top_logprobs": 3}, "top_logprobs"),
+                          ({"temperature": float("nan")}, None)]:
+        with pytest.raises((openai.BadRequestError, ValueError)) as e:
+            client.chat.completions.create(model="policy", messages=msgs, **kwargs)
+        if param is not None:
+            assert param in str(e.value)
+    bad = openai.OpenAI(base_url=front.base_url("ep"), api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model="policy", messages=msgs)
+    other = openai.OpenAI(base_url=front.base_url("nope"), api_key=front.api_key, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        other.chat.completions.create(model="policy", messages=msgs)
+    assert [m.id for m in client.models.list()] == ["policy"]
+    assert front.close_episode("ep").calls == []
+
+
+def test_completions_route_extends_by_ids(tok, front):
+    engine = Scripted([ids(tok, "7 <eos>"), ids(tok, "8")])
+    client = open_episode(front, engine)
+    first = client.completions.create(model="policy", prompt=ids(tok, "<|user|> what <|assistant|>"), logprobs=1)
+    assert first.choices[0].text == "7" and first.choices[0].logprobs.token_logprobs == [-0.5, -0.5]
+    client.completions.create(model="policy", prompt=first.prompt_token_ids + first.choices[0].token_ids + [5])
+    log = front.close_episode("ep")
+    assert log.error is None and len(log.calls) == 2
+
+
+def test_same_message_ignores_sdk_fields_and_argument_spacing():
+    a = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}
+    b = {"role": "assistant", "content": "", "refusal": None, "tool_calls": [
+        {"id": "other", "type": "function", "function": {"name": "f", "arguments": '{"x":1}'}}]}
+    assert same_message(a, b)
+    assert not same_message(a, {**b, "content": "hi"})
+
+
+def test_trajectory_refuses_a_prompt_that_does_not_extend():
+    s = Sample(prompt_index=0, sample_index=0, prompt_ids=[1, 2], output_ids=[3], output_logprobs=[-1.0],
+               finish_reason="stop", weight_version="2")
+    with pytest.raises(NotAnExtension):
+        sample_from_calls([([1, 2], s), ([1, 9, 3], s)], prompt_index=0, sample_index=0, with_kept=False)
+    out = sample_from_calls([([1, 2], s), ([1, 2, 3, 4], s)], prompt_index=0, sample_index=0, with_kept=True)
+    assert out.output_ids == [3, 4, 3] and out.output_mask == [1, 0, 1] and out.output_logprobs == [-1, 0, -1]
+    assert out.kept_ids == [None, None, None] and out.weight_version == "2"
+
+
+def test_agent_failures_are_counted_and_the_run_goes_on(tok, files, engine, capfd):
+    prompts = [make_prompt(tok, 0)]
+    for fn, kind, timeout in [("raises", "error", 20.0), ("hangs", "timeout", 3.0), ("no_calls", "error", 20.0),
+                              ("rewrites_history", "diverged", 20.0)]:
+        runner = agent_runner(tok, files, fn, timeout_s=timeout)
+        try:
+            t0 = time.monotonic()
+            episodes = runner(engine, prompts, 2, SAMPLING, 1)
+            assert time.monotonic() - t0 < 30
+        finally:
+            runner.close()
+        assert [e.error for e in episodes] == [kind, kind], fn
+        # as the built-in loop, a failed episode keeps the turns it had, scored by on_env_error;
+        # a diverged one has no consistent tokens to keep
+        assert all(bool(e.sample.output_ids) == (fn in ("raises", "hangs")) for e in episodes), fn
+        err = capfd.readouterr().err
+        assert err.count(f"rollout.agent {kind} at") == 1, (fn, err)  # printed once, counted twice
+        if fn == "raises":
+            assert "agents.py:" in err and "the agent's own bug" in err
+    stats = episode_stats(episodes)
+    assert stats["multi_turn/diverged"] == 2.0
+
+
+def test_a_bad_request_reaches_the_agent_as_the_sdks_error(tok, files, engine):
+    runner = agent_runner(tok, files, "bad_request")
+    try:
+        (episode,) = runner(engine, [make_prompt(tok)], 1, SAMPLING, 1)
+    finally:
+        runner.close()
+    assert episode.metrics == {"refused": 1.0} and episode.error == "error"  # no model call was made
+
+
+def test_contract_errors_stop_the_run_in_one_line(tok, files, engine, tmp_path):
+    runner = agent_runner(tok, files, "bad_result")
+    try:
+        with pytest.raises(AgentContractError, match=r"bad_result returned str; expected a number"):
+            runner(engine, [make_prompt(tok)], 1, SAMPLING, 1)
+    finally:
+        runner.close()
+    with pytest.raises(ConfigError, match="not_there"):
+        agent_runner(tok, files, "not_there")
+    with pytest.raises(ConfigError, match="not found"):
+        AgentRunner(f"{tmp_path}/missing.py:fn", tok, TurnRenderer(tok, "user"), max_turns=1,
+                    max_episode_tokens=8, timeout_s=5, workers=1)
+
+
+def test_no_agent_process_outlives_the_runner(tok, files, engine):
+    runner = agent_runner(tok, files, "nudge", workers=2)
+    runner(engine, [make_prompt(tok)], 2, SAMPLING, 1)
+    pids = [p.pid for p in runner._idle]
+    assert pids
+    runner.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.05)
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids)
+
+
+def test_exact_tokens_with_a_qwen_style_template_and_hermes_tool_calls(smollm2_dir):
+    """A real BPE tokenizer (SmolLM2's) with a Qwen2.5-style template: the model wrote its call
+    without JSON spaces; the SDK sends it back as parsed tool_calls, which the template would
+    re-render with its own spacing. The episode keeps the sampled ids."""
+    from transformers import AutoTokenizer
+
+    from tests.support.chat_templates import QWEN_STYLE
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tok.chat_template = QWEN_STYLE
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    sampled = ids(tok, '<tool_call>\n{"name":"add","arguments":{"a":3,"b":4}}\n</tool_call>') + [eos]
+    engine = Scripted([sampled, ids(tok, "It is 7.") + [eos]])
+    front = AgentFront(tok, TurnRenderer(tok, "tool"), tool_call_format="hermes").start()
+    try:
+        front.open_episode("ep", EpisodeLog(engine=engine, sampling=SamplingParams(max_new_tokens=64,
+                                                                                   stop_token_ids=[eos]),
+                                            seed=None, max_calls=4, max_tokens=256))
+        client = openai.OpenAI(base_url=front.base_url("ep"), api_key=front.api_key, max_retries=0)
+        tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+        messages = [{"role": "user", "content": "What is 3 plus 4?"}]
+        first = client.chat.completions.create(model="policy", messages=messages, tools=tools)
+        assert first.prompt_token_ids == ids(tok, tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                                          add_generation_prompt=True))
+        (call,) = first.choices[0].message.tool_calls
+        assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 3, "b": 4}
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+        second = client.chat.completions.create(model="policy", messages=messages, tools=tools)
+        assert second.choices[0].message.content == "It is 7."
+        turn = "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        exact = first.prompt_token_ids + sampled + ids(tok, turn)
+        assert engine.prompts[1] == exact == second.prompt_token_ids
+        naive = ids(tok, tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True))
+        assert naive != exact  # '{"name": "add", "arguments": {"a": 3, "b": 4}}': the template's spacing
+        log = front.close_episode("ep")
+        assert log.error is None and log.tool_call_errors == 0
+    finally:
+        front.close()
