@@ -204,7 +204,7 @@ def test_a_tool_class_answers_as_its_methods_do():
         first = env.step("let me count " + call("increment", step=2))
         assert first["observation"] == str(direct.increment(step=2)) == "2"
         assert first["done"] is False and first["reward"] == direct.get_reward() == 0.0
-        assert first["counts"] == {"tool_calls": 1, "tool_failures": 0, "tool_calls_malformed": 0}
+        assert first["counts"] == {"tool_calls": 1, "tool_failures": 0, "tool_call_errors": 0}
         # two calls in one turn: one result each, in order, one observation
         second = env.step(call("increment", step=-1) + call("increment", step=2))
         assert second["observation"] == f"{direct.increment(step=-1)}\n{direct.increment(step=2)}" == "1\n3"
@@ -212,7 +212,7 @@ def test_a_tool_class_answers_as_its_methods_do():
         # a turn without a call ends the episode; the sum of the step rewards is get_reward() of the end
         last = env.step("done")
         assert last == {"observation": None, "done": True, "reward": 0.0,
-                        "counts": {"tool_calls": 0, "tool_failures": 0, "tool_calls_malformed": 0}}
+                        "counts": {"tool_calls": 0, "tool_failures": 0, "tool_call_errors": 0}}
         assert first["reward"] + second["reward"] + last["reward"] == direct.get_reward()
     finally:
         env.close()
@@ -235,15 +235,15 @@ def test_a_bad_tool_call_is_a_visible_counted_observation_not_a_crash(env_files)
         "{'error': 'Tool vanish not found.'}",
         "{'error': \"Raises.explode() got an unexpected keyword argument 'reason'\"}",
         str({"error": parse_error})]
-    assert out["done"] is False and out["counts"] == {"tool_calls": 3, "tool_failures": 3, "tool_calls_malformed": 1}
+    assert out["done"] is False and out["counts"] == {"tool_calls": 3, "tool_failures": 3, "tool_call_errors": 1}
     # the counts are summed into the step's metrics
     sample = Sample(prompt_index=0, sample_index=0, prompt_ids=[1], output_ids=[2], output_logprobs=[-1.0],
                     finish_reason="stop", weight_version="0")
-    stats = episode_stats([Episode(sample, 2, 0.0, counts=out["counts"]), Episode(sample, 1, 0.0),
-                           Episode(sample, 2, 1.0, counts={"tool_calls": 2, "tool_failures": 0,
-                                                           "tool_calls_malformed": 0})])
+    stats = episode_stats([Episode(sample, 2, 0.0, counts={"tool_calls": 3, "tool_failures": 3}, tool_call_errors=1),
+                           Episode(sample, 1, 0.0),
+                           Episode(sample, 2, 1.0, counts={"tool_calls": 2, "tool_failures": 0})])
     assert (stats["multi_turn/env/tool_calls"], stats["multi_turn/env/tool_failures"],
-            stats["multi_turn/env/tool_calls_malformed"]) == (5.0, 3.0, 1.0)
+            stats["multi_turn/tool_call_errors"]) == (5.0, 3.0, 1.0)
 
 
 def test_a_reset_that_owns_the_prompt_is_refused_in_one_line(env_files):

@@ -74,7 +74,8 @@ class Episode:
     """Agent episodes: the numbers the agent returned besides its reward."""
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
     """The environment's named event counts, summed over its steps (a step's optional
-    ``counts``: the tools connector's tool calls and failed ones, say)."""
+    ``counts``: the tools connector's tool calls and failed ones, say); its
+    ``tool_call_errors`` go to ``tool_call_errors`` instead, the agent episodes' count."""
 
     @property
     def num_model_tokens(self) -> int:
@@ -230,7 +231,8 @@ class EpisodeRunner:
                         kept_ids=kept if sampling.sampling_mask_max_kept > 0 else None,
                         log_kept_mass=masses if sampling.sampling_mask_max_kept > 0 else None)
         return Episode(sample=sample, num_turns=turns, env_reward=env_reward, error=error, env_s=env_s,
-                       generate_s=gen_s, observations_cut=cut, counts=counts)
+                       generate_s=gen_s, observations_cut=cut, tool_call_errors=counts.pop("tool_call_errors", 0),
+                       counts=counts)
 
     def _report(self, kind: str, where: str, message: str) -> None:
         """Print a failure once per (kind, site); every occurrence is counted in the metrics."""

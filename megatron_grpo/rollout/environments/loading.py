@@ -138,7 +138,9 @@ def class_problem(cls: Any, where: str) -> str | None:
 def check_step_result(out: Any, where: str) -> dict:
     """``step``'s answer as ``{"observation": str | None, "done": bool, "reward": float}`` plus
     ``"counts": dict[str, int]`` when the step sent a non-empty one (named event counts of the
-    step, e.g. the tools connector's failed tool calls, summed into the step's metrics);
+    step, e.g. the tools connector's failed tool calls, summed into the step's metrics:
+    ``multi_turn/env/<name>``, and ``tool_call_errors``, malformed calls, as
+    ``multi_turn/tool_call_errors`` like an agent episode's);
     ValueError (one line naming ``where``) when it has another shape."""
     head = f"rollout.environment {where}: step returned"
     if not isinstance(out, dict):

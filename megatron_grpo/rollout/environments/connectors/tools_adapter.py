@@ -21,9 +21,10 @@ takes it (TRL's docs: grpo_trainer.md, "Environments"; its ``_tool_call_loop``):
   ``get_reward()`` of the state the episode ended in, however it ended (no call, the turn or
   token limit). A class without ``get_reward`` reports 0: the reward functions score the text;
 * every step reports its ``counts``: ``tool_calls`` (calls made), ``tool_failures`` (of those,
-  an unknown name, bad arguments or a raising tool), ``tool_calls_malformed`` (calls that did
-  not parse), summed into the ``multi_turn/env/...`` metrics (TRL's ``tools/call_frequency`` and
-  ``tools/failure_frequency``, as counts).
+  an unknown name, bad arguments or a raising tool), summed into ``multi_turn/env/tool_calls``
+  and ``multi_turn/env/tool_failures`` (TRL's ``call_frequency`` and ``failure_frequency`` tool
+  metrics, as counts), and ``tool_call_errors`` (calls that did not parse), summed into
+  ``multi_turn/tool_call_errors`` as an agent episode's malformed calls are.
 
 Departures, each because this loop's prompt is rendered before the episode starts and the
 environment speaks text: a ``reset`` that returns a prompt (TRL appends it to the last user
@@ -140,8 +141,7 @@ class ToolsAdapter:
 
     def step(self, response: str) -> dict:
         parsed = parse_tool_calls(response, self.fmt)
-        counts = {"tool_calls": len(parsed.tool_calls), "tool_failures": 0,
-                  "tool_calls_malformed": len(parsed.errors)}
+        counts = {"tool_calls": len(parsed.tool_calls), "tool_failures": 0, "tool_call_errors": len(parsed.errors)}
         if not parsed.tool_calls and not parsed.errors:  # no call: the model's final answer
             return {"observation": None, "done": True, "reward": self._reward(), "counts": counts}
         texts = []
