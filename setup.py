@@ -44,6 +44,11 @@ setup(
         # peft: loads an exported LoRA adapter onto the HF model (the export's independent check and
         # users' own inference); training LoRA needs nothing beyond the base install
         "lora": ["peft>=0.17"],
+        # environments written for the agent libraries (docs/multi_turn.md, "Environments from
+        # skyrl-gym, OpenEnv and TRL-style tool classes"): imported only by the environment workers
+        # of a run whose rollout.environment names them (skyrl_gym:..., openenv:...); TRL-style
+        # tool classes (tools:...) need neither
+        "agents": ["skyrl-gym>=0.4.0", "openenv-core>=0.3.0"],
         # tensorboard: its logging test; triton: the Triton kernels' tests (its CPU interpreter;
         # CUDA builds of torch bring triton, the CPU wheel does not); pytest-xdist: the suite runs on
         # two workers (launch/run_tests.sh). pytest < 9.1: xdist 3.8 groups tests by renaming their

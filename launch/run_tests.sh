@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Install megatron-grpo with its test, reasoning, gguf and lora extras (the reasoning-gym, math-verify, GGUF
-# and peft tests need the real libraries) and run the whole test suite on two pytest-xdist
-# workers (CPU, 2 cores: see README.md for the time). MEGATRON_GRPO_TEST_WORKERS=0 runs it in one
-# process; tests/conftest.py keeps each module, and every test of the shared SGLang servers, on one
-# worker, heaviest groups first.
+# Install megatron-grpo with its test, reasoning, gguf, lora and agents extras (the reasoning-gym,
+# math-verify, GGUF, peft, skyrl-gym and OpenEnv tests need the real libraries) and run the whole test
+# suite on two pytest-xdist workers (CPU, 2 cores: see README.md for the time).
+# MEGATRON_GRPO_TEST_WORKERS=0 runs it in one process; tests/conftest.py keeps each module, and every
+# test of the shared SGLang servers, on one worker, heaviest groups first.
 # torch==2.13.0 is installed first: on the project's CPU machines it is a local CPU wheel;
 # an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-python -m pip install --quiet --disable-pip-version-check -e ".[test,reasoning,gguf,lora]"
+python -m pip install --quiet --disable-pip-version-check -e ".[test,reasoning,gguf,lora,agents]"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 workers="${MEGATRON_GRPO_TEST_WORKERS:-2}"
 parallel=()

@@ -9,6 +9,7 @@ from typing import Literal, Optional
 
 from megatron_grpo.config.base import check
 from megatron_grpo.config.dapo import DynamicSamplingConfig, OverlongConfig
+from megatron_grpo.config.env_connectors import connector_problem, split_connector_spec
 
 
 @dataclass(kw_only=True)
@@ -83,10 +84,13 @@ def environment_problem(spec: str) -> Optional[str]:
     """Why ``spec`` cannot name an environment (None if it can); checks the file exists, imports nothing."""
     if spec in BUILTIN_ENVIRONMENTS:
         return None
+    connector = split_connector_spec(spec)  # skyrl_gym:..., openenv:..., tools:... (config/env_connectors.py)
+    if connector is not None:
+        return connector_problem(*connector)
     m = ENVIRONMENT_FILE_RE.match(spec)
     if m is None:
-        return (f"{spec!r} is neither a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}) nor a file "
-                "path path/to/env.py:ClassName")
+        return (f"{spec!r} is neither a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}), a file "
+                "path path/to/env.py:ClassName nor a connector's <prefix>:<target>")
     path = Path(m["path"]).expanduser().resolve()
     if not path.is_file():
         return f"environment file {path} not found (a relative path is resolved against the current directory)"
@@ -310,8 +314,9 @@ class RolloutConfig:
     environment: Optional[str] = None
     """Multi-turn episodes with an environment (docs/multi_turn.md): a built-in (calculator,
     guess_number) or `path/to/env.py:ClassName`, a class constructed with the dataset row whose
-    `step(response) -> {"observation", "done", "reward"}` answers each model turn. null:
-    single-turn rollouts."""
+    `step(response) -> {"observation", "done", "reward"}` answers each model turn; or an
+    environment of another library: `skyrl_gym:<env id>`, `openenv:path/to/app.py:app`,
+    `tools:path/to/env.py:ClassName` (a TRL environment_factory class). null: single-turn rollouts."""
 
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Turn limits, observation rendering and environment failures of `environment` episodes."""

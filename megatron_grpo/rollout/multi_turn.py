@@ -72,6 +72,10 @@ class Episode:
     """Agent episodes (``rollout/agents``): malformed tool calls the model wrote (the agent saw them as text)."""
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """Agent episodes: the numbers the agent returned besides its reward."""
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The environment's named event counts, summed over its steps (a step's optional
+    ``counts``: the tools connector's tool calls and failed ones, say); its
+    ``tool_call_errors`` go to ``tool_call_errors`` instead, the agent episodes' count."""
 
     @property
     def num_model_tokens(self) -> int:
@@ -102,7 +106,7 @@ class EpisodeRunner:
         the chat template renders observation turns prefix-stably. One-line errors."""
         mt = rollout_cfg.multi_turn
         try:
-            check_environment(rollout_cfg.environment, mt.env_timeout_s)
+            check_environment(rollout_cfg.environment, mt.env_timeout_s, prepare=True)
         except EnvContractError as e:
             raise ConfigError("", str(e)) from None
         formatter = (load_file(mt.observation_formatter, "rollout.multi_turn.observation_formatter")
@@ -155,6 +159,7 @@ class EpisodeRunner:
         versions: list[str] = []
         token_versions: list[Optional[str]] = []  # per output token (None: observation, or not reported)
         server, finish, error, env_reward, turns, cut = "", "stop", None, 0.0, 0, 0
+        counts: dict[str, int] = {}
         env_s = gen_s = 0.0
         env: Optional[EnvProcess] = None
         t0 = time.monotonic()
@@ -190,6 +195,8 @@ class EpisodeRunner:
                 answer = await loop.run_in_executor(pool, env.step, text, limit)
                 env_s += time.monotonic() - t0
                 env_reward += answer["reward"]
+                for name, n in answer.get("counts", {}).items():
+                    counts[name] = counts.get(name, 0) + n
                 if answer["done"] or answer["observation"] is None or turns >= cfg.max_turns:
                     break
                 observation = answer["observation"]
@@ -224,7 +231,8 @@ class EpisodeRunner:
                         kept_ids=kept if sampling.sampling_mask_max_kept > 0 else None,
                         log_kept_mass=masses if sampling.sampling_mask_max_kept > 0 else None)
         return Episode(sample=sample, num_turns=turns, env_reward=env_reward, error=error, env_s=env_s,
-                       generate_s=gen_s, observations_cut=cut)
+                       generate_s=gen_s, observations_cut=cut, tool_call_errors=counts.pop("tool_call_errors", 0),
+                       counts=counts)
 
     def _report(self, kind: str, where: str, message: str) -> None:
         """Print a failure once per (kind, site); every occurrence is counted in the metrics."""
@@ -267,9 +275,10 @@ def episode_rewards(scored: Sequence[float], episodes: Sequence[Episode], n: int
 
 
 def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
-    """The step's ``multi_turn/...`` metrics over ``episodes``."""
+    """The step's ``multi_turn/...`` metrics over ``episodes``; an environment's named counts
+    (``Episode.counts``) summed as ``multi_turn/env/<name>``, for the names this step reported."""
     turns = np.array([e.num_turns for e in episodes], dtype=np.float64)
-    return {
+    stats = {
         "multi_turn/turns_mean": float(turns.mean()),
         "multi_turn/turns_max": float(turns.max()),
         "multi_turn/model_tokens_mean": float(np.mean([e.num_model_tokens for e in episodes])),
@@ -285,6 +294,10 @@ def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
         "multi_turn/generate_s": float(sum(e.generate_s for e in episodes)),
         **agent_metrics(episodes),
     }
+    for e in episodes:
+        for name, n in e.counts.items():
+            stats[f"multi_turn/env/{name}"] = stats.get(f"multi_turn/env/{name}", 0.0) + float(n)
+    return stats
 
 
 def agent_metrics(episodes: Sequence[Episode]) -> dict[str, float]:

@@ -3,40 +3,99 @@
 Runs inside an environment worker process (``worker.py``): loading executes the user's file.
 A file ``path/to/env.py:ClassName`` is loaded by path, with no ``PYTHONPATH`` change, once per
 process under a name derived from its absolute path (as reward files, ``rewards/registry.py``).
+A connector's spec ``<prefix>:<target>`` (``config/env_connectors.py``) is handed to its adapter
+module, imported here on first use (the libraries stay out of every process that does not
+run such an environment); the adapter returns a class that follows the same contract.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import inspect
 import math
 import numbers
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_grpo.config.env_connectors import ENVIRONMENT_CONNECTORS, split_connector_spec
 from megatron_grpo.config.rollout import ENVIRONMENT_FILE_RE
 from megatron_grpo.rollout.environments.builtin import BUILTINS
 
+MAX_COUNTS = 16
+"""Most names in one step's ``counts`` (bounded work and metrics per step)."""
+COUNT_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+
+
+class ContractViolation(ValueError):
+    """Raised inside a worker by an environment adapter when the environment cannot run under
+    this loop's contract (a connector's library asks for something the loop cannot do): the
+    worker reports it as ``EnvContractError``, one line that stops the run, not a counted
+    failure of one episode."""
+
 
 def describe(spec: str) -> str:
-    """``<absolute file>:<Class>`` (or the built-in's name) for error messages."""
+    """``<absolute file>:<Class>`` (or the built-in's name, or ``<prefix>:<target>`` with the
+    target's file made absolute) for error messages."""
+    connector = split_connector_spec(spec)
+    if connector is not None:
+        return f"{connector[0]}:{describe(connector[1])}"
     m = ENVIRONMENT_FILE_RE.match(spec)
     return spec if m is None else f"{Path(m['path']).expanduser().resolve()}:{m['attr']}"
+
+
+def connector_module(spec: str):
+    """``(adapter module, target)`` of a connector's spec, or None for any other spec. The module
+    is imported here, in the process that runs the environment; ValueError (one line) for an
+    unknown prefix or a library that does not import."""
+    connector = split_connector_spec(spec)
+    if connector is None:
+        return None
+    prefix, target = connector
+    if prefix not in ENVIRONMENT_CONNECTORS:
+        raise ValueError(f"rollout.environment {spec!r}: unknown environment connector {prefix!r} "
+                         f"(known: {', '.join(ENVIRONMENT_CONNECTORS)})")
+    return importlib.import_module(ENVIRONMENT_CONNECTORS[prefix].module), target
+
+
+def prepare_environment(spec: str, workdir: str) -> None:
+    """Start what ``spec``'s episodes share (an OpenEnv server), or preload its library, in the
+    calling process: the fork server, so that every worker forked after it inherits both
+    (``workdir``: a folder of the fork server's, removed with it). A connector without shared
+    state, a built-in or a file: nothing. Never raises: a failure is kept by the adapter module
+    and reported, in one line, by the workers that load the spec."""
+    try:
+        found = connector_module(spec)
+    except Exception:  # noqa: BLE001 (reported by the worker that loads the spec, in one line)
+        return
+    if found is not None and hasattr(found[0], "prepare"):
+        found[0].prepare(found[1], workdir)
 
 
 def load_environment_class(spec: str) -> type:
     """The class ``spec`` names; ValueError (one line: file, class, what is wrong) otherwise."""
     if spec in BUILTINS:
         return BUILTINS[spec]
+    found = connector_module(spec)
+    if found is not None:
+        module, target = found
+        return module.environment_class(target)
+    return load_file_attribute(spec, "rollout.environment")
+
+
+def load_file_attribute(spec: str, key: str, prefix: str = "") -> Any:
+    """The attribute ``path/to/file.py:name`` names (the file loaded by path, once per process);
+    ValueError (one line: ``key``, ``prefix`` + the file and the name, what is wrong) otherwise."""
     m = ENVIRONMENT_FILE_RE.match(spec)
     if m is None:
-        raise ValueError(f"rollout.environment {spec!r} is not path/to/env.py:ClassName")
+        raise ValueError(f"{key} {prefix}{spec!r} is not path/to/env.py:ClassName")
     path = Path(m["path"]).expanduser().resolve()
-    where = f"{path}:{m['attr']}"
+    where = f"{prefix}{path}:{m['attr']}"
     if not path.is_file():
-        raise ValueError(f"rollout.environment {where}: file not found")
+        raise ValueError(f"{key} {where}: file not found")
     module_name = f"megatron_grpo_env_file_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     module = sys.modules.get(module_name)
     if module is None:
@@ -47,10 +106,10 @@ def load_environment_class(spec: str) -> type:
             file_spec.loader.exec_module(module)
         except Exception as e:  # any failure inside the user's file is reported the same way
             del sys.modules[module_name]
-            raise ValueError(f"rollout.environment {where}: loading the file failed: {one_line(e)}") from None
+            raise ValueError(f"{key} {where}: loading the file failed: {one_line(e)}") from None
     cls = getattr(module, m["attr"], None)
     if cls is None:
-        raise ValueError(f"rollout.environment {where}: the file has no attribute {m['attr']!r}")
+        raise ValueError(f"{key} {where}: the file has no attribute {m['attr']!r}")
     return cls
 
 
@@ -77,15 +136,25 @@ def class_problem(cls: Any, where: str) -> str | None:
 
 
 def check_step_result(out: Any, where: str) -> dict:
-    """``step``'s answer as ``{"observation": str | None, "done": bool, "reward": float}``;
+    """``step``'s answer as ``{"observation": str | None, "done": bool, "reward": float}`` plus
+    ``"counts": dict[str, int]`` when the step sent a non-empty one (named event counts of the
+    step, e.g. the tools connector's failed tool calls, summed into the step's metrics:
+    ``multi_turn/env/<name>``, and ``tool_call_errors``, malformed calls, as
+    ``multi_turn/tool_call_errors`` like an agent episode's);
     ValueError (one line naming ``where``) when it has another shape."""
     head = f"rollout.environment {where}: step returned"
     if not isinstance(out, dict):
         raise ValueError(f"{head} a {type(out).__name__}; expected a dict "
                          '{"observation": str | None, "done": bool, "reward": float (optional)}')
-    unknown = sorted(set(out) - {"observation", "done", "reward"})
+    unknown = sorted(set(out) - {"observation", "done", "reward", "counts"})
     if unknown:
-        raise ValueError(f"{head} unknown keys {unknown}; expected observation, done, reward")
+        raise ValueError(f"{head} unknown keys {unknown}; expected observation, done, reward (and counts)")
+    counts = out.get("counts") or {}
+    if not isinstance(counts, dict) or len(counts) > MAX_COUNTS or not all(
+            isinstance(k, str) and COUNT_NAME_RE.match(k) and isinstance(v, int) and not isinstance(v, bool)
+            and v >= 0 for k, v in counts.items()):
+        raise ValueError(f"{head} counts={str(counts)[:80]!r}; expected at most {MAX_COUNTS} names "
+                         "(lower_snake_case) -> integers >= 0")
     obs, done, reward = out.get("observation"), out.get("done"), out.get("reward", 0.0)
     if obs is not None and not isinstance(obs, str):
         raise ValueError(f"{head} observation of type {type(obs).__name__}; expected str or None")
@@ -95,7 +164,10 @@ def check_step_result(out: Any, where: str) -> dict:
         reward = 0.0
     if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
         raise ValueError(f"{head} reward={str(reward)[:40]!r}; expected a finite number")
-    return {"observation": obs, "done": done, "reward": float(reward)}
+    answer = {"observation": obs, "done": done, "reward": float(reward)}
+    if counts:
+        answer["counts"] = dict(counts)
+    return answer
 
 
 def one_line(e: BaseException) -> str:

@@ -8,8 +8,12 @@ Forking there is safe (the server is single-purpose) and fast (no interpreter st
 episode); the server exits when the trainer's process does (its stdin closes), and a worker
 exits when its connection closes or its fork server exits (a hung one too: Linux's parent-death
 signal). Each worker leads a process group of its own, killed whole (``kill_worker``, and by the
-fork server as it exits), so no process the user's code started outlives its worker. The same server forks the worker of a custom rollout function (``run`` requests:
-``rollout/function_worker.py``).
+fork server as it exits), so no process the user's code started outlives its worker. The fork
+server reads each request before it forks: for a connector's spec (``skyrl_gym:``, ``openenv:``)
+it first prepares what that spec's episodes share (``loading.prepare_environment``: a library
+preloaded, an OpenEnv server started as a child of its own), which every worker forked after
+it inherits and which ends with the fork server like its workers. The same server forks the
+worker of a custom rollout function (``run`` requests: ``rollout/function_worker.py``).
 
 ``EnvProcess(spec, row, timeout_s)`` gets a worker, which loads ``spec``, constructs the
 environment with ``row`` and then answers ``step(response)`` calls; an ``async def step`` runs
@@ -18,7 +22,8 @@ has its own allowance): past it the worker is killed (SIGKILL, which even a sync
 ``while True`` cannot ignore) and the call raises ``EnvCallError("timeout")``. An exception
 inside the environment raises ``EnvCallError("error")`` with the file:line where it was
 raised. A broken contract (no such file or class, no ``step``, a ``step`` answer of the
-wrong shape) raises ``EnvContractError``: a one-line user error that stops the run.
+wrong shape, a connector's ``ContractViolation``) raises ``EnvContractError``: a one-line user
+error that stops the run.
 """
 
 from __future__ import annotations
@@ -41,11 +46,21 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_grpo.rollout.environments.loading import (check_step_result, class_problem, describe,
-                                                        load_environment_class, one_line)
+from megatron_grpo.rollout.environments.loading import (ContractViolation, check_step_result, class_problem,
+                                                        describe, load_environment_class, one_line,
+                                                        prepare_environment)
 
 STARTUP_TIMEOUT_S = 60.0
 """Allowance for the fork server and a worker to start (not the environment's: it has not run yet)."""
+
+PREPARE_TIMEOUT_S = 180.0
+"""Allowance for the fork server to prepare what a connector's episodes share before it forks
+their worker (``loading.prepare_environment``: an OpenEnv server's start, which imports its
+app, within the connector's own deadline; a library preloaded): once per run, or after that
+server died."""
+
+REQUEST_READ_S = 10.0
+"""How long the fork server waits for a connected client's request (sent right after connecting)."""
 
 
 class EnvContractError(ValueError):
@@ -88,7 +103,7 @@ class _ForkServer:
         """A new worker serving ``request``: (its connection, its pid)."""
         conn = Client(self.address, family="AF_UNIX", authkey=self.authkey)
         conn.send(request)
-        if not conn.poll(STARTUP_TIMEOUT_S):
+        if not conn.poll(STARTUP_TIMEOUT_S + PREPARE_TIMEOUT_S):
             conn.close()
             raise EnvCallError("error", "a worker process did not start", str(request[1]))
         return conn, conn.recv()
@@ -143,6 +158,18 @@ def _server_main() -> None:
             conn = listener.accept()
         except Exception:  # a client that failed the handshake
             continue
+        # the request is read here, before the fork: a connector's shared state (an OpenEnv
+        # server, a preloaded library) is prepared in this process, so every worker forked
+        # after it inherits it, and the server it started dies with this process
+        try:
+            request = conn.recv() if conn.poll(REQUEST_READ_S) else None
+        except (EOFError, OSError):
+            request = None
+        if request is None:
+            conn.close()
+            continue
+        if request[0] == "serve" or (request[0] == "check" and request[2]):
+            prepare_environment(request[1], os.path.dirname(address))
         server_pid = os.getpid()
         if os.fork() == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -153,7 +180,6 @@ def _server_main() -> None:
             os.setsid()
             _die_with_parent(server_pid)
             try:
-                request = conn.recv()
                 conn.send(os.getpid())
                 if request[0] == "serve":
                     _serve(conn, request[1], request[2])
@@ -230,6 +256,9 @@ def _serve(conn, spec: str, row: dict) -> None:
         env_file = where
     try:
         env = cls(row)
+    except ContractViolation as e:  # a connector's environment asks for what the loop cannot do
+        conn.send(("contract", f"rollout.environment {where}: {e}"))
+        return
     except Exception as e:  # the user's constructor: reported, the episode ends
         conn.send(("error", {"message": f"constructor raised {one_line(e)}", "where": raise_site(e, env_file)}))
         return
@@ -247,6 +276,9 @@ def _serve(conn, spec: str, row: dict) -> None:
             if inspect.isawaitable(out):
                 loop = loop or asyncio.new_event_loop()
                 out = loop.run_until_complete(out)
+        except ContractViolation as e:
+            conn.send(("contract", f"rollout.environment {where}: {e}"))
+            return
         except Exception as e:  # the user's step: reported, the episode ends
             conn.send(("error", {"message": f"step raised {one_line(e)}", "where": raise_site(e, env_file)}))
             continue
@@ -272,10 +304,12 @@ def _check(conn, spec: str) -> None:
     conn.send(class_problem(cls, describe(spec)))
 
 
-def check_environment(spec: str, timeout_s: float) -> None:
+def check_environment(spec: str, timeout_s: float, prepare: bool = False) -> None:
     """Pre-flight, in a worker process: ``spec`` loads and names an environment class.
-    EnvContractError (one line: file, class, what is wrong) otherwise."""
-    conn, pid = fork_server().connect(("check", spec))
+    EnvContractError (one line: file, class, what is wrong) otherwise. ``prepare``: first start
+    what the spec's episodes share (the run's own pre-flight, whose episodes follow; the
+    launcher's check does not start an OpenEnv server it would stop at once)."""
+    conn, pid = fork_server().connect(("check", spec, prepare))
     try:
         if not conn.poll(timeout_s):
             raise EnvContractError(f"rollout.environment {describe(spec)}: loading the file took longer than "
