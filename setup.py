@@ -44,6 +44,11 @@ setup(
         # peft: loads an exported LoRA adapter onto the HF model (the export's independent check and
         # users' own inference); training LoRA needs nothing beyond the base install
         "lora": ["peft>=0.17"],
+        # rollout.agent: agents written against the OpenAI SDK (the worker's client), and
+        # verifiers environments through their connector (rollout/agents/connectors/): its
+        # classic API (SingleTurnEnv, MultiTurnEnv, ToolEnv, Rubric) lives in 0.1.14 to 0.3.x;
+        # 0.4 has only verifiers.v1, another API (docs/agents.md)
+        "agents": ["openai>=1.108.1", "verifiers>=0.1.14,<0.4"],
         # tensorboard: its logging test; triton: the Triton kernels' tests (its CPU interpreter;
         # CUDA builds of torch bring triton, the CPU wheel does not); pytest-xdist: the suite runs on
         # two workers (launch/run_tests.sh). pytest < 9.1: xdist 3.8 groups tests by renaming their
