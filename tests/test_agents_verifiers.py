@@ -27,6 +27,7 @@ from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.models.tiny import build_tokenizer, save_tiny_model
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.rollout.agents.connectors import load_agent
+from megatron_grpo.rollout.agents.connectors.verifiers_env import EnvRows, question_messages, rollout_input
 from megatron_grpo.rollout.agents.runner import AgentRunner, resolve_spec
 from megatron_grpo.rollout.multi_turn import episode_stats
 from megatron_grpo.rollout.turns import TurnRenderer
@@ -324,7 +325,7 @@ def test_tool_env(tok, envs_file, envs, engine):
     check_scores([*episodes, scripted], expected)
 
 
-def test_specs_and_load_errors(envs_file, tmp_path, monkeypatch):
+def test_specs_and_load_errors(envs_file, envs, tmp_path, monkeypatch):
     monkeypatch.chdir(envs_file.parent)
     assert resolve_spec("verifiers:envs.py:single") == f"verifiers:{envs_file}:single"
     assert resolve_spec(f"{envs_file}:single") == f"{envs_file}:single"  # no prefix: the user's agent function
@@ -339,3 +340,19 @@ def test_specs_and_load_errors(envs_file, tmp_path, monkeypatch):
     fn, where = load_agent(f"verifiers:{envs_file}:single", "rollout.agent")
     assert asyncio.iscoroutinefunction(fn) and where == str(envs_file)
     assert issubclass(vf.ToolEnv, vf.MultiTurnEnv)  # the classic API the connector drives (docs/agents.md)
+
+
+def test_rollout_input_from_a_row(envs):
+    env = envs.tools()
+    own = env.get_dataset()[1]
+    rows = EnvRows(env)
+    # a question, formatted as verifiers formats its dataset's question column
+    assert question_messages(env, own["question"]) == own["prompt"]
+    got = rollout_input(env, rows, {"example_id": 1, "prompt": "<rendered>", "answer": "18", "info": {"k": 1}})
+    assert got == {**own, "info": {"k": 1}}
+    other = rollout_input(env, rows, {"example_id": 1, "question": "what is 1 plus 1", "prompt": "<rendered>",
+                                      "answer": "2"})
+    assert other["prompt"] == [{"role": "system", "content": "compute the answer"},
+                               {"role": "user", "content": "what is 1 plus 1"}] and other["answer"] == "2"
+    with pytest.raises(ValueError, match="no 'question' field"):
+        rollout_input(env, rows, {"prompt": "<rendered>", "answer": "2"})

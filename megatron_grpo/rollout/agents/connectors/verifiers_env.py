@@ -5,8 +5,9 @@ as an agent (``rollout.agent: verifiers:path/to/env.py:load_environment``; docs/
 ``load_environment()`` (called without arguments) returns the ``vf.Environment``; it is built
 once per agent worker process. Each episode, in that worker:
 
-    our row -> verifiers' rollout input       ``rollout_input``: prompt messages, answer, info,
-                                              example_id and the row's other fields
+    our row -> verifiers' rollout input       ``rollout_input``: the prompt messages (the env's
+                                              dataset row by example_id, or the row's question),
+                                              answer, info and the row's other fields
     env.rollout(input, client, "policy", env.sampling_args)
                                               verifiers' own turn loop; its OpenAI client calls
                                               the front, which records every call as token ids
@@ -161,21 +162,22 @@ def rollout_input(env, rows: EnvRows, row: dict) -> dict:
     """Verifiers' rollout input for our ``row`` (``{**fields, "prompt", "answer"}``).
 
     Our ``prompt`` is the chat-template text the run rendered, not messages, so the prompt
-    messages come from the row's ``question`` field (formatted as verifiers formats a question
-    column), else from the environment's own dataset row with the row's ``example_id`` (its
-    prompt, info, and further columns; the run's fields win). The other fields go along: verifiers
-    hands a dataset row's extra columns to reward functions by name. ValueError for a row with
-    neither."""
+    messages are those of the environment's own dataset row with the row's ``example_id`` (exactly
+    what verifiers would send; taken only when that row has the same ``question``, if the run's row
+    has one), else the row's ``question`` formatted as verifiers formats a question column. The
+    environment row's other columns and all of the run's fields go along (the run's win): verifiers
+    hands a row's extra columns to reward functions by name. ValueError for a row with neither."""
     fields = {k: v for k, v in row.items() if k != "prompt"}
-    if isinstance(row.get("question"), str):
-        prompt = question_messages(env, row["question"])
-    else:
-        base = rows.get(row.get("example_id"))
-        if base is None:
-            raise ValueError("the row has no 'question' field and no 'example_id' of the environment's dataset, "
-                             "so its prompt messages are unknown (the run's 'prompt' is template-rendered text)")
+    question = row.get("question")
+    base = rows.get(row.get("example_id")) if "example_id" in row else None
+    if base is not None and (question is None or base.get("question") == question):
         prompt = base.pop("prompt")
         fields = {**base, **fields}
+    elif isinstance(question, str):
+        prompt = question_messages(env, question)
+    else:
+        raise ValueError("the row has no 'question' field and no 'example_id' of the environment's dataset, "
+                         "so its prompt messages are unknown (the run's 'prompt' is template-rendered text)")
     fields.setdefault("example_id", 0)
     fields.setdefault("info", {})
     return {**fields, "prompt": prompt}
