@@ -90,6 +90,8 @@ def compute(expression: str) -> str:
     Args:
         expression: the expression, e.g. 3 plus 4
     """
+    if expression.replace(" ", "").endswith("/0"):
+        raise ZeroDivisionError("the tool's own failure")  # one of the env's stop_errors
     try:
         return f"result {format_number(evaluate(expression))}"
     except ValueError:
@@ -98,7 +100,7 @@ def compute(expression: str) -> str:
 
 def tools():
     return vf.ToolEnv(dataset=dataset(), system_prompt="compute the answer", tools=[compute],
-                      rubric=vf.Rubric(funcs=[correct]), max_turns=3)
+                      rubric=vf.Rubric(funcs=[correct]), max_turns=3, stop_errors=[ZeroDivisionError])
 
 
 def not_an_env():
@@ -282,7 +284,7 @@ def test_multi_turn_env(tok, envs_file, envs, engine):
     check_scores(episodes, expected)
 
 
-def test_tool_env(tok, envs_file, envs, engine):
+def test_tool_env(tok, envs_file, envs, engine, capfd):
     """A ToolEnv whose tool is a python function: the model's calls in the demo's `compute`
     format reach verifiers as OpenAI tool calls, the tool's results come back as tool messages.
     The rows carry only an example_id: the prompt is the env's own dataset row (with its
@@ -298,8 +300,16 @@ def test_tool_env(tok, envs_file, envs, engine):
         episodes = runner(recorder, prompts, 3, SAMPLING, 3)
         # a scripted call and answer: the whole tool round trip, token for token
         (scripted,) = runner(Scripted(tok, ["compute 3 + 4 <eos>", "7 <eos>"]), prompts[:1], 1, SAMPLING, 3)
+        # a tool failure the env stops on (stop_errors): verifiers ends the rollout with
+        # state["error"]; the episode fails (counted, its site printed once), its turn kept
+        (stopped,) = runner(Scripted(tok, ["compute 1 / 0 <eos>"]), prompts[:1], 1, SAMPLING, 3)
     finally:
         runner.close()
+    assert stopped.error == "error" and stopped.sample.output_ids == tok("compute 1 / 0 <eos>",
+                                                                          add_special_tokens=False)["input_ids"]
+    err = capfd.readouterr().err
+    assert err.count("rollout.agent error at") == 1 and "the rollout ended in ToolCallError" in err
+    assert f"{envs_file}:" in err and "the tool's own failure" in err
     check_tokens(episodes, recorder.calls)
     assert scripted.sample.output_ids == tok("compute 3 + 4 <eos> <|user|> result 7 <|assistant|> 7 <eos>",
                                              add_special_tokens=False)["input_ids"]

@@ -210,11 +210,11 @@ def failure(message: str, cause: BaseException) -> VerifiersEpisodeError:
 
 
 def error_chain(e: BaseException) -> str:
-    """``e`` and its causes, one line."""
-    parts = [one_line(e)]
-    while e.__cause__ is not None and len(parts) < 4:
+    """``e`` and its causes (at most 4), one line: ``ToolCallError <- ZeroDivisionError: ...``."""
+    parts = []
+    while e is not None and len(parts) < 4:
+        parts.append(one_line(e) if str(e).strip() else type(e).__name__)  # verifiers' wrappers carry no message
         e = e.__cause__
-        parts.append(one_line(e))
     return " <- ".join(parts)
 
 
