@@ -44,11 +44,13 @@ setup(
         # peft: loads an exported LoRA adapter onto the HF model (the export's independent check and
         # users' own inference); training LoRA needs nothing beyond the base install
         "lora": ["peft>=0.17"],
-        # environments written for the agent libraries (docs/multi_turn.md, "Environments from
-        # skyrl-gym, OpenEnv and TRL-style tool classes"): imported only by the environment workers
-        # of a run whose rollout.environment names them (skyrl_gym:..., openenv:...); TRL-style
-        # tool classes (tools:...) need neither
-        "agents": ["skyrl-gym>=0.4.0", "openenv-core>=0.3.0"],
+        # agents and the environment libraries (docs/agents.md, docs/multi_turn.md): the OpenAI SDK
+        # (the agent worker's client), verifiers environments through their connector (their classic
+        # API, SingleTurnEnv / MultiTurnEnv / ToolEnv / Rubric, lives in 0.1.14 to 0.3.x; 0.4 has only
+        # verifiers.v1, another API), skyrl-gym and OpenEnv environments (rollout.environment
+        # skyrl_gym:..., openenv:...). Imported only by the worker processes of a run that names
+        # them; TRL-style tool classes (tools:...) need none of them.
+        "agents": ["openai>=1.108.1", "verifiers>=0.1.14,<0.4", "skyrl-gym>=0.4.0", "openenv-core>=0.3.0"],
         # tensorboard: its logging test; triton: the Triton kernels' tests (its CPU interpreter;
         # CUDA builds of torch bring triton, the CPU wheel does not); pytest-xdist: the suite runs on
         # two workers (launch/run_tests.sh). pytest < 9.1: xdist 3.8 groups tests by renaming their

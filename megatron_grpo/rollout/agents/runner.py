@@ -2,6 +2,9 @@
 
     async def run(client, row) -> float | dict          (or a plain ``def``)
 
+or an environment of another library through its connector (``connectors/``: a spec
+``verifiers:path/to/env.py:load_environment`` runs a verifiers environment as the agent).
+
 For each prompt, ``n`` episodes run; each one is
 
     the front opens an episode id        (front.py: its own base URL on the run's loopback server)
@@ -40,6 +43,7 @@ from typing import Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.rollout import ENVIRONMENT_FILE_RE
+from megatron_grpo.rollout.agents.connectors import CONNECTORS, split_spec
 from megatron_grpo.rollout.agents.front import AgentFront, EpisodeLog
 from megatron_grpo.rollout.agents.trajectory import sample_from_calls
 from megatron_grpo.rollout.environments.worker import STARTUP_TIMEOUT_S, fork_server, kill_worker
@@ -64,14 +68,17 @@ class AgentFailed(RuntimeError):
 
 
 def resolve_spec(spec: str) -> str:
-    """``<absolute file>:<fn>`` of ``path/to/file.py:fn``; ConfigError otherwise."""
-    m = ENVIRONMENT_FILE_RE.match(spec)
+    """``<absolute file>:<fn>`` of ``path/to/file.py:fn``, or ``<prefix>:<absolute file>:<attr>``
+    of a connector's ``<prefix>:path/to/file.py:attr`` (``connectors/``); ConfigError otherwise."""
+    prefix, file_spec = split_spec(spec)
+    m = ENVIRONMENT_FILE_RE.match(file_spec)
     if m is None:
-        raise ConfigError(KEY, f"{spec!r} is not a file path path/to/file.py:fn")
+        raise ConfigError(KEY, f"{spec!r} is not a file path path/to/file.py:fn (or <connector>:path/to/file.py:attr, "
+                               f"connectors: {', '.join(CONNECTORS)})")
     path = Path(m["path"]).expanduser().resolve()
     if not path.is_file():
         raise ConfigError(KEY, f"file {path} not found (a relative path is resolved against the current directory)")
-    return f"{path}:{m['attr']}"
+    return f"{prefix + ':' if prefix else ''}{path}:{m['attr']}"
 
 
 class AgentProcess:

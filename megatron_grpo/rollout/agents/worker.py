@@ -3,7 +3,8 @@ trainer's process, so a hung or crashing agent is killed alone (with whatever it
 
 Forked by the environments' fork server (``rollout/environments/worker.py``, a ``run`` request
 for the ``agent`` target), so it carries none of the trainer's torch, megatron or engine state.
-It loads the file, says whether the function can be called, then runs episodes one at a time:
+It loads the file (a ``<prefix>:`` spec through its connector, ``connectors/``), says whether
+the function can be called, then runs episodes one at a time:
 
     trainer -> worker   ("run", (base_url, api_key, row, timeout_s))
     worker  -> trainer  ("ok", {"reward": float, "metrics": {name: float}})
@@ -25,7 +26,7 @@ import numbers
 from typing import Any
 
 from megatron_grpo.config.base import ConfigError
-from megatron_grpo.rewards.registry import load_file
+from megatron_grpo.rollout.agents.connectors import load_agent
 from megatron_grpo.rollout.environments.loading import one_line
 from megatron_grpo.rollout.environments.worker import raise_site
 
@@ -68,15 +69,11 @@ def _episode(fn, is_async: bool, loop, base_url: str, api_key: str, row: dict, t
 def serve(conn, spec: str) -> None:
     """The worker (module docstring)."""
     try:
-        fn = load_file(spec, KEY)
+        fn, fn_file = load_agent(spec, KEY)  # the user's fn, or a connector's (connectors/)
     except ConfigError as e:
         conn.send(("contract", str(e)))
         return
     where = spec
-    try:
-        fn_file = inspect.getsourcefile(fn) or where
-    except TypeError:
-        fn_file = where
     import openai  # noqa: F401  (imported once per worker, before the first episode's deadline runs)
 
     conn.send(("loaded", None))
