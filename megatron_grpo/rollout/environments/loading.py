@@ -1,4 +1,4 @@
-"""``rollout.environment`` -> an environment class, and the contract of its ``step``.
+"""``episodes.environment`` -> an environment class, and the contract of its ``step``.
 
 Runs inside an environment worker process (``worker.py``): loading executes the user's file.
 A file ``path/to/env.py:ClassName`` is loaded by path, with no ``PYTHONPATH`` change, once per
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from megatron_grpo.config.rollout import ENVIRONMENT_FILE_RE
+from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE
 from megatron_grpo.rollout.environments.builtin import BUILTINS
 
 
@@ -32,11 +32,11 @@ def load_environment_class(spec: str) -> type:
         return BUILTINS[spec]
     m = ENVIRONMENT_FILE_RE.match(spec)
     if m is None:
-        raise ValueError(f"rollout.environment {spec!r} is not path/to/env.py:ClassName")
+        raise ValueError(f"episodes.environment {spec!r} is not path/to/env.py:ClassName")
     path = Path(m["path"]).expanduser().resolve()
     where = f"{path}:{m['attr']}"
     if not path.is_file():
-        raise ValueError(f"rollout.environment {where}: file not found")
+        raise ValueError(f"episodes.environment {where}: file not found")
     module_name = f"megatron_grpo_env_file_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     module = sys.modules.get(module_name)
     if module is None:
@@ -47,10 +47,10 @@ def load_environment_class(spec: str) -> type:
             file_spec.loader.exec_module(module)
         except Exception as e:  # any failure inside the user's file is reported the same way
             del sys.modules[module_name]
-            raise ValueError(f"rollout.environment {where}: loading the file failed: {one_line(e)}") from None
+            raise ValueError(f"episodes.environment {where}: loading the file failed: {one_line(e)}") from None
     cls = getattr(module, m["attr"], None)
     if cls is None:
-        raise ValueError(f"rollout.environment {where}: the file has no attribute {m['attr']!r}")
+        raise ValueError(f"episodes.environment {where}: the file has no attribute {m['attr']!r}")
     return cls
 
 
@@ -58,19 +58,19 @@ def class_problem(cls: Any, where: str) -> str | None:
     """Why ``cls`` is not an environment class (None if it is): a class constructed with one
     argument (the row) with a callable ``step(response)``."""
     if not inspect.isclass(cls):
-        return f"rollout.environment {where}: is a {type(cls).__name__}, not a class"
+        return f"episodes.environment {where}: is a {type(cls).__name__}, not a class"
     if not callable(getattr(cls, "step", None)):
-        return f"rollout.environment {where}: the class has no method step(self, response)"
+        return f"episodes.environment {where}: the class has no method step(self, response)"
     try:
         inspect.signature(cls).bind({})
     except TypeError as e:
-        return f"rollout.environment {where}: the constructor must take the dataset row (__init__(self, row)): {e}"
+        return f"episodes.environment {where}: the constructor must take the dataset row (__init__(self, row)): {e}"
     except ValueError:
         pass  # no signature available (a C type): checked at the first episode
     try:
         inspect.signature(cls.step).bind(None, "")
     except TypeError as e:
-        return f"rollout.environment {where}: step must take the response (step(self, response)): {e}"
+        return f"episodes.environment {where}: step must take the response (step(self, response)): {e}"
     except ValueError:
         pass
     return None
@@ -79,7 +79,7 @@ def class_problem(cls: Any, where: str) -> str | None:
 def check_step_result(out: Any, where: str) -> dict:
     """``step``'s answer as ``{"observation": str | None, "done": bool, "reward": float}``;
     ValueError (one line naming ``where``) when it has another shape."""
-    head = f"rollout.environment {where}: step returned"
+    head = f"episodes.environment {where}: step returned"
     if not isinstance(out, dict):
         raise ValueError(f"{head} a {type(out).__name__}; expected a dict "
                          '{"observation": str | None, "done": bool, "reward": float (optional)}')

@@ -277,12 +277,12 @@ def check_environment(spec: str, timeout_s: float) -> None:
     conn, pid = fork_server().connect(("check", spec))
     try:
         if not conn.poll(timeout_s):
-            raise EnvContractError(f"rollout.environment {describe(spec)}: loading the file took longer than "
-                                   f"{timeout_s:g}s (rollout.multi_turn.env_timeout_s)")
+            raise EnvContractError(f"episodes.environment {describe(spec)}: loading the file took longer than "
+                                   f"{timeout_s:g}s (episodes.env_timeout_s)")
         try:
             problem = conn.recv()
         except (EOFError, OSError):
-            raise EnvContractError(f"rollout.environment {describe(spec)}: loading the file killed its "
+            raise EnvContractError(f"episodes.environment {describe(spec)}: loading the file killed its "
                                    "process") from None
         if problem is not None:
             raise EnvContractError(problem)
