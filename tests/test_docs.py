@@ -400,7 +400,7 @@ def test_checker_catches_a_broken_link_and_anchor(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "heading, slug",
     [
-        ("Real SGLang (`engine.kind: sglang`)", "real-sglang-rolloutengine-sglang"),
+        ("Real SGLang (`engine.kind: sglang`)", "real-sglang-enginekind-sglang"),
         ("kill -9 anywhere", "kill--9-anywhere"),
         ("What one step does (`megatron_grpo/trainer/driver.py`)", "what-one-step-does-megatron_grpotrainerdriverpy"),
         ("TL;DR: starter configs", "tldr-starter-configs"),
