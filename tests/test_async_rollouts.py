@@ -14,6 +14,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from megatron_grpo.config import ConfigError, EngineConfig, RolloutConfig, load_config
 from megatron_grpo.data import PromptSampler, load_prompt_dataset
@@ -249,10 +250,11 @@ def test_the_scheduler_drops_stale_groups_whose_episodes_span_weight_updates(dem
 # ---- configuration --------------------------------------------------------------------------
 
 
-def _load(tmp_path, **rollout):
+def _load(tmp_path, episodes=None, **rollout):
     path = tmp_path / "c.yaml"
-    lines = [f"  {k}: {v}" for k, v in rollout.items()]
-    path.write_text("model:\n  hf_dir: m\ndata:\n  train_file: d.jsonl\nrollout:\n" + "\n".join(lines) + "\n")
+    raw = {"model": {"hf_dir": "m"}, "data": {"train_file": "d.jsonl"}, "trainer": {"run_dir": "r"},
+           "rollout": rollout, "episodes": episodes or {}}
+    path.write_text(yaml.safe_dump(raw))
     return load_config(str(path))
 
 
@@ -260,11 +262,11 @@ def test_bad_async_settings_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match="max_staleness: must be >= 1, got 0"):
         _load(tmp_path, mode="async", max_staleness=0)
     with pytest.raises(ConfigError, match="async cannot be combined with dynamic_sampling.enabled"):
-        _load(tmp_path, mode="async", dynamic_sampling="{enabled: true}")
+        _load(tmp_path, mode="async", dynamic_sampling={"enabled": True})
     fn = tmp_path / "fn.py"
     fn.write_text("async def fn(engine, prompts, sampling):\n    return []\n")
     with pytest.raises(ConfigError, match="async cannot be combined with episodes.rollout_function"):
-        _load(tmp_path, mode="async", rollout_function=f"{fn}:fn")
+        _load(tmp_path, mode="async", episodes={"rollout_function": f"{fn}:fn"})
     with pytest.raises(ConfigError, match="stale_groups"):
         _load(tmp_path, mode="async", stale_groups="keep")
 
