@@ -11,7 +11,7 @@
 # the environment. About 7 GB and a few minutes the first time; a second run with the same inputs
 # only checks the environment (a stamp file records what it was built from). The trainer's own
 # environment is untouched: the server runs from this environment's interpreter, which the
-# trainer finds by default (rollout.sglang_python overrides it).
+# trainer finds by default (engine.sglang.python overrides it).
 #
 # GPU machines do not need this: install sglang the ordinary way (`pip install "sglang>=0.5.23"`).
 set -euo pipefail

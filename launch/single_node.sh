@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One node, all GPUs: the rollout server (SGLang, launched by rank 0 per rollout.engine) and
+# One node, all GPUs: the rollout server (SGLang, launched by rank 0 per engine.kind) and
 # the trainer ranks share the machine.
 #   bash launch/single_node.sh yaml_configs/qwen2.5_0.5b_gsm8k.yaml [section.key=value ...]
 # NPROC defaults to parallel.world_size of the config (else tp*pp). Pre-flight, rank

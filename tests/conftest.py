@@ -18,10 +18,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MEGATRON_GRPO_RANK_POOL", "1")
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
-from megatron_grpo.config.rollout import RolloutConfig  # noqa: E402  (after the warning filter above)
+from megatron_grpo.config import EngineConfig  # noqa: E402  (after the warning filter above)
 from megatron_grpo.generation.client import RolloutClient  # noqa: E402
 from megatron_grpo.generation.manager import RolloutServerManager  # noqa: E402
 from tests.support.sglang import require_sglang  # noqa: E402
+from tests.support.configs import experiment  # noqa: E402
 from megatron_grpo.models.tiny import save_tiny_model  # noqa: E402
 from tests.support.demo_run import make_demo, make_tool_demo  # noqa: E402  (needs ROOT on sys.path, set just above)
 from tests.support.sglang_shared import SGLangServers  # noqa: E402
@@ -93,9 +94,9 @@ def embedded(tmp_path_factory):
     """A client of a launched embedded engine serving a tiny Qwen2 (fp32), one per module that
     asks for it (the multi-turn and rollout-function modules' real engine)."""
     model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=3)
-    cfg = RolloutConfig(dtype="float32", launch_timeout_s=300)
+    cfg = experiment(engine=EngineConfig(dtype="float32", launch_timeout_s=300))
     with RolloutServerManager(cfg, model_dir=model_dir, run_dir=tmp_path_factory.mktemp("run")) as manager:
-        client = RolloutClient.from_config(cfg, manager.urls)
+        client = RolloutClient.from_config(cfg.engine, manager.urls)
         yield client
         client.close()
 

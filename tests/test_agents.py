@@ -1,4 +1,4 @@
-"""Agents written against the OpenAI SDK (rollout.agent; docs/agents.md): the real `openai`
+"""Agents written against the OpenAI SDK (episodes.agent; docs/agents.md): the real `openai`
 client in a worker process, the run's loopback front, and the engine's exact tokens.
 
 References: the built-in environment loop (EpisodeRunner) on the same real engine with the same
@@ -13,8 +13,9 @@ import time
 import openai
 import pytest
 
-from megatron_grpo.config.base import ConfigError
-from megatron_grpo.config.rollout import MultiTurnConfig, RolloutConfig
+from megatron_grpo.config.base import ConfigError, ConfigValueError
+from megatron_grpo.config.engine import EngineConfig
+from megatron_grpo.config.episodes import EpisodesConfig
 from megatron_grpo.data.prompts import Prompt, prompt_messages, render_prompt
 from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.models.tiny import build_tokenizer, save_tiny_model
@@ -133,7 +134,7 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=11)
-    eng = InProcessEngine(start_inprocess(RolloutConfig(dtype="float32"), model_dir=str(model_dir)), None,
+    eng = InProcessEngine(start_inprocess(EngineConfig(dtype="float32"), model_dir=str(model_dir)), None,
                           timeout_s=120)
     yield eng
     eng.close()
@@ -157,10 +158,9 @@ def agent_runner(tok, files, fn, **kw):
 
 
 def builtin_runner(tok, spec):
-    cfg = RolloutConfig(environment=spec, max_inflight_requests=2,
-                        multi_turn=MultiTurnConfig(observation_role="user", max_turns=MAX_TURNS,
-                                                   max_episode_tokens=BUDGET, env_timeout_s=20.0))
-    return EpisodeRunner.build(cfg, tok, use_template=True)
+    cfg = EpisodesConfig(environment=spec, observation_role="user", max_turns=MAX_TURNS, max_episode_tokens=BUDGET,
+                         env_timeout_s=20.0)
+    return EpisodeRunner.build(cfg, tok, max_inflight=2, use_template=True)
 
 
 def same_episodes(a, b):
@@ -371,7 +371,7 @@ def test_agent_failures_are_counted_and_the_run_goes_on(tok, files, engine, capf
         # a diverged one has no consistent tokens to keep
         assert all(bool(e.sample.output_ids) == (fn in ("raises", "hangs")) for e in episodes), fn
         err = capfd.readouterr().err
-        assert err.count(f"rollout.agent {kind} at") == 1, (fn, err)  # printed once, counted twice
+        assert err.count(f"episodes.agent {kind} at") == 1, (fn, err)  # printed once, counted twice
         if fn == "raises":
             assert "agents.py:" in err and "the agent's own bug" in err
     stats = episode_stats(episodes)
@@ -452,3 +452,20 @@ def test_exact_tokens_with_a_qwen_style_template_and_hermes_tool_calls(smollm2_d
         assert log.error is None and log.tool_call_errors == 0
     finally:
         front.close()
+
+
+def test_config_tables_match_the_registries(tmp_path):
+    """The config layer names the tool-call formats and agent connectors without importing them."""
+    from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS
+    from megatron_grpo.config.episodes import AGENT_CONNECTORS, TOOL_CALL_FORMATS as CONFIG_FORMATS, agent_problem
+    from megatron_grpo.rollout.agents.connectors import CONNECTORS
+
+    assert set(CONFIG_FORMATS) == set(TOOL_CALL_FORMATS)
+    assert set(AGENT_CONNECTORS) == set(CONNECTORS)
+    f = tmp_path / "a.py"
+    f.write_text("def run(client, row):\n    return 0.0\n")
+    assert agent_problem(f"{f}:run") is None
+    assert "not found" in agent_problem(f"{tmp_path}/b.py:run")
+    assert "is not a file path" in agent_problem("run")
+    with pytest.raises(ConfigValueError, match="cannot be combined with episodes.environment"):
+        EpisodesConfig(agent=f"{f}:run", environment="calculator")

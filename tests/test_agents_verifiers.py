@@ -1,4 +1,4 @@
-"""verifiers environments as agents (``rollout.agent: verifiers:env.py:load_environment``;
+"""verifiers environments as agents (``episodes.agent: verifiers:env.py:load_environment``;
 docs/agents.md, "verifiers environments"): the real ``verifiers`` library (the ``agents``
 extra; its absence fails these tests), environments built on local datasets, rolled out by
 their own turn loop through the run's front on the in-process engine (tiny model).
@@ -21,7 +21,7 @@ from verifiers.utils.message_utils import normalize_messages
 
 from megatron_grpo.chat.openai_api import render_chat
 from megatron_grpo.chat.tool_calls import parse_tool_calls
-from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.config.engine import EngineConfig
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.models.tiny import build_tokenizer, save_tiny_model
@@ -144,7 +144,7 @@ class Recorder:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=11)
-    eng = InProcessEngine(start_inprocess(RolloutConfig(dtype="float32"), model_dir=str(model_dir)), None,
+    eng = InProcessEngine(start_inprocess(EngineConfig(dtype="float32"), model_dir=str(model_dir)), None,
                           timeout_s=120)
     yield eng
     eng.close()
@@ -260,7 +260,7 @@ def test_single_turn_env(tok, envs_file, envs, engine, capfd):
     assert [e.error for e in episodes[6:]] == ["error"] * 3
     assert all(e.sample.output_ids for e in episodes[6:])
     err = capfd.readouterr().err
-    assert err.count("rollout.agent error at") == 1 and "reward function checked raised ZeroDivisionError" in err
+    assert err.count("episodes.agent error at") == 1 and "reward function checked raised ZeroDivisionError" in err
     assert f"{envs_file}:" in err
     assert episode_stats(episodes)["agent/words_mean"] >= 0.0
 
@@ -308,7 +308,7 @@ def test_tool_env(tok, envs_file, envs, engine, capfd):
     assert stopped.error == "error" and stopped.sample.output_ids == tok("compute 1 / 0 <eos>",
                                                                           add_special_tokens=False)["input_ids"]
     err = capfd.readouterr().err
-    assert err.count("rollout.agent error at") == 1 and "the rollout ended in ToolCallError" in err
+    assert err.count("episodes.agent error at") == 1 and "the rollout ended in ToolCallError" in err
     assert f"{envs_file}:" in err and "the tool's own failure" in err
     check_tokens(episodes, recorder.calls)
     assert scripted.sample.output_ids == tok("compute 3 + 4 <eos> <|user|> result 7 <|assistant|> 7 <eos>",
@@ -346,8 +346,8 @@ def test_specs_and_load_errors(envs_file, envs, tmp_path, monkeypatch):
     # the worker's load, here (the library is imported already): a file that returns no
     # Environment is a one-line ConfigError before any episode
     with pytest.raises(ConfigError, match=r"not_an_env returned int, not a verifiers Environment"):
-        load_agent(f"verifiers:{envs_file}:not_an_env", "rollout.agent")
-    fn, where = load_agent(f"verifiers:{envs_file}:single", "rollout.agent")
+        load_agent(f"verifiers:{envs_file}:not_an_env", "episodes.agent")
+    fn, where = load_agent(f"verifiers:{envs_file}:single", "episodes.agent")
     assert asyncio.iscoroutinefunction(fn) and where == str(envs_file)
     assert issubclass(vf.ToolEnv, vf.MultiTurnEnv)  # the classic API the connector drives (docs/agents.md)
 

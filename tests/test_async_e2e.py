@@ -114,8 +114,8 @@ def test_multi_turn_groups_past_the_bound_are_regenerated_and_never_trained(demo
     env_file.write_text(DAWDLE)
     k, steps, b = 1, 4, 4
     run_dir = tmp_path / "run"
-    run_train(async_cmd(demo, run_dir, steps, k, f"rollout.environment={env_file}:Dawdle",
-                        "rollout.multi_turn.observation_role=user", "rollout.multi_turn.max_episode_tokens=64", b=b, n=4))
+    run_train(async_cmd(demo, run_dir, steps, k, f"episodes.environment={env_file}:Dawdle",
+                        "episodes.observation_role=user", "episodes.max_episode_tokens=64", b=b, n=4))
     rows, log = read_metrics(run_dir), async_groups(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     check_bound(rows, log, k, b=b)
@@ -136,7 +136,7 @@ def test_multi_turn_groups_past_the_bound_are_regenerated_and_never_trained(demo
 def test_engine_killed_mid_flight_is_restarted_and_its_groups_regenerated(demo, tmp_path):
     k, steps = 2, 5
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(async_cmd(demo, run_dir, steps, k, "rollout.request_timeout_s=20", "rollout.max_retries=2"),
+    proc = subprocess.Popen(async_cmd(demo, run_dir, steps, k, "engine.request_timeout_s=20", "engine.max_retries=2"),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     err = kill_engine_after(proc, run_dir, 2)
     assert proc.returncode == 0, err[-3000:]

@@ -1,4 +1,4 @@
-"""``rollout.mode: async`` on the in-process engine (``rollout.engine: inprocess``).
+"""``rollout.mode: async`` on the in-process engine (``engine.kind: inprocess``).
 
 The engine side: the in-memory sync (``sync/in_memory.py``) retracts the sequences in flight,
 copies the new weights, sets the version and resumes, so sequences that span two syncs carry,
@@ -15,8 +15,7 @@ import time
 
 import pytest
 
-from megatron_grpo.config import RolloutConfig
-from megatron_grpo.preflight.rules import check_rollout
+from megatron_grpo.preflight.rules import check_engine
 from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.generation.inprocess import InProcessEngine
 from megatron_grpo.wire.samples import SamplingParams
@@ -24,6 +23,8 @@ from megatron_grpo.sync.in_memory import InMemorySyncer
 from tests.support.async_checks import PROMPTS, async_cmd, async_groups, check_bound, check_token_versions, run_train
 from tests.support.demo_run import read_metrics
 from tests.support.models_fixtures import hf_tensors
+from megatron_grpo.config import EngineConfig, RolloutConfig
+from tests.support.configs import experiment
 
 NEW_TOKENS = 160
 
@@ -36,7 +37,8 @@ def _tokens_so_far(engine: EmbeddedEngine) -> list[int]:
 def test_inprocess_sync_retracts_and_tokens_carry_their_version_and_log_prob(weight_versions):
     engine = EmbeddedEngine(weight_versions[0], dtype="float32", max_batch_size=8, batch_window_s=0.0, seed=0)
     engine.weight_version = "0"
-    receiver = InMemorySyncer(RolloutConfig(mode="async", engine="inprocess"), None, engine,
+    cfg = experiment(rollout=RolloutConfig(mode="async"), engine=EngineConfig(kind="inprocess"))
+    receiver = InMemorySyncer(cfg, None, engine,
                               iter_weights=lambda chunks, hf_config: iter(chunks))
     inprocess = InProcessEngine(engine, receiver, timeout_s=300)
     out: dict = {}
@@ -70,20 +72,20 @@ def test_inprocess_sync_retracts_and_tokens_carry_their_version_and_log_prob(wei
 
 def test_the_preflight_accepts_async_on_every_engine_that_reports_versions(monkeypatch):
     for engine in ("inprocess", "embedded"):
-        check_rollout(RolloutConfig(mode="async", engine=engine))
+        check_engine(experiment(rollout=RolloutConfig(mode="async"), engine=EngineConfig(kind=engine)))
     from megatron_grpo.config import ConfigError
     from megatron_grpo.generation.engines.inprocess import InProcessAdapter
 
     monkeypatch.setattr(InProcessAdapter, "reports_token_versions", False)  # an engine without them
     with pytest.raises(ConfigError, match="rollout.mode.*async needs per-token weight versions.*'inprocess'"):
-        check_rollout(RolloutConfig(mode="async", engine="inprocess"))
+        check_engine(experiment(rollout=RolloutConfig(mode="async"), engine=EngineConfig(kind="inprocess")))
 
 
 @pytest.mark.slow
 def test_async_training_on_the_inprocess_engine_keeps_the_bound(demo, tmp_path):
     k, steps, b, n = 2, 4, 4, 4
     run_dir = tmp_path / "run"
-    run_train(async_cmd(demo, run_dir, steps, k, "rollout.engine=inprocess", b=b, n=n))
+    run_train(async_cmd(demo, run_dir, steps, k, "engine.kind=inprocess", b=b, n=n))
     rows, log = read_metrics(run_dir), async_groups(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     check_bound(rows, log, k, b=b)

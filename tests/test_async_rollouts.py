@@ -14,11 +14,12 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
-from megatron_grpo.config import ConfigError, RolloutConfig, load_config
+from megatron_grpo.config import ConfigError, EngineConfig, RolloutConfig, load_config
 from megatron_grpo.data import PromptSampler, load_prompt_dataset
 from megatron_grpo.models.tokenizer import load_tokenizer
-from megatron_grpo.preflight.rules import check_rollout
+from megatron_grpo.preflight.rules import check_engine
 from megatron_grpo.generation.client import RolloutClient, versions_from_spans
 from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.engine.engine import EmbeddedEngine
@@ -31,6 +32,7 @@ from megatron_grpo.trainer.components import build_rollout_side
 from tests.support.demo_run import NUDGE, ROOT, demo_overrides
 from tests.support.async_checks import PROMPTS, check_bound, check_token_versions
 from tests.support.models_fixtures import hf_tensors
+from tests.support.configs import experiment
 
 LONG = {"temperature": 1.0, "max_new_tokens": 160, "ignore_eos": True}
 
@@ -188,15 +190,15 @@ def test_the_scheduler_drops_stale_groups_whose_episodes_span_weight_updates(dem
     run_dir = tmp_path / "run"
     cfg = load_config(ROOT / "yaml_configs/demo_cpu.yaml", demo_overrides(
         demo, run_dir, steps, "rollout.mode=async", f"rollout.max_staleness={k}", "rollout.stale_groups=drop",
-        f"rollout.prompts_per_step={b}", f"rollout.num_generations={n}", f"rollout.environment={env_file}:Nudge",
-        "rollout.multi_turn.observation_role=user", "rollout.multi_turn.max_episode_tokens=64",
+        f"rollout.prompts_per_step={b}", f"rollout.num_generations={n}", f"episodes.environment={env_file}:Nudge",
+        "episodes.observation_role=user", "episodes.max_episode_tokens=64",
         "parallel.global_batch_size=1", "parallel.micro_batch_size=1"))
     tokenizer = load_tokenizer(cfg.model.hf_dir)
     sampler = PromptSampler(load_prompt_dataset(cfg.data, tokenizer), b, cfg.trainer.seed, cfg.data.shuffle)
     side = build_rollout_side(cfg, tokenizer, sampler)
     side.rollout_function = recorder = _Recorder(side.rollout_function)
-    with RolloutServerManager(cfg.rollout, model_dir=cfg.model.hf_dir, run_dir=run_dir) as manager:
-        client = RolloutClient.from_config(cfg.rollout, manager.urls)
+    with RolloutServerManager(cfg, model_dir=cfg.model.hf_dir, run_dir=run_dir) as manager:
+        client = RolloutClient.from_config(cfg.engine, manager.urls)
         (url,) = manager.urls
         gate = _Gate(client)
         ctx = GenerationContext(gate, side.sampling, side.scorer, side.tokenizer, cfg, side.rollout_function)
@@ -248,10 +250,11 @@ def test_the_scheduler_drops_stale_groups_whose_episodes_span_weight_updates(dem
 # ---- configuration --------------------------------------------------------------------------
 
 
-def _load(tmp_path, **rollout):
+def _load(tmp_path, episodes=None, **rollout):
     path = tmp_path / "c.yaml"
-    lines = [f"  {k}: {v}" for k, v in rollout.items()]
-    path.write_text("model:\n  hf_dir: m\ndata:\n  train_file: d.jsonl\nrollout:\n" + "\n".join(lines) + "\n")
+    raw = {"model": {"hf_dir": "m"}, "data": {"train_file": "d.jsonl"}, "trainer": {"run_dir": "r"},
+           "rollout": rollout, "episodes": episodes or {}}
+    path.write_text(yaml.safe_dump(raw))
     return load_config(str(path))
 
 
@@ -259,19 +262,20 @@ def test_bad_async_settings_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match="max_staleness: must be >= 1, got 0"):
         _load(tmp_path, mode="async", max_staleness=0)
     with pytest.raises(ConfigError, match="async cannot be combined with dynamic_sampling.enabled"):
-        _load(tmp_path, mode="async", dynamic_sampling="{enabled: true}")
+        _load(tmp_path, mode="async", dynamic_sampling={"enabled": True})
     fn = tmp_path / "fn.py"
     fn.write_text("async def fn(engine, prompts, sampling):\n    return []\n")
-    with pytest.raises(ConfigError, match="async cannot be combined with rollout.rollout_function"):
-        _load(tmp_path, mode="async", rollout_function=f"{fn}:fn")
+    with pytest.raises(ConfigError, match="async cannot be combined with episodes.rollout_function"):
+        _load(tmp_path, mode="async", episodes={"rollout_function": f"{fn}:fn"})
     with pytest.raises(ConfigError, match="stale_groups"):
         _load(tmp_path, mode="async", stale_groups="keep")
 
 
 def test_async_is_accepted_on_the_engines_that_report_token_versions(tmp_path):
     # the in-process engine and the rule's refusal: tests/test_async_inprocess.py
-    check_rollout(RolloutConfig(mode="async", engine="embedded"))
-    check_rollout(RolloutConfig(mode="async", engine="sglang", urls=["http://127.0.0.1:1"]))
+    check_engine(experiment(rollout=RolloutConfig(mode="async"), engine=EngineConfig(kind="embedded")))
+    check_engine(experiment(rollout=RolloutConfig(mode="async"),
+                            engine=EngineConfig(kind="sglang", urls=["http://127.0.0.1:1"])))
 
 
 @pytest.mark.parametrize("spans, n, expected", [

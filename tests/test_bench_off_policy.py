@@ -33,10 +33,10 @@ def arm_config(name: str, fp8_format: str = "e5m2"):
 @pytest.mark.parametrize("name", list(REASONING.arms("e5m2")))
 def test_every_reasoning_arm_loads_as_named(name):
     cfg = arm_config(name)
-    r, opc = cfg.rollout, cfg.algorithm.off_policy_correction
+    r, engine, opc = cfg.rollout, cfg.engine, cfg.algorithm.off_policy_correction
     assert (cfg.trainer.seed, cfg.trainer.num_steps, cfg.eval.every_n_steps) == (3, 100, 20)
     assert (cfg.parallel.tp, cfg.parallel.world_size, cfg.checkpoint.save_every) == (1, 1, 0)
-    assert (r.quantization, r.fp8_format) == (("fp8", "e5m2") if name.startswith("fp8") else (None, "e4m3"))
+    assert (engine.quantization, engine.fp8_format) == (("fp8", "e5m2") if name.startswith("fp8") else (None, "e4m3"))
     assert r.top_p == (0.8 if name.startswith("top_p") else 1.0)
     assert r.sampling_mask_replay == (name != "top_p_no_replay")
     assert r.mode == ("one_step_off_policy" if name.startswith("one_step") else
@@ -50,7 +50,7 @@ def test_every_reasoning_arm_loads_as_named(name):
 
 
 def test_fp8_format_flag_reaches_the_fp8_arms():
-    assert arm_config("fp8_off", "e4m3").rollout.fp8_format == "e4m3"
+    assert arm_config("fp8_off", "e4m3").engine.fp8_format == "e4m3"
 
 
 def rows(pass1: dict[int, float], steps: int, outside: float = 0.01) -> list[dict]:

@@ -110,7 +110,7 @@ def test_demo_defaults_and_overrides_are_unchanged():
 
 def test_cuda_runs_put_the_embedded_engine_on_the_tensor_transport():
     kw = dict(run_dir=ROOT / "r", tp=1, shuffled=False)
-    assert "rollout.weight_sync_transport=tensor" in bench.ours_overrides([], engine="embedded", device="cuda", **kw)
+    assert "sync.transport=tensor" in bench.ours_overrides([], engine="embedded", device="cuda", **kw)
     assert not any("transport" in o for o in bench.ours_overrides([], engine="inprocess", device="cuda", **kw))
     assert not any("transport" in o for o in bench.ours_overrides([], engine="embedded", device="cpu", **kw))
     assert bench.device_env("cpu", 1)["CUDA_VISIBLE_DEVICES"] == ""

@@ -310,7 +310,7 @@ def test_train_falls_back_and_fails_in_one_line(demo, tmp_path):
     ``checkpoint.resume`` -> exit 2, one line; a checkpoints path that cannot be written
     (a file where the directory must be; root ignores read-only modes) -> exit 2, one line."""
     run_dir = tmp_path / "run"
-    fast = ("checkpoint.save_every=1", "eval.every_n_steps=0", "rollout.engine=inprocess")
+    fast = ("checkpoint.save_every=1", "eval.every_n_steps=0", "engine.kind=inprocess")
     timings = {}
 
     def train(steps, *extra):

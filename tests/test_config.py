@@ -51,8 +51,8 @@ MALFORMED = [
     ("parallel.distributed_timeout_s", 0, "parallel.distributed_timeout_s", "> 0"),
     ("rollout.temperature", 0, "rollout.temperature", "> 0"),
     ("rollout.top_p", 1.5, "rollout.top_p", "(0, 1]"),
-    ("rollout.weight_sync_transport", "nccl", "rollout.weight_sync_transport", "expected one of"),
-    ("rollout.urls", ["localhost:3000"], "rollout.urls[0]", "http://"),
+    ("sync.transport", "nccl", "sync.transport", "expected one of"),
+    ("engine.urls", ["localhost:3000"], "engine.urls[0]", "http://"),
     ("rollout.num_generations", 0, "rollout.num_generations", ">= 1"),
     ("rollout.mode", "two_step_off_policy", "rollout.mode", "expected one of"),
     ("optimizer.lr", 0, "optimizer.lr", "> 0"),
@@ -104,13 +104,12 @@ def test_packing_config_loads(tmp_path):
 
 
 def test_off_policy_mode_with_colocate_names_both_keys(tmp_path):
-    raw = with_change("rollout.mode", "one_step_off_policy")
-    raw["rollout"].update(colocate=True, weight_sync_transport="tensor")
+    raw = apply_overrides(BASE, ["rollout.mode=one_step_off_policy", "engine.colocate=true", "sync.transport=tensor"])
     path = write(tmp_path, raw)
     with pytest.raises(ConfigError) as info:
         load_experiment(path)
     line = str(info.value)
-    assert line.startswith(f"{path}: rollout.mode: one_step_off_policy ") and "rollout.colocate: true" in line, line
+    assert line.startswith(f"{path}: rollout.mode: one_step_off_policy ") and "engine.colocate: true" in line, line
     assert load_experiment(write(tmp_path, with_change("rollout.mode", "one_step_off_policy"), "ok.yaml")).rollout.mode \
         == "one_step_off_policy"
 
@@ -163,11 +162,11 @@ def test_override_errors_name_the_override_not_the_file(tmp_path):
 
 def test_the_api_key_is_redacted_wherever_the_config_is_shown(tmp_path):
     """to_dict feeds validate-config's print, the run's config.yaml, TensorBoard and wandb."""
-    cfg = load_experiment(write(tmp_path, with_change("rollout.api_key", "hunter2")))
-    assert cfg.rollout.api_key == "hunter2"
-    assert cfg.to_dict()["rollout"]["api_key"] == "<redacted>" and "hunter2" not in repr(cfg.to_dict())
-    assert cfg.to_dict(redact=False)["rollout"]["api_key"] == "hunter2"
-    assert load_experiment(write(tmp_path, BASE)).to_dict()["rollout"]["api_key"] is None
+    cfg = load_experiment(write(tmp_path, with_change("engine.api_key", "hunter2")))
+    assert cfg.engine.api_key == "hunter2"
+    assert cfg.to_dict()["engine"]["api_key"] == "<redacted>" and "hunter2" not in repr(cfg.to_dict())
+    assert cfg.to_dict(redact=False)["engine"]["api_key"] == "hunter2"
+    assert load_experiment(write(tmp_path, BASE)).to_dict()["engine"]["api_key"] is None
 
 
 def test_values_are_never_changed(tmp_path):

@@ -400,7 +400,7 @@ def test_checker_catches_a_broken_link_and_anchor(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "heading, slug",
     [
-        ("Real SGLang (`rollout.engine: sglang`)", "real-sglang-rolloutengine-sglang"),
+        ("Real SGLang (`engine.kind: sglang`)", "real-sglang-enginekind-sglang"),
         ("kill -9 anywhere", "kill--9-anywhere"),
         ("What one step does (`megatron_grpo/trainer/driver.py`)", "what-one-step-does-megatron_grpotrainerdriverpy"),
         ("TL;DR: starter configs", "tldr-starter-configs"),
@@ -414,8 +414,8 @@ def test_command_extraction():
     block = Block(Path("x.md"), "console", "$ megatron-grpo train --config a.yaml k=1 \\\n    j=2\noutput line\n")
     assert [shlex.split(x) for x in command_lines(block)] == [
         ["megatron-grpo", "train", "--config", "a.yaml", "k=1", "j=2"]]
-    argv = split_commands("MASTER_ADDR=1 NNODES=2 bash launch/multi_node.sh c.yaml 'rollout.urls=[http://h:1]'  # note")
-    assert argv == [["bash", "launch/multi_node.sh", "c.yaml", "rollout.urls=[http://h:1]"]]
+    argv = split_commands("MASTER_ADDR=1 NNODES=2 bash launch/multi_node.sh c.yaml 'engine.urls=[http://h:1]'  # note")
+    assert argv == [["bash", "launch/multi_node.sh", "c.yaml", "engine.urls=[http://h:1]"]]
     program, args = project_program(("torchrun", "--nproc-per-node", "4", "tools/convert_hf_to_megatron.py", "--tp", "2"))
     assert program == ("python", "tools/convert_hf_to_megatron.py") and args == ("--tp", "2")
     assert config_of(*project_program(tuple(argv[0]))) == "c.yaml"

@@ -2,18 +2,17 @@
 hand-computed values, the config checks, and ``generate_and_score`` against the real
 embedded engine (extra rounds replace zero-variance groups; truncated responses leave the loss)."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megatron_grpo.config import AlgorithmConfig
+from megatron_grpo.config import AlgorithmConfig, EngineConfig, RolloutConfig, TrainerConfig
 from megatron_grpo.config.base import ConfigValueError
 from megatron_grpo.config.dapo import DynamicSamplingConfig, OverlongConfig
-from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.data.prompts import Prompt
 from megatron_grpo.rewards.scorer import ScoredBatch
 from megatron_grpo.rollout.dynamic_sampling import choose_groups, informative_groups, overlong_penalty
+from tests.support.configs import experiment
 
 N = 4
 
@@ -65,7 +64,7 @@ def engine(tmp_path_factory):
     from megatron_grpo.models.tiny import save_tiny_model
 
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=5))
-    manager = RolloutServerManager(RolloutConfig(dtype="float32"), model_dir=model_dir,
+    manager = RolloutServerManager(experiment(engine=EngineConfig(dtype="float32")), model_dir=model_dir,
                                    run_dir=tmp_path_factory.mktemp("run"))
     try:
         (url,) = manager.start()
@@ -75,8 +74,8 @@ def engine(tmp_path_factory):
 
 
 def _cfg(**rollout):
-    return SimpleNamespace(rollout=RolloutConfig(num_generations=N, max_new_tokens=6, **rollout),
-                           algorithm=AlgorithmConfig(), trainer=SimpleNamespace(seed=3))
+    return experiment(rollout=RolloutConfig(num_generations=N, max_new_tokens=6, **rollout),
+                      algorithm=AlgorithmConfig(), trainer=TrainerConfig(run_dir="unused", seed=3))
 
 
 def _run(engine, cfg, more):

@@ -15,7 +15,7 @@ from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd, wait_for_
 
 def cmd(demo, run_dir, steps, *extra):
     return train_cmd(demo, run_dir, steps, "logging.plot=false", "checkpoint.save_every=0",
-                     "rollout.request_timeout_s=20", "rollout.max_retries=2", *extra)
+                     "engine.request_timeout_s=20", "engine.max_retries=2", *extra)
 
 
 def serve_processes(root_pid: int) -> list[psutil.Process]:
@@ -49,8 +49,8 @@ def test_external_engine_down_is_a_bounded_one_line_error(demo, tmp_path):
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_dir = tmp_path / "run"
     try:
-        proc = subprocess.Popen(cmd(demo, run_dir, 50, f"rollout.urls=[http://127.0.0.1:{port}]",
-                                    "rollout.max_restarts=1"),
+        proc = subprocess.Popen(cmd(demo, run_dir, 50, f"engine.urls=[http://127.0.0.1:{port}]",
+                                    "engine.max_restarts=1"),
                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=ENV)
         wait_for_steps(run_dir, 2, proc)

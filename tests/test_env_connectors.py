@@ -29,7 +29,7 @@ from openenv.cli.commands import init as openenv_init
 
 from megatron_grpo.config.base import ConfigValueError
 from megatron_grpo.config.env_connectors import AGENTS_EXTRA, ENVIRONMENT_CONNECTORS
-from megatron_grpo.config.rollout import RolloutConfig, environment_problem
+from megatron_grpo.config.episodes import EpisodesConfig, environment_problem
 from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
 from megatron_grpo.rollout.environments.connectors import openenv_adapter
 from megatron_grpo.rollout.environments.worker import fork_server, shutdown_fork_server
@@ -113,7 +113,7 @@ def test_specs_are_checked_at_config_load_in_one_line(env_files, monkeypatch):
     assert environment_problem("skyrl_gym:gsm8k") == ("'skyrl_gym:gsm8k' needs the skyrl-gym library, which is not "
                                                       f"installed: {AGENTS_EXTRA}")
     with pytest.raises(ConfigValueError, match=r"^environment: 'skyrl_gym:gsm8k' needs the skyrl-gym library"):
-        RolloutConfig(environment="skyrl_gym:gsm8k")
+        EpisodesConfig(environment="skyrl_gym:gsm8k")
 
 
 # ---- skyrl-gym -------------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_a_skyrl_gym_env_of_ones_own_and_the_one_line_refusals(env_files):
         env.close()
     assert expected[0]["observation"] == "please reply\nwith only a number"  # two messages, one observation turn
 
-    with pytest.raises(EnvContractError, match=r"^rollout.environment skyrl_gym:nope: no skyrl-gym environment "
+    with pytest.raises(EnvContractError, match=r"^episodes.environment skyrl_gym:nope: no skyrl-gym environment "
                                                r"'nope' is registered \(registered: aime, gsm8k, gsm8k_multi_turn"):
         check_environment("skyrl_gym:nope", 30)
     with pytest.raises(EnvContractError, match=r"skyrl_envs.py:RewritesPrompt: init\(prompt\) returned a different "
@@ -365,7 +365,7 @@ app = create_app(Runs, CodeAction, Observation)
 def test_an_openenv_app_that_does_not_start_is_one_line(tmp_path):
     broken = tmp_path / "broken_app.py"
     broken.write_text("raise RuntimeError('no database at /data/envs.sqlite')\n")
-    with pytest.raises(EnvContractError, match=r"^rollout.environment openenv:.*broken_app.py:app: its server exited "
+    with pytest.raises(EnvContractError, match=r"^episodes.environment openenv:.*broken_app.py:app: its server exited "
                                                r"while starting: RuntimeError: no database at /data/envs.sqlite$"):
         check_environment(f"openenv:{broken}:app", 30, prepare=True)
     two_fields = tmp_path / "two_fields_app.py"
@@ -412,7 +412,7 @@ def test_a_server_that_keeps_dying_stops_the_run_in_one_line(monkeypatch):
                                                restarts=openenv_adapter.MAX_RESTARTS))
     monkeypatch.setattr(openenv_adapter, "_failures", {})
     openenv_adapter.prepare(target, "/nowhere")
-    with pytest.raises(ValueError, match=r"^rollout.environment openenv:/nowhere/app.py:app: its server died 4 times; "
+    with pytest.raises(ValueError, match=r"^episodes.environment openenv:/nowhere/app.py:app: its server died 4 times; "
                                          r"not restarted again$"):
         openenv_adapter.environment_class(target)
 
@@ -420,14 +420,14 @@ def test_a_server_that_keeps_dying_stops_the_run_in_one_line(monkeypatch):
 # ---- training runs through `megatron-grpo train` -------------------------------------------------
 
 RUN_OVERRIDES = ("rollout.engine=inprocess", "parallel.tp=1", "parallel.world_size=1",
-                 "rollout.multi_turn.observation_role=user", "rollout.multi_turn.max_turns=2",
-                 "rollout.multi_turn.max_episode_tokens=64", "rollout.prompts_per_step=4",
+                 "episodes.observation_role=user", "episodes.max_turns=2",
+                 "episodes.max_episode_tokens=64", "rollout.prompts_per_step=4",
                  "rollout.num_generations=4", "parallel.global_batch_size=8", "parallel.micro_batch_size=8",
                  "eval.sets=[]", "logging.plot=false", "checkpoint.save_every=0")
 
 
 def train(demo: Path, run_dir: Path, environment: str) -> tuple[list[dict], str]:
-    out = subprocess.run(train_cmd(demo, run_dir, 2, f"rollout.environment={environment}", *RUN_OVERRIDES),
+    out = subprocess.run(train_cmd(demo, run_dir, 2, f"episodes.environment={environment}", *RUN_OVERRIDES),
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = read_metrics(run_dir)

@@ -28,7 +28,7 @@ def trained(tmp_path_factory, demo):
     label = "ids_len"  # a file path's default label: its function's name
     # the in-process engine: the training run's and `eval --checkpoint`'s (the eval CLI's launched
     # engine is the HF-directory test's)
-    extra = ("rollout.engine=inprocess", "eval.at_start=true", "eval.every_n_steps=2", "checkpoint.save_every=2",
+    extra = ("engine.kind=inprocess", "eval.at_start=true", "eval.every_n_steps=2", "checkpoint.save_every=2",
              "eval.pass_k=[1,4,8]",
              f"reward.functions=[{{name: math_exact_match}}, {{name: '{root}/plugin/len_reward.py:ids_len', weight: 0.0}}]")
     run_dir = root / "run"

@@ -121,7 +121,7 @@ def test_eval_cli_bad_input_is_one_line(tmp_path, args, expected):
     assert out.stderr.strip() == expected.format(tmp=tmp_path) and out.stdout == ""
 
 
-# ---- evaluation episodes (rollout.environment, docs/multi_turn.md#held-out-evaluation-with-an-environment) ----
+# ---- evaluation episodes (episodes.environment, docs/multi_turn.md#held-out-evaluation-with-an-environment) ----
 
 
 def test_an_episode_row_combines_rewards_as_in_training():
@@ -144,7 +144,7 @@ def test_an_episode_row_combines_rewards_as_in_training():
 
 def _experiment(environment="calculator", **eval_raw):
     raw = {"model": {"hf_dir": "m"}, "data": {"train_file": "d.jsonl"}, "trainer": {"run_dir": "r"},
-           "rollout": {"environment": environment}, "eval": eval_raw}
+           "episodes": {"environment": environment}, "eval": eval_raw}
     return build_section(ExperimentConfig, raw)
 
 

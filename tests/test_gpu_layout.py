@@ -13,23 +13,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.config import ExperimentConfig, RolloutConfig
+from megatron_grpo.config import EngineConfig, ExperimentConfig, SGLangConfig, SyncConfig
 from megatron_grpo.config.base import ConfigError, build_section
-from megatron_grpo.preflight import check_rollout, layout_problem
+from megatron_grpo.preflight import check_engine, layout_problem
 from megatron_grpo.generation.engines import ENGINES
 from megatron_grpo.runtime import placement
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _experiment(**rollout) -> ExperimentConfig:
+def _experiment(**sections) -> ExperimentConfig:
+    """A config of a small rollout batch, with ``sections`` (``engine={...}``, ``sync={...}``)."""
     raw = {"model": {"hf_dir": "m"}, "data": {"train_file": "d.jsonl"}, "trainer": {"run_dir": "r"},
-           "rollout": {"num_generations": 2, "prompts_per_step": 4, **rollout}}
+           "rollout": {"num_generations": 2, "prompts_per_step": 4}, **sections}
     return build_section(ExperimentConfig, raw)
-
-
-def _rollout(**kwargs) -> RolloutConfig:
-    return build_section(RolloutConfig, kwargs, "rollout")
 
 
 def _problem(cfg, cuda=True, num_gpus=8, ranks_on_node=2, te=True):
@@ -40,36 +37,34 @@ def _problem(cfg, cuda=True, num_gpus=8, ranks_on_node=2, te=True):
 # ---- placement ------------------------------------------------------------------------------
 
 def test_engines_go_after_the_trainer_gpus_by_default_and_onto_them_when_colocated():
-    separate = _rollout(engine="sglang", num_servers=2, sglang={"tp": 2})
-    assert placement.engine_gpu_ids(separate, 2, 2) == [[2, 3], [4, 5]]
-    tensor = _rollout(engine="sglang", num_servers=2, sglang={"tp": 2}, weight_sync_transport="tensor")
-    assert placement.engine_gpu_ids(tensor, 2, 2) == [[0, 1], [2, 3]]
-    explicit = _rollout(base_gpu_id=5)
-    assert placement.engine_gpu_ids(explicit, 4, 1) == [[5]]
+    separate = EngineConfig(kind="sglang", num_servers=2, sglang=SGLangConfig(tp=2))
+    assert placement.engine_gpu_ids(separate, SyncConfig(), 2, 2) == [[2, 3], [4, 5]]
+    assert placement.engine_gpu_ids(separate, SyncConfig(transport="tensor"), 2, 2) == [[0, 1], [2, 3]]
+    assert placement.engine_gpu_ids(EngineConfig(base_gpu_id=5), SyncConfig(), 4, 1) == [[5]]
 
 
 def test_two_nccl_ranks_on_one_gpu_is_refused_naming_the_keys():
-    cfg = _experiment(base_gpu_id=1)  # the embedded engine on GPU 1, where trainer rank 1 is
+    cfg = _experiment(engine={"base_gpu_id": 1})  # the embedded engine on GPU 1, where trainer rank 1 is
     key, message = _problem(cfg)
-    assert key == "rollout.base_gpu_id" and "two ranks on one GPU" in message and "base_gpu_id >= 2" in message
-    assert _problem(_experiment(base_gpu_id=2)) is None
+    assert key == "engine.base_gpu_id" and "two ranks on one GPU" in message and "base_gpu_id >= 2" in message
+    assert _problem(_experiment(engine={"base_gpu_id": 2})) is None
     assert _problem(_experiment()) is None  # default: right after the trainer's GPUs
     # the same GPUs are fine with gloo, or with the tensor transport (no NCCL group)
-    assert _problem(_experiment(base_gpu_id=1, weight_sync_backend="gloo")) is None
-    assert _problem(_experiment(base_gpu_id=0, weight_sync_transport="tensor")) is None
+    assert _problem(_experiment(engine={"base_gpu_id": 1}, sync={"backend": "gloo"})) is None
+    assert _problem(_experiment(engine={"base_gpu_id": 0}, sync={"transport": "tensor"})) is None
     # engines on other machines (urls) are not placed here
-    assert _problem(_experiment(base_gpu_id=0, urls=["http://127.0.0.1:1"])) is None
+    assert _problem(_experiment(engine={"base_gpu_id": 0, "urls": ["http://127.0.0.1:1"]})) is None
 
 
 def test_engine_gpus_must_exist():
-    key, message = _problem(_experiment(engine="sglang", num_servers=2, sglang={"tp": 4}), num_gpus=8)
-    assert key == "rollout.base_gpu_id" and "need GPUs 2-9 but this machine has 8" in message
+    key, message = _problem(_experiment(engine={"kind": "sglang", "num_servers": 2, "sglang": {"tp": 4}}), num_gpus=8)
+    assert key == "engine.base_gpu_id" and "need GPUs 2-9 but this machine has 8" in message
 
 
 def test_gpu_only_features_are_refused_without_cuda():
-    assert _problem(_experiment(weight_sync_backend="nccl"), cuda=False)[0] == "rollout.weight_sync_backend"
-    colocated = _experiment(engine="sglang", colocate=True, weight_sync_transport="tensor")
-    assert _problem(colocated, cuda=False)[0] == "rollout.colocate"
+    assert _problem(_experiment(sync={"backend": "nccl"}), cuda=False)[0] == "sync.backend"
+    colocated = _experiment(engine={"kind": "sglang", "colocate": True}, sync={"transport": "tensor"})
+    assert _problem(colocated, cuda=False)[0] == "engine.colocate"
     assert _problem(colocated, cuda=True) is None
     dist_opt = _experiment()
     dist_opt.parallel.use_distributed_optimizer = True
@@ -99,28 +94,28 @@ def test_gpu_only_features_are_refused_without_cuda():
     ("http://[::1]:30000", None, False),
 ])
 def test_a_remote_engine_is_not_told_to_connect_to_loopback(url, address, bad):
-    kwargs = dict(urls=[url], weight_sync_master_address=address)
+    engine = {"urls": [url]}
     if bad:
-        with pytest.raises(ConfigError, match=r"rollout.weight_sync_master_address: .* is on another host"):
-            check_rollout(build_section(RolloutConfig, kwargs, "rollout"))
+        with pytest.raises(ConfigError, match=r"sync.master_address: .* is on another host"):
+            check_engine(_experiment(engine=engine, sync={"master_address": address}))
         # the disk and tensor transports do not connect back
-        check_rollout(build_section(RolloutConfig, {**kwargs, "weight_sync_transport": "disk"}, "rollout"))
+        check_engine(_experiment(engine=engine, sync={"master_address": address, "transport": "disk"}))
     else:
-        check_rollout(build_section(RolloutConfig, kwargs, "rollout"))
+        check_engine(_experiment(engine=engine, sync={"master_address": address}))
 
 
 def test_colocate_needs_the_tensor_transport_and_an_engine_that_releases_memory():
-    with pytest.raises(ConfigError, match="rollout.colocate: needs weight_sync_transport: tensor"):
-        check_rollout(build_section(RolloutConfig, {"engine": "sglang", "colocate": True}, "rollout"))
-    with pytest.raises(ConfigError, match="rollout.colocate: rollout.engine='embedded' cannot release"):
-        check_rollout(build_section(RolloutConfig, {"colocate": True, "weight_sync_transport": "tensor"}, "rollout"))
+    with pytest.raises(ConfigError, match="engine.colocate: needs sync.transport: tensor"):
+        check_engine(_experiment(engine={"kind": "sglang", "colocate": True}))
+    with pytest.raises(ConfigError, match="engine.colocate: engine.kind='embedded' cannot release"):
+        check_engine(_experiment(engine={"colocate": True}, sync={"transport": "tensor"}))
 
 
 def test_the_master_address_reaches_the_transport():
     from megatron_grpo.sync.syncer import WeightSyncer
 
-    cfg = _rollout(urls=["http://10.0.0.7:1"], weight_sync_master_address="10.0.0.2")
-    syncer = WeightSyncer(cfg, cfg.urls, None, iter_weights=lambda chunks, hf: iter(()))
+    cfg = _experiment(engine={"urls": ["http://10.0.0.7:1"]}, sync={"master_address": "10.0.0.2"})
+    syncer = WeightSyncer(cfg, cfg.engine.urls, None, iter_weights=lambda chunks, hf: iter(()))
     try:
         assert syncer.transport.master_address == "10.0.0.2"
     finally:
@@ -129,17 +124,17 @@ def test_the_master_address_reaches_the_transport():
 
 def test_launch_commands_place_the_engine():
     sglang, embedded = ENGINES["sglang"], ENGINES["embedded"]
-    cfg = _rollout(engine="sglang", sglang={"python": sys.executable, "tp": 2})
+    cfg = _experiment(engine={"kind": "sglang", "sglang": {"python": sys.executable, "tp": 2}})
     assert "--base-gpu-id" not in sglang.launch_command(cfg, "m", "127.0.0.1", 1)
     if torch.cuda.is_available():  # pragma: no cover - the CPU flags replace placement here
         cmd = sglang.launch_command(cfg, "m", "127.0.0.1", 1, [4, 5])
         assert cmd[cmd.index("--base-gpu-id") + 1] == "4"
-    colocated = _rollout(engine="sglang", sglang={"python": sys.executable}, colocate=True,
-                              weight_sync_transport="tensor")
+    colocated = _experiment(engine={"kind": "sglang", "sglang": {"python": sys.executable}, "colocate": True},
+                            sync={"transport": "tensor"})
     assert "--enable-memory-saver" in sglang.launch_command(colocated, "m", "127.0.0.1", 1, [0])
-    cmd = embedded.launch_command(_rollout(), "m", "127.0.0.1", 1, [3])
+    cmd = embedded.launch_command(_experiment(), "m", "127.0.0.1", 1, [3])
     assert cmd[cmd.index("--device") + 1] == "cuda:3"
-    cmd = embedded.launch_command(_rollout(), "m", "127.0.0.1", 1, None)
+    cmd = embedded.launch_command(_experiment(), "m", "127.0.0.1", 1, None)
     assert cmd[cmd.index("--device") + 1] == "cpu"
 
 

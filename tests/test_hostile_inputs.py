@@ -66,8 +66,8 @@ class Ctx:
         return {
             "model": {"hf_dir": str(self.world["model"]), "dtype": "float32"},
             "parallel": {"global_batch_size": 4},
-            "rollout": {"num_generations": 2, "prompts_per_step": 2, "max_new_tokens": 2,
-                        "weight_sync_transport": "disk"},
+            "rollout": {"num_generations": 2, "prompts_per_step": 2, "max_new_tokens": 2},
+            "sync": {"transport": "disk"},
             "data": {"train_file": str(self.world["data"])},
             "logging": {"tensorboard": False, "progress_bar": False, "plot": False},
             "trainer": {"run_dir": str(self.run_dir), "num_steps": 1},
@@ -179,8 +179,8 @@ def _plugin_file_case(file_name: str, source: str, key: str, attr: str, *needles
         plugin.write_text(source)
 
         def edit(cfg):
-            cfg["rollout"].update({key.split(".")[1]: f"{plugin}:{attr}", "engine": "inprocess"})
-            cfg["rollout"]["multi_turn"] = {"max_episode_tokens": 16}
+            cfg["episodes"] = {key.split(".")[1]: f"{plugin}:{attr}", "max_episode_tokens": 16}
+            cfg["engine"] = {"kind": "inprocess"}
         path = ctx.config(edit)
         return ["--config", path], [path, key, *needles]
     return case
@@ -292,23 +292,23 @@ CASES: dict[str, Case] = {
     "wrong_type_int": _cfg_case(_set("trainer.num_steps", "ten"), "trainer.num_steps", "expected an integer"),
     "wrong_type_float": _cfg_case(_set("optimizer.lr", "fast"), "optimizer.lr", "expected a number"),
     "wrong_type_bool": _cfg_case(_set("data.shuffle", "yes"), "data.shuffle", "expected true or false"),
-    "wrong_type_list": _cfg_case(_set("rollout.urls", "http://localhost:1"), "rollout.urls", "expected a list"),
+    "wrong_type_list": _cfg_case(_set("engine.urls", "http://localhost:1"), "engine.urls", "expected a list"),
     "bad_enum_optimizer": _cfg_case(_set("optimizer.name", "adamw"), "optimizer.name", "expected one of"),
-    "bad_enum_engine": _cfg_case(_set("rollout.engine", "vllm"), "rollout.engine", "'embedded'"),
-    "nccl_backend_without_a_gpu": _cfg_case(_set("rollout.weight_sync_backend", "nccl"),
-                                            "rollout.weight_sync_backend", "nccl needs CUDA"),
-    "colocate_without_a_gpu": _cfg_case(lambda c: c["rollout"].update(engine="sglang", colocate=True,
-                                                                      weight_sync_transport="tensor",
-                                                                      sglang={"python": sys.executable}),
-                                        "rollout.colocate", "needs CUDA"),
+    "bad_enum_engine": _cfg_case(_set("engine.kind", "vllm"), "engine.kind", "'embedded'"),
+    "nccl_backend_without_a_gpu": _cfg_case(_set("sync.backend", "nccl"),
+                                            "sync.backend", "nccl needs CUDA"),
+    "colocate_without_a_gpu": _cfg_case(lambda c: c.update(engine={"kind": "sglang", "colocate": True,
+                                                                   "sglang": {"python": sys.executable}},
+                                                           sync={"transport": "tensor"}),
+                                        "engine.colocate", "needs CUDA"),
     "distributed_optimizer_without_a_gpu": _cfg_case(_set("parallel.use_distributed_optimizer", True),
                                                      "parallel.use_distributed_optimizer", "true needs CUDA"),
-    "remote_engine_told_loopback": _cfg_case(lambda c: c["rollout"].update(urls=["http://10.1.2.3:30000"],
-                                                                           weight_sync_transport="distributed"),
-                                             "rollout.weight_sync_master_address", "is on another host"),
-    "sglang_interpreter_missing": _cfg_case(lambda cfg: (_set("rollout.engine", "sglang")(cfg),
-                                                         _set("rollout.sglang.python", "/nonexistent/python")(cfg)),
-                                            "rollout.sglang.python: /nonexistent/python is not an executable interpreter"),
+    "remote_engine_told_loopback": _cfg_case(lambda c: c.update(engine={"urls": ["http://10.1.2.3:30000"]},
+                                                                sync={"transport": "distributed"}),
+                                             "sync.master_address", "is on another host"),
+    "sglang_interpreter_missing": _cfg_case(lambda cfg: (_set("engine.kind", "sglang")(cfg),
+                                                         _set("engine.sglang.python", "/nonexistent/python")(cfg)),
+                                            "engine.sglang.python: /nonexistent/python is not an executable interpreter"),
     "bad_enum_dtype": _cfg_case(_set("model.dtype", "fp8"), "model.dtype", "'bfloat16'"),
     "negative_learning_rate": _cfg_case(_set("optimizer.lr", -1e-3), "optimizer.lr", "must be > 0"),
     "zero_temperature": _cfg_case(_set("rollout.temperature", 0), "rollout.temperature", "must be > 0"),
@@ -322,7 +322,7 @@ CASES: dict[str, Case] = {
     "override_max_new_tokens_beyond_context": _override_case("rollout.max_new_tokens=600", "rollout.max_new_tokens",
                                                              "model's context of 512", "set it to at most"),
     "inf_learning_rate": _cfg_case(_set("optimizer.lr", float("inf")), "optimizer.lr", "expected a finite number"),
-    "inf_timeout": _cfg_case(_set("rollout.request_timeout_s", float("inf")), "rollout.request_timeout_s",
+    "inf_timeout": _cfg_case(_set("engine.request_timeout_s", float("inf")), "engine.request_timeout_s",
                              "expected a finite number"),
     "nan_coefficient": _cfg_case(_set("algorithm.kl_loss_coef", float("nan")), "algorithm.kl_loss_coef",
                                  "expected a finite number"),
@@ -411,9 +411,9 @@ CASES: dict[str, Case] = {
         _lines(DATA_LINES[0], {"prompt": " ".join(map(str, range(199))) * 3, "answer": "1"}), ":2:",
         "model's context of 512", data_key={"max_prompt_length": 4096}),
     "episode_longer_than_model_context": _cfg_case(
-        lambda cfg: [_set("rollout.environment", "calculator")(cfg),
-                     _set("rollout.multi_turn.max_episode_tokens", 600)(cfg)],
-        "rollout.multi_turn.max_episode_tokens", "600 after the longest prompt", "model's context of 512",
+        lambda cfg: [_set("episodes.environment", "calculator")(cfg),
+                     _set("episodes.max_episode_tokens", 600)(cfg)],
+        "episodes.max_episode_tokens", "600 after the longest prompt", "model's context of 512",
         "set it to at most"),
     # ---- reward functions ------------------------------------------------------------------
     "reward_unknown_builtin": _reward_case(None, "exact_match", "unknown reward function",
@@ -428,16 +428,16 @@ CASES: dict[str, Case] = {
                                          "reward.functions", "every weight is 0"),
     # ---- environments and rollout functions: imported and checked before the run directory is written
     "environment_class_missing": _plugin_file_case("envs.py", "class Env:\n    def step(self, r):\n        pass\n",
-                                                   "rollout.environment", "Nope", "envs.py:Nope",
+                                                   "episodes.environment", "Nope", "envs.py:Nope",
                                                    "has no attribute 'Nope'"),
-    "environment_without_step": _plugin_file_case("envs.py", "class Env:\n    pass\n", "rollout.environment", "Env",
+    "environment_without_step": _plugin_file_case("envs.py", "class Env:\n    pass\n", "episodes.environment", "Env",
                                                   "envs.py:Env", "no method step"),
     "environment_import_fails": _plugin_file_case("envs.py", "import no_such_module_xyz\nclass Env:\n    pass\n",
-                                                  "rollout.environment", "Env", "envs.py", "no_such_module_xyz"),
+                                                  "episodes.environment", "Env", "envs.py", "no_such_module_xyz"),
     "rollout_function_import_fails": _plugin_file_case("fn.py", "import no_such_module_xyz\ndef f(*a):\n    pass\n",
-                                                       "rollout.rollout_function", "f", "fn.py", "no_such_module_xyz"),
+                                                       "episodes.rollout_function", "f", "fn.py", "no_such_module_xyz"),
     "rollout_function_missing": _plugin_file_case("fn.py", "def f(engine, prompts, n, sampling, seed):\n    pass\n",
-                                                  "rollout.rollout_function", "g", "fn.py", "g"),
+                                                  "episodes.rollout_function", "g", "fn.py", "g"),
     # ---- logging -----------------------------------------------------------------------------
     "wandb_project_without_wandb": _cfg_case(_set("logging.wandb_project", "grpo"), "logging.wandb_project",
                                              "wandb is not installed"),
@@ -708,16 +708,16 @@ PLUGIN_RUN_CASES = {
     "environment_non_string_observation": (
         "envs.py", "class Bad:\n    def __init__(self, row):\n        pass\n\n"
         "    def step(self, response):\n        return {'observation': 5, 'done': False, 'reward': 0.0}\n",
-        lambda cfg, f: cfg["rollout"].update(environment=f"{f}:Bad", engine="inprocess",
-                                             multi_turn={"max_episode_tokens": 16}),
-        "step 1: rollout.environment"),
+        lambda cfg, f: cfg.update(episodes={"environment": f"{f}:Bad", "max_episode_tokens": 16},
+                                  engine={"kind": "inprocess"}),
+        "step 1: episodes.environment"),
     # a rollout function whose samples hold ids outside the model's vocabulary
     "rollout_function_out_of_vocabulary": (
         "fn.py", "def oov(engine, prompts, n, sampling, seed):\n"
         "    out = engine.generate([p.prompt_ids for p in prompts], n, sampling, sampling_seed=seed)\n"
         "    for s in out:\n        s.output_ids = [10**9 for _ in s.output_ids]\n    return out\n",
-        lambda cfg, f: cfg["rollout"].update(rollout_function=f"{f}:oov", engine="inprocess"),
-        "step 1: rollout.rollout_function"),
+        lambda cfg, f: cfg.update(episodes={"rollout_function": f"{f}:oov"}, engine={"kind": "inprocess"}),
+        "step 1: episodes.rollout_function"),
     # a reward no float can hold
     "reward_past_float_range": (
         "huge.py", "def huge(response, answer):\n    return 10**400\n",

@@ -1,4 +1,4 @@
-"""rollout.engine: inprocess, with real components: the embedded engine's generation code in this
+"""engine.kind: inprocess, with real components: the embedded engine's generation code in this
 process (no server) and the in-memory weight sync from Megatron chunks at TP2 and PP2.
 
 References are independent of the engine: transformers' own full forward (float64
@@ -12,7 +12,6 @@ replay) are the embedded engine's tests parametrised over the engine kind
 import pytest
 import torch
 
-from megatron_grpo.config import RolloutConfig
 from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.wire.samples import SamplingParams
@@ -20,6 +19,8 @@ from tests.support.distributed import run_distributed
 from megatron_grpo.models.tiny import save_tiny_model
 from tests.support.engine_runs import run
 from tests.support.sync_checks import NUM_HF_TENSORS, engine_vs_trainer, perturb
+from megatron_grpo.config import EngineConfig, RolloutConfig, SyncConfig
+from tests.support.configs import experiment
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
 TRUNCATED = SamplingParams(temperature=1.2, top_p=0.8, top_k=40, min_p=0.02, max_new_tokens=10,
@@ -33,7 +34,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    eng = InProcessEngine(start_inprocess(RolloutConfig(dtype="float32"), model_dir=model_dir), None,
+    eng = InProcessEngine(start_inprocess(EngineConfig(dtype="float32"), model_dir=model_dir), None,
                           timeout_s=120)
     yield eng
     eng.close()
@@ -84,8 +85,8 @@ def _worker(rank, world_size, model_dir, corrupt):
     hf_config = load_hf_config(model_dir)
     chunks = build_model(hf_config, dtype=torch.float32, init_weights=False)
     load_hf_weights(chunks, model_dir, hf_config)
-    cfg = RolloutConfig(dtype="float32", engine="inprocess")
-    inner = start_inprocess(cfg, model_dir=model_dir) if rank == 0 else None
+    cfg = experiment(engine=EngineConfig(dtype="float32", kind="inprocess"))
+    inner = start_inprocess(cfg.engine, model_dir=model_dir) if rank == 0 else None
     engine = InProcessEngine(inner, InMemorySyncer(cfg, hf_config, inner), timeout_s=120)
     out = {}
 
@@ -139,24 +140,27 @@ def test_in_memory_sync_serves_the_trainers_weights(model_dir, tp, pp, corrupt):
 
 def test_preflight_refuses_servers_for_the_in_process_engine():
     from megatron_grpo.config import ConfigError
-    from megatron_grpo.preflight.rules import check_rollout
+    from megatron_grpo.preflight.rules import check_engine
 
-    with pytest.raises(ConfigError, match="rollout.urls.*runs inside the trainer"):
-        check_rollout(RolloutConfig(engine="inprocess", urls=["http://127.0.0.1:30000"]))
-    with pytest.raises(ConfigError, match="rollout.num_servers.*must be 1"):
-        check_rollout(RolloutConfig(engine="inprocess", num_servers=2))
-    with pytest.raises(ConfigError, match="rollout.colocate"):
-        check_rollout(RolloutConfig(engine="inprocess", colocate=True, weight_sync_transport="tensor"))
-    check_rollout(RolloutConfig(engine="inprocess", quantization="int8", top_p=0.8))  # what it serves
+    with pytest.raises(ConfigError, match="engine.urls.*runs inside the trainer"):
+        check_engine(experiment(engine=EngineConfig(kind="inprocess", urls=["http://127.0.0.1:30000"])))
+    with pytest.raises(ConfigError, match="engine.num_servers.*must be 1"):
+        check_engine(experiment(engine=EngineConfig(kind="inprocess", num_servers=2)))
+    with pytest.raises(ConfigError, match="engine.colocate"):
+        check_engine(experiment(engine=EngineConfig(kind="inprocess", colocate=True),
+                                sync=SyncConfig(transport="tensor")))
+    # what it serves
+    check_engine(experiment(rollout=RolloutConfig(top_p=0.8),
+                            engine=EngineConfig(kind="inprocess", quantization="int8")))
 
 
 def test_int8_rollouts_keep_their_own_quantized_copy(model_dir):
-    """rollout.quantization: the in-process engine serves the decoder's projections from its own
+    """engine.quantization: the in-process engine serves the decoder's projections from its own
     int8 copy: the same draws and log-probs as the embedded engine's quantized path (which
     tests/test_quantized_rollouts.py checks against a fake-quantized reference)."""
     from megatron_grpo.ops.quantize import scheme_of
 
-    cfg = RolloutConfig(dtype="float32", quantization="int8")
+    cfg = EngineConfig(dtype="float32", quantization="int8")
     engine = InProcessEngine(start_inprocess(cfg, model_dir=model_dir), None, timeout_s=120)
     other = EmbeddedEngine(model_dir, dtype="float32", quantization=scheme_of("int8"))
     try:

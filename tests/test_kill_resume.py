@@ -36,7 +36,7 @@ def test_kill_minus_9_and_resume(demo, straight, tmp_path, capsys):
     # killed mid-run; the full version, tests/support/kill_resume.py --kills 20, kills at many more
     # moments, resumed runs included)
     code = main(["--kills", "1", "--steps", str(STEPS), "--seed", "1", "--workdir", str(tmp_path), "--max-seconds",
-                 "900", "--demo", str(demo), f"--straight={straight}", "--extra=rollout.engine=inprocess"])
+                 "900", "--demo", str(demo), f"--straight={straight}", "--extra=engine.kind=inprocess"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "kills: 1," in out and "during a save" in out, out  # the run did not finish before its kill
@@ -51,7 +51,7 @@ def test_kill_minus_9_and_resume_with_an_environment(demo, tmp_path, capsys):
     started = time.time()
     env_file = tmp_path / "nudge.py"
     env_file.write_text(NUDGE)
-    extra = [f"rollout.environment={env_file}:Nudge", *NUDGE_OVERRIDES]
+    extra = [f"episodes.environment={env_file}:Nudge", *NUDGE_OVERRIDES]
     # seed 37's die: the kill lands 0.7 s after the run's first step, mid-run (seed 2's, 7.6 s,
     # came after the run's last step: it finished unkilled)
     code = main(["--kills", "1", "--steps", "6", "--seed", "37", "--workdir", str(tmp_path), "--max-seconds", "900",

@@ -239,10 +239,10 @@ def external_engine(demo):
 
 @pytest.mark.slow
 def test_node_killed_ends_the_other_in_time_and_relaunch_resumes(demo, tmp_path, no_leftovers, external_engine):
-    """Layout of multi_node.sh's header: the engine runs apart (rollout.urls) and outlives
+    """Layout of multi_node.sh's header: the engine runs apart (engine.urls) and outlives
     the trainer; node 1 is killed -9 (its torchrun and rank) after step 3."""
     run_dir = tmp_path / "run"
-    args = overrides(demo, run_dir, 8, "checkpoint.save_every=2", f"rollout.urls=[{external_engine}]")
+    args = overrides(demo, run_dir, 8, "checkpoint.save_every=2", f"engine.urls=[{external_engine}]")
     nodes = start_nodes(2, args, tmp_path, "killed")
     try:
         wait_for_steps(run_dir, 3, nodes, RUN_S)
@@ -280,7 +280,7 @@ def test_node_alone_gives_up_on_the_rendezvous_in_time(demo, tmp_path, no_leftov
 @pytest.mark.slow
 def test_single_node_sh_trains(demo, tmp_path, no_leftovers):
     run_dir = tmp_path / "run"
-    args = overrides(demo, run_dir, 1, "rollout.engine=inprocess")  # the YAML's engine: the script is the point
+    args = overrides(demo, run_dir, 1, "engine.kind=inprocess")  # the YAML's engine: the script is the point
     out = subprocess.run(["bash", "launch/single_node.sh", CONFIG, *args], cwd=ROOT,
                          env={k: v for k, v in script_env().items() if k not in LAUNCH_VARS},
                          capture_output=True, text=True, timeout=RUN_S)

@@ -126,7 +126,7 @@ def test_a_rank_killed_from_outside_ends_the_run_in_one_line(demo, tmp_path):
     names the rank, its pid and SIGKILL; no traceback of torchrun's or of the other rank's
     broken collective; nothing outlives it."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(train_cmd(demo, run_dir, 50, "rollout.engine=inprocess", "eval.sets=[]",
+    proc = subprocess.Popen(train_cmd(demo, run_dir, 50, "engine.kind=inprocess", "eval.sets=[]",
                                       "checkpoint.save_every=0"),
                             cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

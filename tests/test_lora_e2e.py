@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd
 
 STEPS = 4
-LORA = ("rollout.engine=inprocess", "model.lora.rank=4", "model.lora.alpha=8", "optimizer.lr=2e-3",
+LORA = ("engine.kind=inprocess", "model.lora.rank=4", "model.lora.alpha=8", "optimizer.lr=2e-3",
         "optimizer.lr_decay_style=constant", "optimizer.lr_warmup_steps=0",  # the same lr at 2 and 4 steps
         "checkpoint.save_every=2", "logging.plot=false")
 COMPARED = ("reward_mean", "loss", "ppo_kl", "entropy", "grad_norm", "rollout_train_logprobs_abs_diff_mean")

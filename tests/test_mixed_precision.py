@@ -24,6 +24,8 @@ import torch
 
 from tests.support.distributed import run_distributed
 from tests.support.step_equivalence import policy_step
+from megatron_grpo.config import EngineConfig, SyncConfig
+from tests.support.configs import experiment
 
 N_SEQ, GLOBAL_BATCH, MICRO = 8, 8, 2
 STEP_RTOL = 5e-2
@@ -147,15 +149,14 @@ _DIRECT = {
 
 def _sync_into_engine(rank, world, hf_dir, url):
     from megatron_grpo.config import OptimizerConfig
-    from megatron_grpo.config.rollout import RolloutConfig
     from megatron_grpo.generation import RolloutClient
     from megatron_grpo.sync.syncer import WeightSyncer
 
     policy = _policy(hf_dir, OptimizerConfig(name="adam", lr=1e-4, clip_grad=0.0))
     policy_step(policy)
     client = RolloutClient([url], request_timeout_s=120)
-    syncer = WeightSyncer(RolloutConfig(weight_sync_transport="distributed", request_timeout_s=120),
-                          [url], policy.hf_config, client=client)
+    cfg = experiment(engine=EngineConfig(request_timeout_s=120), sync=SyncConfig(transport="distributed"))
+    syncer = WeightSyncer(cfg, [url], policy.hf_config, client=client)
     stats = syncer.sync(policy.modules, 1)  # verified: the engine's checksums match what was sent
     syncer.close()
     (module,) = policy.modules
@@ -174,10 +175,9 @@ def _sync_into_engine(rank, world, hf_dir, url):
 
 @pytest.mark.slow
 def test_fp32_engine_receives_the_main_weights(tiny_hf, tmp_path):
-    from megatron_grpo.config.rollout import RolloutConfig
     from megatron_grpo.generation.manager import RolloutServerManager
 
-    cfg = RolloutConfig(dtype="float32", launch_timeout_s=180)
+    cfg = experiment(engine=EngineConfig(dtype="float32", launch_timeout_s=180))
     with RolloutServerManager(cfg, model_dir=tiny_hf, run_dir=tmp_path) as manager:
         (r,) = run_distributed(_sync_into_engine, 1, tiny_hf, manager.urls[0], tp=1, pp=1, timeout_s=300)
     assert r.pop("verified")

@@ -7,13 +7,14 @@ fused expert parameters under the checkpoint's per-expert names, bitwise.
 import pytest
 import torch
 
-from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
 from tests.support.distributed import run_distributed
 from megatron_grpo.models.tiny import save_tiny_model
 from tests.support.models_fixtures import hf_tensors
 from tests.support.sync_checks import check_sync, sync_worker
 from tests.support.step_equivalence import initial_weights, merged_weights, one_step
+from megatron_grpo.config import EngineConfig
+from tests.support.configs import experiment
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_ep2_step_matches_ep1(moe_dir, ep1_reference):
 @pytest.fixture(scope="module")
 def moe_engine_url(moe_dir, tmp_path_factory):
     """(url, the run's weight-sync directory, which the engine trusts)."""
-    cfg = RolloutConfig(dtype="float32", launch_timeout_s=180)
+    cfg = experiment(engine=EngineConfig(dtype="float32", launch_timeout_s=180))
     run_dir = tmp_path_factory.mktemp("run")
     with RolloutServerManager(cfg, model_dir=moe_dir, run_dir=run_dir) as manager:
         yield manager.urls[0], str(weight_sync_dir(run_dir))

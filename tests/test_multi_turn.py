@@ -1,4 +1,4 @@
-"""Multi-turn episodes (rollout.environment, docs/multi_turn.md): the turn boundary, the token
+"""Multi-turn episodes (episodes.environment, docs/multi_turn.md): the turn boundary, the token
 identity with the real embedded engine, the loss over model tokens only, environment failures
 (errors, timeouts, a hung sync environment killed) and the one-line errors of bad input."""
 
@@ -13,7 +13,6 @@ import torch
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.dapo import OverlongConfig
-from megatron_grpo.config.rollout import BUILTIN_ENVIRONMENTS, MultiTurnConfig, RolloutConfig
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from megatron_grpo.losses import compute_policy_loss
 from megatron_grpo.config.algorithm import AlgorithmConfig, OffPolicyCorrectionConfig
@@ -25,6 +24,9 @@ from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
 from megatron_grpo.models.tiny import build_tokenizer
 from megatron_grpo.rollout.batch import build_train_batch
+from megatron_grpo.config import EngineConfig, EpisodesConfig, RolloutConfig
+from megatron_grpo.config.episodes import BUILTIN_ENVIRONMENTS
+from tests.support.configs import experiment
 
 ENV_SOURCE = '''
 import asyncio, time
@@ -126,10 +128,9 @@ class ScriptedEngine:
                        output_logprobs=[-0.5] * len(out), finish_reason=finish, weight_version="3")]
 
 
-def runner(tok, environment, **multi_turn):
-    cfg = RolloutConfig(environment=environment,
-                        multi_turn=MultiTurnConfig(observation_role="user", **{"env_timeout_s": 5.0, **multi_turn}))
-    return EpisodeRunner.build(cfg, tok, use_template=True)
+def runner(tok, environment, **episodes):
+    cfg = EpisodesConfig(environment=environment, observation_role="user", **{"env_timeout_s": 5.0, **episodes})
+    return EpisodeRunner.build(cfg, tok, max_inflight=EngineConfig().max_inflight_requests, use_template=True)
 
 
 # ---- the turn boundary --------------------------------------------------------------------
@@ -238,7 +239,7 @@ def test_env_errors_are_counted_scored_and_reported_once(tok, env_file, capfd):
     assert f"{env_file}:" in err  # file:line of the raise
     stats = episode_stats(episodes)
     assert stats["multi_turn/env_errors"] == 2 and stats["multi_turn/observations_refused"] == 2
-    rewards, dropped = episode_rewards([1.0, 2.0, 3.0, 4.0], episodes, 2, MultiTurnConfig())
+    rewards, dropped = episode_rewards([1.0, 2.0, 3.0, 4.0], episodes, 2, EpisodesConfig())
     assert rewards.tolist() == [0.0] * 4 and not dropped.any()
 
 
@@ -248,11 +249,11 @@ def test_reward_add_replace_and_drop(tok):
             self.env_reward, self.error = env_reward, error
 
     eps = [E(1.0), E(0.5, "timeout"), E(2.0), E(0.0)]
-    add, _ = episode_rewards([1.0, 1.0, 1.0, 1.0], eps, 2, MultiTurnConfig(on_env_error="zero_reward"))
+    add, _ = episode_rewards([1.0, 1.0, 1.0, 1.0], eps, 2, EpisodesConfig(on_env_error="zero_reward"))
     assert add.tolist() == [2.0, 0.0, 3.0, 1.0]
-    rep, _ = episode_rewards([1.0, 1.0, 1.0, 1.0], eps, 2, MultiTurnConfig(env_reward="replace"))
+    rep, _ = episode_rewards([1.0, 1.0, 1.0, 1.0], eps, 2, EpisodesConfig(env_reward="replace"))
     assert rep.tolist() == [1.0, 0.0, 2.0, 0.0]
-    drop, dropped = episode_rewards([1.0, 1.0, 1.0, 1.0], eps, 2, MultiTurnConfig(on_env_error="drop"))
+    drop, dropped = episode_rewards([1.0, 1.0, 1.0, 1.0], eps, 2, EpisodesConfig(on_env_error="drop"))
     assert drop.tolist() == [2.0, 2.0, 3.0, 1.0] and dropped.tolist() == [False, True, False, False]
 
 
@@ -374,10 +375,10 @@ def test_constructor_error_ends_the_episode(tok, env_file):
 
 def test_bad_environment_one_liners(tok, env_file, tmp_path):
     with pytest.raises(ValueError) as e:  # ConfigValueError; the loader adds the file and the section
-        RolloutConfig(environment=str(tmp_path / "missing.py") + ":Env")
+        EpisodesConfig(environment=str(tmp_path / "missing.py") + ":Env")
     assert "missing.py" in str(e.value) and "not found" in str(e.value)
     with pytest.raises(ValueError, match="neither a built-in"):
-        RolloutConfig(environment="calculater")
+        EpisodesConfig(environment="calculater")
     with pytest.raises(EnvContractError, match=r"envs.py:NoStep: the class has no method step"):
         check_environment(f"{env_file}:NoStep", 5.0)
     with pytest.raises(EnvContractError, match=r"envs.py:Nope: the file has no attribute 'Nope'"):
@@ -396,7 +397,8 @@ def test_bad_environment_one_liners(tok, env_file, tmp_path):
 
 def test_config_refuses_the_overlong_penalty_with_an_environment():
     with pytest.raises(ValueError, match="overlong.buffer_length"):
-        RolloutConfig(environment="calculator", overlong=OverlongConfig(buffer_length=4))
+        experiment(rollout=RolloutConfig(overlong=OverlongConfig(buffer_length=4)),
+                   episodes=EpisodesConfig(environment="calculator"))
 
 
 # ---- the loss over model tokens only ---------------------------------------------------------

@@ -15,7 +15,6 @@ import subprocess
 
 import pytest
 
-from megatron_grpo.config.rollout import MultiTurnConfig, RolloutConfig
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from megatron_grpo.generation.client import RolloutClient
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
@@ -25,6 +24,8 @@ from megatron_grpo.wire.samples import SamplingParams
 from megatron_grpo.models.tiny import DEMO_ARCH, build_tokenizer, save_tiny_model
 from tests.support.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
 from tests.support.sglang_shared import API_KEY
+from megatron_grpo.config import EngineConfig, EpisodesConfig
+from tests.support.configs import experiment
 
 pytestmark = pytest.mark.slow
 
@@ -60,9 +61,8 @@ def make_prompt(tok, index=0):
 
 
 def runner(tok, environment):
-    cfg = RolloutConfig(environment=environment, max_inflight_requests=1,
-                        multi_turn=MultiTurnConfig(observation_role="user", env_timeout_s=30.0))
-    return EpisodeRunner.build(cfg, tok, use_template=True)
+    cfg = EpisodesConfig(environment=environment, observation_role="user", env_timeout_s=30.0)
+    return EpisodeRunner.build(cfg, tok, max_inflight=1, use_template=True)
 
 
 class Recording:
@@ -112,9 +112,9 @@ def test_an_episode_spanning_a_weight_update_is_scored_by_the_new_weights(tok, e
     old = save_tiny_model(tmp_path / "old", "qwen2", seed=3)
     # in the run's weight-sync directory: a launched engine loads weights from there only
     new = save_tiny_model(weight_sync_dir(tmp_path / "run") / "new", "qwen2", seed=4)
-    cfg = RolloutConfig(dtype="float32", launch_timeout_s=300)
+    cfg = experiment(engine=EngineConfig(dtype="float32", launch_timeout_s=300))
     with RolloutServerManager(cfg, model_dir=old, run_dir=tmp_path / "run") as manager:
-        client = RolloutClient.from_config(cfg, manager.urls)
+        client = RolloutClient.from_config(cfg.engine, manager.urls)
         (url,) = manager.urls
         client.update_weight_version(url, "1")
 
@@ -168,15 +168,15 @@ def test_episodes_on_the_real_sglang_are_token_in_token_out(tok, env_file, tmp_p
             assert abs(got - lp[i - 1]) <= 1e-4, (i, got, lp[i - 1])
 
 
-OFF_POLICY = ("rollout.mode=one_step_off_policy", "rollout.multi_turn.observation_role=user",
-              "rollout.multi_turn.max_episode_tokens=64", "rollout.prompts_per_step=4", "rollout.num_generations=4",
+OFF_POLICY = ("rollout.mode=one_step_off_policy", "episodes.observation_role=user",
+              "episodes.max_episode_tokens=64", "rollout.prompts_per_step=4", "rollout.num_generations=4",
               "parallel.global_batch_size=16", "parallel.micro_batch_size=8", "eval.every_n_steps=0",
               "logging.plot=false")
 
 
 def _train_off_policy(demo, tmp_path, env_file, *extra, timeout=900):
     run_dir = tmp_path / "run"
-    cmd = train_cmd(demo, run_dir, 3, f"rollout.environment={env_file}:Nudge", *OFF_POLICY, *extra)
+    cmd = train_cmd(demo, run_dir, 3, f"episodes.environment={env_file}:Nudge", *OFF_POLICY, *extra)
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = read_metrics(run_dir)
@@ -194,7 +194,7 @@ def test_train_one_step_off_policy_with_an_environment(demo, tmp_path, env_file)
 
 
 def test_train_on_the_real_sglang_one_step_off_policy_with_an_environment(demo, tmp_path, env_file, sglang_servers):
-    """On the session's shared SGLang server (tests/support/sglang_shared.py) in rollout.urls, reset to
+    """On the session's shared SGLang server (tests/support/sglang_shared.py) in engine.urls, reset to
     the demo model; the run syncs its weights into it before the first step and after each."""
     url = sglang_servers.serve(demo / "model")
     rows = _train_off_policy(demo, tmp_path, env_file, *sglang_servers.train_overrides(url))

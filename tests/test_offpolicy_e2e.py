@@ -60,7 +60,7 @@ def test_in_process_engine_generates_from_a_snapshot(demo, straight, tmp_path):
     from tests.support.kill_resume import COMPARED
 
     run_dir = tmp_path / "run"
-    run(cmd(demo, run_dir, 6, "checkpoint.save_every=2", "checkpoint.keep_last=3", "rollout.engine=inprocess"))
+    run(cmd(demo, run_dir, 6, "checkpoint.save_every=2", "checkpoint.keep_last=3", "engine.kind=inprocess"))
     mine, launched = read_metrics(run_dir), read_metrics(straight)
     assert [r["rollout/weight_version"] for r in mine] == [0, 0, 1, 2, 3, 4]
     assert [r["rollout/prompt_indices"] for r in mine] == [r["rollout/prompt_indices"] for r in launched]
@@ -90,8 +90,8 @@ def test_engine_killed_during_background_generation_is_recovered(demo, tmp_path)
     # passes, a second or more) to be hit; in full batches it took ~0.3 s once the HTTP path was
     # cut, and the kill could land after it
     proc = subprocess.Popen(cmd(demo, run_dir, 5, "checkpoint.save_every=0", "rollout.prompts_per_step=32",
-                                "rollout.embedded.max_batch_size=1",
-                                "rollout.request_timeout_s=20", "rollout.max_retries=2"),
+                                "engine.embedded.max_batch_size=1",
+                                "engine.request_timeout_s=20", "engine.max_retries=2"),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     # step 3 starts right after step 2's entry and sends step 4's prompts to the engine
     err = kill_engine_after(proc, run_dir, 2, settle_s=0.1)

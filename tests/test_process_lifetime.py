@@ -90,7 +90,7 @@ def _kill_at(moment: str, whole_group: bool, demo: Path, tmp_path: Path) -> list
     extra = MOMENT_OVERRIDES.get(moment, ())
     if moment == "environment workers":
         (tmp_path / "nudge_env.py").write_text(NUDGE)
-        extra = (f"rollout.environment={tmp_path / 'nudge_env.py'}:Nudge", *extra)
+        extra = (f"episodes.environment={tmp_path / 'nudge_env.py'}:Nudge", *extra)
     log = open(tmp_path / "train.log", "wb")
     proc = subprocess.Popen(train_cmd(demo, run_dir, 20, "logging.plot=false", *extra), cwd=ROOT, env=ENV,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -141,12 +141,12 @@ def _signal_every_process(tree: list[psutil.Process], signum: int) -> None:
 
 
 ENGINE_KEY = "lifetime-test-key"
-"""``rollout.api_key`` of the runs whose engine the test asks (a run's own key is random)."""
+"""``engine.api_key`` of the runs whose engine the test asks (a run's own key is random)."""
 
 
 def _engine_info(run_dir: Path) -> dict:
     """The launched embedded engine's /get_server_info (its port from the launch line of
-    its log), for a run started with ``rollout.api_key=ENGINE_KEY``."""
+    its log), for a run started with ``engine.api_key=ENGINE_KEY``."""
     launch = [line for line in (run_dir / "rollout" / "server.log").read_text().splitlines() if " launch: " in line]
     port = int(launch[-1].split("--port ")[1].split()[0])
     return httpx.get(f"http://127.0.0.1:{port}/get_server_info", timeout=10.0,
@@ -287,7 +287,7 @@ def test_slurms_sigterm_to_every_process_stops_in_one_line_and_saves_the_finishe
                 and requests["in_flight"] == 0)
 
     code, said, run_dir, seconds = _stop_with(signal.SIGTERM, "job step", demo, tmp_path, ready=step_3_generated,
-                                              overrides=("checkpoint.save_every=2", f"rollout.api_key={ENGINE_KEY}"))
+                                              overrides=("checkpoint.save_every=2", f"engine.api_key={ENGINE_KEY}"))
     lines = said.strip().splitlines()
     assert code == 143 and len(lines) == 1 and lines[0].startswith("error: stopped by SIGTERM after step "), said
     stopped_at = int(lines[0].split("after step ")[1].split()[0])

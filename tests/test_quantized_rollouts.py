@@ -1,4 +1,4 @@
-"""Quantized rollouts (``rollout.quantization``): the numerics, the engine, the sync, the probe.
+"""Quantized rollouts (``engine.quantization``): the numerics, the engine, the sync, the probe.
 
 * ``ops/quantize.py`` against hand computations: per-channel and per-token scales, e4m3/e5m2
   round trips within half a unit in the last place, saturation at 448, int8 weight-only;
@@ -11,7 +11,7 @@
 * the mismatch each setting creates on the tiny model (printed), larger than unquantized;
 * the pre-flight: SGLang's fp8 refused without CUDA, formats per engine, launch commands.
 
-The short real run with ``rollout.quantization=fp8`` is ``test_quantized_demo_run``.
+The short real run with ``engine.quantization=fp8`` is ``test_quantized_demo_run``.
 """
 
 import math
@@ -233,7 +233,7 @@ def test_probe_through_fake_quant_equals_fp8_engine_at_tp2(fp8_engine, model_dir
         plain = torch.tensor(r["plain"], dtype=torch.float64)
         quantized_diff, plain_diff = float((fp8 - engine_lp).abs().mean()), float((plain - engine_lp).abs().mean())
         print(f"\nprobe vs fp8 engine: through fake quant {quantized_diff:.2e}, unquantized {plain_diff:.2e}")
-        assert quantized_diff < 1e-5  # far inside rollout.verify_logprob_tolerance (1e-3)
+        assert quantized_diff < 1e-5  # far inside sync.verify_logprob_tolerance (1e-3)
         assert plain_diff > 1e-3  # what the probe would report without the fake quantization
 
 
@@ -267,31 +267,31 @@ def test_mismatch_by_setting_on_tiny_model(model_dir):
 
 
 def test_preflight_and_launch_commands():
-    from megatron_grpo.config import ConfigError, ExperimentConfig, RolloutConfig
+    from megatron_grpo.config import ConfigError, ExperimentConfig
     from megatron_grpo.config.base import build_section
-    from megatron_grpo.preflight import check_rollout, layout_problem
+    from megatron_grpo.preflight import check_engine, layout_problem
     from megatron_grpo.generation.engines import ENGINES
 
-    def rollout(**kwargs):
-        return build_section(RolloutConfig, kwargs, "rollout")
+    def experiment(**engine):
+        return build_section(ExperimentConfig, {
+            "model": {"hf_dir": "m"}, "data": {"train_file": "d.jsonl"}, "trainer": {"run_dir": "r"},
+            "rollout": {"num_generations": 2, "prompts_per_step": 4}, "engine": engine})
 
-    with pytest.raises(ConfigError, match="fp8_format.*needs quantization: fp8"):
-        rollout(fp8_format="e5m2")
-    embedded = rollout(quantization="fp8", fp8_format="e5m2")
-    check_rollout(embedded)
+    with pytest.raises(ConfigError, match="engine.fp8_format.*needs quantization: fp8"):
+        experiment(fp8_format="e5m2")
+    embedded = experiment(quantization="fp8", fp8_format="e5m2")
+    check_engine(embedded)
     cmd = ENGINES["embedded"].launch_command(embedded, "/m", "127.0.0.1", 1)
     assert cmd[cmd.index("--quantization") + 1] == "fp8" and cmd[cmd.index("--fp8-format") + 1] == "e5m2"
-    assert "--quantization" not in ENGINES["embedded"].launch_command(rollout(), "/m", "127.0.0.1", 1)
+    assert "--quantization" not in ENGINES["embedded"].launch_command(experiment(), "/m", "127.0.0.1", 1)
 
-    with pytest.raises(ConfigError, match="rollout.fp8_format.*'e5m2' is not served by rollout.engine='sglang'"):
-        check_rollout(rollout(engine="sglang", quantization="fp8", fp8_format="e5m2"))
-    with pytest.raises(ConfigError, match="rollout.quantization.*'int8' is not served by rollout.engine='sglang'"):
-        check_rollout(rollout(engine="sglang", quantization="int8"))
-    sglang_cfg = build_section(ExperimentConfig, {
-        "model": {"hf_dir": "m"}, "data": {"train_file": "d.jsonl"}, "trainer": {"run_dir": "r"},
-        "rollout": {"engine": "sglang", "quantization": "fp8", "num_generations": 2, "prompts_per_step": 4}})
+    with pytest.raises(ConfigError, match="engine.fp8_format.*'e5m2' is not served by engine.kind='sglang'"):
+        check_engine(experiment(kind="sglang", quantization="fp8", fp8_format="e5m2"))
+    with pytest.raises(ConfigError, match="engine.quantization.*'int8' is not served by engine.kind='sglang'"):
+        check_engine(experiment(kind="sglang", quantization="int8"))
+    sglang_cfg = experiment(kind="sglang", quantization="fp8")
     key, message = layout_problem(sglang_cfg, cuda=False, num_gpus=0, ranks_on_node=1)
-    assert key == "rollout.quantization" and "needs CUDA" in message
+    assert key == "engine.quantization" and "needs CUDA" in message
     assert layout_problem(sglang_cfg, cuda=True, num_gpus=2, ranks_on_node=1) is None
 
 
@@ -300,7 +300,7 @@ def test_preflight_and_launch_commands():
 
 def test_quantized_demorun(demo, tmp_path):
     """2 steps of `megatron-grpo train` on the demo (TP2, embedded engine, verified syncs) with
-    rollout.quantization=fp8: finite metrics, the quantization in the resolved config, and a
+    engine.quantization=fp8: finite metrics, the quantization in the resolved config, and a
     mismatch far above the fp32 level an unquantized run logs (< 1e-5, tests/test_sampling_mask.py)."""
     import subprocess
 
@@ -309,11 +309,11 @@ def test_quantized_demorun(demo, tmp_path):
     from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd
 
     run_dir = tmp_path / "run"
-    proc = subprocess.run(train_cmd(demo, run_dir, 2, "rollout.quantization=fp8", "eval.every_n_steps=0",
+    proc = subprocess.run(train_cmd(demo, run_dir, 2, "engine.quantization=fp8", "eval.every_n_steps=0",
                                     "logging.plot=false"), cwd=ROOT, env=ENV, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["quantization"] == "fp8"
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["engine"]["quantization"] == "fp8"
     records = read_metrics(run_dir)
     assert len(records) == 2
     for r in records:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.config.rollout import RolloutConfig, SGLangConfig
 from megatron_grpo.generation import RolloutClient, RolloutError, SamplingParams
 from megatron_grpo.generation.manager import RolloutServerManager, free_port, weight_sync_dir
 from megatron_grpo.wire.buckets import plan_buckets
@@ -22,6 +21,8 @@ from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_syste
 from tests.support.sglang import require_sglang
 from megatron_grpo.models.tiny import save_tiny_model
 from tests.support.sglang_shared import SGLANG_MEMORY
+from megatron_grpo.config import EngineConfig, SGLangConfig, SyncConfig
+from tests.support.configs import experiment
 
 API_KEY = "test-key"
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19]]
@@ -48,8 +49,8 @@ def server(request, model_dir, tmp_path_factory):
     run_dir = RUN_DIRS[kind] = tmp_path_factory.mktemp(f"run_{kind}")
     if kind == "sglang":
         require_sglang()
-    cfg = RolloutConfig(engine=kind, api_key=API_KEY, dtype="float32", launch_timeout_s=600, request_timeout_s=120,
-                        sglang=SGLangConfig(**SGLANG_MEMORY))
+    cfg = experiment(engine=EngineConfig(kind=kind, api_key=API_KEY, dtype="float32", launch_timeout_s=600,
+                                         request_timeout_s=120, sglang=SGLangConfig(**SGLANG_MEMORY)))
     manager = RolloutServerManager(cfg, model_dir=model_dir, run_dir=run_dir)
     try:
         (url,) = manager.start()
@@ -410,8 +411,8 @@ def test_weight_syncer_transport_against_the_server(server, client, hf_model, pe
     def probe(tokens):  # the trainer's log-probs of the probe under the weights it sends
         return reference_logprobs(reference, tokens[:1], tokens[1:], 1.0).tolist()
 
-    cfg = RolloutConfig(engine=kind, api_key=API_KEY, weight_sync_transport=transport, weight_update_bucket_mb=1,
-                        request_timeout_s=120, verify_logprob_tolerance=1e-5)
+    cfg = experiment(engine=EngineConfig(kind=kind, api_key=API_KEY, request_timeout_s=120),
+                     sync=SyncConfig(transport=transport, bucket_mb=1, verify_logprob_tolerance=1e-5))
     named = [(k, v.contiguous()) for k, v in perturbed.items()]
     syncer = WeightSyncer(cfg, [url], hf_model.config, work_dir=weight_dir, client=client,
                           iter_weights=lambda chunks, hf_config: iter(named), probe=probe)

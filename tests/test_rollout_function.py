@@ -1,4 +1,4 @@
-"""Custom rollout functions (rollout.rollout_function, docs/multi_turn.md#custom-rollout-functions):
+"""Custom rollout functions (episodes.rollout_function, docs/multi_turn.md#custom-rollout-functions):
 loading and its one-line errors, the check of what a function returns (one line naming the file
 and the function for each way it can be wrong), Samples and Episodes through
 ``generate_and_score``, and token-in/token-out identity with the real embedded engine (the
@@ -18,7 +18,6 @@ import torch
 
 from megatron_grpo.config.algorithm import AlgorithmConfig
 from megatron_grpo.config.base import ConfigError
-from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from megatron_grpo.rewards.scorer import ScoredBatch
 from megatron_grpo.rollout.multi_turn import Episode, EpisodeRunner
@@ -26,6 +25,8 @@ from megatron_grpo.rollout.rollout_function import RolloutFunction, RolloutFunct
 from megatron_grpo.wire.samples import Sample, SamplingParams
 from megatron_grpo.models.tiny import build_tokenizer
 from megatron_grpo.rollout.generate import GenerationContext, generate_and_score
+from megatron_grpo.config import EpisodesConfig, RolloutConfig, TrainerConfig
+from tests.support.configs import experiment
 from tests.support.kill_resume import running
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,24 +119,24 @@ def load(fn_file, name, tok=None, **kw) -> RolloutFunction:
 
 
 def test_config_key_is_checked_at_load(fn_file, tmp_path):
-    assert RolloutConfig(rollout_function=f"{fn_file}:passthrough").rollout_function.endswith(":passthrough")
+    assert EpisodesConfig(rollout_function=f"{fn_file}:passthrough").rollout_function.endswith(":passthrough")
     with pytest.raises(ValueError, match="rollout_function.*not found"):
-        RolloutConfig(rollout_function=f"{tmp_path}/missing.py:fn")
+        EpisodesConfig(rollout_function=f"{tmp_path}/missing.py:fn")
     with pytest.raises(ValueError, match="rollout_function.*not a file path"):
-        RolloutConfig(rollout_function="pkg.module.fn")
-    with pytest.raises(ValueError, match="rollout_function.*cannot be combined with rollout.environment"):
-        RolloutConfig(rollout_function=f"{fn_file}:passthrough", environment="calculator")
+        EpisodesConfig(rollout_function="pkg.module.fn")
+    with pytest.raises(ValueError, match="rollout_function.*cannot be combined with episodes.environment"):
+        EpisodesConfig(rollout_function=f"{fn_file}:passthrough", environment="calculator")
 
 
 def test_load_errors_are_one_line_naming_the_file(fn_file, tmp_path):
-    with pytest.raises(ConfigError, match=r"rollout.rollout_function: .*fns.py:two_args must take \(engine, prompts, "
+    with pytest.raises(ConfigError, match=r"episodes.rollout_function: .*fns.py:two_args must take \(engine, prompts, "
                                           r"n, sampling, seed\)"):
         load(fn_file, "two_args")
-    with pytest.raises(ConfigError, match="rollout.rollout_function: .* has no attribute 'nope'"):
+    with pytest.raises(ConfigError, match="episodes.rollout_function: .* has no attribute 'nope'"):
         load(fn_file, "nope")
     broken = tmp_path / "broken.py"
     broken.write_text("import no_such_module_here\n")
-    with pytest.raises(ConfigError, match=r"rollout.rollout_function: cannot load .*broken.py: ModuleNotFoundError"):
+    with pytest.raises(ConfigError, match=r"episodes.rollout_function: cannot load .*broken.py: ModuleNotFoundError"):
         RolloutFunction.load(f"{broken}:fn")
     with pytest.raises(ConfigError) as e:
         load(fn_file, "two_args")
@@ -151,7 +152,7 @@ def test_sync_async_and_tokenizer_functions(fn_file, tok):
 
 
 def test_the_builtin_episode_loop_is_a_rollout_function(tok):
-    runner = EpisodeRunner.build(RolloutConfig(environment="calculator"), tok, use_template=True)
+    runner = EpisodeRunner.build(EpisodesConfig(environment="calculator"), tok, max_inflight=64, use_template=True)
     prompts = [make_prompt(tok, 0), make_prompt(tok, 1)]
     out = runner(FakeEngine(), prompts, 2, SamplingParams(max_new_tokens=3), 7)  # the same call
     check_rollout_output(out, prompts, 2, SamplingParams(), "the built-in loop")
@@ -207,7 +208,7 @@ def test_a_bad_output_is_one_line_naming_the_file_and_function(fn_file, tok, nam
         rf(SpoilingEngine(spoil), [make_prompt(tok, 0), make_prompt(tok, 1)], 2, SamplingParams(max_new_tokens=3), 1)
     rf.close()
     text = str(e.value)
-    assert text.startswith(f"rollout.rollout_function {fn_file.resolve()}:passthrough: "), text
+    assert text.startswith(f"episodes.rollout_function {fn_file.resolve()}:passthrough: "), text
     assert message in text, text
     assert "\n" not in text
 
@@ -263,9 +264,9 @@ def test_a_hung_function_is_killed_within_its_deadline(bad_file, tok):
     took = time.monotonic() - t0
     assert 2.0 <= took < 6.0, took  # the deadline counts from its last engine.generate
     assert len(engine.calls) == 1
-    assert str(e.value) == (f"rollout.rollout_function {bad_file.resolve()}:hangs_after_one_call: the function ran, "
+    assert str(e.value) == (f"episodes.rollout_function {bad_file.resolve()}:hangs_after_one_call: the function ran, "
                             "without returning or calling engine.generate, longer than 2s "
-                            "(rollout.rollout_function_timeout_s); its worker process was killed")
+                            "(episodes.rollout_function_timeout_s); its worker process was killed")
     assert not running(rf.pid)
 
 
@@ -273,7 +274,7 @@ def test_a_raising_or_crashing_function_is_one_line(bad_file, tok):
     rf = load(bad_file, "raises")
     with pytest.raises(RolloutFunctionError) as e:
         rf(FakeEngine(), [make_prompt(tok, 0)], 1, SamplingParams(), 1)
-    assert str(e.value) == (f"rollout.rollout_function {bad_file.resolve()}:raises: raised AttributeError: 'Sample' "
+    assert str(e.value) == (f"episodes.rollout_function {bad_file.resolve()}:raises: raised AttributeError: 'Sample' "
                             f"object has no attribute 'no_such_field' (at {bad_file.resolve()}:11)")
     rf = load(bad_file, "crashes")
     with pytest.raises(RolloutFunctionError, match=r"bad.py:crashes: its worker process died"):
@@ -312,8 +313,8 @@ def test_a_file_that_hangs_while_loading_is_refused_within_its_deadline(bad_file
     worker.fork_server()  # started before the clock: its own start-up has its own allowance
     t0 = time.monotonic()
     try:
-        with pytest.raises(ConfigError, match=r"rollout.rollout_function: .*bad.py:pid: loading the file took "
-                                              r"longer than 1s \(rollout.rollout_function_timeout_s\)"):
+        with pytest.raises(ConfigError, match=r"episodes.rollout_function: .*bad.py:pid: loading the file took "
+                                              r"longer than 1s \(episodes.rollout_function_timeout_s\)"):
             load(bad_file, "pid", timeout_s=1.0)
         assert time.monotonic() - t0 < 10  # 1 s, plus the worker's imports on a busy machine
     finally:
@@ -361,8 +362,8 @@ class ByLastToken:
 
 
 def _cfg(**rollout):
-    return SimpleNamespace(rollout=RolloutConfig(num_generations=2, max_new_tokens=3, **rollout),
-                           algorithm=AlgorithmConfig(), trainer=SimpleNamespace(seed=3))
+    return experiment(rollout=RolloutConfig(num_generations=2, max_new_tokens=3, **rollout),
+                      algorithm=AlgorithmConfig(), trainer=TrainerConfig(run_dir="unused", seed=3))
 
 
 def test_samples_and_episodes_through_generate_and_score(fn_file, tok):
@@ -445,7 +446,7 @@ def test_the_documented_example_runs_on_the_real_engine(tok, embedded):
 
 # ---- megatron-grpo train --------------------------------------------------------------------------
 
-SMALL = ("rollout.engine=inprocess", "rollout.prompts_per_step=4", "rollout.num_generations=4",
+SMALL = ("engine.kind=inprocess", "rollout.prompts_per_step=4", "rollout.num_generations=4",
          "parallel.global_batch_size=16", "parallel.micro_batch_size=8", "eval.every_n_steps=0", "logging.plot=false")
 """A small run on the in-process engine (a custom function over the launched engine's HTTP client
 is the tests above, on the ``embedded`` fixture)."""
@@ -456,7 +457,7 @@ def test_train_with_the_documented_rollout_function_and_a_broken_one(demo, tmp_p
     from tests.support.demo_run import ENV, read_metrics, train_cmd
 
     run_dir = tmp_path / "run"
-    cmd = train_cmd(demo, run_dir, 2, f"rollout.rollout_function={EXAMPLE}:retry_once", *SMALL)
+    cmd = train_cmd(demo, run_dir, 2, f"episodes.rollout_function={EXAMPLE}:retry_once", *SMALL)
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = read_metrics(run_dir)
@@ -467,8 +468,8 @@ def test_train_with_the_documented_rollout_function_and_a_broken_one(demo, tmp_p
     broken = tmp_path / "broken.py"
     broken.write_text("def fn(engine, prompts, n, sampling, seed):\n"
                       "    return engine.generate([p.prompt_ids for p in prompts], n, sampling)[1:]\n")
-    cmd = train_cmd(demo, tmp_path / "run2", 1, f"rollout.rollout_function={broken}:fn", *SMALL)
+    cmd = train_cmd(demo, tmp_path / "run2", 1, f"episodes.rollout_function={broken}:fn", *SMALL)
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
     assert out.returncode != 0
-    line = f"rollout.rollout_function {broken}:fn: returned 15 items; expected 16 (n=4 per prompt for 4 prompts"
+    line = f"episodes.rollout_function {broken}:fn: returned 15 items; expected 16 (n=4 per prompt for 4 prompts"
     assert line in out.stderr, out.stderr[-3000:]

@@ -7,19 +7,21 @@ import time
 import psutil
 import pytest
 
-from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.generation import RolloutClient, RolloutError, SamplingParams
 from megatron_grpo.generation.manager import RolloutServerManager, free_port
 from megatron_grpo.models.tiny import save_tiny_model
+from megatron_grpo.config import EngineConfig
+from tests.support.configs import experiment
 
 
 @pytest.mark.slow
 def test_killed_engine_is_detected_and_restarted(tmp_path):
     model_dir = save_tiny_model(tmp_path / "qwen2", "qwen2")
-    cfg = RolloutConfig(api_key="k", max_restarts=1, launch_timeout_s=120, request_timeout_s=5, max_retries=2)
+    cfg = experiment(engine=EngineConfig(api_key="k", max_restarts=1, launch_timeout_s=120, request_timeout_s=5,
+                                         max_retries=2))
     manager = RolloutServerManager(cfg, model_dir=str(model_dir), run_dir=tmp_path / "run")
     (url,) = manager.start()
-    client = RolloutClient.from_config(cfg, [url])
+    client = RolloutClient.from_config(cfg.engine, [url])
     try:
         assert len(client.generate([[5, 6]], 2, SamplingParams(max_new_tokens=3))) == 2
         # the key is enforced (the client sends it) but never on the engine's command line
@@ -36,7 +38,7 @@ def test_killed_engine_is_detected_and_restarted(tmp_path):
         started = time.monotonic()
         with pytest.raises(RolloutError, match=url):
             future.result(timeout=60)
-        assert time.monotonic() - started < cfg.request_timeout_s * cfg.max_retries + 5
+        assert time.monotonic() - started < cfg.engine.request_timeout_s * cfg.engine.max_retries + 5
         assert not manager.alive()
 
         assert manager.ensure_alive() is True  # restarted on the same port
@@ -59,7 +61,8 @@ def test_killed_engine_is_detected_and_restarted(tmp_path):
 @pytest.mark.slow
 def test_stop_ends_only_its_own_process_group(tmp_path):
     model_dir = save_tiny_model(tmp_path / "qwen2", "qwen2")
-    manager = RolloutServerManager(RolloutConfig(launch_timeout_s=120), model_dir=str(model_dir), run_dir=tmp_path)
+    manager = RolloutServerManager(experiment(engine=EngineConfig(launch_timeout_s=120)), model_dir=str(model_dir),
+                                   run_dir=tmp_path)
     manager.start()
     pid = manager.pid
     assert os.getpgid(pid) == pid != os.getpgid(os.getpid())  # its own group, not ours
@@ -71,7 +74,8 @@ def test_stop_ends_only_its_own_process_group(tmp_path):
 
 def test_external_urls_are_waited_for_with_a_deadline(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
-    manager = RolloutServerManager(RolloutConfig(urls=[url], launch_timeout_s=1.5), model_dir="unused", run_dir=tmp_path)
+    manager = RolloutServerManager(experiment(engine=EngineConfig(urls=[url], launch_timeout_s=1.5)), model_dir="unused",
+                                   run_dir=tmp_path)
     started = time.monotonic()
     with pytest.raises(RolloutError, match=r"GET /health: not healthy before the deadline"):
         manager.start()
@@ -81,7 +85,7 @@ def test_external_urls_are_waited_for_with_a_deadline(tmp_path):
 
 def test_launch_failure_reports_the_log(tmp_path):
     (tmp_path / "empty").mkdir()
-    cfg = RolloutConfig(launch_timeout_s=60)
+    cfg = experiment(engine=EngineConfig(launch_timeout_s=60))
     manager = RolloutServerManager(cfg, model_dir=str(tmp_path / "empty"), run_dir=tmp_path)
     with pytest.raises(RolloutError, match="exited before it was healthy.*no config.json"):
         manager.start()
@@ -103,7 +107,7 @@ def test_a_picked_port_taken_before_the_server_binds_it_is_replaced(tmp_path, mo
     real_free_port = manager_module.free_port
     monkeypatch.setattr(manager_module, "free_port", lambda host="127.0.0.1": next(picks, None) or real_free_port(host))
     model_dir = save_tiny_model(tmp_path / "qwen2", "qwen2")
-    cfg = RolloutConfig(api_key="k", launch_timeout_s=120)
+    cfg = experiment(engine=EngineConfig(api_key="k", launch_timeout_s=120))
     manager = RolloutServerManager(cfg, model_dir=str(model_dir), run_dir=tmp_path / "run")
     client = None
     try:
@@ -111,7 +115,7 @@ def test_a_picked_port_taken_before_the_server_binds_it_is_replaced(tmp_path, mo
         assert not url.endswith(f":{taken_port}")
         log_text = manager.log_path.read_text()
         assert log_text.count("launch:") == 2 and "address already in use" in log_text
-        client = RolloutClient.from_config(cfg, [url])
+        client = RolloutClient.from_config(cfg.engine, [url])
         assert len(client.generate([[5, 6]], 1, SamplingParams(max_new_tokens=2))) == 1
     finally:
         if client is not None:
@@ -129,7 +133,7 @@ def test_a_configured_port_that_is_taken_is_an_error(tmp_path):
     taken.listen()
     try:
         model_dir = save_tiny_model(tmp_path / "qwen2", "qwen2")
-        cfg = RolloutConfig(port=taken.getsockname()[1], launch_timeout_s=120)
+        cfg = experiment(engine=EngineConfig(port=taken.getsockname()[1], launch_timeout_s=120))
         manager = RolloutServerManager(cfg, model_dir=str(model_dir), run_dir=tmp_path / "run")
         with pytest.raises(RolloutError, match="exited before it was healthy.*address already in use"):
             manager.start()

@@ -225,7 +225,7 @@ def test_router_replay_config_checks(tmp_path):
 
     raw = with_change("algorithm.router_replay", True)
     assert load(raw, "ok.yaml")[1]().algorithm.router_replay is True
-    raw["rollout"]["engine"] = "sglang"
+    raw["engine"]["kind"] = "sglang"
     path, go = load(raw, "sglang.yaml")
     with pytest.raises(ConfigError, match=rf"^{path}: algorithm.router_replay: needs an engine .*'sglang'"):
         go()
@@ -265,7 +265,7 @@ def test_train_with_router_replay_end_to_end(tmp_path):
            f"trainer.run_dir={tmp_path / 'run'}", "trainer.num_steps=2", "logging.progress_bar=false",
            "parallel.tp=1", "parallel.ep=2", "parallel.world_size=2", "parallel.micro_batch_size=4",
            "parallel.global_batch_size=8", "rollout.prompts_per_step=4", "rollout.num_generations=4",
-           "rollout.max_new_tokens=4", "algorithm.router_replay=true", "rollout.engine=embedded"]
+           "rollout.max_new_tokens=4", "algorithm.router_replay=true", "engine.kind=embedded"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = read_metrics(tmp_path / "run")

@@ -21,6 +21,8 @@ from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.ops.vocab_parallel import kept_column_mask
 from megatron_grpo.engine.sampling import sample_tokens
 from tests.support.distributed import run_distributed
+from megatron_grpo.config import EngineConfig, RolloutConfig
+from tests.support.configs import experiment
 
 PADDED, VOCAB, TEMPERATURE, K = 64, 58, 0.7, 9
 NUM_TOKENS = 6
@@ -170,13 +172,12 @@ def served(tmp_path_factory):
     """(model_dir, client, hf_model) of a launched embedded engine on a tiny Llama."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_grpo.config.rollout import RolloutConfig
     from megatron_grpo.generation.client import RolloutClient
     from megatron_grpo.generation.manager import RolloutServerManager
     from megatron_grpo.models.tiny import save_tiny_model
 
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=5))
-    cfg = RolloutConfig(engine="embedded", dtype="float32", launch_timeout_s=600, request_timeout_s=120)
+    cfg = experiment(engine=EngineConfig(kind="embedded", dtype="float32", launch_timeout_s=600, request_timeout_s=120))
     manager = RolloutServerManager(cfg, model_dir=model_dir, run_dir=tmp_path_factory.mktemp("run"))
     try:
         (url,) = manager.start()
@@ -280,7 +281,7 @@ def test_demo_with_top_p_logs_the_kept_mass_and_an_fp32_mismatch(demo, tmp_path)
     describe the truncated distribution, so the logged mismatch stays at fp32 level while the
     kept mass shows the truncation. The kept sets over HTTP are the launched embedded engine's
     test above (``served``) and, in a training run, the real SGLang's below."""
-    _train_truncated(demo, tmp_path / "run", 4, "rollout.top_p=0.7", "rollout.engine=inprocess")
+    _train_truncated(demo, tmp_path / "run", 4, "rollout.top_p=0.7", "engine.kind=inprocess")
 
 
 def _train_truncated(demo, run_dir, steps: int, *overrides: str) -> None:
@@ -312,18 +313,18 @@ def test_demo_on_the_real_sglang_with_top_k_and_top_p_replays_its_sets(demo, tmp
 
 def test_sglang_replays_the_mask_only_with_a_bounded_top_k():
     from megatron_grpo.config.base import ConfigError
-    from megatron_grpo.config.rollout import RolloutConfig
-    from megatron_grpo.preflight.rules import check_rollout
+    from megatron_grpo.preflight.rules import check_engine
 
-    urls = ["http://127.0.0.1:1"]
+    sglang = EngineConfig(kind="sglang", urls=["http://127.0.0.1:1"])
     for bad in ({"top_p": 0.8}, {"top_p": 0.8, "top_k": 2000}, {"min_p": 0.1, "top_k": 1}):
         with pytest.raises(ConfigError, match="rollout.top_k.*replays the sampling mask only with 1 < top_k <= "
                                               r"rollout.sampling_mask_max_kept \(1024\)"):
-            check_rollout(RolloutConfig(engine="sglang", urls=urls, **bad))
-    check_rollout(RolloutConfig(engine="sglang", urls=urls, top_p=0.8, top_k=100))
-    check_rollout(RolloutConfig(engine="sglang", urls=urls, top_p=0.8, sampling_mask_replay=False))
-    check_rollout(RolloutConfig(engine="sglang", urls=urls))  # no truncation: nothing to replay
-    check_rollout(RolloutConfig(engine="embedded", top_p=0.8))  # the embedded engine sends any set
+            check_engine(experiment(rollout=RolloutConfig(**bad), engine=sglang))
+    check_engine(experiment(rollout=RolloutConfig(top_p=0.8, top_k=100), engine=sglang))
+    check_engine(experiment(rollout=RolloutConfig(top_p=0.8, sampling_mask_replay=False), engine=sglang))
+    check_engine(experiment(engine=sglang))  # no truncation: nothing to replay
+    # the embedded engine sends any set
+    check_engine(experiment(rollout=RolloutConfig(top_p=0.8), engine=EngineConfig(kind="embedded")))
 
 
 def test_sglang_sampling_mask_answer_gives_kept_sets_and_masses():

@@ -28,6 +28,8 @@ import pytest
 import torch
 
 from tests.support.security import LOOPBACK_V4, PickledCall, listen_addresses
+from megatron_grpo.config import EngineConfig, SGLangConfig
+from tests.support.configs import experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_grpo"
@@ -41,21 +43,19 @@ def _package_sources() -> dict[str, ast.Module]:
 # ---- servers bind loopback ---------------------------------------------------------------------
 
 def test_server_defaults_are_loopback():
-    from megatron_grpo.config import RolloutConfig
-    from megatron_grpo.config.rollout import SGLangConfig
     from megatron_grpo.generation.engines import ENGINES
     from megatron_grpo.engine.serve import parse_args
 
-    cfg = RolloutConfig(sglang=SGLangConfig(python=sys.executable))
-    assert cfg.host == "127.0.0.1"
+    cfg = experiment(engine=EngineConfig(sglang=SGLangConfig(python=sys.executable)))
+    assert cfg.engine.host == "127.0.0.1"
     assert parse_args(["--model-dir", "m"]).host == "127.0.0.1"
     for engine, adapter in ENGINES.items():
         if adapter.in_process:  # no server, nothing binds
             continue
-        cmd = adapter.launch_command(cfg, "m", cfg.host, 1234)
+        cmd = adapter.launch_command(cfg, "m", cfg.engine.host, 1234)
         assert cmd[cmd.index("--host") + 1] == "127.0.0.1", engine
-    exposed = RolloutConfig(host="0.0.0.0")  # configured otherwise: honoured
-    cmd = ENGINES["embedded"].launch_command(exposed, "m", exposed.host, 1)
+    exposed = experiment(engine=EngineConfig(host="0.0.0.0"))  # configured otherwise: honoured
+    cmd = ENGINES["embedded"].launch_command(exposed, "m", exposed.engine.host, 1)
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
 
 
@@ -102,10 +102,9 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(tiny_model, tmp_path_factory):
     """A real embedded engine launched by the manager with an API key."""
-    from megatron_grpo.config import RolloutConfig
     from megatron_grpo.generation.manager import RolloutServerManager
 
-    cfg = RolloutConfig(api_key=API_KEY, launch_timeout_s=180, dtype="float32")
+    cfg = experiment(engine=EngineConfig(api_key=API_KEY, launch_timeout_s=180, dtype="float32"))
     manager = RolloutServerManager(cfg, model_dir=str(tiny_model), run_dir=tmp_path_factory.mktemp("sec_run"))
     (url,) = manager.start()
     try:
@@ -132,14 +131,13 @@ def test_a_launched_engine_gets_a_per_run_key_on_no_command_line(tiny_model, tmp
     known to the run's own client only (and never on a command line)."""
     import psutil
 
-    from megatron_grpo.config import RolloutConfig
     from megatron_grpo.generation.http_engine import start_servers
     from megatron_grpo.wire.samples import SamplingParams
 
-    manager, client = start_servers(RolloutConfig(launch_timeout_s=180, dtype="float32"), model_dir=str(tiny_model),
-                                    run_dir=tmp_path)
+    manager, client = start_servers(experiment(engine=EngineConfig(launch_timeout_s=180, dtype="float32")),
+                                    model_dir=str(tiny_model), run_dir=tmp_path)
     try:
-        key = manager.rollout_cfg.api_key
+        key = manager.engine_cfg.api_key
         assert key and len(key) >= 32
         assert len(client.generate([[1, 2, 3]], 1, SamplingParams(max_new_tokens=2))) == 1
         (url,) = manager.urls
@@ -528,13 +526,13 @@ def test_a_per_run_key_never_starts_with_a_dash_and_a_configured_one_may_not():
     """SGLang turns the key file into ``--api-key VALUE``; a value starting with "-" is read as an
     option and the launch fails ("expected one argument": CI drew such a key from
     token_urlsafe). The per-run key is hex; a configured one is refused at load, unechoed."""
-    from megatron_grpo.config import ConfigError, RolloutConfig, load_config
+    from megatron_grpo.config import ConfigError, load_config
     from megatron_grpo.generation.http_engine import run_api_key
 
-    keys = [run_api_key(RolloutConfig()) for _ in range(2000)]
+    keys = [run_api_key(EngineConfig()) for _ in range(2000)]
     assert len(set(keys)) == len(keys) and all(len(k) == 64 and int(k, 16) >= 0 for k in keys)
     config = ROOT / "yaml_configs" / "demo_cpu.yaml"
-    with pytest.raises(ConfigError, match=r"rollout.api_key: must not start with '-'") as e:
-        load_config(config, ["rollout.api_key=-secret-value"])
+    with pytest.raises(ConfigError, match=r"engine.api_key: must not start with '-'") as e:
+        load_config(config, ["engine.api_key=-secret-value"])
     assert "secret-value" not in str(e.value)
-    assert load_config(config, ["rollout.api_key=s-e-c-r-e-t"]).rollout.api_key == "s-e-c-r-e-t"
+    assert load_config(config, ["engine.api_key=s-e-c-r-e-t"]).engine.api_key == "s-e-c-r-e-t"

@@ -1,6 +1,6 @@
 """What one request may make the embedded engine's server do (issue 29, section 1), each checked
 against the real server process that ``RolloutServerManager`` launches, as a run launches it
-(bounds from ``rollout.embedded``, the run's weight-sync directory trusted, loopback rendezvous):
+(bounds from ``engine.embedded``, the run's weight-sync directory trusted, loopback rendezvous):
 
 * ``/init_weights_update_group`` cannot make the engine listen (rank 0 hosts the group's store),
   nor join a group at another address or an inconsistent rank; nothing listens afterwards;
@@ -32,6 +32,8 @@ import torch
 import torch.multiprocessing.reductions as reductions
 
 from tests.support.security import PickledCall, listen_addresses
+from megatron_grpo.config import EmbeddedConfig, EngineConfig
+from tests.support.configs import experiment
 
 API_KEY = "engine-hardening-key"
 MAX_SEQUENCES = 8
@@ -42,16 +44,15 @@ MAX_MB = 4
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """(url, run_dir, model_dir) of an embedded engine launched as a run launches it."""
-    from megatron_grpo.config import RolloutConfig
-    from megatron_grpo.config.rollout import EmbeddedConfig
     from megatron_grpo.generation.manager import RolloutServerManager
     from megatron_grpo.models.tiny import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path_factory.mktemp("hard") / "model", "qwen2", seed=0)
     run_dir = tmp_path_factory.mktemp("hard_run")
-    cfg = RolloutConfig(api_key=API_KEY, launch_timeout_s=180, dtype="float32",
-                        embedded=EmbeddedConfig(max_request_sequences=MAX_SEQUENCES, max_request_tokens=MAX_TOKENS,
-                                                max_request_mb=MAX_MB))
+    cfg = experiment(engine=EngineConfig(
+        api_key=API_KEY, launch_timeout_s=180, dtype="float32",
+        embedded=EmbeddedConfig(max_request_sequences=MAX_SEQUENCES, max_request_tokens=MAX_TOKENS,
+                                max_request_mb=MAX_MB)))
     manager = RolloutServerManager(cfg, model_dir=str(model_dir), run_dir=run_dir)
     (url,) = manager.start()
     try:

@@ -1,7 +1,7 @@
 """The trainer end to end on the real SGLang 0.5.23 (CPU build from launch/setup_sglang_cpu.sh):
 two launched servers for the demo task at TP=2 with a distributed weight sync every step,
 verified by the log-prob probe, one server killed mid-run and relaunched, then the launcher
-killed -9 with nothing of it left; an external server given in rollout.urls (the session's
+killed -9 with nothing of it left; an external server given in engine.urls (the session's
 shared server, tests/support/sglang_shared.py).
 
 Each run is a few steps of `megatron-grpo train` in a subprocess, as a user starts it. The
@@ -19,15 +19,16 @@ import time
 import psutil
 import pytest
 
-from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.generation import RolloutClient, RolloutError
 from megatron_grpo.generation.http_engine import start_servers
 from tests.support.sglang import require_sglang
 from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd
 from tests.support.kill_resume import GRACE_S, process_tree, survivors
 from tests.support.sglang_shared import API_KEY, SGLANG_OVERRIDES
+from megatron_grpo.config import EngineConfig
+from tests.support.configs import experiment
 
-SGLANG = ["rollout.engine=sglang", *SGLANG_OVERRIDES, "rollout.launch_timeout_s=600"]
+SGLANG = ["engine.kind=sglang", *SGLANG_OVERRIDES, "engine.launch_timeout_s=600"]
 
 pytestmark = pytest.mark.slow
 
@@ -64,9 +65,9 @@ def test_external_sglang_in_rollout_urls(demo, tmp_path, sglang_servers):
     with RolloutClient([url], api_key=API_KEY) as client:
         assert client.weight_version(url) == "3"  # the server serves the last step's weights
     # the wrong kind named for an external server is an error naming it, before any sync: what
-    # rank 0 does first with rollout.urls (a RolloutError from a rank is one line on the
+    # rank 0 does first with engine.urls (a RolloutError from a rank is one line on the
     # command's stderr: tests/test_engine_failures.py's external engine that is down)
-    wrong = RolloutConfig(engine="embedded", urls=[url], api_key=API_KEY, launch_timeout_s=60)
+    wrong = experiment(engine=EngineConfig(kind="embedded", urls=[url], api_key=API_KEY, launch_timeout_s=60))
     with pytest.raises(RolloutError, match=f"{re.escape(url)}.*is not a megatron-grpo embedded engine"):
         start_servers(wrong, model_dir=str(demo / "model"), run_dir=str(tmp_path / "wrong"))
 
@@ -95,7 +96,7 @@ def test_two_launched_servers_train_at_tp2_share_the_work_survive_a_death_and_di
     killer = threading.Thread(target=kill_second_server_after_step_2, daemon=True)
     killer.start()
     with open(tmp_path / "train.log", "wb") as log:
-        command = train_cmd(demo, run_dir, 30, *SGLANG, "rollout.num_servers=2", "rollout.max_restarts=2")
+        command = train_cmd(demo, run_dir, 30, *SGLANG, "engine.num_servers=2", "engine.max_restarts=2")
         proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 600

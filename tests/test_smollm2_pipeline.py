@@ -29,6 +29,8 @@ from tests.support.demo_run import ENV, ROOT, read_metrics
 from tests.support.kill_resume import GRACE_S, process_tree, survivors
 from tests.support.models_fixtures import hf_tensors
 from tools.score_with_transformers import main as score_with_transformers
+from megatron_grpo.config import EngineConfig, SGLangConfig
+from tests.support.configs import experiment
 
 CONFIG = "yaml_configs/smollm2_135m_chain_sum_cpu.yaml"
 TO_MEGATRON = ROOT / "tools" / "convert_hf_to_megatron.py"
@@ -154,7 +156,7 @@ def test_tp2_is_refused_in_one_line(smollm2_dir, tmp_path):
 
 def common_overrides(model_dir: Path, problems: dict[str, Path], run_dir: Path) -> list[str]:
     """What the runs here depend on, set explicitly (the YAML's defaults may move)."""
-    return [f"model.hf_dir={model_dir}", "model.dtype=float32", "rollout.engine=inprocess", "rollout.dtype=float32",
+    return [f"model.hf_dir={model_dir}", "model.dtype=float32", "engine.kind=inprocess", "engine.dtype=float32",
             f"data.train_file={problems['train']}", "data.apply_chat_template=true",
             "reward.functions=[{name: math_exact_match}]",
             f"eval.sets=[{{name: greedy, path: {problems['heldout']}, n: 1, temperature: 0.0, "
@@ -280,7 +282,6 @@ def test_real_sglang_greedy_tokens_equal_transformers(smollm2_dir, tmp_path):
     server and every process it started are gone after its stop."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_grpo.config.rollout import RolloutConfig, SGLangConfig
     from megatron_grpo.generation.client import RolloutClient
     from megatron_grpo.generation.manager import RolloutServerManager
     from megatron_grpo.wire.samples import SamplingParams
@@ -291,14 +292,14 @@ def test_real_sglang_greedy_tokens_equal_transformers(smollm2_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
     prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
                for c in CHECK_CONVERSATIONS]
-    cfg = RolloutConfig(engine="sglang", api_key=secrets.token_hex(16), dtype="float32", launch_timeout_s=600,
-                        request_timeout_s=120, sglang=SGLangConfig(mem_fraction_static=SGLANG_MEM_FRACTION,
-                                                                   extra_args=SGLANG_KV_CAP))
+    cfg = experiment(engine=EngineConfig(
+        kind="sglang", api_key=secrets.token_hex(16), dtype="float32", launch_timeout_s=600, request_timeout_s=120,
+        sglang=SGLangConfig(mem_fraction_static=SGLANG_MEM_FRACTION, extra_args=SGLANG_KV_CAP)))
     start = time.monotonic()
     with RolloutServerManager(cfg, model_dir=str(smollm2_dir), run_dir=tmp_path / "run") as manager:
         launch_s = time.monotonic() - start
         tree = process_tree(manager.pid)
-        with RolloutClient.from_config(cfg, manager.urls) as client:
+        with RolloutClient.from_config(cfg.engine, manager.urls) as client:
             served = client.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=16))
     left = survivors(tree)
     assert not left, f"SGLang processes alive {GRACE_S:.0f} s after the server's stop: {left}"

@@ -12,11 +12,12 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.wire.buckets import Bucket, plan_buckets
 from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
 from megatron_grpo.models.tiny import save_tiny_model
+from megatron_grpo.config import EngineConfig, SyncConfig
+from tests.support.configs import experiment
 
 TIMEOUT_S = 5.0
 
@@ -30,7 +31,7 @@ def hf_tensors(model_dir):
 @pytest.fixture
 def launched(tmp_path):
     model_dir = str(save_tiny_model(tmp_path / "qwen2", "qwen2"))
-    cfg = RolloutConfig(dtype="float32", launch_timeout_s=120)
+    cfg = experiment(engine=EngineConfig(dtype="float32", launch_timeout_s=120))
     manager = RolloutServerManager(cfg, model_dir=model_dir, run_dir=tmp_path)
     manager.start()
     yield manager, model_dir
@@ -50,8 +51,8 @@ def test_engine_killed_during_sync_is_reported_within_the_timeout(launched, tran
                 time.sleep(0.2)
             yield item
 
-    cfg = RolloutConfig(weight_sync_transport=transport, weight_update_bucket_mb=1, request_timeout_s=TIMEOUT_S,
-                        max_retries=2)
+    cfg = experiment(engine=EngineConfig(request_timeout_s=TIMEOUT_S, max_retries=2),
+                     sync=SyncConfig(transport=transport, bucket_mb=1))
     syncer = WeightSyncer(cfg, manager.urls, None, iter_weights=iter_weights_then_kill)
     started = time.monotonic()
     with pytest.raises(WeightSyncError, match=rf"send \(step 1\) failed on rank 0: .*{manager.urls[0]}"):
@@ -65,7 +66,7 @@ def test_sync_to_a_dead_engine_fails_fast(launched):
     manager, model_dir = launched
     os.kill(manager.pid, signal.SIGKILL)
     time.sleep(0.5)
-    cfg = RolloutConfig(request_timeout_s=TIMEOUT_S, max_retries=2)
+    cfg = experiment(engine=EngineConfig(request_timeout_s=TIMEOUT_S, max_retries=2))
     syncer = WeightSyncer(cfg, manager.urls, None, iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
     started = time.monotonic()
     with pytest.raises(WeightSyncError, match=r"prepare \(pause/flush\) failed on rank 0: RolloutError"):
@@ -120,7 +121,8 @@ def test_a_dead_engine_does_not_leave_the_live_one_inside_the_bracket(launched):
     """CI found this: engine 2 died while engine 1 had opened its bracket; every retry was refused."""
     manager, model_dir = launched
     live = manager.urls[0]
-    cfg = RolloutConfig(weight_sync_transport="tensor", request_timeout_s=TIMEOUT_S, max_retries=1)
+    cfg = experiment(engine=EngineConfig(request_timeout_s=TIMEOUT_S, max_retries=1),
+                     sync=SyncConfig(transport="tensor"))
     syncer = WeightSyncer(cfg, [live, _closed_port_url()], None,
                           iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
     with pytest.raises(WeightSyncError, match=r"prepare \(pause/flush\) failed on rank 0: .*ConnectError"):
@@ -138,7 +140,8 @@ def test_a_dead_engine_does_not_leave_the_live_one_inside_the_bracket(launched):
 def test_a_bracket_left_open_by_an_earlier_trainer_is_closed(launched, caplog):
     manager, model_dir = launched
     url = manager.urls[0]
-    cfg = RolloutConfig(weight_sync_transport="tensor", request_timeout_s=TIMEOUT_S, max_retries=1)
+    cfg = experiment(engine=EngineConfig(request_timeout_s=TIMEOUT_S, max_retries=1),
+                     sync=SyncConfig(transport="tensor"))
     syncer = WeightSyncer(cfg, [url], None, iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
     syncer.client.begin_weight_update(url)  # what a trainer killed mid-sync leaves behind
     with caplog.at_level("WARNING"):

@@ -17,13 +17,14 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.generation.client import RolloutClient
 from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
 from megatron_grpo.sync.transports import ShmBucketWire
 from megatron_grpo.models.tiny import save_tiny_model
 from megatron_grpo.wire.shm import PREFIX, SHM_DIR, open_segment
+from megatron_grpo.config import EngineConfig, SyncConfig
+from tests.support.configs import experiment
 
 TIMEOUT_S = 10.0
 
@@ -43,15 +44,16 @@ def hf_tensors(model_dir, step: int) -> list[tuple[str, torch.Tensor]]:
 @pytest.fixture
 def launched(tmp_path):
     model_dir = str(save_tiny_model(tmp_path / "qwen2", "qwen2", seed=3))
-    manager = RolloutServerManager(RolloutConfig(dtype="float32", launch_timeout_s=120), model_dir=model_dir,
-                                   run_dir=tmp_path)
+    manager = RolloutServerManager(experiment(engine=EngineConfig(dtype="float32", launch_timeout_s=120)),
+                                   model_dir=model_dir, run_dir=tmp_path)
     manager.start()
     yield manager, model_dir
     manager.stop()
 
 
-def make_syncer(urls, tensors, **cfg):
-    cfg = RolloutConfig(weight_sync_transport="tensor", request_timeout_s=TIMEOUT_S, max_retries=1, **cfg)
+def make_syncer(urls, tensors, **sync):
+    cfg = experiment(engine=EngineConfig(request_timeout_s=TIMEOUT_S, max_retries=1),
+                     sync=SyncConfig(transport="tensor", **sync))
     syncer = WeightSyncer(cfg, urls, None, iter_weights=lambda c, h: iter(tensors))
     assert isinstance(syncer.transport.wire, ShmBucketWire)  # the embedded engine's CPU wire
     return syncer
@@ -117,7 +119,7 @@ def test_engine_death_mid_sync_leaves_no_segment(launched):
                 time.sleep(0.2)
             yield item
 
-    syncer = make_syncer(manager.urls, tensors, weight_update_bucket_mb=1)
+    syncer = make_syncer(manager.urls, tensors, bucket_mb=1)
     syncer._iter_weights = iter_then_kill
     with pytest.raises(WeightSyncError, match="send"):
         syncer.sync([], 1)

@@ -8,11 +8,12 @@ are tests/support/sync_checks.py's.
 
 import pytest
 
-from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
 from megatron_grpo.models.tiny import save_tiny_model
 from tests.support.distributed import run_distributed
 from tests.support.sync_checks import NUM_HF_TENSORS, check_sync, sync_worker
+from megatron_grpo.config import EngineConfig
+from tests.support.configs import experiment
 
 TRANSPORTS = ["distributed", "tensor", "disk"]
 
@@ -25,7 +26,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine_url(model_dir, tmp_path_factory):
     """(url, the run's weight-sync directory: the disk transport's work_dir, which it trusts)."""
-    cfg = RolloutConfig(dtype="float32", launch_timeout_s=180)
+    cfg = experiment(engine=EngineConfig(dtype="float32", launch_timeout_s=180))
     run_dir = tmp_path_factory.mktemp("run")
     with RolloutServerManager(cfg, model_dir=model_dir, run_dir=run_dir) as manager:
         yield manager.urls[0], str(weight_sync_dir(run_dir))
@@ -60,7 +61,7 @@ def tied_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tied_engine_url(tied_model_dir, tmp_path_factory):
-    cfg = RolloutConfig(dtype="float32", launch_timeout_s=180)
+    cfg = experiment(engine=EngineConfig(dtype="float32", launch_timeout_s=180))
     run_dir = tmp_path_factory.mktemp("run")
     with RolloutServerManager(cfg, model_dir=tied_model_dir, run_dir=run_dir) as manager:
         yield manager.urls[0], str(weight_sync_dir(run_dir))

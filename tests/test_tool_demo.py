@@ -72,7 +72,7 @@ rises 0.29-0.43 over seeds: docs/multi_turn.md#in-ci-on-the-real-sglang)."""
 def test_the_tool_demo_learns_on_the_real_sglang(tool_demo, tmp_path, sglang_servers):
     """`megatron-grpo train` on the tool demo (yaml_configs/demo_cpu_tools.yaml with
     LEARNING_RUN; the warm-up model of demo_run.TOOL_DEMO_WARMUP) against the session's shared
-    SGLang server (tests/support/sglang_shared.py) in rollout.urls: in LEARNING_STEPS steps the mean
+    SGLang server (tests/support/sglang_shared.py) in engine.urls: in LEARNING_STEPS steps the mean
     reward of the last third rises by LEARNING_MARGIN over the first third, the model calls the
     tool in more of its episodes, and every weight sync is verified (checksums and the log-prob
     probe)."""

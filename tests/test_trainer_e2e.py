@@ -74,7 +74,7 @@ def test_in_process_engine_takes_the_embedded_runs_first_steps(learned, demo, tm
     run_dir = tmp_path / "run"
     steps = 8
     out = run_train(train_cmd(demo, run_dir, steps, "checkpoint.save_every=30", *SCHEDULE,
-                              "rollout.engine=inprocess"))
+                              "engine.kind=inprocess"))
     rows = check_outputs(run_dir, out.stdout, steps, [steps])
     embedded = read_metrics(learned[0])[:steps]
     assert [r["rollout/prompt_indices"] for r in rows] == [r["rollout/prompt_indices"] for r in embedded]
@@ -93,7 +93,7 @@ def test_entropy_bonus_schedule_reaches_the_loss(demo, tmp_path):
     the loss is -weight * entropy to well within the 0.12 that separates the three weights."""
     run_dir = tmp_path / "run"
     out = run_train(train_cmd(demo, run_dir, 3, "algorithm.entropy_coef=0.1",
-                              "algorithm.entropy_coef_end=0.0", "rollout.engine=inprocess"))
+                              "algorithm.entropy_coef_end=0.0", "engine.kind=inprocess"))
     rows = check_outputs(run_dir, out.stdout, 3, [3])
     assert [r["entropy_coef"] for r in rows] == pytest.approx([0.1, 0.05, 0.0], abs=1e-12)
     for r in rows:

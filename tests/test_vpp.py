@@ -18,7 +18,6 @@ import torch
 
 from megatron_grpo.config.base import ConfigValueError
 from megatron_grpo.config.model import ParallelConfig
-from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.models.errors import ModelError
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
 from tests.support.distributed import run_distributed
@@ -27,6 +26,8 @@ from tests.support.models_fixtures import hf_reference_logits, make_hf_model
 from tests.support.sync_checks import check_sync, sync_worker
 from tests.support.step_equivalence import merged_weights, one_step
 from tests.support.models_reference import assert_matches, build_and_load, build_from_checkpoint, probe
+from megatron_grpo.config import EngineConfig
+from tests.support.configs import experiment
 
 NUM_LAYERS = 4  # pp * vpp chunks of one layer each
 CASES = {"qwen3-tied": ("qwen3", True), "mixtral": ("mixtral", False)}
@@ -146,7 +147,7 @@ def test_vpp2_step_matches_pp2(model_type, tmp_path):
 def test_sync_from_vpp2_ranks_engine_logprobs_match(models, tmp_path):
     hf_dir = models["qwen3-tied"][0]
     transports = ["distributed", "tensor"]
-    cfg = RolloutConfig(dtype="float32", launch_timeout_s=180)
+    cfg = experiment(engine=EngineConfig(dtype="float32", launch_timeout_s=180))
     with RolloutServerManager(cfg, model_dir=hf_dir, run_dir=tmp_path / "run") as manager:
         results = run_distributed(sync_worker, 2, manager.urls[0], str(weight_sync_dir(tmp_path / "run")), hf_dir,
                                   transports, False,

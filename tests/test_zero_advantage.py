@@ -40,7 +40,7 @@ def constant_reward(tmp_path_factory):
 
 
 def run(demo, run_dir, *extra):
-    out = subprocess.run(train_cmd(demo, run_dir, 2, "rollout.engine=inprocess", "algorithm.entropy_coef=0.0",
+    out = subprocess.run(train_cmd(demo, run_dir, 2, "engine.kind=inprocess", "algorithm.entropy_coef=0.0",
                                    "checkpoint.save_every=0", *extra),
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -38,7 +38,7 @@ def train(demo: Path, run_dir: Path, steps: int, arm: list[str], extra: list[str
            f"model.hf_dir={demo / 'model'}", f"data.train_file={demo / 'arithmetic.jsonl'}",
            f"trainer.run_dir={run_dir}", f"trainer.num_steps={steps}", "eval.every_n_steps=0", "eval.sets=[]",
            "checkpoint.save_every=0", "checkpoint.resume=never", "logging.progress_bar=false",
-           "logging.plot=false", "rollout.engine=embedded", *arm, *extra]  # async needs the launched engine
+           "logging.plot=false", "engine.kind=embedded", *arm, *extra]  # async needs the launched engine
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     if out.returncode != 0:

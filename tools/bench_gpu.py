@@ -29,7 +29,7 @@ parts, most wanted first:
 4. ``weight_sync``: ``tools/bench_weight_sync.py``'s worker syncing the 0.5B model into a
    launched embedded engine on the same GPU over the ``tensor`` transport (CUDA IPC): GB/s,
    and the fraction of a device-to-device copy of the same bytes. Colocated mode
-   (``rollout.colocate``) is SGLang's only and is not measured here;
+   (``engine.colocate``) is SGLang's only and is not measured here;
 5. ``trl``: ``tools/bench_vs_trl.py --device cuda --workload reasoning`` as a subprocess, its
    output recorded.
 
@@ -392,13 +392,15 @@ def device_copy_seconds(num_bytes: int, repeats: int) -> float:
 
 
 def part_weight_sync(sizes: Sizes, work: Path) -> dict:
-    from megatron_grpo.config.rollout import RolloutConfig
+    from megatron_grpo.config import EngineConfig, SyncConfig
     from megatron_grpo.generation.manager import RolloutServerManager
+    from tests.support.configs import experiment
     from tests.support.distributed import run_distributed
     from tools.bench_weight_sync import _bench_worker
 
     model_dir = sized_model(work, TRAIN_MODELS[0], sizes)
-    cfg = RolloutConfig(engine="embedded", dtype=sizes.dtype, weight_sync_transport="tensor", launch_timeout_s=300)
+    cfg = experiment(engine=EngineConfig(kind="embedded", dtype=sizes.dtype, launch_timeout_s=300),
+                     sync=SyncConfig(transport="tensor"))
     with RolloutServerManager(cfg, model_dir=str(model_dir), run_dir=work / "weight_sync", ranks_on_node=1) as manager:
         (res,) = run_distributed(_bench_worker, 1, manager.urls[0], str(model_dir), str(work / "weight_sync/sync"),
                                  [("tensor", 512)], [], sizes.weight_sync_repeats, tp=1, pp=1, timeout_s=540)

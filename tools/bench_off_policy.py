@@ -73,7 +73,7 @@ PASS1 = "eval/heldout/pass@1"
 
 def reasoning_arms(fp8_format: str) -> dict[str, list[str]]:
     """Arm name -> overrides on top of yaml_configs/reasoning_cpu.yaml."""
-    fp8 = ["rollout.quantization=fp8", f"rollout.fp8_format={fp8_format}"]
+    fp8 = ["engine.quantization=fp8", f"engine.fp8_format={fp8_format}"]
     top_p = ["rollout.top_p=0.8"]
     return {
         "baseline": OFF,
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--arms", nargs="+", help="a subset of the workload's arms, in this order (default: all)")
     p.add_argument("--fp8-format", default="e5m2", choices=["e4m3", "e5m2"],
-                   help="rollout.fp8_format of the reasoning workload's fp8 arms")
+                   help="engine.fp8_format of the reasoning workload's fp8 arms")
     p.add_argument("--eval-every", type=int, default=20, help="held-out eval every N steps (reasoning)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")

@@ -88,7 +88,7 @@ def run_config(model: Path, demo: Path, tp: int, engine: str, steps: int, run_di
     overrides = [
         f"model.hf_dir={model}", f"data.train_file={demo / data_file}", f"trainer.run_dir={run_dir}",
         f"trainer.num_steps={steps}", f"parallel.tp={tp}", f"parallel.world_size={tp}", *batch,
-        f"rollout.engine={engine}", "eval.sets=[]", "checkpoint.save_every=0", "checkpoint.resume=never",
+        f"engine.kind={engine}", "eval.sets=[]", "checkpoint.save_every=0", "checkpoint.resume=never",
         "logging.progress_bar=false", "logging.plot=false",
     ]
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -48,7 +48,7 @@ COMMON = [
     "algorithm.entropy_coef=0.0",
     "rollout.prompts_per_step=8", "rollout.num_generations=8", f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
     "eval.sets=[]", "checkpoint.save_every=0", "checkpoint.resume=never",
-    "rollout.engine=embedded",  # the launched engine, as the measurements in the docs were taken
+    "engine.kind=embedded",  # the launched engine, as the measurements in the docs were taken
     "logging.progress_bar=false", "logging.plot=false",
 ]
 FIXED = ["parallel.micro_batch_size=8", "parallel.max_tokens_per_microbatch=null"]

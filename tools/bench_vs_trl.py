@@ -45,7 +45,7 @@ which ours reaches TRL's re-scored final accuracy as a fraction of TRL's trainin
 ``smollm2_departures`` lists what differs, like ``reasoning_departures``.
 
 ``--device cuda`` runs both sides on GPU 0 (our side at TP=1; with the launched embedded engine
-the weights go over ``rollout.weight_sync_transport=tensor``, as ``tools/gpu_smoke.py`` does;
+the weights go over ``sync.transport=tensor``, as ``tools/gpu_smoke.py`` does;
 TRL's model on cuda); ``--device cpu`` hides any GPU from both. Every run writes a JSON summary
 (``--json``, default ``OUT/summary.json``).
 """
@@ -211,12 +211,12 @@ def ours_overrides(shared: list[str], *, run_dir: Path, tp: int, shuffled: bool,
         *shared, f"trainer.run_dir={run_dir}", f"parallel.tp={tp}", f"parallel.world_size={tp * dp}",
         *([] if evaluate else ["eval.sets=[]"]),
         "checkpoint.save_every=0", "checkpoint.resume=never", "logging.progress_bar=false", "logging.plot=false",
-        f"algorithm.shuffle_mini_batches={str(shuffled).lower()}", f"rollout.engine={engine}",
+        f"algorithm.shuffle_mini_batches={str(shuffled).lower()}", f"engine.kind={engine}",
     ]
     if device == "cuda" and engine == "embedded":
         # the launched engine shares the trainer's GPU: CUDA IPC, as tools/gpu_smoke.py; the
         # distributed transport would put two NCCL ranks on one GPU (refused by the preflight)
-        overrides.append("rollout.weight_sync_transport=tensor")
+        overrides.append("sync.transport=tensor")
     return overrides
 
 
@@ -341,7 +341,7 @@ def config_departures(cfg: ExperimentConfig, device: str) -> list[str]:
                    "autocasts fp32 weights to bf16 (bf16=True).")
     if device == "cuda":
         out.append("GPU: both sides share one GPU; ours at TP=1, a launched embedded engine on the same "
-                   "GPU receiving the weights over CUDA IPC (rollout.weight_sync_transport: tensor).")
+                   "GPU receiving the weights over CUDA IPC (sync.transport: tensor).")
     return out
 
 
@@ -576,7 +576,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "step, as TRL's per-device batch, where the demo config uses 16; reasoning: the config's "
                         "8). With --workload reasoning TRL's micro-batch is the first of them")
     p.add_argument("--engines", nargs="+", default=None, choices=["embedded", "inprocess", "sglang"],
-                   help="megatron-grpo rollout engines to run (rollout.engine): embedded in its own process, "
+                   help="megatron-grpo rollout engines to run (engine.kind): embedded in its own process, "
                         "inprocess in trainer rank 0's (default: smollm2 inprocess, else embedded)")
     p.add_argument("--target", type=float, default=None,
                    help="rolling mean reward to reach (default: demo 0.5, reasoning 0.35, smollm2 0.5)")

@@ -38,8 +38,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from megatron_grpo.config.rollout import RolloutConfig  # noqa: E402
+from megatron_grpo.config import EngineConfig, SyncConfig  # noqa: E402
 from megatron_grpo.generation.manager import RolloutServerManager  # noqa: E402
+from tests.support.configs import experiment  # noqa: E402
 from tests.support.distributed import run_distributed  # noqa: E402
 
 
@@ -92,8 +93,8 @@ def _bench_worker(rank, world_size, url, model_dir, work_dir, throughput_configs
 
     def syncer(transport, bucket_mb, verify):
         kind, _, wire = transport.partition(":")
-        cfg = RolloutConfig(weight_sync_transport=kind, weight_update_bucket_mb=bucket_mb,
-                            verify_weights_every=1 if verify else 0, request_timeout_s=600)
+        cfg = experiment(engine=EngineConfig(request_timeout_s=600),
+                         sync=SyncConfig(transport=kind, bucket_mb=bucket_mb, verify_every=1 if verify else 0))
         s = WeightSyncer(cfg, [url], hf_config, work_dir=work_dir, client=client)
         if s.transport is not None:
             if wire:  # the other CPU wire, to compare both in this process
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
             ["distributed", "tensor:shm_bucket"]),
         2: ([("distributed", 512), ("tensor:named_tensors", 512), ("tensor:shm_bucket", 512)], ["distributed"]),
     }
-    cfg = RolloutConfig(dtype="float32", launch_timeout_s=300)
+    cfg = experiment(engine=EngineConfig(dtype="float32", launch_timeout_s=300))
     results = {}
     with RolloutServerManager(cfg, model_dir=model_dir, run_dir=tmp / "run") as manager:
         url = manager.urls[0]

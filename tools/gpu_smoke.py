@@ -6,7 +6,7 @@ Each check prints its figures on lines that start with the GPU's name
 (``torch.cuda.get_device_name()``), and a last line ``PASS`` or ``FAIL: <check>: <why>``:
 
 * ``step``: two steps of ``megatron-grpo train`` at TP1 in bf16 with the embedded engine
-  launched on the same GPU (``--device cuda:0``) and ``rollout.weight_sync_transport=tensor``:
+  launched on the same GPU (``--device cuda:0``) and ``sync.transport=tensor``:
   the buckets reach the engine as CUDA IPC handles (``wire/serialize.py``), every sync is
   verified by per-tensor checksums. Exercises the device seam (batch placement, NCCL
   collectives on GPU tensors, the fused finiteness check), the embedded engine on a GPU and
@@ -21,7 +21,7 @@ Each check prints its figures on lines that start with the GPU's name
 * ``demo``: the demo (``yaml_configs/demo_cpu.yaml``, its model built by
   ``tools/make_demo_model.py``) for ``--demo-steps`` steps at TP1 on the GPU: reward at the
   start and the end, seconds per step;
-* ``fp8``: ``rollout.quantization=fp8`` on its GPU path: one 0.5B-sized layer through
+* ``fp8``: ``engine.quantization=fp8`` on its GPU path: one 0.5B-sized layer through
   ``torch._scaled_mm`` against the fake-quantized product in fp32, then three bf16 demo steps
   with the fp8 embedded engine, every weight sync verified by the trainer's fake-quantized probe.
 
@@ -69,7 +69,7 @@ def _train(out: Path, name: str, overrides: list[str], timeout_s: float) -> list
     cmd = [sys.executable, "-m", "megatron_grpo.cli", "train", "--config", str(ROOT / "yaml_configs/demo_cpu.yaml"),
            f"model.hf_dir={out / 'demo/model'}", f"data.train_file={out / 'demo/arithmetic.jsonl'}",
            f"trainer.run_dir={run_dir}", "parallel.tp=1", "parallel.world_size=1", "logging.plot=false",
-           "rollout.engine=embedded",  # the launched engine on the GPU is what this checks
+           "engine.kind=embedded",  # the launched engine on the GPU is what this checks
            "checkpoint.resume=never",
            f"eval.sets=[{{name: heldout, path: {out / 'demo/arithmetic_heldout.jsonl'}, n: 8, temperature: 1.0}}]",
            *overrides]
@@ -94,8 +94,8 @@ def _make_demo(out: Path) -> None:
 
 def check_step(out: Path) -> None:
     _make_demo(out)
-    records = _train(out, "step", ["trainer.num_steps=2", "model.dtype=bfloat16", "rollout.dtype=bfloat16",
-                                   "rollout.weight_sync_transport=tensor", "rollout.verify_logprob_tolerance=0.05",
+    records = _train(out, "step", ["trainer.num_steps=2", "model.dtype=bfloat16", "engine.dtype=bfloat16",
+                                   "sync.transport=tensor", "sync.verify_logprob_tolerance=0.05",
                                    "checkpoint.save_every=2"], timeout_s=900)
     launch = (out / "step/rollout/server.log").read_text()
     if "--device cuda:" not in launch:
@@ -118,7 +118,7 @@ def check_features(out: Path) -> None:
     """Activation recomputation + the distributed optimizer in bf16: 2 steps, a checkpoint, and a resume to 4."""
     _make_demo(out)
     common = ["model.dtype=bfloat16", "model.recompute_activations=true", "parallel.use_distributed_optimizer=true",
-              "rollout.weight_sync_transport=tensor", "checkpoint.save_every=2"]
+              "sync.transport=tensor", "checkpoint.save_every=2"]
     first = _train(out, "features", ["trainer.num_steps=2", *common], timeout_s=900)
     ckpt = out / "features/checkpoints/step_000002"
     if not ckpt.is_dir():
@@ -171,7 +171,7 @@ def check_self_check(out: Path) -> None:
 def check_demo(out: Path, steps: int) -> None:
     _make_demo(out)
     t0 = time.monotonic()
-    records = _train(out, "demo", [f"trainer.num_steps={steps}", "rollout.weight_sync_transport=tensor",
+    records = _train(out, "demo", [f"trainer.num_steps={steps}", "sync.transport=tensor",
                                    "checkpoint.save_every=0"], timeout_s=3000)
     head, tail = records[: max(1, steps // 5)], records[-max(1, steps // 5):]
     mean = lambda rs: sum(float(r["reward_mean"]) for r in rs) / len(rs)  # noqa: E731
@@ -181,7 +181,7 @@ def check_demo(out: Path, steps: int) -> None:
 
 
 def check_fp8(out: Path) -> None:
-    """rollout.quantization: fp8 on the GPU path (ops/quantize.py's torch._scaled_mm): one layer
+    """engine.quantization: fp8 on the GPU path (ops/quantize.py's torch._scaled_mm): one layer
     against the fake-quantized definition, then the demo's steps with an fp8 embedded engine
     whose every weight sync the trainer's fake-quantized probe must verify."""
     from megatron_grpo.ops.quantize import quantize_weight, quantized_linear, scaled_mm_supported, scheme_of
@@ -201,8 +201,8 @@ def check_fp8(out: Path) -> None:
     if rel > 1e-2:
         raise RuntimeError(f"_scaled_mm differs from the fake-quantized product by {rel:.2e} (relative)")
     _make_demo(out)
-    records = _train(out, "fp8", ["trainer.num_steps=3", "model.dtype=bfloat16", "rollout.dtype=bfloat16",
-                                  "rollout.quantization=fp8", "rollout.weight_sync_transport=tensor",
+    records = _train(out, "fp8", ["trainer.num_steps=3", "model.dtype=bfloat16", "engine.dtype=bfloat16",
+                                  "engine.quantization=fp8", "sync.transport=tensor",
                                   "checkpoint.save_every=0"], timeout_s=900)
     if not all(r["weight_sync_verified"] for r in records):
         raise RuntimeError("a weight sync of the fp8 engine was not verified")

@@ -1,4 +1,4 @@
-"""A custom rollout function (rollout.rollout_function: docs/examples/retry_rollout.py:retry_once).
+"""A custom rollout function (episodes.rollout_function: docs/examples/retry_rollout.py:retry_once).
 
 Two attempts per response: when the model's first reply holds no digit, a fixed user turn
 asks again and the model answers once more. The sample is the whole exchange, token-in /

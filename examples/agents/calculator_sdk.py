@@ -1,6 +1,6 @@
 """The tool demo's calculator, written as an agent against the OpenAI SDK (docs/agents.md).
 
-``rollout.agent: examples/agents/calculator_sdk.py:run`` trains the tool demo's model through
+``episodes.agent: examples/agents/calculator_sdk.py:run`` trains the tool demo's model through
 this function instead of the built-in ``calculator`` environment. It asks the model with
 ``tools=[compute]``; the run's front finds the call in the model's own format
 (``tool_call_format: compute``: the demo vocabulary writes ``compute 12 + 30``), this function

@@ -2,6 +2,8 @@
 
 from megatron_grpo.config.algorithm import AlgorithmConfig, OffPolicyCorrectionConfig
 from megatron_grpo.config.base import ConfigError
+from megatron_grpo.config.engine import EmbeddedConfig, EngineConfig, SGLangConfig
+from megatron_grpo.config.episodes import EpisodesConfig
 from megatron_grpo.config.evaluation import EvalConfig, EvalSetConfig
 from megatron_grpo.config.experiment import ExperimentConfig, load_config
 from megatron_grpo.config.model import ModelConfig, ParallelConfig
@@ -16,12 +18,16 @@ from megatron_grpo.config.sections import (
     RewardFunctionConfig,
     TrainerConfig,
 )
+from megatron_grpo.config.sync import SyncConfig
 
 __all__ = [
     "AlgorithmConfig",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
+    "EmbeddedConfig",
+    "EngineConfig",
+    "EpisodesConfig",
     "EvalConfig",
     "EvalSetConfig",
     "ExperimentConfig",
@@ -34,6 +40,8 @@ __all__ = [
     "RewardConfig",
     "RewardFunctionConfig",
     "RolloutConfig",
+    "SGLangConfig",
+    "SyncConfig",
     "TrainerConfig",
     "load_config",
 ]

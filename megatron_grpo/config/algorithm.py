@@ -170,7 +170,7 @@ class AlgorithmConfig:
     """Mixture-of-experts models only: the trainer's log-prob passes (old log-probs and the
     training forward) route every token to the experts the rollout engine chose for it, so
     engine and trainer score the same network (docs/moe.md#router-replay). Needs an engine
-    that returns its routing (rollout.engine: embedded) and no model.recompute_activations."""
+    that returns its routing (engine.kind: embedded) and no model.recompute_activations."""
 
     use_tis: InitVar[Optional[bool]] = None
     """Deprecated: `true` maps to off_policy_correction.tis_ratio_type: token (with a warning)."""

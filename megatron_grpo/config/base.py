@@ -157,6 +157,14 @@ def field_types(cls: type) -> dict[str, Any]:
     return {k: (v.type if isinstance(v, dataclasses.InitVar) else v) for k, v in hints.items()}
 
 
+def unknown_key(where: str, key: str, names: list[str]) -> ConfigError:
+    """The error of ``key`` (at dotted ``where``), which is none of ``names``: the closest name
+    ("did you mean"), or every name when none is close."""
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+    return ConfigError(where, f"unknown key{hint}")
+
+
 def build_section(cls: type, raw: dict, where: str = "") -> Any:
     """Build dataclass ``cls`` from ``raw``; unknown keys, wrong types and bad values raise ConfigError.
 
@@ -170,9 +178,7 @@ def build_section(cls: type, raw: dict, where: str = "") -> Any:
         if not isinstance(key, str):
             raise ConfigError(f"{prefix}{key}", "keys must be strings")
         if key not in names:
-            close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
-            raise ConfigError(f"{prefix}{key}", f"unknown key{hint}")
+            raise unknown_key(f"{prefix}{key}", key, names)
         kwargs[key] = check_value(value, hints[key], f"{prefix}{key}")
     for name, param in inspect.signature(cls).parameters.items():
         if param.default is inspect.Parameter.empty and name not in kwargs:

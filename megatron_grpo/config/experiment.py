@@ -15,8 +15,11 @@ from typing import Any, Optional
 
 import yaml
 
+from megatron_grpo.config import aliases
 from megatron_grpo.config.algorithm import AlgorithmConfig
 from megatron_grpo.config.base import ConfigError, ConfigValueError, build_section, check, to_dict
+from megatron_grpo.config.engine import EngineConfig
+from megatron_grpo.config.episodes import EpisodesConfig
 from megatron_grpo.config.evaluation import EvalConfig
 from megatron_grpo.config.model import ModelConfig, ParallelConfig
 from megatron_grpo.config.rollout import RolloutConfig
@@ -29,6 +32,7 @@ from megatron_grpo.config.sections import (
     RewardConfig,
     TrainerConfig,
 )
+from megatron_grpo.config.sync import SyncConfig
 
 
 @dataclass(kw_only=True)
@@ -40,7 +44,16 @@ class ExperimentConfig:
     """Tensor/pipeline/data parallel sizes and batch sizes."""
 
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    """Generation engine, sampling parameters and weight sync."""
+    """What each step generates: group size, prompts per step, sampling, schedule, DAPO."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The rollout engine: its kind, servers, precision, quantization and timeouts."""
+
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """The per-step weight sync into the engine and its verification."""
+
+    episodes: EpisodesConfig = field(default_factory=EpisodesConfig)
+    """Multi-turn episodes with an environment, or a custom rollout function."""
 
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantages, policy loss, KL/entropy and off-policy correction."""
@@ -67,6 +80,7 @@ class ExperimentConfig:
     """Held-out evaluation: sets, cadence, pass@k."""
 
     def __post_init__(self):
+        self._check_rollout_against_episodes()
         rollout_batch = self.rollout.batch_size
         check(
             rollout_batch % self.parallel.global_batch_size == 0,
@@ -94,13 +108,16 @@ class ExperimentConfig:
         check(not (self.algorithm.router_replay and self.model.recompute_activations), "algorithm.router_replay",
               "cannot be combined with model.recompute_activations (the recomputed forward would "
               "route after later micro-batches set their targets)")
-        check(self.rollout.environment is None or not self.algorithm.router_replay, "algorithm.router_replay",
-              "is not supported with rollout.environment (multi-turn episodes): set one of them off")
-        check(self.rollout.rollout_function is None or not self.algorithm.router_replay, "algorithm.router_replay",
-              "is not supported with rollout.rollout_function (its samples carry no routing): set one of them off")
+        check(self.episodes.environment is None or not self.algorithm.router_replay, "algorithm.router_replay",
+              "is not supported with episodes.environment (multi-turn episodes): set one of them off")
+        check(self.episodes.rollout_function is None or not self.algorithm.router_replay, "algorithm.router_replay",
+              "is not supported with episodes.rollout_function (its samples carry no routing): set one of them off")
+        check(self.episodes.agent is None or not self.algorithm.router_replay, "algorithm.router_replay",
+              "is not supported with episodes.agent (multi-turn episodes): set one of them off")
 
         labels = self.reward.labels
-        if self.rollout.environment is not None:  # an evaluation episode's own reward (evaluation/runner.py)
+        if self.episodes.environment is not None or self.episodes.agent is not None:
+            # an evaluation episode's own reward (evaluation/runner.py)
             labels = [*labels, ENV_LABEL]
             plain = next((s.name for s in self.eval.sets if s.single_turn), None)
             check(self.eval.correct_function != ENV_LABEL or plain is None, "eval.correct_function",
@@ -114,6 +131,19 @@ class ExperimentConfig:
             "eval.correct_function",
             f"{self.eval.correct_function!r} is not a reward function label; labels: {', '.join(labels)}{hint}",
         )
+
+    def _check_rollout_against_episodes(self) -> None:
+        """The rules between `rollout:` and `episodes:` (the engine kind's are the pre-flight's,
+        preflight/rules.py)."""
+        # async generates groups from several threads at once, and the rollout function's
+        # worker process serves one call at a time
+        check(self.rollout.mode != "async" or self.episodes.rollout_function is None, "rollout.mode",
+              "async cannot be combined with episodes.rollout_function yet (its worker runs one call at a "
+              "time; async calls it for several groups at once); use rollout.mode: one_step_off_policy")
+        check((self.episodes.environment is None and self.episodes.agent is None)
+              or self.rollout.overlong.buffer_length is None, "rollout.overlong.buffer_length",
+              "the overlong penalty counts response tokens, which in an environment or agent episode include "
+              "observations; set it to null with episodes.environment or episodes.agent")
 
     @property
     def mini_batches_per_step(self) -> int:
@@ -130,7 +160,7 @@ class ExperimentConfig:
         return out
 
 
-SECRET_KEYS = (("rollout", "api_key"),)
+SECRET_KEYS = (("engine", "api_key"),)
 """(section, key) of the values that never leave the process."""
 
 REDACTED = "<redacted>"
@@ -238,23 +268,38 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, parsed
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Set each dotted override in a copy of ``raw`` (creating intermediate mappings)."""
+def apply_overrides(raw: dict, overrides: list[str], renamed: Optional[aliases.Renamed] = None) -> dict:
+    """Set each dotted override in a copy of ``raw`` (creating intermediate mappings). A
+    deprecated key is set under its current name (``aliases.DEPRECATED_KEYS``) and appended to
+    ``renamed``; the old and the new name of one key both on the command line are an error."""
     import copy
 
     raw = copy.deepcopy(raw)
+    spelling: dict[str, tuple[str, bool]] = {}  # current key -> (as first given, deprecated)
     for text in overrides:
+        source = f"override {text!r}"
         parts, value = parse_override(text)
-        node = raw
-        for i, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(".".join(parts[: i + 1]), f"is not a section, cannot set {'.'.join(parts)}",
-                                  f"override {text!r}")
-            node = child
-        node[parts[-1]] = value
+        try:
+            settings = list(aliases.rename_override(parts, value, ExperimentConfig))
+        except ConfigError as e:
+            raise e.with_source(source) from None
+        for parts, value, old in settings:
+            key = ".".join(parts)
+            first, first_old = spelling.setdefault(key, (old or key, old is not None))
+            if first_old != (old is not None):
+                raise ConfigError(key, f"is given twice: as {key} and as its deprecated name "
+                                       f"{first if first_old else old}; keep only {key}", source)
+            if old is not None and renamed is not None:
+                renamed.append((old, key))
+            node = raw
+            for i, part in enumerate(parts[:-1]):
+                child = node.get(part)
+                if child is None:
+                    child = node[part] = {}
+                if not isinstance(child, dict):
+                    raise ConfigError(".".join(parts[: i + 1]), f"is not a section, cannot set {key}", source)
+                node = child
+            node[parts[-1]] = value
     return raw
 
 
@@ -296,9 +341,13 @@ def build_experiment(raw: Any, world_size: Optional[int] = None) -> ExperimentCo
 
 
 def load_config(
-    path: str | Path, overrides: list[str] | None = None, world_size: Optional[int] = None
+    path: str | Path, overrides: list[str] | None = None, world_size: Optional[int] = None, *,
+    announce_deprecated: bool = True,
 ) -> ExperimentConfig:
-    """Read, override and validate an experiment YAML. Raises ConfigError naming ``path``."""
+    """Read, override and validate an experiment YAML. Raises ConfigError naming ``path``.
+    Deprecated keys (``aliases.DEPRECATED_KEYS``), in the file or an override, load under their
+    current names, each announced by one line on stderr (once per process; not at all with
+    ``announce_deprecated`` false, e.g. on the ranks of a run whose launcher announced them)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -318,7 +367,10 @@ def load_config(
         raise ConfigError("", "the file is empty", str(path))
     try:
         if isinstance(raw, dict):
-            raw = apply_overrides(raw, overrides or [])
+            raw, renamed = aliases.rename_file(raw, ExperimentConfig)
+            raw = apply_overrides(raw, overrides or [], renamed)
+            if announce_deprecated:
+                aliases.announce(renamed)
         return build_experiment(raw, world_size)
     except ConfigError as e:  # an override's own mistake already names the override
         raise e.with_source(e.source or error_source(e.where, overrides or [], str(path))) from None
@@ -329,10 +381,11 @@ def error_source(where: str, overrides: list[str], path: str) -> str:
     it (the last one wins, as when applied), or else the YAML file. A secret's value
     (``SECRET_KEYS``) is not repeated."""
     for text in reversed(overrides):
-        key = text.split("=", 1)[0].strip()
+        given = text.split("=", 1)[0].strip()
+        key = aliases.current_key(given)  # a deprecated name sets (and names errors by) the current key
         if key and (where == key or where.startswith((key + ".", key + "["))):
             if tuple(key.split(".")) in SECRET_KEYS:
-                return f"override '{key}=<redacted>'"
+                return f"override '{given}=<redacted>'"
             return f"override {text!r}"
     return path
 

@@ -63,7 +63,7 @@ class ModelConfig:
     """Parameter and compute dtype of the trainer's model. bfloat16 (CPU and GPU) trains with
     megatron-core's mixed-precision optimizer: bf16 parameters and activations, fp32 main
     weights, gradient buffers and Adam state; checkpoints hold the fp32 main weights and the
-    weight sync sends them, cast once to the engine's `rollout.dtype`. float16 is refused:
+    weight sync sends them, cast once to the engine's `engine.dtype`. float16 is refused:
     megatron-core's fp16 optimizer divides the gradients by a loss scale (2^32 at the start)
     that only megatron's own training loop multiplies into the loss, so every update would
     be ~2^32 times too small."""

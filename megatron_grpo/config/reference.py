@@ -12,6 +12,7 @@ import dataclasses
 import sys
 import typing
 
+from megatron_grpo.config.aliases import DEPRECATED_KEYS
 from megatron_grpo.config.base import field_types, field_docs, type_name
 from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.runtime.files import write_text_atomic
@@ -76,6 +77,18 @@ def render() -> str:
             cell = lambda s: s.replace("|", "\\|")  # noqa: E731
             out.append(f"| `{key}` | {cell(tp)} | `{cell(default)}` | {cell(doc)} |")
         out.append("")
+    out += [
+        "## Deprecated keys",
+        "",
+        "Still accepted for one release, in the file and on the command line: each loads as its",
+        "current key and prints one line naming it. Giving both names of a key in one place is an",
+        "error. A key naming a section moves with the keys under it.",
+        "",
+        "| deprecated key | current key |",
+        "|---|---|",
+        *(f"| `{old}` | `{new}` |" for old, new in DEPRECATED_KEYS.items()),
+        "",
+    ]
     return "\n".join(out)
 
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatron_grpo.config.rollout import EmbeddedConfig
+from megatron_grpo.config.engine import EmbeddedConfig
 from megatron_grpo.runtime.placement import is_loopback
 
-# ``megatron-grpo serve``'s defaults are the config's (rollout.embedded.max_request_*), so a
+# ``megatron-grpo serve``'s defaults are the config's (engine.embedded.max_request_*), so a
 # server started by hand bounds requests as one the trainer launches
 _CONFIG = EmbeddedConfig()
 DEFAULT_MAX_REQUEST_BYTES = _CONFIG.max_request_mb * 2**20

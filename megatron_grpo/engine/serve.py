@@ -5,7 +5,7 @@
 Binds loopback by default. Any other address exposes the weight-update routes to the network,
 so it needs an API key (--api-key or $MEGATRON_GRPO_API_KEY): without one the server refuses to
 start. Also started by the trainer as ``python -m megatron_grpo.engine.serve``,
-with the request bounds of ``rollout.embedded``, the run's weight-sync directory as a trusted
+with the request bounds of ``engine.embedded``, the run's weight-sync directory as a trusted
 weight directory and the run's weight-update master address (``engine/policy.py``).
 """
 
@@ -61,7 +61,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "directory always is); anything outside them is a 403")
     p.add_argument("--weight-sync-master-address", default=None, metavar="ADDR",
                    help="the one master address /init_weights_update_group may name (the trainer's "
-                        "rollout.weight_sync_master_address); default: loopback addresses only")
+                        "sync.master_address); default: loopback addresses only")
     p.add_argument("--read-timeout-s", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
                    help="deadline for reading a request body once its headers arrived; a slower sender gets a 408")
     p.add_argument("--tool-call-format", default="hermes", choices=sorted(TOOL_CALL_FORMATS),

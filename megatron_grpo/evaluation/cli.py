@@ -10,7 +10,7 @@ rollout engine and reward functions as the trainer. ``DIR`` is one of
 * a run directory: its newest intact checkpoint (``trainer.checkpoint.choose_resume``, as a
   resumed run picks it: damaged ones are skipped with one line on stderr).
 
-The engine named by ``rollout.engine`` is launched on those weights. A checkpoint's step
+The engine named by ``engine.kind`` is launched on those weights. A checkpoint's step
 (from its ``trainer_state.json``; 0 otherwise) seeds the sampling exactly as the trainer's
 evaluation at that step did, so the numbers can be compared one to one. One JSON line per
 set goes to stdout and to ``OUT/eval_metrics.jsonl``; the scored responses to
@@ -145,11 +145,11 @@ def evaluate_weights(cfg: ExperimentConfig, weights: Weights, out_dir: Path) -> 
     load_sets(run_cfg, tokenizer, SamplingParams())  # bad eval data fails before the engine starts
     side = build_rollout_side(run_cfg, tokenizer, sampler=None)
     try:
-        if ENGINES[run_cfg.rollout.engine].in_process:  # no server: the engine in this process
-            engine = InProcessEngine(start_inprocess(run_cfg.rollout, model_dir=run_cfg.model.hf_dir), None,
-                                     timeout_s=run_cfg.rollout.request_timeout_s)
+        if ENGINES[run_cfg.engine.kind].in_process:  # no server: the engine in this process
+            engine = InProcessEngine(start_inprocess(run_cfg.engine, model_dir=run_cfg.model.hf_dir), None,
+                                     timeout_s=run_cfg.engine.request_timeout_s)
         else:
-            engine = HttpEngine(*start_servers(run_cfg.rollout, model_dir=run_cfg.model.hf_dir,
+            engine = HttpEngine(*start_servers(run_cfg, model_dir=run_cfg.model.hf_dir,
                                                run_dir=run_cfg.trainer.run_dir), receiver=None)
     except BaseException:
         side.close()
@@ -180,9 +180,9 @@ def main(argv: list[str]) -> int:
         if not cfg.eval.sets:
             raise ConfigError("eval.sets", "is empty: nothing to evaluate (list held-out sets: name, path, n, ...)",
                               args.config)
-        if cfg.rollout.urls:
-            raise ConfigError("rollout.urls", "is set, but megatron-grpo eval launches its own engine on the "
-                                              "checkpoint's weights; leave rollout.urls empty", args.config)
+        if cfg.engine.urls:
+            raise ConfigError("engine.urls", "is set, but megatron-grpo eval launches its own engine on the "
+                                             "checkpoint's weights; leave engine.urls empty", args.config)
         out_dir = args.out_dir or Path(cfg.trainer.run_dir) / "evaluations" / args.checkpoint.resolve().name
         with tempfile.TemporaryDirectory(prefix="megatron-grpo-eval-") as scratch:
             weights = resolve_weights(args.checkpoint, Path(scratch))

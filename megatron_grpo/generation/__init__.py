@@ -2,7 +2,7 @@
 engine kind.
 
 * ``protocol``: ``RolloutEngine``, what the trainer calls (generate, sync, memory release);
-* ``engines``: ``ENGINES[rollout.engine]``, one adapter per kind (SGLang, the embedded engine
+* ``engines``: ``ENGINES[engine.kind]``, one adapter per kind (SGLang, the embedded engine
   over HTTP, the in-process engine), the only place that knows how the kinds differ;
 * ``client``: SGLang's HTTP API (``RolloutClient``: synchronous, several servers round-robin;
   ``AsyncRolloutClient``), spoken by SGLang and by our embedded engine alike;

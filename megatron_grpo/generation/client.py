@@ -30,6 +30,7 @@ from typing import Any, Awaitable, Optional, Sequence
 
 import httpx
 
+from megatron_grpo.config.engine import EngineConfig
 from megatron_grpo.wire import routed_experts
 from megatron_grpo.wire.samples import RolloutError, Sample, SamplingParams
 
@@ -489,18 +490,19 @@ class RolloutClient:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, rollout_cfg, urls: Optional[Sequence[str]] = None, *,
+    def from_config(cls, engine_cfg: EngineConfig, urls: Optional[Sequence[str]] = None, *,
                     sequences_per_request: Optional[int] = None,
                     mask_budget_per_request: bool = True) -> "RolloutClient":
-        """A client for ``urls`` (default ``rollout_cfg.urls``) with the timeouts of a
-        RolloutConfig; ``sequences_per_request``: see ``AsyncRolloutClient.generate``;
-        ``mask_budget_per_request``: the engine's ``sampling_mask_budget_per_request``."""
+        """A client for ``urls`` (default ``engine_cfg.urls``) with the key, timeouts and
+        concurrency of the ``engine:`` section; ``sequences_per_request``: see
+        ``AsyncRolloutClient.generate``; ``mask_budget_per_request``: the engine's
+        ``sampling_mask_budget_per_request``."""
         return cls(
-            list(urls if urls is not None else rollout_cfg.urls),
-            api_key=rollout_cfg.api_key,
-            request_timeout_s=rollout_cfg.request_timeout_s,
-            max_retries=rollout_cfg.max_retries,
-            max_inflight_requests=rollout_cfg.max_inflight_requests,
+            list(urls if urls is not None else engine_cfg.urls),
+            api_key=engine_cfg.api_key,
+            request_timeout_s=engine_cfg.request_timeout_s,
+            max_retries=engine_cfg.max_retries,
+            max_inflight_requests=engine_cfg.max_inflight_requests,
             sequences_per_request=sequences_per_request,
             mask_budget_per_request=mask_budget_per_request,
         )

@@ -4,7 +4,7 @@ engine and SGLang), one or several servers.
 Rank 0 holds the server manager (launch, health, restart) and the client (generation, the
 adapter's memory routes); every rank holds the weight receiver (the collective weight sync,
 given by the caller so that this layer does not depend on ``sync/``). URLs, launch commands
-and routes stay in here and in the engine's adapter (``rollout/engines``).
+and routes stay in here and in the engine's adapter (``generation/engines``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import dataclasses
 import secrets
 from typing import Any, Optional, Sequence
 
+from megatron_grpo.config.engine import EngineConfig
+from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.generation.client import RolloutClient
 from megatron_grpo.generation.engines import ENGINES
 from megatron_grpo.generation.manager import RolloutServerManager
@@ -20,38 +22,43 @@ from megatron_grpo.generation.protocol import WeightReceiver
 from megatron_grpo.wire.samples import RolloutError, Sample, SamplingParams
 
 
-def run_api_key(rollout_cfg) -> Optional[str]:
-    """The key the run's rollout servers enforce: ``rollout.api_key`` when set; else, for
+def run_api_key(engine_cfg: EngineConfig) -> Optional[str]:
+    """The key the run's rollout servers enforce: ``engine.api_key`` when set; else, for
     servers this run launches, a fresh random one, so no other local user or process can drive
     them (generate, load weights, join the weight-update group); None for external servers
-    (``rollout.urls``) that were given none."""
-    if rollout_cfg.api_key or rollout_cfg.urls:
-        return rollout_cfg.api_key
+    (``engine.urls``) that were given none."""
+    if engine_cfg.api_key or engine_cfg.urls:
+        return engine_cfg.api_key
     # hex, 256 bits: SGLang turns its --config file into arguments, and a key starting with "-"
     # (1 in 64 of token_urlsafe's) is read as an option, failing the launch ("--api-key:
     # expected one argument"; seen in CI)
     return secrets.token_hex(32)
 
 
-def start_servers(rollout_cfg, *, model_dir: str, run_dir: str,
+def with_api_key(cfg: ExperimentConfig, api_key: Optional[str]) -> ExperimentConfig:
+    """``cfg`` with ``engine.api_key`` set to ``api_key`` (the run's key, ``run_api_key``)."""
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, api_key=api_key))
+
+
+def start_servers(cfg: ExperimentConfig, *, model_dir: str, run_dir: str,
                   spawned: Optional[RolloutServerManager] = None) -> tuple[RolloutServerManager, RolloutClient]:
-    """Launch the servers of ``rollout_cfg`` (a RolloutConfig), or wait for the external ones in
-    ``rollout.urls``, until healthy; returns their manager and a client of them. Launched
-    servers without a configured key get a per-run one (``run_api_key``). ``spawned``: the
-    servers ``spawn_servers`` already started (their key is the one ``rollout_cfg`` must carry)."""
+    """Launch the servers of ``cfg.engine``, or wait for the external ones in ``engine.urls``,
+    until healthy; returns their manager and a client of them. Launched servers without a
+    configured key get a per-run one (``run_api_key``). ``spawned``: the servers
+    ``spawn_servers`` already started (their key is the one ``cfg.engine`` must carry)."""
     if spawned is None:
-        rollout_cfg = dataclasses.replace(rollout_cfg, api_key=run_api_key(rollout_cfg))
-        spawned = RolloutServerManager(rollout_cfg, model_dir=model_dir, run_dir=run_dir)
-    elif spawned.rollout_cfg.api_key != rollout_cfg.api_key:
-        raise ValueError("start_servers: rollout_cfg must carry the spawned servers' API key")
+        spawned = RolloutServerManager(with_api_key(cfg, run_api_key(cfg.engine)), model_dir=model_dir,
+                                       run_dir=run_dir)
+    elif spawned.engine_cfg.api_key != cfg.engine.api_key:
+        raise ValueError("start_servers: cfg.engine must carry the spawned servers' API key")
     urls = spawned.start()
-    per_request = spawned.adapter.sequences_per_request(spawned.rollout_cfg)
+    per_request = spawned.adapter.sequences_per_request(spawned.engine_cfg)
     return spawned, RolloutClient.from_config(
-        spawned.rollout_cfg, urls, sequences_per_request=per_request,
+        spawned.engine_cfg, urls, sequences_per_request=per_request,
         mask_budget_per_request=spawned.adapter.sampling_mask_budget_per_request)
 
 
-def spawn_servers(rollout_cfg, *, model_dir: str, run_dir: str) -> Optional[RolloutServerManager]:
+def spawn_servers(cfg: ExperimentConfig, *, model_dir: str, run_dir: str) -> Optional[RolloutServerManager]:
     """Start the processes of the servers a run launches (with their per-run key) without
     waiting for them; None when there is nothing to start early: external servers, an
     in-process engine, colocated engines (they must start after the trainer took its share of
@@ -59,10 +66,10 @@ def spawn_servers(rollout_cfg, *, model_dir: str, run_dir: str) -> Optional[Roll
     its errors). Measured on the CPU demo (TP2, 2 cores): the embedded server takes 8-11 s to
     become healthy (torch and transformers' imports), which otherwise follows the ranks'
     imports and model build instead of overlapping them."""
-    if rollout_cfg.urls or rollout_cfg.colocate or ENGINES[rollout_cfg.engine].in_process:
+    engine_cfg = cfg.engine
+    if engine_cfg.urls or engine_cfg.colocate or ENGINES[engine_cfg.kind].in_process:
         return None
-    manager = RolloutServerManager(dataclasses.replace(rollout_cfg, api_key=run_api_key(rollout_cfg)),
-                                   model_dir=model_dir, run_dir=run_dir)
+    manager = RolloutServerManager(with_api_key(cfg, run_api_key(engine_cfg)), model_dir=model_dir, run_dir=run_dir)
     try:
         manager.spawn()
     except RolloutError:

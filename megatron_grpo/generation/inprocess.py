@@ -1,4 +1,4 @@
-"""``InProcessEngine``: the ``RolloutEngine`` of ``rollout.engine: inprocess``, the embedded
+"""``InProcessEngine``: the ``RolloutEngine`` of ``engine.kind: inprocess``, the embedded
 engine's generation code (``rollout/embedded``: the Hugging Face model, continuous batching,
 the same sampling, log-probs, sampling masks, MoE routing and quantization) run inside trainer
 rank 0's process, with no server, no HTTP and no JSON.
@@ -8,13 +8,13 @@ What it shares with the trainer and what it copies:
 * shared: the process, its threads and (on a GPU) rank 0's device; the tokenizer files and
   the model directory it starts from;
 * copied: the weights. The engine keeps its own Hugging Face model, a full unsharded copy in
-  HF layout (separate q/k/v and gate/up, no vocabulary padding) in ``rollout.dtype``, which
+  HF layout (separate q/k/v and gate/up, no vocabulary padding) in ``engine.dtype``, which
   every sync overwrites in place from the trainer's shards (``sync/in_memory.py``: the TP/PP
   gather and Megatron -> HF mapping of ``models.iter_hf_weights``, the one the HTTP sync uses).
   Aliasing the trainer's tensors is impossible (different layouts and shards) and would be
   wrong besides: ``rollout.mode: one_step_off_policy`` generates the next batch while the
   optimizer changes the trainer's weights, so the engine must serve a snapshot, which this
-  copy is. A quantized engine (``rollout.quantization``) adds its quantized copy of the
+  copy is. A quantized engine (``engine.quantization``) adds its quantized copy of the
   decoder projections, rebuilt from the received weights at every sync (as the embedded
   server does).
 
@@ -23,7 +23,7 @@ the model, so the train/rollout log-prob mismatch metrics and the off-policy cor
 their meaning (they compare two implementations, as with a launched engine).
 
 Generation runs in the engine's scheduler thread; ``generate`` submits its sequences at once (no
-batching window) and waits, bounded by ``rollout.request_timeout_s``. Several threads may call
+batching window) and waits, bounded by ``engine.request_timeout_s``. Several threads may call
 it at once (``rollout.mode: async`` generates one group per worker thread): their sequences
 share the continuous batch, and each token records the weight version that drew it
 (``Sample.output_versions``), which the in-memory sync keeps exact by retracting the running
@@ -39,6 +39,7 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
+from megatron_grpo.config.engine import EngineConfig
 from megatron_grpo.ops.quantize import scheme_of
 from megatron_grpo.generation.client import parse_sampling_mask
 from megatron_grpo.engine.engine import EmbeddedEngine, EngineError
@@ -51,12 +52,12 @@ SERVER = "inprocess"
 """``Sample.server`` of the samples it generates (there is no URL)."""
 
 
-def start_inprocess(rollout_cfg, *, model_dir: str) -> EmbeddedEngine:
-    """Rank 0's engine on ``model_dir``'s weights (``rollout_cfg``: a RolloutConfig). No batching
-    window: ``generate`` hands the engine whole batches."""
-    return EmbeddedEngine(model_dir, dtype=rollout_cfg.dtype, max_batch_size=rollout_cfg.embedded.max_batch_size,
+def start_inprocess(engine_cfg: EngineConfig, *, model_dir: str) -> EmbeddedEngine:
+    """Rank 0's engine on ``model_dir``'s weights, as the ``engine:`` section sets it up. No
+    batching window: ``generate`` hands the engine whole batches."""
+    return EmbeddedEngine(model_dir, dtype=engine_cfg.dtype, max_batch_size=engine_cfg.embedded.max_batch_size,
                           batch_window_s=0.0, device="auto",
-                          quantization=scheme_of(rollout_cfg.quantization, rollout_cfg.fp8_format))
+                          quantization=scheme_of(engine_cfg.quantization, engine_cfg.fp8_format))
 
 
 def to_sample(seq: EngineSequence, prompt_index: int, sample_index: int, with_mask: bool,

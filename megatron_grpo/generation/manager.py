@@ -1,17 +1,17 @@
 """Start, watch, restart and stop the rollout servers a run uses.
 
-``RolloutServerManager(rollout_cfg, model_dir=..., run_dir=...)``:
+``RolloutServerManager(cfg, model_dir=..., run_dir=...)``:
 
-* ``rollout.urls`` set: nothing is launched; ``start()`` waits (deadline
+* ``engine.urls`` set: nothing is launched; ``start()`` waits (deadline
   ``launch_timeout_s``) until every listed server answers /health, then checks that each is of
-  the kind ``rollout.engine`` names;
-* otherwise ``rollout.num_servers`` servers are launched with the command and environment of
-  the engine's adapter (``rollout/engines``), on the GPUs ``runtime.placement`` assigns them
-  (with CUDA), bound to ``rollout.host`` (loopback by default),
+  the kind ``engine.kind`` names;
+* otherwise ``engine.num_servers`` servers are launched with the command and environment of
+  the engine's adapter (``generation/engines``), on the GPUs ``runtime.placement`` assigns them
+  (with CUDA), bound to ``engine.host`` (loopback by default),
   each logging to ``<run_dir>/rollout/server_<i>.log``; ``start()`` returns once all are
   healthy or raises with the failing log's last lines;
 * ``ensure_alive()`` notices dead servers and restarts them on their ports (at most
-  ``rollout.max_restarts`` restarts in all). A restarted server serves the checkpoint's
+  ``engine.max_restarts`` restarts in all). A restarted server serves the checkpoint's
   weights again: the caller must sync its weights (``ensure_alive`` returns True then);
 * ``stop()`` terminates only the process groups the manager created (SIGTERM, then SIGKILL).
 """
@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import httpx
 
+from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.generation.engines import ENGINES, EngineKindMismatch
 from megatron_grpo.wire.samples import RolloutError
 from megatron_grpo.runtime.device import cuda_available
@@ -81,7 +82,7 @@ def wait_healthy(url: str, deadline: float, *, alive: Callable[[], bool] = lambd
 _PORT_TAKEN = ("address already in use", "[Errno 98]")
 # Launches of one server on fresh ports before its start fails: ports we pick are free when
 # picked, but any process on the machine (a test's other run, torchrun's rendezvous) can bind
-# one before the server does (seen once in CI); a configured rollout.port is never moved.
+# one before the server does (seen once in CI); a configured engine.port is never moved.
 _PORT_TRIES = 3
 
 
@@ -111,12 +112,17 @@ class _Server:
 class RolloutServerManager:
     """Owns the rollout servers of a run (see the module docstring)."""
 
-    def __init__(self, rollout_cfg, *, model_dir: str, run_dir: str | Path, ranks_on_node: Optional[int] = None):
-        self.rollout_cfg = rollout_cfg
-        self.adapter = ENGINES[rollout_cfg.engine]
+    def __init__(self, cfg: ExperimentConfig, *, model_dir: str, run_dir: str | Path,
+                 ranks_on_node: Optional[int] = None):
+        """``cfg``: the run's config; its ``engine:`` section says what to launch or reach (a
+        launch command also reads the weight sync's and the sampling's keys it must know)."""
+        self.cfg = cfg
+        self.engine_cfg = cfg.engine
+        self.adapter = ENGINES[cfg.engine.kind]
         # GPUs of each launched server (None without CUDA): runtime.placement's layout
-        self.gpu_ids = engine_gpu_ids(rollout_cfg, ranks_on_this_node() if ranks_on_node is None else ranks_on_node,
-                                      self.adapter.gpus_per_server(rollout_cfg)) if cuda_available() else None
+        ranks = ranks_on_this_node() if ranks_on_node is None else ranks_on_node
+        self.gpu_ids = (engine_gpu_ids(cfg.engine, cfg.sync, ranks, self.adapter.gpus_per_server(cfg.engine))
+                        if cuda_available() else None)
         self.model_dir = str(model_dir)
         self.run_dir = Path(run_dir)
         self.restarts = 0
@@ -125,7 +131,7 @@ class RolloutServerManager:
 
     @property
     def launched(self) -> bool:
-        return not self.rollout_cfg.urls
+        return not self.engine_cfg.urls
 
     @property
     def log_path(self) -> Path:
@@ -138,10 +144,10 @@ class RolloutServerManager:
     @property
     def urls(self) -> list[str]:
         if not self.launched:
-            return [u.rstrip("/") for u in self.rollout_cfg.urls]
+            return [u.rstrip("/") for u in self.engine_cfg.urls]
         if not self._servers:
             raise RuntimeError("the rollout servers are not started")
-        host = "127.0.0.1" if self.rollout_cfg.host in ("0.0.0.0", "::") else self.rollout_cfg.host
+        host = "127.0.0.1" if self.engine_cfg.host in ("0.0.0.0", "::") else self.engine_cfg.host
         return [f"http://{host}:{s.port}" for s in self._servers]
 
     @property
@@ -157,7 +163,7 @@ class RolloutServerManager:
         """Launch (or wait for the external) servers until healthy; returns their URLs. After
         ``spawn`` it only waits, with the deadline counted from the spawn."""
         if not self.launched:
-            deadline = time.monotonic() + self.rollout_cfg.launch_timeout_s
+            deadline = time.monotonic() + self.engine_cfg.launch_timeout_s
             for url in self.urls:
                 wait_healthy(url, deadline)
                 self._check_kind(url)
@@ -166,7 +172,7 @@ class RolloutServerManager:
             self.spawn()
         try:
             for server in self._servers:
-                self._wait_or_move(server, self._spawned_at + self.rollout_cfg.launch_timeout_s)
+                self._wait_or_move(server, self._spawned_at + self.engine_cfg.launch_timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -180,7 +186,7 @@ class RolloutServerManager:
                 self._wait(server, deadline)
                 return
             except RolloutError:
-                if (attempt == _PORT_TRIES or self.rollout_cfg.port or server.alive()
+                if (attempt == _PORT_TRIES or self.engine_cfg.port or server.alive()
                         or not server.lost_its_port()):
                     raise
             taken = server.port
@@ -192,9 +198,9 @@ class RolloutServerManager:
     def _new_port(self) -> int:
         """A free port that no server of this manager has."""
         used = {s.port for s in self._servers}
-        port = free_port(self.rollout_cfg.host)
+        port = free_port(self.engine_cfg.host)
         while port in used:
-            port = free_port(self.rollout_cfg.host)
+            port = free_port(self.engine_cfg.host)
         return port
 
     def spawn(self) -> None:
@@ -202,10 +208,10 @@ class RolloutServerManager:
         them). All start together, so their health waits overlap; the trainer's rank 0 calls
         this first thing, so that the servers boot while the ranks import and build."""
         ports: list[int] = []
-        for i in range(self.rollout_cfg.num_servers):
-            port = (self.rollout_cfg.port + i) if self.rollout_cfg.port else free_port(self.rollout_cfg.host)
+        for i in range(self.engine_cfg.num_servers):
+            port = (self.engine_cfg.port + i) if self.engine_cfg.port else free_port(self.engine_cfg.host)
             while port in ports:  # free_port may hand out a port twice before either is bound
-                port = free_port(self.rollout_cfg.host)
+                port = free_port(self.engine_cfg.host)
             ports.append(port)
         self._servers = [_Server(port, self._log_path(i)) for i, port in enumerate(ports)]
         self._spawned_at = time.monotonic()
@@ -218,7 +224,7 @@ class RolloutServerManager:
 
     def _check_kind(self, url: str) -> None:
         try:
-            api_key = self.rollout_cfg.api_key
+            api_key = self.engine_cfg.api_key
             info = httpx.get(url + "/get_server_info", timeout=10.0,
                              headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
             info.raise_for_status()
@@ -231,11 +237,11 @@ class RolloutServerManager:
     def _spawn(self, server: _Server) -> None:
         try:
             index = self._servers.index(server)
-            cmd = self.adapter.launch_command(self.rollout_cfg, self.model_dir, self.rollout_cfg.host, server.port,
+            cmd = self.adapter.launch_command(self.cfg, self.model_dir, self.engine_cfg.host, server.port,
                                               self.gpu_ids[index] if self.gpu_ids else None,
                                               trusted_weight_dirs=[str(weight_sync_dir(self.run_dir))])
         except RuntimeError as e:  # e.g. no SGLang environment on this machine
-            raise RolloutError(f"{self.rollout_cfg.engine} server", "launch", str(e)) from None
+            raise RolloutError(f"{self.engine_cfg.kind} server", "launch", str(e)) from None
         server.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(server.log_path, "ab") as logf:
             server.log_offset = logf.tell()
@@ -245,7 +251,7 @@ class RolloutServerManager:
             # stop() can signal without touching any other process on the machine.
             server.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                            start_new_session=True, preexec_fn=die_with_parent,
-                                           env=self.adapter.launch_env(self.rollout_cfg, dict(os.environ)))
+                                           env=self.adapter.launch_env(self.engine_cfg, dict(os.environ)))
         log.info("rollout server pid %d: port %d (log %s)", server.proc.pid, server.port, server.log_path)
 
     def _wait(self, server: _Server, deadline: float) -> None:
@@ -262,17 +268,17 @@ class RolloutServerManager:
         for server in dead:
             code = server.proc.returncode if server.proc is not None else None
             url = self.urls[self._servers.index(server)]
-            if self.restarts >= self.rollout_cfg.max_restarts:
+            if self.restarts >= self.engine_cfg.max_restarts:
                 raise RolloutError(url, "launch", f"the server died (exit code {code}) and "
-                                   f"rollout.max_restarts={self.rollout_cfg.max_restarts} restarts are used up"
+                                   f"engine.max_restarts={self.engine_cfg.max_restarts} restarts are used up"
                                    f"{_log_tail(server.log_path)}")
             self.restarts += 1
             log.warning("rollout server %s died (exit code %s); restart %d of %d", url, code, self.restarts,
-                        self.rollout_cfg.max_restarts)
+                        self.engine_cfg.max_restarts)
             _stop_process(server.proc)  # children it may have left behind
             self._spawn(server)
             try:
-                self._wait(server, time.monotonic() + self.rollout_cfg.launch_timeout_s)
+                self._wait(server, time.monotonic() + self.engine_cfg.launch_timeout_s)
             except RolloutError:
                 _stop_process(server.proc)
                 raise

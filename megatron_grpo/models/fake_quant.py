@@ -1,5 +1,5 @@
 """The trainer's forward through a quantized engine's numerics (the weight-sync probe of
-``rollout.quantization``): the same ``ops/quantize.py`` functions on Megatron's layers.
+``engine.quantization``): the same ``ops/quantize.py`` functions on Megatron's layers.
 
 ``with fake_quantized(model_chunks, scheme):`` every decoder layer's ``linear_qkv``,
 ``linear_proj``, ``linear_fc1`` and ``linear_fc2`` (a dense MLP's; MoE experts and the output
@@ -54,9 +54,9 @@ def quantized_linears(model_chunks) -> list[torch.nn.Module]:
                 modules += [layer.mlp.linear_fc1, layer.mlp.linear_fc2]
             for m in modules:
                 if not isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-                    raise ValueError(f"rollout.quantization: the trainer's probe fake-quantizes megatron-core's "
+                    raise ValueError(f"engine.quantization: the trainer's probe fake-quantizes megatron-core's "
                                      f"local-spec linears only, not {type(m).__name__} (TransformerEngine); set "
-                                     "rollout.verify_weights_every: 0 or run without TransformerEngine")
+                                     "sync.verify_every: 0 or run without TransformerEngine")
             out += modules
     return out
 

@@ -1,4 +1,4 @@
-"""Quantized linear layers for rollouts (``rollout.quantization``): the one numerical definition
+"""Quantized linear layers for rollouts (``engine.quantization``): the one numerical definition
 that the embedded engine serves with and the trainer's weight-sync probe reproduces.
 
 Schemes (what SGLang's online ``--quantization fp8`` does on an H100, and int8 weight-only):
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-"""rollout.fp8_format -> torch's float8 dtype."""
+"""engine.fp8_format -> torch's float8 dtype."""
 
 INT8_MAX = 127
 _MIN_SCALE = 1e-12  # an all-zero row gets this scale (its values stay 0) instead of 0/0
@@ -68,7 +68,7 @@ class QuantScheme:
 
 
 def scheme_of(quantization: Optional[str], fp8_format: str = "e4m3") -> Optional[QuantScheme]:
-    """The scheme of ``rollout.quantization`` / ``rollout.fp8_format`` (None: unquantized)."""
+    """The scheme of ``engine.quantization`` / ``engine.fp8_format`` (None: unquantized)."""
     return None if quantization is None else QuantScheme(quantization, fp8_format)
 
 

@@ -2,7 +2,7 @@
 
 ``config/`` checks what one section can see (and the relations between sections that need no
 other package: batch-size divisibility, ...); the rules here need what other packages know:
-the engine adapters' capabilities (``rollout/engines``), the reward registry's names, the GPU
+the engine adapters' capabilities (``generation/engines``), the reward registry's names, the GPU
 layout (``runtime/placement``) and, for a run, the machine, the model directory, the
 checkpoints, the dataset and the reward functions.
 
@@ -21,7 +21,7 @@ from megatron_grpo.preflight.load import build_experiment, load_experiment
 from megatron_grpo.preflight.rules import (
     check_experiment,
     check_reward,
-    check_rollout,
+    check_engine,
     colocate_problem,
     remote_engine_problem,
 )
@@ -30,7 +30,7 @@ __all__ = [
     "build_experiment",
     "check_experiment",
     "check_reward",
-    "check_rollout",
+    "check_engine",
     "colocate_problem",
     "layout_problem",
     "load_experiment",

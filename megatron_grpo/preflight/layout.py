@@ -8,7 +8,7 @@ can check it for any machine. Where each GPU goes is ``runtime.placement``'s to 
 * the NCCL weight-update group (distributed transport, NCCL backend) joins trainer rank 0 and
   every engine rank: an engine GPU that is also a trainer GPU puts two NCCL ranks on one
   device, which NCCL rejects (or deadlocks on);
-* ``rollout.colocate`` (``rules.colocate_problem``), the NCCL backend, the distributed
+* ``engine.colocate`` (``rules.colocate_problem``), the NCCL backend, the distributed
   optimizer and a quantization the engine runs only on GPUs (SGLang's fp8) need CUDA;
   sequence parallelism needs TransformerEngine's layer specs (megatron-core's local spec
   refuses it);
@@ -34,20 +34,20 @@ def layout_problem(cfg: ExperimentConfig, *, cuda: bool, num_gpus: int, ranks_on
     """(dotted key, message) of the first layout of ``cfg`` that cannot work on a machine with
     ``num_gpus`` CUDA devices (``cuda``: usable at all), ``ranks_on_node`` trainer ranks and
     TransformerEngine layer specs or not; None when it can."""
-    rollout_cfg, adapter = cfg.rollout, ENGINES[cfg.rollout.engine]
+    engine_cfg, sync_cfg, adapter = cfg.engine, cfg.sync, ENGINES[cfg.engine.kind]
     if cfg.parallel.sequence_parallel and not transformer_engine:
         return ("parallel.sequence_parallel", "needs TransformerEngine layer specs (CUDA and transformer_engine "
                 "installed): megatron-core's local spec has no sequence-parallel norm")
     if not cuda:
-        colocate = colocate_problem(rollout_cfg, adapter, cuda=False)
+        colocate = colocate_problem(cfg, adapter, cuda=False)
         if colocate is not None:
             return colocate
-        if rollout_cfg.quantization and adapter.quantization_needs_cuda:
-            return ("rollout.quantization", f"{rollout_cfg.quantization} on rollout.engine={adapter.name!r} needs CUDA "
-                    "(its quantized kernels); this machine has no usable GPU (use rollout.engine: embedded, which "
+        if engine_cfg.quantization and adapter.quantization_needs_cuda:
+            return ("engine.quantization", f"{engine_cfg.quantization} on engine.kind={adapter.name!r} needs CUDA "
+                    "(its quantized kernels); this machine has no usable GPU (use engine.kind: embedded, which "
                     "fake-quantizes on the CPU, or null)")
-        if rollout_cfg.weight_sync_backend == "nccl":
-            return "rollout.weight_sync_backend", "nccl needs CUDA; this machine has no usable GPU (use auto or gloo)"
+        if sync_cfg.backend == "nccl":
+            return "sync.backend", "nccl needs CUDA; this machine has no usable GPU (use auto or gloo)"
         if cfg.model.logprob_kernel == "triton":
             return ("model.logprob_kernel", "triton needs CUDA (the fused Triton kernels run on the GPU); this "
                     "machine has no usable GPU (use auto or torch)")
@@ -55,18 +55,18 @@ def layout_problem(cfg: ExperimentConfig, *, cuda: bool, num_gpus: int, ranks_on
             return ("parallel.use_distributed_optimizer", "true needs CUDA (megatron-core's DistributedOptimizer); "
                     "this machine has no usable GPU (use auto or false)")
         return None
-    if rollout_cfg.urls or adapter.in_process:  # no launched engine to place (in-process: rank 0's GPU)
+    if engine_cfg.urls or adapter.in_process:  # no launched engine to place (in-process: rank 0's GPU)
         return None
-    servers = engine_gpu_ids(rollout_cfg, ranks_on_node, adapter.gpus_per_server(rollout_cfg))
+    servers = engine_gpu_ids(engine_cfg, sync_cfg, ranks_on_node, adapter.gpus_per_server(engine_cfg))
     used = sorted({g for ids in servers for g in ids})
     if used[-1] >= num_gpus:
-        return ("rollout.base_gpu_id", f"the launched engines need GPUs {_span(used)} but this machine has "
+        return ("engine.base_gpu_id", f"the launched engines need GPUs {_span(used)} but this machine has "
                 f"{num_gpus} (trainer ranks here use GPUs {_span(list(range(ranks_on_node)))}); lower "
-                "rollout.num_servers or rollout.sglang.tp, or set rollout.base_gpu_id")
-    nccl = rollout_cfg.weight_sync_transport == "distributed" and adapter.backend(rollout_cfg, cuda) == "nccl"
+                "engine.num_servers or engine.sglang.tp, or set engine.base_gpu_id")
+    nccl = sync_cfg.transport == "distributed" and adapter.backend(sync_cfg, cuda) == "nccl"
     shared = sorted(set(used) & set(range(ranks_on_node)))
     if nccl and shared:
-        return ("rollout.base_gpu_id", f"the launched engines would use GPU(s) {_span(shared)}, which trainer ranks "
-                f"use too: the NCCL weight-update group cannot have two ranks on one GPU; set rollout.base_gpu_id "
-                f">= {ranks_on_node}, or use rollout.weight_sync_transport=tensor (colocated)")
+        return ("engine.base_gpu_id", f"the launched engines would use GPU(s) {_span(shared)}, which trainer ranks "
+                f"use too: the NCCL weight-update group cannot have two ranks on one GPU; set engine.base_gpu_id "
+                f">= {ranks_on_node}, or use sync.transport=tensor (colocated)")
     return None

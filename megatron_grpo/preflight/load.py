@@ -19,11 +19,12 @@ def build_experiment(raw: Any, world_size: Optional[int] = None) -> ExperimentCo
 
 
 def load_experiment(path: str | Path, overrides: list[str] | None = None,
-                    world_size: Optional[int] = None) -> ExperimentConfig:
+                    world_size: Optional[int] = None, *, announce_deprecated: bool = True) -> ExperimentConfig:
     """Read, override and validate an experiment YAML (``config.load_config``), then check the
     rules that cross sections and packages. Every problem is a one-line ConfigError naming
-    ``path`` (or the override that set the bad value) and the dotted key."""
-    cfg = experiment.load_config(path, overrides, world_size)
+    ``path`` (or the override that set the bad value) and the dotted key.
+    ``announce_deprecated``: print the line of each deprecated key (see ``load_config``)."""
+    cfg = experiment.load_config(path, overrides, world_size, announce_deprecated=announce_deprecated)
     try:
         check_experiment(cfg)
     except ConfigError as e:

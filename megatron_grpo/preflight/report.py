@@ -57,6 +57,7 @@ def record_user_error(line: str, path: str) -> None:
 def data_file(config_path: str, overrides: list[str]) -> str | None:
     """``data.train_file`` of a config that may not validate (to recognise dataset errors)."""
     try:
-        return load_config(config_path, overrides).data.train_file
+        # quiet: the load that reported the error announced any deprecated key already
+        return load_config(config_path, overrides, announce_deprecated=False).data.train_file
     except ConfigError:
         return None

@@ -25,6 +25,7 @@ from megatron_grpo.models.weights import SafetensorsReader
 from megatron_grpo.preflight.layout import layout_problem
 from megatron_grpo.generation.engines import ENGINES
 from megatron_grpo.rewards import RewardScorer
+from megatron_grpo.rollout.agents.runner import check_agent
 from megatron_grpo.rollout.environments import check_environment
 from megatron_grpo.rollout.environments.worker import shutdown_fork_server
 from megatron_grpo.rollout.rollout_function import RolloutFunction
@@ -131,7 +132,7 @@ def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
     checkpoints to load, the dataset (every line), the reward functions, environment and
     rollout function (imported and checked) and the logging sinks. Raises ConfigError,
     DataError, ModelError, RewardError or EnvContractError (one line each)."""
-    engine_problem = ENGINES[cfg.rollout.engine].preflight(cfg.rollout)
+    engine_problem = ENGINES[cfg.engine.kind].preflight(cfg.engine)
     if engine_problem:
         raise ConfigError("", engine_problem)  # the problem names its key
     check_machine(cfg, ranks_on_node)
@@ -143,14 +144,14 @@ def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
     if too_long:  # the engine would reject it mid-run; say which line now
         raise DataError(f"{too_long[0].where}: prompt is {len(too_long[0].prompt_ids)} tokens, no room to generate "
                         f"in the model's context of {context} (max_position_embeddings, {cfg.model.hf_dir}/config.json)")
-    if context and cfg.rollout.environment is not None:
-        check_fits(dataset.prompts, cfg.rollout.multi_turn.max_episode_tokens, "rollout.multi_turn.max_episode_tokens",
+    if context and (cfg.episodes.environment is not None or cfg.episodes.agent is not None):
+        check_fits(dataset.prompts, cfg.episodes.max_episode_tokens, "episodes.max_episode_tokens",
                    context, cfg.model.hf_dir)
     elif context:
         check_fits(dataset.prompts, cfg.rollout.max_new_tokens, "rollout.max_new_tokens", context, cfg.model.hf_dir)
     for i, s in enumerate(cfg.eval.sets):
         eval_prompts = load_prompt_dataset(cfg.data, tokenizer, s.path, key=f"eval.sets[{i}].path").prompts
-        if context and cfg.rollout.environment is None:
+        if context and cfg.episodes.environment is None and cfg.episodes.agent is None:
             check_fits(eval_prompts, s.max_new_tokens or cfg.rollout.max_new_tokens,
                        f"eval.sets[{i}].max_new_tokens" if s.max_new_tokens else "rollout.max_new_tokens",
                        context, cfg.model.hf_dir)
@@ -161,18 +162,21 @@ def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
 
 
 def check_plugins(cfg: ExperimentConfig, tokenizer, vocab_size: int | None) -> None:
-    """``rollout.environment`` / ``rollout.rollout_function`` loaded and checked (the file
+    """``episodes.environment`` / ``episodes.agent`` / ``episodes.rollout_function`` loaded and checked (the file
     imports, the class or function exists with the right methods or arguments), in a worker
     process as during the run, before anything is written; EnvContractError or ConfigError,
     one line naming the file, otherwise."""
-    if cfg.rollout.environment is None and cfg.rollout.rollout_function is None:
+    episodes = cfg.episodes
+    if episodes.environment is None and episodes.rollout_function is None and episodes.agent is None:
         return
     try:
-        if cfg.rollout.environment is not None:
-            check_environment(cfg.rollout.environment, cfg.rollout.multi_turn.env_timeout_s)
+        if episodes.environment is not None:
+            check_environment(episodes.environment, episodes.env_timeout_s)
+        elif episodes.agent is not None:
+            check_agent(episodes.agent)
         else:
-            RolloutFunction.load(cfg.rollout.rollout_function, tokenizer, vocab_size=vocab_size,
-                                 timeout_s=cfg.rollout.rollout_function_timeout_s).close()
+            RolloutFunction.load(episodes.rollout_function, tokenizer, vocab_size=vocab_size,
+                                 timeout_s=episodes.rollout_function_timeout_s).close()
     finally:
         shutdown_fork_server()  # the run starts its own; the launcher keeps no worker process
 

@@ -304,7 +304,7 @@ class AsyncRolloutSchedule:
 
     def _wait_s(self) -> float:
         """The longest wait for the next group to finish: one request's bound, with margin."""
-        r = self.cfg.rollout
+        r = self.cfg.engine
         return r.request_timeout_s * (r.max_retries + 1) + 60.0
 
     def _take(self, step: int) -> RolloutResult:

@@ -3,9 +3,9 @@
 With DAPO's options (``rollout.dynamic_sampling``, ``rollout.overlong``) rewards get the
 soft overlong penalty, zero-variance groups are replaced by extra generation rounds, and
 truncated responses can be masked out of the loss (``rollout/dynamic_sampling.py``). With
-``rollout.environment`` each response is a multi-turn episode (``rollout/multi_turn.py``): its
+``episodes.environment`` each response is a multi-turn episode (``rollout/multi_turn.py``): its
 observation tokens are masked out of the loss and the environment's reward joins the score.
-With ``rollout.rollout_function`` the user's function generates the samples
+With ``episodes.rollout_function`` the user's function generates the samples
 (``rollout/rollout_function.py``); the episode loop is the built-in one.
 
 The trainer broadcasts the finished RolloutResult to the other ranks, so the rollout engine,
@@ -57,7 +57,7 @@ class GenerationContext:
     cfg: ExperimentConfig
     rollout_function: Optional[RolloutFn] = None
     """What generates instead of ``engine.generate``: rank 0's EpisodeRunner with
-    ``rollout.environment``, the user's RolloutFunction with ``rollout.rollout_function``;
+    ``episodes.environment``, the user's RolloutFunction with ``episodes.rollout_function``;
     None: single-turn. Called ``(engine, prompts, n, sampling, seed)`` -> Samples or Episodes."""
     more_prompts: Optional[Callable[[], list]] = None
     """The next prompts, for DAPO dynamic sampling's extra rounds (``rollout.dynamic_sampling``)."""
@@ -106,7 +106,7 @@ def generate_round(ctx: GenerationContext, step: int, round_index: int, prompts:
     rewards = torch.tensor(scored.rewards, dtype=torch.float32)
     dropped = None
     if episodes is not None:
-        rewards, dropped = episode_rewards(scored.rewards, episodes, n, cfg.rollout.multi_turn)
+        rewards, dropped = episode_rewards(scored.rewards, episodes, n, cfg.episodes)
     penalty = torch.zeros_like(rewards)
     over = cfg.rollout.overlong
     if over.buffer_length is not None:

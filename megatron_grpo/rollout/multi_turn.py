@@ -1,11 +1,11 @@
-"""Multi-turn episodes: the model and an environment (``rollout.environment``) take turns.
+"""Multi-turn episodes: the model and an environment (``episodes.environment``) take turns.
 
 For each prompt, ``n`` episodes run; each one is
 
     env = the environment, constructed with the dataset row        (its own worker process)
     loop:  model turn   = engine.generate(prompt + everything so far)   token ids in, ids + log-probs out
            answer       = env.step(the turn's text)                     observation, done, reward
-           stop on done, no observation, rollout.multi_turn.max_turns or the token budget
+           stop on done, no observation, episodes.max_turns or the token budget
            append the observation's ids (rollout/turns.py: the template's delta render;
            an observation is cut to what the budget left can hold before it is tokenized)
 
@@ -20,7 +20,7 @@ episode, which is then scored as ``on_env_error`` says; each failure site is pri
 (file:line) and counted in the step's metrics. A broken contract (``EnvContractError``: the
 file, class or ``step`` answer's shape) stops the run with one line.
 
-Episodes run concurrently (at most ``rollout.max_inflight_requests`` at once) on an asyncio
+Episodes run concurrently (at most ``engine.max_inflight_requests`` at once) on an asyncio
 loop of the calling thread; the blocking calls (the engine's ``generate``, a worker's pipe)
 run on a thread pool of that size, and no user code runs in this process.
 """
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from megatron_grpo.config.base import ConfigError
+from megatron_grpo.config.episodes import EpisodesConfig
 from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rewards.registry import load_file
 from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
@@ -88,32 +89,34 @@ class Episode:
 
 
 class EpisodeRunner:
-    """Rank 0's multi-turn rollouts. ``EpisodeRunner.build(rollout_cfg, tokenizer,
-    use_template)`` checks everything that can be checked before a rank trains (pre-flight);
+    """Rank 0's multi-turn rollouts. ``EpisodeRunner.build(episodes_cfg, tokenizer,
+    max_inflight=..., use_template=...)`` checks everything that can be checked before a rank trains (pre-flight);
     ``run(engine, prompts, n, sampling, sampling_seed)`` -> ``n`` Episodes per prompt, prompt-major."""
 
-    def __init__(self, rollout_cfg, renderer: TurnRenderer):
-        self.spec = rollout_cfg.environment
-        self.cfg = rollout_cfg.multi_turn
-        self.max_inflight = rollout_cfg.max_inflight_requests
+    def __init__(self, episodes_cfg: EpisodesConfig, renderer: TurnRenderer, *, max_inflight: int):
+        """``max_inflight``: the most episodes at once (``engine.max_inflight_requests``: each
+        has at most one engine request in flight)."""
+        self.spec = episodes_cfg.environment
+        self.cfg = episodes_cfg
+        self.max_inflight = max_inflight
         self.renderer = renderer
         self.tokenizer = renderer.tokenizer
         self._reported: set[tuple[str, str]] = set()
 
     @classmethod
-    def build(cls, rollout_cfg, tokenizer, *, use_template: bool) -> "EpisodeRunner":
+    def build(cls, episodes_cfg: EpisodesConfig, tokenizer, *, max_inflight: int,
+              use_template: bool) -> "EpisodeRunner":
         """Pre-flight: the environment class loads (in a worker process), the formatter loads,
         the chat template renders observation turns prefix-stably. One-line errors."""
-        mt = rollout_cfg.multi_turn
         try:
-            check_environment(rollout_cfg.environment, mt.env_timeout_s, prepare=True)
+            check_environment(episodes_cfg.environment, episodes_cfg.env_timeout_s, prepare=True)
         except EnvContractError as e:
             raise ConfigError("", str(e)) from None
-        formatter = (load_file(mt.observation_formatter, "rollout.multi_turn.observation_formatter")
-                     if mt.observation_formatter else None)
-        renderer = TurnRenderer(tokenizer, mt.observation_role, formatter=formatter,
+        formatter = (load_file(episodes_cfg.observation_formatter, "episodes.observation_formatter")
+                     if episodes_cfg.observation_formatter else None)
+        renderer = TurnRenderer(tokenizer, episodes_cfg.observation_role, formatter=formatter,
                                 use_template=use_template and has_chat_template(tokenizer))
-        return cls(rollout_cfg, renderer)
+        return cls(episodes_cfg, renderer, max_inflight=max_inflight)
 
     def __call__(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
                  sampling_seed: Optional[int] = None) -> list[Episode]:
@@ -239,8 +242,8 @@ class EpisodeRunner:
         if (kind, where) in self._reported:
             return
         self._reported.add((kind, where))
-        print(f"[megatron-grpo] rollout.environment {kind} at {where}: {message} (the episode ends and is scored "
-              f"as rollout.multi_turn.on_env_error={self.cfg.on_env_error!r}; further ones here are only counted)",
+        print(f"[megatron-grpo] episodes.environment {kind} at {where}: {message} (the episode ends and is scored "
+              f"as episodes.on_env_error={self.cfg.on_env_error!r}; further ones here are only counted)",
               file=sys.stderr, flush=True)
 
 
@@ -252,16 +255,16 @@ def _oldest(versions: list[str]) -> str:
 
 
 def episode_rewards(scored: Sequence[float], episodes: Sequence[Episode], n: int,
-                    multi_turn_cfg) -> tuple[torch.Tensor, torch.Tensor]:
+                    episodes_cfg: EpisodesConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(rewards float[G * n], dropped bool[G * n]): the reward functions' ``scored`` combined
     with each episode's environment reward (``env_reward``: add or replace), failed episodes
     scored as ``on_env_error`` says (zero_reward: 0; drop: their group's mean over its
     other episodes, and dropped from the loss)."""
     env = torch.tensor([e.env_reward for e in episodes], dtype=torch.float32)
-    rewards = env if multi_turn_cfg.env_reward == "replace" else torch.tensor(scored, dtype=torch.float32) + env
+    rewards = env if episodes_cfg.env_reward == "replace" else torch.tensor(scored, dtype=torch.float32) + env
     failed = torch.tensor([e.error is not None for e in episodes])
     dropped = torch.zeros_like(failed)
-    if multi_turn_cfg.on_env_error == "zero_reward":
+    if episodes_cfg.on_env_error == "zero_reward":
         rewards = torch.where(failed, torch.zeros_like(rewards), rewards)
     else:
         dropped = failed

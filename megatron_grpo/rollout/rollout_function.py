@@ -12,11 +12,11 @@ parameter also gets the run's tokenizer. It may be ``async def``.
 
 Three kinds, one call:
 
-* no ``rollout.rollout_function`` and no ``rollout.environment``: single-turn, the engine's own
+* no ``episodes.rollout_function`` and no ``episodes.environment``: single-turn, the engine's own
   ``generate`` (``rollout/generate.py`` calls it directly, unchanged);
-* ``rollout.environment``: the built-in episode loop, ``EpisodeRunner`` (``rollout/multi_turn.py``),
+* ``episodes.environment``: the built-in episode loop, ``EpisodeRunner`` (``rollout/multi_turn.py``),
   which returns ``Episode``s;
-* ``rollout.rollout_function: path/to/file.py:fn``: the user's function (slime's
+* ``episodes.rollout_function: path/to/file.py:fn``: the user's function (slime's
   ``--rollout-function-path``), loaded by path like reward files (no ``PYTHONPATH``), run in
   a worker process (``rollout/function_worker.py``) so that a hung or crashing function is
   killed and reported in one line instead of blocking the trainer.
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
-from megatron_grpo.config.rollout import ENVIRONMENT_FILE_RE
+from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE
 from megatron_grpo.rollout.environments.worker import fork_server, kill_worker
 from megatron_grpo.rollout.multi_turn import Episode
 from megatron_grpo.wire.samples import Sample, SamplingParams
@@ -45,7 +45,7 @@ from megatron_grpo.wire.samples import Sample, SamplingParams
 FINISH_REASONS = ("stop", "length", "abort")
 EPISODE_ERRORS = (None, "error", "timeout", "observation", "diverged")
 _LOGPROB_SLACK = 1e-4  # a log-prob above 0 is not a probability's; float rounding of log(1) is below this
-KEY = "rollout.rollout_function"
+KEY = "episodes.rollout_function"
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -54,7 +54,7 @@ class RolloutFunctionError(ValueError):
 
 
 class RolloutFunction:
-    """``rollout.rollout_function`` running in its own worker process
+    """``episodes.rollout_function`` running in its own worker process
     (``rollout/function_worker.py``): ``fn(engine, prompts, n, sampling, seed)`` whose output is
     validated on every call. The engine stays here; the worker's ``engine.generate`` calls are
     answered by this process. Each wait on the worker (for the file to load, or for the function
@@ -76,7 +76,7 @@ class RolloutFunction:
     def load(cls, spec: str, tokenizer: Any = None, *, vocab_size: Optional[int] = None,
              timeout_s: float = DEFAULT_TIMEOUT_S) -> "RolloutFunction":
         """Start the worker and load ``path/to/file.py:fn`` there (pre-flight: the file loads,
-        ``fn`` takes the five arguments); ConfigError naming ``rollout.rollout_function`` otherwise."""
+        ``fn`` takes the five arguments); ConfigError naming ``episodes.rollout_function`` otherwise."""
         m = ENVIRONMENT_FILE_RE.match(spec)
         if m is None:
             raise ConfigError(KEY, f"{spec!r} is not a file path path/to/file.py:fn")
@@ -139,7 +139,7 @@ class RolloutFunction:
         if not self._conn.poll(self.timeout_s):
             self.close()
             raise RolloutFunctionError(f"{KEY} {self.where}: {late} {self.timeout_s:g}s "
-                                       "(rollout.rollout_function_timeout_s); its worker process was killed")
+                                       "(episodes.rollout_function_timeout_s); its worker process was killed")
         try:
             return self._conn.recv()
         except (EOFError, OSError):

@@ -15,7 +15,7 @@ step cannot finish; the driver stops after the previous one), and a failed weigh
 skipped (the step's training is done and is what the stop's checkpoint saves; a resumed run
 syncs a fresh engine first).
 
-Colocated mode (``rollout.colocate``, GPU only): ``release_memory()`` after generation hands
+Colocated mode (``engine.colocate``, GPU only): ``release_memory()`` after generation hands
 the engine's weights and KV cache back to the trainer; ``sync`` takes the weights' memory back
 before sending them and the KV cache after, so the engine is whole again before generation.
 """

@@ -17,7 +17,7 @@ with a prefix-stability check (the longer render must start with the shorter one
 At pre-flight the chain render([u], gen) ⊑ render([u, a]) ⊑ render([u, a, o], gen) ⊑
 render([u, a, o, a]) ⊑ render([u, a, o, a, o], gen) must be prefix-stable: a template that
 rewrites earlier turns (drops earlier reasoning, re-numbers tool calls) is refused with one
-line, unless ``rollout.multi_turn.observation_formatter`` supplies the ids instead. The
+line, unless ``episodes.observation_formatter`` supplies the ids instead. The
 template's end of an assistant turn ("closing") is what ``render([u, a])`` adds after the
 content ``a``.
 
@@ -65,13 +65,13 @@ def _is_prefix(short: Sequence[int], long: Sequence[int]) -> bool:
 class TurnRenderer:
     """``observation_ids(model_ids, text)``: the ids after a model turn (see the module docstring).
 
-    tokenizer: a transformers tokenizer; role: ``rollout.multi_turn.observation_role``;
+    tokenizer: a transformers tokenizer; role: ``episodes.observation_role``;
     formatter: the loaded ``observation_formatter`` (None: the chat template's delta render);
     use_template: whether prompts are rendered with the chat template (data.apply_chat_template
     and a tokenizer with one). ConfigError at construction when the template cannot be used.
     """
 
-    KEY = "rollout.multi_turn.observation_formatter"
+    KEY = "episodes.observation_formatter"
 
     def __init__(self, tokenizer, role: str, *, formatter: Optional[Formatter] = None, use_template: bool = True):
         self.tokenizer = tokenizer
@@ -83,7 +83,7 @@ class TurnRenderer:
         self._base: list[int] = []
         if formatter is None:
             if not (use_template and has_chat_template(tokenizer)):
-                raise ConfigError(self.KEY, "is needed: rollout.environment renders observations with the chat "
+                raise ConfigError(self.KEY, "is needed: episodes.environment renders observations with the chat "
                                             "template, and " + ("data.apply_chat_template is false"
                                                                 if has_chat_template(tokenizer)
                                                                 else "the tokenizer has no chat template"))
@@ -102,7 +102,7 @@ class TurnRenderer:
         try:
             renders = [self._ids(m, g) for m, g in chain]
         except Exception as e:  # a Jinja error of the template (e.g. a role it refuses)
-            raise ConfigError("rollout.multi_turn.observation_role",
+            raise ConfigError("episodes.observation_role",
                               f"the chat template cannot render a {self.role!r} turn after an assistant turn: "
                               f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
         for (m_short, _), (m_long, _), short, long in zip(chain, chain[1:], renders, renders[1:]):

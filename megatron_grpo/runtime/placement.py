@@ -8,7 +8,7 @@ The layout on one machine (indices among the devices the trainer sees)::
 
     trainer rank with LOCAL_RANK r ........ GPU r        (runtime.parallel.initialize)
     launched engine i, g GPUs each ........ GPUs base + i*g ... base + (i+1)*g - 1
-        base = rollout.base_gpu_id, or by default: the first GPU after the trainer's (its own
+        base = engine.base_gpu_id, or by default: the first GPU after the trainer's (its own
         GPUs), or GPU 0 when the engine shares the trainer's GPUs (colocate / tensor transport)
 """
 
@@ -18,7 +18,8 @@ import ipaddress
 import os
 from typing import Optional
 
-from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.config.engine import EngineConfig
+from megatron_grpo.config.sync import SyncConfig
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
@@ -41,18 +42,19 @@ def is_loopback(host: Optional[str]) -> bool:
         return False
 
 
-def shares_trainer_gpus(rollout_cfg: RolloutConfig) -> bool:
+def shares_trainer_gpus(engine_cfg: EngineConfig, sync_cfg: SyncConfig) -> bool:
     """True when the launched engine is meant to sit on the trainer's GPUs: colocated, or fed
     by the tensor transport (CUDA IPC handles of the trainer's memory)."""
-    return rollout_cfg.colocate or rollout_cfg.weight_sync_transport == "tensor"
+    return engine_cfg.colocate or sync_cfg.transport == "tensor"
 
 
-def engine_gpu_ids(rollout_cfg: RolloutConfig, ranks_on_node: int, gpus_per_server: int) -> list[list[int]]:
+def engine_gpu_ids(engine_cfg: EngineConfig, sync_cfg: SyncConfig, ranks_on_node: int,
+                   gpus_per_server: int) -> list[list[int]]:
     """The GPUs of each launched server, e.g. 2 trainer ranks, 2 servers of tp 2 ->
     [[2, 3], [4, 5]]; colocated -> [[0, 1], [2, 3]]."""
-    if rollout_cfg.base_gpu_id is not None:
-        base = rollout_cfg.base_gpu_id
+    if engine_cfg.base_gpu_id is not None:
+        base = engine_cfg.base_gpu_id
     else:
-        base = 0 if shares_trainer_gpus(rollout_cfg) else ranks_on_node
+        base = 0 if shares_trainer_gpus(engine_cfg, sync_cfg) else ranks_on_node
     return [list(range(base + i * gpus_per_server, base + (i + 1) * gpus_per_server))
-            for i in range(rollout_cfg.num_servers)]
+            for i in range(engine_cfg.num_servers)]

@@ -1,4 +1,4 @@
-"""The weight sync into an in-process engine (``rollout.engine: inprocess``): an in-memory copy.
+"""The weight sync into an in-process engine (``engine.kind: inprocess``): an in-memory copy.
 
 ``InMemorySyncer.sync(model_chunks, step)`` is collective over ALL trainer ranks, like
 ``WeightSyncer.sync``, and keeps its checks; what it drops is the transfer:
@@ -10,7 +10,7 @@
    names and shapes checked, cast to the engine's dtype, a quantized copy rebuilt);
 2. with pipeline parallelism the other stages' TP rank 0 hand their tensors to rank 0 in one
    ``gather_object`` over the default group (every rank joins it, so none waits forever);
-3. every ``rollout.verify_weights_every`` syncs rank 0 compares the checksum of each tensor as
+3. every ``sync.verify_every`` syncs rank 0 compares the checksum of each tensor as
    it meant to load it (``wire/checksum.py``, after the cast) with the engine's checksum of its
    parameter after the copy; a difference raises ``WeightSyncError`` naming the tensor;
 4. rank 0 sets the engine's weight version to ``str(step)``.
@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.models import iter_hf_weights
 from megatron_grpo.models.lora import has_lora
 from megatron_grpo.models.lora_export import iter_adapters_hf
@@ -73,11 +74,13 @@ def _roles() -> tuple[bool, bool, int]:
 class InMemorySyncer:
     """Per-step sync of Megatron chunks into rank 0's ``engine`` (None on the other ranks)."""
 
-    def __init__(self, rollout_cfg, hf_config, engine: Optional[EmbeddedEngine], *,
+    def __init__(self, cfg: ExperimentConfig, hf_config, engine: Optional[EmbeddedEngine], *,
                  iter_weights: Optional[Callable] = None, probe: Optional[Probe] = None):
-        """``probe``: the trainer's log-probs of the probe sequence (collective), which verifies
-        the syncs of a LoRA policy (the engine merges the adapters itself)."""
-        self.rollout_cfg = rollout_cfg
+        """``cfg``: the run's config (``sync:``, and ``rollout.mode``: async retracts the
+        sequences in flight); ``probe``: the trainer's log-probs of the probe sequence
+        (collective), which verifies the syncs of a LoRA policy (the engine merges the adapters
+        itself)."""
+        self.sync_cfg, self.mode = cfg.sync, cfg.rollout.mode
         self.probe = probe
         self.lora_base_loaded = False  # the engine holds the frozen base: LoRA syncs send adapters only
         self.hf_config = hf_config
@@ -92,14 +95,14 @@ class InMemorySyncer:
     def sync(self, model_chunks: list, step: int) -> SyncStats:
         """Make the engine serve ``model_chunks``' weights as weight_version ``str(step)``."""
         started = time.perf_counter()
-        every = self.rollout_cfg.verify_weights_every
+        every = self.sync_cfg.verify_every
         verify = every > 0 and self.num_syncs % every == 0
         stats = SyncStats(step=step, verified=verify,
                           role="coordinator+sender" if self.rank == 0 else
                           "sender" if self.sender else "peer" if self.participant else "idle")
         expected: dict[str, str] = {}
         kept: list[tuple[str, torch.Tensor]] = []  # a later stage's tensors, for rank 0
-        retract = self.rank == 0 and self.rollout_cfg.mode == "async"
+        retract = self.rank == 0 and self.mode == "async"
         if retract:  # sequences in flight stop here and resume with the new weights (module docstring)
             self.engine.pause("retract")
         try:
@@ -180,7 +183,7 @@ class InMemorySyncer:
 
     def _verify_probe(self, step: int, stats: SyncStats) -> None:
         """Collective: the engine's log-probs of the probe sequence equal the trainer's (its LoRA
-        forward) within ``rollout.verify_logprob_tolerance``."""
+        forward) within ``sync.verify_logprob_tolerance``."""
         c0 = time.perf_counter()
         tokens = probe_tokens(self.hf_config.vocab_size)
         mine = self.probe(tokens) if self.probe is not None else None
@@ -192,10 +195,10 @@ class InMemorySyncer:
             try:
                 served = self.engine.prompt_logprobs(tokens)
                 stats.probe_logprob_abs_diff = probe_abs_diff(served, trainer)
-                if not stats.probe_logprob_abs_diff <= self.rollout_cfg.verify_logprob_tolerance:
+                if not stats.probe_logprob_abs_diff <= self.sync_cfg.verify_logprob_tolerance:
                     problem = (f"the in-process engine's log-probs on the probe differ from the trainer's by "
                                f"{stats.probe_logprob_abs_diff:.3g} on average after the step {step} sync "
-                               f"(rollout.verify_logprob_tolerance={self.rollout_cfg.verify_logprob_tolerance}; "
+                               f"(sync.verify_logprob_tolerance={self.sync_cfg.verify_logprob_tolerance}; "
                                f"engine dtype {self.engine.dtype})")
             except Exception as e:  # noqa: BLE001 - agreed on below
                 problem = f"cannot probe: {_one_line(e)}"

@@ -10,10 +10,10 @@
    single HF <-> Megatron mapping, collective over the stage's TP group; with expert
    parallelism the ep replicas holding the experts iterate too, each expert gathered over
    them; with bf16/fp16 training these are the optimizer's fp32 main weights); the stage's TP
-   rank 0 of replica 0 (the SENDER) casts each full tensor once to the engine's dtype, packs single-dtype byte buckets of ``rollout.weight_update_bucket_mb`` --
+   rank 0 of replica 0 (the SENDER) casts each full tensor once to the engine's dtype, packs single-dtype byte buckets of ``sync.bucket_mb`` --
    the non-expert tensors first, then the experts, never both in one bucket -- and hands them
    to the transport (``transports.py``);
-3. every ``rollout.verify_weights_every`` syncs, each sender compares what it meant to send
+3. every ``sync.verify_every`` syncs, each sender compares what it meant to send
    with what every engine now serves, the way the engine's adapter can (exact per-tensor
    checksums on the embedded engine, ``wire/checksum.py``; the first rows of each tensor on
    SGLang); a difference raises ``WeightSyncError`` naming the tensor, on every rank;
@@ -23,8 +23,8 @@
    ``probe`` (the trainer's own forward, collective) on a fixed probe sequence and the
    coordinator compares its log-probs with each engine's prompt log-probs of the same
    sequence: a weight the row check could not see, or a layout the engine's loader
-   misreads, shows as a mean |difference| above ``rollout.verify_logprob_tolerance``. With
-   ``rollout.quantization`` the trainer's probe forward runs through the engine's fake
+   misreads, shows as a mean |difference| above ``sync.verify_logprob_tolerance``. With
+   ``engine.quantization`` the trainer's probe forward runs through the engine's fake
    quantization (``models.fake_quant``), so the tolerance stays that of unquantized weights.
 
 Failures are agreed on collectively (an ``all_gather_object`` after each phase), so every rank
@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.models import iter_hf_weights
 from megatron_grpo.models.weights import expert_hf_names
 from megatron_grpo.generation.client import RolloutClient
@@ -124,11 +125,13 @@ def _parallel_ranks() -> tuple[int, int, int, int]:
 class WeightSyncer:
     """Per-step weight sync from Megatron chunks to the engines at ``urls`` (see module doc)."""
 
-    def __init__(self, rollout_cfg, urls: list[str], hf_config, *, work_dir: Optional[str | Path] = None,
+    def __init__(self, cfg: ExperimentConfig, urls: list[str], hf_config, *, work_dir: Optional[str | Path] = None,
                  master_address: str = "127.0.0.1", client: Optional[RolloutClient] = None,
                  iter_weights: Optional[Callable] = None, probe: Optional[Probe] = None):
-        self.rollout_cfg = rollout_cfg
-        self.adapter = ENGINES[rollout_cfg.engine]
+        """``cfg``: the run's config; the sync reads ``sync:``, the engine's kind, timeouts and
+        quantization (``engine:``) and ``rollout.mode`` (async retracts instead of aborting)."""
+        self.sync_cfg, self.engine_cfg, self.mode = cfg.sync, cfg.engine, cfg.rollout.mode
+        self.adapter = ENGINES[cfg.engine.kind]
         self.probe = probe
         self.hf_config = hf_config
         self.urls = list(urls)
@@ -140,17 +143,17 @@ class WeightSyncer:
         self.sender = self.participant and dp_rank == 0 and tp_rank == 0
         self.coordinator = self.rank == 0
         self.stage = pp_rank
-        self.client = client or RolloutClient.from_config(rollout_cfg, self.urls)
+        self.client = client or RolloutClient.from_config(cfg.engine, self.urls)
         self._own_client = client is None
         self._iter_weights = iter_weights or iter_hf_weights
         self.transport = None
         if self.sender:
-            self.transport = TRANSPORTS[rollout_cfg.weight_sync_transport](
-                self.client, stage=pp_rank, bucket_bytes=rollout_cfg.weight_update_bucket_mb * 2**20,
-                timeout_s=rollout_cfg.request_timeout_s,
-                master_address=rollout_cfg.weight_sync_master_address or master_address,
+            self.transport = TRANSPORTS[cfg.sync.transport](
+                self.client, stage=pp_rank, bucket_bytes=cfg.sync.bucket_mb * 2**20,
+                timeout_s=cfg.engine.request_timeout_s,
+                master_address=cfg.sync.master_address or master_address,
                 work_dir=Path(work_dir) if work_dir else None, hf_config=hf_config,
-                backend=self.adapter.backend(rollout_cfg, cuda_available()),
+                backend=self.adapter.backend(cfg.sync, cuda_available()),
                 tensor_wire=self.adapter.tensor_wire(cuda_available()))
         self.num_syncs = 0
         self._engine_info: Optional[list[dict]] = None
@@ -199,7 +202,7 @@ class WeightSyncer:
     def sync(self, model_chunks: list, step: int) -> SyncStats:
         """Make the engines serve ``model_chunks``' weights as weight_version ``str(step)``."""
         started = time.perf_counter()
-        every = self.rollout_cfg.verify_weights_every
+        every = self.sync_cfg.verify_every
         verify = every > 0 and self.num_syncs % every == 0
         stats = SyncStats(step=step, verified=verify,
                           role="coordinator+sender" if self.coordinator else
@@ -238,11 +241,11 @@ class WeightSyncer:
     def _prepare_engines(self) -> None:
         # async rollouts: sequences in flight are retracted and resume with the new weights
         # (re-prefilled; each token records its version), instead of being aborted
-        mode = "retract" if self.rollout_cfg.mode == "async" else "abort"
+        mode = "retract" if self.mode == "async" else "abort"
         for url in self.urls:
             self.client.pause_generation(url, mode=mode)
             self.client.flush_cache(url)
-            if TRANSPORTS[self.rollout_cfg.weight_sync_transport].needs_update_session:
+            if TRANSPORTS[self.sync_cfg.transport].needs_update_session:
                 self._open_bracket(url)
 
     def _open_bracket(self, url: str) -> None:
@@ -344,7 +347,7 @@ class WeightSyncer:
             try:
                 for url in self.urls:
                     bad = self.adapter.verify(self.client, url, expected, samples,
-                                              quantized=self.rollout_cfg.quantization is not None)
+                                              quantized=self.engine_cfg.quantization is not None)
                     if bad:
                         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
                         problem = (f"{bad[0]}{more} differs between the trainer and engine {url} after the "
@@ -376,10 +379,10 @@ class WeightSyncer:
                     served = self.client.prompt_logprobs(url, tokens)
                     mean = probe_abs_diff(served, trainer)
                     stats.probe_logprob_abs_diff = max(stats.probe_logprob_abs_diff, mean)
-                    if not mean <= self.rollout_cfg.verify_logprob_tolerance:
+                    if not mean <= self.sync_cfg.verify_logprob_tolerance:
                         problem = (f"engine {url} log-probs on the probe differ from the trainer's by {mean:.3g} "
-                                   f"on average after the step {step} sync (rollout.verify_logprob_tolerance="
-                                   f"{self.rollout_cfg.verify_logprob_tolerance}; engine dtype "
+                                   f"on average after the step {step} sync (sync.verify_logprob_tolerance="
+                                   f"{self.sync_cfg.verify_logprob_tolerance}; engine dtype "
                                    f"{self.engine_info()[0].get('dtype', '?')}): it does not serve the trainer's "
                                    "weights, or serves them at a lower precision (then raise the tolerance)")
                         break

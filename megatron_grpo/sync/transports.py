@@ -1,4 +1,4 @@
-"""How a packed bucket reaches the engine(s): one class per ``rollout.weight_sync_transport``.
+"""How a packed bucket reaches the engine(s): one class per ``sync.transport``.
 
 Every transport runs on a SENDING rank (one per pipeline stage) and pushes a ``Bucket`` to
 every engine URL; ``send`` returns once each engine has loaded it (so buffers can be reused).
@@ -304,7 +304,7 @@ class DiskTransport(Transport):
             shutil.rmtree(self._final, ignore_errors=True)
 
 
-# rollout.weight_sync_transport -> transport class
+# sync.transport -> transport class
 TRANSPORTS: dict[str, type[Transport]] = {
     "distributed": DistributedTransport,
     "tensor": TensorTransport,

@@ -4,7 +4,6 @@ rollout side (sampling parameters, tokenizer, data, rewards)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from dataclasses import dataclass
@@ -22,10 +21,11 @@ from megatron_grpo.models.lora import apply_lora, lora_problem, spec_from_config
 from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.generation.engines import ENGINES
-from megatron_grpo.generation.http_engine import HttpEngine, run_api_key, start_servers
+from megatron_grpo.generation.http_engine import HttpEngine, run_api_key, start_servers, with_api_key
 from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
 from megatron_grpo.generation.protocol import RolloutEngine
+from megatron_grpo.rollout.agents.runner import AgentRunner
 from megatron_grpo.rollout.multi_turn import EpisodeRunner
 from megatron_grpo.rollout.rollout_function import RolloutFunction
 from megatron_grpo.wire.samples import SamplingParams
@@ -107,29 +107,34 @@ class RolloutSide:
     sampler: Optional[PromptSampler]  # None when evaluating a saved model
     scorer: RewardScorer
     rollout_function: Optional[Callable] = None
-    """What generates instead of the engine's generate: rollout.environment's EpisodeRunner or
-    rollout.rollout_function's RolloutFunction (None: single-turn)."""
+    """What generates instead of the engine's generate: episodes.environment's EpisodeRunner,
+    episodes.agent's AgentRunner or episodes.rollout_function's RolloutFunction (None: single-turn)."""
 
     def close(self) -> None:
         self.scorer.close()
-        if isinstance(self.rollout_function, RolloutFunction):
-            self.rollout_function.close()  # its worker process
+        if isinstance(self.rollout_function, (RolloutFunction, AgentRunner)):
+            self.rollout_function.close()  # its worker processes (and the agents' front)
 
 
 def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[PromptSampler], *,
                        vocab_size: Optional[int] = None) -> RolloutSide:
     """The sampling parameters (with the tokenizer's EOS as a stop id), the sampler, the
-    reward scorer and, with ``rollout.environment`` or ``rollout.rollout_function``, the
+    reward scorer and, with ``episodes.environment`` or ``episodes.rollout_function``, the
     rollout function (built before the engine starts: a bad reward, environment or rollout
     function fails fast). ``vocab_size``: the model's, the bound of a rollout function's ids."""
     scorer = RewardScorer(cfg.reward)
     rollout_function = None
-    if cfg.rollout.environment is not None:
+    if cfg.episodes.environment is not None:
         use_template = cfg.data.apply_chat_template and has_chat_template(tokenizer)
-        rollout_function = EpisodeRunner.build(cfg.rollout, tokenizer, use_template=use_template)
-    elif cfg.rollout.rollout_function is not None:
-        rollout_function = RolloutFunction.load(cfg.rollout.rollout_function, tokenizer, vocab_size=vocab_size,
-                                                timeout_s=cfg.rollout.rollout_function_timeout_s)
+        rollout_function = EpisodeRunner.build(cfg.episodes, tokenizer, max_inflight=cfg.engine.max_inflight_requests,
+                                               use_template=use_template)
+    elif cfg.episodes.agent is not None:
+        use_template = cfg.data.apply_chat_template and has_chat_template(tokenizer)
+        rollout_function = AgentRunner.build(cfg.episodes, tokenizer, max_inflight=cfg.engine.max_inflight_requests,
+                                             use_template=use_template)
+    elif cfg.episodes.rollout_function is not None:
+        rollout_function = RolloutFunction.load(cfg.episodes.rollout_function, tokenizer, vocab_size=vocab_size,
+                                                timeout_s=cfg.episodes.rollout_function_timeout_s)
     sampling = SamplingParams.from_rollout_config(cfg.rollout)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in sampling.stop_token_ids:
         sampling.stop_token_ids = [*sampling.stop_token_ids, tokenizer.eos_token_id]
@@ -142,21 +147,21 @@ def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Option
     """Collective: rank 0 (``owner``) starts (or connects to) the rollout servers; every rank
     builds its half of the weight sync into them (``probe``: the trainer's log-probs of the
     verification sequence, for engines verified by probe). An in-process engine kind
-    (``rollout.engine: inprocess``) is built in rank 0's process instead, synced in memory.
+    (``engine.kind: inprocess``) is built in rank 0's process instead, synced in memory.
     ``spawned``: rank 0's servers already started at its start-up (``spawn_servers``)."""
-    if ENGINES[cfg.rollout.engine].in_process:
-        engine = start_inprocess(cfg.rollout, model_dir=cfg.model.hf_dir) if owner else None
-        return InProcessEngine(engine, InMemorySyncer(cfg.rollout, hf_config, engine, probe=probe),
-                               timeout_s=cfg.rollout.request_timeout_s)
+    if ENGINES[cfg.engine.kind].in_process:
+        engine = start_inprocess(cfg.engine, model_dir=cfg.model.hf_dir) if owner else None
+        return InProcessEngine(engine, InMemorySyncer(cfg, hf_config, engine, probe=probe),
+                               timeout_s=cfg.engine.request_timeout_s)
     manager = client = None
-    # the per-run key of launched servers (run_api_key) lives only in this copy, never in cfg,
-    # so neither the saved nor the logged config can hold it
-    key = (spawned.rollout_cfg.api_key if spawned is not None else run_api_key(cfg.rollout)) if owner else None
-    rollout_cfg = dataclasses.replace(cfg.rollout, api_key=broadcast(key))
+    # the per-run key of launched servers (run_api_key) lives only in this copy, never in the
+    # trainer's cfg, so neither the saved nor the logged config can hold it
+    key = (spawned.engine_cfg.api_key if spawned is not None else run_api_key(cfg.engine)) if owner else None
+    keyed = with_api_key(cfg, broadcast(key))
     if owner:
-        manager, client = start_servers(rollout_cfg, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir,
+        manager, client = start_servers(keyed, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir,
                                         spawned=spawned)
     urls = broadcast(manager.urls if owner else None)
-    receiver = WeightSyncer(rollout_cfg, urls, hf_config, work_dir=weight_sync_dir(cfg.trainer.run_dir),
+    receiver = WeightSyncer(keyed, urls, hf_config, work_dir=weight_sync_dir(cfg.trainer.run_dir),
                             client=client, probe=probe)
     return HttpEngine(manager, client, receiver)

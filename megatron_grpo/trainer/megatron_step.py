@@ -275,7 +275,7 @@ def probe_log_probs(model_chunks, token_ids: list[int], spec: ScoringSpec,
                     quantization: Optional[QuantScheme] = None) -> Optional[list[float]]:
     """The policy's log-probs of ``token_ids[1:]`` at temperature 1 (the weight-sync probe).
 
-    ``quantization``: the engine's (``rollout.quantization``): the forward runs through the same
+    ``quantization``: the engine's (``engine.quantization``): the forward runs through the same
     fake quantization (``models.fake_quant``), so a quantized engine is held to the probe's
     tolerance instead of a wider one. Collective over the model-parallel group like
     ``compute_log_probs``; a list of len(token_ids) - 1 floats on the last pipeline stage,

@@ -64,7 +64,10 @@ def rank_main(argv: list[str]) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     lock = None
     try:
-        cfg = load_experiment(args.config, args.overrides, world_size=world)
+        # deprecated keys are announced once: by the launcher (which sets PREFLIGHT_DONE), or
+        # by rank 0 of a bare torchrun
+        announce = rank == 0 and not os.environ.get("MEGATRON_GRPO_PREFLIGHT_DONE")
+        cfg = load_experiment(args.config, args.overrides, world_size=world, announce_deprecated=announce)
         if rank == 0 and not os.environ.get("MEGATRON_GRPO_PREFLIGHT_DONE"):
             check_run(cfg)
             # a bare torchrun: no launcher holds the run directory's lock, so rank 0 does (main)
@@ -74,7 +77,7 @@ def rank_main(argv: list[str]) -> int:
     stacks.dump_stacks_on_signal(cfg.trainer.run_dir, rank)  # kill -USR1: where a hung rank is
     # Rank 0's rollout servers boot from here, beside the driver's import and the model build
     # (generation.http_engine.spawn_servers); the trainer adopts them, and stops them at its end.
-    spawned = (spawn_servers(cfg.rollout, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir)
+    spawned = (spawn_servers(cfg, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir)
                if rank == 0 else None)
     try:
         # Deferred, measured (module docstring): the driver's import is most of a rank's

@@ -137,7 +137,7 @@ class Trainer:
         reference = build_reference(cfg, policy.hf_config)
         spec = ScoringSpec(cfg.rollout.temperature, policy.hf_config.vocab_size, cfg.model.logprob_chunk_size,
                            cfg.model.logprob_kernel)
-        quantization = scheme_of(cfg.rollout.quantization, cfg.rollout.fp8_format)  # the probe's, as the engine's
+        quantization = scheme_of(cfg.engine.quantization, cfg.engine.fp8_format)  # the probe's, as the engine's
         start_step, trainer_state = _resume(cfg, policy, sampler, rank)
         logger = MetricsLogger(run_dir, cfg.logging, cfg.trainer.num_steps, rank,
                                resumed_step=start_step, config_dict=cfg.to_dict())
@@ -148,8 +148,8 @@ class Trainer:
         http = build_engine(cfg, policy.hf_config, owner=rank == 0,
                             probe=lambda tokens: probe_log_probs(policy.chunks, tokens, spec, quantization),
                             spawned=spawned)
-        engine = EngineSupervisor(http, policy.modules, max_attempts=cfg.rollout.max_restarts + 1,
-                                  colocate=cfg.rollout.colocate, owner=rank == 0)
+        engine = EngineSupervisor(http, policy.modules, max_attempts=cfg.engine.max_restarts + 1,
+                                  colocate=cfg.engine.colocate, owner=rank == 0)
         try:
             evaluator = (Evaluator(cfg, tokenizer, http, side.scorer, side.sampling, side.rollout_function)
                          if side is not None and cfg.eval.sets else None)

@@ -127,7 +127,7 @@ class ShmSegment:
     def __init__(self, nbytes: int, directory: Path = SHM_DIR):
         if not directory.is_dir():
             raise RuntimeError(f"{directory} does not exist: the CPU tensor transport needs shared memory "
-                               "(use rollout.weight_sync_transport: distributed)")
+                               "(use sync.transport: distributed)")
         self.nbytes = nbytes
         self.path = str(directory / f"{PREFIX}{os.getpid()}_{uuid.uuid4().hex[:16]}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

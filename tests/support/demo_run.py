@@ -37,10 +37,10 @@ def make_tool_demo(out: Path) -> Path:
     return out
 
 
-DEMO_ENGINE = "rollout.engine=embedded"
+DEMO_ENGINE = "engine.kind=embedded"
 """The engine the tests run the demo config with: the launched embedded engine, whose process
 the failure, lifetime and resume tests kill and count (the YAML's default is the in-process
-engine; tests of it pass ``rollout.engine=inprocess``, which comes later and wins)."""
+engine; tests of it pass ``engine.kind=inprocess``, which comes later and wins)."""
 
 
 DEMO_MICRO_BATCH = "parallel.micro_batch_size=64"
@@ -99,10 +99,10 @@ class Nudge:
         return {"observation": None, "done": True, "reward": float(bool(words) and words[-1] == self.answer)}
 '''
 
-NUDGE_OVERRIDES = ("rollout.multi_turn.observation_role=user", "rollout.multi_turn.max_episode_tokens=64",
+NUDGE_OVERRIDES = ("episodes.observation_role=user", "episodes.max_episode_tokens=64",
                    "rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=8",
                    "parallel.micro_batch_size=4", "eval.every_n_steps=0")
-"""A small multi-turn demo run with NUDGE (plus ``rollout.environment=FILE:Nudge``)."""
+"""A small multi-turn demo run with NUDGE (plus ``episodes.environment=FILE:Nudge``)."""
 
 
 def wait_for_steps(run_dir: Path, steps: int, procs, timeout_s: float = 300.0, poll_s: float = 0.1) -> None:

@@ -41,11 +41,12 @@ from pathlib import Path
 import psutil
 import torch
 
-from megatron_grpo.config.rollout import RolloutConfig, SGLangConfig
 from megatron_grpo.generation import RolloutClient, RolloutError
 from megatron_grpo.wire.samples import SamplingParams
 from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.models.tiny import build_tokenizer
+from megatron_grpo.config import EngineConfig, SGLangConfig
+from tests.support.configs import experiment
 
 SGLANG_MEMORY = {"mem_fraction_static": 0.5, "extra_args": ["--max-total-tokens", "65536"]}
 """How every test's SGLang server sizes its memory. SGLang on CPU sizes its KV pool from the
@@ -55,8 +56,8 @@ fit in a tenth of the free memory, and a launch beside a SmolLM2 run failed ("Lo
 leave no GPU memory for the KV cache under --mem-fraction-static=0.1"); half leaves room for
 the other worker, and the pool is capped at 65,536 tokens (a few hundred MB for the tiny
 models; the suite's largest batches hold a few thousand)."""
-SGLANG_OVERRIDES = ["rollout.sglang.mem_fraction_static=0.5",
-                    "rollout.sglang.extra_args=[--max-total-tokens, '65536']"]
+SGLANG_OVERRIDES = ["engine.sglang.mem_fraction_static=0.5",
+                    "engine.sglang.extra_args=[--max-total-tokens, '65536']"]
 """``SGLANG_MEMORY`` as config overrides of a `megatron-grpo train` command line."""
 
 API_KEY = f"shared-sglang-{secrets.token_hex(16)}"
@@ -127,8 +128,8 @@ class _Server:
     """One launched SGLang server (its manager and a client with the shared key)."""
 
     def __init__(self, model_dir: Path, run_dir: Path):
-        cfg = RolloutConfig(engine="sglang", api_key=API_KEY, dtype="float32", launch_timeout_s=600,
-                            request_timeout_s=120, sglang=SGLangConfig(**SGLANG_MEMORY))
+        cfg = experiment(engine=EngineConfig(kind="sglang", api_key=API_KEY, dtype="float32", launch_timeout_s=600,
+                                             request_timeout_s=120, sglang=SGLangConfig(**SGLANG_MEMORY)))
         self.manager = RolloutServerManager(cfg, model_dir=str(model_dir), run_dir=run_dir)
         (self.url,) = self.manager.start()
         self.client = RolloutClient([self.url], api_key=API_KEY, request_timeout_s=120, max_retries=2)
@@ -215,7 +216,7 @@ class SGLangServers:
     def train_overrides(url: str, engine: str = "sglang") -> list[str]:
         """`megatron-grpo train` overrides that make a run use the shared server at ``url`` (as
         an engine of kind ``engine``)."""
-        return [f"rollout.engine={engine}", f"rollout.urls=[{url}]", f"rollout.api_key={API_KEY}"]
+        return [f"engine.kind={engine}", f"engine.urls=[{url}]", f"engine.api_key={API_KEY}"]
 
     def close(self) -> None:
         servers, self._servers = list(self._servers.values()), {}

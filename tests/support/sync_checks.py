@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.config.rollout import RolloutConfig
 from megatron_grpo.wire.samples import SamplingParams
+from megatron_grpo.config import EngineConfig, SyncConfig
+from tests.support.configs import experiment
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 TEMPERATURE = 0.8
@@ -86,7 +87,8 @@ def sync_worker(rank, world_size, url, work_dir, model_dir, transports, corrupt)
         perturb(chunks, step)
         if i == 0:  # the probe can tell: before the sync the engine serves other weights
             out["stale_delta"] = probe(step)[0]
-        cfg = RolloutConfig(weight_sync_transport=transport, weight_update_bucket_mb=1, request_timeout_s=120)
+        cfg = experiment(engine=EngineConfig(request_timeout_s=120),
+                         sync=SyncConfig(transport=transport, bucket_mb=1))
         syncer = WeightSyncer(cfg, [url], hf_config, work_dir=work_dir, client=client)
         stats = syncer.sync(chunks, step)
         syncer.close()
@@ -96,7 +98,7 @@ def sync_worker(rank, world_size, url, work_dir, model_dir, transports, corrupt)
         out["stats"][transport] = (stats.role, stats.num_tensors, stats.verified)
     if corrupt:
         perturb(chunks, 999)
-        cfg = RolloutConfig(weight_sync_transport="distributed", weight_update_bucket_mb=1)
+        cfg = experiment(sync=SyncConfig(transport="distributed", bucket_mb=1))
         syncer = WeightSyncer(cfg, [url], hf_config, client=client)
         if syncer.sender and syncer.stage == 0:
             send = syncer.transport.send

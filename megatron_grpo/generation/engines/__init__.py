@@ -1,6 +1,6 @@
 """One adapter per rollout-engine kind: the single place that knows how the kinds differ.
 
-``ENGINES[rollout.engine]`` is an ``EngineAdapter`` (see ``base.py``). The server manager asks
+``ENGINES[engine.kind]`` is an ``EngineAdapter`` (see ``base.py``). The server manager asks
 it for the launch command and environment; the weight sync asks it which transports and
 process-group backends the engine accepts, which extra keys its update requests take, and how
 to verify what it serves; the pre-flight (``preflight/rules.py``) checks the config against
@@ -13,7 +13,7 @@ from megatron_grpo.generation.engines.embedded import EmbeddedAdapter
 from megatron_grpo.generation.engines.inprocess import InProcessAdapter
 from megatron_grpo.generation.engines.sglang import SGLangAdapter, default_sglang_venv, find_sglang_python
 
-# rollout.engine -> adapter (the Literal of RolloutConfig.engine is pinned to these keys by a test)
+# engine.kind -> adapter (the Literal of EngineConfig.kind is pinned to these keys by a test)
 ENGINES: dict[str, EngineAdapter] = {
     "embedded": EmbeddedAdapter(),
     "sglang": SGLangAdapter(),

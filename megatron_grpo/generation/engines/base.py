@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.config.engine import EngineConfig
+from megatron_grpo.config.experiment import ExperimentConfig
+from megatron_grpo.config.sync import SyncConfig
 
 # Verifier signature: (client, url, expected checksums {name: hex}, first rows {name: tensor})
 # -> names whose served values differ from what the trainer sent.
@@ -16,7 +18,7 @@ Verifier = Callable[..., list[str]]
 
 
 class EngineKindMismatch(RuntimeError):
-    """A server in rollout.urls is not of the kind rollout.engine names."""
+    """A server in engine.urls is not of the kind engine.kind names."""
 
 
 class EngineAdapter:
@@ -24,11 +26,11 @@ class EngineAdapter:
 
     name: str = ""
     transports: frozenset[str] = frozenset()
-    """rollout.weight_sync_transport values the engine accepts."""
+    """sync.transport values the engine accepts."""
     backends: frozenset[str] = frozenset()
     """Process-group backends the engine's /init_weights_update_group accepts."""
     supports_memory_release: bool = False
-    """True: the engine can give its GPU memory back between rollouts (rollout.colocate)."""
+    """True: the engine can give its GPU memory back between rollouts (engine.colocate)."""
     reports_sampling_mask: bool = False
     """True: /generate answers ``return_sampling_mask`` with each draw's kept set and its
     log-prob under the renormalised, truncated distribution (the embedded engine's
@@ -42,14 +44,14 @@ class EngineAdapter:
     """True: the engine reports kept sets only for a finite ``1 < top_k <= sampling_mask_max_kept``
     (SGLang refuses the request otherwise: an unbounded top-p set has no size limit)."""
     quantizations: frozenset[str] = frozenset()
-    """rollout.quantization values the engine serves (besides null)."""
+    """engine.quantization values the engine serves (besides null)."""
     fp8_formats: frozenset[str] = frozenset()
-    """rollout.fp8_format values its fp8 accepts."""
+    """engine.fp8_format values its fp8 accepts."""
     quantization_needs_cuda: bool = False
     """True: a quantized engine runs only on a GPU (SGLang's fp8 kernels)."""
     in_process: bool = False
     """True: the engine runs inside trainer rank 0's process (``generation/inprocess.py``): nothing
-    is launched, ``rollout.urls`` cannot name it, and the weight sync is an in-memory copy."""
+    is launched, ``engine.urls`` cannot name it, and the weight sync is an in-memory copy."""
     returns_routing: bool = False
     """True: /generate answers ``return_routed_experts`` with the MoE routing of every position
     (``meta_info.routed_experts``; algorithm.router_replay needs it)."""
@@ -61,15 +63,15 @@ class EngineAdapter:
 
     # ---- what the pre-flight asks ---------------------------------------------------------
 
-    def gpus_per_server(self, rollout_cfg: RolloutConfig) -> int:
+    def gpus_per_server(self, engine_cfg: EngineConfig) -> int:
         """CUDA devices one launched server uses (its tensor-parallel size)."""
         return 1
 
-    def preflight(self, rollout_cfg: RolloutConfig) -> Optional[str]:
+    def preflight(self, engine_cfg: EngineConfig) -> Optional[str]:
         """A one-line problem with this machine's setup for launching (None if fine)."""
         return None
 
-    def sequences_per_request(self, rollout_cfg: RolloutConfig) -> Optional[int]:
+    def sequences_per_request(self, engine_cfg: EngineConfig) -> Optional[int]:
         """Most sequences the client may put in one /generate request, packing several prompt
         groups into it; None: one request per prompt group (SGLang's scheduler batches
         concurrent requests itself, and an external server's bounds are not known)."""
@@ -77,15 +79,16 @@ class EngineAdapter:
 
     # ---- launching ------------------------------------------------------------------------
 
-    def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,
+    def launch_command(self, cfg: ExperimentConfig, model_dir: str, host: str, port: int,
                        gpu_ids: Optional[list[int]] = None, trusted_weight_dirs: Sequence[str] = ()) -> list[str]:
-        """The server's command line; ``gpu_ids``: the CUDA devices it runs on (None without
+        """The server's command line (``cfg``: the engine section, and what a server is told of
+        the weight sync and the sampling); ``gpu_ids``: the CUDA devices it runs on (None without
         CUDA), from ``runtime.placement.engine_gpu_ids``; ``trusted_weight_dirs``: the
         directories /update_weights_from_disk may load from besides the model directory (the
         run's weight-sync directory), for engines that can restrict it."""
         raise NotImplementedError
 
-    def launch_env(self, rollout_cfg: RolloutConfig, env: dict[str, str]) -> dict[str, str]:
+    def launch_env(self, engine_cfg: EngineConfig, env: dict[str, str]) -> dict[str, str]:
         """The launched server's environment, from the trainer's ``env``."""
         return dict(env)
 
@@ -94,10 +97,10 @@ class EngineAdapter:
     def check_server(self, url: str, server_info: dict) -> None:
         """Raise EngineKindMismatch if ``/get_server_info`` does not describe this kind."""
 
-    def backend(self, rollout_cfg: RolloutConfig, cuda_available: bool) -> str:
-        """The resolved weight_sync_backend for this engine on this machine."""
-        if rollout_cfg.weight_sync_backend != "auto":
-            return rollout_cfg.weight_sync_backend
+    def backend(self, sync_cfg: SyncConfig, cuda_available: bool) -> str:
+        """The resolved sync.backend for this engine on this machine."""
+        if sync_cfg.backend != "auto":
+            return sync_cfg.backend
         return "nccl" if cuda_available and "nccl" in self.backends else "gloo"
 
     def tensor_wire(self, cuda_available: bool) -> str:
@@ -113,17 +116,17 @@ class EngineAdapter:
     def verify(self, client, url: str, expected: dict[str, str], samples: dict, *,
                quantized: bool = False) -> list[str]:
         """Names of tensors the engine at ``url`` serves differently from what was sent
-        (``quantized``: the engine runs rollout.quantization; an adapter whose engine then keeps
+        (``quantized``: the engine runs engine.quantization; an adapter whose engine then keeps
         only its quantized copy cannot compare values and leaves the check to the probe)."""
         raise NotImplementedError
 
     def release_memory(self, client, url: str) -> None:
         """Free the engine's GPU memory (weights and KV cache) until ``resume_memory``."""
-        raise NotImplementedError(f"rollout.engine={self.name!r} cannot release its memory")
+        raise NotImplementedError(f"engine.kind={self.name!r} cannot release its memory")
 
     def resume_memory(self, client, url: str, tags: Optional[list[str]] = None) -> None:
         """Take the memory back (``tags``: only these kinds, e.g. ["weights"]; None: all)."""
-        raise NotImplementedError(f"rollout.engine={self.name!r} cannot resume its memory")
+        raise NotImplementedError(f"engine.kind={self.name!r} cannot resume its memory")
 
     @property
     def verifies_by_probe(self) -> bool:

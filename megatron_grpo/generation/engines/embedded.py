@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.config.engine import EngineConfig
+from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.generation.engines.base import EngineAdapter, EngineKindMismatch
 from megatron_grpo.wire.checksum import compare_checksums
 
@@ -26,19 +27,20 @@ class EmbeddedAdapter(EngineAdapter):
     quantizations = frozenset({"fp8", "int8"})  # engine.quantize, on CPU and GPU
     fp8_formats = frozenset({"e4m3", "e5m2"})
 
-    def sequences_per_request(self, rollout_cfg: RolloutConfig) -> Optional[int]:
-        # The servers a run launches take rollout.embedded.max_request_sequences per request: a
+    def sequences_per_request(self, engine_cfg: EngineConfig) -> Optional[int]:
+        # The servers a run launches take engine.embedded.max_request_sequences per request: a
         # step's groups then travel in one request each way instead of one per prompt (each
         # request costs the launched engine and the client about a millisecond of Python).
-        return None if rollout_cfg.urls else rollout_cfg.embedded.max_request_sequences
+        return None if engine_cfg.urls else engine_cfg.embedded.max_request_sequences
 
-    def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,
+    def launch_command(self, cfg: ExperimentConfig, model_dir: str, host: str, port: int,
                        gpu_ids: Optional[list[int]] = None, trusted_weight_dirs: Sequence[str] = ()) -> list[str]:
         # The API key travels in the environment (launch_env), not argv, where `ps` shows it.
         device = f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"
-        embedded = rollout_cfg.embedded
+        engine_cfg, master_address = cfg.engine, cfg.sync.master_address
+        embedded = engine_cfg.embedded
         cmd = [sys.executable, "-m", "megatron_grpo.engine.serve", "--model-dir", model_dir, "--host", host,
-               "--port", str(port), "--dtype", rollout_cfg.dtype,
+               "--port", str(port), "--dtype", engine_cfg.dtype,
                "--max-batch-size", str(embedded.max_batch_size), "--device", device,
                # what one request may make the server do (engine/policy.py)
                "--max-request-sequences", str(embedded.max_request_sequences),
@@ -46,23 +48,23 @@ class EmbeddedAdapter(EngineAdapter):
                "--max-request-bytes", str(embedded.max_request_mb * 2**20)]
         for directory in trusted_weight_dirs:
             cmd += ["--trusted-weight-dir", str(directory)]
-        if rollout_cfg.weight_sync_master_address:  # null: the trainer's 127.0.0.1, the server's default
-            cmd += ["--weight-sync-master-address", rollout_cfg.weight_sync_master_address]
-        if rollout_cfg.quantization:
-            cmd += ["--quantization", rollout_cfg.quantization, "--fp8-format", rollout_cfg.fp8_format]
+        if master_address:  # null: the trainer's 127.0.0.1, the server's default
+            cmd += ["--weight-sync-master-address", master_address]
+        if engine_cfg.quantization:
+            cmd += ["--quantization", engine_cfg.quantization, "--fp8-format", engine_cfg.fp8_format]
         return cmd
 
-    def launch_env(self, rollout_cfg: RolloutConfig, env: dict[str, str]) -> dict[str, str]:
+    def launch_env(self, engine_cfg: EngineConfig, env: dict[str, str]) -> dict[str, str]:
         out = dict(env)
-        if rollout_cfg.api_key:
-            out[API_KEY_ENV] = rollout_cfg.api_key
+        if engine_cfg.api_key:
+            out[API_KEY_ENV] = engine_cfg.api_key
         return out
 
     def check_server(self, url: str, server_info: dict) -> None:
         if server_info.get("engine") != "embedded":
             raise EngineKindMismatch(
-                f"rollout.urls: {url} is not a megatron-grpo embedded engine (it looks like "
-                f"{_describe(server_info)}); set rollout.engine to the server's kind")
+                f"engine.urls: {url} is not a megatron-grpo embedded engine (it looks like "
+                f"{_describe(server_info)}); set engine.kind to the server's kind")
 
     def tensor_wire(self, cuda_available: bool) -> str:
         # CUDA IPC handles on a GPU (SGLang's format, zero copy); on the CPU one reused

@@ -14,7 +14,7 @@ Facts about SGLang 0.5.23 that this adapter (and the sync) rely on, checked by
 * output log-probs are those of ``log_softmax(logits / temperature)``; *input* (prompt)
   log-probs are always at temperature 1;
 * ``/release_memory_occupation`` calls CUDA and kills a CPU server: used only with
-  ``rollout.colocate``, which the pre-flight refuses without a GPU
+  ``engine.colocate``, which the pre-flight refuses without a GPU
   (``preflight.layout_problem``); ``/resume_memory_occupation`` takes ``tags``
   (``weights``, ``kv_cache``) so weights can come back before the sync and the KV cache after;
 * ``--base-gpu-id N`` puts a server's tp ranks on devices N .. N+tp-1 of those it sees.
@@ -38,7 +38,8 @@ from typing import Optional, Sequence
 
 import yaml
 
-from megatron_grpo.config.rollout import RolloutConfig
+from megatron_grpo.config.engine import EngineConfig
+from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.generation.engines.base import EngineAdapter, EngineKindMismatch
 from megatron_grpo.wire.samples import RolloutError
 
@@ -75,10 +76,10 @@ def default_sglang_venv() -> Path:
 
 
 def find_sglang_python(configured: Optional[str]) -> tuple[Optional[str], str]:
-    """(interpreter, "") that runs SGLang, or (None, why not) — see ``rollout.sglang.python``."""
+    """(interpreter, "") that runs SGLang, or (None, why not) — see ``engine.sglang.python``."""
     if configured:
         if not os.access(configured, os.X_OK):
-            return None, f"rollout.sglang.python: {configured} is not an executable interpreter"
+            return None, f"engine.sglang.python: {configured} is not an executable interpreter"
         return configured, ""
     if importlib.util.find_spec("sglang") is not None:
         return sys.executable, ""
@@ -86,13 +87,13 @@ def find_sglang_python(configured: Optional[str]) -> tuple[Optional[str], str]:
     python = venv / "bin" / "python"
     if (venv / _STAMP).is_file() and os.access(python, os.X_OK):
         return str(python), ""
-    return None, (f"rollout.engine=sglang: no SGLang found (this interpreter cannot import sglang and "
+    return None, (f"engine.kind=sglang: no SGLang found (this interpreter cannot import sglang and "
                   f"{venv} holds no complete SGLang environment); run `bash launch/setup_sglang_cpu.sh` "
-                  "on a CPU machine, `pip install sglang` on a GPU machine, or set rollout.sglang.python")
+                  "on a CPU machine, `pip install sglang` on a GPU machine, or set engine.sglang.python")
 
 
 def checkpoint_dtype(model_dir: str) -> str:
-    """The dtype config.json declares (what rollout.dtype=auto means). SGLang's own ``auto``
+    """The dtype config.json declares (what engine.dtype=auto means). SGLang's own ``auto``
     would serve a float32 checkpoint in float16: a silent train/inference mismatch."""
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -146,44 +147,45 @@ class SGLangAdapter(EngineAdapter):
     reports_sampling_mask = True
     sampling_mask_needs_top_k = True
 
-    def gpus_per_server(self, rollout_cfg: RolloutConfig) -> int:
-        return rollout_cfg.sglang.tp
+    def gpus_per_server(self, engine_cfg: EngineConfig) -> int:
+        return engine_cfg.sglang.tp
 
-    def preflight(self, rollout_cfg: RolloutConfig) -> Optional[str]:
-        if rollout_cfg.urls:
+    def preflight(self, engine_cfg: EngineConfig) -> Optional[str]:
+        if engine_cfg.urls:
             return None
-        return find_sglang_python(rollout_cfg.sglang.python)[1] or None
+        return find_sglang_python(engine_cfg.sglang.python)[1] or None
 
-    def launch_command(self, rollout_cfg: RolloutConfig, model_dir: str, host: str, port: int,
+    def launch_command(self, cfg: ExperimentConfig, model_dir: str, host: str, port: int,
                        gpu_ids: Optional[list[int]] = None, trusted_weight_dirs: Sequence[str] = ()) -> list[str]:
         # trusted_weight_dirs: SGLang has no option to restrict /update_weights_from_disk
         # (docs/fault_tolerance.md, "Security defaults", says what remains open)
-        python, problem = find_sglang_python(rollout_cfg.sglang.python)
+        engine_cfg, rollout_cfg = cfg.engine, cfg.rollout
+        python, problem = find_sglang_python(engine_cfg.sglang.python)
         if python is None:
             raise RuntimeError(problem)
-        sglang_cfg = rollout_cfg.sglang
+        sglang_cfg = engine_cfg.sglang
         cmd = [python, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", host, "--port", str(port),
                "--tp-size", str(sglang_cfg.tp), "--mem-fraction-static", str(sglang_cfg.mem_fraction_static),
-               "--dtype", checkpoint_dtype(model_dir) if rollout_cfg.dtype == "auto" else rollout_cfg.dtype]
+               "--dtype", checkpoint_dtype(model_dir) if engine_cfg.dtype == "auto" else engine_cfg.dtype]
         if not _cuda_available():
             cmd += CPU_ARGS
         elif gpu_ids:
             cmd += ["--base-gpu-id", str(gpu_ids[0])]
-        if rollout_cfg.quantization:
-            cmd += ["--quantization", rollout_cfg.quantization]
+        if engine_cfg.quantization:
+            cmd += ["--quantization", engine_cfg.quantization]
         if rollout_cfg.truncates and rollout_cfg.sampling_mask_replay:
             cmd += ["--sampling-mask-max-tokens", str(rollout_cfg.sampling_mask_max_kept)]
-        if rollout_cfg.colocate:
+        if engine_cfg.colocate:
             cmd += ["--enable-memory-saver"]  # what /release_memory_occupation needs
-        if rollout_cfg.api_key:  # a 0600 file, not argv, where `ps` shows it to every local user
-            cmd += ["--config", _key_file(rollout_cfg.api_key)]
+        if engine_cfg.api_key:  # a 0600 file, not argv, where `ps` shows it to every local user
+            cmd += ["--config", _key_file(engine_cfg.api_key)]
         return cmd + list(sglang_cfg.extra_args)
 
-    def launch_env(self, rollout_cfg: RolloutConfig, env: dict[str, str]) -> dict[str, str]:
+    def launch_env(self, engine_cfg: EngineConfig, env: dict[str, str]) -> dict[str, str]:
         out = dict(env)
         # The trainer's own PYTHONPATH (an editable install, test helpers) must not shadow the
         # packages of another interpreter's environment.
-        python, _ = find_sglang_python(rollout_cfg.sglang.python)
+        python, _ = find_sglang_python(engine_cfg.sglang.python)
         if python is not None and python != sys.executable:
             out.pop("PYTHONPATH", None)
         if not _cuda_available():
@@ -193,8 +195,8 @@ class SGLangAdapter(EngineAdapter):
     def check_server(self, url: str, server_info: dict) -> None:
         if server_info.get("engine") == "embedded" or "version" not in server_info:
             raise EngineKindMismatch(
-                f"rollout.urls: {url} is not an SGLang server (/get_server_info has "
-                f"{'engine=embedded' if server_info.get('engine') else 'no version'}); set rollout.engine "
+                f"engine.urls: {url} is not an SGLang server (/get_server_info has "
+                f"{'engine=embedded' if server_info.get('engine') else 'no version'}); set engine.kind "
                 "to the server's kind")
 
     def verify(self, client, url: str, expected: dict[str, str], samples: dict, *,

@@ -1,7 +1,7 @@
 """The agent front: an OpenAI-compatible server on loopback, in front of the run's engine,
 that records every call of an episode as exact token ids.
 
-An agent (``rollout.agent``, ``rollout/agents/runner.py``) gets an OpenAI SDK client whose base
+An agent (``episodes.agent``, ``rollout/agents/runner.py``) gets an OpenAI SDK client whose base
 URL names its episode, ``http://127.0.0.1:<port>/episodes/<id>/v1``; the front answers its
 ``chat.completions`` and ``completions`` calls with the run's engine (any kind: embedded,
 in-process, SGLang: the same ``RolloutEngine.generate`` the built-in loops call) and keeps, per
@@ -165,7 +165,7 @@ class AgentFront:
     def _say_once(self, key: str, message: str) -> None:
         if key not in self._said:
             self._said.add(key)
-            print(f"[megatron-grpo] rollout.agent: {message}", file=sys.stderr, flush=True)
+            print(f"[megatron-grpo] episodes.agent: {message}", file=sys.stderr, flush=True)
 
     def _sampling(self, log: EpisodeLog, req_sampling, max_new: int) -> SamplingParams:
         for key in ("temperature", "top_p", "top_k", "min_p"):

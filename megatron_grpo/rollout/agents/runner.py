@@ -1,4 +1,4 @@
-"""``rollout.agent``: episodes run by an agent the user wrote against the OpenAI SDK.
+"""``episodes.agent``: episodes run by an agent the user wrote against the OpenAI SDK.
 
     async def run(client, row) -> float | dict          (or a plain ``def``)
 
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
-from megatron_grpo.config.rollout import ENVIRONMENT_FILE_RE
+from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE
 from megatron_grpo.rollout.agents.connectors import CONNECTORS, split_spec
 from megatron_grpo.rollout.agents.front import AgentFront, EpisodeLog
 from megatron_grpo.rollout.agents.trajectory import sample_from_calls
@@ -51,7 +51,7 @@ from megatron_grpo.rollout.multi_turn import Episode
 from megatron_grpo.rollout.turns import TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
 
-KEY = "rollout.agent"
+KEY = "episodes.agent"
 SEED_MODULUS = 2**31 - 1
 
 
@@ -137,6 +137,15 @@ class AgentProcess:
             self.kill()
 
 
+def check_agent(spec: str) -> None:
+    """Pre-flight: the agent's file loads in a worker process (a connector's environment is
+    built there); ConfigError (one line naming ``episodes.agent``) otherwise."""
+    try:
+        AgentProcess(resolve_spec(spec)).close()
+    except (AgentFailed, AgentContractError) as e:
+        raise ConfigError(KEY, str(e).removeprefix(f"{KEY} ")) from None
+
+
 class AgentRunner:
     """Rank 0's agent episodes (module docstring): a rollout function,
     ``runner(engine, prompts, n, sampling, seed) -> n Episodes per prompt``, prompt-major."""
@@ -161,6 +170,17 @@ class AgentRunner:
         except (AgentFailed, AgentContractError) as e:
             self.close()
             raise ConfigError(KEY, str(e).removeprefix(f"{KEY} ")) from None
+
+    @classmethod
+    def build(cls, episodes_cfg, tokenizer, *, max_inflight: int, use_template: bool) -> "AgentRunner":
+        """The run's runner from its ``episodes:`` section (``EpisodesConfig``): the chat template
+        must render tool/user turns after an assistant turn prefix-stably (``TurnRenderer``'s
+        pre-flight), the agent's file loads in a worker; ConfigError (one line) otherwise."""
+        renderer = TurnRenderer(tokenizer, episodes_cfg.observation_role, use_template=use_template)
+        return cls(episodes_cfg.agent, tokenizer, renderer, max_turns=episodes_cfg.max_turns,
+                   max_episode_tokens=episodes_cfg.max_episode_tokens, timeout_s=episodes_cfg.agent_timeout_s,
+                   workers=episodes_cfg.agent_workers, tool_call_format=episodes_cfg.tool_call_format,
+                   max_inflight=max_inflight, on_env_error=episodes_cfg.on_env_error)
 
     # ---- workers -------------------------------------------------------------------------
 

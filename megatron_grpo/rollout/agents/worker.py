@@ -1,4 +1,4 @@
-"""The worker process of ``rollout.agent``: the user's agent function runs here, never in the
+"""The worker process of ``episodes.agent``: the user's agent function runs here, never in the
 trainer's process, so a hung or crashing agent is killed alone (with whatever it started).
 
 Forked by the environments' fork server (``rollout/environments/worker.py``, a ``run`` request
@@ -20,6 +20,7 @@ or a dict with ``"reward"`` and other numbers (logged as ``agent/<name>_mean``).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import math
 import numbers
@@ -30,7 +31,7 @@ from megatron_grpo.rollout.agents.connectors import load_agent
 from megatron_grpo.rollout.environments.loading import one_line
 from megatron_grpo.rollout.environments.worker import raise_site
 
-KEY = "rollout.agent"
+KEY = "episodes.agent"
 
 
 def agent_result(out: Any, where: str) -> dict:
@@ -74,7 +75,7 @@ def serve(conn, spec: str) -> None:
         conn.send(("contract", str(e)))
         return
     where = spec
-    import openai  # noqa: F401  (imported once per worker, before the first episode's deadline runs)
+    importlib.import_module("openai")  # once per worker, before the first episode's deadline runs
 
     conn.send(("loaded", None))
     is_async = inspect.iscoroutinefunction(fn)

@@ -82,7 +82,7 @@ class GuessNumber:
     """Guess the secret integer (the row's ``secret``, else its ``answer``). Each response's last
     integer is a guess: the observation is ``higher`` or ``lower``; a hit ends the episode with
     reward 1.0, a response without a number gets ``a number please``. The turn limit
-    (rollout.multi_turn.max_turns) ends a game that was not won (reward 0.0)."""
+    (episodes.max_turns) ends a game that was not won (reward 0.0)."""
 
     def __init__(self, row: dict):
         self.secret = int(row.get("secret", row.get("answer")))
@@ -98,4 +98,4 @@ class GuessNumber:
 
 
 BUILTINS: dict[str, type] = {"calculator": Calculator, "guess_number": GuessNumber}
-"""Built-in environment name -> class (the names ``config.rollout.BUILTIN_ENVIRONMENTS`` accepts)."""
+"""Built-in environment name -> class (the names ``config.episodes.BUILTIN_ENVIRONMENTS`` accepts)."""

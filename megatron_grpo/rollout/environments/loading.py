@@ -1,4 +1,4 @@
-"""``rollout.environment`` -> an environment class, and the contract of its ``step``.
+"""``episodes.environment`` -> an environment class, and the contract of its ``step``.
 
 Runs inside an environment worker process (``worker.py``): loading executes the user's file.
 A file ``path/to/env.py:ClassName`` is loaded by path, with no ``PYTHONPATH`` change, once per
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_grpo.config.env_connectors import ENVIRONMENT_CONNECTORS, split_connector_spec
-from megatron_grpo.config.rollout import ENVIRONMENT_FILE_RE
+from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE
 from megatron_grpo.rollout.environments.builtin import BUILTINS
 
 MAX_COUNTS = 16
@@ -56,7 +56,7 @@ def connector_module(spec: str):
         return None
     prefix, target = connector
     if prefix not in ENVIRONMENT_CONNECTORS:
-        raise ValueError(f"rollout.environment {spec!r}: unknown environment connector {prefix!r} "
+        raise ValueError(f"episodes.environment {spec!r}: unknown environment connector {prefix!r} "
                          f"(known: {', '.join(ENVIRONMENT_CONNECTORS)})")
     return importlib.import_module(ENVIRONMENT_CONNECTORS[prefix].module), target
 
@@ -83,7 +83,7 @@ def load_environment_class(spec: str) -> type:
     if found is not None:
         module, target = found
         return module.environment_class(target)
-    return load_file_attribute(spec, "rollout.environment")
+    return load_file_attribute(spec, "episodes.environment")
 
 
 def load_file_attribute(spec: str, key: str, prefix: str = "") -> Any:
@@ -117,19 +117,19 @@ def class_problem(cls: Any, where: str) -> str | None:
     """Why ``cls`` is not an environment class (None if it is): a class constructed with one
     argument (the row) with a callable ``step(response)``."""
     if not inspect.isclass(cls):
-        return f"rollout.environment {where}: is a {type(cls).__name__}, not a class"
+        return f"episodes.environment {where}: is a {type(cls).__name__}, not a class"
     if not callable(getattr(cls, "step", None)):
-        return f"rollout.environment {where}: the class has no method step(self, response)"
+        return f"episodes.environment {where}: the class has no method step(self, response)"
     try:
         inspect.signature(cls).bind({})
     except TypeError as e:
-        return f"rollout.environment {where}: the constructor must take the dataset row (__init__(self, row)): {e}"
+        return f"episodes.environment {where}: the constructor must take the dataset row (__init__(self, row)): {e}"
     except ValueError:
         pass  # no signature available (a C type): checked at the first episode
     try:
         inspect.signature(cls.step).bind(None, "")
     except TypeError as e:
-        return f"rollout.environment {where}: step must take the response (step(self, response)): {e}"
+        return f"episodes.environment {where}: step must take the response (step(self, response)): {e}"
     except ValueError:
         pass
     return None
@@ -142,7 +142,7 @@ def check_step_result(out: Any, where: str) -> dict:
     ``multi_turn/env/<name>``, and ``tool_call_errors``, malformed calls, as
     ``multi_turn/tool_call_errors`` like an agent episode's);
     ValueError (one line naming ``where``) when it has another shape."""
-    head = f"rollout.environment {where}: step returned"
+    head = f"episodes.environment {where}: step returned"
     if not isinstance(out, dict):
         raise ValueError(f"{head} a {type(out).__name__}; expected a dict "
                          '{"observation": str | None, "done": bool, "reward": float (optional)}')

@@ -257,7 +257,7 @@ def _serve(conn, spec: str, row: dict) -> None:
     try:
         env = cls(row)
     except ContractViolation as e:  # a connector's environment asks for what the loop cannot do
-        conn.send(("contract", f"rollout.environment {where}: {e}"))
+        conn.send(("contract", f"episodes.environment {where}: {e}"))
         return
     except Exception as e:  # the user's constructor: reported, the episode ends
         conn.send(("error", {"message": f"constructor raised {one_line(e)}", "where": raise_site(e, env_file)}))
@@ -277,7 +277,7 @@ def _serve(conn, spec: str, row: dict) -> None:
                 loop = loop or asyncio.new_event_loop()
                 out = loop.run_until_complete(out)
         except ContractViolation as e:
-            conn.send(("contract", f"rollout.environment {where}: {e}"))
+            conn.send(("contract", f"episodes.environment {where}: {e}"))
             return
         except Exception as e:  # the user's step: reported, the episode ends
             conn.send(("error", {"message": f"step raised {one_line(e)}", "where": raise_site(e, env_file)}))
@@ -312,12 +312,12 @@ def check_environment(spec: str, timeout_s: float, prepare: bool = False) -> Non
     conn, pid = fork_server().connect(("check", spec, prepare))
     try:
         if not conn.poll(timeout_s):
-            raise EnvContractError(f"rollout.environment {describe(spec)}: loading the file took longer than "
-                                   f"{timeout_s:g}s (rollout.multi_turn.env_timeout_s)")
+            raise EnvContractError(f"episodes.environment {describe(spec)}: loading the file took longer than "
+                                   f"{timeout_s:g}s (episodes.env_timeout_s)")
         try:
             problem = conn.recv()
         except (EOFError, OSError):
-            raise EnvContractError(f"rollout.environment {describe(spec)}: loading the file killed its "
+            raise EnvContractError(f"episodes.environment {describe(spec)}: loading the file killed its "
                                    "process") from None
         if problem is not None:
             raise EnvContractError(problem)

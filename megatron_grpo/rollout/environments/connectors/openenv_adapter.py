@@ -262,7 +262,7 @@ def prepare(target: str, workdir: str) -> None:
         if restarts > MAX_RESTARTS:
             _failures[target] = f"its server died {restarts} times; not restarted again"
             return
-        print(f"[megatron-grpo] rollout.environment openenv:{describe(target)}: its server (pid {server.pid}) "
+        print(f"[megatron-grpo] episodes.environment openenv:{describe(target)}: its server (pid {server.pid}) "
               f"died; restarting it ({restarts} of at most {MAX_RESTARTS})", file=sys.stderr, flush=True)
     _preload_client()  # before the fork: the server (and every worker) inherits OpenEnv's modules
     pid = started = None
@@ -283,7 +283,7 @@ def prepare(target: str, workdir: str) -> None:
         return
     _servers[target] = server
     if server.pid is not None:
-        print(f"[megatron-grpo] rollout.environment openenv:{describe(target)}: its server (pid {server.pid}) "
+        print(f"[megatron-grpo] episodes.environment openenv:{describe(target)}: its server (pid {server.pid}) "
               f"serves on {server.url}", file=sys.stderr, flush=True)
 
 
@@ -293,9 +293,9 @@ def environment_class(target: str) -> type:
     too (the launcher's check starts none)."""
     where = f"openenv:{describe(target)}"
     if not (FILE_TARGET_RE.match(target) or target.startswith(("http://", "https://"))):
-        raise ValueError(f"rollout.environment {where}: expected openenv:path/to/app.py:app or openenv:http://host:port")
+        raise ValueError(f"episodes.environment {where}: expected openenv:path/to/app.py:app or openenv:http://host:port")
     if target in _failures:
-        raise ValueError(f"rollout.environment {where}: {_failures[target]}")
+        raise ValueError(f"episodes.environment {where}: {_failures[target]}")
     return type("OpenEnvEnvironment", (OpenEnvAdapter,), {"target": target, "where": where})
 
 

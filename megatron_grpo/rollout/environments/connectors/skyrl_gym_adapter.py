@@ -20,7 +20,7 @@ before the episode starts:
   different prompt (a system message added, say) cannot be honoured and stops the run with one
   line (``ContractViolation``), rather than being silently ignored;
 * a step's observation messages are rendered as ONE observation turn (their contents joined by
-  newlines) in ``rollout.multi_turn.observation_role``; SkyRL renders each message in its own
+  newlines) in ``episodes.observation_role``; SkyRL renders each message in its own
   role. An empty list while the episode goes on is an empty observation turn; the messages of
   the step that ends the episode are dropped (nothing is generated after them);
 * ``postprocessed_action`` (deprecated in SkyRL: it re-tokenizes the action) is ignored: the
@@ -58,7 +58,7 @@ def _library(where: str):
         import skyrl_gym
         from skyrl_gym.envs.base_text_env import BaseTextEnv
     except ImportError as e:
-        raise ValueError(f"rollout.environment {where}: needs the skyrl-gym library ({one_line(e)}): "
+        raise ValueError(f"episodes.environment {where}: needs the skyrl-gym library ({one_line(e)}): "
                          f"{AGENTS_EXTRA}") from None
     return skyrl_gym, BaseTextEnv
 
@@ -69,16 +69,16 @@ def environment_class(target: str) -> type:
     where = f"skyrl_gym:{describe(target)}"
     skyrl_gym, base = _library(where)
     if FILE_TARGET_RE.match(target):
-        cls = load_file_attribute(target, "rollout.environment", prefix="skyrl_gym:")
+        cls = load_file_attribute(target, "episodes.environment", prefix="skyrl_gym:")
         if not (isinstance(cls, type) and issubclass(cls, base)):
-            raise ValueError(f"rollout.environment {where}: is not a subclass of skyrl_gym's BaseTextEnv")
+            raise ValueError(f"episodes.environment {where}: is not a subclass of skyrl_gym's BaseTextEnv")
 
         def make(env_config, extras):
             return cls(env_config=env_config, extras=extras)
     else:
         registered = sorted(skyrl_gym.registry)
         if target not in registered:
-            raise ValueError(f"rollout.environment {where}: no skyrl-gym environment {target!r} is registered "
+            raise ValueError(f"episodes.environment {where}: no skyrl-gym environment {target!r} is registered "
                              f"(registered: {', '.join(registered)})")
 
         def make(env_config, extras):

@@ -30,7 +30,7 @@ Departures, each because this loop's prompt is rendered before the episode start
 environment speaks text: a ``reset`` that returns a prompt (TRL appends it to the last user
 message) stops the run with one line; ``get_reward`` is called after every step, not once
 (it must read the state, not change it); several results are one observation turn, not one
-``tool`` message each (the chat template renders it in ``rollout.multi_turn.observation_role``);
+``tool`` message each (the chat template renders it in ``episodes.observation_role``);
 the tools' schemas are not rendered into the prompt (the prompt is the dataset row's: describe
 the tools there); reward functions do not get the ``environments`` argument.
 """
@@ -53,16 +53,16 @@ def environment_class(target: str) -> type:
     """The adapter class for ``target`` (``path.py:Class``: a class constructed with no argument,
     with a ``reset``); ValueError (one line) otherwise."""
     where = f"tools:{describe(target)}"
-    cls = load_file_attribute(target, "rollout.environment", prefix="tools:")
+    cls = load_file_attribute(target, "episodes.environment", prefix="tools:")
     if not inspect.isclass(cls):
-        raise ValueError(f"rollout.environment {where}: is a {type(cls).__name__}, not a class")
+        raise ValueError(f"episodes.environment {where}: is a {type(cls).__name__}, not a class")
     if not callable(getattr(cls, "reset", None)):
-        raise ValueError(f"rollout.environment {where}: the class has no reset(self, **kwargs) (TRL's "
+        raise ValueError(f"episodes.environment {where}: the class has no reset(self, **kwargs) (TRL's "
                          "environment_factory requires one)")
     try:
         inspect.signature(cls).bind()
     except TypeError as e:
-        raise ValueError(f"rollout.environment {where}: the class must be constructed with no argument (TRL's "
+        raise ValueError(f"episodes.environment {where}: the class must be constructed with no argument (TRL's "
                          f"environment_factory): {e}") from None
     except ValueError:
         pass  # no signature (a C type): checked at the first episode

@@ -1,0 +1,200 @@
+"""Deprecated config keys: ``DEPRECATED_KEYS``, the one table from each old dotted key to the
+key that replaced it, and the renaming the loader (``experiment.load_config``) applies to a
+parsed YAML file and to each command-line override before the strict build. The build then
+sees only current keys, so an unknown key is refused as before, with its usual one-line error.
+
+An old key keeps working for one release: its value moves to the new key and the loader prints
+one line naming the new key (``[megatron-grpo] config: rollout.engine is deprecated; use
+engine.kind``). Giving the old and the new key in the same place (the file, or the command
+line) is a one-line error naming both; an override on the command line still wins over the
+file, whichever spelling either uses.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+import typing
+from typing import Any, Iterator, Optional
+
+from megatron_grpo.config.base import ConfigError, field_types, unknown_key
+
+DEPRECATED_KEYS: dict[str, str] = {
+    # Issue 46: the `rollout:` section held the engine, the weight sync and the episodes as well;
+    # they are sections of their own now (config/engine.py, sync.py, episodes.py). These
+    # entries go one release after the one that made the split (0.1.0 is the current version).
+    "rollout.engine": "engine.kind",
+    "rollout.urls": "engine.urls",
+    "rollout.num_servers": "engine.num_servers",
+    "rollout.host": "engine.host",
+    "rollout.port": "engine.port",
+    "rollout.api_key": "engine.api_key",
+    "rollout.sglang": "engine.sglang",  # a section: its keys are unchanged
+    "rollout.embedded": "engine.embedded",  # a section: its keys are unchanged
+    "rollout.dtype": "engine.dtype",
+    "rollout.quantization": "engine.quantization",
+    "rollout.fp8_format": "engine.fp8_format",
+    "rollout.max_restarts": "engine.max_restarts",
+    "rollout.max_inflight_requests": "engine.max_inflight_requests",
+    "rollout.launch_timeout_s": "engine.launch_timeout_s",
+    "rollout.request_timeout_s": "engine.request_timeout_s",
+    "rollout.max_retries": "engine.max_retries",
+    "rollout.base_gpu_id": "engine.base_gpu_id",
+    "rollout.colocate": "engine.colocate",
+    "rollout.weight_sync_transport": "sync.transport",
+    "rollout.weight_sync_backend": "sync.backend",
+    "rollout.weight_sync_master_address": "sync.master_address",
+    "rollout.weight_update_bucket_mb": "sync.bucket_mb",
+    "rollout.verify_weights_every": "sync.verify_every",
+    "rollout.verify_logprob_tolerance": "sync.verify_logprob_tolerance",
+    "rollout.environment": "episodes.environment",
+    "rollout.rollout_function": "episodes.rollout_function",
+    "rollout.rollout_function_timeout_s": "episodes.rollout_function_timeout_s",
+    "rollout.multi_turn.observation_role": "episodes.observation_role",
+    "rollout.multi_turn.observation_formatter": "episodes.observation_formatter",
+    "rollout.multi_turn.max_turns": "episodes.max_turns",
+    "rollout.multi_turn.max_episode_tokens": "episodes.max_episode_tokens",
+    "rollout.multi_turn.env_timeout_s": "episodes.env_timeout_s",
+    "rollout.multi_turn.on_env_error": "episodes.on_env_error",
+    "rollout.multi_turn.env_reward": "episodes.env_reward",
+}
+"""Old dotted key -> its current dotted key. A key naming a section moves with everything
+under it (``rollout.sglang.tp`` -> ``engine.sglang.tp``)."""
+
+PREFIX = "[megatron-grpo] config:"
+
+Renamed = list[tuple[str, str]]
+"""(the deprecated key as given, the key it now is), in the order found."""
+
+
+def key_type(root: type, dotted: str) -> Optional[Any]:
+    """The type of the field at ``dotted`` under dataclass ``root`` (a section's class for a
+    section), or None when the schema has no such key."""
+    tp: Any = root
+    for part in dotted.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return None
+        hints = field_types(tp)
+        if part not in hints:
+            return None
+        tp = hints[part]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):  # an Optional section
+            tp = args[0]
+    return tp
+
+
+def removed_sections(root: type) -> list[str]:
+    """Parents of old keys that are no section of ``root`` any more (``rollout.multi_turn``): a
+    mapping left there after the renaming holds only keys that never existed."""
+    parents = {old.rpartition(".")[0] for old in DEPRECATED_KEYS}
+    return sorted(p for p in parents if key_type(root, p) is None)
+
+
+def _conflict(old: str, new: str) -> ConfigError:
+    return ConfigError(new, f"is given twice: as {new} and as its deprecated name {old}; keep only {new}")
+
+
+def _pop(raw: dict, parts: list[str]) -> tuple[bool, Any]:
+    node = raw
+    for part in parts[:-1]:
+        node = node.get(part)
+        if not isinstance(node, dict):
+            return False, None
+    if parts[-1] not in node:
+        return False, None
+    return True, node.pop(parts[-1])
+
+
+def _put(raw: dict, new: str, value: Any, old: str) -> None:
+    """Set ``new`` (dotted) in ``raw`` to ``value``, given as ``old``; a section's value is merged
+    key by key into the new section when both are given."""
+    parts = new.split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: i + 1]), f"is not a section, cannot set {new} (given as {old})")
+        node = child
+    leaf = parts[-1]
+    if leaf not in node:
+        node[leaf] = value
+        return
+    existing = node[leaf]
+    if not (isinstance(existing, dict) and isinstance(value, dict)):
+        raise _conflict(old, new)
+    for key, sub in value.items():
+        if key in existing:
+            raise _conflict(f"{old}.{key}", f"{new}.{key}")
+        existing[key] = sub
+
+
+def _leftover(root: type, raw: dict) -> None:
+    """Refuse what the renaming left in a removed section (a misspelt old key), or drop the
+    section when it is empty."""
+    for section in removed_sections(root):
+        found, value = _pop(raw, section.split("."))
+        if not found or value == {}:
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(section, f"expected a mapping of keys, got {type(value).__name__} {value!r}")
+        names = [old.rpartition(".")[2] for old in DEPRECATED_KEYS if old.rpartition(".")[0] == section]
+        raise unknown_key(f"{section}.{next(iter(value))}", next(iter(value)), names)
+
+
+def rename_file(raw: dict, root: type) -> tuple[dict, Renamed]:
+    """A copy of the parsed YAML ``raw`` with every deprecated key moved to its current key."""
+    raw = copy.deepcopy(raw)
+    renamed: Renamed = []
+    for old, new in DEPRECATED_KEYS.items():
+        found, value = _pop(raw, old.split("."))
+        if found:
+            _put(raw, new, value, old)
+            renamed.append((old, new))
+    _leftover(root, raw)
+    return raw, renamed
+
+
+def rename_override(parts: list[str], value: Any, root: type) -> Iterator[tuple[list[str], Any, Optional[str]]]:
+    """(current key parts, value, the deprecated key as given or None) of the override
+    ``parts=value``: one, or one per key of a removed section given as a mapping."""
+    dotted = ".".join(parts)
+    for old, new in DEPRECATED_KEYS.items():
+        if dotted == old or dotted.startswith(old + "."):
+            yield [*new.split("."), *parts[len(old.split(".")):]], value, dotted
+            return
+    for section in removed_sections(root):
+        if dotted == section:  # rollout.multi_turn={max_turns: 3}
+            if not isinstance(value, dict):
+                raise ConfigError(section, f"expected a mapping of keys, got {type(value).__name__} {value!r}")
+            for key, sub in value.items():
+                yield from rename_override([*parts, str(key)], sub, root)
+            return
+        if dotted.startswith(section + "."):
+            names = [old.rpartition(".")[2] for old in DEPRECATED_KEYS if old.rpartition(".")[0] == section]
+            raise unknown_key(dotted, parts[len(section.split("."))], names)
+    yield parts, value, None
+
+
+def current_key(dotted: str) -> str:
+    """``dotted`` with a deprecated prefix replaced by its current key (``rollout.sglang.tp``
+    -> ``engine.sglang.tp``); other keys unchanged."""
+    for old, new in DEPRECATED_KEYS.items():
+        if dotted == old or dotted.startswith(old + "."):
+            return new + dotted[len(old):]
+    return dotted
+
+
+_announced: set[str] = set()  # lines this process printed: a command loads its config more than once
+
+
+def announce(renamed: Renamed) -> None:
+    """Print one line per deprecated key to stderr, once per process."""
+    for old, new in renamed:
+        line = f"{PREFIX} {old} is deprecated; use {new}"
+        if line not in _announced:
+            _announced.add(line)
+            print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,63 @@
+"""`megatron-grpo train` with `episodes.agent`: an OpenAI-SDK agent (the real `openai` client in
+a worker process) trains the demo model for two steps on TP=2 (2 gloo ranks + the in-process
+engine); the same shape of episodes as tests/test_multi_turn_e2e.py's environment run (the
+agent asks what the Nudge environment would), the agent's own numbers in metrics.jsonl, the
+held-out evaluation through the agent too, and a bad agent file refused in one line."""
+
+import subprocess
+
+import pytest
+
+from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd
+
+NUDGE_AGENT = '''
+def run(client, row):
+    messages = list(row["messages"])
+    first = client.chat.completions.create(model="policy", messages=messages)
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "user", "content": "please reply with only a number"}]
+    second = client.chat.completions.create(model="policy", messages=messages)
+    words = (second.choices[0].message.content or "").split()
+    return {"reward": float(bool(words) and words[-1] == row["answer"]),
+            "first_len": float(len(first.choices[0].token_ids))}
+'''
+
+
+@pytest.mark.slow
+def test_two_steps_with_an_sdk_agent(demo, tmp_path):
+    agent_file = tmp_path / "nudge_agent.py"
+    agent_file.write_text(NUDGE_AGENT)
+    run_dir = tmp_path / "run"
+    heldout = demo / "arithmetic_heldout.jsonl"
+    cmd = train_cmd(demo, run_dir, 2, "engine.kind=inprocess", f"episodes.agent={agent_file}:run",
+                    "episodes.observation_role=user", "episodes.max_turns=3", "episodes.max_episode_tokens=64",
+                    "episodes.agent_workers=2",
+                    "rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=16",
+                    "parallel.micro_batch_size=8", "eval.every_n_steps=0", "logging.plot=false",
+                    f"eval.sets=[{{name: heldout, path: {heldout}, n: 2, temperature: 1.0}}]")
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["multi_turn/turns_mean"] == 2 and r["multi_turn/diverged"] == 0
+        assert r["multi_turn/env_errors"] == 0 and r["multi_turn/env_timeouts"] == 0
+        # the nudge between the two model turns (8-9 tokens, as the environment's), never trained
+        assert 8 <= r["multi_turn/observation_tokens_mean"] <= 9
+        assert r["multi_turn/model_tokens_mean"] == 2 and r["num_valid_tokens"] == 32
+        assert r["agent/first_len_mean"] == 1.0  # the demo model answers one token
+    last = rows[-1]
+    assert last["eval/heldout/turns_mean"] == 2 and last["eval/heldout/env_failures"] == 0
+
+
+@pytest.mark.slow
+def test_a_broken_agent_file_is_one_line_before_the_run(demo, tmp_path):
+    agent_file = tmp_path / "broken.py"
+    agent_file.write_text("import no_such_module_here\n")
+    cmd = train_cmd(demo, tmp_path / "run", 1, "engine.kind=inprocess", f"episodes.agent={agent_file}:run",
+                    "episodes.max_episode_tokens=64")
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if "episodes.agent" in line]
+    assert lines and "no_such_module_here" in lines[0], out.stderr[-2000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
