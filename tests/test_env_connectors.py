@@ -419,7 +419,7 @@ def test_a_server_that_keeps_dying_stops_the_run_in_one_line(monkeypatch):
 
 # ---- training runs through `megatron-grpo train` -------------------------------------------------
 
-RUN_OVERRIDES = ("rollout.engine=inprocess", "parallel.tp=1", "parallel.world_size=1",
+RUN_OVERRIDES = ("engine.kind=inprocess", "parallel.tp=1", "parallel.world_size=1",
                  "episodes.observation_role=user", "episodes.max_turns=2",
                  "episodes.max_episode_tokens=64", "rollout.prompts_per_step=4",
                  "rollout.num_generations=4", "parallel.global_batch_size=8", "parallel.micro_batch_size=8",
