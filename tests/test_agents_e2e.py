@@ -61,3 +61,63 @@ def test_a_broken_agent_file_is_one_line_before_the_run(demo, tmp_path):
     lines = [line for line in out.stderr.splitlines() if "episodes.agent" in line]
     assert lines and "no_such_module_here" in lines[0], out.stderr[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+TOOL_ENV = r'''
+import verifiers as vf
+from datasets import Dataset
+
+from megatron_grpo.rollout.environments.builtin import evaluate, format_number
+
+QUESTIONS = [(f"what is {a} plus {b}", str(a + b)) for a, b in [(3, 4), (9, 9), (2, 6), (10, 5)]]
+
+
+def compute(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: the expression
+    """
+    try:
+        return f"result {format_number(evaluate(expression))}"
+    except ValueError:
+        return "result ?"
+
+
+def correct(parser, completion, answer) -> float:
+    words = (parser.parse_answer(completion) or "").split()
+    return float(bool(words) and words[-1] == answer)
+
+
+def load_environment():
+    dataset = Dataset.from_list([{"question": q, "answer": a} for q, a in QUESTIONS])
+    return vf.ToolEnv(dataset=dataset, tools=[compute], rubric=vf.Rubric(funcs=[correct]), max_turns=2)
+'''
+
+
+@pytest.mark.slow
+def test_two_steps_of_a_verifiers_tool_env(demo, tmp_path):
+    """A verifiers ToolEnv, unchanged, trains the demo model through its own turn loop: the
+    run's data rows name its questions; its rubric's reward and scores reach metrics.jsonl."""
+    import json
+
+    env_file = tmp_path / "tool_env.py"
+    env_file.write_text(TOOL_ENV)
+    data = tmp_path / "questions.jsonl"
+    rows = [(f"what is {a} plus {b}", str(a + b)) for a, b in [(3, 4), (9, 9), (2, 6), (10, 5)]]
+    data.write_text("".join(json.dumps({"prompt": q, "question": q, "answer": a}) + "\n" for q, a in rows))
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(demo, run_dir, 2, "engine.kind=inprocess", f"episodes.agent=verifiers:{env_file}:load_environment",
+                    "episodes.tool_call_format=compute", "episodes.observation_role=user", "episodes.max_turns=2",
+                    "episodes.max_episode_tokens=48", "episodes.env_reward=replace", "episodes.agent_workers=2",
+                    f"data.train_file={data}", "rollout.prompts_per_step=2", "rollout.num_generations=4",
+                    "parallel.global_batch_size=8", "parallel.micro_batch_size=4", "eval.every_n_steps=0",
+                    "eval.sets=[]", "logging.plot=false")
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    assert out.returncode == 0, out.stderr[-4000:]
+    metrics = read_metrics(run_dir)
+    assert [r["step"] for r in metrics] == [1, 2]
+    for r in metrics:
+        assert r["multi_turn/diverged"] == 0 and r["multi_turn/env_errors"] == 0
+        assert 1 <= r["multi_turn/turns_mean"] <= 2 and r["num_valid_tokens"] > 0
+        assert r["agent/correct_mean"] == pytest.approx(r["reward_mean"])  # the rubric's one function, weight 1
