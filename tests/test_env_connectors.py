@@ -34,7 +34,7 @@ from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, E
 from megatron_grpo.rollout.environments.connectors import openenv_adapter
 from megatron_grpo.rollout.environments.worker import fork_server, shutdown_fork_server
 from megatron_grpo.rollout.multi_turn import Episode, episode_stats
-from megatron_grpo.wire.samples import Sample
+from megatron_grpo.wire.samples import Sample, SamplingParams
 from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd
 
 ROW = {"prompt": "what is 3 plus 4", "answer": "7", "data_source": "test"}
@@ -85,6 +85,20 @@ class OwnsThePrompt(Raises):
 class NeedsAnUrl(Raises):
     def __init__(self, url):
         self.url = url
+
+
+class Calculator:
+    """TRL-style: the demo model's `compute <expression>` calls this method."""
+    def reset(self, **kwargs):
+        self.answer, self.last = kwargs["answer"], None
+
+    def compute(self, expression: str) -> str:
+        from megatron_grpo.rollout.environments.builtin import evaluate, format_number
+        self.last = format_number(evaluate(expression))
+        return f"result {self.last}"
+
+    def get_reward(self) -> float:
+        return float(self.last == self.answer)
 '''
 
 
@@ -454,3 +468,34 @@ def test_train_two_steps_with_an_openenv_env_whose_server_ends_with_the_run(demo
         assert 0.2 <= r["multi_turn/env_reward_mean"] <= 0.4 + 1e-6 and r["multi_turn/model_tokens_mean"] == 2
     (pid,) = [int(m) for m in re.findall(r"its server \(pid (\d+)\) serves on http://127.0.0.1:\d+", stderr)]
     assert comm(pid) != openenv_adapter.PROCESS_NAME  # gone with the run (its pid free, or another process's)
+
+
+def test_the_episode_loop_hands_a_tool_class_the_runs_tool_call_format(env_files):
+    """episodes.tool_call_format reaches the tools connector: the demo vocabulary's `compute 3 + 4`
+    is a call of the class's compute method (the default hermes format would see no call)."""
+    from megatron_grpo.data.prompts import Prompt, render_prompt
+    from megatron_grpo.models.tiny import build_tokenizer
+    from megatron_grpo.rollout.multi_turn import EpisodeRunner
+
+    tok = build_tokenizer()
+
+    class Scripted:
+        def __init__(self):
+            self.replies = [tok("compute 3 + 4 <eos>", add_special_tokens=False)["input_ids"],
+                            tok("7 <eos>", add_special_tokens=False)["input_ids"]]
+
+        def generate(self, prompts, n, sampling, *, sampling_seed=None, **kw):
+            out = self.replies.pop(0)
+            return [Sample(prompt_index=0, sample_index=0, prompt_ids=list(prompts[0]), output_ids=out,
+                           output_logprobs=[-0.5] * len(out), finish_reason="stop", weight_version="1")]
+
+    text, ids = render_prompt("what is 3 plus 4", tok, use_template=True, system_prompt=None, where="t")
+    prompt = Prompt(index=0, where="t", text=text, prompt_ids=ids, answer="7")
+    for fmt, turns, reward in [("compute", 2, 1.0), ("hermes", 1, 0.0)]:
+        cfg = EpisodesConfig(environment=f"tools:{env_files}/tool_envs.py:Calculator", observation_role="user",
+                             max_turns=2, max_episode_tokens=32, tool_call_format=fmt)
+        runner = EpisodeRunner.build(cfg, tok, max_inflight=1, use_template=True)
+        (episode,) = runner(Scripted(), [prompt], 1, SamplingParams(max_new_tokens=8), 0)
+        assert (episode.num_turns, episode.env_reward, episode.error) == (turns, reward, None), fmt
+        if fmt == "compute":
+            assert "result 7" in tok.decode(episode.sample.output_ids)

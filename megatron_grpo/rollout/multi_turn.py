@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from megatron_grpo.config.base import ConfigError
+from megatron_grpo.config.env_connectors import split_connector_spec
 from megatron_grpo.config.episodes import EpisodesConfig
 from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rewards.registry import load_file
@@ -102,6 +103,10 @@ class EpisodeRunner:
         self.renderer = renderer
         self.tokenizer = renderer.tokenizer
         self._reported: set[tuple[str, str]] = set()
+        # a connector that parses tool calls gets the run's format (its worker's construction option)
+        connector = split_connector_spec(self.spec)
+        self.env_options = ({"tool_call_format": episodes_cfg.tool_call_format}
+                            if connector is not None and connector[0] == "tools" else None)
 
     @classmethod
     def build(cls, episodes_cfg: EpisodesConfig, tokenizer, *, max_inflight: int,
@@ -167,7 +172,7 @@ class EpisodeRunner:
         env: Optional[EnvProcess] = None
         t0 = time.monotonic()
         try:
-            env = await loop.run_in_executor(pool, EnvProcess, self.spec, row, cfg.env_timeout_s)
+            env = await loop.run_in_executor(pool, EnvProcess, self.spec, row, cfg.env_timeout_s, self.env_options)
             env_s += time.monotonic() - t0
             while True:
                 left = cfg.max_episode_tokens - len(out_ids)

@@ -182,7 +182,7 @@ def _server_main() -> None:
             try:
                 conn.send(os.getpid())
                 if request[0] == "serve":
-                    _serve(conn, request[1], request[2])
+                    _serve(conn, request[1], request[2], request[3] if len(request) > 3 else None)
                 elif request[0] == "check":
                     _check(conn, request[1])
                 else:  # ("run", target, args): RUN_TARGETS[target](conn, *args)
@@ -237,8 +237,10 @@ def raise_site(e: BaseException, env_file: str) -> str:
     return f"{frame.filename}:{frame.lineno}" if frame else env_file
 
 
-def _serve(conn, spec: str, row: dict) -> None:
-    """A worker: load, construct, then answer ("step", response, max_observation_chars) until ("close", ...)."""
+def _serve(conn, spec: str, row: dict, options: Optional[dict] = None) -> None:
+    """A worker: load, construct (``cls(row, **options)``: a connector's run settings, e.g. the
+    tools connector's tool-call format), then answer ("step", response, max_observation_chars)
+    until ("close", ...)."""
     conn.send(("ready", None))
     where = describe(spec)
     try:
@@ -255,7 +257,7 @@ def _serve(conn, spec: str, row: dict) -> None:
     except TypeError:
         env_file = where
     try:
-        env = cls(row)
+        env = cls(row, **(options or {}))
     except ContractViolation as e:  # a connector's environment asks for what the loop cannot do
         conn.send(("contract", f"episodes.environment {where}: {e}"))
         return
@@ -349,10 +351,10 @@ class EnvProcess:
     """One environment instance in its own worker process (see the module docstring).
     Blocking: every call returns within its timeout."""
 
-    def __init__(self, spec: str, row: dict, timeout_s: float):
+    def __init__(self, spec: str, row: dict, timeout_s: float, options: Optional[dict] = None):
         self.where = describe(spec)
         self.timeout_s = timeout_s
-        self._conn, self.pid = fork_server().connect(("serve", spec, row))
+        self._conn, self.pid = fork_server().connect(("serve", spec, row, options))
         self._closed = False
         self._await("start-up", STARTUP_TIMEOUT_S)
         self._await("the constructor", timeout_s)

@@ -7,7 +7,7 @@ takes it (TRL's docs: grpo_trainer.md, "Environments"; its ``_tool_call_loop``):
 * its tools: every public bound method (``inspect.getmembers(instance, inspect.ismethod)``, a
   name not starting with ``_``) but the reserved ``reset`` and ``get_reward``;
 * each model turn's text is parsed for tool calls in the model's own format
-  (``chat/tool_calls.py``: ``hermes`` by default, ``compute``; the adapter's ``fmt`` argument),
+  (``chat/tool_calls.py``: ``episodes.tool_call_format``, ``hermes`` by default, or ``compute``),
   each call made with its parsed arguments (``method(**arguments)``, an ``async def`` awaited),
   and the observation is one text per call, in call order, joined by newlines: ``str(result)``,
   or for a call that fails ``str({"error": message})``, TRL's forms (an unknown name:
@@ -87,16 +87,18 @@ def reset_kwargs(row: dict) -> dict:
 
 class ToolsAdapter:
     """One instance of a TRL-style environment class for one episode (the class
-    ``environment_class`` returns binds ``env_class`` and ``where``). ``fmt``: the tool-call
-    format of the model (``chat.tool_calls.TOOL_CALL_FORMATS``)."""
+    ``environment_class`` returns binds ``env_class`` and ``where``). ``tool_call_format``: the
+    model's (``episodes.tool_call_format``, ``chat.tool_calls.TOOL_CALL_FORMATS``), handed over
+    by the episode loop as the worker's construction option."""
 
     env_class: type
     where: str
 
-    def __init__(self, row: dict, fmt: str = "hermes"):
-        if fmt not in TOOL_CALL_FORMATS:
-            raise ContractViolation(f"unknown tool-call format {fmt!r} (known: {', '.join(TOOL_CALL_FORMATS)})")
-        self.fmt = fmt
+    def __init__(self, row: dict, tool_call_format: str = "hermes"):
+        if tool_call_format not in TOOL_CALL_FORMATS:
+            raise ContractViolation(f"unknown tool-call format {tool_call_format!r} (known: "
+                                    f"{', '.join(TOOL_CALL_FORMATS)})")
+        self.fmt = tool_call_format
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.env = self.env_class()
         self.tools = tools_of(self.env)
