@@ -364,5 +364,9 @@ def test_rollout_input_from_a_row(envs):
                                       "answer": "2"})
     assert other["prompt"] == [{"role": "system", "content": "compute the answer"},
                                {"role": "user", "content": "what is 1 plus 1"}] and other["answer"] == "2"
+    # neither: the run's own prompt messages (Prompt.messages)
+    mine = [{"role": "user", "content": "what is 5 plus 5"}]
+    got = rollout_input(env, rows, {"prompt": "<rendered>", "answer": "10", "messages": mine})
+    assert got["prompt"] == mine and "messages" not in got and got["answer"] == "10"
     with pytest.raises(ValueError, match="no 'question' field"):
-        rollout_input(env, rows, {"prompt": "<rendered>", "answer": "2"})
+        rollout_input(env, rows, {"prompt": "<rendered>", "answer": "2", "messages": None})

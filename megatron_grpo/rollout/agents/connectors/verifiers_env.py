@@ -164,7 +164,9 @@ def rollout_input(env, rows: EnvRows, row: dict) -> dict:
     Our ``prompt`` is the chat-template text the run rendered, not messages, so the prompt
     messages are those of the environment's own dataset row with the row's ``example_id`` (exactly
     what verifiers would send; taken only when that row has the same ``question``, if the run's row
-    has one), else the row's ``question`` formatted as verifiers formats a question column. The
+    has one), else the row's ``question`` formatted as verifiers formats a question column, else
+    the run's own prompt messages (``row["messages"]``: the dataset prompt, system prompt
+    included, without the environment's system prompt or few-shot). The
     environment row's other columns and all of the run's fields go along (the run's win): verifiers
     hands a row's extra columns to reward functions by name. ValueError for a row with neither."""
     fields = {k: v for k, v in row.items() if k != "prompt"}
@@ -175,9 +177,12 @@ def rollout_input(env, rows: EnvRows, row: dict) -> dict:
         fields = {**base, **fields}
     elif isinstance(question, str):
         prompt = question_messages(env, question)
+    elif row.get("messages"):  # the run's own prompt as chat messages (data.apply_chat_template)
+        prompt = list(row["messages"])
     else:
-        raise ValueError("the row has no 'question' field and no 'example_id' of the environment's dataset, "
-                         "so its prompt messages are unknown (the run's 'prompt' is template-rendered text)")
+        raise ValueError("the row has no 'question' field, no 'example_id' of the environment's dataset and no "
+                         "chat messages (data.apply_chat_template is off), so its prompt messages are unknown")
+    fields.pop("messages", None)
     fields.setdefault("example_id", 0)
     fields.setdefault("info", {})
     return {**fields, "prompt": prompt}
