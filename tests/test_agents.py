@@ -367,9 +367,10 @@ def test_agent_failures_are_counted_and_the_run_goes_on(tok, files, engine, capf
         finally:
             runner.close()
         assert [e.error for e in episodes] == [kind, kind], fn
-        # as the built-in loop, a failed episode keeps the turns it had, scored by on_env_error;
-        # a diverged one has no consistent tokens to keep
-        assert all(bool(e.sample.output_ids) == (fn in ("raises", "hangs")) for e in episodes), fn
+        # as the built-in loop, a failed episode keeps the turns it had (the calls recorded before
+        # the failure: a diverging call is never recorded), scored by on_env_error
+        assert all(e.num_turns == (0 if fn == "no_calls" else 1) for e in episodes), fn
+        assert all(bool(e.sample.output_ids) == (fn != "no_calls") for e in episodes), fn
         err = capfd.readouterr().err
         assert err.count(f"episodes.agent {kind} at") == 1, (fn, err)  # printed once, counted twice
         if fn == "raises":
@@ -469,3 +470,19 @@ def test_config_tables_match_the_registries(tmp_path):
     assert "is not a file path" in agent_problem("run")
     with pytest.raises(ConfigValueError, match="cannot be combined with episodes.environment"):
         EpisodesConfig(agent=f"{f}:run", environment="calculator")
+
+
+def test_a_refused_observation_ends_both_loops_alike(tok, files):
+    """A tool result with a token the vocabulary lacks ('result 249': numbers stop at 199) ends
+    the episode as `observation` in the built-in loop and in the agent's, with the same tokens
+    kept (the call before it) and the same reward."""
+    prompts = [make_prompt(tok, 0, "what is 150 plus 99", "249")]
+    replies = [ids(tok, "compute 150 + 99 <eos>"), ids(tok, "249 <eos>")]
+    builtin = builtin_runner(tok, "calculator")(Scripted(list(replies)), prompts, 1, SAMPLING, 7)
+    runner = agent_runner(tok, files, "calculator")
+    try:
+        agent = runner(Scripted(list(replies)), prompts, 1, SAMPLING, 7)
+    finally:
+        runner.close()
+    assert builtin[0].error == "observation" and builtin[0].num_turns == 1
+    same_episodes(agent, builtin)

@@ -19,8 +19,8 @@ by the SDK's extra fields), then new messages (tool results, a user turn), its p
 (the chat template's delta render of ``rollout/turns.py``, ``tools`` passed). Anything else
 (the agent edited or dropped earlier turns, sent another conversation) is rendered whole, and
 kept only if those ids still extend the episode token for token; otherwise the episode is
-marked ``diverged`` (counted, scored as ``on_env_error`` says, never trained on a
-re-tokenized prefix) and the call is still answered, so the agent finishes normally.
+marked ``diverged`` (counted, scored as ``on_env_error`` says with the calls recorded before,
+never trained on a re-tokenized prefix) and the call is still answered, so the agent finishes normally.
 
 What the run decides, not the request: the sampler's temperature, top_p, top_k and min_p are
 the run's (the trainer's log-probs are computed at them; a request asking for others is

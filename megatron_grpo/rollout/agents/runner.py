@@ -257,9 +257,10 @@ class AgentRunner:
             error = "error"
             self._report("error", self.spec, "the agent returned without calling the model")
         with_kept = sampling.sampling_mask_max_kept > 0
-        # as the built-in loop: an episode that failed keeps the turns it had (scored as
-        # on_env_error says); one whose calls do not continue each other has none to keep
-        if log.calls and log.error is None:
+        # as the built-in loop: an episode that failed keeps the turns it had, scored as
+        # on_env_error says (the front records no call that does not continue the episode, so
+        # a diverged or refused-observation episode's recorded calls are one consistent trajectory)
+        if log.calls:
             sample = sample_from_calls([(c.prompt_ids, c.sample) for c in log.calls], prompt_index=prompt_index,
                                        sample_index=sample_index, with_kept=with_kept)
         else:  # nothing trainable: the episode's error scores it
