@@ -121,3 +121,22 @@ def test_two_steps_of_a_verifiers_tool_env(demo, tmp_path):
         assert r["multi_turn/diverged"] == 0 and r["multi_turn/env_errors"] == 0
         assert 1 <= r["multi_turn/turns_mean"] <= 2 and r["num_valid_tokens"] > 0
         assert r["agent/correct_mean"] == pytest.approx(r["reward_mean"])  # the rubric's one function, weight 1
+
+
+@pytest.mark.slow
+def test_an_agent_that_breaks_its_contract_stops_the_run_in_one_line(demo, tmp_path):
+    """An agent returning something other than a reward: one line naming the file, the function
+    and the step, exit 2, no traceback (a plug-in error, docs/fault_tolerance.md)."""
+    agent_file = tmp_path / "says_yes.py"
+    agent_file.write_text('def run(client, row):\n'
+                          '    client.chat.completions.create(model="policy", messages=list(row["messages"]))\n'
+                          '    return "yes"\n')
+    cmd = train_cmd(demo, tmp_path / "run", 2, "engine.kind=inprocess", f"episodes.agent={agent_file}:run",
+                    "episodes.max_episode_tokens=64", "episodes.agent_workers=1", "eval.every_n_steps=0",
+                    "rollout.prompts_per_step=2", "rollout.num_generations=2", "parallel.global_batch_size=4",
+                    "parallel.micro_batch_size=2")
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if "says_yes.py:run returned str" in line]
+    assert len(lines) == 1 and "step 1" in lines[0], out.stderr[-3000:]

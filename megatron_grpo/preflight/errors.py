@@ -11,11 +11,13 @@ from megatron_grpo.config.experiment import error_source
 from megatron_grpo.data import DataError
 from megatron_grpo.models.errors import CheckpointError, ModelError
 from megatron_grpo.rewards import RewardError
+from megatron_grpo.rollout.agents.runner import AgentContractError
 from megatron_grpo.rollout.environments import EnvContractError
 from megatron_grpo.rollout.rollout_function import RolloutFunctionError
 
-PLUGIN_ERRORS: tuple[type[BaseException], ...] = (RewardError, EnvContractError, RolloutFunctionError)
-"""A user's plug-in (reward function, environment, rollout function) broke its contract: the
+PLUGIN_ERRORS: tuple[type[BaseException], ...] = (RewardError, EnvContractError, RolloutFunctionError,
+                                                  AgentContractError)
+"""A user's plug-in (reward function, environment, rollout function, agent) broke its contract: the
 message names the plug-in (file and function or class) and what was expected."""
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelError, CheckpointError,
