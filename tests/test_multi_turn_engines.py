@@ -11,6 +11,7 @@
 The SGLang tests use the session's shared server (tests/support/sglang_shared.py), reset before each.
 """
 
+import dataclasses
 import subprocess
 
 import pytest
@@ -200,3 +201,46 @@ def test_train_on_the_real_sglang_one_step_off_policy_with_an_environment(demo, 
     rows = _train_off_policy(demo, tmp_path, env_file, *sglang_servers.train_overrides(url))
     for r in rows:
         assert r["weight_sync_verified"] == 1
+
+
+THREE_TURN_AGENT = '''
+def run(client, row):
+    messages = list(row["messages"])
+    for turn in range(3):
+        reply = client.chat.completions.create(model="policy", messages=messages)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "user", "content": "result 7"}]
+    return 0.0
+'''
+
+
+def test_an_sdk_agent_on_the_real_sglang_is_token_in_token_out(tok, tmp_path, sglang_servers):
+    """The agent front in front of the real SGLang (docs/agents.md): an OpenAI-SDK agent's three
+    calls are generated on the exact ids so far, and the recorded log-probs of every model turn
+    are SGLang's own log-probs of the whole episode."""
+    from megatron_grpo.data.prompts import prompt_messages
+    from megatron_grpo.rollout.agents.runner import AgentRunner
+
+    agent_file = tmp_path / "agent.py"
+    agent_file.write_text(THREE_TURN_AGENT)
+    model = save_tiny_model(tmp_path / "model", "qwen2", seed=3, **DEMO_ARCH)
+    url = sglang_servers.serve(model)
+    prompt = dataclasses.replace(make_prompt(tok), messages=prompt_messages("what is 3 plus 4", None))
+    runner = AgentRunner(f"{agent_file}:run", tok, TurnRenderer(tok, "user"), max_turns=3, max_episode_tokens=64,
+                         timeout_s=120, workers=1, tool_call_format="compute")
+    try:
+        with RolloutClient([url], api_key=API_KEY, request_timeout_s=120) as client:
+            engine = Recording(client)
+            sampling = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=[tok.eos_token_id])
+            (episode,) = runner(engine, [prompt], 1, sampling, 5)
+            full = episode.sample.prompt_ids + episode.sample.output_ids
+            lp = client.prompt_logprobs(url, full)
+    finally:
+        runner.close()
+    assert episode.error is None and episode.num_turns == 3 and len(engine.calls) == 3
+    _check_token_in_token_out(engine, episode, tok)
+    p = len(episode.sample.prompt_ids)
+    for turn in _turn_positions(episode):
+        for i in turn:
+            got = episode.sample.output_logprobs[i - p]
+            assert abs(got - lp[i - 1]) <= 1e-4, (i, got, lp[i - 1])
