@@ -9,6 +9,7 @@ log-probs and rewards), the tokenizer's own chat template, and hand-built token 
 import json
 import os
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -146,6 +147,7 @@ def make_prompt(tok, index=0, question="what is 3 plus 4", answer="7"):
                   fields={"prompt_text": question}, messages=prompt_messages(question, None))
 
 
+ROOT = Path(__file__).resolve().parents[1]
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=[3])  # 3: <eos>
 MAX_TURNS, BUDGET = 2, 32
 FRONT_SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=[3])
@@ -191,15 +193,18 @@ def test_an_sdk_agent_gives_the_builtin_loops_tokens_and_rewards(tok, files, eng
 
 def test_an_sdk_agent_with_tools_is_the_builtin_calculator(tok, files, engine):
     """tools= through the model's own call format (the demo's `compute`): same tokens as the
-    built-in calculator environment on the same seeds."""
+    built-in calculator environment on the same seeds, for the test's sync agent and the
+    documented example (examples/agents/calculator_sdk.py, async)."""
     prompts = [make_prompt(tok, i, f"what is {i} plus 5", str(i + 5)) for i in range(4)]
     builtin = builtin_runner(tok, "calculator")(engine, prompts, 4, SAMPLING, 99)
-    runner = agent_runner(tok, files, "calculator")
-    try:
-        agent = runner(engine, prompts, 4, SAMPLING, 99)
-    finally:
-        runner.close()
-    same_episodes(agent, builtin)
+    for spec in (f"{files}/agents.py:calculator", f"{ROOT}/examples/agents/calculator_sdk.py:run"):  # sync, async
+        runner = AgentRunner(spec, tok, TurnRenderer(tok, "user"), max_turns=MAX_TURNS, max_episode_tokens=BUDGET,
+                             timeout_s=20.0, workers=2, tool_call_format="compute")
+        try:
+            agent = runner(engine, prompts, 4, SAMPLING, 99)
+        finally:
+            runner.close()
+        same_episodes(agent, builtin)
 
 
 class Scripted:

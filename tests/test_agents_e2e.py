@@ -63,46 +63,16 @@ def test_a_broken_agent_file_is_one_line_before_the_run(demo, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-TOOL_ENV = r'''
-import verifiers as vf
-from datasets import Dataset
-
-from megatron_grpo.rollout.environments.builtin import evaluate, format_number
-
-QUESTIONS = [(f"what is {a} plus {b}", str(a + b)) for a, b in [(3, 4), (9, 9), (2, 6), (10, 5)]]
-
-
-def compute(expression: str) -> str:
-    """Evaluate an arithmetic expression.
-
-    Args:
-        expression: the expression
-    """
-    try:
-        return f"result {format_number(evaluate(expression))}"
-    except ValueError:
-        return "result ?"
-
-
-def correct(parser, completion, answer) -> float:
-    words = (parser.parse_answer(completion) or "").split()
-    return float(bool(words) and words[-1] == answer)
-
-
-def load_environment():
-    dataset = Dataset.from_list([{"question": q, "answer": a} for q, a in QUESTIONS])
-    return vf.ToolEnv(dataset=dataset, tools=[compute], rubric=vf.Rubric(funcs=[correct]), max_turns=2)
-'''
 
 
 @pytest.mark.slow
 def test_two_steps_of_a_verifiers_tool_env(demo, tmp_path):
-    """A verifiers ToolEnv, unchanged, trains the demo model through its own turn loop: the
-    run's data rows name its questions; its rubric's reward and scores reach metrics.jsonl."""
+    """A verifiers ToolEnv (examples/agents/verifiers_calculator.py), unchanged, trains the demo
+    model through its own turn loop: the run's data rows name its questions; its rubric's reward
+    and scores reach metrics.jsonl."""
     import json
 
-    env_file = tmp_path / "tool_env.py"
-    env_file.write_text(TOOL_ENV)
+    env_file = ROOT / "examples" / "agents" / "verifiers_calculator.py"  # the documented example
     data = tmp_path / "questions.jsonl"
     rows = [(f"what is {a} plus {b}", str(a + b)) for a, b in [(3, 4), (9, 9), (2, 6), (10, 5)]]
     data.write_text("".join(json.dumps({"prompt": q, "question": q, "answer": a}) + "\n" for q, a in rows))
