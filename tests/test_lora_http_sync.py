@@ -16,6 +16,7 @@ mismatch are <= 1e-5, and an engine killed mid-run is relaunched and sent the ba
 """
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from megatron_grpo.ops.lora_merge import merge_fp32
 from megatron_grpo.wire.buckets import DISK_UPDATE_KEY, Bucket
 from megatron_grpo.wire.checksum import tensor_checksum
 from megatron_grpo.wire.shm import ShmSegment
+from tests.support.demo_run import ENV, ROOT, kill_engine_after, read_metrics, train_cmd
 
 LAYER = "model.layers.0."
 QKV = [LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"]  # a fused adapter: one A for the three
@@ -207,3 +209,31 @@ def test_the_disk_wire_carries_the_keys_in_each_files_metadata(served, base):
                                                     json={"model_path": str(directory), "compute_checksums": True}))
     assert answer.status_code == 200, answer.text
     check_merge_served(engine, client, base, expected)
+
+
+LORA_HTTP = ("engine.kind=embedded", "sync.transport=tensor", "model.lora.rank=4", "model.lora.alpha=8",
+             "optimizer.lr=2e-3", "optimizer.lr_warmup_steps=0", "checkpoint.save_every=0", "logging.plot=false",
+             "eval.sets=[]", "engine.request_timeout_s=20", "engine.max_retries=2")
+
+
+@pytest.mark.slow
+def test_lora_run_on_the_launched_engine_syncs_adapters_and_resends_the_base_after_a_restart(demo, tmp_path):
+    """TP2, 4 steps, the engine SIGKILLed once step 2 is logged. The logged syncs (after the
+    start's base sync) send the adapters alone; the relaunched engine is sent the base again
+    by the restart's resync itself: an adapter update reaching it first would be refused ("no
+    LoRA base loaded"), failing a sync, which the supervisor would log and retry."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(demo, run_dir, 4, *LORA_HTTP), cwd=ROOT, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err = kill_engine_after(proc, run_dir, 2)
+    assert proc.returncode == 0, err[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["engine_restarts"] == 1
+    assert (run_dir / "rollout" / "server.log").read_text().count("launch:") == 2
+    assert "weight sync failed" not in err and "no LoRA base loaded" not in err, err[-3000:]
+    merged_bytes = (demo / "model" / "model.safetensors").stat().st_size  # fp32, as the engine serves it
+    assert all(0 < r["weight_sync_bytes"] <= 0.05 * merged_bytes for r in rows), [r["weight_sync_bytes"] for r in rows]
+    # verified = the engine's checksums equal the trainer's recomputation of its merge (else the run fails)
+    assert all(r["weight_sync_verified"] == 1 for r in rows)
+    assert max(r["weight_sync_probe_logprob_abs_diff"] for r in rows) <= 1e-5
+    assert max(r["rollout_train_logprobs_abs_diff_mean"] for r in rows) <= 1e-5
