@@ -27,6 +27,12 @@
    ``engine.quantization`` the trainer's probe forward runs through the engine's fake
    quantization (``models.fake_quant``), so the tolerance stays that of unquantized weights.
 
+A LoRA policy on an engine that merges on its side (``EngineAdapter.merges_lora``: the embedded
+engine) takes ``lora_sync.py``'s path in step 2 instead: the frozen base on the first sync (after
+start, resume, ``reset`` or a failed sync), then the adapters alone; the update bracket is opened
+on every transport, step 3 compares the engine's checksums with the trainer's recomputation of
+its merge, and step 5's probe runs for it too.
+
 Failures are agreed on collectively (an ``all_gather_object`` after each phase), so every rank
 raises the same one-line error instead of some ranks waiting forever in the next collective.
 A sender whose transport fails keeps draining ``iter_hf_weights`` so its TP peers finish too.
@@ -391,9 +397,10 @@ class WeightSyncer:
             adapted = adapted_hf_names(model_chunks, self.hf_config)
             for bucket in _expert_split_buckets(base_stream(base, adapted, dtype), self._expert_names,
                                                 self.transport.bucket_bytes):
-                served = dict(zip(bucket.names, bucket.tensors))
-                kept = {n: served[n] for n in mark_base(bucket, adapted)}  # the bases are merged over below
-                send(bucket, (lambda k=kept: checksum(k)) if verify else None)
+                tensors = dict(zip(bucket.names, bucket.tensors))
+                # verified as sent, except the bases: the adapters below are merged over them
+                as_sent = {n: tensors[n] for n in mark_base(bucket, adapted)}
+                send(bucket, (lambda t=as_sent: checksum(t)) if verify else None)
             for bucket, held in adapter_buckets(units, self.transport.bucket_bytes, scale):
                 send(bucket, (lambda h=held: reference(h)) if verify else None)
             self.transport.end(step)

@@ -16,6 +16,10 @@ every engine URL; ``send`` returns once each engine has loaded it (so buffers ca
   bucket plus names/dtypes/shapes over HTTP (``/update_weights_from_shm``, ``wire/shm.py``).
 * ``disk``: each bucket becomes a safetensors file in a per-sync directory written under a
   temporary name and renamed when complete; ``/update_weights_from_disk`` loads the directory.
+
+A bucket's own request keys (``Bucket.extras``: a LoRA policy's ``lora``/``lora_base``,
+``sync/lora_sync.py``) join the sync's in each of its requests; the disk transport, which sends
+one request per directory, writes them into the bucket's file metadata instead.
 """
 
 from __future__ import annotations
