@@ -24,25 +24,28 @@ Concurrency (one model, several actors):
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.models.weights import SafetensorsReader
+from megatron_grpo.ops.lora_merge import merge_fp32
 from megatron_grpo.ops.quantize import QuantScheme
 from megatron_grpo.engine.generation import Sequence, prompt_logprobs
+from megatron_grpo.engine.lora_update import LoraUpdate, parse_lora, parse_lora_base, plan_merge
 from megatron_grpo.engine.quantize import quantize_decoder_linears
 from megatron_grpo.engine.scheduler import StepControl, run_continuous
 from megatron_grpo.engine.served_names import served_tensors
 from megatron_grpo.runtime.device import collective_device
-from megatron_grpo.wire.buckets import unflatten
+from megatron_grpo.wire.buckets import DISK_UPDATE_KEY, unflatten
 from megatron_grpo.wire.checksum import tensor_checksum
 from megatron_grpo.wire.group import destroy_custom_process_group, init_custom_process_group
 from megatron_grpo.wire.shm import open_segment
@@ -273,14 +276,31 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                     compute_checksums: bool = False) -> int:
+                     compute_checksums: bool = False, lora_base: frozenset[str] = frozenset()) -> int:
         """Copy tensors into the parameters of the same HF name (cast to the engine dtype).
 
         Call inside ``exclusive()``. With ``compute_checksums`` the loaded parameters'
         checksums are computed in the background for a later ``checksums()`` (of the parameters
         as loaded: a quantized engine's quantized copies are rebuilt from them, not checksummed).
+        ``lora_base``: names whose tensors are a LoRA policy's frozen base, kept in fp32 exactly
+        as received for ``merge_lora`` (``lora_update.py``); loading any other parameter drops its
+        kept base (it no longer serves that base plus an adapter).
         Returns the number of tensors loaded, once the copies are complete (GPU sources included).
         """
+        def keep(name: str, tensor: torch.Tensor) -> None:
+            if name in lora_base:  # a copy: the source may be the sender's reused buffer
+                self._lora_base[name] = tensor.detach().to(self.device, torch.float32, copy=True)
+            else:
+                self._lora_base.pop(name, None)
+
+        count = self._load(named_tensors, compute_checksums, keep)
+        if lora_base:
+            log.info("kept the fp32 LoRA base of %d tensors", len(lora_base))
+        return count
+
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], compute_checksums: bool,
+              keep: Optional[Callable[[str, torch.Tensor], None]]) -> int:
+        """``load_weights``' copy; ``keep(name, tensor)`` runs on each checked tensor before it."""
         count = 0
         source_devices = set()
         touched = []
@@ -293,6 +313,8 @@ class EmbeddedEngine:
             pending = self._checksums.pop(name, None)
             if pending is not None:
                 pending.result()  # never overwrite a parameter that is being checksummed
+            if keep is not None:
+                keep(name, tensor)
             param.copy_(tensor)
             if id(param) in self._quantized:
                 touched.append(self._quantized[id(param)])
@@ -311,30 +333,59 @@ class EmbeddedEngine:
 
     @torch.no_grad()
     def merge_lora(self, adapters: Iterable[tuple[str, torch.Tensor, torch.Tensor]], scale: float, *,
-                   compute_checksums: bool = False) -> int:
+                   compute_checksums: bool = False, require_base: bool = False) -> int:
         """Serve ``W_base + scale * B @ A`` for each ``(name, A [r, in], B [out, r])``, computed in
-        fp32 from the parameter's LoRA base (call inside ``exclusive()``; ``load_weights`` does the
-        copy, checks and checksums). The base is the parameter as the first merge found it (the
-        weight sync loads the unmerged base first, after ``forget_lora_base``) and is kept in fp32,
-        so every merge starts from it: nothing accumulates from one merge to the next."""
+        fp32 (``ops.lora_merge.merge_fp32``) from the parameter's kept LoRA base (call inside
+        ``exclusive()``; the copy, checks and checksums are ``load_weights``'). The base is the
+        one ``load_weights(lora_base=...)`` kept, or, unless ``require_base`` (the HTTP routes:
+        a parameter without one is an EngineError), the parameter as the first merge finds it
+        (the in-process sync loads the unmerged base first, after ``forget_lora_base``). It is
+        kept in fp32, so every merge starts from it: nothing accumulates from one merge to the next."""
         def merged():
             for name, a, b in adapters:
                 param = self._params.get(name)
                 if param is None:
                     raise EngineError(f"unknown parameter name {name!r}")
                 base = self._lora_base.get(name)
+                if base is None and require_base:
+                    raise EngineError(f"no LoRA base loaded for {name!r}")
                 if base is None:
                     base = self._lora_base[name] = param.detach().float().clone()
                 a, b = a.to(self.device, torch.float32), b.to(self.device, torch.float32)
                 if b.shape[0] != base.shape[0] or a.shape[1] != base.shape[1] or a.shape[0] != b.shape[1]:
                     raise EngineError(f"{name}: LoRA A {list(a.shape)} / B {list(b.shape)} do not fit the "
                                       f"model's {list(base.shape)}")
-                yield name, base + scale * (b @ a)
-        return self.load_weights(merged(), compute_checksums=compute_checksums)
+                yield name, merge_fp32(base, a, b, scale)
+        return self._load(merged(), compute_checksums, None)  # the kept base stays
 
     def forget_lora_base(self) -> None:
         """Drop the kept LoRA bases (the next ``merge_lora`` keeps the parameters as they are then)."""
         self._lora_base = {}
+
+    def lora_plan(self, names: list[str], shapes: list[list[int]], dtypes: list[torch.dtype], *,
+                  lora: Optional[LoraUpdate], lora_base: frozenset[str]) -> Optional[list[tuple[str, int, int]]]:
+        """Check a weight-update request before receiving its bytes: with ``lora``, the merge plan
+        (``lora_update.plan_merge``); without, every name a parameter of that shape (None)."""
+        if lora is not None and lora_base:
+            raise EngineError("a request carries adapters (lora) or weights (lora_base), not both")
+        if lora is None:
+            self.check_names(names, shapes)
+            return None
+        try:
+            return plan_merge(lora, names, shapes, dtypes, self._params, self._lora_base)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+
+    def take(self, tensors: list[tuple[str, torch.Tensor]], *, compute_checksums: bool = False,
+             lora: Optional[LoraUpdate] = None, plan: Optional[list[tuple[str, int, int]]] = None,
+             lora_base: frozenset[str] = frozenset()) -> int:
+        """Apply a received weight update (``lora_plan`` checked it): load the tensors, or, with
+        ``lora``, merge the adapters they hold into the planned parameters. Returns the count."""
+        with self.exclusive():
+            if lora is None:
+                return self.load_weights(tensors, compute_checksums=compute_checksums, lora_base=lora_base)
+            adapters = ((name, tensors[ia][1], tensors[ib][1]) for name, ia, ib in plan)
+            return self.merge_lora(adapters, lora.scale, compute_checksums=compute_checksums, require_base=True)
 
     @torch.no_grad()
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -345,14 +396,39 @@ class EmbeddedEngine:
         return [float(x) for x in prompt_logprobs(logits, token_ids, 1, 1.0)]
 
     def load_from_disk(self, model_path: str, *, compute_checksums: bool = False) -> int:
-        """Load every ``*.safetensors`` file of a directory (call inside ``exclusive()``)."""
+        """Load every ``*.safetensors`` file of a directory, in name order (call inside
+        ``exclusive()``). A file whose metadata holds ``DISK_UPDATE_KEY`` (the disk transport's
+        LoRA buckets: a JSON object with ``lora`` or ``lora_base``, ``lora_update.py``) is merged
+        or kept as a LoRA base like the same request over the other wires, inside a session only."""
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
         files = sorted(Path(model_path).glob("*.safetensors"))
         if not files:
             raise EngineError(f"no *.safetensors files in {model_path}")
-        return sum(self.load_weights(load_file(str(f)).items(), compute_checksums=compute_checksums)
-                   for f in files)
+        count = 0
+        for f in files:
+            with safe_open(str(f), framework="pt") as opened:
+                extras = (opened.metadata() or {}).get(DISK_UPDATE_KEY)
+            named = list(load_file(str(f)).items())
+            if extras is None:
+                count += self.load_weights(named, compute_checksums=compute_checksums)
+                continue
+            if not self._update_session:
+                raise EngineError(f"{f.name}: a LoRA weight update must run between begin_weight_update() and "
+                                  "end_weight_update()")
+            names = [n for n, _ in named]
+            try:
+                extras = json.loads(extras)
+                if not isinstance(extras, dict):
+                    raise ValueError(f"metadata {DISK_UPDATE_KEY} must be a JSON object")
+                lora, lora_base = parse_lora(extras.get("lora")), parse_lora_base(extras.get("lora_base"), names)
+            except ValueError as e:  # a JSONDecodeError too
+                raise EngineError(f"{f.name}: {e}") from None
+            plan = self.lora_plan(names, [list(t.shape) for _, t in named], [t.dtype for _, t in named],
+                                  lora=lora, lora_base=lora_base)
+            count += self.take(named, compute_checksums=compute_checksums, lora=lora, plan=plan, lora_base=lora_base)
+        return count
 
     def checksums(self, names: Optional[list[str]] = None) -> dict[str, dict[str, str]]:
         """``{name: {"dtype": "float32", "checksum": hex}}`` of the served parameters (the
@@ -401,11 +477,14 @@ class EmbeddedEngine:
         destroy_custom_process_group(group)
 
     def receive_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                            group_name: str, load_format: Optional[str], compute_checksums: bool = False) -> int:
+                            group_name: str, load_format: Optional[str], compute_checksums: bool = False,
+                            lora: Optional[LoraUpdate] = None, lora_base: frozenset[str] = frozenset()) -> int:
         """SGLang /update_weights_from_distributed: receive broadcasts from rank 0 and load.
 
         ``load_format == "flattened_bucket"``: ONE uint8 broadcast holding the tensors' bytes
         back to back (SGLang's FlattenedTensorBucket layout); otherwise one broadcast per tensor.
+        ``lora``/``lora_base``: a LoRA policy's adapters or base (``lora_update.py``), checked
+        before the broadcast is joined.
         """
         import torch.distributed as dist
 
@@ -417,7 +496,7 @@ class EmbeddedEngine:
         if not (len(names) == len(dtypes) == len(shapes)):
             raise EngineError("names, dtypes and shapes must have the same length")
         torch_dtypes = [_parse_dtype(d) for d in dtypes]
-        self.check_names(names, shapes)
+        plan = self.lora_plan(names, shapes, torch_dtypes, lora=lora, lora_base=lora_base)
         device = collective_device(group)  # the GPU for an NCCL group, the CPU for gloo
         if load_format == "flattened_bucket":
             nbytes = sum(_numel(s) * d.itemsize for s, d in zip(shapes, torch_dtypes))
@@ -435,18 +514,19 @@ class EmbeddedEngine:
                 t = torch.empty(shape, dtype=dtype, device=device)
                 dist.broadcast(t, src=0, group=group)
                 tensors.append((name, t))
-        with self.exclusive():
-            return self.load_weights(tensors, compute_checksums=compute_checksums)
+        return self.take(tensors, compute_checksums=compute_checksums, lora=lora, plan=plan, lora_base=lora_base)
 
 
     def receive_shm(self, *, path: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                    compute_checksums: bool = False) -> int:
+                    compute_checksums: bool = False, lora: Optional[LoraUpdate] = None,
+                    lora_base: frozenset[str] = frozenset()) -> int:
         """/update_weights_from_shm: load a flattened bucket from the sender's /dev/shm segment
-        (``wire/shm.py``; same layout as a ``flattened_bucket`` broadcast). Returns the count."""
+        (``wire/shm.py``; same layout as a ``flattened_bucket`` broadcast), or merge the LoRA
+        adapters it holds (``lora``). Returns the count."""
         if not (len(names) == len(dtypes) == len(shapes)):
             raise EngineError("names, dtypes and shapes must have the same length")
         torch_dtypes = [_parse_dtype(d) for d in dtypes]
-        self.check_names(names, shapes)
+        plan = self.lora_plan(names, shapes, torch_dtypes, lora=lora, lora_base=lora_base)
         nbytes = sum(_numel(s) * d.itemsize for s, d in zip(shapes, torch_dtypes))
         if self._shm is None or self._shm[0] != path or self._shm[1].numel() < nbytes:
             self._shm = None
@@ -456,8 +536,7 @@ class EmbeddedEngine:
                 raise EngineError(str(e)) from None
             self._shm = (path, mapped)
         tensors = unflatten(self._shm[1][:nbytes], names, torch_dtypes, shapes)
-        with self.exclusive():
-            return self.load_weights(tensors, compute_checksums=compute_checksums)
+        return self.take(tensors, compute_checksums=compute_checksums, lora=lora, plan=plan, lora_base=lora_base)
 
 
 def engine_device(name: str) -> torch.device:

@@ -14,7 +14,9 @@ serve``'s options; the trainer passes them from its config) instead of trusting 
 * **the weight-update rendezvous the trainer configured**: ``/init_weights_update_group``
   joins a group only as a non-zero rank (rank 0, the trainer's sender, hosts the group's store:
   this engine never listens for it) of a group of consistent size, at the master address the
-  server was launched with (``weight_sync_master_address``; loopback when not given).
+  server was launched with (``weight_sync_master_address``; loopback when not given);
+* **LoRA merges of bounded size**: an adapter-only update (``lora_update.py``) merges only
+  modules of rank at most ``min(out, in)`` of their weight, each parameter at most once.
 
 Each check is a small pure function returning the one-line problem (None when fine), so the
 HTTP layer (``server.py``) only maps problems to status codes.
@@ -126,4 +128,15 @@ def rendezvous_problem(policy: ServerPolicy, *, master_address: str, rank_offset
     elif master_address != allowed:
         return (f"master_address {master_address!r} is not the weight-update master address this server was "
                 f"started with ({allowed})")
+    return None
+
+
+def lora_rank_problem(name: str, rank: int, out_features: int, in_features: int) -> Optional[str]:
+    """Why a LoRA module of ``rank`` on the ``[out_features, in_features]`` weight ``name`` must
+    not be merged (None: it may). The merge costs ``out * in * rank`` multiply-adds and its A and
+    B ``(out + in) * rank`` values: a rank above ``min(out, in)`` adds nothing a smaller one could
+    not express, so the bound caps one request's work at a matmul the size of the weight."""
+    if not 1 <= rank <= min(out_features, in_features):
+        return (f"{name}: LoRA rank {rank} is outside [1, {min(out_features, in_features)}] "
+                f"(min of the weight's {out_features} x {in_features})")
     return None

@@ -7,6 +7,10 @@ Differences from SGLang, all deliberate:
 * ``/weights_checksum`` (embedded only) returns per-tensor checksums for sync verification;
   the weight-update routes accept ``"compute_checksums": true`` to have them computed
   in the background right after loading (so verification overlaps the transfer);
+* the weight-update routes take a LoRA policy's frozen base (``lora_base``) and, after it, its
+  adapters alone (``lora``), which the engine merges in fp32 from the kept base
+  (``lora_update.py``; on /update_weights_from_disk the same keys sit in each file's metadata),
+  inside a ``/begin_weight_update`` .. ``/end_weight_update`` session on every route;
 * ``sampling_params`` keys the engine cannot honour (penalties, grammars, stop strings) are a
   400 naming the key unless left at SGLang's default;
 * ``input_token_logprobs`` use the request's temperature, like the output log-probs.
@@ -17,7 +21,8 @@ broadcasts, loading weights) runs in worker threads so the event loop keeps answ
 
 What a request may make the server do is bounded by its ``ServerPolicy`` (``policy.py``): the
 body's size (413), a /generate's sequences and tokens in flight (413), the directories
-/update_weights_from_disk loads from (403) and the weight-update group a request may join (400).
+/update_weights_from_disk loads from (403), the weight-update group a request may join (400)
+and the rank of a LoRA merge (400).
 
 Route groups, each a few methods of ``_Routes`` (which holds the engine) that ``build_app`` registers:
 
@@ -54,6 +59,7 @@ from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS
 from megatron_grpo.wire import routed_experts
 from megatron_grpo.engine.engine import EmbeddedEngine, EngineError
 from megatron_grpo.engine.generation import Sequence
+from megatron_grpo.engine.lora_update import LoraUpdate, parse_lora, parse_lora_base
 from megatron_grpo.engine.policy import (ServerPolicy, rendezvous_problem, request_size_problem,
                                          trusted_weight_dir, untrusted_weight_path_message)
 from megatron_grpo.engine.sampling import resolve_sampling_params
@@ -155,6 +161,23 @@ def _per_item(value: Any, count: int, key: str) -> list:
             raise EngineError(f"{key} has {len(value)} entries for {count} inputs")
         return value
     return [value] * count
+
+
+def _lora_update(req: dict) -> Optional[LoraUpdate]:
+    """A weight-update request's ``lora`` key (``lora_update.py``); a malformed one is a 400."""
+    try:
+        return parse_lora(req.get("lora"))
+    except ValueError as e:
+        raise HTTPException(400, str(e)) from None
+
+
+def _lora_keys(req: dict, names: list) -> dict:
+    """``lora`` and ``lora_base`` of a weight-update request over the tensors ``names``, as the
+    engine's receive methods take them; a malformed one is a 400."""
+    try:
+        return {"lora": _lora_update(req), "lora_base": parse_lora_base(req.get("lora_base"), names)}
+    except ValueError as e:
+        raise HTTPException(400, str(e)) from None
 
 
 def _all_finished(items: list[Sequence]) -> asyncio.Future:
@@ -445,14 +468,19 @@ class _Routes:
         if not isinstance(serialized, list) or not serialized:
             return _bad_request("serialized_named_tensors must be a non-empty list (one entry per TP rank)")
 
+        lora = _lora_update(req)
+
         def load() -> int:
             # Deserializing maps the sender's shared memory: in the thread, with the load.
             try:
-                named = deserialize_named_tensors(serialized[0])  # this engine is TP rank 0
+                named = list(deserialize_named_tensors(serialized[0]))  # this engine is TP rank 0
+                lora_base = parse_lora_base(req.get("lora_base"), [n for n, _ in named])
             except ValueError as e:
                 raise EngineError(str(e)) from None
-            with self.engine.exclusive():
-                return self.engine.load_weights(named, compute_checksums=bool(req.get("compute_checksums")))
+            plan = self.engine.lora_plan([n for n, _ in named], [list(t.shape) for _, t in named],
+                                         [t.dtype for _, t in named], lora=lora, lora_base=lora_base)
+            return self.engine.take(named, compute_checksums=bool(req.get("compute_checksums")), lora=lora,
+                                    plan=plan, lora_base=lora_base)
 
         count = await _in_thread(load)
         return _result(True, f"Loaded {count} tensors." + self._set_version(req.get("weight_version")))
@@ -467,7 +495,7 @@ class _Routes:
                           shapes=[list(s) for s in req["shapes"]])
         except (KeyError, TypeError) as e:
             return _bad_request(f"bad update_weights_from_shm request: {type(e).__name__}: {e}")
-        count = await _in_thread(self.engine.receive_shm, **kwargs,
+        count = await _in_thread(self.engine.receive_shm, **kwargs, **_lora_keys(req, kwargs["names"]),
                                  compute_checksums=bool(req.get("compute_checksums")))
         return _result(True, f"Loaded {count} tensors." + self._set_version(req.get("weight_version")))
 
@@ -503,10 +531,11 @@ class _Routes:
         if not self.engine.in_update_session:
             return _bad_request(_NO_SESSION.format(route="update_weights_from_distributed"))
         try:
-            count = await _in_thread(self.engine.receive_distributed, names=list(req["names"]),
+            names = list(req["names"])
+            count = await _in_thread(self.engine.receive_distributed, names=names,
                                      dtypes=list(req["dtypes"]), shapes=[list(s) for s in req["shapes"]],
                                      group_name=str(req.get("group_name", "weight_update_group")),
-                                     load_format=req.get("load_format"),
+                                     load_format=req.get("load_format"), **_lora_keys(req, names),
                                      compute_checksums=bool(req.get("compute_checksums")))
         except KeyError as e:
             return _bad_request(f"missing key {e}")

@@ -50,6 +50,7 @@ from megatron_grpo.config.model import LoraConfig
 from megatron_grpo.models.architectures import get_architecture
 from megatron_grpo.models.architectures.moe import MoEMLP
 from megatron_grpo.models.errors import ModelError
+from megatron_grpo.ops.lora_merge import merge_fp32
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """Megatron-core's names of the linears LoRA adapts (``all-linear``: all four)."""
@@ -152,8 +153,7 @@ class LoraAdapter(nn.Module):
     def merged(self, base: torch.Tensor, value: Callable = lambda p: p) -> torch.Tensor:
         """``base + scale * B @ A`` in fp32 for this shard (``base``: the frozen weight shard;
         ``value``: a parameter -> the tensor holding its true value, e.g. its fp32 main copy)."""
-        delta = torch.matmul(value(self.lora_B).detach().float(), value(self.lora_A).detach().float())
-        return base.detach().float() + self.scale * delta
+        return merge_fp32(base.detach(), value(self.lora_A).detach(), value(self.lora_B).detach(), self.scale)
 
 
 def _hook(adapter: LoraAdapter):

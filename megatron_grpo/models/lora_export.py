@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,12 +42,25 @@ def _gather_tp(tensor: torch.Tensor) -> list[torch.Tensor]:
     return all_gather_shards(tensor, ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group())
 
 
+@dataclass
+class AdapterUnit:
+    """One megatron adapter, in HF terms: the HF modules it serves (q/k/v or gate/up of a fused
+    linear, else one), per module its A ``[r, in]`` (a column adapter's modules share one tensor)
+    and its B ``[out_i, r]``, full fp32 tensors, and with ``with_base`` each module's frozen base
+    weight ``[out_i, in]`` (in its own dtype), gathered over TP like ``iter_hf_weights``' with
+    ``merge_lora=False``."""
+
+    hf_names: list[str]
+    a: list[torch.Tensor]
+    b: list[torch.Tensor]
+    bases: Optional[list[torch.Tensor]] = None
+
+
 @torch.no_grad()
-def iter_adapters_hf(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(HF weight name, A ``[r, in]``, B ``[out, r]``) of every adapted HF module of this PP
-    stage, full fp32 tensors (the optimizer's main copies in bf16 training). Collective over
-    the TP group (every TP rank of the stage iterates to the end; all of them receive them).
-    A fused adapter gives each of its modules its A (the same tensor) and its rows of B."""
+def iter_adapter_units(model_chunks: list, hf_config, *, with_base: bool = False) -> Iterator[AdapterUnit]:
+    """Every adapter of this PP stage as an ``AdapterUnit`` (the optimizer's fp32 main copies in
+    bf16 training). Collective over the TP group (every TP rank of the stage iterates to the end;
+    all of them receive the full tensors)."""
     for chunk in model_chunks:
         for m, param in chunk_params(chunk, hf_config):
             adapter = getattr(param, "lora_adapter", None)
@@ -58,7 +72,25 @@ def iter_adapters_hf(model_chunks: list, hf_config) -> Iterator[tuple[str, torch
                 a_full, b_parts = [a.clone()] * len(m.hf_names), m.layout.from_shards(_gather_tp(b))  # one A, shared
             else:  # row: A split like the weight's columns, B replicated
                 a_full, b_parts = TPSplit(dim=1).from_shards(_gather_tp(a)), [b.clone()]
-            yield from zip(m.hf_names, a_full, b_parts)
+            bases = None
+            if with_base:
+                base = weight_source(param).detach()
+                bases = m.layout.from_shards([base] if m.layout.replicated else _gather_tp(base))
+            yield AdapterUnit(list(m.hf_names), list(a_full), list(b_parts), bases)
+
+
+def iter_adapters_hf(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(HF weight name, A ``[r, in]``, B ``[out, r]``) of every adapted HF module of this PP
+    stage (``iter_adapter_units``; collective over the TP group). A fused adapter gives each of
+    its modules its A (the same tensor) and its rows of B."""
+    for unit in iter_adapter_units(model_chunks, hf_config):
+        yield from zip(unit.hf_names, unit.a, unit.b)
+
+
+def adapted_hf_names(model_chunks: list, hf_config) -> frozenset[str]:
+    """HF names of this PP stage's weights that carry a LoRA adapter (local, no collective)."""
+    return frozenset(name for chunk in model_chunks for m, param in chunk_params(chunk, hf_config)
+                     if getattr(param, "lora_adapter", None) is not None for name in m.hf_names)
 
 
 def iter_lora_weights(model_chunks: list, hf_config) -> Iterator[tuple[str, torch.Tensor]]:

@@ -27,6 +27,12 @@
    ``engine.quantization`` the trainer's probe forward runs through the engine's fake
    quantization (``models.fake_quant``), so the tolerance stays that of unquantized weights.
 
+A LoRA policy on an engine that merges on its side (``EngineAdapter.merges_lora``: the embedded
+engine) takes ``lora_sync.py``'s path in step 2 instead: the frozen base on the first sync (after
+start, resume, ``reset`` or a failed sync), then the adapters alone; the update bracket is opened
+on every transport, step 3 compares the engine's checksums with the trainer's recomputation of
+its merge, and step 5's probe runs for it too.
+
 Failures are agreed on collectively (an ``all_gather_object`` after each phase), so every rank
 raises the same one-line error instead of some ranks waiting forever in the next collective.
 A sender whose transport fails keeps draining ``iter_hf_weights`` so its TP peers finish too.
@@ -47,11 +53,14 @@ from megatron.core import parallel_state as ps
 
 from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.models import iter_hf_weights
+from megatron_grpo.models.lora import has_lora
+from megatron_grpo.models.lora_export import adapted_hf_names, iter_adapter_units
 from megatron_grpo.models.weights import expert_hf_names
 from megatron_grpo.generation.client import RolloutClient
 from megatron_grpo.generation.engines import ENGINES
 from megatron_grpo.wire.samples import RolloutError
 from megatron_grpo.runtime.device import cuda_available
+from megatron_grpo.sync.lora_sync import adapter_buckets, base_stream, mark_base, reference_checksums
 from megatron_grpo.sync.transports import TRANSPORTS
 from megatron_grpo.wire.buckets import plan_buckets
 from megatron_grpo.wire.checksum import tensor_checksum
@@ -156,6 +165,9 @@ class WeightSyncer:
                 backend=self.adapter.backend(cfg.sync, cuda_available()),
                 tensor_wire=self.adapter.tensor_wire(cuda_available()))
         self.num_syncs = 0
+        # a LoRA policy on an engine that merges on its side (lora_sync.py): the engines hold the
+        # frozen base, so a sync sends the adapters alone. False after start, resume and reset.
+        self.lora_base_loaded = False
         self._engine_info: Optional[list[dict]] = None
         self._opened: list[str] = []  # engines whose update bracket this sync opened
 
@@ -209,13 +221,20 @@ class WeightSyncer:
                           "sender" if self.sender else "peer" if self.participant else "idle")
         ok = False
         self._opened = []
+        lora = self.adapter.merges_lora and has_lora(model_chunks)  # adapter-only (module docstring)
+        # the base goes first unless the last sync loaded it; a sync that fails from here on may
+        # leave the engines with part of it, so only a whole successful sync sets this again
+        send_base, self.lora_base_loaded = lora and not self.lora_base_loaded, False
         try:
-            self._run(self._prepare_engines, "prepare (pause/flush)", on=self.coordinator)
+            self._run(lambda: self._prepare_engines(lora), "prepare (pause/flush)", on=self.coordinator)
             expected: dict[str, str] = {}
             samples: dict[str, torch.Tensor] = {}
             error = None
             if self.participant:
-                error = self._send_stage(model_chunks, step, verify, stats, expected, samples)
+                if lora:
+                    error = self._send_lora_stage(model_chunks, step, verify, stats, expected, send_base)
+                else:
+                    error = self._send_stage(model_chunks, step, verify, stats, expected, samples)
             self._agree(error, f"send (step {step})")
             if verify:
                 self._verify(step, expected, samples, stats)
@@ -232,20 +251,23 @@ class WeightSyncer:
             except WeightSyncError:
                 if ok:
                     raise
-        if verify and self.adapter.verifies_by_probe and self.probe is not None:
+        # a LoRA sync is probed too: the engine's own merge, checked end to end
+        if verify and (self.adapter.verifies_by_probe or lora) and self.probe is not None:
             self._verify_probe(step, stats)
+        self.lora_base_loaded = lora
         self.num_syncs += 1
         stats.seconds = time.perf_counter() - started
         return stats
 
-    def _prepare_engines(self) -> None:
+    def _prepare_engines(self, lora: bool = False) -> None:
         # async rollouts: sequences in flight are retracted and resume with the new weights
         # (re-prefilled; each token records its version), instead of being aborted
         mode = "retract" if self.mode == "async" else "abort"
         for url in self.urls:
             self.client.pause_generation(url, mode=mode)
             self.client.flush_cache(url)
-            if TRANSPORTS[self.sync_cfg.transport].needs_update_session:
+            # the engine takes LoRA updates only inside the bracket, on every transport
+            if TRANSPORTS[self.sync_cfg.transport].needs_update_session or lora:
                 self._open_bracket(url)
 
     def _open_bracket(self, url: str) -> None:
@@ -333,6 +355,62 @@ class WeightSyncer:
         stats.send_seconds = time.perf_counter() - t0
         return error
 
+    def _send_lora_stage(self, model_chunks, step, verify, stats, expected, send_base: bool) -> Optional[str]:
+        """The adapter-only sync of this stage (``lora_sync.py``): the frozen base first when
+        ``send_base``, then the adapters; on a verified sync ``expected`` gets the checksums of
+        what the engine must serve. Returns an error or None; TP peers iterate the same
+        collectives and a failed sender drains them."""
+        t0 = time.perf_counter()
+        error, dtype = None, None
+        try:
+            if self.sender:
+                dtype = self.engine_dtype()
+                self.transport.begin(step)
+        except Exception as e:  # noqa: BLE001
+            error = " ".join(f"{type(e).__name__}: {e}".split())
+        base = iter_hf_weights(model_chunks, self.hf_config, merge_lora=False) if send_base else iter(())
+        units = iter_adapter_units(model_chunks, self.hf_config, with_base=verify)
+        if not self.sender or error:
+            for _ in itertools.chain(base, units):  # TP peers (and a failed sender) keep the collectives going
+                pass
+            return error
+        self.transport.request_extras = self.adapter.request_extras(verify)
+        scale = model_chunks[0].lora_spec.scale
+
+        def send(bucket, overlap) -> None:
+            self.transport.send(bucket, overlap=overlap)
+            stats.num_buckets += 1
+            stats.num_tensors += len(bucket.names)
+            stats.num_bytes += bucket.nbytes
+
+        def checksum(tensors: dict[str, torch.Tensor]) -> None:  # runs while the bucket is in flight
+            c0 = time.perf_counter()
+            expected.update((name, tensor_checksum(t)) for name, t in tensors.items())
+            stats.checksum_seconds += time.perf_counter() - c0
+
+        def reference(held) -> None:  # the engine's merge, recomputed while the bucket is in flight
+            c0 = time.perf_counter()
+            expected.update(reference_checksums(held, scale, dtype))
+            stats.checksum_seconds += time.perf_counter() - c0
+
+        try:
+            adapted = adapted_hf_names(model_chunks, self.hf_config)
+            for bucket in _expert_split_buckets(base_stream(base, adapted, dtype), self._expert_names,
+                                                self.transport.bucket_bytes):
+                tensors = dict(zip(bucket.names, bucket.tensors))
+                # verified as sent, except the bases: the adapters below are merged over them
+                as_sent = {n: tensors[n] for n in mark_base(bucket, adapted)}
+                send(bucket, (lambda t=as_sent: checksum(t)) if verify else None)
+            for bucket, held in adapter_buckets(units, self.transport.bucket_bytes, scale):
+                send(bucket, (lambda h=held: reference(h)) if verify else None)
+            self.transport.end(step)
+        except Exception as e:  # noqa: BLE001 - drain so TP peers are not left in a collective
+            error = " ".join(f"{type(e).__name__}: {e}".split())
+            for _ in itertools.chain(base, units):
+                pass
+        stats.send_seconds = time.perf_counter() - t0
+        return error
+
     def _expert_names(self) -> frozenset[str]:
         if self.hf_config is None:  # weights come from a caller's ``iter_weights``, no model to ask
             return frozenset()
@@ -391,7 +469,9 @@ class WeightSyncer:
         self._agree(problem, f"probe verification (step {step})")
 
     def reset(self) -> None:
-        """Forget engine state (call on every rank after an engine restarted)."""
+        """Forget engine state (call on every rank after an engine restarted, or after a failed
+        sync): the next sync of a LoRA policy sends the base again."""
+        self.lora_base_loaded = False
         self._engine_info = None
         if self.transport is not None:
             self.transport.reset()

@@ -16,6 +16,10 @@ every engine URL; ``send`` returns once each engine has loaded it (so buffers ca
   bucket plus names/dtypes/shapes over HTTP (``/update_weights_from_shm``, ``wire/shm.py``).
 * ``disk``: each bucket becomes a safetensors file in a per-sync directory written under a
   temporary name and renamed when complete; ``/update_weights_from_disk`` loads the directory.
+
+A bucket's own request keys (``Bucket.extras``: a LoRA policy's ``lora``/``lora_base``,
+``sync/lora_sync.py``) join the sync's in each of its requests; the disk transport, which sends
+one request per directory, writes them into the bucket's file metadata instead.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 
 from megatron_grpo.wire.samples import RolloutError
 from megatron_grpo.runtime.device import collective_device, compute_device
-from megatron_grpo.wire.buckets import Bucket, unflatten
+from megatron_grpo.wire.buckets import DISK_UPDATE_KEY, Bucket, unflatten
 from megatron_grpo.wire.group import bind_group_store, destroy_custom_process_group, init_custom_process_group
 from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_system_sharing
 from megatron_grpo.wire.shm import ShmSegment, remove_stale_segments
@@ -132,7 +136,7 @@ class DistributedTransport(Transport):
         flat = bucket.pack(out=self._buffer)
         futures = [self.client.submit(self.client.aio.update_weights_from_distributed(
             url, names=bucket.names, dtypes=[bucket.dtype_name] * len(bucket.names), shapes=bucket.shapes,
-            group_name=self.group_name, load_format="flattened_bucket", extra=self.request_extras))
+            group_name=self.group_name, load_format="flattened_bucket", extra={**self.request_extras, **bucket.extras}))
             for url in self.urls]
         try:
             self._broadcast(flat, futures, overlap)
@@ -204,7 +208,8 @@ class NamedTensorsWire:
         named = unflatten(flat, bucket.names, [bucket.dtype] * len(bucket.names), bucket.shapes)
         payload = serialize_named_tensors(named)
         client = transport.client
-        return [client.submit(client.aio.update_weights_from_tensor(url, [payload] * tp, extra=transport.request_extras))
+        extra = {**transport.request_extras, **bucket.extras}
+        return [client.submit(client.aio.update_weights_from_tensor(url, [payload] * tp, extra=extra))
                 for url, tp in zip(transport.urls, transport.engine_tp_sizes())]
 
     def release(self) -> None:
@@ -228,7 +233,7 @@ class ShmBucketWire:
         client = transport.client
         return [client.submit(client.aio.update_weights_from_shm(
             url, path=self._segment.path, names=bucket.names, dtypes=[bucket.dtype_name] * len(bucket.names),
-            shapes=bucket.shapes, extra=transport.request_extras)) for url in transport.urls]
+            shapes=bucket.shapes, extra={**transport.request_extras, **bucket.extras})) for url in transport.urls]
 
     def release(self) -> None:
         segment, self._segment = self._segment, None
@@ -287,8 +292,10 @@ class DiskTransport(Transport):
     def send(self, bucket: Bucket, overlap: Optional[Callable[[], None]] = None) -> None:
         from safetensors.torch import save_file
 
-        path = self._tmp / f"bucket_{self._num_files:05d}.safetensors"
-        save_file({n: t.contiguous() for n, t in zip(bucket.names, bucket.tensors)}, str(path))
+        path = self._tmp / f"bucket_{self._num_files:05d}.safetensors"  # loaded in name order: as sent
+        # a bucket's own request keys travel in its file (the engine reads them per file)
+        metadata = {DISK_UPDATE_KEY: json.dumps(bucket.extras)} if bucket.extras else None
+        save_file({n: t.contiguous() for n, t in zip(bucket.names, bucket.tensors)}, str(path), metadata=metadata)
         self._num_files += 1
         if overlap is not None:  # nothing is in flight yet: the engine loads in end()
             overlap()

@@ -14,6 +14,10 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+DISK_UPDATE_KEY = "megatron_grpo_update"
+"""Metadata key of a bucket's safetensors file (the disk transport) holding the JSON of the
+bucket's ``extras``: the keys its request would carry over the other wires."""
+
 
 @dataclass
 class Bucket:
@@ -24,6 +28,9 @@ class Bucket:
     shapes: list[list[int]] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
+    extras: dict = field(default_factory=dict)
+    """Keys this bucket's weight-update request carries besides the sync's own (the embedded
+    engine's ``lora``/``lora_base``, ``engine/lora_update.py``)."""
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         assert tensor.dtype == self.dtype, (name, tensor.dtype, self.dtype)

@@ -128,6 +128,12 @@ class EngineAdapter:
         """Take the memory back (``tags``: only these kinds, e.g. ["weights"]; None: all)."""
         raise NotImplementedError(f"engine.kind={self.name!r} cannot resume its memory")
 
+    merges_lora: bool = False
+    """True: the engine keeps a LoRA policy's frozen base and merges the adapters it is sent
+    (the embedded engine's ``lora``/``lora_base`` update keys, ``engine/lora_update.py``), so
+    the weight sync sends the adapters alone after the first sync (``sync/lora_sync.py``);
+    False: it is sent the merged weights every sync."""
+
     @property
     def verifies_by_probe(self) -> bool:
         """True: the sync also compares the engine's log-probs of a probe sequence with the

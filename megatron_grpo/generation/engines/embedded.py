@@ -26,6 +26,7 @@ class EmbeddedAdapter(EngineAdapter):
     reports_token_versions = True  # engine.scheduler (sample_step, RETRACT)
     quantizations = frozenset({"fp8", "int8"})  # engine.quantize, on CPU and GPU
     fp8_formats = frozenset({"e4m3", "e5m2"})
+    merges_lora = True  # engine.lora_update: the adapters alone after the base
 
     def sequences_per_request(self, engine_cfg: EngineConfig) -> Optional[int]:
         # The servers a run launches take engine.embedded.max_request_sequences per request: a
