@@ -90,6 +90,19 @@ def smollm2_dir():
 
 
 @pytest.fixture(scope="module")
+def inprocess_engine(tmp_path_factory):
+    """An in-process engine (the embedded engine's code in this process) serving a tiny Qwen2
+    (fp32, seed 11), one per module that asks for it (the agent tests' real engine)."""
+    from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
+
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=11)
+    engine = InProcessEngine(start_inprocess(EngineConfig(dtype="float32"), model_dir=str(model_dir)), None,
+                             timeout_s=120)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
     """A client of a launched embedded engine serving a tiny Qwen2 (fp32), one per module that
     asks for it (the multi-turn and rollout-function modules' real engine)."""

@@ -15,32 +15,20 @@ import openai
 import pytest
 
 from megatron_grpo.config.base import ConfigError, ConfigValueError
-from megatron_grpo.config.engine import EngineConfig
 from megatron_grpo.config.episodes import EpisodesConfig
 from megatron_grpo.data.prompts import Prompt, prompt_messages, render_prompt
-from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
-from megatron_grpo.models.tiny import build_tokenizer, save_tiny_model
+from megatron_grpo.models.tiny import build_tokenizer
 from megatron_grpo.rollout.agents.front import AgentFront, EpisodeLog, same_message
 from megatron_grpo.rollout.agents.runner import AgentContractError, AgentRunner
 from megatron_grpo.rollout.agents.trajectory import NotAnExtension, sample_from_calls
 from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_stats
 from megatron_grpo.rollout.turns import TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
+from tests.support.demo_run import NUDGE
 
-# The built-in loop's environment and the same task as SDK agents: turn 1 is always followed by
-# a nudge (so every episode has two model turns), turn 2's last word is graded.
-NUDGE_ENV = '''
-class Nudge:
-    def __init__(self, row):
-        self.answer, self.turn = str(row["answer"]), 0
-
-    def step(self, response):
-        self.turn += 1
-        if self.turn == 1:
-            return {"observation": "please reply with only a number", "done": False}
-        words = response.split()
-        return {"observation": None, "done": True, "reward": float(bool(words) and words[-1] == self.answer)}
-'''
+# The built-in loop's environment (tests/support/demo_run.py's NUDGE: turn 1 is always followed
+# by a nudge, so every episode has two model turns; turn 2's last word is graded) and the same
+# task as SDK agents.
 
 AGENTS = r'''
 import asyncio, json, os, time
@@ -127,18 +115,14 @@ def tok():
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("agents")
-    (d / "envs.py").write_text(NUDGE_ENV)
+    (d / "envs.py").write_text(NUDGE)
     (d / "agents.py").write_text(AGENTS)
     return d
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=11)
-    eng = InProcessEngine(start_inprocess(EngineConfig(dtype="float32"), model_dir=str(model_dir)), None,
-                          timeout_s=120)
-    yield eng
-    eng.close()
+def engine(inprocess_engine):
+    return inprocess_engine  # tests/conftest.py: a tiny Qwen2 in this process
 
 
 def make_prompt(tok, index=0, question="what is 3 plus 4", answer="7"):

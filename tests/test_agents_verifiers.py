@@ -21,10 +21,8 @@ from verifiers.utils.message_utils import normalize_messages
 
 from megatron_grpo.chat.openai_api import render_chat
 from megatron_grpo.chat.tool_calls import parse_tool_calls
-from megatron_grpo.config.engine import EngineConfig
 from megatron_grpo.data.prompts import Prompt, render_prompt
-from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
-from megatron_grpo.models.tiny import build_tokenizer, save_tiny_model
+from megatron_grpo.models.tiny import build_tokenizer
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.rollout.agents.connectors import load_agent
 from megatron_grpo.rollout.agents.connectors.verifiers_env import EnvRows, question_messages, rollout_input
@@ -142,12 +140,8 @@ class Recorder:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", "qwen2", seed=11)
-    eng = InProcessEngine(start_inprocess(EngineConfig(dtype="float32"), model_dir=str(model_dir)), None,
-                          timeout_s=120)
-    yield eng
-    eng.close()
+def engine(inprocess_engine):
+    return inprocess_engine  # tests/conftest.py: a tiny Qwen2 in this process
 
 
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=[3])  # 3: <eos>

@@ -243,13 +243,17 @@ class EpisodeRunner:
                        counts=counts)
 
     def _report(self, kind: str, where: str, message: str) -> None:
-        """Print a failure once per (kind, site); every occurrence is counted in the metrics."""
-        if (kind, where) in self._reported:
-            return
-        self._reported.add((kind, where))
-        print(f"[megatron-grpo] episodes.environment {kind} at {where}: {message} (the episode ends and is scored "
-              f"as episodes.on_env_error={self.cfg.on_env_error!r}; further ones here are only counted)",
-              file=sys.stderr, flush=True)
+        report_failure_once(self._reported, "episodes.environment", kind, where, message, self.cfg.on_env_error)
+
+
+def report_failure_once(reported: set, key: str, kind: str, where: str, message: str, on_env_error: str) -> None:
+    """Print an episode's failure once per (kind, site) in ``reported`` (the caller's set);
+    every occurrence is counted in the metrics. ``key``: the config key of what failed."""
+    if (kind, where) in reported:
+        return
+    reported.add((kind, where))
+    print(f"[megatron-grpo] {key} {kind} at {where}: {message} (the episode ends and is scored as "
+          f"episodes.on_env_error={on_env_error!r}; further ones here are only counted)", file=sys.stderr, flush=True)
 
 
 def _oldest(versions: list[str]) -> str:

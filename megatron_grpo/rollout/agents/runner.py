@@ -33,7 +33,6 @@ and the user's module load once per worker); episodes run at most ``workers`` at
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 import uuid
@@ -47,7 +46,7 @@ from megatron_grpo.rollout.agents.connectors import CONNECTORS, split_spec
 from megatron_grpo.rollout.agents.front import AgentFront, EpisodeLog
 from megatron_grpo.rollout.agents.trajectory import sample_from_calls
 from megatron_grpo.rollout.environments.worker import STARTUP_TIMEOUT_S, fork_server, kill_worker
-from megatron_grpo.rollout.multi_turn import Episode
+from megatron_grpo.rollout.multi_turn import Episode, report_failure_once
 from megatron_grpo.rollout.turns import TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
 
@@ -276,9 +275,4 @@ class AgentRunner:
                        metrics=metrics)
 
     def _report(self, kind: str, where: str, message: str) -> None:
-        """Print a failure once per (kind, site); every occurrence is counted in the metrics."""
-        if (kind, where) in self._reported:
-            return
-        self._reported.add((kind, where))
-        print(f"[megatron-grpo] {KEY} {kind} at {where}: {message} (the episode ends and is scored as "
-              f"on_env_error={self.on_env_error!r}; further ones here are only counted)", file=sys.stderr, flush=True)
+        report_failure_once(self._reported, KEY, kind, where, message, self.on_env_error)
