@@ -118,8 +118,9 @@ class ProgressSink:
 
     def log(self, step: int, record: dict) -> None:
         shown = {label: f"{record[k]:.3g}" for k, label in PROGRESS_KEYS if isinstance(record.get(k), float)}
-        if all(isinstance(record.get(k), (int, float)) for k in ENV_FAILURE_KEYS):
-            shown["env_err"] = str(int(sum(record[k] for k in ENV_FAILURE_KEYS)))
+        failures = [record[k] for k in ENV_FAILURE_KEYS if isinstance(record.get(k), (int, float))]
+        if failures:  # a multi-turn run (records of older runs have no multi_turn/diverged)
+            shown["env_err"] = str(int(sum(failures)))
         for key, value in record.items():  # held-out accuracy stays shown until the next eval
             if key.startswith("eval/") and key.endswith(EVAL_PASS_SUFFIX) and isinstance(value, (int, float)):
                 self.evals[f"eval:{key[len('eval/'):-len(EVAL_PASS_SUFFIX)]}"] = f"{value:.3g}"

@@ -20,7 +20,6 @@ or a dict with ``"reward"`` and other numbers (logged as ``agent/<name>_mean``).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import numbers
@@ -51,8 +50,15 @@ def agent_result(out: Any, where: str) -> dict:
     return {"reward": reward, "metrics": values}
 
 
-def _episode(fn, is_async: bool, loop, base_url: str, api_key: str, row: dict, timeout_s: float) -> Any:
+def _sdk():
+    """The ``openai`` module (the agents extra), imported where an agent runs."""
     import openai
+
+    return openai
+
+
+def _episode(fn, is_async: bool, loop, base_url: str, api_key: str, row: dict, timeout_s: float) -> Any:
+    openai = _sdk()
 
     if is_async:
         async def go():
@@ -75,7 +81,7 @@ def serve(conn, spec: str) -> None:
         conn.send(("contract", str(e)))
         return
     where = spec
-    importlib.import_module("openai")  # once per worker, before the first episode's deadline runs
+    _sdk()  # imported once per worker, before the first episode's deadline runs
 
     conn.send(("loaded", None))
     is_async = inspect.iscoroutinefunction(fn)
