@@ -147,3 +147,21 @@ def test_a_rank_killed_from_outside_ends_the_run_in_one_line(demo, tmp_path):
         err[-3000:]
     assert "Traceback" not in err and "ChildFailedError" not in err and "Sending process" not in err, err[-3000:]
     assert survivors(tree) == []
+
+
+def test_a_killed_rank_is_the_cause_even_when_torchrun_observed_its_peer_first():
+    """On a loaded machine torchrun may name the rank that lost its peer (exit code 1) as the
+    root cause; the rank killed by a signal, listed among the other failures, is the cause."""
+    swapped = SIGKILL_REPORT.replace(
+        "  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 16997)  (SIGTERM)",
+        "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 16998)  (SIGKILL)", 1)
+    head, _, tail = swapped.partition("Root Cause (first observed failure):")
+    observed_first = head + "Root Cause (first observed failure):" + tail.replace(
+        "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 16998)  (SIGKILL)",
+        "  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 16997)", 1)
+    assert "exitcode  : 1 (pid: 16997)" in observed_first.partition("Root Cause")[2]
+    assert root_cause(observed_first.encode()) == {"rank": 1, "exitcode": -9, "pid": 16998}
+    # torchrun's own SIGTERM to a surviving rank is never the cause
+    assert root_cause(SIGKILL_REPORT.encode()) == {"rank": 1, "exitcode": -9, "pid": 16998}
+    only_exit = observed_first.replace("exitcode  : -9 (pid: 16998)  (SIGKILL)", "exitcode  : 1 (pid: 16998)")
+    assert root_cause(only_exit.encode()) == {"rank": 0, "exitcode": 1, "pid": 16997}

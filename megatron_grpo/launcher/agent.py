@@ -261,18 +261,33 @@ def _may_begin_held(partial: bytes) -> bool:
         re.match(rb"[WEI]\d{0,4}(?: |$)", partial) is not None
 
 
+_FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*?^\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid: (\d+)\))?", re.M | re.S)
+
+
+def _failures(section: str) -> list[dict]:
+    """Every ``rank`` / ``exitcode`` block of a part of torchrun's report, in order."""
+    return [{"rank": int(m[1]), "exitcode": int(m[2]), "pid": int(m[3]) if m[3] else None}
+            for m in _FAILURE.finditer(section)]
+
+
 def root_cause(stderr_tail: bytes) -> dict | None:
-    """The first failure torchrun's report names (``rank``, ``pid``, ``exitcode``; a negative
-    exit code is the signal that killed it), None without a report."""
+    """The failure torchrun's report says caused the others (``rank``, ``pid``, ``exitcode``; a
+    negative exit code is the signal that killed it), None without a report. A rank killed by a
+    signal from outside is the cause wherever the report lists it: torchrun names the first
+    failure it *observed* as the root cause, and on a loaded machine that can be the rank that
+    lost its peer (exit code 1) rather than the peer that was killed. Its own SIGTERMs to the
+    surviving ranks (exit code -15) are effects, never the cause."""
     text = stderr_tail.decode(errors="replace")
     at = text.rfind("Root Cause (first observed failure):")
     if at < 0:
         return None
-    fields = dict(re.findall(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)", text[at:], re.M))
-    pid = re.search(r"\(pid: (\d+)\)", text[at:])
-    if "rank" not in fields or "exitcode" not in fields:
+    first = _failures(text[at:])[:1]
+    if not first:
         return None
-    return {"rank": int(fields["rank"]), "exitcode": int(fields["exitcode"]), "pid": int(pid.group(1)) if pid else None}
+    start = text.rfind("Failures:", 0, at)
+    others = _failures(text[start:at]) if start >= 0 else []
+    killed = [f for f in first + others if f["exitcode"] < 0 and f["exitcode"] != -signal.SIGTERM]
+    return killed[0] if killed else first[0]
 
 
 def forward_stderr(proc: _Agent, error_file: Path, stopping: list[int], keep_bytes: int = 4096) -> bytes:
