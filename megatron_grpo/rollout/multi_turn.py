@@ -132,16 +132,11 @@ class EpisodeRunner:
             sampling_seed: Optional[int] = None) -> list[Episode]:
         """``n`` episodes per prompt (data.Prompt: ``prompt_ids``, ``text``, ``answer``, ``fields``)
         on ``engine`` (a RolloutEngine), prompt-major, like ``engine.generate``."""
-        jobs = [(i * n + j, i, j, p) for i, p in enumerate(prompts) for j in range(n)]
+        jobs = episode_jobs(prompts, n)
         with ThreadPoolExecutor(max_workers=min(self.max_inflight, len(jobs)) or 1,
                                 thread_name_prefix="episode") as pool:
             results = asyncio.run(self._run_all(engine, jobs, sampling, sampling_seed, pool))
-        for r in results:  # a broken contract first: it is the user's bug, not a transient failure
-            if isinstance(r, EnvContractError):
-                raise r
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        raise_failures(results, EnvContractError)
         return results
 
     async def _run_all(self, engine, jobs, sampling, sampling_seed, pool) -> list:
@@ -244,6 +239,22 @@ class EpisodeRunner:
 
     def _report(self, kind: str, where: str, message: str) -> None:
         report_failure_once(self._reported, "episodes.environment", kind, where, message, self.cfg.on_env_error)
+
+
+def episode_jobs(prompts: Sequence, n: int) -> list[tuple[int, int, int, object]]:
+    """``(episode index, prompt index, sample index, prompt)`` of ``n`` episodes per prompt, prompt-major."""
+    return [(i * n + j, i, j, p) for i, p in enumerate(prompts) for j in range(n)]
+
+
+def raise_failures(results: Sequence, contract: type[BaseException]) -> None:
+    """Raise the first exception among every episode's ``results`` (all episodes have ended),
+    a ``contract`` error first: it is the user's bug, not a transient failure."""
+    for r in results:
+        if isinstance(r, contract):
+            raise r
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
 
 
 def report_failure_once(reported: set, key: str, kind: str, where: str, message: str, on_env_error: str) -> None:

@@ -46,7 +46,7 @@ from megatron_grpo.rollout.agents.connectors import CONNECTORS, split_spec
 from megatron_grpo.rollout.agents.front import AgentFront, EpisodeLog
 from megatron_grpo.rollout.agents.trajectory import sample_from_calls
 from megatron_grpo.rollout.environments.worker import STARTUP_TIMEOUT_S, fork_server, kill_worker
-from megatron_grpo.rollout.multi_turn import Episode, report_failure_once
+from megatron_grpo.rollout.multi_turn import Episode, episode_jobs, raise_failures, report_failure_once
 from megatron_grpo.rollout.turns import TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
 
@@ -206,7 +206,7 @@ class AgentRunner:
 
     def __call__(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
                  sampling_seed: Optional[int] = None) -> list[Episode]:
-        jobs = [(i * n + j, i, j, p) for i, p in enumerate(prompts) for j in range(n)]
+        jobs = episode_jobs(prompts, n)
         with ThreadPoolExecutor(max_workers=max(1, min(self.workers, len(jobs))),
                                 thread_name_prefix="agent-episode") as pool:
             futures = [pool.submit(self._episode, engine, *job, sampling, sampling_seed) for job in jobs]
@@ -216,12 +216,7 @@ class AgentRunner:
                     results.append(f.result())
                 except BaseException as e:  # collected, raised once every episode has ended
                     results.append(e)
-        for r in results:  # a broken contract first: it is the user's bug, not a transient failure
-            if isinstance(r, AgentContractError):
-                raise r
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        raise_failures(results, AgentContractError)
         return results
 
     def _episode(self, engine, index: int, prompt_index: int, sample_index: int, prompt, sampling: SamplingParams,
