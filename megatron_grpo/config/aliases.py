@@ -107,18 +107,26 @@ def _pop(raw: dict, parts: list[str]) -> tuple[bool, Any]:
     return True, node.pop(parts[-1])
 
 
-def _put(raw: dict, new: str, value: Any, old: str) -> None:
-    """Set ``new`` (dotted) in ``raw`` to ``value``, given as ``old``; a section's value is merged
-    key by key into the new section when both are given."""
-    parts = new.split(".")
+def parent_section(raw: dict, parts: list[str], what: str) -> dict:
+    """The mapping of ``raw`` that holds the key ``parts`` names (``parts[:-1]``, sections made
+    when missing); ConfigError naming the first one that is not a section (``what``: the setting,
+    for the message)."""
     node = raw
     for i, part in enumerate(parts[:-1]):
         child = node.get(part)
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(".".join(parts[: i + 1]), f"is not a section, cannot set {new} (given as {old})")
+            raise ConfigError(".".join(parts[: i + 1]), f"is not a section, cannot set {what}")
         node = child
+    return node
+
+
+def _put(raw: dict, new: str, value: Any, old: str) -> None:
+    """Set ``new`` (dotted) in ``raw`` to ``value``, given as ``old``; a section's value is merged
+    key by key into the new section when both are given."""
+    parts = new.split(".")
+    node = parent_section(raw, parts, f"{new} (given as {old})")
     leaf = parts[-1]
     if leaf not in node:
         node[leaf] = value

@@ -291,14 +291,10 @@ def apply_overrides(raw: dict, overrides: list[str], renamed: Optional[aliases.R
                                        f"{first if first_old else old}; keep only {key}", source)
             if old is not None and renamed is not None:
                 renamed.append((old, key))
-            node = raw
-            for i, part in enumerate(parts[:-1]):
-                child = node.get(part)
-                if child is None:
-                    child = node[part] = {}
-                if not isinstance(child, dict):
-                    raise ConfigError(".".join(parts[: i + 1]), f"is not a section, cannot set {key}", source)
-                node = child
+            try:
+                node = aliases.parent_section(raw, list(parts), key)
+            except ConfigError as e:
+                raise e.with_source(source) from None
             node[parts[-1]] = value
     return raw
 
