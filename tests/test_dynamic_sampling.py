@@ -11,7 +11,8 @@ from megatron_grpo.config.base import ConfigValueError
 from megatron_grpo.config.dapo import DynamicSamplingConfig, OverlongConfig
 from megatron_grpo.data.prompts import Prompt
 from megatron_grpo.rewards.scorer import ScoredBatch
-from megatron_grpo.rollout.dynamic_sampling import choose_groups, informative_groups, overlong_penalty
+from megatron_grpo.rollout.dynamic_sampling import (choose_groups, informative_groups, overlong_penalty,
+                                                     truncated_rewards)
 from tests.support.configs import experiment
 
 N = 4
@@ -23,6 +24,12 @@ def test_overlong_penalty_hand_computed():
     assert got.tolist() == [0.0, 0.0, -0.125, -0.25, -0.375, -0.5]
     # L_cache = L_max: the ramp starts at 0
     assert overlong_penalty(torch.tensor([0, 5, 10]), 10, 10, 1.0).tolist() == [0.0, -0.5, -1.0]
+
+
+def test_truncated_rewards_hand_computed():
+    got = truncated_rewards(torch.tensor([1.0, 0.5, 1.0, -0.25]), torch.tensor([False, True, True, False]), 0.0)
+    assert got.tolist() == [1.0, 0.0, 0.0, -0.25]
+    assert truncated_rewards(torch.tensor([2.0, 2.0]), torch.tensor([True, False]), -1.0).tolist() == [-1.0, 2.0]
 
 
 def test_informative_groups_and_choice():
@@ -41,6 +48,13 @@ def test_config_checks():
         RolloutConfig(num_generations=1, dynamic_sampling=DynamicSamplingConfig(enabled=True))
     with pytest.raises(ConfigValueError, match="max_extra_rounds"):
         DynamicSamplingConfig(max_extra_rounds=-1)
+    with pytest.raises(ConfigValueError, match="truncated_reward"):
+        OverlongConfig(truncated_reward=float("nan"))
+    # an episode's finish reason is its last turn's: refused with environments, agents, rollout functions
+    from megatron_grpo.config import EpisodesConfig
+    with pytest.raises(ConfigValueError, match="rollout.overlong.truncated_reward"):
+        experiment(rollout=RolloutConfig(overlong=OverlongConfig(truncated_reward=0.0)),
+                   episodes=EpisodesConfig(environment="calculator"))
 
 
 class _PerPromptReward:
@@ -136,3 +150,21 @@ def test_overlong_penalty_and_filter_on_engine_responses(engine):
     assert result.stats["overlong/num_filtered"] == float(truncated.sum())
     assert (result.batch.loss_mask[truncated] == 0).all()
     assert torch.equal(result.batch.loss_mask[~truncated], plain.batch.loss_mask[~truncated])
+
+
+@pytest.mark.slow
+def test_truncated_reward_replaces_score_and_penalty_of_cut_responses(engine):
+    """With the same seeds (the same responses), the truncated ones' rewards become the constant
+    whatever their score and soft penalty; the others keep score + penalty; the advantages follow."""
+    from megatron_grpo.losses.advantages import compute_advantages
+
+    over = OverlongConfig(buffer_length=4, truncated_reward=-2.0)
+    result = _run(engine, _cfg(overlong=over), None)
+    plain = _run(engine, _cfg(), None)
+    lengths = plain.batch.loss_mask.sum(dim=1)
+    truncated = lengths == 6
+    assert truncated.any() and (~truncated).any()
+    scores = torch.tensor([0.5] * N + plain.batch.tokens[N:, 3].tolist(), dtype=torch.float32)  # _PerPromptReward
+    expected = torch.where(truncated, torch.tensor(-2.0), scores + overlong_penalty(lengths.long(), 6, 4, 1.0))
+    assert torch.allclose(result.batch.advantages, compute_advantages(expected, N, _cfg().algorithm), atol=1e-6)
+    assert result.stats["truncated_ratio"] == float(truncated.float().mean())

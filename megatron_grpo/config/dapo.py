@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,7 +44,15 @@ class OverlongConfig:
     """Mask responses the engine truncated (finish reason `length`) out of the loss: they keep
     their place in their group's reward statistics but contribute no tokens."""
 
+    truncated_reward: Optional[float] = None
+    """null: a response the engine truncated (finish reason `length`) is graded like any other.
+    A number: it gets this reward in place of its score and of the soft punishment, so a
+    response cut at max_new_tokens earns no credit for what its last words happen to say (a
+    loop of digits that stops on the right number would otherwise be rewarded and grow)."""
+
     def __post_init__(self):
+        check(self.truncated_reward is None or math.isfinite(self.truncated_reward), "truncated_reward",
+              f"must be a finite number or null, got {self.truncated_reward}")
         check(self.buffer_length is None or self.buffer_length >= 1, "buffer_length",
               f"must be >= 1 or null, got {self.buffer_length}")
         check(self.penalty_factor >= 0, "penalty_factor", f"must be >= 0, got {self.penalty_factor}")

@@ -11,6 +11,9 @@ Departures from the paper:
 * When ``max_extra_rounds`` runs out with too few informative groups, the batch is filled
   with dropped groups (zero advantage, no gradient) instead of failing, so every step keeps
   its shape; ``dynamic_sampling/num_groups_short`` counts them.
+* ``overlong.truncated_reward`` is not in the paper: it replaces a truncated response's
+  reward (score and soft punishment together) by a constant, a harder form of the soft
+  punishment's last step that also removes whatever the grader credited in the cut text.
 * The soft punishment uses L_max = ``rollout.max_new_tokens`` (the engine cannot produce a
   longer response, so the paper's "L > L_max: -1" case never arises: L = L_max gives -1).
 """
@@ -31,6 +34,12 @@ def overlong_penalty(lengths_N: torch.Tensor, max_new_tokens: int, buffer_length
     ramp = (expected - lengths) / buffer_length
     out = torch.where(lengths <= expected, torch.zeros_like(lengths), ramp.clamp(min=-1.0))
     return (out * factor).float()
+
+
+def truncated_rewards(rewards_N: torch.Tensor, truncated_N: torch.Tensor, value: float) -> torch.Tensor:
+    """float[N]: ``rewards_N`` with every truncated response's reward (bool ``truncated_N``)
+    replaced by ``value``. E.g. [1, 0.5, 1], [F, T, T], 0 -> [1, 0, 0]."""
+    return torch.where(truncated_N, torch.full_like(rewards_N, value), rewards_N)
 
 
 def informative_groups(rewards_N: torch.Tensor, num_generations: int) -> torch.Tensor:

@@ -26,7 +26,8 @@ from megatron_grpo.losses import compute_advantages
 from megatron_grpo.rewards.sample import reward_samples
 from megatron_grpo.rollout.batch import (TrainBatch, build_train_batch, pad_kept_ids, pad_routed_experts,
                                          truncated_log_probs)
-from megatron_grpo.rollout.dynamic_sampling import choose_groups, informative_groups, overlong_penalty
+from megatron_grpo.rollout.dynamic_sampling import (choose_groups, informative_groups, overlong_penalty,
+                                                     truncated_rewards)
 from megatron_grpo.rollout.multi_turn import episode_rewards, episode_stats
 from megatron_grpo.rollout.rollout_function import samples_of
 from megatron_grpo.wire.samples import SamplingParams
@@ -112,7 +113,11 @@ def generate_round(ctx: GenerationContext, step: int, round_index: int, prompts:
     if over.buffer_length is not None:
         lengths = torch.tensor([len(s.output_ids) for s in samples])
         penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, over.buffer_length, over.penalty_factor)
-    return Round(prompts, samples, rewards + penalty, penalty, scored.per_function, scored.stats, gen_s, reward_s,
+    rewards = rewards + penalty
+    if over.truncated_reward is not None:
+        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        rewards = truncated_rewards(rewards, truncated, over.truncated_reward)
+    return Round(prompts, samples, rewards, penalty, scored.per_function, scored.stats, gen_s, reward_s,
                   episodes, dropped)
 
 
