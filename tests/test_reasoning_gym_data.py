@@ -10,7 +10,10 @@ import sys
 import pytest
 
 from megatron_grpo.data.reasoning_gym_source import (
+    heldout_question,
+    make_natural_split,
     make_split,
+    split_by_question,
     TEMPLATES,
     distinct_questions,
     entry_from_json,
@@ -118,6 +121,46 @@ def test_the_split_deals_distinct_questions_so_both_sides_share_a_difficulty_mix
                                                                            one_digit(split.heldout))
 
 
+def test_split_by_question_keeps_repeats_on_one_side_only():
+    def entries():
+        for q in ["a", "b", "a", "c", " a ", "d", "b", "e", "f", "g", "h", "a"]:
+            yield {"question": q}
+
+    train, heldout, drawn = split_by_question(entries(), seed=3, num_train=6, num_heldout=2)
+    side = {q: heldout_question(q, 3, 0.25) for q in "abcdefgh"}
+    assert all(side[question_key(e["question"])] for e in heldout)  # each row where its hash puts it
+    assert not any(side[question_key(e["question"])] for e in train)
+    assert len(train) <= 6 and len(heldout) <= 2
+    # the hash is the question's, whatever its whitespace, and the seed changes it
+    assert heldout_question(question_key(" a "), 3, 0.25) == heldout_question("a", 3, 0.25)
+    assert [heldout_question(str(i), 0, 0.3) for i in range(40)] != [heldout_question(str(i), 1, 0.3) for i in range(40)]
+    assert 0.2 < sum(heldout_question(str(i), 0, 0.3) for i in range(2000)) / 2000 < 0.4
+
+
+def test_the_natural_split_keeps_the_tasks_mix_and_no_question_on_both_sides():
+    """chain_sum picks one digit count per problem: half its 2-term problems of 1-2 digits are
+    one-digit sums (200 distinct questions, repeated). The distinct split keeps ~5% of them; the
+    natural split keeps the task's half on both sides, and no held-out question is trained."""
+    cfg = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+    split = make_natural_split("chain_sum", cfg, seed=0, num_train=1000, num_heldout=200)
+    assert len(split.train) == 1000 and len(split.heldout) == 200
+    train_q = {question_key(e["question"]) for e in split.train}
+    heldout_q = {question_key(e["question"]) for e in split.heldout}
+    assert not train_q & heldout_q
+    assert len(heldout_q) < 200  # repeats kept: the task asks its small sums again and again
+
+    def one_digit(entries):
+        return sum(e["metadata"]["num_digits"] == 1 for e in entries) / len(entries)
+
+    assert 0.4 < one_digit(split.train) < 0.6 and 0.35 < one_digit(split.heldout) < 0.65
+    distinct = make_split("chain_sum", cfg, seed=0, num_train=1000, num_heldout=200)
+    assert one_digit(distinct.heldout) < 0.25  # what the natural split is for
+    with pytest.raises(Exception, match="--heldout: chain_sum gave"):
+        # ~200 distinct questions at a 1/1001 share: none lands in the held-out split
+        make_natural_split("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+                           seed=0, num_train=1000, num_heldout=1)
+
+
 def test_prompt_templates_and_the_row():
     entry = {"question": "What is {x}? 3 + 4 =", "answer": 7, "metadata": {"d": (1, 2)}}
     row = make_row(entry, prompt_template("answer_tag"), {"min_terms": 2})
@@ -169,6 +212,14 @@ def test_the_tool_writes_disjoint_splits_the_grader_can_score(tool, tmp_path, ca
     # the same arguments write the same files
     first = (out / "train.jsonl").read_bytes()
     assert tool.main(args) == 0 and (out / "train.jsonl").read_bytes() == first
+    # --split natural: repeats kept, still no question on both sides
+    capsys.readouterr()
+    assert tool.main(args + ["--split", "natural"]) == 0
+    assert "wrote 60 training and 20 held-out rows of chain_sum" in capsys.readouterr().out
+    train, heldout = read_rows(out / "train.jsonl"), read_rows(out / "heldout.jsonl")
+    train_q = [question_key(r["entry"]["question"]) for r in train]
+    assert len(train) == 60 and len(heldout) == 20 and len(set(train_q)) < 60
+    assert not set(train_q) & {question_key(r["entry"]["question"]) for r in heldout}
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -24,12 +24,15 @@ from pathlib import Path
 
 from megatron_grpo.data.reasoning_gym_source import (
     DEFAULT_TEMPLATE,
+    SPLITS,
     TEMPLATES,
     TaskError,
     check_task,
+    make_natural_split,
     make_row,
     make_split,
     prompt_template,
+    question_key,
     reasoning_gym_missing,
     write_rows,
 )
@@ -49,6 +52,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-template", default=DEFAULT_TEMPLATE,
                         help=f"one of {', '.join(TEMPLATES)} (default {DEFAULT_TEMPLATE}: asks for the final answer "
                              "inside <answer></answer>), or a text holding {question}")
+    parser.add_argument("--split", choices=SPLITS, default="distinct",
+                        help="distinct (default): distinct questions in both files, dealt at random from one pool; "
+                             "natural: the task's own mix, repeats included, each question in one file only "
+                             "(chosen by a seeded hash of it)")
     parser.add_argument("--out", required=True, help="output directory")
     return parser.parse_args(argv)
 
@@ -78,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             raise TaskError("--prompt-template", str(e)) from None
         task_config = settings_of(args.task_config)
         check_task(args.task, task_config)
-        split = make_split(args.task, task_config, args.seed, args.size, args.heldout)
+        split = (make_natural_split if args.split == "natural" else make_split)(
+            args.task, task_config, args.seed, args.size, args.heldout)
         train = [make_row(e, template, task_config) for e in split.train]
         heldout = [make_row(e, template, task_config) for e in split.heldout]
     except TaskError as e:
@@ -96,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     write_rows(train, out / "train.jsonl")
     write_rows(heldout, out / "heldout.jsonl")
     print(f"wrote {len(train)} training and {len(heldout)} held-out rows of {args.task} to {out} "
-          f"({len(train) + len(heldout)} distinct questions in {split.num_drawn} draws, "
+          f"({len({question_key(e['question']) for e in split.train + split.heldout})} distinct questions in "
+          f"{split.num_drawn} draws, "
           f"{time.perf_counter() - start:.1f} s)")
     return 0
 

@@ -33,6 +33,15 @@ problems in the first 200 distinct questions, 7% in the next 1,447). A task whos
 repeat is drawn further (up to ``MAX_DRAW_FACTOR`` times the rows asked for) before it is
 refused.
 
+**Or in the task's own mix** (``--split natural``, ``make_natural_split``): every question is
+assigned to one split by a seeded hash of its key (held out with probability
+``num_heldout / (num_train + num_heldout)``), and each split takes entries in the dataset's order,
+repeats included, until it is full. No held-out question is ever a training question, and both
+splits keep the task's own distribution of problems (the distinct split above under-weights
+whatever repeats: of chain_sum's 2-term sums of 1-2 digits, the ~25% with two one-digit terms
+become ~5% of 2,200 distinct questions). A held-out set drawn so may hold a question more than
+once, as the task itself asks it; its accuracy is the task's accuracy on questions never trained.
+
 reasoning-gym is an optional dependency (``pip install 'megatron-grpo[reasoning]'``) and takes
 ~1.8 s to import: only ``check_task`` and ``create_task`` import it, when entries are drawn.
 """
@@ -40,6 +49,7 @@ reasoning-gym is an optional dependency (``pip install 'megatron-grpo[reasoning]
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import math
 import numbers
@@ -164,7 +174,7 @@ def question_key(question: str) -> str:
 
 @dataclass(frozen=True)
 class Split:
-    """Entries with distinct questions, cut in two."""
+    """Entries cut in two, no question on both sides."""
 
     train: list[dict]
     heldout: list[dict]
@@ -256,6 +266,50 @@ def make_split(task: str, task_config: dict, seed: int, num_train: int, num_held
     order = random.Random(seed).sample(range(wanted), wanted)  # the splits share one difficulty mix
     dealt = [kept[i] for i in order]
     return Split(dealt[:num_train], dealt[num_train:], drawn)
+
+
+SPLITS = ("distinct", "natural")
+"""``--split``: ``make_split`` (distinct questions, dealt) or ``make_natural_split`` (the task's mix)."""
+
+
+def heldout_question(key: str, seed: int, fraction: float) -> bool:
+    """Whether the question ``key`` (``question_key``) belongs to the held-out split: a seeded
+    hash of it, uniform in [0, 1), below ``fraction``. The same for every draw of the question."""
+    digest = hashlib.sha256(f"{seed}\0{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def split_by_question(entries: Iterable[dict], seed: int, num_train: int,
+                      num_heldout: int) -> tuple[list[dict], list[dict], int]:
+    """``num_train`` training and ``num_heldout`` held-out entries of ``entries`` in order, each
+    question's split fixed by ``heldout_question`` (repeats kept, so each split has the task's
+    mix), and the entries drawn; shorter lists when ``entries`` runs out first."""
+    fraction = num_heldout / (num_train + num_heldout)
+    train: list[dict] = []
+    heldout: list[dict] = []
+    drawn = 0
+    for entry in entries:
+        if len(train) == num_train and len(heldout) == num_heldout:
+            break
+        drawn += 1
+        side = heldout if heldout_question(question_key(entry["question"]), seed, fraction) else train
+        if len(side) < (num_heldout if side is heldout else num_train):
+            side.append(entry)
+    return train, heldout, drawn
+
+
+def make_natural_split(task: str, task_config: dict, seed: int, num_train: int, num_heldout: int) -> Split:
+    """The ``--split natural`` split (``split_by_question``), drawing at most ``MAX_DRAW_FACTOR``
+    times the rows asked for; TaskError naming ``--heldout`` when a side cannot be filled (too
+    few distinct questions for the held-out share to land any)."""
+    wanted = num_train + num_heldout
+    train, heldout, drawn = split_by_question(draw_entries(task, task_config, seed, MAX_DRAW_FACTOR * wanted),
+                                              seed, num_train, num_heldout)
+    if len(train) < num_train or len(heldout) < num_heldout:
+        raise TaskError("--heldout", f"{task} gave {len(train)} training and {len(heldout)} held-out rows in {drawn} "
+                                     f"draws (questions split by hash, --split natural), fewer than asked; widen the "
+                                     f"task (--task-config) or use --split distinct")
+    return Split(train, heldout, drawn)
 
 
 def write_rows(rows: list[dict], path: str | Path) -> Path:
