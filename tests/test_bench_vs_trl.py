@@ -137,6 +137,11 @@ def smollm2_cfg(*overrides: str, rows: int | None = None):
     return load_config(SMOLLM2, shared)
 
 
+def test_truncated_completions_of_trl_are_those_cut_at_the_cap():
+    assert bench.truncated_of([[5, 6, 7], [5, 6, 2], [5, 2], [], [1, 2, 3, 4]], 3, {2}) == [True, False, False,
+                                                                                          False, True]
+
+
 def test_smollm2_config_maps_to_trl_with_its_hyper_parameters():
     args = bench.trl_grpo_args(smollm2_cfg(), batches=40, device="cpu")
     assert set(args) == GRPO_KEYS
@@ -144,7 +149,7 @@ def test_smollm2_config_maps_to_trl_with_its_hyper_parameters():
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"],
             args["steps_per_generation"], args["num_generations"], args["max_steps"]) == (16, 2, 2, 8, 40)
     assert (args["max_completion_length"], args["temperature"], args["top_k"], args["top_p"]) == (32, 0.7, 0, 1.0)
-    assert (args["learning_rate"], args["lr_scheduler_type"], args["warmup_steps"]) == (2e-5, "constant_with_warmup", 0)
+    assert (args["learning_rate"], args["lr_scheduler_type"], args["warmup_steps"]) == (1e-5, "constant_with_warmup", 0)
     assert (args["epsilon"], args["epsilon_high"], args["loss_type"], args["scale_rewards"]) == (0.2, 0.28, "dapo", "group")
     assert (args["beta"], args["entropy_coef"], args["num_iterations"], args["max_grad_norm"]) == (0.0, 0.0, 1, 1.0)
     assert (args["seed"], args["use_cpu"], args["bf16"], args["gradient_checkpointing"]) == (3, True, False, False)
@@ -181,7 +186,7 @@ def test_smollm2_builds_what_the_launch_script_builds():
     fetch, data = wl.build
     assert fetch == ("tools/fetch_smollm2.py", "--out", "{out}/model")
     launched = _launch_args("launch/smollm2_cpu.sh", "tools/make_reasoning_gym_data.py")
-    assert launched[launched.index("--out"):] == ["--out", "runs/smollm2/chain_sum"]
+    assert launched[launched.index("--out"):] == ["--out", "runs/smollm2/chain_sum_2term"]
     assert list(data) == ["tools/make_reasoning_gym_data.py", *launched[:launched.index("--out")], "--out", "{out}"]
     yaml_sets = load_config(SMOLLM2, ["model.hf_dir=unused"]).eval.sets
     assert any(s.name == bench.HELDOUT_SET and s.temperature == 0 and s.path.endswith(wl.heldout_file)

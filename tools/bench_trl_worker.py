@@ -53,6 +53,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer import grpo_trainer as trl_grpo_module  # noqa: E402
 
+from bench_vs_trl import truncated_of  # noqa: E402  (tools/, this script's directory)
 from megatron_grpo.config import ExperimentConfig, load_config  # noqa: E402
 from megatron_grpo.config.sections import DataConfig  # noqa: E402
 from megatron_grpo.data import load_prompt_dataset  # noqa: E402
@@ -310,9 +311,15 @@ def main() -> None:
     if not args.evaluate:
         clock.start()  # the other workloads' clock: from before TRL builds its model and trainer
 
-    def reward(completions, prompt_index, **_):
+    over = setup.cfg.rollout.overlong if setup.cfg is not None else None
+    stop_ids = {tokenizer.eos_token_id}  # what TRL's generation stops on
+
+    def reward(completions, prompt_index, completion_ids=None, **_):
         # called once per rollout batch, right after generation: the batch's clock tick
         rewards = setup.score(completions, [setup.prompts[i] for i in prompt_index])
+        if over is not None and over.truncated_reward is not None:  # as rollout.overlong.truncated_reward
+            cut = truncated_of(completion_ids, setup.cfg.rollout.max_new_tokens, stop_ids)
+            rewards = [over.truncated_reward if c else r for r, c in zip(rewards, cut)]
         reward.calls += 1
         write({"batch": reward.calls, "reward_mean": sum(rewards) / len(rewards), "wall_s": clock()})
         return rewards

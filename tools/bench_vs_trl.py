@@ -117,8 +117,9 @@ class Workload:
 HELDOUT_SET = "greedy"
 """Name of the held-out set both sides evaluate (temperature 0, one response a prompt)."""
 
-CHAIN_SUM_DATA = ("--task", "chain_sum", "--size", "2000", "--heldout", "200", "--seed", "0", "--task-config",
-                  '{"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}', "--prompt-template", "plain")
+CHAIN_SUM_DATA = ("--task", "chain_sum", "--size", "2000", "--heldout", "200", "--seed", "0", "--split", "natural",
+                  "--task-config", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}',
+                  "--prompt-template", "plain")
 """tools/make_reasoning_gym_data.py's arguments in launch/smollm2_cpu.sh (a test checks they agree)."""
 
 WORKLOADS = {
@@ -140,6 +141,14 @@ WORKLOADS = {
                         train_file="train.jsonl", target=0.5, window=10, micro_batch_size=None, batches=40, dp=2,
                         engine="inprocess", heldout_file="heldout.jsonl", eval_every=10),
 }
+
+
+def truncated_of(completion_ids: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[bool]:
+    """Which of TRL's completions its generation cut at ``max_new_tokens`` (our engine's finish
+    reason ``length``): as long as the cap and not ending on a stop token. TRL hands a reward
+    function each completion's ids up to its first EOS, included. E.g. cap 3, stop {2}:
+    [[5, 6, 7], [5, 6, 2], [5, 2]] -> [True, False, False]."""
+    return [len(ids) >= max_new_tokens and (not ids or ids[-1] not in stop_ids) for ids in completion_ids]
 
 
 def rolling_hit(rewards: list[float], window: int, target: float) -> int | None:
