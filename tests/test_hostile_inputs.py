@@ -610,6 +610,29 @@ def hangs(response, answer):
 async def hangs_async(response, answer):
     import asyncio
     await asyncio.sleep(600)
+
+def returns_a_lock(response, answer):
+    import threading
+    return threading.Lock()
+
+class Unprintable:
+    def __str__(self):
+        raise RuntimeError("no text for you")
+
+def returns_unprintable(response, answer):
+    return Unprintable()
+
+def batch_returns_a_number(samples):
+    return 0.5
+
+# a number in a tensor's clothes: the reward 0.5
+def tensor_0d(response, answer):
+    import torch
+    return (torch.tensor([1.0, 0.0]) == 1.0).float().mean()
+
+async def async_tensor_0d(response, answer):
+    import torch
+    return torch.tensor(0.5)
 """
 
 
@@ -624,8 +647,16 @@ def bad_rewards(python_module):
     ("returns_none", "returned 'None' (NoneType) for sample 0"),
     ("returns_nan", "returned 'nan' (float) for sample 0"),
     ("returns_inf", "returned '-inf' (float) for sample 0"),
+    # issue 48, second round: a worker that could not send its result back died with a traceback
+    # on the run's stderr; an unprintable value escaped as the __str__'s RuntimeError; a batch
+    # function's single number read as if the function had raised
+    ("returns_a_lock", "failed on sample 0: hostile_bad_rewards.returns_a_lock: its result cannot be sent back to "
+                       "the trainer's process (TypeError: cannot pickle '_thread.lock' object)"),
+    ("returns_unprintable", "returned a value that cannot be printed (Unprintable) for sample 0"),
+    ("batch_returns_a_number", "returned '0.5' (float) for a batch of 2; a batch function returns one number per "
+                               "sample"),
 ])
-def test_reward_misbehaving_at_scoring_time(bad_rewards, fn, expected):
+def test_reward_misbehaving_at_scoring_time(bad_rewards, fn, expected, capfd):
     from megatron_grpo.config.base import build_section
     from megatron_grpo.config.sections import RewardConfig
     from megatron_grpo.rewards import RewardError, RewardScorer
@@ -633,11 +664,52 @@ def test_reward_misbehaving_at_scoring_time(bad_rewards, fn, expected):
     name = f"{bad_rewards}.{fn}"
     scorer = RewardScorer(build_section(RewardConfig, {"functions": [{"name": "format"}, {"name": name}]},
                                         "reward"))
-    with pytest.raises(RewardError) as err:
-        scorer.score(["fine", "boom"], ["1", "2"])
+    try:
+        with pytest.raises(RewardError) as err:
+            scorer.score(["fine", "boom"], ["1", "2"])
+    finally:
+        scorer.close()
     line = cli.describe_user_error(err.value, "run.yaml")
     assert line.startswith(f"run.yaml: reward.functions[1] ({name}) {expected}"), line
     assert "\n" not in line
+    assert "Traceback" not in capfd.readouterr().err  # nor a worker's, on the run's stderr
+
+
+def test_numbers_in_numpy_or_torch_clothes_are_rewards():
+    """Issue 48, second round: a 0-d tensor ((pred == gold).float().mean()) was reported as the
+    function raising "TypeError: iteration over a 0-d tensor", numpy's bool as "returned 'True'
+    (bool)" (Python's bool is accepted), a batch function's tensor as a list of refused tensors.
+    Each is the number it holds: what the worker sends (``call_in_worker``, run here) and what the
+    scorer accepts (``_check_value``, also for an async function's value in the trainer's loop)."""
+    import numpy as np
+    import torch
+
+    from megatron_grpo.rewards import local
+    from megatron_grpo.rewards.scorer import _check_value
+
+    clothes = [np.float32(0.5), np.mean([1.0, 0.0]) > 0.25, (torch.tensor([1.0, 0.0]) == 1.0).float().mean(),
+               np.array(0.5), torch.tensor(0.5, requires_grad=True)]
+    assert [_check_value(v, "f", 0) for v in clothes] == [0.5, 1.0, 0.5, 0.5, 0.5]
+    for value, sent in [(torch.tensor(0.5), 0.5), (torch.full((2,), 0.5), [0.5, 0.5]), (np.bool_(True), True)]:
+        local._loaded["fn"] = lambda value=value: value
+        status, got = local.call_in_worker((), {})
+        assert status == "ok" and [_check_value(v, "f", 0) for v in (got if isinstance(got, list) else [got])] == \
+            (sent if isinstance(sent, list) else [sent]), (value, got)
+    local._loaded.clear()
+
+
+@pytest.mark.parametrize("fn", ["tensor_0d", "async_tensor_0d"])
+def test_a_0d_tensor_reward_through_the_real_scorer(bad_rewards, fn):
+    """The same through the scorer: a plain function in its worker process, an async one in the loop."""
+    from megatron_grpo.config.base import build_section
+    from megatron_grpo.config.sections import RewardConfig
+    from megatron_grpo.rewards import RewardScorer
+
+    scorer = RewardScorer(build_section(RewardConfig, {"functions": [{"name": f"{bad_rewards}.{fn}"}]}, "reward"))
+    try:
+        assert scorer.score(["a", "b"], ["1", "2"]).rewards == [0.5, 0.5]
+    finally:
+        scorer.close()
 
 
 @pytest.mark.parametrize("fn,expected", [
