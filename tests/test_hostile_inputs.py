@@ -421,6 +421,10 @@ CASES: dict[str, Case] = {
     "reward_module_does_not_import": _reward_case(None, "no_such_module_xyz.fn", "cannot import module"),
     "reward_module_raises_at_import": _reward_case(RAISES_AT_IMPORT, "hostile_broken_plugin.fn",
                                                    "RuntimeError: this plug-in is broken"),
+    # a grading script's unguarded `sys.exit(main())`: `megatron-grpo train` ended with its code (0), nothing trained
+    "reward_module_exits_at_import": _reward_case("import sys\ndef fn(response, answer):\n    return 0.0\nsys.exit(0)\n",
+                                                  "hostile_exits_plugin.fn", "module 'hostile_exits_plugin' called "
+                                                  "sys.exit(0) while being imported"),
     "reward_attribute_missing": _reward_case(NO_KWARG, "hostile_plugin_attr.nope", "has no attribute 'nope'"),
     "reward_not_callable": _reward_case("fn = 3\n", "hostile_plugin_value.fn", "not a function"),
     "reward_kwargs_do_not_fit": _reward_case(NO_KWARG, "hostile_plugin_kwargs.fn", "kwargs", kwargs={"scale": 2}),
@@ -434,6 +438,9 @@ CASES: dict[str, Case] = {
                                                   "envs.py:Env", "no method step"),
     "environment_import_fails": _plugin_file_case("envs.py", "import no_such_module_xyz\nclass Env:\n    pass\n",
                                                   "episodes.environment", "Env", "envs.py", "no_such_module_xyz"),
+    "environment_exits_at_import": _plugin_file_case("envs.py", "import sys\nclass Env:\n    pass\nsys.exit(3)\n",
+                                                     "episodes.environment", "Env", "envs.py",
+                                                     "loading the file called sys.exit(3)"),
     "rollout_function_import_fails": _plugin_file_case("fn.py", "import no_such_module_xyz\ndef f(*a):\n    pass\n",
                                                        "episodes.rollout_function", "f", "fn.py", "no_such_module_xyz"),
     "rollout_function_missing": _plugin_file_case("fn.py", "def f(engine, prompts, n, sampling, seed):\n    pass\n",
@@ -450,6 +457,7 @@ SUBPROCESS_CASES = {
     "yaml_syntax_error", "yaml_alias_bomb", "override_inf_temperature", "nproc_not_divisible_by_tp",
     "partial_model_dir_no_weights", "tokenizer_bigger_than_vocab", "dataset_bad_json_line", "dataset_10mb_line",
     "reward_module_does_not_import", "environment_import_fails", "rollout_function_import_fails",
+    "reward_module_exits_at_import",
 }
 
 

@@ -104,6 +104,11 @@ def load_file_attribute(spec: str, key: str, prefix: str = "") -> Any:
         sys.modules[module_name] = module
         try:
             file_spec.loader.exec_module(module)
+        except SystemExit as e:  # a script's unguarded sys.exit(main()): its worker ended without a word
+            del sys.modules[module_name]
+            raise ValueError(f"{key} {where}: loading the file called sys.exit({e.code!r}); a plug-in's top-level "
+                             "code must not end the process (guard a script's main() with "
+                             "if __name__ == '__main__':)") from None
         except Exception as e:  # any failure inside the user's file is reported the same way
             del sys.modules[module_name]
             raise ValueError(f"{key} {where}: loading the file failed: {one_line(e)}") from None
