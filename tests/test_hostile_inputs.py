@@ -750,6 +750,25 @@ def test_reward_that_exits_or_hangs_stops_the_run_in_one_line(bad_rewards, fn, e
     assert time.monotonic() - t0 < 30  # the worker's start-up (imports) is outside the deadline
 
 
+def test_an_atexit_hook_that_never_returns_does_not_hold_the_process():
+    """Issue 48, second round: a reward module that registered an atexit hook that never returns
+    (``atexit.register(worker.join)`` of a thread that runs for ever) kept ``megatron-grpo train``
+    and its ranks alive after the run, for good: both import the module, and both end through
+    ``exit_now``, which runs the hooks. They now get ``EXIT_HOOKS_TIMEOUT_S`` (1 s here); the
+    hooks before the stuck one still run, and the process keeps its exit code."""
+    import time
+
+    code = ("import atexit, time; from megatron_grpo.runtime import process; process.EXIT_HOOKS_TIMEOUT_S = 1.0; "
+            "atexit.register(time.sleep, 600); atexit.register(print, 'flushed', flush=True); process.exit_now(3)")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 3 and proc.stdout == "flushed\n", (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr == ("[megatron-grpo] the exit hooks (atexit) still run after 1s: exiting without them (a "
+                           "plug-in's atexit hook that does not return?)\n")
+    assert time.monotonic() - started < 60
+
+
 def test_reward_timeout_is_refused_where_the_function_has_its_own():
     from megatron_grpo.config.base import ConfigError, build_section
     from megatron_grpo.config.sections import RewardConfig
