@@ -230,6 +230,22 @@ def _alias_bomb(levels: int = 9) -> str:
     return "reward:\n  functions:\n  - name: format\n    kwargs:\n" + "".join(f"      {line}\n" for line in lines)
 
 
+def _yaml_huge_integer(ctx):
+    """An integer of 5000 digits: past Python's 4300-digit limit, PyYAML's ValueError escaped the
+    loader as a traceback (issue 48, second round)."""
+    good = yaml.safe_dump(ctx.base(), sort_keys=False)
+    path = ctx.config(good.replace("num_steps: 1", "num_steps: " + "9" * 5000))
+    return ["--config", path], [path, "line ", "an integer of 5000 digits, more than the 4300 Python reads"]
+
+
+def _config_is_a_fifo(ctx):
+    """``--config`` naming a FIFO (or ``<(...)``, a pipe): the read blocked for ever, or the second
+    read (the launcher reads the config twice, each rank again) found it empty."""
+    path = str(ctx.tmp / "run.yaml")
+    os.mkfifo(path)
+    return ["--config", path], [path, "is not a regular file", "write it to a file"]
+
+
 def _dataset_missing(ctx):
     data = str(ctx.tmp / "missing.jsonl")
     path = ctx.config(_set("data.train_file", data))
@@ -318,6 +334,8 @@ CASES: dict[str, Case] = {
                                                "expected a finite number, got inf"),
     "override_nan_learning_rate": _override_case("optimizer.lr=.nan", "optimizer.lr", "expected a finite number"),
     "override_negative_seed": _override_case("trainer.seed=-1", "trainer.seed", "[0, 2^32 - 1]"),
+    "override_huge_integer": _override_case("trainer.num_steps=" + "9" * 5000, "trainer.num_steps",
+                                            "an integer of 5000 digits"),
     "override_duplicate_key": _override_case("optimizer={lr: 1e-3, lr: 2e-3}", "optimizer: duplicate key 'lr'"),
     "override_max_new_tokens_beyond_context": _override_case("rollout.max_new_tokens=600", "rollout.max_new_tokens",
                                                              "model's context of 512", "set it to at most"),
@@ -329,6 +347,8 @@ CASES: dict[str, Case] = {
     "seed_past_int64": _cfg_case(_set("trainer.seed", 2**70), "trainer.seed", "does not fit a 64-bit integer"),
     "yaml_alias_bomb": _yaml_case(_alias_bomb(), "line ", "expand this value to more than 100000 values"),
     "yaml_deep_nesting": _yaml_case("eval: " + "[" * 5000 + "]" * 5000 + "\n", "line ", "nested deeper than 64"),
+    "yaml_huge_integer": _yaml_huge_integer,
+    "config_not_a_regular_file": _config_is_a_fifo,
     "yaml_duplicate_key": _yaml_case("trainer: {run_dir: elsewhere, num_steps: 3}\n", "line ",
                                      "duplicate key 'trainer' (first given at line"),
     "eval_max_new_tokens_beyond_context": _cfg_case(
