@@ -607,6 +607,45 @@ def test_the_lock_of_a_dead_run_is_taken_over(world, tmp_path, monkeypatch):
     assert (ctx.run_dir / ".lock").read_text() == f"{os.getpid()}\n"
 
 
+def _planted(kind: str, run_dir: Path, victim: Path) -> None:
+    """What a careless hand (or another local user, in a shared directory) left in ``run_dir``."""
+    run_dir.mkdir()
+    if kind == "lock_is_a_link":
+        (run_dir / ".lock").symlink_to(victim)
+    elif kind == "lock_is_a_fifo":
+        os.mkfifo(run_dir / ".lock")
+    elif kind == "checkpoints_link_to_nothing":  # a scratch disk that is not mounted
+        (run_dir / "checkpoints").symlink_to(victim.parent / "unmounted_scratch" / "checkpoints")
+    elif kind == "checkpoints_is_a_file":
+        (run_dir / "checkpoints").write_text("not a directory\n")
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("lock_is_a_link", "{run}: cannot create {run}/.lock: it is a symbolic link"),
+    ("lock_is_a_fifo", "{run}: {run}/.lock is not a regular file; remove it"),
+    ("checkpoints_link_to_nothing", "{run}/checkpoints is a link to {tmp}/unmounted_scratch/checkpoints, which is "
+                                    "not a directory: no checkpoint can be resumed from or saved there"),
+    ("checkpoints_is_a_file", "{run}/checkpoints is not a directory: no checkpoint can be resumed from or saved there"),
+])
+def test_a_run_dir_that_cannot_hold_the_run_is_refused(kind, expected, world, tmp_path, monkeypatch, capfd):
+    """Issue 48, second round. A ``.lock`` planted as a link had the run truncate and overwrite the
+    file it named (its pid written there); a FIFO there was an OSError traceback. A ``checkpoints``
+    link to an unmounted disk, or a file, made the run start over at step 0 without a word and
+    fail at its first save. Each is one line naming trainer.run_dir, exit 2, nothing written."""
+    ctx = Ctx(tmp_path, world)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    _planted(kind, ctx.run_dir, victim)
+    before = sorted(p.name for p in ctx.run_dir.iterdir())
+    monkeypatch.setattr(cli, "launch_ranks", _no_launch)
+    path = ctx.config()
+    capfd.readouterr()
+    assert cli.main(["--config", path]) == 2
+    err = capfd.readouterr().err
+    assert err == f"error: {path}: trainer.run_dir: {expected.format(run=ctx.run_dir, tmp=tmp_path)}\n", err
+    assert sorted(p.name for p in ctx.run_dir.iterdir()) == before and victim.read_text() == "precious\n"
+
+
 # ---- reward functions that misbehave at scoring time ------------------------------------------
 
 BAD_REWARDS = """

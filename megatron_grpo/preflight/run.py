@@ -8,6 +8,7 @@ does not, so loading a config stays fast.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import torch
@@ -102,12 +103,19 @@ def check_model_dir(cfg: ExperimentConfig):
 
 
 def check_checkpoints(cfg: ExperimentConfig) -> None:
-    """``model.megatron_ckpt`` and an explicit ``checkpoint.resume`` path must be checkpoints."""
+    """``model.megatron_ckpt`` and an explicit ``checkpoint.resume`` path must be checkpoints, and
+    ``<trainer.run_dir>/checkpoints``, when there, a directory."""
     if cfg.model.megatron_ckpt:
         try:
             checkpoint_path(cfg.model.megatron_ckpt)
         except ModelError as e:
             raise _in_key("model.megatron_ckpt", e) from None
+    root = Path(cfg.trainer.run_dir) / "checkpoints"
+    if os.path.lexists(root) and not root.is_dir():
+        # a link to a scratch disk that is not mounted, or a file: the run would start over at
+        # step 0 without a word and fail at its first save, the steps in between lost
+        what = f"a link to {os.readlink(root)}, which is not a directory" if root.is_symlink() else "not a directory"
+        raise ConfigError("trainer.run_dir", f"{root} is {what}: no checkpoint can be resumed from or saved there")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never") and not (Path(resume) / MARKER).is_file():
         raise ConfigError("checkpoint.resume", f"{resume} is not a complete checkpoint (no {MARKER} file); "
