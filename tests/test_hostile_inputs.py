@@ -876,6 +876,21 @@ PLUGIN_RUN_CASES = {
         "    for s in out:\n        s.output_ids = [10**9 for _ in s.output_ids]\n    return out\n",
         lambda cfg, f: cfg.update(episodes={"rollout_function": f"{f}:oov"}, engine={"kind": "inprocess"}),
         "step 1: episodes.rollout_function"),
+    # issue 48, second round: a step reward no float can hold (the worker's check died of the
+    # OverflowError: counted as an environment crash, and the run went on)
+    "environment_reward_past_float_range": (
+        "envs.py", "class Huge:\n    def __init__(self, row):\n        pass\n\n"
+        "    def step(self, response):\n        return {'observation': None, 'done': True, 'reward': 10**400}\n",
+        lambda cfg, f: cfg.update(episodes={"environment": f"{f}:Huge", "max_episode_tokens": 16},
+                                  engine={"kind": "inprocess"}),
+        "step 1: episodes.environment"),
+    # issue 48, second round: engine.generate called with text, not ids (a rank's traceback in the
+    # engine's code, exit 1)
+    "rollout_function_calls_the_engine_with_text": (
+        "fn.py", "def text(engine, prompts, n, sampling, seed):\n"
+        "    return engine.generate([p.text for p in prompts], n, sampling, sampling_seed=seed)\n",
+        lambda cfg, f: cfg.update(episodes={"rollout_function": f"{f}:text"}, engine={"kind": "inprocess"}),
+        "step 1: episodes.rollout_function"),
     # a reward no float can hold
     "reward_past_float_range": (
         "huge.py", "def huge(response, answer):\n    return 10**400\n",

@@ -395,6 +395,19 @@ def test_bad_environment_one_liners(tok, env_file, tmp_path):
 
 
 
+def test_a_reward_no_float_holds_breaks_the_contract():
+    """Issue 48, second round: ``float(10**400)`` raised OverflowError inside the worker's check,
+    which ended the worker as a crash: the episode was counted as an environment error and the
+    run went on. It is the same one-line contract error as ``reward: inf`` now."""
+    from megatron_grpo.rollout.environments.loading import check_step_result
+
+    for reward, shown in [(10**400, "'1000000000000000000000000000000000000000'"),
+                          (10**5000, "<unprintable int>"), (float("inf"), "'inf'")]:
+        with pytest.raises(ValueError) as e:
+            check_step_result({"observation": None, "done": True, "reward": reward}, "envs.py:Env")
+        assert str(e.value) == f"episodes.environment envs.py:Env: step returned reward={shown}; expected a finite number"
+
+
 def test_config_refuses_the_overlong_penalty_with_an_environment():
     with pytest.raises(ValueError, match="overlong.buffer_length"):
         experiment(rollout=RolloutConfig(overlong=OverlongConfig(buffer_length=4)),
