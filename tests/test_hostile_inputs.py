@@ -918,3 +918,27 @@ def test_a_plugin_that_breaks_its_contract_in_a_real_run_is_one_line_and_exit_2(
     assert last.startswith(f"error: {path}: {needle}") and file_name in last, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count("error: ") == 1
+
+
+@pytest.mark.slow
+def test_an_agent_past_the_context_ends_its_episodes_without_a_traceback(world, tmp_path):
+    """Issue 48, second round: an agent that sent a conversation past the model's context got a
+    500 for each call and each of the SDK's retries, each with uvicorn's traceback on the run's
+    stderr (287 lines for 4 episodes of 6 MB messages). Now the SDK's BadRequestError (400) with
+    the engine's line: each episode ends as an agent error, said once, and the run completes."""
+    ctx = Ctx(tmp_path, world)
+    agent = ctx.plugin_dir / "agent.py"
+    agent.write_text("def run(client, row):\n"
+                     "    messages = list(row['messages']) + [{'role': 'user', 'content': '1 ' * 3000}]\n"
+                     "    client.chat.completions.create(model='policy', messages=messages)\n"
+                     "    return 1.0\n")
+    path = ctx.config(lambda cfg: cfg.update(engine={"kind": "inprocess"}, episodes={
+        "agent": f"{agent}:run", "max_episode_tokens": 16, "observation_role": "user"}))
+    proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config", path],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "500" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if "episodes.agent" in x]
+    assert "raised BadRequestError: Error code: 400" in line and "does not fit the context length" in line, line
+    assert json.loads((ctx.run_dir / "metrics.jsonl").read_text().splitlines()[-1])["multi_turn/env_errors"] == 4
