@@ -618,6 +618,9 @@ def _planted(kind: str, run_dir: Path, victim: Path) -> None:
         (run_dir / "checkpoints").symlink_to(victim.parent / "unmounted_scratch" / "checkpoints")
     elif kind == "checkpoints_is_a_file":
         (run_dir / "checkpoints").write_text("not a directory\n")
+    elif kind == "step_is_a_file":  # resumed from an older one, then its step failed to save
+        (run_dir / "checkpoints").mkdir()
+        (run_dir / "checkpoints" / "step_000002").write_text("not a checkpoint\n")
 
 
 @pytest.mark.parametrize("kind, expected", [
@@ -626,12 +629,15 @@ def _planted(kind: str, run_dir: Path, victim: Path) -> None:
     ("checkpoints_link_to_nothing", "{run}/checkpoints is a link to {tmp}/unmounted_scratch/checkpoints, which is "
                                     "not a directory: no checkpoint can be resumed from or saved there"),
     ("checkpoints_is_a_file", "{run}/checkpoints is not a directory: no checkpoint can be resumed from or saved there"),
+    ("step_is_a_file", "{run}/checkpoints/step_000002 is not a checkpoint directory (a file, or a link to nothing): "
+                       "its step could not be saved; remove it"),
 ])
 def test_a_run_dir_that_cannot_hold_the_run_is_refused(kind, expected, world, tmp_path, monkeypatch, capfd):
     """Issue 48, second round. A ``.lock`` planted as a link had the run truncate and overwrite the
     file it named (its pid written there); a FIFO there was an OSError traceback. A ``checkpoints``
     link to an unmounted disk, or a file, made the run start over at step 0 without a word and
-    fail at its first save. Each is one line naming trainer.run_dir, exit 2, nothing written."""
+    fail at its first save; a file named as a step, resume from the step before and fail to save
+    it. Each is one line naming trainer.run_dir, exit 2, nothing written."""
     ctx = Ctx(tmp_path, world)
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")

@@ -32,6 +32,7 @@ from megatron_grpo.rollout.environments.worker import shutdown_fork_server
 from megatron_grpo.rollout.rollout_function import RolloutFunction
 from megatron_grpo.runtime.device import cuda_available
 from megatron_grpo.runtime.placement import ranks_on_this_node
+from megatron_grpo.trainer.checkpoint import CKPT_RE
 
 # Vocabulary files of the tokenizer formats transformers reads (one is enough).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "spiece.model")
@@ -104,7 +105,7 @@ def check_model_dir(cfg: ExperimentConfig):
 
 def check_checkpoints(cfg: ExperimentConfig) -> None:
     """``model.megatron_ckpt`` and an explicit ``checkpoint.resume`` path must be checkpoints, and
-    ``<trainer.run_dir>/checkpoints``, when there, a directory."""
+    ``<trainer.run_dir>/checkpoints``, when there, a directory with no step name taken by anything else."""
     if cfg.model.megatron_ckpt:
         try:
             checkpoint_path(cfg.model.megatron_ckpt)
@@ -116,6 +117,10 @@ def check_checkpoints(cfg: ExperimentConfig) -> None:
         # step 0 without a word and fail at its first save, the steps in between lost
         what = f"a link to {os.readlink(root)}, which is not a directory" if root.is_symlink() else "not a directory"
         raise ConfigError("trainer.run_dir", f"{root} is {what}: no checkpoint can be resumed from or saved there")
+    blocked = sorted(p for p in root.iterdir() if CKPT_RE.match(p.name) and not p.is_dir()) if root.is_dir() else []
+    if blocked:  # the run would resume from an older checkpoint, train up to that step and fail to save it
+        raise ConfigError("trainer.run_dir", f"{blocked[0]} is not a checkpoint directory (a file, or a link to "
+                                             "nothing): its step could not be saved; remove it")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never") and not (Path(resume) / MARKER).is_file():
         raise ConfigError("checkpoint.resume", f"{resume} is not a complete checkpoint (no {MARKER} file); "
