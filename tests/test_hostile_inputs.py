@@ -948,3 +948,58 @@ def test_an_agent_past_the_context_ends_its_episodes_without_a_traceback(world, 
     (line,) = [x for x in proc.stderr.splitlines() if "episodes.agent" in x]
     assert "raised BadRequestError: Error code: 400" in line and "does not fit the context length" in line, line
     assert json.loads((ctx.run_dir / "metrics.jsonl").read_text().splitlines()[-1])["multi_turn/env_errors"] == 4
+
+
+def test_a_stop_handler_a_plugin_replaced_is_put_back():
+    """``stop.reinstall_if_replaced`` (the rank calls it once the reward modules are imported): a
+    handler a plug-in replaced is put back and named; in a process that never installed the
+    handlers (``megatron-grpo eval``) nothing changes. Run in a subprocess: signal handlers."""
+    code = ("import signal; from megatron_grpo.runtime import stop; "
+            "assert stop.reinstall_if_replaced() == [] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL; "
+            "stop.install(); assert stop.reinstall_if_replaced() == []; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGINT, lambda *a: None); "
+            "assert stop.reinstall_if_replaced() == ['SIGTERM', 'SIGINT']; "
+            "assert signal.getsignal(signal.SIGTERM) is stop._record is signal.getsignal(signal.SIGINT)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow
+def test_a_reward_module_that_ignores_sigterm_does_not_keep_the_run_going(world, tmp_path):
+    """Issue 48, second round: a reward module whose top-level code ignores SIGTERM (imported by
+    rank 0, where the scorer lives) kept the rank training through a stop: the launcher's line
+    came only when torchrun killed it, checkpoint.stop_timeout_s later ("before the ranks finished
+    their step and saved", nothing saved; 120 s by default). The rank puts its handler back after
+    the import, says so, and stops after its step with a checkpoint."""
+    import signal as signals
+    import time
+
+    ctx = Ctx(tmp_path, world)
+    ctx.plugin("hostile_ignores_term", "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n\n"
+                                       "def score(response, answer):\n    return 0.5\n")
+
+    def edit(cfg):
+        cfg["reward"] = {"functions": [{"name": "hostile_ignores_term.score"}]}
+        cfg["trainer"]["num_steps"] = 500
+        cfg["checkpoint"] = {"stop_timeout_s": 60}
+    path = ctx.config(edit)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ctx.plugin_dir), str(ROOT)])}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_grpo.cli", "train", "--config", path],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        metrics, deadline = ctx.run_dir / "metrics.jsonl", time.monotonic() + 400
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
+            time.sleep(0.2)
+        proc.send_signal(signals.SIGTERM)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143 and time.monotonic() - sent < 50, (proc.returncode, err[-3000:])
+    assert "replaced its SIGTERM handler; put back" in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM after step "), err[-3000:]
+    assert (ctx.run_dir / "checkpoints" / "latest").is_file()
