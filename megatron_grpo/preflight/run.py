@@ -20,7 +20,7 @@ from megatron_grpo.models import ModelError, get_architecture, load_hf_config
 from megatron_grpo.models.hf_config import split_problem
 from megatron_grpo.models.builder import check_packing, resolve_attention_backend, use_transformer_engine
 from megatron_grpo.models.lora import lora_problem, spec_from_config
-from megatron_grpo.models.checkpoint import MARKER, checkpoint_path
+from megatron_grpo.models.checkpoint import MARKER, STEP_DIR_RE, checkpoint_path
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.models.weights import SafetensorsReader
 from megatron_grpo.preflight.layout import layout_problem
@@ -32,7 +32,6 @@ from megatron_grpo.rollout.environments.worker import shutdown_fork_server
 from megatron_grpo.rollout.rollout_function import RolloutFunction
 from megatron_grpo.runtime.device import cuda_available
 from megatron_grpo.runtime.placement import ranks_on_this_node
-from megatron_grpo.trainer.checkpoint import CKPT_RE
 
 # Vocabulary files of the tokenizer formats transformers reads (one is enough).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "*.tiktoken", "spiece.model")
@@ -117,7 +116,7 @@ def check_checkpoints(cfg: ExperimentConfig) -> None:
         # step 0 without a word and fail at its first save, the steps in between lost
         what = f"a link to {os.readlink(root)}, which is not a directory" if root.is_symlink() else "not a directory"
         raise ConfigError("trainer.run_dir", f"{root} is {what}: no checkpoint can be resumed from or saved there")
-    blocked = sorted(p for p in root.iterdir() if CKPT_RE.match(p.name) and not p.is_dir()) if root.is_dir() else []
+    blocked = sorted(p for p in root.iterdir() if STEP_DIR_RE.match(p.name) and not p.is_dir()) if root.is_dir() else []
     if blocked:  # the run would resume from an older checkpoint, train up to that step and fail to save it
         raise ConfigError("trainer.run_dir", f"{blocked[0]} is not a checkpoint directory (a file, or a link to "
                                              "nothing): its step could not be saved; remove it")
