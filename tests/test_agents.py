@@ -334,6 +334,41 @@ def test_same_message_ignores_sdk_fields_and_argument_spacing():
     assert not same_message(a, {**b, "content": "hi"})
 
 
+def test_same_message_takes_a_malformed_call_the_agent_sent_back():
+    """Issue 48, second round: an agent that echoed the answered message with its call mangled
+    (``function`` a string) crashed the comparison: a 500 and uvicorn's traceback on the run's stderr."""
+    answered = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}
+    for mangled in ([{"id": "call_0", "function": "f(1)"}], ["f(1)"], "f(1)", [{"function": {"arguments": "{no json"}}]):
+        assert not same_message({**answered, "tool_calls": mangled}, answered)
+
+
+class Failing:
+    """An engine whose every call fails (as one that died does)."""
+
+    def generate(self, prompts, n, sampling, **kw):
+        raise RuntimeError("the engine is gone")
+
+
+def test_a_refused_or_failed_call_is_one_line_not_a_traceback(tok, front, engine, capfd):
+    """Issue 48, second round: an agent that sent a conversation past the model's context (6 MB
+    of text, under the body limit) got a 500 for each call and each of the SDK's retries, each
+    with uvicorn's traceback on the run's stderr (287 lines for 4 episodes). The engine's refusal
+    is a 400 now (the SDK's BadRequestError, not retried) with the engine's one line; any other
+    failure of a call a one-line 500, said once on stderr."""
+    client = open_episode(front, engine)
+    with pytest.raises(openai.BadRequestError, match=r"prompt of \d+ tokens does not fit the context length"):
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "7 " * 3000}])
+    assert front.close_episode("ep").calls == []
+    client = open_episode(front, Failing())
+    for _ in range(2):
+        with pytest.raises(openai.InternalServerError, match="RuntimeError: the engine is gone"):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "what"}])
+    front.close_episode("ep")
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and err.count("a call failed (HTTP 500 to the agent): RuntimeError") == 1, err
+
+
 def test_trajectory_refuses_a_prompt_that_does_not_extend():
     s = Sample(prompt_index=0, sample_index=0, prompt_ids=[1, 2], output_ids=[3], output_logprobs=[-1.0],
                finish_reason="stop", weight_version="2")

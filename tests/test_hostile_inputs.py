@@ -230,6 +230,22 @@ def _alias_bomb(levels: int = 9) -> str:
     return "reward:\n  functions:\n  - name: format\n    kwargs:\n" + "".join(f"      {line}\n" for line in lines)
 
 
+def _yaml_huge_integer(ctx):
+    """An integer of 5000 digits: past Python's 4300-digit limit, PyYAML's ValueError escaped the
+    loader as a traceback (issue 48, second round)."""
+    good = yaml.safe_dump(ctx.base(), sort_keys=False)
+    path = ctx.config(good.replace("num_steps: 1", "num_steps: " + "9" * 5000))
+    return ["--config", path], [path, "line ", "an integer of 5000 digits, more than the 4300 Python reads"]
+
+
+def _config_is_a_fifo(ctx):
+    """``--config`` naming a FIFO (or ``<(...)``, a pipe): the read blocked for ever, or the second
+    read (the launcher reads the config twice, each rank again) found it empty."""
+    path = str(ctx.tmp / "run.yaml")
+    os.mkfifo(path)
+    return ["--config", path], [path, "is not a regular file", "write it to a file"]
+
+
 def _dataset_missing(ctx):
     data = str(ctx.tmp / "missing.jsonl")
     path = ctx.config(_set("data.train_file", data))
@@ -318,6 +334,8 @@ CASES: dict[str, Case] = {
                                                "expected a finite number, got inf"),
     "override_nan_learning_rate": _override_case("optimizer.lr=.nan", "optimizer.lr", "expected a finite number"),
     "override_negative_seed": _override_case("trainer.seed=-1", "trainer.seed", "[0, 2^32 - 1]"),
+    "override_huge_integer": _override_case("trainer.num_steps=" + "9" * 5000, "trainer.num_steps",
+                                            "an integer of 5000 digits"),
     "override_duplicate_key": _override_case("optimizer={lr: 1e-3, lr: 2e-3}", "optimizer: duplicate key 'lr'"),
     "override_max_new_tokens_beyond_context": _override_case("rollout.max_new_tokens=600", "rollout.max_new_tokens",
                                                              "model's context of 512", "set it to at most"),
@@ -329,6 +347,8 @@ CASES: dict[str, Case] = {
     "seed_past_int64": _cfg_case(_set("trainer.seed", 2**70), "trainer.seed", "does not fit a 64-bit integer"),
     "yaml_alias_bomb": _yaml_case(_alias_bomb(), "line ", "expand this value to more than 100000 values"),
     "yaml_deep_nesting": _yaml_case("eval: " + "[" * 5000 + "]" * 5000 + "\n", "line ", "nested deeper than 64"),
+    "yaml_huge_integer": _yaml_huge_integer,
+    "config_not_a_regular_file": _config_is_a_fifo,
     "yaml_duplicate_key": _yaml_case("trainer: {run_dir: elsewhere, num_steps: 3}\n", "line ",
                                      "duplicate key 'trainer' (first given at line"),
     "eval_max_new_tokens_beyond_context": _cfg_case(
@@ -421,6 +441,10 @@ CASES: dict[str, Case] = {
     "reward_module_does_not_import": _reward_case(None, "no_such_module_xyz.fn", "cannot import module"),
     "reward_module_raises_at_import": _reward_case(RAISES_AT_IMPORT, "hostile_broken_plugin.fn",
                                                    "RuntimeError: this plug-in is broken"),
+    # a grading script's unguarded `sys.exit(main())`: `megatron-grpo train` ended with its code (0), nothing trained
+    "reward_module_exits_at_import": _reward_case("import sys\ndef fn(response, answer):\n    return 0.0\nsys.exit(0)\n",
+                                                  "hostile_exits_plugin.fn", "module 'hostile_exits_plugin' called "
+                                                  "sys.exit(0) while being imported"),
     "reward_attribute_missing": _reward_case(NO_KWARG, "hostile_plugin_attr.nope", "has no attribute 'nope'"),
     "reward_not_callable": _reward_case("fn = 3\n", "hostile_plugin_value.fn", "not a function"),
     "reward_kwargs_do_not_fit": _reward_case(NO_KWARG, "hostile_plugin_kwargs.fn", "kwargs", kwargs={"scale": 2}),
@@ -434,6 +458,9 @@ CASES: dict[str, Case] = {
                                                   "envs.py:Env", "no method step"),
     "environment_import_fails": _plugin_file_case("envs.py", "import no_such_module_xyz\nclass Env:\n    pass\n",
                                                   "episodes.environment", "Env", "envs.py", "no_such_module_xyz"),
+    "environment_exits_at_import": _plugin_file_case("envs.py", "import sys\nclass Env:\n    pass\nsys.exit(3)\n",
+                                                     "episodes.environment", "Env", "envs.py",
+                                                     "loading the file called sys.exit(3)"),
     "rollout_function_import_fails": _plugin_file_case("fn.py", "import no_such_module_xyz\ndef f(*a):\n    pass\n",
                                                        "episodes.rollout_function", "f", "fn.py", "no_such_module_xyz"),
     "rollout_function_missing": _plugin_file_case("fn.py", "def f(engine, prompts, n, sampling, seed):\n    pass\n",
@@ -450,6 +477,7 @@ SUBPROCESS_CASES = {
     "yaml_syntax_error", "yaml_alias_bomb", "override_inf_temperature", "nproc_not_divisible_by_tp",
     "partial_model_dir_no_weights", "tokenizer_bigger_than_vocab", "dataset_bad_json_line", "dataset_10mb_line",
     "reward_module_does_not_import", "environment_import_fails", "rollout_function_import_fails",
+    "reward_module_exits_at_import",
 }
 
 
@@ -579,6 +607,51 @@ def test_the_lock_of_a_dead_run_is_taken_over(world, tmp_path, monkeypatch):
     assert (ctx.run_dir / ".lock").read_text() == f"{os.getpid()}\n"
 
 
+def _planted(kind: str, run_dir: Path, victim: Path) -> None:
+    """What a careless hand (or another local user, in a shared directory) left in ``run_dir``."""
+    run_dir.mkdir()
+    if kind == "lock_is_a_link":
+        (run_dir / ".lock").symlink_to(victim)
+    elif kind == "lock_is_a_fifo":
+        os.mkfifo(run_dir / ".lock")
+    elif kind == "checkpoints_link_to_nothing":  # a scratch disk that is not mounted
+        (run_dir / "checkpoints").symlink_to(victim.parent / "unmounted_scratch" / "checkpoints")
+    elif kind == "checkpoints_is_a_file":
+        (run_dir / "checkpoints").write_text("not a directory\n")
+    elif kind == "step_is_a_file":  # resumed from an older one, then its step failed to save
+        (run_dir / "checkpoints").mkdir()
+        (run_dir / "checkpoints" / "step_000002").write_text("not a checkpoint\n")
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("lock_is_a_link", "{run}: cannot create {run}/.lock: it is a symbolic link"),
+    ("lock_is_a_fifo", "{run}: {run}/.lock is not a regular file; remove it"),
+    ("checkpoints_link_to_nothing", "{run}/checkpoints is a link to {tmp}/unmounted_scratch/checkpoints, which is "
+                                    "not a directory: no checkpoint can be resumed from or saved there"),
+    ("checkpoints_is_a_file", "{run}/checkpoints is not a directory: no checkpoint can be resumed from or saved there"),
+    ("step_is_a_file", "{run}/checkpoints/step_000002 is not a checkpoint directory (a file, or a link to nothing): "
+                       "its step could not be saved; remove it"),
+])
+def test_a_run_dir_that_cannot_hold_the_run_is_refused(kind, expected, world, tmp_path, monkeypatch, capfd):
+    """Issue 48, second round. A ``.lock`` planted as a link had the run truncate and overwrite the
+    file it named (its pid written there); a FIFO there was an OSError traceback. A ``checkpoints``
+    link to an unmounted disk, or a file, made the run start over at step 0 without a word and
+    fail at its first save; a file named as a step, resume from the step before and fail to save
+    it. Each is one line naming trainer.run_dir, exit 2, nothing written."""
+    ctx = Ctx(tmp_path, world)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    _planted(kind, ctx.run_dir, victim)
+    before = sorted(p.name for p in ctx.run_dir.iterdir())
+    monkeypatch.setattr(cli, "launch_ranks", _no_launch)
+    path = ctx.config()
+    capfd.readouterr()
+    assert cli.main(["--config", path]) == 2
+    err = capfd.readouterr().err
+    assert err == f"error: {path}: trainer.run_dir: {expected.format(run=ctx.run_dir, tmp=tmp_path)}\n", err
+    assert sorted(p.name for p in ctx.run_dir.iterdir()) == before and victim.read_text() == "precious\n"
+
+
 # ---- reward functions that misbehave at scoring time ------------------------------------------
 
 BAD_REWARDS = """
@@ -610,6 +683,29 @@ def hangs(response, answer):
 async def hangs_async(response, answer):
     import asyncio
     await asyncio.sleep(600)
+
+def returns_a_lock(response, answer):
+    import threading
+    return threading.Lock()
+
+class Unprintable:
+    def __str__(self):
+        raise RuntimeError("no text for you")
+
+def returns_unprintable(response, answer):
+    return Unprintable()
+
+def batch_returns_a_number(samples):
+    return 0.5
+
+# a number in a tensor's clothes: the reward 0.5
+def tensor_0d(response, answer):
+    import torch
+    return (torch.tensor([1.0, 0.0]) == 1.0).float().mean()
+
+async def async_tensor_0d(response, answer):
+    import torch
+    return torch.tensor(0.5)
 """
 
 
@@ -624,8 +720,16 @@ def bad_rewards(python_module):
     ("returns_none", "returned 'None' (NoneType) for sample 0"),
     ("returns_nan", "returned 'nan' (float) for sample 0"),
     ("returns_inf", "returned '-inf' (float) for sample 0"),
+    # issue 48, second round: a worker that could not send its result back died with a traceback
+    # on the run's stderr; an unprintable value escaped as the __str__'s RuntimeError; a batch
+    # function's single number read as if the function had raised
+    ("returns_a_lock", "failed on sample 0: hostile_bad_rewards.returns_a_lock: its result cannot be sent back to "
+                       "the trainer's process (TypeError: cannot pickle '_thread.lock' object)"),
+    ("returns_unprintable", "returned a value that cannot be printed (Unprintable) for sample 0"),
+    ("batch_returns_a_number", "returned '0.5' (float) for a batch of 2; a batch function returns one number per "
+                               "sample"),
 ])
-def test_reward_misbehaving_at_scoring_time(bad_rewards, fn, expected):
+def test_reward_misbehaving_at_scoring_time(bad_rewards, fn, expected, capfd):
     from megatron_grpo.config.base import build_section
     from megatron_grpo.config.sections import RewardConfig
     from megatron_grpo.rewards import RewardError, RewardScorer
@@ -633,11 +737,52 @@ def test_reward_misbehaving_at_scoring_time(bad_rewards, fn, expected):
     name = f"{bad_rewards}.{fn}"
     scorer = RewardScorer(build_section(RewardConfig, {"functions": [{"name": "format"}, {"name": name}]},
                                         "reward"))
-    with pytest.raises(RewardError) as err:
-        scorer.score(["fine", "boom"], ["1", "2"])
+    try:
+        with pytest.raises(RewardError) as err:
+            scorer.score(["fine", "boom"], ["1", "2"])
+    finally:
+        scorer.close()
     line = cli.describe_user_error(err.value, "run.yaml")
     assert line.startswith(f"run.yaml: reward.functions[1] ({name}) {expected}"), line
     assert "\n" not in line
+    assert "Traceback" not in capfd.readouterr().err  # nor a worker's, on the run's stderr
+
+
+def test_numbers_in_numpy_or_torch_clothes_are_rewards():
+    """Issue 48, second round: a 0-d tensor ((pred == gold).float().mean()) was reported as the
+    function raising "TypeError: iteration over a 0-d tensor", numpy's bool as "returned 'True'
+    (bool)" (Python's bool is accepted), a batch function's tensor as a list of refused tensors.
+    Each is the number it holds: what the worker sends (``call_in_worker``, run here) and what the
+    scorer accepts (``_check_value``, also for an async function's value in the trainer's loop)."""
+    import numpy as np
+    import torch
+
+    from megatron_grpo.rewards import local
+    from megatron_grpo.rewards.scorer import _check_value
+
+    clothes = [np.float32(0.5), np.mean([1.0, 0.0]) > 0.25, (torch.tensor([1.0, 0.0]) == 1.0).float().mean(),
+               np.array(0.5), torch.tensor(0.5, requires_grad=True)]
+    assert [_check_value(v, "f", 0) for v in clothes] == [0.5, 1.0, 0.5, 0.5, 0.5]
+    for value, sent in [(torch.tensor(0.5), 0.5), (torch.full((2,), 0.5), [0.5, 0.5]), (np.bool_(True), True)]:
+        local._loaded["fn"] = lambda value=value: value
+        status, got = local.call_in_worker((), {})
+        assert status == "ok" and [_check_value(v, "f", 0) for v in (got if isinstance(got, list) else [got])] == \
+            (sent if isinstance(sent, list) else [sent]), (value, got)
+    local._loaded.clear()
+
+
+@pytest.mark.parametrize("fn", ["tensor_0d", "async_tensor_0d"])
+def test_a_0d_tensor_reward_through_the_real_scorer(bad_rewards, fn):
+    """The same through the scorer: a plain function in its worker process, an async one in the loop."""
+    from megatron_grpo.config.base import build_section
+    from megatron_grpo.config.sections import RewardConfig
+    from megatron_grpo.rewards import RewardScorer
+
+    scorer = RewardScorer(build_section(RewardConfig, {"functions": [{"name": f"{bad_rewards}.{fn}"}]}, "reward"))
+    try:
+        assert scorer.score(["a", "b"], ["1", "2"]).rewards == [0.5, 0.5]
+    finally:
+        scorer.close()
 
 
 @pytest.mark.parametrize("fn,expected", [
@@ -668,6 +813,25 @@ def test_reward_that_exits_or_hangs_stops_the_run_in_one_line(bad_rewards, fn, e
     line = cli.describe_user_error(err.value, "run.yaml")
     assert line == f"run.yaml: reward.functions[1] ({name}) {expected}"
     assert time.monotonic() - t0 < 30  # the worker's start-up (imports) is outside the deadline
+
+
+def test_an_atexit_hook_that_never_returns_does_not_hold_the_process():
+    """Issue 48, second round: a reward module that registered an atexit hook that never returns
+    (``atexit.register(worker.join)`` of a thread that runs for ever) kept ``megatron-grpo train``
+    and its ranks alive after the run, for good: both import the module, and both end through
+    ``exit_now``, which runs the hooks. They now get ``EXIT_HOOKS_TIMEOUT_S`` (1 s here); the
+    hooks before the stuck one still run, and the process keeps its exit code."""
+    import time
+
+    code = ("import atexit, time; from megatron_grpo.runtime import process; process.EXIT_HOOKS_TIMEOUT_S = 1.0; "
+            "atexit.register(time.sleep, 600); atexit.register(print, 'flushed', flush=True); process.exit_now(3)")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 3 and proc.stdout == "flushed\n", (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr == ("[megatron-grpo] the exit hooks (atexit) still run after 1s: exiting without them (a "
+                           "plug-in's atexit hook that does not return?)\n")
+    assert time.monotonic() - started < 60
 
 
 def test_reward_timeout_is_refused_where_the_function_has_its_own():
@@ -718,6 +882,21 @@ PLUGIN_RUN_CASES = {
         "    for s in out:\n        s.output_ids = [10**9 for _ in s.output_ids]\n    return out\n",
         lambda cfg, f: cfg.update(episodes={"rollout_function": f"{f}:oov"}, engine={"kind": "inprocess"}),
         "step 1: episodes.rollout_function"),
+    # issue 48, second round: a step reward no float can hold (the worker's check died of the
+    # OverflowError: counted as an environment crash, and the run went on)
+    "environment_reward_past_float_range": (
+        "envs.py", "class Huge:\n    def __init__(self, row):\n        pass\n\n"
+        "    def step(self, response):\n        return {'observation': None, 'done': True, 'reward': 10**400}\n",
+        lambda cfg, f: cfg.update(episodes={"environment": f"{f}:Huge", "max_episode_tokens": 16},
+                                  engine={"kind": "inprocess"}),
+        "step 1: episodes.environment"),
+    # issue 48, second round: engine.generate called with text, not ids (a rank's traceback in the
+    # engine's code, exit 1)
+    "rollout_function_calls_the_engine_with_text": (
+        "fn.py", "def text(engine, prompts, n, sampling, seed):\n"
+        "    return engine.generate([p.text for p in prompts], n, sampling, sampling_seed=seed)\n",
+        lambda cfg, f: cfg.update(episodes={"rollout_function": f"{f}:text"}, engine={"kind": "inprocess"}),
+        "step 1: episodes.rollout_function"),
     # a reward no float can hold
     "reward_past_float_range": (
         "huge.py", "def huge(response, answer):\n    return 10**400\n",
@@ -745,3 +924,82 @@ def test_a_plugin_that_breaks_its_contract_in_a_real_run_is_one_line_and_exit_2(
     assert last.startswith(f"error: {path}: {needle}") and file_name in last, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count("error: ") == 1
+
+
+@pytest.mark.slow
+def test_an_agent_past_the_context_ends_its_episodes_without_a_traceback(world, tmp_path):
+    """Issue 48, second round: an agent that sent a conversation past the model's context got a
+    500 for each call and each of the SDK's retries, each with uvicorn's traceback on the run's
+    stderr (287 lines for 4 episodes of 6 MB messages). Now the SDK's BadRequestError (400) with
+    the engine's line: each episode ends as an agent error, said once, and the run completes."""
+    ctx = Ctx(tmp_path, world)
+    agent = ctx.plugin_dir / "agent.py"
+    agent.write_text("def run(client, row):\n"
+                     "    messages = list(row['messages']) + [{'role': 'user', 'content': '1 ' * 3000}]\n"
+                     "    client.chat.completions.create(model='policy', messages=messages)\n"
+                     "    return 1.0\n")
+    path = ctx.config(lambda cfg: cfg.update(engine={"kind": "inprocess"}, episodes={
+        "agent": f"{agent}:run", "max_episode_tokens": 16, "observation_role": "user"}))
+    proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config", path],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "500" not in proc.stderr, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stderr.splitlines() if "episodes.agent" in x]
+    assert "raised BadRequestError: Error code: 400" in line and "does not fit the context length" in line, line
+    assert json.loads((ctx.run_dir / "metrics.jsonl").read_text().splitlines()[-1])["multi_turn/env_errors"] == 4
+
+
+def test_a_stop_handler_a_plugin_replaced_is_put_back():
+    """``stop.reinstall_if_replaced`` (the rank calls it once the reward modules are imported): a
+    handler a plug-in replaced is put back and named; in a process that never installed the
+    handlers (``megatron-grpo eval``) nothing changes. Run in a subprocess: signal handlers."""
+    code = ("import signal; from megatron_grpo.runtime import stop; "
+            "assert stop.reinstall_if_replaced() == [] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL; "
+            "stop.install(); assert stop.reinstall_if_replaced() == []; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); signal.signal(signal.SIGINT, lambda *a: None); "
+            "assert stop.reinstall_if_replaced() == ['SIGTERM', 'SIGINT']; "
+            "assert signal.getsignal(signal.SIGTERM) is stop._record is signal.getsignal(signal.SIGINT)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.slow
+def test_a_reward_module_that_ignores_sigterm_does_not_keep_the_run_going(world, tmp_path):
+    """Issue 48, second round: a reward module whose top-level code ignores SIGTERM (imported by
+    rank 0, where the scorer lives) kept the rank training through a stop: the launcher's line
+    came only when torchrun killed it, checkpoint.stop_timeout_s later ("before the ranks finished
+    their step and saved", nothing saved; 120 s by default). The rank puts its handler back after
+    the import, says so, and stops after its step with a checkpoint."""
+    import signal as signals
+    import time
+
+    ctx = Ctx(tmp_path, world)
+    ctx.plugin("hostile_ignores_term", "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n\n"
+                                       "def score(response, answer):\n    return 0.5\n")
+
+    def edit(cfg):
+        cfg["reward"] = {"functions": [{"name": "hostile_ignores_term.score"}]}
+        cfg["trainer"]["num_steps"] = 500
+        cfg["checkpoint"] = {"stop_timeout_s": 60}
+    path = ctx.config(edit)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ctx.plugin_dir), str(ROOT)])}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_grpo.cli", "train", "--config", path],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        metrics, deadline = ctx.run_dir / "metrics.jsonl", time.monotonic() + 400
+        while not (metrics.is_file() and metrics.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.poll() else ""
+            time.sleep(0.2)
+        proc.send_signal(signals.SIGTERM)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143 and time.monotonic() - sent < 50, (proc.returncode, err[-3000:])
+    assert "replaced its SIGTERM handler; put back" in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM after step "), err[-3000:]
+    assert (ctx.run_dir / "checkpoints" / "latest").is_file()

@@ -339,26 +339,50 @@ def _describe(pid: int) -> str:
         return f"pid {pid}: {e}"
 
 
-@pytest.mark.xfail(strict=False, reason="flaky under pytest-xdist (2 of 2 full suites, 1 of 1 four-module xdist run), "
-                   "never alone: a leftover sleep after the episodes, or the fresh worker's sleep gone at once; cause "
-                   "not found yet (see the closing note of 2026-11-28)")
+def _sleeps_shown(marker: str, count: int, wait_s: float = 10.0) -> list[int]:
+    """``_sleeps(marker)`` once ``count`` of them show (bounded): a child's command line is empty
+    for a while after ``Popen`` has returned in its parent (the kernel fills it late in exec;
+    measured on the 2-core machine at load 4: empty right after Popen in 1518 of 2000 spawns,
+    shown 0.7 ms later in the median, 4.7 ms at most), and longer on a loaded one."""
+    deadline = time.monotonic() + wait_s
+    while len(pids := _sleeps(marker, wait_s=0)) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return pids
+
+
+@pytest.mark.xfail(strict=False, reason="under pytest-xdist (2 of 2 full suites, 1 of 1 four-module xdist run; never "
+                   "alone) a sleep was seen left after the episodes; not reproduced since (a four-module -n 2 run and "
+                   "a sequential run of the neighbouring modules passed), cause not found; the other failure seen, "
+                   "the fresh worker's sleep 'gone at once', was the test reading its command line before exec had "
+                   "filled it: test_the_fork_servers_exit_ends_its_workers_children")
 def test_an_environments_children_die_with_its_worker(tok, env_file):
-    """Each worker leads its own process group, killed whole when its episode ends, and by the
-    fork server as it exits (the trainer's process ended) for the workers still running."""
+    """Each worker leads its own process group, killed whole when its episode ends."""
     marker = f"600.{uuid.uuid4().int % 10**12}1"  # unique: a stale sleep of another run never matches
     t0 = time.monotonic()
     episodes = runner(tok, f"{env_file}:Spawner", max_turns=2).run(
         ScriptedEngine(tok), [make_prompt(tok, marker=marker)], 2, SamplingParams(max_new_tokens=16))
     assert [e.error for e in episodes] == [None, None] and time.monotonic() - t0 < 30
     try:
-        left = _sleeps(marker)
+        left = _sleeps(marker, wait_s=15.0)  # a killed process still needs the CPU to exit: a loaded machine
         assert left == [], [_describe(pid) for pid in left]
-        # the trainer's process ends while an environment runs: the fork server's exit ends its children
+    finally:
+        for pid in _sleeps(marker, wait_s=0):
+            os.kill(pid, 9)
+
+
+def test_the_fork_servers_exit_ends_its_workers_children(env_file):
+    """The trainer's process ends while an environment runs: the fork server's exit kills the
+    process group of every worker still running, with what the environment started. (This half
+    of the test above failed under load as "the sleep gone at once": it counted the sleeps by
+    command line right after the step returned, before the kernel had filled the new one's.)"""
+    marker = f"600.{uuid.uuid4().int % 10**12}3"
+    try:
         env = EnvProcess(f"{env_file}:Spawner", {"marker": marker}, timeout_s=5.0)
         env.step("anything")
-        assert len(_sleeps(marker, wait_s=0)) == 1
+        assert len(_sleeps_shown(marker, 1)) == 1
         fork_server().close()
-        assert _sleeps(marker) == []
+        left = _sleeps(marker)
+        assert left == [], [_describe(pid) for pid in left]
     finally:
         for pid in _sleeps(marker, wait_s=0):
             os.kill(pid, 9)
@@ -393,6 +417,19 @@ def test_bad_environment_one_liners(tok, env_file, tmp_path):
 
 
 
+
+
+def test_a_reward_no_float_holds_breaks_the_contract():
+    """Issue 48, second round: ``float(10**400)`` raised OverflowError inside the worker's check,
+    which ended the worker as a crash: the episode was counted as an environment error and the
+    run went on. It is the same one-line contract error as ``reward: inf`` now."""
+    from megatron_grpo.rollout.environments.loading import check_step_result
+
+    for reward, shown in [(10**400, "'1000000000000000000000000000000000000000'"),
+                          (10**5000, "<unprintable int>"), (float("inf"), "'inf'")]:
+        with pytest.raises(ValueError) as e:
+            check_step_result({"observation": None, "done": True, "reward": reward}, "envs.py:Env")
+        assert str(e.value) == f"episodes.environment envs.py:Env: step returned reward={shown}; expected a finite number"
 
 
 def test_config_refuses_the_overlong_penalty_with_an_environment():

@@ -94,3 +94,25 @@ def test_bad_requests_are_400_naming_the_key_and_the_key_is_required(served):
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     assert len(client.models.list().data) == 1
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_key(served):
+    """Issue 48, second round: JSON's "\\ud800" (a lone UTF-16 surrogate, which Python's parser
+    accepts and no tokenizer can encode) was a 400 saying "TextEncodeInput must be Union[...]",
+    named ``messages`` even on /v1/completions. Each route now names the key and the cause."""
+    import httpx
+
+    client, _ = served
+    root = str(client.base_url).removesuffix("/v1/").removesuffix("/v1")
+    hostile = [("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "a \\ud800 b"}]}',
+                "messages[0].content: holds a lone UTF-16 surrogate ('\\\\ud800' at character 2), which is not text"),
+               ("/v1/completions", '{"model": "m", "prompt": "a \\udfff", "max_tokens": 1}',
+                "prompt: holds a lone UTF-16 surrogate ('\\\\udfff' at character 2)"),
+               ("/v1/completions", '{"model": "m", "prompt": "ab", "stop": ["\\ud800"], "max_tokens": 1}',
+                "stop: holds a lone UTF-16 surrogate"),
+               ("/generate", '{"text": "x \\ud800", "sampling_params": {"max_new_tokens": 1}}',
+                "text: holds a lone UTF-16 surrogate")]
+    for route, body, needle in hostile:
+        r = httpx.post(root + route, content=body, timeout=30,
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        assert r.status_code == 400 and needle in r.text, (route, r.status_code, r.text)

@@ -51,6 +51,8 @@ class Server:
                         return self.reply(500, b"alone")
                 if route == "/badjson":
                     return self.reply(200, b"<html>oops</html>")
+                if route == "/pastfloat":  # a JSON integer no float holds
+                    return self.reply(200, b'{"reward": 1' + b"0" * 400 + b"}")
                 if route == "/huge":  # 2 MiB, its length declared
                     return self.reply(200, b" " * (2 << 20))
                 if route == "/gzipbomb":  # 20 KB on the wire, 20 MB once decompressed
@@ -152,6 +154,8 @@ def test_a_hanging_server_is_a_bounded_one_line_error(server):
     ("/gzipbomb", "the answer is too large (once decompressed; the limit is 1048576 bytes); "
                   "expected {\"reward\": <number>}"),
     ("/trickle", "the answer is too large (as sent; the limit is 1048576 bytes); expected {\"reward\": <number>}"),
+    # issue 48, round 2: was "OverflowError: int too large to convert to float", naming neither URL nor answer
+    ("/pastfloat", "expected {\"reward\": <finite number>}, got {\"reward\": 1" + "0" * 68),
 ])
 def test_bad_answers_fail_at_once(server, route, expected):
     with pytest.raises(RewardError) as e:

@@ -73,6 +73,18 @@ def as_episodes(engine, prompts, n, sampling, seed):
 
 def two_args(engine, prompts):
     return []
+
+def calls_with_text(engine, prompts, n, sampling, seed):
+    return engine.generate([p.text for p in prompts], n, sampling)
+
+def calls_with_negative_ids(engine, prompts, n, sampling, seed):
+    return engine.generate([[-1] for p in prompts], n, sampling)
+
+def calls_without_n(engine, prompts, n, sampling, seed):
+    return engine.generate([p.prompt_ids for p in prompts], sampling)
+
+def calls_past_the_context(engine, prompts, n, sampling, seed):
+    return engine.generate([p.prompt_ids * 200 for p in prompts], n, sampling)
 '''
 
 
@@ -186,6 +198,12 @@ def _mutations():
         ("id past vocab", item(0, output_ids=[10, 64, 12]), "output_ids[1]=64; expected a token id in [0, 64)"),
         ("float id", item(0, output_ids=[10, 11.0, 12]), "output_ids[1]=11.0"),
         ("finish", item(0, finish_reason="eos"), "finish_reason='eos'; expected one of stop, length, abort"),
+        # issue 48, second round: each escaped the check as a traceback (len(None), float(10**400))
+        ("no logprobs", item(0, output_logprobs=None), "item 0: a field has the wrong type (TypeError: object of "
+                                                       "type 'NoneType' has no len()); see Sample in wire/samples.py"),
+        ("logprob past float", item(0, output_logprobs=[-0.5, -10**400, -0.5]), "item 0: output_logprobs[1]=-1000"),
+        ("no mask list", item(0, output_mask=1), "item 0: a field has the wrong type (TypeError: object of type "
+                                                 "'int' has no len())"),
     ]
 
 
@@ -211,6 +229,23 @@ def test_a_bad_output_is_one_line_naming_the_file_and_function(fn_file, tok, nam
     assert text.startswith(f"episodes.rollout_function {fn_file.resolve()}:passthrough: "), text
     assert message in text, text
     assert "\n" not in text
+
+
+@pytest.mark.parametrize("name, message", [
+    ("calls_with_text", "engine.generate was called with prompts that are not lists of token ids (one non-empty "
+                        "list of integers >= 0 per prompt, e.g. [p.prompt_ids for p in prompts])"),
+    ("calls_with_negative_ids", "engine.generate was called with prompts that are not lists of token ids"),
+    ("calls_without_n", "engine.generate was called with arguments that do not fit generate(prompts, n, sampling, "
+                        "*, sampling_seed=None): missing a required argument: 'sampling'"),
+])
+def test_a_bad_engine_call_is_one_line_naming_the_file_and_function(fn_file, tok, name, message):
+    """Issue 48, second round: a function that called engine.generate with text crashed the
+    engine's own code (a rank's traceback, exit 1). Its call is checked in the trainer first."""
+    rf = load(fn_file, name, vocab_size=64)
+    with pytest.raises(RolloutFunctionError) as e:
+        rf(FakeEngine(), [make_prompt(tok, 0)], 2, SamplingParams(max_new_tokens=3), 1)
+    assert str(e.value).startswith(f"episodes.rollout_function {fn_file.resolve()}:{name}: {message}"), str(e.value)
+    assert rf._closed  # its worker with it
 
 
 # ---- the worker process: a hung, raising or crashing function ---------------------------------------
@@ -424,6 +459,17 @@ def test_trainer_rows_are_the_engines_tokens_plus_observations(fn_file, tok, emb
         else:  # the kept sets travel with the model tokens, none on the observation
             assert batch.kept_ids is not None
             assert result.stats["rollout/log_kept_mass_mean"] < 0
+
+
+@pytest.mark.slow
+def test_a_call_the_engine_refuses_is_one_line(fn_file, tok, embedded):
+    """A call the real engine refuses (a prompt past the model's context, or ids past its
+    vocabulary: HTTP 400) is the function's error in one line, not an engine failure the run
+    restarted the engine for (then stopping with "its worker process was closed")."""
+    rf = load(fn_file, "calls_past_the_context", vocab_size=len(tok))
+    with pytest.raises(RolloutFunctionError, match=r"calls_past_the_context: engine.generate was refused: rollout "
+                                                   r"server .* does not fit the context length"):
+        rf(embedded, [make_prompt(tok, 0)], 1, SamplingParams(max_new_tokens=1), 1)
 
 
 @pytest.mark.slow

@@ -360,3 +360,32 @@ def test_non_finite_numbers_are_a_400_and_a_stalled_sender_a_408(served):
     r = httpx.post(f"{url}/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}},
                    timeout=30)
     assert r.status_code == 200
+
+
+@pytest.mark.slow  # shares the served fixture's server
+def test_a_sender_stalled_in_its_headers_gets_a_408(served):
+    """Issue 48, second round: uvicorn times out nothing before a request's headers are complete
+    (its keep-alive timer starts after a response), so a client that sent half a header line, or
+    nothing, held its connection for good (checked for 30 s). The same --read-timeout-s (1 s
+    here) now bounds the headers: from the connection's start, or from the previous answer on a
+    kept-alive connection; then a 408 and the connection is closed. The server serves on."""
+    url, port = served
+    stalled = []
+    for first in (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Ty", b"", None):
+        s = socket.create_connection(("127.0.0.1", port), timeout=15)
+        if first is None:  # a kept-alive connection: one whole request, then half of the next one's headers
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            first = b"GET /heal"
+        s.sendall(first)
+        stalled.append(s)
+    start = time.monotonic()
+    for s in stalled:
+        with s:
+            answer = b""
+            while chunk := s.recv(4096):  # until the server closes the connection
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b"the request headers were not received within 1 s (--read-timeout-s)" in answer
+    assert time.monotonic() - start < 8, "the stalled senders were not dropped within the deadline"
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200

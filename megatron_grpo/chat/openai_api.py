@@ -129,6 +129,8 @@ def _sampling(body: dict, *, logprobs_is_int: bool) -> Sampling:
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
         raise OpenAIRequestError("stop", "must be a string or a list of at most 4 non-empty strings")
+    for s in stop:
+        check_text("stop", s)
     lp = body.get("logprobs")
     if logprobs_is_int:  # /v1/completions: logprobs is the number of top tokens, 0 = the sampled one
         if lp is not None and (isinstance(lp, bool) or lp not in (0, 1)):
@@ -146,6 +148,18 @@ def _sampling(body: dict, *, logprobs_is_int: bool) -> Sampling:
                     min_p=_number(body, "min_p", 0, 1), stop=stop, seed=seed, logprobs=want_lp)
 
 
+def check_text(where: str, text: str) -> str:
+    """``text``, unless it holds a lone UTF-16 surrogate (JSON's ``"\\ud800"``, which Python's
+    parser accepts): the tokenizer then failed with a type error that named neither the key nor
+    the cause. OpenAIRequestError naming ``where`` otherwise."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise OpenAIRequestError(where, f"holds a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}), "
+                                        "which is not text") from None
+    return text
+
+
 def _check_message(i: int, m: Any) -> dict:
     where = f"messages[{i}]"
     if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
@@ -158,6 +172,8 @@ def _check_message(i: int, m: Any) -> dict:
         m = {**m, "content": "".join(p["text"] for p in content)}
     elif content is not None and not isinstance(content, str):
         raise OpenAIRequestError(f"{where}.content", "must be a string, a list of text parts or null")
+    if m.get("content") is not None:
+        check_text(f"{where}.content", m["content"])
     if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
         raise OpenAIRequestError(f"{where}.content", "is required (null only on an assistant message with tool_calls)")
     return m
@@ -203,6 +219,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
                                                "(one prompt per request)")
     elif not isinstance(prompt, str) or not prompt:
         raise OpenAIRequestError("prompt", "must be a non-empty string or a list of token ids")
+    else:
+        check_text("prompt", prompt)
     model = body.get("model")
     if not isinstance(model, str):
         raise OpenAIRequestError("model", "is required (a string)")

@@ -9,6 +9,8 @@ strictly (``base.build_section``) and runs the checks that span sections. Any pr
 from __future__ import annotations
 
 import re
+import stat
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -238,6 +240,18 @@ class YamlLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _construct_int(loader: YamlLoader, node) -> int:
+    """PyYAML's int, with an integer past Python's digit limit (4300) refused at its line: its
+    ``ValueError`` is no YAML error, and escaped the loader as a traceback."""
+    try:
+        return yaml.constructor.SafeConstructor.construct_yaml_int(loader, node)
+    except ValueError:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"an integer of {len(node.value)} digits, more than the {sys.get_int_max_str_digits()} "
+            "Python reads", node.start_mark) from None
+
+
+YamlLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 YamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?"
@@ -352,6 +366,11 @@ def load_config(
     ``announce_deprecated`` false, e.g. on the ranks of a run whose launcher announced them)."""
     path = Path(path)
     try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            # a pipe (`--config <(...)`) is empty when read again, as each rank and the launcher
+            # do (the run stopped with "the file is empty"), and a FIFO blocks the read for ever
+            raise ConfigError("", "is not a regular file (a pipe, a device or a directory); every process of "
+                                  "the run reads the config, so write it to a file", str(path))
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigError("", "file not found", str(path)) from None

@@ -25,6 +25,7 @@ from megatron_grpo.ops.quantize import FP8_DTYPES, scheme_of
 from megatron_grpo.engine.policy import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES,
                                          DEFAULT_MAX_REQUEST_TOKENS, DEFAULT_READ_TIMEOUT_S, ServerPolicy)
 from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS
+from megatron_grpo.engine.header_deadline import header_deadline_protocol
 from megatron_grpo.engine.server import build_app
 from megatron_grpo.generation.engines.embedded import API_KEY_ENV
 from megatron_grpo.runtime.placement import is_loopback
@@ -63,7 +64,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the one master address /init_weights_update_group may name (the trainer's "
                         "sync.master_address); default: loopback addresses only")
     p.add_argument("--read-timeout-s", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
-                   help="deadline for reading a request body once its headers arrived; a slower sender gets a 408")
+                   help="deadline for a request's headers (from the connection's start or the previous answer) "
+                        "and then for its body; a slower sender gets a 408 and the connection is closed")
     p.add_argument("--tool-call-format", default="hermes", choices=sorted(TOOL_CALL_FORMATS),
                    help="how /v1/chat/completions finds tool calls in a completion (default: hermes, "
                         "<tool_call>{json}</tool_call> as Qwen and Hermes templates ask)")
@@ -100,7 +102,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     app = build_app(engine, api_key=api_key, policy=policy, tool_call_format=args.tool_call_format)
     print(f"megatron-grpo serve: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+        # h11 with a deadline on the headers too (header_deadline.py); the body's is the route's
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                    http=header_deadline_protocol(args.read_timeout_s))
     finally:
         engine.shutdown()
     return 0

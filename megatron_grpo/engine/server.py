@@ -52,9 +52,9 @@ from typing import Any, Callable, Optional
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
-from megatron_grpo.chat.openai_api import (Choice, OpenAIRequestError, Sampling, chat_response, completion_response,
-                                           error_body, parse_chat_request, parse_completion_request, render_chat,
-                                           stop_token_ids)
+from megatron_grpo.chat.openai_api import (Choice, OpenAIRequestError, Sampling, chat_response, check_text,
+                                           completion_response, error_body, parse_chat_request,
+                                           parse_completion_request, render_chat, stop_token_ids)
 from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS
 from megatron_grpo.wire import routed_experts
 from megatron_grpo.engine.engine import EmbeddedEngine, EngineError
@@ -589,6 +589,12 @@ def _parse_generate(engine: EmbeddedEngine, req: dict, policy: ServerPolicy) -> 
         prompts = req["input_ids"]
     elif req.get("text") is not None:
         texts = req["text"] if isinstance(req["text"], list) else [req["text"]]
+        for t in texts:
+            if isinstance(t, str):
+                try:
+                    check_text("text", t)
+                except OpenAIRequestError as e:
+                    raise EngineError(str(e)) from None
         prompts = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         prompts = prompts if isinstance(req["text"], list) else prompts[0]
     else:

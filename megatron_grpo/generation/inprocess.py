@@ -117,8 +117,8 @@ class InProcessEngine:
                                                return_logprob=True, return_sampling_mask=with_mask,
                                                max_kept=max(sampling.sampling_mask_max_kept, 1),
                                                return_routed_experts=return_routed_experts))
-        except ValueError as e:
-            raise RolloutError(SERVER, "generate", str(e)) from None
+        except ValueError as e:  # a refused request, as an HTTP engine's 400
+            raise RolloutError(SERVER, "generate", str(e), status=400) from None
         self._run(seqs)
         return [to_sample(s, k // n, k % n, with_mask, return_routed_experts) for k, s in enumerate(seqs)]
 
@@ -136,8 +136,8 @@ class InProcessEngine:
             s.on_finish = on_finish
         try:
             self.engine.submit(seqs)
-        except EngineError as e:
-            raise RolloutError(SERVER, "generate", str(e)) from None
+        except EngineError as e:  # refused at submission (a prompt past the context): an HTTP engine's 400
+            raise RolloutError(SERVER, "generate", str(e), status=400) from None
         deadline = time.monotonic() + self.timeout_s
         with done:
             finished = done.wait_for(lambda: remaining[0] == 0, timeout=max(0.0, deadline - time.monotonic()))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -46,6 +47,9 @@ MARKER = "COMPLETE"
 is never resumed from (the pre-flight checks ``checkpoint.resume`` for it)."""
 STATE_FILE = "trainer_state.json"
 """The training checkpoint's step, data position and metrics count."""
+STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
+"""The name of a training checkpoint's directory under ``RUN_DIR/checkpoints/`` (``trainer/checkpoint.py``;
+the pre-flight refuses anything else by that name)."""
 
 
 def failure_reason(e: BaseException) -> str:

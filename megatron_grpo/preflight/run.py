@@ -8,6 +8,7 @@ does not, so loading a config stays fast.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from megatron_grpo.models import ModelError, get_architecture, load_hf_config
 from megatron_grpo.models.hf_config import split_problem
 from megatron_grpo.models.builder import check_packing, resolve_attention_backend, use_transformer_engine
 from megatron_grpo.models.lora import lora_problem, spec_from_config
-from megatron_grpo.models.checkpoint import MARKER, checkpoint_path
+from megatron_grpo.models.checkpoint import MARKER, STEP_DIR_RE, checkpoint_path
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.models.weights import SafetensorsReader
 from megatron_grpo.preflight.layout import layout_problem
@@ -102,12 +103,23 @@ def check_model_dir(cfg: ExperimentConfig):
 
 
 def check_checkpoints(cfg: ExperimentConfig) -> None:
-    """``model.megatron_ckpt`` and an explicit ``checkpoint.resume`` path must be checkpoints."""
+    """``model.megatron_ckpt`` and an explicit ``checkpoint.resume`` path must be checkpoints, and
+    ``<trainer.run_dir>/checkpoints``, when there, a directory with no step name taken by anything else."""
     if cfg.model.megatron_ckpt:
         try:
             checkpoint_path(cfg.model.megatron_ckpt)
         except ModelError as e:
             raise _in_key("model.megatron_ckpt", e) from None
+    root = Path(cfg.trainer.run_dir) / "checkpoints"
+    if os.path.lexists(root) and not root.is_dir():
+        # a link to a scratch disk that is not mounted, or a file: the run would start over at
+        # step 0 without a word and fail at its first save, the steps in between lost
+        what = f"a link to {os.readlink(root)}, which is not a directory" if root.is_symlink() else "not a directory"
+        raise ConfigError("trainer.run_dir", f"{root} is {what}: no checkpoint can be resumed from or saved there")
+    blocked = sorted(p for p in root.iterdir() if STEP_DIR_RE.match(p.name) and not p.is_dir()) if root.is_dir() else []
+    if blocked:  # the run would resume from an older checkpoint, train up to that step and fail to save it
+        raise ConfigError("trainer.run_dir", f"{blocked[0]} is not a checkpoint directory (a file, or a link to "
+                                             "nothing): its step could not be saved; remove it")
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "never") and not (Path(resume) / MARKER).is_file():
         raise ConfigError("checkpoint.resume", f"{resume} is not a complete checkpoint (no {MARKER} file); "

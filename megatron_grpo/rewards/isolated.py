@@ -74,10 +74,24 @@ def _one_line(e: BaseException) -> str:
 
 
 def _write(fd: int, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    _send(fd, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _send(fd: int, data: bytes) -> None:
     view = memoryview(HEADER.pack(len(data)) + data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def _reply_bytes(reply: tuple) -> bytes:
+    """``reply`` pickled; a result that cannot be (a lock, a lambda: anything pickle refuses)
+    becomes a ``raised`` reply saying so. Pickling fails before anything is written, so the
+    stream stays whole; the worker used to die of it with a traceback on the run's stderr."""
+    try:
+        return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - whatever the object's __reduce__ raises
+        return pickle.dumps(("raised", f"its result cannot be sent back to the trainer's process ({_one_line(e)})"),
+                            protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _read_exact(fd: int, size: int, deadline: float | None) -> bytes | None:
@@ -235,4 +249,4 @@ def serve(target: str, setup: str = "") -> None:
             reply = ("ok", functions[kind](*args))
         except Exception as e:
             reply = ("raised", _one_line(e))
-        _write(answers, reply)
+        _send(answers, _reply_bytes(reply))

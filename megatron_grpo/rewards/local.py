@@ -46,6 +46,19 @@ class PluginRaised(Exception):
     """The function raised in its worker; ``str(e)`` is that exception's one line (``KeyError: 'x'``)."""
 
 
+def as_scalar(value: Any) -> Any:
+    """A numpy scalar, or a 0-d array or tensor, as the Python number it holds; anything else as
+    it is. ``(pred == gold).float().mean()`` is a 0-d tensor and ``np.mean(x) > 0.5`` a
+    ``numpy.bool_`` (not a ``numbers.Real``): both were refused, a 0-d one as if the function had
+    raised ``TypeError: iteration over a 0-d tensor``."""
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        try:
+            return value.item()
+        except Exception:  # noqa: BLE001 - not a number after all: the caller refuses it as it is
+            return value
+    return value
+
+
 def is_async(fn: Any) -> bool:
     """Whether ``fn`` (a function or a callable object) is called with ``await``."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
@@ -106,7 +119,8 @@ def call_in_worker(args: tuple, kwargs: dict) -> tuple[str, Any]:
         value = _loaded["fn"](*args, **kwargs)
         if inspect.isawaitable(value):  # a plain function that returned a coroutine
             value = asyncio.run(_awaited(value))
-        if not isinstance(value, (numbers.Number, str, bytes, type(None))) and hasattr(value, "__iter__"):
+        value = as_scalar(value)
+        if not isinstance(value, (numbers.Number, str, bytes, dict, type(None))) and hasattr(value, "__iter__"):
             value = list(value)  # a batch function's values (a generator, an array) cross as a list
         return "ok", value
     except SystemExit as e:

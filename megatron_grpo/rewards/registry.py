@@ -66,6 +66,14 @@ def name_problem(name: str) -> str | None:
             f"(an HTTP server), a dotted path pkg.module.fn or a file path path/to/file.py:fn")
 
 
+def exit_at_import(e: SystemExit, owner: str) -> str:
+    """The problem of a module that ended its importer: a script's top-level ``sys.exit(main())``
+    (no ``if __name__ == "__main__":`` guard) ended ``megatron-grpo train`` itself, with exit code
+    0 and nothing trained (issue 48)."""
+    return (f"{owner} called sys.exit({e.code!r}) while being imported; a plug-in's top-level code must not end "
+            "the process (guard a script's main() with if __name__ == '__main__':)")
+
+
 def _attribute(module, attr: str, owner: str, spec: str, key: str) -> RewardFn:
     """``module.attr``, which must be callable; ``owner``/``spec`` name it in errors."""
     fn = getattr(module, attr, None)
@@ -81,6 +89,8 @@ def import_dotted(path: str, key: str) -> RewardFn:
     module_name, _, attr = path.rpartition(".")
     try:
         module = importlib.import_module(module_name)
+    except SystemExit as e:
+        raise ConfigError(key, exit_at_import(e, f"module '{module_name}'")) from None
     except Exception as e:  # any failure inside the user's module is reported the same way
         msg = " ".join(str(e).split())
         raise ConfigError(key, f"cannot import module '{module_name}' for reward {path!r}: {type(e).__name__}: {msg}") from None
@@ -104,6 +114,9 @@ def load_file(spec: str, key: str) -> RewardFn:
         sys.modules[module_name] = module  # dataclasses / pickling in the file look themselves up here
         try:
             file_spec.loader.exec_module(module)
+        except SystemExit as e:
+            del sys.modules[module_name]
+            raise ConfigError(key, exit_at_import(e, f"reward file {path}")) from None
         except Exception as e:  # any failure inside the user's file is reported the same way
             del sys.modules[module_name]
             msg = " ".join(str(e).split())

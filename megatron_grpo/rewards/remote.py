@@ -126,7 +126,11 @@ class RemoteReward:
             raise RemoteRewardFailure(f"{self.url}: the answer is not JSON: {text!r}; "
                                       'expected {"reward": <number>}') from None
         value = data.get("reward") if isinstance(data, dict) else None
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        try:  # a JSON integer of 400 digits is a Real no float holds (OverflowError, not this line)
+            finite = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+        except OverflowError:
+            finite = False
+        if not finite:
             raise RemoteRewardFailure(f"{self.url}: expected {{\"reward\": <finite number>}}, got "
                                       f"{json.dumps(data)[:80]}")
         return float(value)

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_grpo.rewards.calling import RewardCall, bounded_gather, resolve
-from megatron_grpo.rewards.local import DEFAULT_TIMEOUT_S, PluginRaised, PluginStopped, WorkerCall, is_async
+from megatron_grpo.rewards.local import (DEFAULT_TIMEOUT_S, PluginRaised, PluginStopped, WorkerCall, as_scalar,
+                                         is_async)
 from megatron_grpo.rewards.registry import is_user_function, resolve_reward
 from megatron_grpo.rewards.sample import RewardSample
 
@@ -109,19 +110,36 @@ def _started(f: _Function, start) -> Any:
         raise _exit_stopped(e.code) from None
 
 
+def _shown(value: Any) -> str:
+    """The value in a one-line error; never raises (a user's ``__str__`` may)."""
+    try:
+        return repr(str(value)[:60])
+    except ValueError:  # an int past Python's digit limit cannot even be printed
+        return f"an integer of {value.bit_length()} bits" if isinstance(value, int) else "a value"
+    except Exception:  # noqa: BLE001 - the user's object
+        return "a value that cannot be printed"
+
+
 def _check_value(value: Any, where: str, j: int) -> float:
-    try:  # float(10**400) overflows: not a finite number either
+    value = as_scalar(value)
+    try:  # float(10**400) overflows: not a finite number either (nor is a Real whose float() raises)
         finite = isinstance(value, numbers.Real) and math.isfinite(float(value))
-    except OverflowError:
+    except Exception:  # noqa: BLE001 - the user's object
         finite = False
     if not finite:
-        try:
-            shown = repr(str(value)[:60])
-        except ValueError:  # an int past Python's digit limit cannot even be printed
-            shown = f"an integer of {value.bit_length()} bits"
-        raise RewardError(f"{where} returned {shown} ({type(value).__name__}) for sample {j}; "
+        raise RewardError(f"{where} returned {_shown(value)} ({type(value).__name__}) for sample {j}; "
                           "a reward must be a finite number")
     return float(value)
+
+
+def _values_of_batch(result: Any, where: str, count: int) -> list:
+    """A batch function's result as a list; RewardError when it is not a sequence (a single number
+    was reported as the function raising ``TypeError: 'float' object is not iterable``)."""
+    result = as_scalar(result)
+    if isinstance(result, (str, bytes, dict)) or not hasattr(result, "__iter__"):
+        raise RewardError(f"{where} returned {_shown(result)} ({type(result).__name__}) for a batch of {count}; "
+                          "a batch function returns one number per sample")
+    return list(result)
 
 
 class RewardScorer:
@@ -169,11 +187,12 @@ class RewardScorer:
     async def _values(self, f: _Function, samples: list[RewardSample]) -> list[float]:
         if f.call.batch:
             try:
-                values = list(await _call(f, _started(f, lambda: f.call.call_batch(samples))))
+                result = await _call(f, _started(f, lambda: f.call.call_batch(samples)))
             except PluginStopped as e:
                 raise RewardError(f"{f.where} {e.what} on a batch of {len(samples)}{e.why}") from None
             except Exception as e:
                 raise RewardError(f"{f.where} raised on a batch of {len(samples)}: {_one_line(e)}") from e
+            values = _values_of_batch(result, f.where, len(samples))
             if len(values) != len(samples):
                 raise RewardError(f"{f.where} returned {len(values)} values for {len(samples)} samples; "
                                   "a batch function returns one number per sample")

@@ -30,17 +30,18 @@ is one ``RolloutFunctionError`` line naming the file and the function.
 from __future__ import annotations
 
 import atexit
-import math
+import inspect
 import numbers
 import threading
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE
+from megatron_grpo.rollout.environments.loading import finite_real
 from megatron_grpo.rollout.environments.worker import fork_server, kill_worker
 from megatron_grpo.rollout.multi_turn import Episode
-from megatron_grpo.wire.samples import Sample, SamplingParams
+from megatron_grpo.wire.samples import RolloutError, Sample, SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort")
 EPISODE_ERRORS = (None, "error", "timeout", "observation", "diverged")
@@ -118,11 +119,20 @@ class RolloutFunction:
             if kind == "error":
                 self.close()
                 raise RolloutFunctionError(f"{KEY} {self.where}: {payload['message']} (at {payload['where']})")
-            args, kwargs = payload  # "generate"
+            try:  # "generate": the function's call, checked here (a bad one escaped the engine as a traceback)
+                args, kwargs = generate_call(*payload)
+            except ValueError as e:
+                self.close()
+                raise RolloutFunctionError(f"{KEY} {self.where}: engine.generate was called with {e}") from None
             try:
                 samples = engine.generate(*args, **kwargs)
+            except RolloutError as e:
+                self.close()
+                if e.status in REFUSED:  # the engine refused this request (a prompt past its context)
+                    raise RolloutFunctionError(f"{KEY} {self.where}: engine.generate was refused: {e}") from None
+                raise  # the engine's own failure is the run's (restarted), as without a rollout function
             except BaseException:
-                self.close()  # the engine's error is the run's, as without a rollout function
+                self.close()
                 raise
             self._send(("generated", samples))
 
@@ -156,6 +166,43 @@ class RolloutFunction:
         self._conn.close()
 
 
+REFUSED = (400, 413)
+"""HTTP statuses (and the in-process engine's equivalent) of a request the engine refused."""
+
+
+def _generate(prompts, n, sampling, *, sampling_seed=None, return_routed_experts=False):
+    """``RolloutEngine.generate``'s signature (generation/protocol.py), to bind a function's call to."""
+
+
+def generate_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A rollout function's ``engine.generate(*args, **kwargs)``, checked and as plain Python
+    values (numpy ids become ints: an HTTP engine's JSON would not take them); ValueError naming
+    the argument otherwise (a bad one escaped the engine as a traceback). Ids past the
+    vocabulary are the engine's to refuse (a 400: ``RolloutFunction._call``)."""
+    try:
+        call = inspect.signature(_generate).bind(*args, **kwargs).arguments
+    except TypeError as e:
+        raise ValueError(f"arguments that do not fit generate(prompts, n, sampling, *, sampling_seed=None): "
+                         f"{e}") from None
+    prompts, n, sampling = call["prompts"], call["n"], call["sampling"]
+    seed = call.get("sampling_seed")
+    if not isinstance(prompts, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and p and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                       and t >= 0 for t in p) for p in prompts):
+        raise ValueError("prompts that are not lists of token ids (one non-empty list of integers >= 0 per prompt, "
+                         "e.g. [p.prompt_ids for p in prompts])")
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"n={n!r}; expected an int >= 1")
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling of type {type(sampling).__name__}; expected the SamplingParams it was given "
+                         "(change it with dataclasses.replace)")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise ValueError(f"sampling_seed={seed!r}; expected an int or None")
+    return (([[int(t) for t in p] for p in prompts], int(n), sampling),
+            {"sampling_seed": None if seed is None else int(seed),
+             "return_routed_experts": bool(call.get("return_routed_experts", False))})
+
+
 def check_rollout_output(out: Any, prompts: Sequence, n: int, sampling: SamplingParams, where: str, *,
                          vocab_size: Optional[int] = None) -> None:
     """RolloutFunctionError (one line, starting with ``where``) unless ``out`` is ``n`` Samples,
@@ -176,53 +223,66 @@ def check_rollout_output(out: Any, prompts: Sequence, n: int, sampling: Sampling
              "(rollout/multi_turn.py)")
     replay = sampling.sampling_mask_max_kept > 0
     for i, item in enumerate(out):
-        at = f"item {i}"
-        if isinstance(item, Episode):
-            if not isinstance(item.num_turns, int) or item.num_turns < 0:
-                fail(f"{at}: Episode.num_turns={item.num_turns!r}; expected an int >= 0")
-            if not _finite(item.env_reward):
-                fail(f"{at}: Episode.env_reward={item.env_reward!r}; expected a finite number")
-            if item.error not in EPISODE_ERRORS:
-                fail(f"{at}: Episode.error={item.error!r}; expected one of {EPISODE_ERRORS}")
-            item = item.sample
-            if not isinstance(item, Sample):
-                fail(f"{at}: Episode.sample is a {type(item).__name__}; expected a Sample")
-        if (item.prompt_index, item.sample_index) != (i // n, i % n):
-            fail(f"{at} has prompt_index={item.prompt_index}, sample_index={item.sample_index}; expected "
-                 f"{i // n}, {i % n} (prompt-major: the n samples of prompt 0 first, then prompt 1's, ...)")
-        if list(item.prompt_ids) != list(prompts[i // n].prompt_ids):
-            fail(f"{at}: prompt_ids differ from prompts[{i // n}].prompt_ids (the trainer scores the dataset's "
-                 "prompt; put anything added after it in output_ids with output_mask 0)")
-        num = len(item.output_ids)
-        for k, t in enumerate(item.output_ids):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 or \
-                    (vocab_size is not None and t >= vocab_size):
-                fail(f"{at}: output_ids[{k}]={t!r}; expected a token id in [0, {vocab_size or 'vocab size'})")
-        if len(item.output_logprobs) != num:
-            fail(f"{at}: {len(item.output_logprobs)} output_logprobs for {num} output_ids; expected one per token")
-        mask = item.output_mask
-        if mask is not None:
-            if len(mask) != num:
-                fail(f"{at}: {len(mask)} output_mask entries for {num} output_ids; expected one per token")
-            bad = [m for m in mask if m not in (0, 1)]
-            if bad:
-                fail(f"{at}: output_mask holds {bad[0]!r}; expected 1 (a model token) or 0 (an observation token)")
-        for k, lp in enumerate(item.output_logprobs):
-            if not _finite(lp):
-                fail(f"{at}: output_logprobs[{k}]={lp!r}; expected a finite number (the engine's log-prob; "
-                     "0 on observation tokens)")
-            if (mask is None or mask[k]) and lp > _LOGPROB_SLACK:
-                fail(f"{at}: output_logprobs[{k}]={lp!r} on a model token; a log-prob is <= 0")
-        if item.finish_reason not in FINISH_REASONS:
-            fail(f"{at}: finish_reason={item.finish_reason!r}; expected one of {', '.join(FINISH_REASONS)}")
-        if replay:
-            if item.kept_ids is None or item.log_kept_mass is None:
-                fail(f"{at}: no kept_ids / log_kept_mass, but sampling-mask replay is on (rollout.sampling_mask_replay "
-                     "with top_p/top_k/min_p): pass the engine's, as engine.generate returns them (None and 0.0 on "
-                     "observation tokens), or set rollout.sampling_mask_replay: false")
-            if len(item.kept_ids) != num or len(item.log_kept_mass) != num:
-                fail(f"{at}: {len(item.kept_ids)} kept_ids and {len(item.log_kept_mass)} log_kept_mass for {num} "
-                     "output_ids; expected one each per token")
+        try:
+            _check_item(item, i, prompts, n, replay, vocab_size, fail)
+        except RolloutFunctionError:
+            raise
+        except (TypeError, ValueError, OverflowError) as e:
+            # a field of the wrong type (None where a list belongs): ``len(None)`` escaped as a traceback
+            fail(f"item {i}: a field has the wrong type ({type(e).__name__}: {' '.join(str(e).split())[:120]}); "
+                 "see Sample in wire/samples.py")
+
+
+def _check_item(item: Any, i: int, prompts: Sequence, n: int, replay: bool, vocab_size: Optional[int],
+                fail: Callable[[str], None]) -> None:
+    """``check_rollout_output``'s checks of ``out[i]``; ``fail(message)`` raises."""
+    at = f"item {i}"
+    if isinstance(item, Episode):
+        if not isinstance(item.num_turns, int) or item.num_turns < 0:
+            fail(f"{at}: Episode.num_turns={item.num_turns!r}; expected an int >= 0")
+        if not _finite(item.env_reward):
+            fail(f"{at}: Episode.env_reward={item.env_reward!r}; expected a finite number")
+        if item.error not in EPISODE_ERRORS:
+            fail(f"{at}: Episode.error={item.error!r}; expected one of {EPISODE_ERRORS}")
+        item = item.sample
+        if not isinstance(item, Sample):
+            fail(f"{at}: Episode.sample is a {type(item).__name__}; expected a Sample")
+    if (item.prompt_index, item.sample_index) != (i // n, i % n):
+        fail(f"{at} has prompt_index={item.prompt_index}, sample_index={item.sample_index}; expected "
+             f"{i // n}, {i % n} (prompt-major: the n samples of prompt 0 first, then prompt 1's, ...)")
+    if list(item.prompt_ids) != list(prompts[i // n].prompt_ids):
+        fail(f"{at}: prompt_ids differ from prompts[{i // n}].prompt_ids (the trainer scores the dataset's "
+             "prompt; put anything added after it in output_ids with output_mask 0)")
+    num = len(item.output_ids)
+    for k, t in enumerate(item.output_ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 or \
+                (vocab_size is not None and t >= vocab_size):
+            fail(f"{at}: output_ids[{k}]={t!r}; expected a token id in [0, {vocab_size or 'vocab size'})")
+    if len(item.output_logprobs) != num:
+        fail(f"{at}: {len(item.output_logprobs)} output_logprobs for {num} output_ids; expected one per token")
+    mask = item.output_mask
+    if mask is not None:
+        if len(mask) != num:
+            fail(f"{at}: {len(mask)} output_mask entries for {num} output_ids; expected one per token")
+        bad = [m for m in mask if m not in (0, 1)]
+        if bad:
+            fail(f"{at}: output_mask holds {bad[0]!r}; expected 1 (a model token) or 0 (an observation token)")
+    for k, lp in enumerate(item.output_logprobs):
+        if not _finite(lp):
+            fail(f"{at}: output_logprobs[{k}]={lp!r}; expected a finite number (the engine's log-prob; "
+                 "0 on observation tokens)")
+        if (mask is None or mask[k]) and lp > _LOGPROB_SLACK:
+            fail(f"{at}: output_logprobs[{k}]={lp!r} on a model token; a log-prob is <= 0")
+    if item.finish_reason not in FINISH_REASONS:
+        fail(f"{at}: finish_reason={item.finish_reason!r}; expected one of {', '.join(FINISH_REASONS)}")
+    if replay:
+        if item.kept_ids is None or item.log_kept_mass is None:
+            fail(f"{at}: no kept_ids / log_kept_mass, but sampling-mask replay is on (rollout.sampling_mask_replay "
+                 "with top_p/top_k/min_p): pass the engine's, as engine.generate returns them (None and 0.0 on "
+                 "observation tokens), or set rollout.sampling_mask_replay: false")
+        if len(item.kept_ids) != num or len(item.log_kept_mass) != num:
+            fail(f"{at}: {len(item.kept_ids)} kept_ids and {len(item.log_kept_mass)} log_kept_mass for {num} "
+                 "output_ids; expected one each per token")
 
 
 def samples_of(out: Sequence) -> tuple[list[Sample], Optional[list[Episode]]]:
@@ -233,4 +293,4 @@ def samples_of(out: Sequence) -> tuple[list[Sample], Optional[list[Episode]]]:
 
 
 def _finite(x: Any) -> bool:
-    return not isinstance(x, bool) and isinstance(x, numbers.Real) and math.isfinite(float(x))
+    return not isinstance(x, bool) and finite_real(x)

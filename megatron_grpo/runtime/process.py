@@ -10,6 +10,8 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 from typing import NoReturn
 
 
@@ -93,15 +95,33 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+EXIT_HOOKS_TIMEOUT_S = 30.0
+"""Longest wait for the ``atexit`` hooks in ``exit_now``. The run's own hooks close what is left
+(a fork server: at most 15 s); a plug-in imported into the process may register one that never
+returns (``atexit.register(thread.join)`` of a thread that runs for ever), which kept
+``megatron-grpo train`` and its ranks alive for good (issue 48)."""
+
+
+def _exit_when_late(code: int, timeout_s: float) -> None:
+    """A watchdog thread's body: ``os._exit(code)`` once the hooks ran ``timeout_s`` seconds."""
+    time.sleep(timeout_s)
+    with contextlib.suppress(OSError, ValueError):
+        print(f"[megatron-grpo] the exit hooks (atexit) still run after {timeout_s:g}s: exiting without them "
+              "(a plug-in's atexit hook that does not return?)", file=sys.stderr, flush=True)
+    os._exit(code)
+
+
 def exit_now(code: int) -> NoReturn:
     """End this process with ``code`` once its work is done, skipping the interpreter's teardown.
 
     A process that imported torch and megatron-core spends 1.3-1.7 s (2-core machine, measured)
     after its last line deleting modules one by one; every run pays that in each rank, in
     series with torchrun noticing the exit. The ``atexit`` hooks still run (logging's flush,
-    libraries' own shutdown hooks) and stdio is flushed; what is skipped is module teardown
-    and the join of non-daemon threads, so call this only after the run closed what it
-    started (the trainer's ``close``: engines, writers, worker pools)."""
+    libraries' own shutdown hooks), within ``EXIT_HOOKS_TIMEOUT_S``, and stdio is flushed; what
+    is skipped is module teardown and the join of non-daemon threads, so call this only after
+    the run closed what it started (the trainer's ``close``: engines, writers, worker pools)."""
+    threading.Thread(target=_exit_when_late, args=(code, EXIT_HOOKS_TIMEOUT_S), daemon=True,
+                     name="exit-hooks-deadline").start()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -15,8 +15,10 @@ agent, which outlives the launcher only while it stops its ranks) does.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 from pathlib import Path
 
 from megatron_grpo.config.base import ConfigError
@@ -56,9 +58,15 @@ def lock_run_dir(run_dir: str | Path) -> RunDirLock:
     path = Path(run_dir) / LOCK_FILE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # not through a link: the lock file is truncated and written, so a `.lock` planted as a
+        # link (a shared run directory) would have this run overwrite the file it names
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as e:
-        raise ConfigError(KEY, f"{run_dir}: cannot create {path}: {e.strerror}") from None
+        why = "it is a symbolic link" if e.errno == errno.ELOOP else e.strerror
+        raise ConfigError(KEY, f"{run_dir}: cannot create {path}: {why}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device cannot be truncated and written
+        os.close(fd)
+        raise ConfigError(KEY, f"{run_dir}: {path} is not a regular file; remove it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

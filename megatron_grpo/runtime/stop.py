@@ -28,10 +28,26 @@ def _record(signum: int, frame) -> None:
         _received = signum
 
 
+_installed = False
+
+
 def install() -> None:
     """Record SIGTERM and SIGINT instead of dying of them (main thread only)."""
+    global _installed
     for sig in STOP_SIGNALS:
         signal.signal(sig, _record)
+    _installed = True
+
+
+def reinstall_if_replaced() -> list[str]:
+    """Where ``install`` ran and a plug-in's import has since replaced a stop handler (a reward
+    module's ``signal.signal(SIGTERM, SIG_IGN)``: the rank then trained through a stop until
+    torchrun killed it, ``checkpoint.stop_timeout_s`` later, nothing saved), put the handlers
+    back; the names of the signals that had been taken (main thread only)."""
+    taken = [signal_name(s) for s in STOP_SIGNALS if _installed and signal.getsignal(s) is not _record]
+    if taken:
+        install()
+    return taken
 
 
 def received() -> int:

@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import re
 import shutil
 import zlib
 from pathlib import Path
@@ -59,7 +58,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException  # a BaseException, not an Exception
 
 from megatron_grpo.config import ConfigError
-from megatron_grpo.models.checkpoint import MARKER, STATE_FILE, AgreedSave, failure_reason
+from megatron_grpo.models.checkpoint import MARKER, STATE_FILE, STEP_DIR_RE, AgreedSave, failure_reason
 from megatron_grpo.models.errors import CheckpointError
 from megatron_grpo.runtime.collectives import broadcast
 from megatron_grpo.runtime.device import cuda_available
@@ -68,7 +67,7 @@ from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.models import model_sharded_state_dict, save_megatron_checkpoint
 from megatron_grpo.models.lora import has_lora, load_lora_state, lora_sharded_state_dict
 
-CKPT_RE = re.compile(r"^step_(\d{6,})$")
+CKPT_RE = STEP_DIR_RE
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:

@@ -145,6 +145,10 @@ class Trainer:
             write_text_atomic(Path(run_dir) / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         side = (build_rollout_side(cfg, tokenizer, sampler, vocab_size=policy.hf_config.vocab_size)
                 if rank == 0 else None)
+        taken = stop.reinstall_if_replaced()  # the reward modules were imported here, top-level code and all
+        if taken:
+            print(f"[megatron-grpo] a plug-in imported by rank {rank} replaced its {' and '.join(taken)} handler; "
+                  "put back, so that a stop still ends the run after its step", file=sys.stderr, flush=True)
         http = build_engine(cfg, policy.hf_config, owner=rank == 0,
                             probe=lambda tokens: probe_log_probs(policy.chunks, tokens, spec, quantization),
                             spawned=spawned)

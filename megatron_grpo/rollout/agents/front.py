@@ -56,11 +56,13 @@ from megatron_grpo.chat.openai_api import (ChatRequest, Choice, OpenAIRequestErr
                                            completion_response, error_body, parse_chat_request,
                                            parse_completion_request, render_chat, stop_token_ids)
 from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
-from megatron_grpo.wire.samples import Sample, SamplingParams
+from megatron_grpo.wire.samples import RolloutError, Sample, SamplingParams
 
 MAX_BODY_BYTES = 8 * 2**20
 START_TIMEOUT_S = 30.0
 SEED_MODULUS = 2**31 - 1
+REFUSED = (400, 413)
+"""HTTP statuses of an engine that refused a request (a prompt past its context, too large)."""
 MODEL_NAME = "policy"
 """The model id the front answers to (``/v1/models``); requests may name any model."""
 
@@ -108,8 +110,9 @@ class EpisodeLog:
 
 def _norm_calls(calls: Any) -> list:
     out = []
-    for c in calls or []:
-        fn = c.get("function", {}) if isinstance(c, dict) else {}
+    for c in calls if isinstance(calls, list) else []:
+        fn = c.get("function") if isinstance(c, dict) else None
+        fn = fn if isinstance(fn, dict) else {}  # a malformed call the agent sent back: compared as empty
         args = fn.get("arguments")
         try:
             args = json.loads(args) if isinstance(args, str) else args
@@ -212,7 +215,14 @@ class AgentFront:
         sampling = self._sampling(log, req_sampling, max_new)
         seed = None if log.seed is None else (log.seed + len(log.calls)) % SEED_MODULUS
         t0 = time.monotonic()
-        (sample,) = log.engine.generate([list(prompt_ids)], 1, sampling, sampling_seed=seed)
+        try:
+            (sample,) = log.engine.generate([list(prompt_ids)], 1, sampling, sampling_seed=seed)
+        except RolloutError as e:
+            if e.status not in REFUSED:
+                raise
+            # the engine refused this request (a conversation past the model's context): the
+            # agent's mistake, answered as a 400 (the SDK's BadRequestError, not retried)
+            raise OpenAIRequestError(None, str(e)) from None
         call = Call(list(prompt_ids), sample, time.monotonic() - t0)
         log.calls.append(call)
         return call
@@ -289,7 +299,13 @@ class AgentFront:
             body = await body_of(request)
             if isinstance(body, JSONResponse):
                 return body
-            status, out = await asyncio.get_running_loop().run_in_executor(self._pool, fn, episode_id, body)
+            try:
+                status, out = await asyncio.get_running_loop().run_in_executor(self._pool, fn, episode_id, body)
+            except Exception as e:  # noqa: BLE001 - a failure of the call (the engine's): one line, not
+                # uvicorn's traceback on the run's stderr for each call and each of the SDK's retries
+                message = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                self._say_once(f"500 {type(e).__name__}", f"a call failed (HTTP 500 to the agent): {message}")
+                return JSONResponse({"error": {"message": message, "type": "internal_error"}}, 500)
             return JSONResponse(out, status)
 
         @app.post("/episodes/{episode_id}/v1/chat/completions")

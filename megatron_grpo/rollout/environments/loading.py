@@ -104,6 +104,11 @@ def load_file_attribute(spec: str, key: str, prefix: str = "") -> Any:
         sys.modules[module_name] = module
         try:
             file_spec.loader.exec_module(module)
+        except SystemExit as e:  # a script's unguarded sys.exit(main()): its worker ended without a word
+            del sys.modules[module_name]
+            raise ValueError(f"{key} {where}: loading the file called sys.exit({e.code!r}); a plug-in's top-level "
+                             "code must not end the process (guard a script's main() with "
+                             "if __name__ == '__main__':)") from None
         except Exception as e:  # any failure inside the user's file is reported the same way
             del sys.modules[module_name]
             raise ValueError(f"{key} {where}: loading the file failed: {one_line(e)}") from None
@@ -162,12 +167,30 @@ def check_step_result(out: Any, where: str) -> dict:
         raise ValueError(f"{head} done={done!r}; expected True or False")
     if reward is None:
         reward = 0.0
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
-        raise ValueError(f"{head} reward={str(reward)[:40]!r}; expected a finite number")
+    if isinstance(reward, bool) or not finite_real(reward):
+        raise ValueError(f"{head} reward={shown(reward, 40)}; expected a finite number")
     answer = {"observation": obs, "done": done, "reward": float(reward)}
     if counts:
         answer["counts"] = dict(counts)
     return answer
+
+
+def shown(x: Any, limit: int) -> str:
+    """``repr`` of ``str(x)`` cut to ``limit`` characters, for a user's value in a one-line error;
+    never raises (an int past Python's 4300-digit limit cannot be printed, a ``__str__`` may raise)."""
+    try:
+        return repr(str(x)[:limit])
+    except Exception:  # noqa: BLE001 - whatever the user's object does
+        return f"<unprintable {type(x).__name__}>"
+
+
+def finite_real(x: Any) -> bool:
+    """``x`` is a real number a float can hold: ``float(10**400)`` raises OverflowError, which in
+    a worker ended it as a crash (an episode error) instead of this contract's one line."""
+    try:
+        return isinstance(x, numbers.Real) and math.isfinite(float(x))
+    except (OverflowError, ValueError, TypeError):
+        return False
 
 
 def one_line(e: BaseException) -> str:
