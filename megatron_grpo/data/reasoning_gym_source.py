@@ -38,8 +38,8 @@ assigned to one split by a seeded hash of its key (held out with probability
 ``num_heldout / (num_train + num_heldout)``), and each split takes entries in the dataset's order,
 repeats included, until it is full. No held-out question is ever a training question, and both
 splits keep the task's own distribution of problems (the distinct split above under-weights
-whatever repeats: of chain_sum's 2-term sums of 1-2 digits, the ~25% with two one-digit terms
-become ~5% of 2,200 distinct questions). A held-out set drawn so may hold a question more than
+whatever repeats: chain_sum picks one digit count per problem, so about half of its 2-term sums
+of 1-2 digits are one-digit sums, but they are ~5% of 2,200 distinct questions). A held-out set drawn so may hold a question more than
 once, as the task itself asks it; its accuracy is the task's accuracy on questions never trained.
 
 reasoning-gym is an optional dependency (``pip install 'megatron-grpo[reasoning]'``) and takes

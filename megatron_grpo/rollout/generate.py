@@ -86,6 +86,11 @@ class Round:
     dropped: Optional[torch.Tensor] = None  # multi-turn: bool[G * n], out of the loss (on_env_error: drop)
 
 
+def truncated_mask(samples: list) -> torch.Tensor:
+    """bool[N]: the samples the engine cut at ``max_new_tokens`` (finish reason ``length``)."""
+    return torch.tensor([s.finish_reason == "length" for s in samples])
+
+
 def generate_round(ctx: GenerationContext, step: int, round_index: int, prompts: list,
                    seed: Optional[int] = None) -> Round:
     """One round: ``num_generations`` responses for each of ``prompts`` (data.Prompt), scored.
@@ -115,8 +120,7 @@ def generate_round(ctx: GenerationContext, step: int, round_index: int, prompts:
         penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, over.buffer_length, over.penalty_factor)
     rewards = rewards + penalty
     if over.truncated_reward is not None:
-        truncated = torch.tensor([s.finish_reason == "length" for s in samples])
-        rewards = truncated_rewards(rewards, truncated, over.truncated_reward)
+        rewards = truncated_rewards(rewards, truncated_mask(samples), over.truncated_reward)
     return Round(prompts, samples, rewards, penalty, scored.per_function, scored.stats, gen_s, reward_s,
                   episodes, dropped)
 
@@ -175,7 +179,7 @@ def result_from_rounds(ctx: GenerationContext, rounds: list[Round], informative:
                                       batch.seq_length)
     if cfg.algorithm.router_replay:  # the engine's routing, replayed by the trainer (trainer.router_replay)
         batch.routed_experts = pad_routed_experts([s.routed_experts for s in samples], batch.seq_length)
-    truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+    truncated = truncated_mask(samples)
     if cfg.rollout.overlong.filter:
         batch.loss_mask[truncated] = 0.0  # out of the loss and of its token count
     stats = _stats(samples, rewards, truncated, rounds, n)
