@@ -388,6 +388,27 @@ def test_the_fork_servers_exit_ends_its_workers_children(env_file):
             os.kill(pid, 9)
 
 
+def test_a_killed_fork_servers_workers_children_die_when_it_is_closed(env_file):
+    """The fork server killed (by someone, or by ``close`` after its 5 s on a loaded machine)
+    kills nothing itself; its workers die of the parent-death signal, and ``close`` kills the
+    process groups of the workers this process asked for, with what they started."""
+    marker = f"600.{uuid.uuid4().int % 10**12}5"
+    try:
+        env = EnvProcess(f"{env_file}:Spawner", {"marker": marker}, timeout_s=5.0)
+        env.step("anything")
+        assert len(_sleeps_shown(marker, 1)) == 1
+        server = fork_server()
+        server.proc.kill()
+        server.proc.wait(timeout=10)
+        assert len(_sleeps(marker, wait_s=1.0)) == 1  # orphaned, alive: what close must kill
+        server.close()
+        left = _sleeps(marker)
+        assert left == [], [_describe(pid) for pid in left]
+    finally:
+        for pid in _sleeps(marker, wait_s=0):
+            os.kill(pid, 9)
+
+
 def test_constructor_error_ends_the_episode(tok, env_file):
     (ep,) = runner(tok, f"{env_file}:BadInit").run(ScriptedEngine(tok), [make_prompt(tok)], 1,
                                                   SamplingParams(max_new_tokens=16))

@@ -85,6 +85,7 @@ class _ForkServer:
         self.dir = tempfile.mkdtemp(prefix="megatron-grpo-env-")
         self.address = os.path.join(self.dir, "fork.sock")
         self.authkey = os.urandom(16)
+        self.workers: list[int] = []  # the pids of the workers this process asked for
         package_root = str(Path(__file__).resolve().parents[3])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(
@@ -106,7 +107,11 @@ class _ForkServer:
         if not conn.poll(STARTUP_TIMEOUT_S + PREPARE_TIMEOUT_S):
             conn.close()
             raise EnvCallError("error", "a worker process did not start", str(request[1]))
-        return conn, conn.recv()
+        pid = conn.recv()
+        self.workers.append(pid)
+        if len(self.workers) > 256:  # a worker per episode: forget the groups that are gone
+            self.workers[:] = [p for p in self.workers if _group_alive(p)]
+        return conn, pid
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -116,6 +121,10 @@ class _ForkServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+        # Again from this side: a server killed above (too slow to exit on a loaded machine)
+        # or by someone else killed nothing, and its workers' parent-death signal kills them
+        # but not what they started (a sleep left once in CI, after a 59-minute loaded suite).
+        _kill_worker_groups(self.workers, children=False)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -152,7 +161,9 @@ def _server_main() -> None:
     # to exist, and a socket file that exists before listen() refuses connections
     listener = Listener(address + ".binding", family="AF_UNIX", authkey=authkey)
     os.rename(address + ".binding", address)
-    threading.Thread(target=lambda: (sys.stdin.read(), _kill_worker_groups(), os._exit(0)), daemon=True).start()
+    workers: list[int] = []  # every worker forked: its pid is its process group's id (os.setsid)
+    threading.Thread(target=lambda: (sys.stdin.read(), _kill_worker_groups(workers), os._exit(0)),
+                     daemon=True).start()
     while True:
         try:
             conn = listener.accept()
@@ -171,7 +182,7 @@ def _server_main() -> None:
         if request[0] == "serve" or (request[0] == "check" and request[2]):
             prepare_environment(request[1], os.path.dirname(address))
         server_pid = os.getpid()
-        if os.fork() == 0:
+        if (worker_pid := os.fork()) == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.close(listener._listener._socket.fileno())  # not listener.close(): that unlinks the socket
             # A session (and process group) of its own: whatever the user's code starts (a
@@ -192,6 +203,9 @@ def _server_main() -> None:
                 pass
             finally:
                 os._exit(0)
+        workers.append(worker_pid)
+        if len(workers) > 256:  # a long run forks a worker per episode: forget the empty groups
+            workers[:] = [pid for pid in workers if _group_alive(pid)]
         conn.close()
 
 
@@ -202,20 +216,44 @@ socket (authenticated, the trainer's only) cannot name arbitrary code. Imported 
 because function_worker imports this module."""
 
 
-def _kill_worker_groups() -> None:
-    """SIGKILL the process group of every worker still alive (the fork server is exiting: the
-    trainer's process ended). Its workers would die with it anyway (parent-death signal), but
-    not what they started."""
-    for children in Path("/proc/self/task").glob("*/children"):
+def _kill_worker_groups(workers: list[int], children: bool = True) -> None:
+    """SIGKILL the process group of every worker this server forked, and of every child it
+    still has (an OpenEnv server, a session of its own too): it is exiting, the trainer's
+    process ended. Its workers would die with it anyway (parent-death signal), but not what
+    they started. The pids are the server's own record and a scan of ``/proc/*/stat``, not
+    ``/proc/self/task/*/children`` (a kernel option, and documented as reliable only for
+    stopped children; a sleep was once left in CI). A group outlives its leader while a member
+    lives, and its id is not reused meanwhile, so a worker that already died still has its
+    children killed. ``children=False``: the recorded workers only (the trainer's side)."""
+    for pid in set(workers) | set(_children_of(os.getpid()) if children else ()):
         try:
-            pids = children.read_text().split()
-        except OSError:
-            continue
-        for pid in pids:
-            try:
-                os.killpg(int(pid), signal.SIGKILL)  # a worker leads its group (os.setsid)
-            except (ProcessLookupError, PermissionError):
-                pass
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _children_of(parent: int) -> list[int]:
+    """The pids whose parent is ``parent``, from ``/proc/<pid>/stat`` (Linux; [] elsewhere)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if fields[1] == str(parent):
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` still has a member (signal 0 sends nothing)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _die_with_parent(server_pid: int) -> None:

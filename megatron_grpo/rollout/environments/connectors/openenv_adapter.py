@@ -13,7 +13,7 @@ costs only its app's own imports (~1 s; a restart as much); the server imports t
 as ``python -m`` would (the folder above its packages on ``sys.path``) and serves it with
 uvicorn on a free port of 127.0.0.1 (said in one line: its pid and address). Owned by the fork
 server, it ends with it: a session of its own, killed with the fork server's workers' groups
-when the trainer's process ends (``_kill_worker_groups``), and a parent-death signal for a
+when the trainer's process ends (``worker._kill_worker_groups``), and a parent-death signal for a
 fork server killed by SIGKILL, so no server outlives the run. Every wait has a deadline
 (``START_TIMEOUT_S`` to serve, ``PROBE_TIMEOUT_S`` per request to it, the client's connect and
 message timeouts, the worker's ``env_timeout_s`` over each call). A server found dead when an
