@@ -495,6 +495,15 @@ def test_malformed_fields_are_a_400_with_one_line_never_a_500(engine):
             finite = not isinstance(value, float) or math.isfinite(value)
             expected = f"sampling_params.{key} must be" if finite else "which is not a JSON number"
             assert expected in message and "\n" not in message, (key, value, message)
+        # a request key of the wrong type names the key (issue 48: logprob_start_len "x" was a 400
+        # saying only "invalid literal for int()", 1.7 was read as 1, "false" as true)
+        for key, value in (("logprob_start_len", "x"), ("logprob_start_len", 1.7), ("logprob_start_len", True),
+                           ("return_logprob", "false"), ("return_sampling_mask", 1),
+                           ("return_routed_experts", None)):
+            r = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1},
+                                             key: value})
+            assert r.status_code == 400, (key, value, r.status_code, r.text[:200])
+            assert r.json()["message"].startswith(key), (key, value, r.json()["message"])
         # still serving, and the edges of every range are accepted
         r = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {
             "max_new_tokens": 2, "sampling_seed": 2**63 - 1, "top_k": 2**63 - 1, "temperature": 0,

@@ -624,7 +624,12 @@ def _parse_generate(engine: EmbeddedEngine, req: dict, policy: ServerPolicy) -> 
     seqs = []
     for i, (prompt, p, start, ret, rout, mask, budget) in enumerate(
             zip(prompts, params, starts, returns, routed, masks, budgets)):
-        start = int(start if start is not None else -1)
+        start = -1 if start is None else start
+        if not isinstance(start, int) or isinstance(start, bool):
+            raise EngineError(f"logprob_start_len must be an integer, got {start!r}")
+        for key, flag in (("return_logprob", ret), ("return_routed_experts", rout), ("return_sampling_mask", mask)):
+            if not isinstance(flag, bool):
+                raise EngineError(f"{key} must be true or false, got {flag!r}")
         if start >= len(prompt):
             raise EngineError(f"logprob_start_len {start} must be < the prompt length {len(prompt)}")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
