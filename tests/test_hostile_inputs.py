@@ -522,6 +522,45 @@ def test_rejected_by_the_command(name, world, tmp_path):
     assert proc.stdout == ""
 
 
+HANGS_AT_IMPORT = """import os, time
+def fn(response, answer):
+    return 0.0
+if os.environ.get("RANK") is not None or os.environ.get("HANG_IN_LAUNCHER"):
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow  # a whole run through torchrun for the rank's half (~20-40 s on 2 busy cores)
+def test_a_reward_module_that_never_finishes_importing_is_one_line(world, tmp_path):
+    """Issue 48: a reward module's top-level code runs in `megatron-grpo train`'s pre-flight and
+    in each rank, and an import that never returned hung the run for good. Now both are under
+    ``reward.import_timeout_s``: one line naming the key and the function, exit 2, no traceback,
+    no process left (the pre-flight's half: nothing written; the rank's half: the launcher
+    prints the rank's line)."""
+    for where in ("launcher", "rank"):
+        (tmp_path / where).mkdir()
+        ctx = Ctx(tmp_path / where, world)
+        ctx.plugin("hostile_hangs_plugin", HANGS_AT_IMPORT)
+
+        def edit(cfg):
+            cfg["reward"] = {"functions": [{"name": "hostile_hangs_plugin.fn"}], "import_timeout_s": 3}
+            cfg["engine"] = {"kind": "inprocess"}
+        path = ctx.config(edit)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ctx.plugin_dir), str(ROOT)]),
+               **({"HANG_IN_LAUNCHER": "1"} if where == "launcher" else {})}
+        proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config", path],
+                              capture_output=True, text=True, env=env, cwd=ctx.tmp, timeout=240)
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 2 and len(lines) == 1, (where, proc.returncode, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, (where, proc.stderr[-3000:])
+        assert lines[0].startswith("error: reward.import_timeout_s: building the reward functions "
+                                   "(hostile_hangs_plugin.fn) took longer than 3s"), lines
+        if where == "launcher":
+            assert proc.stderr.strip() == lines[0] and not ctx.run_dir.exists(), proc.stderr
+    left = subprocess.run(["pgrep", "-f", "hostile_hangs_plugin"], capture_output=True, text=True).stdout.split()
+    assert left == [], left
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--world-size", "0"], "--world-size must be >= 1, got 0"),
     (["--world-size", "-2"], "--world-size must be >= 1, got -2"),

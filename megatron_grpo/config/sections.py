@@ -196,9 +196,16 @@ class RewardConfig:
         default_factory=lambda: [RewardFunctionConfig(name="math_exact_match")]
     )
     """Reward functions; the reward of a response is their weighted sum."""
+    import_timeout_s: float = 300.0
+    """How long building the reward functions may take in one process: importing a dotted or
+    file-path function's module (its top-level code) and constructing a built-in, in
+    `megatron-grpo train`'s pre-flight and again in each rank. Past it the run ends with one
+    line and exit code 2 (a module whose top-level code never returns hung the run for good)."""
 
     def __post_init__(self):
         check(len(self.functions) >= 1, "functions", "needs at least one reward function")
+        check(math.isfinite(self.import_timeout_s) and self.import_timeout_s > 0, "import_timeout_s",
+              f"must be > 0, got {self.import_timeout_s}")
         check(
             any(f.weight != 0 for f in self.functions),
             "functions",

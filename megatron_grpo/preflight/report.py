@@ -11,8 +11,11 @@ file, and ``megatron-grpo train`` prints that one line instead of torchrun's fai
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import threading
+from typing import Iterator
 
 from megatron_grpo.config import ConfigError, load_config
 from megatron_grpo.preflight.errors import USER_ERRORS
@@ -39,6 +42,42 @@ def run_parser(prog: str) -> argparse.ArgumentParser:
 def fail(message: str, code: int = EXIT_USER_ERROR) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
+
+
+@contextlib.contextmanager
+def user_error_deadline(timeout_s: float, line: str) -> Iterator[None]:
+    """Run the block under a deadline: past ``timeout_s`` seconds, end this process with the user
+    error ``line`` and exit code 2, recorded for ``megatron-grpo train`` in a rank (as ``_report``
+    does) or printed in the launcher. For what no exception can interrupt: a plug-in module's
+    top-level code that never returns (a watchdog thread cannot stop it; it can end the process).
+    The process is ended with ``os._exit``: the block's own thread is stuck in the user's code."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(timeout_s):
+            return
+        path = os.environ.get(ERROR_FILE_ENV)
+        with contextlib.suppress(OSError):
+            if path:  # a rank under megatron-grpo train, which prints it
+                record_user_error(f"{EXIT_USER_ERROR} {line}", path)
+            elif int(os.environ.get("LOCAL_RANK", "0")) == 0:  # the launcher, or a bare torchrun's first rank
+                print(f"error: {line}", file=sys.stderr, flush=True)
+        os._exit(EXIT_USER_ERROR)
+
+    threading.Thread(target=watch, daemon=True, name="user-error-deadline").start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def reward_build_deadline(reward_cfg) -> contextlib.AbstractContextManager:
+    """``user_error_deadline`` over building ``reward_cfg``'s functions (``RewardScorer``)."""
+    names = ", ".join(f.name for f in reward_cfg.functions)
+    return user_error_deadline(reward_cfg.import_timeout_s, (
+        f"reward.import_timeout_s: building the reward functions ({names}) took longer than "
+        f"{reward_cfg.import_timeout_s:g}s; a module whose top-level code never returns? (raise the key if it is "
+        "only slow)"))
 
 
 def record_user_error(line: str, path: str) -> None:

@@ -24,6 +24,7 @@ from megatron_grpo.models.checkpoint import MARKER, STEP_DIR_RE, checkpoint_path
 from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.models.weights import SafetensorsReader
 from megatron_grpo.preflight.layout import layout_problem
+from megatron_grpo.preflight.report import reward_build_deadline
 from megatron_grpo.generation.engines import ENGINES
 from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.rollout.agents.runner import check_agent
@@ -167,7 +168,8 @@ def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
             check_fits(eval_prompts, s.max_new_tokens or cfg.rollout.max_new_tokens,
                        f"eval.sets[{i}].max_new_tokens" if s.max_new_tokens else "rollout.max_new_tokens",
                        context, cfg.model.hf_dir)
-    RewardScorer(cfg.reward).close()
+    with reward_build_deadline(cfg.reward):
+        RewardScorer(cfg.reward).close()
     check_plugins(cfg, tokenizer, getattr(hf_config, "vocab_size", None))
     if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb_project", "is set but wandb is not installed; pip install wandb or set it to null")

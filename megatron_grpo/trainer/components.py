@@ -18,6 +18,7 @@ from megatron_grpo.models import build_model, load_hf_config, load_hf_weights, l
 from megatron_grpo.models.builder import check_moe_training, check_packing, resolve_attention_backend
 from megatron_grpo.models.errors import ModelError
 from megatron_grpo.models.lora import apply_lora, lora_problem, spec_from_config
+from megatron_grpo.preflight.report import reward_build_deadline
 from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.generation.engines import ENGINES
@@ -122,7 +123,8 @@ def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[Promp
     reward scorer and, with ``episodes.environment`` or ``episodes.rollout_function``, the
     rollout function (built before the engine starts: a bad reward, environment or rollout
     function fails fast). ``vocab_size``: the model's, the bound of a rollout function's ids."""
-    scorer = RewardScorer(cfg.reward)
+    with reward_build_deadline(cfg.reward):
+        scorer = RewardScorer(cfg.reward)
     rollout_function = None
     if cfg.episodes.environment is not None:
         use_template = cfg.data.apply_chat_template and has_chat_template(tokenizer)
