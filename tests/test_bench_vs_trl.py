@@ -304,3 +304,21 @@ def test_reasoning_workload_both_sides_end_to_end(tmp_path):
     ours = [json.loads(line) for line in
             (out / "reasoning_ours_tp1_mbscfg_seed1_inprocess" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in ours if "reward_mean" in r] == [1, 2, 3]
+
+
+def test_the_trl_workers_clock_leaves_off_evaluations_after_its_start_only(monkeypatch):
+    """The TRL worker's training clock (``bench_vs_trl.TrainClock``): the starting weights' evaluation
+    runs before training starts and is not subtracted (it was, and the first smollm2 run logged
+    batches at -175 s); an evaluation during training is."""
+    now = [100.0]
+    monkeypatch.setattr(bench.time, "monotonic", lambda: now[0])
+    clock = bench.TrainClock()
+    assert clock() == 0.0
+    clock.exclude(175.0)  # the evaluation at step 0, before on_train_begin
+    now[0] = 300.0
+    clock.start()
+    now[0] = 310.0
+    assert clock() == 10.0
+    clock.exclude(4.0)  # an evaluation during training
+    now[0] = 320.0
+    assert clock() == 16.0

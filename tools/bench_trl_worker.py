@@ -53,7 +53,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer import grpo_trainer as trl_grpo_module  # noqa: E402
 
-from bench_vs_trl import truncated_of  # noqa: E402  (tools/, this script's directory)
+from bench_vs_trl import TrainClock, truncated_of  # noqa: E402  (tools/, this script's directory)
 from megatron_grpo.config import ExperimentConfig, load_config  # noqa: E402
 from megatron_grpo.config.sections import DataConfig  # noqa: E402
 from megatron_grpo.data import load_prompt_dataset  # noqa: E402
@@ -119,23 +119,6 @@ class StopAfter(TrainerCallback):
         if state.global_step >= self.steps:
             control.should_training_stop = True
         return control
-
-
-class TrainClock:
-    """Seconds of training: from ``start()``, less the evaluations given to ``exclude``."""
-
-    def __init__(self):
-        self.started_at: float | None = None
-        self.excluded_s = 0.0
-
-    def start(self) -> None:
-        self.started_at = time.monotonic()
-
-    def exclude(self, seconds: float) -> None:
-        self.excluded_s += seconds
-
-    def __call__(self) -> float:
-        return 0.0 if self.started_at is None else time.monotonic() - self.started_at - self.excluded_s
 
 
 class HeldOutEval(TrainerCallback):

@@ -59,6 +59,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,27 @@ WORKLOADS = {
                         train_file="train.jsonl", target=0.5, window=10, micro_batch_size=None, batches=40, dp=2,
                         engine="inprocess", heldout_file="heldout.jsonl", eval_every=10),
 }
+
+
+class TrainClock:
+    """Seconds of training (the TRL worker's clock): from ``start()``, less the evaluations given
+    to ``exclude`` once it has started. An evaluation before the start (the starting weights')
+    is not training time to take off: subtracting it put every batch of the first run of the
+    smollm2 workload ~175 s below zero."""
+
+    def __init__(self):
+        self.started_at: float | None = None
+        self.excluded_s = 0.0
+
+    def start(self) -> None:
+        self.started_at = time.monotonic()
+
+    def exclude(self, seconds: float) -> None:
+        if self.started_at is not None:
+            self.excluded_s += seconds
+
+    def __call__(self) -> float:
+        return 0.0 if self.started_at is None else time.monotonic() - self.started_at - self.excluded_s
 
 
 def truncated_of(completion_ids: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[bool]:
