@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -520,6 +521,48 @@ def test_rejected_by_the_command(name, world, tmp_path):
                           text=True, env=env, cwd=tmp_path, timeout=120)
     assert_rejected(proc.returncode, proc.stderr, ctx, needles)
     assert proc.stdout == ""
+
+
+@pytest.mark.slow  # a whole 1-step run (~20-40 s on 2 busy cores)
+def test_a_daemon_a_reward_starts_in_a_session_of_its_own_ends_with_the_run(world, tmp_path):
+    """Issue 48: a process a plug-in starts with ``start_new_session=True`` (``setsid``, a daemon)
+    leaves its worker's process group, so killing the group missed it: it outlived the run and
+    held the ranks' stderr. The launcher is now the subreaper of everything below it, and ends
+    what is left once the ranks have: the run exits 0 and no such process remains."""
+    marker = f"600.{os.getpid()}{int(time.time() * 1000) % 10**9}7"
+    ctx = Ctx(tmp_path, world)
+    ctx.plugin("hostile_daemon_plugin", f"""
+        import subprocess
+        def fn(response, answer):
+            subprocess.Popen(["sleep", "{marker}"], start_new_session=True, stdin=subprocess.DEVNULL)
+            return 0.0
+        """)
+    path = ctx.config(lambda cfg: cfg.update(reward={"functions": [{"name": "hostile_daemon_plugin.fn"}]},
+                                             engine={"kind": "inprocess"}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ctx.plugin_dir), str(ROOT)])}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config", path],
+                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        deadline = time.monotonic() + 5
+        while (left := _with_marker(marker)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert left == [], left
+    finally:
+        for pid in _with_marker(marker):
+            os.kill(pid, 9)
+
+
+def _with_marker(marker: str) -> list[int]:
+    """Pids of live processes whose command line holds ``marker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
 
 
 HANGS_AT_IMPORT = """import os, time

@@ -18,7 +18,7 @@ from typing import NoReturn
 
 from megatron_grpo.preflight.report import ERROR_FILE_ENV, EXIT_RUN_ABORTED, PEER_SUFFIX, fail
 from megatron_grpo.runtime import stop
-from megatron_grpo.runtime.process import die_with_parent
+from megatron_grpo.runtime.process import become_subreaper, children_of, die_with_parent, end_adopted_children
 
 
 class _Agent:
@@ -127,6 +127,11 @@ def launch_ranks(torchrun_args: list[str], env: dict[str, str]) -> int:
         # to this process alone. The child unblocks it (it inherits the mask, not a pending signal).
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         previous = signal.signal(signal.SIGTERM, forward_stop)
+        # Orphans below this process come here, not to init: a plug-in's daemon (``setsid``, a
+        # double fork) outlived its worker, its rank and the run, holding the ranks' stderr.
+        # Once torchrun's agent has ended, whatever is left is ended with it (below).
+        become_subreaper()
+        children_before = frozenset(children_of(os.getpid()))  # a caller's own, never ended here
         try:
             try:
                 # torchrun dies with this process (a kill -9 of the launcher alone), and its ranks with it.
@@ -136,8 +141,10 @@ def launch_ranks(torchrun_args: list[str], env: dict[str, str]) -> int:
             proc = started[0]
             tail = forward_stderr(proc, error_file, stopping)
             code = proc.wait()
+            end_adopted_children(keep=children_before)  # the agent and its ranks are gone: the rest was left behind
         finally:
             signal.signal(signal.SIGTERM, previous)
+            become_subreaper(False)
         # A rank's own error is the cause; a rank killed from outside is the cause of the others
         # losing their peer (recorded apart), which is an effect.
         if error_file.exists():

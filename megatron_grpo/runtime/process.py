@@ -40,6 +40,68 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def children_of(parent: int) -> list[int]:
+    """The pids whose parent is ``parent``, from ``/proc/<pid>/stat`` (Linux; [] elsewhere). Not
+    ``/proc/<pid>/task/*/children``: a kernel option, documented as reliable only for stopped
+    children."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if fields[1] == str(parent):
+            found.append(int(name))
+    return found
+
+
+def become_subreaper(on: bool = True) -> bool:
+    """Make this process the child subreaper of its descendants (PR_SET_CHILD_SUBREAPER): one
+    orphaned below it (a plug-in's daemon, started with ``setsid`` or a double fork, whose
+    parent then died) is re-parented here instead of to init, so ``end_adopted_children`` can
+    end it. ``on=False`` stops it. Not inherited by forked children. False where prctl is unavailable."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, int(on), 0, 0, 0) == 0  # 36 = PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def end_adopted_children(keep: frozenset[int] = frozenset(), wait_s: float = 5.0) -> list[int]:
+    """SIGKILL every child this process still has but those in ``keep`` (its children from
+    before the work whose leftovers these are), with the process group each one leads, and reap
+    them (bounded by ``wait_s``). Called by the launcher once its ranks have ended: what is left
+    then is what a plug-in left behind (adopted through ``become_subreaper``). Returns the pids
+    ended."""
+    pids = [pid for pid in children_of(os.getpid()) if pid not in keep]
+    for pid in pids:
+        for kill in (os.killpg, os.kill):  # killpg: the group it leads (a setsid daemon's), if any
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    deadline = time.monotonic() + wait_s
+    waiting = set(pids)
+    while waiting and time.monotonic() < deadline:
+        for pid in list(waiting):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    waiting.discard(pid)
+            except ChildProcessError:  # reaped elsewhere, or not ours after all
+                waiting.discard(pid)
+        if waiting:
+            time.sleep(0.02)
+    return pids
+
+
 _forks_die = 0  # > 0 while ``forks_die_with_this_process`` is active
 _hook_registered = False
 _forking_pid = 0  # the pid of the process that forks: a child's parent

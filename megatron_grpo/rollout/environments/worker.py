@@ -46,6 +46,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_grpo.runtime.process import children_of
 from megatron_grpo.rollout.environments.loading import (ContractViolation, check_step_result, class_problem,
                                                         describe, load_environment_class, one_line,
                                                         prepare_environment)
@@ -225,24 +226,11 @@ def _kill_worker_groups(workers: list[int], children: bool = True) -> None:
     stopped children; a sleep was once left in CI). A group outlives its leader while a member
     lives, and its id is not reused meanwhile, so a worker that already died still has its
     children killed. ``children=False``: the recorded workers only (the trainer's side)."""
-    for pid in set(workers) | set(_children_of(os.getpid()) if children else ()):
+    for pid in set(workers) | set(children_of(os.getpid()) if children else ()):
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def _children_of(parent: int) -> list[int]:
-    """The pids whose parent is ``parent``, from ``/proc/<pid>/stat`` (Linux; [] elsewhere)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if fields[1] == str(parent):
-            found.append(int(stat.parent.name))
-    return found
 
 
 def _group_alive(pgid: int) -> bool:
