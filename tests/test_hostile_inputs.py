@@ -555,14 +555,9 @@ def test_a_daemon_a_reward_starts_in_a_session_of_its_own_ends_with_the_run(worl
 
 def _with_marker(marker: str) -> list[int]:
     """Pids of live processes whose command line holds ``marker``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
 
 
 HANGS_AT_IMPORT = """import os, time
