@@ -21,6 +21,7 @@ import os
 import uuid
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -387,3 +388,38 @@ def test_a_stop_signal_ends_the_wait_for_a_starting_server(monkeypatch):
     with pytest.raises(stop.RunStopped, match="stopped by SIGTERM while the rollout server at .* was starting") as e:
         wait_healthy(f"http://127.0.0.1:{free_port()}", time.monotonic() + 60)
     assert e.value.signum == signal.SIGTERM and time.monotonic() - started < 5
+
+
+SUBREAPER_SCRIPT = r"""
+import os, signal, subprocess, sys, time
+from megatron_grpo.runtime.process import (become_subreaper, children_of, end_adopted_children,
+                                           reap_exited_children)
+assert become_subreaper()
+mine = subprocess.Popen(["sleep", "30"])  # a child of this process's own: kept
+# a child that starts two daemons in sessions of their own and exits: both are adopted here
+starter = subprocess.Popen([sys.executable, "-c",
+    "import subprocess; [subprocess.Popen(c, start_new_session=True) for c in (['sleep', '0.2'], ['sleep', '30'])]"])
+starter.wait()
+time.sleep(1.0)  # the short one has exited: a zombie of this process until reaped
+adopted = set(children_of(os.getpid())) - {mine.pid}
+zombies = children_of(os.getpid(), state="Z")
+assert len(adopted) == 2 and len(zombies) == 1, (adopted, zombies)
+assert reap_exited_children(frozenset({mine.pid})) == zombies
+ended = end_adopted_children(keep=frozenset({mine.pid}))
+assert len(ended) == 1 and set(ended) < adopted, (ended, adopted)
+assert children_of(os.getpid()) == [mine.pid], children_of(os.getpid())
+assert mine.poll() is None
+mine.kill()
+print("ok")
+"""
+
+
+def test_the_subreaper_reaps_its_exited_orphans_and_ends_the_others_but_its_own_children():
+    """``runtime.process``, which ``megatron-grpo train`` uses (``launcher/agent.py``): as the
+    subreaper, a process adopts the daemons a child started before exiting; the one that exits
+    is reaped (``reap_exited_children``; a zombie otherwise: init reaped it before), the other is
+    ended with its group (``end_adopted_children``), and a child in ``keep`` is left alone. In a
+    subprocess: the subreaper setting is the process's own."""
+    out = subprocess.run([sys.executable, "-c", SUBREAPER_SCRIPT], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -10,6 +10,7 @@ import select
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -18,7 +19,8 @@ from typing import NoReturn
 
 from megatron_grpo.preflight.report import ERROR_FILE_ENV, EXIT_RUN_ABORTED, PEER_SUFFIX, fail
 from megatron_grpo.runtime import stop
-from megatron_grpo.runtime.process import become_subreaper, children_of, die_with_parent, end_adopted_children
+from megatron_grpo.runtime.process import (become_subreaper, children_of, die_with_parent, end_adopted_children,
+                                           reap_exited_children)
 
 
 class _Agent:
@@ -132,6 +134,7 @@ def launch_ranks(torchrun_args: list[str], env: dict[str, str]) -> int:
         # Once torchrun's agent has ended, whatever is left is ended with it (below).
         become_subreaper()
         children_before = frozenset(children_of(os.getpid()))  # a caller's own, never ended here
+        reaping = threading.Event()  # set: stop reaping the adopted orphans that exit (zombies)
         try:
             try:
                 # torchrun dies with this process (a kill -9 of the launcher alone), and its ranks with it.
@@ -139,11 +142,14 @@ def launch_ranks(torchrun_args: list[str], env: dict[str, str]) -> int:
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a held stop is forwarded here
             proc = started[0]
+            threading.Thread(target=_reap_adopted, args=(reaping, children_before | {proc.pid}), daemon=True,
+                             name="reap-adopted").start()
             tail = forward_stderr(proc, error_file, stopping)
             code = proc.wait()
             end_adopted_children(keep=children_before)  # the agent and its ranks are gone: the rest was left behind
         finally:
             signal.signal(signal.SIGTERM, previous)
+            reaping.set()
             become_subreaper(False)
         # A rank's own error is the cause; a rank killed from outside is the cause of the others
         # losing their peer (recorded apart), which is an effect.
@@ -170,6 +176,14 @@ def launch_ranks(torchrun_args: list[str], env: dict[str, str]) -> int:
         if cause is not None:  # a rank's own traceback (a bug) was shown above
             return fail(f"rank {cause['rank']} exited with code {cause['exitcode']}; its traceback is above", code)
         return code
+
+
+def _reap_adopted(stop_event: threading.Event, keep: frozenset[int], every_s: float = 1.0) -> None:
+    """Until ``stop_event``: reap the exited orphans this process adopted as the subreaper (an
+    SGLang server's scheduler after the server was killed), which init reaped before; never a
+    pid in ``keep`` (torchrun's agent, which ``_Agent`` waits for, and the caller's own)."""
+    while not stop_event.wait(every_s):
+        reap_exited_children(keep)
 
 
 def _recorded(path: Path) -> int:

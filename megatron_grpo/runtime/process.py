@@ -40,8 +40,9 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def children_of(parent: int) -> list[int]:
-    """The pids whose parent is ``parent``, from ``/proc/<pid>/stat`` (Linux; [] elsewhere). Not
+def children_of(parent: int, state: str | None = None) -> list[int]:
+    """The pids whose parent is ``parent`` (in ``state``, e.g. ``"Z"`` for the exited ones not yet
+    reaped, when given), from ``/proc/<pid>/stat`` (Linux; [] elsewhere). Not
     ``/proc/<pid>/task/*/children``: a kernel option, documented as reliable only for stopped
     children."""
     found = []
@@ -57,9 +58,25 @@ def children_of(parent: int) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # gone meanwhile
-        if fields[1] == str(parent):
+        if fields[1] == str(parent) and (state is None or fields[0] == state):
             found.append(int(name))
     return found
+
+
+def reap_exited_children(keep: frozenset[int]) -> list[int]:
+    """``waitpid`` every exited child of this process but those in ``keep`` (children someone
+    else waits for): an adopted orphan (``become_subreaper``) that exits stays a zombie until
+    its new parent reaps it. Returns the pids reaped."""
+    reaped = []
+    for pid in children_of(os.getpid(), state="Z"):
+        if pid in keep:
+            continue
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                reaped.append(pid)
+        except ChildProcessError:
+            pass
+    return reaped
 
 
 def become_subreaper(on: bool = True) -> bool:
