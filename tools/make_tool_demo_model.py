@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    (tmp / "demo_model.json").write_text(json.dumps({"warmup_steps": args.warmup_steps, "warmup_lr": args.lr, "warmup_loss": loss,
-                                                     "tool_fraction": args.tool_fraction, **stats}))
+    (tmp / "demo_model.json").write_text(json.dumps({"warmup_steps": args.warmup_steps, "warmup_lr": args.lr,
+                                                     "warmup_loss": loss, "tool_fraction": args.tool_fraction,
+                                                     **stats}))
     shutil.rmtree(model_dir, ignore_errors=True)
     tmp.rename(model_dir)
     rng = random.Random(args.seed + 2)

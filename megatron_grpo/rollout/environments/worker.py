@@ -109,9 +109,7 @@ class _ForkServer:
             conn.close()
             raise EnvCallError("error", "a worker process did not start", str(request[1]))
         pid = conn.recv()
-        self.workers.append(pid)
-        if len(self.workers) > 256:  # a worker per episode: forget the groups that are gone
-            self.workers[:] = [p for p in self.workers if _group_alive(p)]
+        _remember(self.workers, pid)
         return conn, pid
 
     def close(self) -> None:
@@ -125,7 +123,7 @@ class _ForkServer:
         # Again from this side: a server killed above (too slow to exit on a loaded machine)
         # or by someone else killed nothing, and its workers' parent-death signal kills them
         # but not what they started (a sleep left once in CI, after a 59-minute loaded suite).
-        _kill_worker_groups(self.workers, children=False)
+        _kill_worker_groups(self.workers)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -163,8 +161,9 @@ def _server_main() -> None:
     listener = Listener(address + ".binding", family="AF_UNIX", authkey=authkey)
     os.rename(address + ".binding", address)
     workers: list[int] = []  # every worker forked: its pid is its process group's id (os.setsid)
-    threading.Thread(target=lambda: (sys.stdin.read(), _kill_worker_groups(workers), os._exit(0)),
-                     daemon=True).start()
+    # on exit: its workers and every child it still has (an OpenEnv server, a session of its own too)
+    threading.Thread(target=lambda: (sys.stdin.read(), _kill_worker_groups([*workers, *children_of(os.getpid())]),
+                                     os._exit(0)), daemon=True).start()
     while True:
         try:
             conn = listener.accept()
@@ -204,9 +203,7 @@ def _server_main() -> None:
                 pass
             finally:
                 os._exit(0)
-        workers.append(worker_pid)
-        if len(workers) > 256:  # a long run forks a worker per episode: forget the empty groups
-            workers[:] = [pid for pid in workers if _group_alive(pid)]
+        _remember(workers, worker_pid)
         conn.close()
 
 
@@ -217,20 +214,28 @@ socket (authenticated, the trainer's only) cannot name arbitrary code. Imported 
 because function_worker imports this module."""
 
 
-def _kill_worker_groups(workers: list[int], children: bool = True) -> None:
-    """SIGKILL the process group of every worker this server forked, and of every child it
-    still has (an OpenEnv server, a session of its own too): it is exiting, the trainer's
-    process ended. Its workers would die with it anyway (parent-death signal), but not what
-    they started. The pids are the server's own record and a scan of ``/proc/*/stat``, not
-    ``/proc/self/task/*/children`` (a kernel option, and documented as reliable only for
-    stopped children; a sleep was once left in CI). A group outlives its leader while a member
-    lives, and its id is not reused meanwhile, so a worker that already died still has its
-    children killed. ``children=False``: the recorded workers only (the trainer's side)."""
-    for pid in set(workers) | set(children_of(os.getpid()) if children else ()):
+def _kill_worker_groups(pids: list[int]) -> None:
+    """SIGKILL the process group each of ``pids`` leads: the workers a fork server forked (and
+    its other children) when it exits, because the trainer's process ended, or the workers the
+    trainer asked for once their server is gone. The workers would die anyway (parent-death
+    signal), but not what they started. The pids are a record kept by each side (and a scan of
+    ``/proc/*/stat`` for the server's children), not ``/proc/self/task/*/children`` (a kernel
+    option, and documented as reliable only for stopped children; a sleep was once left in CI).
+    A group outlives its leader while a member lives, and its id is not reused meanwhile, so a
+    worker that already died still has its children killed."""
+    for pid in set(pids):
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _remember(workers: list[int], pid: int) -> None:
+    """Add worker ``pid`` to ``workers``; past 256 (a long run forks a worker per episode), forget
+    the ones whose process group is gone."""
+    workers.append(pid)
+    if len(workers) > 256:
+        workers[:] = [p for p in workers if _group_alive(p)]
 
 
 def _group_alive(pgid: int) -> bool:
