@@ -102,6 +102,13 @@ class Ctx:
         (self.plugin_dir / f"{module}.py").write_text(textwrap.dedent(source))
         return module
 
+    def train(self, *argv: str, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """``megatron-grpo train ARGV`` as a user runs it, from ``tmp``, with the plug-in folder on
+        its path (and ``env`` added)."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(self.plugin_dir), str(ROOT)]), **(env or {})}
+        return subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", *argv], capture_output=True,
+                              text=True, env=env, cwd=self.tmp, timeout=timeout)
+
 
 def _set(path: str, value):
     """An edit setting the dotted ``path`` of the config to ``value``."""
@@ -516,9 +523,7 @@ def test_rejected_in_process(name, world, tmp_path, monkeypatch, capfd):
 def test_rejected_by_the_command(name, world, tmp_path):
     ctx = Ctx(tmp_path, world)
     argv, needles = CASES[name](ctx)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ctx.plugin_dir), str(ROOT)])}
-    proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", *argv], capture_output=True,
-                          text=True, env=env, cwd=tmp_path, timeout=120)
+    proc = ctx.train(*argv, timeout=120)
     assert_rejected(proc.returncode, proc.stderr, ctx, needles)
     assert proc.stdout == ""
 
@@ -539,10 +544,8 @@ def test_a_daemon_a_reward_starts_in_a_session_of_its_own_ends_with_the_run(worl
         """)
     path = ctx.config(lambda cfg: cfg.update(reward={"functions": [{"name": "hostile_daemon_plugin.fn"}]},
                                              engine={"kind": "inprocess"}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ctx.plugin_dir), str(ROOT)])}
     try:
-        proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config", path],
-                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+        proc = ctx.train("--config", path, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         deadline = time.monotonic() + 5
         while (left := _with_marker(marker)) and time.monotonic() < deadline:
@@ -584,10 +587,7 @@ def test_a_reward_module_that_never_finishes_importing_is_one_line(world, tmp_pa
             cfg["reward"] = {"functions": [{"name": "hostile_hangs_plugin.fn"}], "import_timeout_s": 3}
             cfg["engine"] = {"kind": "inprocess"}
         path = ctx.config(edit)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ctx.plugin_dir), str(ROOT)]),
-               **({"HANG_IN_LAUNCHER": "1"} if where == "launcher" else {})}
-        proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config", path],
-                              capture_output=True, text=True, env=env, cwd=ctx.tmp, timeout=240)
+        proc = ctx.train("--config", path, timeout=240, env={"HANG_IN_LAUNCHER": "1"} if where == "launcher" else {})
         lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert proc.returncode == 2 and len(lines) == 1, (where, proc.returncode, proc.stderr[-3000:])
         assert "Traceback" not in proc.stderr, (where, proc.stderr[-3000:])
@@ -933,9 +933,7 @@ def test_reward_error_in_a_real_run_is_one_line_and_exit_2(world, tmp_path):
         cfg["reward"] = {"functions": [{"name": "hostile_run_rewards.boom"}]}
         cfg["parallel"].update(world_size=2, micro_batch_size=2)
     path = ctx.config(edit)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ctx.plugin_dir), str(ROOT)])}
-    proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config", path],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    proc = ctx.train("--config", path, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last == (f"error: {path}: step 1: reward.functions[0] (hostile_run_rewards.boom) raised on sample 0: "
