@@ -8,6 +8,7 @@ log-probs and rewards), the tokenizer's own chat template, and hand-built token 
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -313,6 +314,40 @@ def test_requests_are_checked_and_authenticated(tok, front):
         other.chat.completions.create(model="policy", messages=msgs)
     assert [m.id for m in client.models.list()] == ["policy"]
     assert front.close_episode("ep").calls == []
+
+
+def test_a_stalled_sender_gets_a_408_and_the_front_serves_on(tok):
+    """Issue 48: the agent front (uvicorn, in the run's process) held a connection that sent half
+    its headers, or its headers and half its body, for good: a hostile or broken agent could
+    tie up its sockets and threads. Now each must arrive within the front's read deadline (1 s
+    here); then a 408 in OpenAI's error shape, the connection closed, and the front answers on."""
+    front = AgentFront(tok, TurnRenderer(tok, "user"), tool_call_format="compute", read_timeout_s=1.0).start()
+    try:
+        head = (f"POST /episodes/ep/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: Bearer {front.api_key}\r\nContent-Type: application/json\r\n").encode()
+        stalled = []
+        for first, said in [(head[:40], b"headers"), (b"", b"headers"),
+                            (head + b"Content-Length: 100\r\n\r\n{\"model\": ", b"body")]:
+            s = socket.create_connection(("127.0.0.1", front.port), timeout=15)
+            s.sendall(first)
+            stalled.append((s, said))
+        start = time.monotonic()
+        for s, said in stalled:
+            with s:
+                answer = b""
+                while chunk := s.recv(4096):  # until the front closes the connection
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+                body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+                assert body["error"]["message"].startswith(f"the request {said.decode()} were not received within 1 s"
+                                                           if said == b"headers" else
+                                                           "the request body was not received within 1 s"), body
+        assert time.monotonic() - start < 8, "the stalled senders were not dropped within the deadline"
+        client = open_episode(front, Scripted([ids(tok, "5 <eos>")]))
+        assert client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "what"}]
+                                              ).choices[0].message.content.strip() == "5"
+    finally:
+        front.close()
 
 
 def test_completions_route_extends_by_ids(tok, front):

@@ -146,12 +146,16 @@ async def _in_thread(fn: Callable, *args: Any, **kwargs: Any) -> Any:
         raise HTTPException(400, str(e)) from None
 
 
+def http_error_body(message: str, status: int) -> dict:
+    """SGLang's error shape for a status other than 400 (what a 408 or 413 carries)."""
+    return {"object": "error", "message": message, "code": status}
+
+
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     """Errors in SGLang's shape: a 400 is a ``BadRequest``, other codes carry only their message."""
     if exc.status_code == 400:
         return _bad_request(str(exc.detail))
-    return JSONResponse({"object": "error", "message": str(exc.detail), "code": exc.status_code},
-                        status_code=exc.status_code)
+    return JSONResponse(http_error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
 
 
 def _per_item(value: Any, count: int, key: str) -> list:

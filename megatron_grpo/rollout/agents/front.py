@@ -31,7 +31,10 @@ budget or past ``max_turns`` calls is answered with an empty completion,
 ``finish_reason: "length"``, and not recorded. ``n`` must be 1 (one trajectory per episode).
 
 The server is loopback-only with a random bearer key per run (the agents' workers get it);
-bodies are bounded (``MAX_BODY_BYTES``, 413). Requests for unknown episodes are 404.
+bodies are bounded (``MAX_BODY_BYTES``, 413). Requests for unknown episodes are 404. A request's
+headers, and then its body, must each arrive within ``READ_TIMEOUT_S`` (a 408 and the
+connection closed: ``runtime/header_deadline.py``), so an agent that opens a connection and
+stalls holds no thread or socket of the run for longer.
 """
 
 from __future__ import annotations
@@ -56,10 +59,14 @@ from megatron_grpo.chat.openai_api import (ChatRequest, Choice, OpenAIRequestErr
                                            completion_response, error_body, parse_chat_request,
                                            parse_completion_request, render_chat, stop_token_ids)
 from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
+from megatron_grpo.runtime.header_deadline import header_deadline_protocol
 from megatron_grpo.wire.samples import RolloutError, Sample, SamplingParams
 
 MAX_BODY_BYTES = 8 * 2**20
 START_TIMEOUT_S = 30.0
+READ_TIMEOUT_S = 60.0
+"""Deadline for a request's headers (from the connection's start or the previous answer on it),
+then again for its body: an agent sends its request at once; past it, a 408."""
 SEED_MODULUS = 2**31 - 1
 REFUSED = (400, 413)
 """HTTP statuses of an engine that refused a request (a prompt past its context, too large)."""
@@ -129,13 +136,19 @@ def same_message(a: dict, b: dict) -> bool:
             and _norm_calls(a.get("tool_calls")) == _norm_calls(b.get("tool_calls")))
 
 
+def timeout_body(message: str, status: int) -> dict:
+    """OpenAI's error shape for a request not received in time (the SDK raises ``APIStatusError``)."""
+    return {"error": {"message": message, "type": "timeout_error", "param": None, "code": status}}
+
+
 class AgentFront:
     """The server (module docstring). ``start()`` serves it on a free loopback port;
     ``open_episode`` / ``close_episode`` bracket one episode's calls; ``close()`` stops it."""
 
     def __init__(self, tokenizer, renderer: TurnRenderer, *, tool_call_format: str = "hermes",
-                 max_inflight: int = 64):
+                 max_inflight: int = 64, read_timeout_s: float = READ_TIMEOUT_S):
         self.tokenizer = tokenizer
+        self.read_timeout_s = read_timeout_s
         self.renderer = renderer
         self.tool_call_format = tool_call_format
         self.api_key = os.urandom(16).hex()
@@ -291,7 +304,15 @@ class AgentFront:
                                                           f"{MAX_BODY_BYTES} bytes", "type": "invalid_request_error"}},
                                     413)
             try:
-                return json.loads(await request.body())
+                async with asyncio.timeout(self.read_timeout_s):
+                    raw = await request.body()
+            except TimeoutError:
+                # the connection is closed after the answer: what is left of the body is never read
+                return JSONResponse(timeout_body(f"the request body was not received within "
+                                                 f"{self.read_timeout_s:g} s (READ_TIMEOUT_S)", 408), 408,
+                                    headers={"connection": "close"})
+            try:
+                return json.loads(raw)
             except ValueError as e:
                 return JSONResponse(error_body(OpenAIRequestError(None, f"the body is not JSON: {e}")), 400)
 
@@ -331,7 +352,8 @@ class AgentFront:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.build_app(), log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30)
+                                timeout_keep_alive=30,
+                                http=header_deadline_protocol(self.read_timeout_s, "READ_TIMEOUT_S", timeout_body))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name="agent-front")

@@ -1,13 +1,14 @@
-"""A deadline on a request's headers for ``megatron-grpo serve`` (uvicorn's h11 protocol).
+"""A deadline on a request's headers for uvicorn's h11 protocol: ``megatron-grpo serve`` and the
+agent front (``rollout/agents/front.py``) use it.
 
 uvicorn times out nothing before a request's headers are complete: its keep-alive timer starts
 only after a response, so a client that connects and sends half a header line (or nothing)
-holds its connection, and the server's memory for it, for ever (issue 48). The server's own
-read deadline (``--read-timeout-s``, ``server._body``) starts once the headers have arrived, in
-the route. This protocol adds the missing half: from the moment a connection opens, or the
-previous answer on it was sent, its next request's headers must be complete within the same
-``--read-timeout-s``; past it the client gets a 408 in the server's error shape and the
-connection is closed.
+holds its connection, and the server's memory for it, for ever (issue 48). Each server's own
+read deadline on the body (``serve``'s ``--read-timeout-s`` in ``engine/server._body``; the
+agent front's ``READ_TIMEOUT_S``) starts once the headers have arrived, in the route. This
+protocol adds the missing half: from the moment a connection opens, or the previous answer on
+it was sent, its next request's headers must be complete within the same time; past it the
+client gets a 408 in that server's error shape and the connection is closed.
 
 The 408 is written as raw bytes: h11 lets a server answer only a request it has parsed, and
 the connection is closed right after, so h11's state is never consulted again.
@@ -17,24 +18,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Optional
+from typing import Callable, Optional
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-def timeout_response(timeout_s: float) -> bytes:
-    """The whole HTTP/1.1 408 a stalled sender gets (then the connection is closed)."""
-    body = json.dumps({"object": "error", "message": f"the request headers were not received within {timeout_s:g} s "
-                       "(--read-timeout-s)", "code": 408}).encode()
+def timeout_response(timeout_s: float, setting: str, error_body: Callable[[str, int], dict]) -> bytes:
+    """The whole HTTP/1.1 408 a stalled sender gets (then the connection is closed): the body is
+    ``error_body(message, 408)``, the message naming ``setting`` (what sets ``timeout_s``)."""
+    message = f"the request headers were not received within {timeout_s:g} s ({setting})"
+    body = json.dumps(error_body(message, 408)).encode()
     head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             "connection: close\r\n\r\n").encode()
     return head + body
 
 
-def header_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol class with the header deadline ``timeout_s`` (module docstring);
-    pass it as ``uvicorn.run(..., http=...)``."""
+def header_deadline_protocol(timeout_s: float, setting: str,
+                             error_body: Callable[[str, int], dict]) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class with the header deadline ``timeout_s`` (module docstring),
+    answering a stalled sender as ``timeout_response`` says; pass it as ``uvicorn.Config(...,
+    http=...)``."""
 
     class HeaderDeadlineProtocol(H11Protocol):
         _deadline: Optional[asyncio.TimerHandle] = None
@@ -51,7 +55,7 @@ def header_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
         def _expired(self) -> None:
             self._deadline = None
             if not self.transport.is_closing():
-                self.transport.write(timeout_response(timeout_s))
+                self.transport.write(timeout_response(timeout_s, setting, error_body))
                 self.transport.close()
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
