@@ -17,6 +17,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -60,8 +61,10 @@ def _failing(mode, rank):
     """A full disk on one rank, in one phase of the save: ``rng_rank1`` (each rank's RNG file:
     a phase of the trainer's own), ``common_rank0`` (megatron-core's common.pt, written by rank
     0 alone while rank 1 goes on into the save's collectives), ``shard_rank1`` (rank 1's shard
-    writer, which megatron-core reports to every rank); or ``manager_killed_rank1``: the process
-    that collects rank 1's write results (megatron-core's manager, forked) killed with -9."""
+    writer, which megatron-core reports to every rank); ``manager_killed_rank1``: the process
+    that collects rank 1's write results (megatron-core's manager, forked) killed with -9;
+    ``writer_killed_rank1``: a shard writer process rank 1 forks killed with -9 as it starts
+    writing (megatron-core waits for its writers in ``JoinableQueue.join()``: for ever)."""
     import torch
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -77,9 +80,15 @@ def _failing(mode, rank):
     def write_item(*args, **kwargs):
         raise _enospc("__1_0.distcp")
 
+    def killed_writer(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
     torch.save = save
     if mode == "shard_rank1" and rank == 1:
         filesystem_async._write_item = write_item
+    saved_writer = filesystem_async.FileSystemWriterAsync.write_preloaded_data
+    if mode == "writer_killed_rank1" and rank == 1:  # the forked writer's target, looked up as it starts
+        filesystem_async.FileSystemWriterAsync.write_preloaded_data = staticmethod(killed_writer)
     if mode == "manager_killed_rank1" and rank == 1:  # the process rank 1's writer reports through
         manager = filesystem_async._results_queue._manager
         manager._process.kill()
@@ -88,6 +97,7 @@ def _failing(mode, rank):
         yield
     finally:
         torch.save, filesystem_async._write_item = saved_save, saved_write
+        filesystem_async.FileSystemWriterAsync.write_preloaded_data = staticmethod(saved_writer)
 
 
 def _save_steps(rank, world, hf_dir, run_dir, steps, fail=None):
@@ -274,7 +284,8 @@ def test_ranks_resume_the_older_checkpoint_and_load_it(saved, tiny_hf, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fail", ["rng_rank1", "common_rank0", "shard_rank1", "manager_killed_rank1"])
+@pytest.mark.parametrize("fail", ["rng_rank1", "common_rank0", "shard_rank1", "manager_killed_rank1",
+                                  "writer_killed_rank1"])
 def test_a_failed_save_ends_every_rank_in_one_line(tiny_hf, tmp_path, fail):
     run_dir = tmp_path / "run"
     # a failure inside megatron-core's save destroys the process group of the ranks it ends
@@ -286,7 +297,8 @@ def test_a_failed_save_ends_every_rank_in_one_line(tiny_hf, tmp_path, fail):
     assert len(errors) == 1, errors  # the same line on both ranks
     (line,) = errors
     assert line.startswith(f"could not save checkpoint step 4 to {run_dir / 'checkpoints'}: rank "), line
-    reason = "[Errno 32] Broken pipe" if fail == "manager_killed_rank1" else "No space left on device"
+    reason = {"manager_killed_rank1": "[Errno 32] Broken pipe",
+              "writer_killed_rank1": "a checkpoint writer process (pid "}.get(fail, "No space left on device")
     assert reason in line and "\n" not in line and len(line) < 500, line
     assert line.endswith("; the last complete checkpoint step_000002 is intact"), line
     assert max(r["seconds"] for r in results) < SAVE_S, results

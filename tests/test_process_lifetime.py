@@ -423,3 +423,63 @@ def test_the_subreaper_reaps_its_exited_orphans_and_ends_the_others_but_its_own_
     out = subprocess.run([sys.executable, "-c", SUBREAPER_SCRIPT], capture_output=True, text=True, timeout=60,
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+FORK_DIED_SCRIPT = """
+import multiprocessing as mp, os, signal, sys, time
+from megatron_grpo.runtime.process import ForkDied, fail_when_a_fork_dies
+
+ctx = mp.get_context("fork")
+
+
+def killed(q):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exits_3(q):
+    os._exit(3)
+
+
+def works(q):
+    q.task_done()
+
+
+for target, how in ((killed, "killed by SIGKILL"), (exits_3, "exited with status 3")):
+    q = ctx.JoinableQueue()
+    q.put(1)
+    started = time.monotonic()
+    try:
+        with fail_when_a_fork_dies("a writer"):
+            ctx.Process(target=target, args=(q,)).start()
+            q.join()  # megatron-core's wait for its writers: no deadline
+        sys.exit("no ForkDied for " + how)
+    except ForkDied as e:
+        assert str(e).startswith("a writer process (pid ") and str(e).endswith(how + " before it finished"), e
+    assert time.monotonic() - started < 10, time.monotonic() - started
+
+early = ctx.Process(target=killed, args=(None,))
+early.start()  # before the block: not one of its children
+q = ctx.JoinableQueue()
+q.put(1)
+with fail_when_a_fork_dies("a writer"):
+    p = ctx.Process(target=works, args=(q,))
+    p.start()
+    q.join()
+    early.join()
+    time.sleep(1.0)  # the watch looked at both
+p.join()
+assert p.exitcode == 0 and early.exitcode == -9  # their owner still gets their status
+assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the handler is put back
+print("ok")
+"""
+
+
+def test_a_fork_that_dies_in_the_block_interrupts_the_main_threads_wait():
+    """``runtime.process.fail_when_a_fork_dies``, around megatron-core's checkpoint save (whose
+    forked shard writers it waits for in ``JoinableQueue.join()``, no deadline): a child started
+    in the block killed with -9, or exiting non-zero, raises ``ForkDied`` in the main thread
+    within a second; a child that finishes, or one started before the block, raises nothing, and
+    its status is still its owner's. In a subprocess: the block installs a signal handler."""
+    out = subprocess.run([sys.executable, "-c", FORK_DIED_SCRIPT], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

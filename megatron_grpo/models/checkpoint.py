@@ -14,7 +14,7 @@ passes a superset (model + optimizer) as ``sharded_state_dict``. Writes go to a 
 directory renamed at the end, so an interrupted save leaves no half checkpoint.
 
 A save is collective, and a failure on one rank (a read-only directory, a full disk, a killed
-writer) must not leave the others waiting at a barrier: ``AgreedSave`` runs each phase so that
+writer, a shard writer process killed) must not leave the others waiting at a barrier: ``AgreedSave`` runs each phase so that
 every rank ends with the same ``CheckpointError`` line within seconds.
 """
 
@@ -37,7 +37,7 @@ from megatron_grpo.models.hf_config import load_hf_config, sidecar_files
 from megatron_grpo.models.lora import load_lora_state, lora_metadata, lora_sharded_state_dict
 from megatron_grpo.runtime import parallel
 from megatron_grpo.runtime.parallel import peer_failure
-from megatron_grpo.runtime.process import forks_die_with_this_process
+from megatron_grpo.runtime.process import fail_when_a_fork_dies, forks_die_with_this_process
 
 HF_SUBDIR = "hf"
 META_FILE = "megatron_grpo.json"
@@ -236,7 +236,9 @@ def save_megatron_checkpoint(model_chunks: list, ckpt_dir: str | Path, extra_sta
         state = {**state, "extra_state": extra_state}  # a common (non-sharded) entry
 
     def write() -> None:
-        with forks_die_with_this_process():  # megatron's forked writers must not outlive a killed rank
+        # megatron's forked writers must not outlive a killed rank, and one killed must not
+        # leave the rank waiting for it for ever (it waits in JoinableQueue.join())
+        with forks_die_with_this_process(), fail_when_a_fork_dies("a checkpoint writer"):
             dist_checkpointing.save(state, str(tmp))
 
     agreed.collective(write)

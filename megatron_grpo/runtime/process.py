@@ -156,6 +156,79 @@ def forks_die_with_this_process():
         _forks_die -= 1
 
 
+class ForkDied(RuntimeError):
+    """A child forked inside ``fail_when_a_fork_dies`` died without finishing its work."""
+
+
+FORK_WATCH_S = 0.2
+"""How often ``fail_when_a_fork_dies`` looks at the children started in its block."""
+FORK_DIED_SIGNAL = signal.SIGUSR2
+"""The signal that wakes the main thread where it waits (``SIGUSR1`` dumps the stacks)."""
+
+
+def _death_of(pid: int) -> str | None:
+    """How child ``pid`` ended, when it has ended with a signal or a non-zero status ("killed
+    by SIGKILL", "exited with status 3"); None while it runs or when it exited 0. Looks without
+    reaping (``WNOWAIT``): whoever started it still gets its status."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already: its owner saw its status
+        return None
+    if info is None:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return None if info.si_status == 0 else f"exited with status {info.si_status}"
+    return f"killed by {signal.Signals(info.si_status).name}"
+
+
+@contextlib.contextmanager
+def fail_when_a_fork_dies(what: str):
+    """Within this block, a ``multiprocessing`` child started in it that dies with a signal or
+    a non-zero status raises ``ForkDied`` in the main thread, wherever that thread waits.
+
+    megatron-core's checkpoint save forks shard writers from the rank and waits for them in
+    ``JoinableQueue.join()`` with no deadline: a writer killed with -9 (the OOM killer, a
+    user) never marks its task done, and the rank would wait for ever, its peers until the
+    group's timeout (issue 48). A thread watches the children multiprocessing started since
+    the block began (not the rank's other processes) and, when one has died, signals the
+    main thread (``FORK_DIED_SIGNAL``), whose handler raises; a blocked queue or lock wait
+    is interrupted by it. Off the main thread, where no handler can be installed, the block
+    watches nothing. ``what`` names the children in the message ("a checkpoint writer")."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    import multiprocessing.process as mp_process
+
+    before = {id(c) for c in mp_process.active_children()}
+    died: list[str] = []
+    stop = threading.Event()
+
+    def handler(signum, frame):
+        if died:
+            raise ForkDied(died[0])
+
+    def watch() -> None:
+        while not stop.wait(FORK_WATCH_S):
+            for child in list(mp_process._children):  # noqa: SLF001 - the live set, without reaping
+                if id(child) in before or child.pid is None:
+                    continue
+                how = _death_of(child.pid)
+                if how is not None:
+                    died.append(f"{what} process (pid {child.pid}) {how} before it finished")
+                    signal.pthread_kill(threading.main_thread().ident, FORK_DIED_SIGNAL)
+                    return
+
+    previous = signal.signal(FORK_DIED_SIGNAL, handler)
+    watcher = threading.Thread(target=watch, daemon=True, name="fork-watch")
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()  # before the handler goes: no signal arrives after it
+        signal.signal(FORK_DIED_SIGNAL, previous)
+
+
 def alive(process) -> bool:
     """``process`` (a ``psutil.Process``) still runs: not gone, not another process on its
     reused pid, and not a zombie (exited, its parent not having reaped it yet)."""
