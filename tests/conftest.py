@@ -26,6 +26,7 @@ from tests.support.configs import experiment  # noqa: E402
 from megatron_grpo.models.tiny import save_tiny_model  # noqa: E402
 from tests.support.demo_run import make_demo, make_tool_demo  # noqa: E402  (needs ROOT on sys.path, set just above)
 from tests.support.sglang_shared import SGLangServers  # noqa: E402
+from tests.support.tiers import EXTENDED  # noqa: E402
 from tools.fetch_smollm2 import default_cache_dir, fetch_smollm2  # noqa: E402
 
 
@@ -171,11 +172,61 @@ def pytest_itemcollected(item):
         item.add_marker(pytest.mark.xdist_group(work_group(item)))
 
 
+# ---- the test tiers (tests/support/tiers.py): what CI leaves out --------------------------------
+
+def run_extended() -> bool:
+    """``MEGATRON_GRPO_TEST_EXTENDED=1``: run the extended tier too. (An environment variable,
+    not a pytest option: tests/conftest.py is not a root conftest, and pytest registers the
+    options of those only when it loads them first.)"""
+    return os.environ.get("MEGATRON_GRPO_TEST_EXTENDED", "") not in ("", "0")
+
+
+def extended_key(nodeid: str) -> str | None:
+    """The ``EXTENDED`` key that puts this test in the extended tier: its node id, or its id
+    without the parameters; None for a CI test."""
+    if nodeid in EXTENDED:
+        return nodeid
+    base = nodeid.split("[", 1)[0]
+    return base if base in EXTENDED else None
+
+
+def split_tiers(config, items) -> None:
+    """Mark the extended tier's tests ``extended`` and, without ``run_extended()``, deselect them
+    (a test named on the command line as ``FILE::NAME`` still runs). Collecting the whole
+    suite, refuse a key that names no test: a renamed test would otherwise move back to CI
+    unnoticed, or a new one with the old name would leave it."""
+    named = [a for a in config.args if "::" in a]
+    keep, dropped, matched = [], [], set()
+    for item in items:
+        key = extended_key(item.nodeid)
+        if key is None:
+            keep.append(item)
+            continue
+        matched.add(key)
+        item.add_marker(pytest.mark.extended)
+        if run_extended() or any(item.nodeid.startswith(a) for a in named):
+            keep.append(item)
+        else:
+            dropped.append(item)
+    whole = [os.path.normpath(os.path.join(str(config.invocation_params.dir), a)) for a in config.args]
+    if whole == [os.path.join(ROOT, "tests")] and not config.getoption("keyword"):
+        stale = sorted(set(EXTENDED) - matched)
+        if stale:
+            raise pytest.UsageError(f"tests/support/tiers.py: {len(stale)} EXTENDED key(s) name no test: "
+                                    f"{', '.join(stale[:3])}")
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k/-m, so that a tier is decided on every collected test
 def pytest_collection_modifyitems(config, items):
-    """With ``-n N --dist loadgroup`` (launch/run_tests.sh): order the groups heaviest first
-    (slow tests weigh SLOW_WEIGHT), so that the long groups start at once and the short ones
-    fill in at the end (xdist's own reordering by test count is off: ``--no-loadscope-reorder``).
-    Without xdist nothing changes."""
+    """The tiers first (``split_tiers``). Then, with ``-n N --dist loadgroup``
+    (launch/run_tests.sh): order the groups heaviest first (slow tests weigh SLOW_WEIGHT), so
+    that the long groups start at once and the short ones fill in at the end (xdist's own
+    reordering by test count is off: ``--no-loadscope-reorder``). Without xdist nothing else
+    changes."""
+    split_tiers(config, items)
     if not hasattr(config, "workerinput"):  # not an xdist worker: the usual order
         return
     groups: dict[str, list] = {}
