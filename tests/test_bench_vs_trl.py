@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron_grpo.config import load_config
+from megatron_grpo.data import PromptDataset, PromptSampler
 from tests.support.demo_run import ENV, ROOT
 
 _SPEC = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "tools" / "bench_vs_trl.py")
@@ -153,6 +154,23 @@ def test_smollm2_config_maps_to_trl_with_its_hyper_parameters():
     assert (args["epsilon"], args["epsilon_high"], args["loss_type"], args["scale_rewards"]) == (0.2, 0.28, "dapo", "group")
     assert (args["beta"], args["entropy_coef"], args["num_iterations"], args["max_grad_norm"]) == (0.0, 0.0, 1, 1.0)
     assert (args["seed"], args["use_cpu"], args["bf16"], args["gradient_checkpointing"]) == (3, True, False, False)
+
+
+def test_trl_takes_the_prompts_in_our_samplers_order(tmp_path):
+    """--workload smollm2: TRL's dataset is written in the order our trainer's sampler hands the
+    prompts out (its shuffle off), so TRL's rollout batch k holds our step k's prompts; past an
+    epoch the sampler reshuffles, and so does the order."""
+    cfg = smollm2_cfg()
+    prompts = [f"p{i}" for i in range(10)]  # only their number matters to the order
+    order = bench.our_order(cfg, prompts, batches=5)  # 20 prompts: two epochs of 10
+    sampler = PromptSampler(PromptDataset(prompts, "x"), cfg.rollout.prompts_per_step, cfg.trainer.seed,
+                            cfg.data.shuffle)
+    assert order == [i for _ in range(5) for i in sampler.next_indices()]
+    assert sorted(order[:10]) == sorted(order[10:]) == list(range(10)) and order[:10] != order[10:]
+    assert order[:10] != list(range(10))  # shuffled, by the config's seed
+    assert "--our-prompt-order" in bench.trl_command(tmp_path / "log", workload="smollm2", seed=1, batches=2,
+                                                     data_dir=tmp_path, device="cpu", mbs=None, sets=[],
+                                                     heldout_rows=None)
 
 
 def test_smollm2_both_sides_evaluate_the_same_greedy_set():

@@ -10,7 +10,7 @@ reward function.
     PY tools/bench_trl_worker.py --model DIR --data FILE --batches N --out FILE [--seed S] [--in-order]
         [--stop-after M]
     PY tools/bench_trl_worker.py --config YAML [--set KEY=VALUE ...] --grpo-args JSON --out FILE
-        [--in-order] [--stop-after M] [--evaluate --save-model DIR]
+        [--in-order] [--stop-after M] [--evaluate --save-model DIR] [--our-prompt-order]
 
 The first form is the CPU demo (its hyper-parameters are this script's flags). The second
 trains any config ``bench_vs_trl.trl_grpo_args`` can map (``--workload reasoning``): it loads
@@ -29,6 +29,10 @@ and "correct"). Its training clock then starts at TRL's ``on_train_begin`` and l
 evaluations out, as the trainer's ``train_elapsed_s`` does; each evaluation is a log line
 ``{"eval_step", "set", "accuracy", "num_prompts", "train_s"}``. ``--save-model DIR`` writes the
 trained model (and the tokenizer's files) as a Hugging Face folder for the bench to re-score.
+
+``--our-prompt-order``: TRL's dataset holds the prompts in the trainer's sampler order for the
+config's seed (``data.dataset.epoch_order``, epoch after epoch as far as the run reaches) and
+its shuffle is off, so its rollout batch k holds the prompts of our step k.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer import grpo_trainer as trl_grpo_module  # noqa: E402
 
-from bench_vs_trl import TrainClock, truncated_of  # noqa: E402  (tools/, this script's directory)
+from bench_vs_trl import TrainClock, our_order, truncated_of  # noqa: E402  (tools/, this script's directory)
 from megatron_grpo.config import ExperimentConfig, load_config  # noqa: E402
 from megatron_grpo.config.sections import DataConfig  # noqa: E402
 from megatron_grpo.data import load_prompt_dataset  # noqa: E402
@@ -250,6 +254,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop after this many rollout batches (the lr schedule still spans --batches)")
+    p.add_argument("--our-prompt-order", action="store_true",
+                   help="--config: take the prompts in the trainer's sampler order for the seed (TRL's shuffle off)")
     p.add_argument("--in-order", action="store_true",
                    help="split each rollout batch into optimizer steps in generation order (whole prompt "
                         "groups per step, as megatron-grpo does) instead of TRL's shuffle")
@@ -259,7 +265,14 @@ def parse_args() -> argparse.Namespace:
         p.error("give --config with --grpo-args, or the demo's --model, --data and --batches")
     if args.evaluate and args.config is None:
         p.error("--evaluate: the held-out sets are --config's eval.sets; accepted with --config")
+    if args.our_prompt_order and args.config is None:
+        p.error("--our-prompt-order: the order is --config's sampler's; accepted with --config")
     return args
+
+
+def steps_per_batch(config: GRPOConfig) -> int:
+    """TRL's optimizer steps (its ``global_step``) per rollout batch."""
+    return config.steps_per_generation // config.gradient_accumulation_steps
 
 
 def check_tokenization(tokenizer, prompts: list, model_dir: str) -> None:
@@ -279,7 +292,11 @@ def main() -> None:
     tokenizer = load_tokenizer(setup.model_dir)
     check_tokenization(tokenizer, setup.prompts, setup.model_dir)
     # the reward looks each completion's prompt up by position: its row goes to the reward functions
-    dataset = Dataset.from_list([{"prompt": pr.text, "prompt_index": i} for i, pr in enumerate(setup.prompts)])
+    order = (our_order(setup.cfg, setup.prompts, config.max_steps // steps_per_batch(config))
+             if args.our_prompt_order else range(len(setup.prompts)))
+    if args.our_prompt_order:
+        config.shuffle_dataset = False
+    dataset = Dataset.from_list([{"prompt": setup.prompts[i].text, "prompt_index": i} for i in order])
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -312,13 +329,12 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(setup.model_dir, dtype=setup.dtype)
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
                           processing_class=tokenizer)
-    steps_per_batch = config.steps_per_generation // config.gradient_accumulation_steps  # TRL's global_step
     if args.evaluate:
         evaluate = held_out_evaluator(setup.cfg, tokenizer, setup.scorer, clock, write)
         evaluate(0, trainer.model)  # the starting weights, on the trainer's device
-        trainer.add_callback(HeldOutEval(evaluate, steps_per_batch, clock))
+        trainer.add_callback(HeldOutEval(evaluate, steps_per_batch(config), clock))
     if args.stop_after is not None:
-        trainer.add_callback(StopAfter(args.stop_after * steps_per_batch))
+        trainer.add_callback(StopAfter(args.stop_after * steps_per_batch(config)))
     trainer.train()
     wall_s = clock()
     if args.save_model is not None:  # before "done": the bench reads a run back only when it is complete

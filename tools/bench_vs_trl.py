@@ -69,6 +69,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: this checkout's megatron_grpo, not an installed copy
 
 from megatron_grpo.config import ExperimentConfig, load_config  # noqa: E402
+from megatron_grpo.data import PromptDataset, PromptSampler  # noqa: E402
 
 EXIT_NO_CUDA = 2
 
@@ -114,6 +115,11 @@ class Workload:
     eval_every: int = 0
     """``eval.every_n_steps`` of both sides with ``heldout_file`` (0: start and end only)."""
 
+    our_prompt_order: bool = False
+    """TRL takes the prompts in our sampler's order for the seed (its dataset written in that
+    order, its shuffle off: the worker's ``--our-prompt-order``), so both sides train on the same
+    prompts batch for batch; False: each side shuffles with its own generator."""
+
 
 HELDOUT_SET = "greedy"
 """Name of the held-out set both sides evaluate (temperature 0, one response a prompt)."""
@@ -140,7 +146,7 @@ WORKLOADS = {
                         build=(("tools/fetch_smollm2.py", "--out", "{out}/model"),
                                ("tools/make_reasoning_gym_data.py", *CHAIN_SUM_DATA, "--out", "{out}")),
                         train_file="train.jsonl", target=0.5, window=10, micro_batch_size=None, batches=40, dp=2,
-                        engine="inprocess", heldout_file="heldout.jsonl", eval_every=10),
+                        engine="inprocess", heldout_file="heldout.jsonl", eval_every=10, our_prompt_order=True),
 }
 
 
@@ -163,6 +169,15 @@ class TrainClock:
 
     def __call__(self) -> float:
         return 0.0 if self.started_at is None else time.monotonic() - self.started_at - self.excluded_s
+
+
+def our_order(cfg: ExperimentConfig, prompts: list, batches: int) -> list[int]:
+    """The indices of ``prompts`` in the order the trainer's ``PromptSampler`` hands them out
+    for ``cfg``'s seed over ``batches`` rollout batches (the sampler itself: epoch after epoch,
+    each reshuffled)."""
+    sampler = PromptSampler(PromptDataset(prompts, "order"), cfg.rollout.prompts_per_step, cfg.trainer.seed,
+                            cfg.data.shuffle)
+    return [i for _ in range(batches) for i in sampler.next_indices()]
 
 
 def truncated_of(completion_ids: list[list[int]], max_new_tokens: int, stop_ids: set[int]) -> list[bool]:
@@ -358,6 +373,9 @@ WARM_UP = ("Warm-up: ours trains optimizer step k (from 0) at lr (k+1)/lr_warmup
 ADVANTAGES = "Advantages: the std epsilon is 1e-6 on ours and 1e-4 on TRL's."
 PROMPT_ORDER = ("Prompt order: each side shuffles the prompts with its own generator from the same seed "
                 "number, so the batches hold different prompts.")
+SKIPPED_STEPS = ("Steps without signal: ours skips the optimizer step of a rollout batch whose every group "
+                 "scored alike (algorithm.skip_zero_advantage_steps); TRL takes it with a zero loss, and "
+                 "Adam's momentum still moves the weights.")
 
 
 def config_departures(cfg: ExperimentConfig, device: str) -> list[str]:
@@ -404,7 +422,9 @@ def smollm2_departures(cfg: ExperimentConfig, device: str) -> list[str]:
         MICRO_BATCHES,
         *([] if one_step else [TOKEN_MEAN, MINI_BATCH_ORDER]),
         *([WARM_UP] if cfg.optimizer.lr_warmup_steps else []),
-        ADVANTAGES, PROMPT_ORDER,
+        ADVANTAGES,
+        *([] if WORKLOADS["smollm2"].our_prompt_order else [PROMPT_ORDER]),
+        *([SKIPPED_STEPS] if cfg.algorithm.skip_zero_advantage_steps else []),
         "Held-out evaluation: ours generates the greedy set on its rollout engine; TRL with "
         "transformers' model.generate in its training process (left-padded batches of 32, the "
         "code of tools/score_with_transformers.py). Both final models are re-scored by that tool, "
@@ -468,8 +488,9 @@ def trl_command(log: Path, *, workload: str, seed: int, batches: int, data_dir: 
     args_file = log.parent / "grpo_args.json"
     args_file.write_text(json.dumps(trl_grpo_args(cfg, batches=batches, device=device), indent=1) + "\n")
     evaluate = ["--evaluate", "--save-model", str(log.parent / "hf")] if WORKLOADS[workload].heldout_file else []
+    order = ["--our-prompt-order"] if WORKLOADS[workload].our_prompt_order else []
     return ["--config", str(ROOT / WORKLOADS[workload].config), *(f"--set={o}" for o in shared),
-            "--grpo-args", str(args_file), "--out", str(log), *evaluate]
+            "--grpo-args", str(args_file), "--out", str(log), *evaluate, *order]
 
 
 def run_trl(python: str, threads: int, seed: int, batches: int, data_dir: Path, out: Path,
