@@ -196,6 +196,7 @@ def split_tiers(config, items) -> None:
     suite, refuse a key that names no test: a renamed test would otherwise move back to CI
     unnoticed, or a new one with the old name would leave it."""
     named = [a for a in config.args if "::" in a]
+    run_all = run_extended()
     keep, dropped, matched = [], [], set()
     for item in items:
         key = extended_key(item.nodeid)
@@ -204,7 +205,7 @@ def split_tiers(config, items) -> None:
             continue
         matched.add(key)
         item.add_marker(pytest.mark.extended)
-        if run_extended() or any(item.nodeid.startswith(a) for a in named):
+        if run_all or any(item.nodeid.startswith(a) for a in named):
             keep.append(item)
         else:
             dropped.append(item)

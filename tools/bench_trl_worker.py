@@ -31,8 +31,9 @@ evaluations out, as the trainer's ``train_elapsed_s`` does; each evaluation is a
 trained model (and the tokenizer's files) as a Hugging Face folder for the bench to re-score.
 
 ``--our-prompt-order``: TRL's dataset holds the prompts in the trainer's sampler order for the
-config's seed (``data.dataset.epoch_order``, epoch after epoch as far as the run reaches) and
-its shuffle is off, so its rollout batch k holds the prompts of our step k.
+config's seed (``bench_vs_trl.our_order``: the trainer's ``PromptSampler`` itself, epoch after
+epoch as far as the run reaches) and its shuffle is off, so its rollout batch k holds the
+prompts of our step k.
 """
 
 from __future__ import annotations
@@ -292,9 +293,9 @@ def main() -> None:
     tokenizer = load_tokenizer(setup.model_dir)
     check_tokenization(tokenizer, setup.prompts, setup.model_dir)
     # the reward looks each completion's prompt up by position: its row goes to the reward functions
-    order = (our_order(setup.cfg, setup.prompts, config.max_steps // steps_per_batch(config))
-             if args.our_prompt_order else range(len(setup.prompts)))
-    if args.our_prompt_order:
+    order = range(len(setup.prompts))
+    if args.our_prompt_order:  # TRL's batch k is then our step k's prompts, as its sampler keeps the order
+        order = our_order(setup.cfg, setup.prompts, config.max_steps // steps_per_batch(config))
         config.shuffle_dataset = False
     dataset = Dataset.from_list([{"prompt": setup.prompts[i].text, "prompt_index": i} for i in order])
 

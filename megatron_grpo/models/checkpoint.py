@@ -14,8 +14,9 @@ passes a superset (model + optimizer) as ``sharded_state_dict``. Writes go to a 
 directory renamed at the end, so an interrupted save leaves no half checkpoint.
 
 A save is collective, and a failure on one rank (a read-only directory, a full disk, a killed
-writer, a shard writer process killed) must not leave the others waiting at a barrier: ``AgreedSave`` runs each phase so that
-every rank ends with the same ``CheckpointError`` line within seconds.
+writer, a shard writer process killed) must not leave the others waiting at a barrier:
+``AgreedSave`` runs each phase so that every rank ends with the same ``CheckpointError`` line
+within seconds.
 """
 
 from __future__ import annotations

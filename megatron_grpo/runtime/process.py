@@ -199,7 +199,7 @@ def fail_when_a_fork_dies(what: str):
         return
     import multiprocessing.process as mp_process
 
-    before = {id(c) for c in mp_process.active_children()}
+    before = set(mp_process.active_children())  # the objects, held: an id could be reused
     died: list[str] = []
     stop = threading.Event()
 
@@ -210,7 +210,7 @@ def fail_when_a_fork_dies(what: str):
     def watch() -> None:
         while not stop.wait(FORK_WATCH_S):
             for child in list(mp_process._children):  # noqa: SLF001 - the live set, without reaping
-                if id(child) in before or child.pid is None:
+                if child in before:
                     continue
                 how = _death_of(child.pid)
                 if how is not None:
