@@ -16,6 +16,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -36,6 +37,8 @@ SAVE_S = 60.0
 """A failed save (the whole save of step 4, writing included) must end every rank within this
 (seconds): 0.5-3 s measured, 12 s once at a load average of 48 on the 2 cores. A rank left in a
 collective would wait for the group's timeout (600 s) and run into run_distributed's deadline."""
+HUNG_SAVE_TIMEOUT_S = 5.0
+"""checkpoint.save_timeout_s in the hung-writer case: short, so that the test is."""
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,8 @@ def _failing(mode, rank):
     writer, which megatron-core reports to every rank); ``manager_killed_rank1``: the process
     that collects rank 1's write results (megatron-core's manager, forked) killed with -9;
     ``writer_killed_rank1``: a shard writer process rank 1 forks killed with -9 as it starts
-    writing (megatron-core waits for its writers in ``JoinableQueue.join()``: for ever)."""
+    writing (megatron-core waits for its writers in ``JoinableQueue.join()``: for ever);
+    ``writer_hangs_rank1``: one that never finishes (``checkpoint.save_timeout_s``)."""
     import torch
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -83,12 +87,17 @@ def _failing(mode, rank):
     def killed_writer(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def hung_writer(*args, **kwargs):
+        time.sleep(3600)  # a stalled filesystem: alive, never done
+
     torch.save = save
     if mode == "shard_rank1" and rank == 1:
         filesystem_async._write_item = write_item
     saved_writer = filesystem_async.FileSystemWriterAsync.write_preloaded_data
     if mode == "writer_killed_rank1" and rank == 1:  # the forked writer's target, looked up as it starts
         filesystem_async.FileSystemWriterAsync.write_preloaded_data = staticmethod(killed_writer)
+    if mode == "writer_hangs_rank1" and rank == 1:
+        filesystem_async.FileSystemWriterAsync.write_preloaded_data = staticmethod(hung_writer)
     if mode == "manager_killed_rank1" and rank == 1:  # the process rank 1's writer reports through
         manager = filesystem_async._results_queue._manager
         manager._process.kill()
@@ -115,7 +124,8 @@ def _save_steps(rank, world, hf_dir, run_dir, steps, fail=None):
     with _failing(fail, rank):
         try:
             save_training_checkpoint(run_dir, steps[-1], policy.modules, policy.optimizer,
-                                     {"step": steps[-1], "sampler": SAMPLER}, keep_last=3)
+                                     {"step": steps[-1], "sampler": SAMPLER}, keep_last=3,
+                                     timeout_s=HUNG_SAVE_TIMEOUT_S if fail == "writer_hangs_rank1" else None)
         except CheckpointError as e:
             return {"error": str(e), "seconds": time.monotonic() - started}
     return {"error": None}
@@ -285,7 +295,7 @@ def test_ranks_resume_the_older_checkpoint_and_load_it(saved, tiny_hf, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fail", ["rng_rank1", "common_rank0", "shard_rank1", "manager_killed_rank1",
-                                  "writer_killed_rank1"])
+                                  "writer_killed_rank1", "writer_hangs_rank1"])
 def test_a_failed_save_ends_every_rank_in_one_line(tiny_hf, tmp_path, fail):
     run_dir = tmp_path / "run"
     # a failure inside megatron-core's save destroys the process group of the ranks it ends
@@ -298,9 +308,14 @@ def test_a_failed_save_ends_every_rank_in_one_line(tiny_hf, tmp_path, fail):
     (line,) = errors
     assert line.startswith(f"could not save checkpoint step 4 to {run_dir / 'checkpoints'}: rank "), line
     reason = {"manager_killed_rank1": "[Errno 32] Broken pipe",
-              "writer_killed_rank1": "a checkpoint writer process (pid "}.get(fail, "No space left on device")
+              "writer_killed_rank1": "a checkpoint writer process (pid ",
+              "writer_hangs_rank1": f"rank 1: DeadlinePassed: not finished within checkpoint.save_timeout_s "
+                                    f"({HUNG_SAVE_TIMEOUT_S:g} s); ",  # then how many writers were killed
+              }.get(fail, "No space left on device")
     assert reason in line and "\n" not in line and len(line) < 500, line
     assert line.endswith("; the last complete checkpoint step_000002 is intact"), line
+    if fail == "writer_hangs_rank1":  # killed, not left writing into the removed directory
+        assert re.search(r"; \d+ checkpoint writer process(es)? still running killed;", line), line
     assert max(r["seconds"] for r in results) < SAVE_S, results
     # the previous checkpoint and latest as they were; nothing half-written left
     assert [s for s, _ in complete_checkpoints(run_dir)] == [2]

@@ -59,6 +59,8 @@ MALFORMED = [
     ("optimizer.lr_decay_style", "step", "optimizer.lr_decay_style", "expected one of"),
     ("data.train_file", "data.csv", "data.train_file", ".jsonl or .parquet"),
     ("checkpoint.keep_last", 0, "checkpoint.keep_last", ">= 1"),
+    ("checkpoint.save_timeout_s", 0, "checkpoint.save_timeout_s", "> 0 or null"),
+    ("checkpoint.save_timeout_s", 600, "checkpoint.save_timeout_s", "must be below parallel.distributed_timeout_s = 600"),
     ("trainer.num_steps", "ten", "trainer.num_steps", "expected an integer"),
     ("model.dtype", "fp8", "model.dtype", "expected one of"),
     ("model.dtype", "float16", "model.dtype", "use bfloat16"),
@@ -97,6 +99,14 @@ def test_attention_and_packing_combinations_are_refused(tmp_path, overrides, key
     with pytest.raises(ConfigError) as info:
         load_experiment(path)
     assert str(info.value).startswith(f"{path}: {key}: ") and fragment in str(info.value), str(info.value)
+
+
+def test_the_save_deadline_defaults_below_the_groups_timeout(tmp_path):
+    """checkpoint.save_timeout_s null: 0.9 x parallel.distributed_timeout_s (a rank whose save
+    hangs fails in its own line before its peers' collectives time out); explicit: as set."""
+    assert load_experiment(write(tmp_path, BASE)).save_timeout_s == 540.0
+    raw = apply_overrides(BASE, ["parallel.distributed_timeout_s=100", "checkpoint.save_timeout_s=30"])
+    assert load_experiment(write(tmp_path, raw)).save_timeout_s == 30.0
 
 
 def test_packing_config_loads(tmp_path):

@@ -427,7 +427,7 @@ def test_the_subreaper_reaps_its_exited_orphans_and_ends_the_others_but_its_own_
 
 FORK_DIED_SCRIPT = """
 import multiprocessing as mp, os, signal, sys, time
-from megatron_grpo.runtime.process import ForkDied, fail_when_a_fork_dies
+from megatron_grpo.runtime.process import DeadlinePassed, ForkDied, fail_when_a_fork_dies
 
 ctx = mp.get_context("fork")
 
@@ -470,6 +470,40 @@ with fail_when_a_fork_dies("a writer"):
 p.join()
 assert p.exitcode == 0 and early.exitcode == -9  # their owner still gets their status
 assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # the handler is put back
+
+
+def hangs(q):
+    time.sleep(3600)  # a writer on a stalled filesystem: alive, never done
+
+
+q = ctx.JoinableQueue()
+q.put(1)
+started = time.monotonic()
+try:
+    with fail_when_a_fork_dies("a writer", 1.0, "x.timeout_s"):
+        hung = ctx.Process(target=hangs, args=(q,))
+        hung.start()
+        q.join()
+    sys.exit("no DeadlinePassed for a hung child")
+except DeadlinePassed as e:
+    assert str(e) == "not finished within x.timeout_s (1 s); 1 writer process still running killed", e
+assert 0.9 < time.monotonic() - started < 5, time.monotonic() - started
+hung.join(10)
+assert hung.exitcode == -9, hung.exitcode  # killed, not left writing
+
+started = time.monotonic()
+try:
+    with fail_when_a_fork_dies("a writer", 0.5, "x.timeout_s"):
+        time.sleep(60)  # the main thread itself stuck, nothing forked
+    sys.exit("no DeadlinePassed for the main thread")
+except DeadlinePassed as e:
+    assert str(e) == "not finished within x.timeout_s (0.5 s)", e
+assert time.monotonic() - started < 5, time.monotonic() - started
+
+with fail_when_a_fork_dies("a writer", 0.5, "x.timeout_s"):
+    pass  # a block that ends in time raises nothing later
+time.sleep(1.0)
+assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
 print("ok")
 """
 
@@ -479,7 +513,9 @@ def test_a_fork_that_dies_in_the_block_interrupts_the_main_threads_wait():
     forked shard writers it waits for in ``JoinableQueue.join()``, no deadline): a child started
     in the block killed with -9, or exiting non-zero, raises ``ForkDied`` in the main thread
     within a second; a child that finishes, or one started before the block, raises nothing, and
-    its status is still its owner's. In a subprocess: the block installs a signal handler."""
+    its status is still its owner's. With a deadline: a child that hangs is killed and
+    ``DeadlinePassed`` raised at the deadline, as for a main thread stuck with no child; a block
+    that ends in time raises nothing after. In a subprocess: the block installs a signal handler."""
     out = subprocess.run([sys.executable, "-c", FORK_DIED_SCRIPT], capture_output=True, text=True, timeout=60,
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

@@ -98,6 +98,11 @@ class ExperimentConfig:
                 f"rollout.max_new_tokens = {self.rollout.max_new_tokens}",
             )
 
+        check(self.checkpoint.save_timeout_s is None
+              or self.checkpoint.save_timeout_s < self.parallel.distributed_timeout_s, "checkpoint.save_timeout_s",
+              f"{self.checkpoint.save_timeout_s:g} must be below parallel.distributed_timeout_s = "
+              f"{self.parallel.distributed_timeout_s:g} (past it the other ranks fail first, waiting for this "
+              "one in a collective)" if self.checkpoint.save_timeout_s is not None else "")
         check(not (self.parallel.sequence_parallel and self.model.attention_backend != "auto"),
               "model.attention_backend", f"{self.model.attention_backend} uses megatron-core's local layer spec, "
               "which cannot run parallel.sequence_parallel; use auto (TransformerEngine's spec) or turn it off")
@@ -133,6 +138,12 @@ class ExperimentConfig:
             "eval.correct_function",
             f"{self.eval.correct_function!r} is not a reward function label; labels: {', '.join(labels)}{hint}",
         )
+
+    @property
+    def save_timeout_s(self) -> float:
+        """``checkpoint.save_timeout_s``, its null resolved (0.9 x the group's timeout)."""
+        explicit = self.checkpoint.save_timeout_s
+        return explicit if explicit is not None else 0.9 * self.parallel.distributed_timeout_s
 
     def _check_rollout_against_episodes(self) -> None:
         """The rules between `rollout:` and `episodes:` (the engine kind's are the pre-flight's,

@@ -253,7 +253,18 @@ class CheckpointConfig:
     and save before they are killed (torchrun's shutdown timeout). Keep it below the
     scheduler's own grace period (Slurm's GraceTime / KillWait)."""
 
+    save_timeout_s: Optional[float] = None
+    """Seconds megatron-core's part of one save may take on a rank (its writer processes that
+    hang or stall, a wait that never ends) before every rank stops with one line, the
+    writers killed and the last complete checkpoint intact. null: 0.9 x
+    parallel.distributed_timeout_s (the ranks that finished wait that long for a slow one in a
+    collective and would fail first); an explicit value must be below it. A write stuck in
+    the kernel (a dead network filesystem) may not be interruptible: the group's timeout then
+    ends the run."""
+
     def __post_init__(self):
+        check(self.save_timeout_s is None or self.save_timeout_s > 0, "save_timeout_s",
+              f"must be > 0 or null, got {self.save_timeout_s}")
         check(self.save_every >= 0, "save_every", f"must be >= 0, got {self.save_every}")
         check(self.stop_timeout_s > 0, "stop_timeout_s", f"must be > 0, got {self.stop_timeout_s}")
         check(self.keep_last >= 1, "keep_last", f"must be >= 1, got {self.keep_last}")

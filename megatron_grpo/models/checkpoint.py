@@ -205,7 +205,8 @@ def model_sharded_state_dict(model_chunks: list) -> dict:
 
 def save_megatron_checkpoint(model_chunks: list, ckpt_dir: str | Path, extra_state=None, *,
                              hf_dir: str | Path | None = None, sharded_state_dict=None,
-                             agreed: Optional[AgreedSave] = None) -> Path:
+                             agreed: Optional[AgreedSave] = None, timeout_s: Optional[float] = None,
+                             timeout_name: str = "checkpoint.save_timeout_s") -> Path:
     """Save the chunks (collective over all ranks) to ``ckpt_dir``, replacing it if it exists.
 
     ``extra_state``: plain data (dicts, lists, numbers, strings, tensors), identical on every
@@ -213,7 +214,9 @@ def save_megatron_checkpoint(model_chunks: list, ckpt_dir: str | Path, extra_sta
     config.json and the tokenizer files are copied from; default: the directory the chunks'
     ``hf_config`` was read from (``build_model`` records it). ``agreed``: the save's phases
     (``AgreedSave``; the trainer passes its own, whose line names the training step); a
-    failure on any rank raises the same ``CheckpointError`` on every rank.
+    failure on any rank raises the same ``CheckpointError`` on every rank. ``timeout_s``: the
+    longest megatron-core's save may take on this rank (its writers killed and the save failed
+    as above past it; ``timeout_name`` is the setting the line names); None: no deadline.
     """
     from megatron.core import dist_checkpointing, parallel_state
 
@@ -237,9 +240,9 @@ def save_megatron_checkpoint(model_chunks: list, ckpt_dir: str | Path, extra_sta
         state = {**state, "extra_state": extra_state}  # a common (non-sharded) entry
 
     def write() -> None:
-        # megatron's forked writers must not outlive a killed rank, and one killed must not
-        # leave the rank waiting for it for ever (it waits in JoinableQueue.join())
-        with forks_die_with_this_process(), fail_when_a_fork_dies("a checkpoint writer"):
+        # megatron's forked writers must not outlive a killed rank, and one killed or hung
+        # must not leave the rank waiting for it for ever (it waits in JoinableQueue.join())
+        with forks_die_with_this_process(), fail_when_a_fork_dies("a checkpoint writer", timeout_s, timeout_name):
             dist_checkpointing.save(state, str(tmp))
 
     agreed.collective(write)

@@ -160,6 +160,10 @@ class ForkDied(RuntimeError):
     """A child forked inside ``fail_when_a_fork_dies`` died without finishing its work."""
 
 
+class DeadlinePassed(RuntimeError):
+    """A ``fail_when_a_fork_dies`` block ran past its deadline (its children were killed)."""
+
+
 FORK_WATCH_S = 0.2
 """How often ``fail_when_a_fork_dies`` looks at the children started in its block."""
 FORK_DIED_SIGNAL = signal.SIGUSR2
@@ -182,41 +186,60 @@ def _death_of(pid: int) -> str | None:
 
 
 @contextlib.contextmanager
-def fail_when_a_fork_dies(what: str):
+def fail_when_a_fork_dies(what: str, deadline_s: float | None = None, deadline_name: str = ""):
     """Within this block, a ``multiprocessing`` child started in it that dies with a signal or
-    a non-zero status raises ``ForkDied`` in the main thread, wherever that thread waits.
+    a non-zero status raises ``ForkDied`` in the main thread, wherever that thread waits; with
+    ``deadline_s``, a block still running after that many seconds kills the children started
+    in it and raises ``DeadlinePassed`` (naming ``deadline_name``, the setting).
 
     megatron-core's checkpoint save forks shard writers from the rank and waits for them in
     ``JoinableQueue.join()`` with no deadline: a writer killed with -9 (the OOM killer, a
     user) never marks its task done, and the rank would wait for ever, its peers until the
-    group's timeout (issue 48). A thread watches the children multiprocessing started since
-    the block began (not the rank's other processes) and, when one has died, signals the
-    main thread (``FORK_DIED_SIGNAL``), whose handler raises; a blocked queue or lock wait
-    is interrupted by it. Off the main thread, where no handler can be installed, the block
-    watches nothing. ``what`` names the children in the message ("a checkpoint writer")."""
+    group's timeout (issue 48); a writer that hangs (a stalled filesystem, a lock) holds it
+    the same way without dying. A thread watches the children multiprocessing started since
+    the block began (not the rank's other processes) and, when one has died or the deadline
+    has passed, signals the main thread (``FORK_DIED_SIGNAL``), whose handler raises; a
+    blocked queue or lock wait, a sleep or an interruptible system call is interrupted by
+    it (a call stuck in C code that does not return to Python is not: a write in the
+    kernel's uninterruptible sleep, a collective). Off the main thread, where no handler can
+    be installed, the block watches nothing. ``what`` names the children in the message
+    ("a checkpoint writer")."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     import multiprocessing.process as mp_process
 
     before = set(mp_process.active_children())  # the objects, held: an id could be reused
-    died: list[str] = []
+    failed: list[Exception] = []
     stop = threading.Event()
+    ends = None if deadline_s is None else time.monotonic() + deadline_s
 
     def handler(signum, frame):
-        if died:
-            raise ForkDied(died[0])
+        if failed:
+            raise failed[0]
+
+    def started_here() -> list:
+        return [c for c in list(mp_process._children) if c not in before]  # noqa: SLF001 - the live set, unreaped
 
     def watch() -> None:
         while not stop.wait(FORK_WATCH_S):
-            for child in list(mp_process._children):  # noqa: SLF001 - the live set, without reaping
-                if child in before:
-                    continue
+            for child in started_here():
                 how = _death_of(child.pid)
                 if how is not None:
-                    died.append(f"{what} process (pid {child.pid}) {how} before it finished")
+                    failed.append(ForkDied(f"{what} process (pid {child.pid}) {how} before it finished"))
                     signal.pthread_kill(threading.main_thread().ident, FORK_DIED_SIGNAL)
                     return
+            if ends is not None and time.monotonic() >= ends:
+                children = started_here()
+                for child in children:  # a hung writer must not write on after the save gave up
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child.pid, signal.SIGKILL)
+                n, noun = len(children), what.removeprefix("a ").removeprefix("an ")
+                killed = f"; {n} {noun} process{'' if n == 1 else 'es'} still running killed" if n else ""
+                failed.append(DeadlinePassed(f"not finished within {deadline_name or 'its deadline'} "
+                                             f"({deadline_s:g} s){killed}"))
+                signal.pthread_kill(threading.main_thread().ident, FORK_DIED_SIGNAL)
+                return
 
     previous = signal.signal(FORK_DIED_SIGNAL, handler)
     watcher = threading.Thread(target=watch, daemon=True, name="fork-watch")

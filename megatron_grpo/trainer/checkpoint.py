@@ -333,11 +333,13 @@ def save_failure_line(run_dir: str | Path, step: int, reason: str) -> str:
 
 
 def save_training_checkpoint(
-    run_dir: str | Path, step: int, model_chunks, optimizer, trainer_state: dict[str, Any], keep_last: int
+    run_dir: str | Path, step: int, model_chunks, optimizer, trainer_state: dict[str, Any], keep_last: int,
+    timeout_s: float | None = None,
 ) -> Path:
     """Collective: save a complete checkpoint of ``step`` and rotate old ones. A failure on
     any rank raises the same ``CheckpointError`` on every rank (``AgreedSave``); ``latest`` and
-    the older checkpoints are then as they were."""
+    the older checkpoints are then as they were. ``timeout_s``: megatron-core's part of the
+    save on a rank past which it fails so (``checkpoint.save_timeout_s``; None: none)."""
     rank = dist.get_rank()
     final = step_dir(run_dir, step)
     # RNG states go to a per-rank staging dir first; they are moved in before COMPLETE.
@@ -360,7 +362,7 @@ def save_training_checkpoint(
     agreed.local(lambda: torch.save(rng_state(cuda_available()), staging / f"rank_{rank:05d}.pt"))
     state = training_sharded_state_dict(model_chunks, optimizer)
     save_megatron_checkpoint(model_chunks, tmp_final, extra_state=trainer_state, sharded_state_dict=state,
-                             agreed=agreed)
+                             agreed=agreed, timeout_s=timeout_s)
 
     def finish() -> None:
         if rank != 0:

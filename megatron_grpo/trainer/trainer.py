@@ -338,7 +338,7 @@ class Trainer:
         source = self.rollouts.state() if self.rank == 0 else {"sampler": None, "rollouts": None}
         state = broadcast({"step": step, **source, "nonfinite_streak": self.nonfinite_streak})
         ckpt.save_training_checkpoint(self.cfg.trainer.run_dir, step, self.policy.modules, self.policy.optimizer,
-                                      state, self.cfg.checkpoint.keep_last)
+                                      state, self.cfg.checkpoint.keep_last, timeout_s=self.cfg.save_timeout_s)
 
     def close(self) -> None:
         """Stop everything the run started (the background rollout before the engine)."""
