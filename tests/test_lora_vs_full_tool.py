@@ -31,3 +31,13 @@ def test_table_compares_by_step_and_by_wall_time():
     # LoRA ends at 40 s, when full had reached 0.3 and 0.2; at full's 80 s LoRA has ended at 0.3
     assert "full at lora's mean end time (40 s of training): held-out 0.250 (0.200-0.300)" in text
     assert "lora at full's mean end time (80 s of training): held-out 0.300 (0.300-0.300)" in text
+
+
+def test_the_full_arms_lr_is_the_workloads_config():
+    """The full arm's lr (and the default LoRA arm's 10x) is read from the config the runs use:
+    a hard-coded copy had stayed at 2e-5 after the SmolLM2 config moved to 1e-5."""
+    from megatron_grpo.preflight import load_experiment
+    from tools.lora_vs_full import ROOT, WORKLOADS, config_lr
+
+    for _key, config, _extra in WORKLOADS.values():
+        assert config_lr(config) == load_experiment(ROOT / config).optimizer.lr

@@ -34,11 +34,19 @@ sys.path.insert(0, str(ROOT))
 from tools import demo_seeds, smollm2_seeds  # noqa: E402
 
 WORKLOADS = {
-    # name: (held-out accuracy key, the full arm's lr, extra overrides of both arms)
-    "demo": ("eval/heldout/pass@1", 2e-4, []),
-    "smollm2": ("eval/greedy/pass@1", 2e-5, []),
+    # name: (held-out accuracy key, the config both arms start from, extra overrides of both arms)
+    "demo": ("eval/heldout/pass@1", "yaml_configs/demo_cpu.yaml", []),
+    "smollm2": ("eval/greedy/pass@1", "yaml_configs/smollm2_135m_chain_sum_cpu.yaml", []),
 }
 LORA_DEFAULT = ["model.lora.rank=16", "model.lora.alpha=32"]
+
+
+def config_lr(config: str) -> float:
+    """The learning rate of the workload's config: the full arm's, and a tenth of the default
+    LoRA arm's (read, not copied here, so that a config change cannot leave it behind)."""
+    import yaml
+
+    return float(yaml.safe_load((ROOT / config).read_text())["optimizer"]["lr"])
 
 
 def run_arm(workload: str, seeds: list[int], out: Path, overrides: list[str], demo: Path) -> dict[int, list[dict]]:
@@ -150,7 +158,8 @@ def main(argv=None) -> int:
                    help="section.key=value of the LoRA arm (default: rank 16, alpha 32, 10x the full lr)")
     p.add_argument("--table-only", action="store_true", help="read the finished runs; run nothing")
     args = p.parse_args(argv)
-    heldout_key, full_lr, common = WORKLOADS[args.workload]
+    heldout_key, config, common = WORKLOADS[args.workload]
+    full_lr = config_lr(config)
     common = common + ([f"trainer.num_steps={args.steps}"] if args.steps else [])
     lora = args.lora if args.lora is not None else [*LORA_DEFAULT, f"optimizer.lr={10 * full_lr:g}"]
     arms_overrides = {"full": common + args.full, "lora": common + lora}
