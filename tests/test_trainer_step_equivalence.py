@@ -101,6 +101,29 @@ def test_packed_step_matches_fixed(tiny_hf, reference, world, tp, pp):
             assert r["metrics"]["num_padded_tokens"] == r["metrics"]["num_sequence_tokens"]
 
 
+@pytest.mark.parametrize("tp,pp", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),
+                                   pytest.param(1, 2, marks=pytest.mark.slow)], ids=["tp1", "tp2", "pp2"])
+def test_logits_of_the_scored_positions_only_change_nothing(tiny_hf, tp, pp):
+    """The output layer runs from each micro-batch's first scored position on
+    (``megatron_step.first_scored``: the prompt positions before it are context only): the same
+    loss, entropy, KL, grad norm, updated weights and scored old-policy log-probs as with the
+    logits of every position, on fewer positions. With the entropy bonus and the KL term, whose
+    per-token terms are padded back with zeros; at TP2 (vocab-parallel) and PP2 (the last
+    stage's output layer)."""
+    world = tp * pp
+    full = run_distributed(one_step, world, tiny_hf, None, False, True, False, True, tp=tp, pp=pp, timeout_s=300)
+    cut = run_distributed(one_step, world, tiny_hf, None, False, True, tp=tp, pp=pp, timeout_s=300)
+    mask = step_batch().loss_mask > 0
+    for f, c in zip(full, cut):
+        if f["metrics"] is not None:
+            assert 0 < c["logit_positions"] < f["logit_positions"], (c["logit_positions"], f["logit_positions"])
+        if f["old_lp"] is not None:
+            assert (f["old_lp"][mask] - c["old_lp"][mask]).abs().max() <= 1e-6
+    last = next(r for r in full if r["metrics"] is not None)
+    reference = {**last, "weights": merged_weights(full)}  # every stage's weights
+    _assert_same_step(cut, reference, tiny_hf, ("entropy", "kl_loss", "k3_kl"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", [None, BUDGET], ids=["fixed", "budget"])
 def test_skipping_old_log_prob_pass_is_exact(tiny_hf, reference, budget):

@@ -14,10 +14,22 @@ looks ahead), so callers simply read the first S positions of the logits.
 
 ``packed_logits(model, packed)`` is the same forward step for a packed micro-batch
 (``models.packing``: rows concatenated into one, ``parallel.pack_sequences``).
+
+Logits of the scored positions only. ``causal_logits(model, tokens, first)`` runs the output
+layer (and everything after it: the log-softmax over the vocabulary and its backward) on
+positions ``first..`` alone: the hidden states are sliced on their way into the output layer,
+as megatron-core's own inference does for the last token. A GRPO micro-batch scores only its
+responses; its prompts (a chat template, a system prompt, a few-shot prefix: most of the
+sequence on the SmolLM2 task) are context, their logits never read. Every position still runs
+through the decoder (the responses attend to the prompt), so only the vocabulary-sized work
+shrinks. Not with sequence parallelism: the output layer's input is then split over the
+sequence and gathered inside the layer (``logits_start`` says 0); not for packed rows, whose
+responses are spread through the packed row.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterable
 
 import torch
@@ -60,13 +72,50 @@ def model_inputs(tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens_BS, positions
 
 
-def causal_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
-    """One forward step of a chunk: vocab-parallel logits [B, S_pad, V_pad/tp] on the last PP
-    stage (the hidden states elsewhere). S_pad = S padded to ``sequence_multiple(model)``; the
-    first S positions are those of ``tokens_BS``."""
+def logits_start(model, first_scored: int) -> int:
+    """The first position ``causal_logits`` can give logits from when the caller reads none
+    before ``first_scored``: ``first_scored``, or 0 under sequence parallelism."""
+    return 0 if sequence_multiple(model) > 1 else max(0, first_scored)
+
+
+def _output_layer(model):
+    """The chunk's output layer (unwrapped from DDP and the fp16 wrapper), or None where the
+    chunk has none (not the last pipeline stage)."""
+    from megatron.core.utils import unwrap_model
+
+    inner = unwrap_model(model)
+    return getattr(inner, "output_layer", None) if getattr(inner, "post_process", False) else None
+
+
+@contextlib.contextmanager
+def _output_from(model, start: int):
+    """Within the block, the chunk's output layer sees its input hidden states [S, B, H] from
+    position ``start`` on (the hook is gone after the block; the backward needs none)."""
+    layer = None if start == 0 else _output_layer(model)
+    if layer is None:
+        yield
+        return
+
+    def from_start(module, args, kwargs):
+        return (args[0][start:], *args[1:]), kwargs
+
+    handle = layer.register_forward_pre_hook(from_start, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def causal_logits(model, tokens_BS: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """One forward step of a chunk: vocab-parallel logits [B, S_pad - start, V_pad/tp] on the
+    last PP stage (the hidden states elsewhere). S_pad = S padded to
+    ``sequence_multiple(model)``; logits position j is that of token position ``start + j``.
+    ``start``: from ``logits_start`` (0 under sequence parallelism)."""
+    assert start == 0 or sequence_multiple(model) == 1, "no logits slice with sequence parallelism"
     tokens_BS = pad_sequence(tokens_BS, sequence_multiple(model))
     # attention_mask=None: the causal mask comes from the layer spec (AttnMaskType.causal)
-    return model(*model_inputs(tokens_BS), attention_mask=None)
+    with _output_from(model, start):
+        return model(*model_inputs(tokens_BS), attention_mask=None)
 
 
 def packed_logits(model, packed: PackedRows) -> torch.Tensor:

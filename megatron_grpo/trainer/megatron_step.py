@@ -5,7 +5,9 @@ step every other caller uses (``models.forward.causal_logits``: placement on the
 device through ``runtime.device``, position ids, sequence-parallel padding). On the last
 pipeline stage the vocab-parallel logits ``[B, S, V/tp]`` are turned into per-token
 log-probs and entropies by ``ops.vocab_parallel_log_probs`` (never gathering the vocab),
-then into the loss by ``losses.compute_policy_loss``.
+then into the loss by ``losses.compute_policy_loss``. The output layer runs only from each
+micro-batch's first scored position on (``first_scored``; ``models.forward``): the prompt
+positions before it get log-prob 0, and no gradient, which the loss mask gave them anyway.
 
 Loss scaling. Megatron's schedule divides each micro-batch loss by the number of
 micro-batches and DDP averages gradients over the dp ranks. ``compute_policy_loss`` instead
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from megatron_grpo.config.algorithm import AlgorithmConfig
 from megatron_grpo.losses import compute_policy_loss, reduce_metrics
 from megatron_grpo.models.fake_quant import fake_quantized
-from megatron_grpo.models.forward import causal_logits, packed_logits, run_schedule
+from megatron_grpo.models.forward import causal_logits, logits_start, packed_logits, run_schedule
 from megatron_grpo.models.packing import PackedRows, gather_rows, next_tokens, pack, unpack
 from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.ops.quantize import QuantScheme
@@ -53,12 +55,31 @@ class ScoringSpec:
     kernel: Kernel = "auto"  # model.logprob_kernel
 
 
-def _token_scores(logits_BSv: torch.Tensor, mb: TrainBatch, spec: ScoringSpec, with_entropy: bool):
-    """Vocab-parallel logits [B, S_pad, V/tp] (S_pad >= S: sequence-parallel padding) ->
-    (log_probs [B, T], entropy [B, T] or None), T = S - 1. With the engine's kept sets
-    (``mb.kept_ids``, sampling-mask replay) both describe the truncated distribution the
+def first_scored(loss_mask_BT: torch.Tensor) -> int:
+    """The first shifted position any row scores (loss_mask [B, T]; 0 when none does): every
+    position before it is a prompt position of every row, whose logits are never read. E.g.
+    rows scoring from t = 4 and t = 2 -> 2."""
+    cols = loss_mask_BT.reshape(-1, loss_mask_BT.shape[-1]).ne(0).any(dim=0).nonzero()
+    return int(cols[0]) if cols.numel() else 0
+
+
+def _token_scores(logits_BSv: torch.Tensor, mb: TrainBatch, spec: ScoringSpec, with_entropy: bool, start: int = 0):
+    """Vocab-parallel logits [B, S_pad - start, V/tp] of positions ``start..`` (S_pad >= S:
+    sequence-parallel padding) -> (log_probs [B, T], entropy [B, T] or None), T = S - 1, 0 at
+    the positions before ``start`` (never scored: ``first_scored``). With the engine's kept
+    sets (``mb.kept_ids``, sampling-mask replay) both describe the truncated distribution the
     engine sampled from -- for pi_old, the reference and the updated policy alike."""
-    return _log_probs(logits_BSv[:, : mb.seq_length - 1], mb.tokens[:, 1:], mb.kept_ids, spec, with_entropy)
+    width = mb.seq_length - 1
+    kept = None if mb.kept_ids is None else mb.kept_ids[:, start:]
+    lp, ent = _log_probs(logits_BSv[:, : width - start], mb.tokens[:, start + 1:], kept, spec, with_entropy)
+    if start == 0:
+        return lp, ent
+    return _from(lp, start), None if ent is None else _from(ent, start)
+
+
+def _from(scores_BX: torch.Tensor, start: int) -> torch.Tensor:
+    """[B, T - start] scores of positions ``start..`` as [B, T], zeros before (differentiable)."""
+    return torch.nn.functional.pad(scores_BX, (start, 0))
 
 
 def _log_probs(logits: torch.Tensor, targets: torch.Tensor, kept_ids: Optional[torch.Tensor], spec: ScoringSpec,
@@ -95,13 +116,20 @@ def _micro_batches(batch: TrainBatch, plan, pack_sequences: bool) -> list[tuple[
     return [(mb, pack(mb.tokens, sequence_lengths(mb).tolist())) for mb in mbs]
 
 
-def _forward(model, mb: TrainBatch, packed: Optional[PackedRows]) -> torch.Tensor:
-    return causal_logits(model, mb.tokens) if packed is None else packed_logits(model, packed)
+def _forward(model, mb: TrainBatch, packed: Optional[PackedRows]) -> tuple[torch.Tensor, int]:
+    """The chunk's output for ``mb`` and the first position its logits cover (the micro-batch's
+    first scored one where the model allows: ``models.forward``, logits of the scored
+    positions only)."""
+    if packed is not None:
+        return packed_logits(model, packed), 0
+    start = logits_start(model, first_scored(mb.loss_mask))
+    return causal_logits(model, mb.tokens, start), start
 
 
-def _scores(output, mb: TrainBatch, packed: Optional[PackedRows], spec: ScoringSpec, with_entropy: bool):
+def _scores(output, mb: TrainBatch, packed: Optional[PackedRows], spec: ScoringSpec, with_entropy: bool,
+            start: int = 0):
     if packed is None:
-        return _token_scores(output, mb, spec, with_entropy)
+        return _token_scores(output, mb, spec, with_entropy, start)
     return _packed_token_scores(output, mb, packed, spec, with_entropy)
 
 
@@ -139,10 +167,10 @@ def compute_log_probs(model_chunks, batch: TrainBatch, batching: MicroBatching |
         if router_load is not None:
             router_load.set_micro_batch(mb.loss_mask)
         _set_routing(routing, mb)
-        logits = _forward(model, mb, packed)
+        logits, start = _forward(model, mb, packed)
 
         def loss_func(output):
-            lp, _ = _scores(output, mb, packed, spec, with_entropy=False)
+            lp, _ = _scores(output, mb, packed, spec, with_entropy=False, start=start)
             return torch.zeros((), device=lp.device), {"log_probs": lp}
 
         return logits, loss_func
@@ -201,10 +229,10 @@ def train_mini_batch(
     def forward_step(data_iterator, model):
         mb, packed = next(data_iterator)
         _set_routing(routing, mb)
-        logits = _forward(model, mb, packed)
+        logits, start = _forward(model, mb, packed)
 
         def loss_func(output):
-            lp, ent = _scores(output, mb, packed, spec, with_entropy=True)
+            lp, ent = _scores(output, mb, packed, spec, with_entropy=True, start=start)
             old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
             loss, metrics = compute_policy_loss(
                 lp, old, mb.advantages, mb.loss_mask, cfg,

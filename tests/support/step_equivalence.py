@@ -18,7 +18,35 @@ REGULARIZED = {"entropy_coef": 0.05, "kl_loss_coef": 0.05}
 """The CPU demo's entropy bonus (yaml_configs/demo_cpu.yaml) and its KL arm's weight (docs/history/benchmarks.md)."""
 
 
-def one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=False, pack=False):
+def one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=False, pack=False, full_logits=False):
+    """``full_logits``: the output layer runs on every position (as before the trainer cut its
+    logits to the scored positions, ``megatron_step.first_scored``), for comparison. The result's
+    ``logit_positions``: the positions the output layer ran on, summed over this rank's forward
+    steps (0 off the last stage)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.trainer import megatron_step
+
+    positions = []
+    saved = megatron_step.causal_logits, megatron_step.first_scored
+
+    def counted(model, tokens, start=0):
+        out = saved[0](model, tokens, start)
+        if ps.is_pipeline_last_stage(ignore_virtual=False):
+            positions.append(out.shape[1])
+        return out
+
+    megatron_step.causal_logits = counted
+    if full_logits:
+        megatron_step.first_scored = lambda mask: 0
+    try:
+        result = _one_step(hf_dir, budget, skip_old, regularized, pack)
+    finally:
+        megatron_step.causal_logits, megatron_step.first_scored = saved
+    return {**result, "logit_positions": sum(positions)}
+
+
+def _one_step(hf_dir, budget, skip_old, regularized, pack):
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig

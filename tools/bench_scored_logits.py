@@ -1,0 +1,123 @@
+"""The output layer on the scored positions only, against every position, in one run: the
+update step's and the log-prob pass's seconds on the main job's shapes.
+
+    python tools/bench_scored_logits.py [--model smollm2|demo] [--world 2] [--rows 32]
+                                        [--prompt-tokens 46] [--response-tokens 20] [--steps 4]
+
+A GRPO micro-batch scores only its responses, but a forward computes the vocabulary-sized
+logits (and their log-softmax, and its backward) at every position; the trainer now runs the
+output layer from the micro-batch's first scored position on (``models.forward``,
+``trainer.megatron_step.first_scored``). This measures what that saves: each mode runs in
+fresh ranks (``run_distributed(fresh=True)``) that build the trainer's policy (megatron chunks,
+DDP, megatron-core Adam) and run ``--steps`` forward-only log-prob passes and ``--steps``
+optimizer steps on one batch of ``--rows`` sequences (split over the data-parallel ranks, one
+micro-batch each, as the main job's config), timed after a warm-up step; ``all positions``
+is the same code with ``first_scored`` giving 0. The defaults are the SmolLM2 task's shapes
+(a 46-token chat prompt, the longest response of a batch ~20 tokens; the main job's metrics:
+1771 real tokens in 32 sequences, responses 8.8 tokens on average). Printed per mode: median
+seconds of each, the loss (the same in both: the step is exact,
+``tests/test_trainer_step_equivalence.py``), and the ratio scored/all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.support.distributed import run_distributed  # noqa: E402
+from tools.bench_lora import _model_dir  # noqa: E402
+
+
+def _batch(vocab: int, rows: int, prompt: int, response: int, seed: int = 0):
+    """``rows`` sequences of ``prompt`` prompt tokens (+-2, as sums of numbers of 1-2 digits
+    vary) and 1..``response`` response tokens, random ids, log-probs and advantages."""
+    from megatron_grpo.rollout.batch import build_train_batch
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [(prompt + int(torch.randint(-2, 3, (1,), generator=gen)),
+                int(torch.randint(1, response + 1, (1,), generator=gen))) for _ in range(rows)]
+    lengths[0] = (lengths[0][0], response)  # the batch's longest response, as padded
+    prompts = [torch.randint(0, vocab, (p,), generator=gen).tolist() for p, _ in lengths]
+    outputs = [torch.randint(0, vocab, (r,), generator=gen).tolist() for _, r in lengths]
+    logps = [(-torch.rand(r, generator=gen) * 3).tolist() for _, r in lengths]
+    return build_train_batch(prompts, outputs, logps, torch.randn(rows, generator=gen), pad_id=0)
+
+
+def _bench(rank, world, hf_dir, all_positions, steps, rows, prompt, response):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
+    from megatron_grpo.rollout.batch import dp_shard
+    from megatron_grpo.trainer import megatron_step
+    from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
+    from tests.support.policy import build_test_policy
+
+    if all_positions:
+        megatron_step.first_scored = lambda mask: 0
+    torch.manual_seed(0)
+    policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32"),
+                               OptimizerConfig(name="adam", lr=1e-6, clip_grad=1.0))
+    spec = ScoringSpec(temperature=0.7, vocab_size=policy.hf_config.vocab_size)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    full = _batch(spec.vocab_size, rows, prompt, response)
+    local = dp_shard(full, dp_rank, dp, rows)
+    per_rank = local.num_sequences
+
+    def timed(fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        dist.barrier()
+        return time.perf_counter() - t0, out
+
+    logprob_s, update_s, losses = [], [], []
+    for _ in range(steps + 1):  # the first of each: warm-up
+        s, old = timed(lambda: compute_log_probs(policy.chunks, local, per_rank, spec))
+        logprob_s.append(s)
+        local.old_log_probs = old
+        s, (metrics, _, _) = timed(lambda: train_mini_batch(
+            policy.chunks, policy.optimizer, local, AlgorithmConfig(), spec, per_rank, int(full.loss_mask.sum()),
+            full.num_sequences, dp, ps.get_data_parallel_group()))
+        update_s.append(s)
+        losses.append(metrics["loss"])
+    return {"logprob_s": statistics.median(logprob_s[1:]), "update_s": statistics.median(update_s[1:]),
+            "first_loss": losses[0], "seq_length": full.seq_length}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=["smollm2", "demo"], default="smollm2")
+    p.add_argument("--world", type=int, default=2, help="data-parallel ranks (the main job's DP2)")
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=46)
+    p.add_argument("--response-tokens", type=int, default=20)
+    p.add_argument("--steps", type=int, default=4)
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as work:
+        hf_dir = _model_dir(args.model, Path(work))
+        results = {}
+        for mode, all_positions in (("all positions", True), ("scored positions", False)):
+            (res, *_) = run_distributed(_bench, args.world, hf_dir, all_positions, args.steps, args.rows,
+                                        args.prompt_tokens, args.response_tokens, tp=1, pp=1, timeout_s=3600,
+                                        fresh=True)
+            results[mode] = res
+            print(f"{mode:>16}: log-prob pass {res['logprob_s']:.2f} s, update {res['update_s']:.2f} s, "
+                  f"loss {res['first_loss']:.6f} (sequence length {res['seq_length']})", flush=True)
+    a, s = results["all positions"], results["scored positions"]
+    print(f"scored / all: log-prob pass {s['logprob_s'] / a['logprob_s']:.2f}x, "
+          f"update {s['update_s'] / a['update_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
