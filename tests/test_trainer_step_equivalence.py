@@ -101,18 +101,21 @@ def test_packed_step_matches_fixed(tiny_hf, reference, world, tp, pp):
             assert r["metrics"]["num_padded_tokens"] == r["metrics"]["num_sequence_tokens"]
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),
-                                   pytest.param(1, 2, marks=pytest.mark.slow)], ids=["tp1", "tp2", "pp2"])
-def test_logits_of_the_scored_positions_only_change_nothing(tiny_hf, tp, pp):
+@pytest.mark.parametrize("tp,pp,pack", [(1, 1, False), pytest.param(2, 1, False, marks=pytest.mark.slow),
+                                        pytest.param(1, 2, False, marks=pytest.mark.slow), (1, 1, True),
+                                        pytest.param(1, 2, True, marks=pytest.mark.slow)],
+                         ids=["tp1", "tp2", "pp2", "packed_tp1", "packed_pp2"])
+def test_logits_of_the_scored_positions_only_change_nothing(tiny_hf, tp, pp, pack):
     """The output layer runs from each micro-batch's first scored position on
-    (``megatron_step.first_scored``: the prompt positions before it are context only): the same
-    loss, entropy, KL, grad norm, updated weights and scored old-policy log-probs as with the
-    logits of every position, on fewer positions. With the entropy bonus and the KL term, whose
-    per-token terms are padded back with zeros; at TP2 (vocab-parallel) and PP2 (the last
-    stage's output layer)."""
+    (``megatron_step.first_scored``: the prompt positions before it are context only), or for
+    packed rows at their scored positions alone (``packed_scored``): the same loss, entropy, KL,
+    grad norm, updated weights and scored old-policy log-probs as with the logits of every
+    position, on fewer positions. With the entropy bonus and the KL term, whose per-token terms
+    are put back with zeros; at TP2 (vocab-parallel) and PP2 (the last stage's output layer)."""
     world = tp * pp
-    full = run_distributed(one_step, world, tiny_hf, None, False, True, False, True, tp=tp, pp=pp, timeout_s=300)
-    cut = run_distributed(one_step, world, tiny_hf, None, False, True, tp=tp, pp=pp, timeout_s=300)
+    budget = BUDGET if pack else None
+    full = run_distributed(one_step, world, tiny_hf, budget, False, True, pack, True, tp=tp, pp=pp, timeout_s=300)
+    cut = run_distributed(one_step, world, tiny_hf, budget, False, True, pack, tp=tp, pp=pp, timeout_s=300)
     mask = step_batch().loss_mask > 0
     for f, c in zip(full, cut):
         if f["metrics"] is not None:

@@ -23,14 +23,15 @@ responses; its prompts (a chat template, a system prompt, a few-shot prefix: mos
 sequence on the SmolLM2 task) are context, their logits never read. Every position still runs
 through the decoder (the responses attend to the prompt), so only the vocabulary-sized work
 shrinks. Not with sequence parallelism: the output layer's input is then split over the
-sequence and gathered inside the layer (``logits_start`` says 0); not for packed rows, whose
-responses are spread through the packed row.
+sequence and gathered inside the layer (``logits_start`` says 0). ``packed_logits(model,
+packed, positions)`` does the same for a packed row with the index of its scored positions
+(a packed row's responses are spread through it).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -88,18 +89,22 @@ def _output_layer(model):
 
 
 @contextlib.contextmanager
-def _output_from(model, start: int):
-    """Within the block, the chunk's output layer sees its input hidden states [S, B, H] from
-    position ``start`` on (the hook is gone after the block; the backward needs none)."""
-    layer = None if start == 0 else _output_layer(model)
+def _output_from(model, positions: "int | torch.Tensor"):
+    """Within the block, the chunk's output layer sees its input hidden states [S, B, H] only
+    at ``positions``: from that index on (an int), or at those indices (long [R]); the hook is
+    gone after the block (the backward needs none)."""
+    whole = isinstance(positions, int) and positions == 0
+    layer = None if whole else _output_layer(model)
     if layer is None:
         yield
         return
 
-    def from_start(module, args, kwargs):
-        return (args[0][start:], *args[1:]), kwargs
+    def only_positions(module, args, kwargs):
+        hidden = args[0]
+        picked = hidden[positions:] if isinstance(positions, int) else hidden.index_select(0, positions)
+        return (picked, *args[1:]), kwargs
 
-    handle = layer.register_forward_pre_hook(from_start, with_kwargs=True)
+    handle = layer.register_forward_pre_hook(only_positions, with_kwargs=True)
     try:
         yield
     finally:
@@ -118,14 +123,16 @@ def causal_logits(model, tokens_BS: torch.Tensor, start: int = 0) -> torch.Tenso
         return model(*model_inputs(tokens_BS), attention_mask=None)
 
 
-def packed_logits(model, packed: PackedRows) -> torch.Tensor:
+def packed_logits(model, packed: PackedRows, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``causal_logits`` of a packed micro-batch (``models.packing``): vocab-parallel logits
     [1, T, V_pad/tp] on the last PP stage (the hidden states elsewhere), position p those of
-    packed token p within its own row. Needs the sdpa core attention (the packed mask comes
+    packed token p within its own row; with ``positions`` (long [R], packed indices) [1, R,
+    V_pad/tp], those positions' only. Needs the sdpa core attention (the packed mask comes
     from ``cu_seqlens``) and no sequence parallelism (T is not padded to a multiple of tp)."""
     assert sequence_multiple(model) == 1, "packed sequences do not support sequence parallelism"
-    tokens, positions = to_device(packed.tokens), to_device(packed.position_ids)
-    return model(tokens, positions, attention_mask=None, packed_seq_params=packed_seq_params(packed))
+    tokens, position_ids = to_device(packed.tokens), to_device(packed.position_ids)
+    with _output_from(model, 0 if positions is None else to_device(positions)):
+        return model(tokens, position_ids, attention_mask=None, packed_seq_params=packed_seq_params(packed))
 
 
 def run_schedule(model_chunks: list, items: Iterable[Any], forward_step: Callable, *, forward_only: bool,

@@ -6,8 +6,9 @@ device through ``runtime.device``, position ids, sequence-parallel padding). On 
 pipeline stage the vocab-parallel logits ``[B, S, V/tp]`` are turned into per-token
 log-probs and entropies by ``ops.vocab_parallel_log_probs`` (never gathering the vocab),
 then into the loss by ``losses.compute_policy_loss``. The output layer runs only from each
-micro-batch's first scored position on (``first_scored``; ``models.forward``): the prompt
-positions before it get log-prob 0, and no gradient, which the loss mask gave them anyway.
+micro-batch's first scored position on (``first_scored``; packed rows: at their scored
+positions, ``packed_scored``; ``models.forward``): the positions left out get log-prob 0, and
+no gradient, which the loss mask gave them anyway.
 
 Loss scaling. Megatron's schedule divides each micro-batch loss by the number of
 micro-batches and DDP averages gradients over the dp ranks. ``compute_policy_loss`` instead
@@ -95,16 +96,35 @@ def _log_probs(logits: torch.Tensor, targets: torch.Tensor, kept_ids: Optional[t
     )
 
 
-def _packed_token_scores(logits_1Tv: torch.Tensor, mb: TrainBatch, packed: PackedRows, spec: ScoringSpec,
-                         with_entropy: bool):
-    """``_token_scores`` of a packed micro-batch: vocab-parallel logits [1, T_packed, V/tp] ->
-    (log_probs [B, T], entropy [B, T] or None) in the micro-batch's row layout (T = S - 1),
-    0 past each row's last scored position. Only the per-token scores are scattered back:
-    no [B, S, V] logits are ever padded out."""
+def packed_scored(mb: TrainBatch, packed: PackedRows) -> Optional[torch.Tensor]:
+    """long [R]: the packed positions some row scores (its loss mask there > 0), in order; None
+    when there is none (the output layer then runs on every position)."""
+    mask = gather_rows(mb.loss_mask, packed, fill=0)[0]
+    positions = mask.ne(0).nonzero().flatten()
+    return positions if positions.numel() else None
+
+
+def _packed_token_scores(logits_1Rv: torch.Tensor, mb: TrainBatch, packed: PackedRows, spec: ScoringSpec,
+                         with_entropy: bool, positions: Optional[torch.Tensor] = None):
+    """``_token_scores`` of a packed micro-batch: vocab-parallel logits [1, R, V/tp] of the
+    packed ``positions`` (long [R]; None: every one, R = T_packed) -> (log_probs [B, T],
+    entropy [B, T] or None) in the micro-batch's row layout (T = S - 1), 0 at every position
+    not scored. Only the per-token scores are scattered back: no [B, S, V] logits are ever
+    padded out."""
     kept = None if mb.kept_ids is None else gather_rows(mb.kept_ids, packed, fill=-1)
-    lp, ent = _log_probs(logits_1Tv, next_tokens(packed), kept, spec, with_entropy)
+    targets = next_tokens(packed)
+    if positions is not None:
+        targets, kept = targets[:, positions], None if kept is None else kept[:, positions]
+    lp, ent = _log_probs(logits_1Rv, targets, kept, spec, with_entropy)
     rows, width = mb.num_sequences, mb.seq_length - 1
-    return unpack(lp[0], packed, rows, width), None if ent is None else unpack(ent[0], packed, rows, width)
+
+    def back(values_1R: torch.Tensor) -> torch.Tensor:
+        values_T = values_1R[0]
+        if positions is not None:  # differentiable: the loss's gradient reaches the R positions
+            values_T = values_T.new_zeros(packed.num_tokens).index_put((positions,), values_T)
+        return unpack(values_T, packed, rows, width)
+
+    return back(lp), None if ent is None else back(ent)
 
 
 def _micro_batches(batch: TrainBatch, plan, pack_sequences: bool) -> list[tuple[TrainBatch, Optional[PackedRows]]]:
@@ -116,21 +136,23 @@ def _micro_batches(batch: TrainBatch, plan, pack_sequences: bool) -> list[tuple[
     return [(mb, pack(mb.tokens, sequence_lengths(mb).tolist())) for mb in mbs]
 
 
-def _forward(model, mb: TrainBatch, packed: Optional[PackedRows]) -> tuple[torch.Tensor, int]:
-    """The chunk's output for ``mb`` and the first position its logits cover (the micro-batch's
-    first scored one where the model allows: ``models.forward``, logits of the scored
-    positions only)."""
+def _forward(model, mb: TrainBatch, packed: Optional[PackedRows]):
+    """The chunk's output for ``mb`` and the positions its logits cover (``models.forward``,
+    logits of the scored positions only): padded rows, the first one (an int: the micro-batch's
+    first scored position where the model allows); packed rows, their indices (``packed_scored``)."""
     if packed is not None:
-        return packed_logits(model, packed), 0
+        positions = packed_scored(mb, packed)
+        return packed_logits(model, packed, positions), positions
     start = logits_start(model, first_scored(mb.loss_mask))
     return causal_logits(model, mb.tokens, start), start
 
 
 def _scores(output, mb: TrainBatch, packed: Optional[PackedRows], spec: ScoringSpec, with_entropy: bool,
-            start: int = 0):
+            positions=0):
+    """``_forward``'s output and positions -> (log_probs [B, T], entropy [B, T] or None)."""
     if packed is None:
-        return _token_scores(output, mb, spec, with_entropy, start)
-    return _packed_token_scores(output, mb, packed, spec, with_entropy)
+        return _token_scores(output, mb, spec, with_entropy, positions)
+    return _packed_token_scores(output, mb, packed, spec, with_entropy, positions)
 
 
 def _run_schedule(model_chunks, items: list[tuple[TrainBatch, Optional[PackedRows]]], forward_step,
@@ -167,10 +189,10 @@ def compute_log_probs(model_chunks, batch: TrainBatch, batching: MicroBatching |
         if router_load is not None:
             router_load.set_micro_batch(mb.loss_mask)
         _set_routing(routing, mb)
-        logits, start = _forward(model, mb, packed)
+        logits, positions = _forward(model, mb, packed)
 
         def loss_func(output):
-            lp, _ = _scores(output, mb, packed, spec, with_entropy=False, start=start)
+            lp, _ = _scores(output, mb, packed, spec, with_entropy=False, positions=positions)
             return torch.zeros((), device=lp.device), {"log_probs": lp}
 
         return logits, loss_func
@@ -229,10 +251,10 @@ def train_mini_batch(
     def forward_step(data_iterator, model):
         mb, packed = next(data_iterator)
         _set_routing(routing, mb)
-        logits, start = _forward(model, mb, packed)
+        logits, positions = _forward(model, mb, packed)
 
         def loss_func(output):
-            lp, ent = _scores(output, mb, packed, spec, with_entropy=True, start=start)
+            lp, ent = _scores(output, mb, packed, spec, with_entropy=True, positions=positions)
             old = mb.old_log_probs if mb.old_log_probs is not None else lp.detach()
             loss, metrics = compute_policy_loss(
                 lp, old, mb.advantages, mb.loss_mask, cfg,

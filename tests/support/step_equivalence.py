@@ -28,21 +28,27 @@ def one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=False
     from megatron_grpo.trainer import megatron_step
 
     positions = []
-    saved = megatron_step.causal_logits, megatron_step.first_scored
+    names = ("causal_logits", "packed_logits", "first_scored", "packed_scored")
+    saved = {name: getattr(megatron_step, name) for name in names}
 
-    def counted(model, tokens, start=0):
-        out = saved[0](model, tokens, start)
-        if ps.is_pipeline_last_stage(ignore_virtual=False):
-            positions.append(out.shape[1])
-        return out
+    def counting(forward):
+        def counted(model, *args):
+            out = forward(model, *args)
+            if ps.is_pipeline_last_stage(ignore_virtual=False):
+                positions.append(out.shape[1])
+            return out
+        return counted
 
-    megatron_step.causal_logits = counted
+    megatron_step.causal_logits = counting(saved["causal_logits"])
+    megatron_step.packed_logits = counting(saved["packed_logits"])
     if full_logits:
         megatron_step.first_scored = lambda mask: 0
+        megatron_step.packed_scored = lambda mb, packed: None
     try:
         result = _one_step(hf_dir, budget, skip_old, regularized, pack)
     finally:
-        megatron_step.causal_logits, megatron_step.first_scored = saved
+        for name, fn in saved.items():
+            setattr(megatron_step, name, fn)
     return {**result, "logit_positions": sum(positions)}
 
 
