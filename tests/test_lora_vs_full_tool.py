@@ -41,3 +41,29 @@ def test_the_full_arms_lr_is_the_workloads_config():
 
     for _key, config, _extra in WORKLOADS.values():
         assert config_lr(config) == load_experiment(ROOT / config).optimizer.lr
+
+
+def test_a_sweep_is_a_grid_of_named_lora_arms_each_compared_with_full():
+    from tools.lora_vs_full import lora_arms
+
+    assert lora_arms(1e-5, None, [], []) == {
+        "lora": ["model.lora.rank=16", "model.lora.alpha=32", "optimizer.lr=0.0001"]}
+    grid = lora_arms(1e-5, None, [16, 64], [5, 20])
+    assert list(grid) == ["lora_r16_lr5x", "lora_r16_lr20x", "lora_r64_lr5x", "lora_r64_lr20x"]
+    assert grid["lora_r64_lr20x"] == ["model.lora.rank=64", "model.lora.alpha=128", "optimizer.lr=0.0002"]
+    arms = {"full": {1: _run(2.0, [0.1, 0.3, 0.5], 0.4)}, "lora_a": {1: _run(1.0, [0.1, 0.2, 0.3], 0.3)},
+            "lora_b": {1: _run(1.0, [0.1, 0.4, 0.6], 0.3)}}
+    text = table(arms, KEY)
+    assert "lora_a at full's mean end time (80 s of training): held-out 0.300" in text
+    assert "lora_b at full's mean end time (80 s of training): held-out 0.600" in text
+    assert "full at lora_b's mean end time (40 s of training): held-out 0.300" in text
+    assert "lora_a at lora_b's" not in text  # LoRA arms are compared with full, not with each other
+
+
+def test_the_plot_draws_every_arm(tmp_path):
+    from tools.lora_vs_full import plot
+
+    arms = {"full": {1: _run(2.0, [0.1, 0.3, 0.5], 0.4)}, "lora_a": {1: _run(1.0, [0.1, 0.2, 0.3], 0.3)},
+            "lora_b": {1: _run(1.0, [0.1, 0.4, 0.6], 0.3)}}
+    plot(arms, KEY, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000

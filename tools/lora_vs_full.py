@@ -3,6 +3,7 @@ accuracy by step and by wall time, in one table and one plot.
 
     python tools/lora_vs_full.py --workload demo --seeds 1 2 3 [--steps 300] [--out runs/lora_vs_full]
     python tools/lora_vs_full.py --workload smollm2 --seeds 1 2 3
+    python tools/lora_vs_full.py --workload smollm2 --seeds 1 --sweep-ranks 16 64 --sweep-lr-x 5 10 20
 
 Each arm runs every seed through the workload's own seed tool, with ``--full`` / ``--lora``
 overrides on top of the workload's config (a finished run is read, not run again):
@@ -13,7 +14,9 @@ overrides on top of the workload's config (a finished run is read, not run again
   exported checkpoint re-scored by transformers; a LoRA run's adapters are merged for that).
 
 The default LoRA arm is rank 16, alpha 32 on all four linears at 10x the full run's learning
-rate (the usual ratio for LoRA; ``--lora`` replaces it). Printed: per arm, per seed and the
+rate (the usual ratio for LoRA; ``--lora`` replaces it). ``--sweep-ranks`` and ``--sweep-lr-x``
+run a grid of LoRA arms instead (alpha = 2 x rank, lr = the multiple x the full run's), each
+named ``lora_r<rank>_lr<multiple>x``: which rank and lr match full fine-tuning. Printed: per arm, per seed and the
 mean with the spread (min-max): the held-out accuracy at the first and the last evaluation, the mean
 training reward of the last 20 steps, the training seconds and the median step; then the
 held-out accuracy of each arm at the other's end time (by wall time). The plot
@@ -94,6 +97,15 @@ def spread(values: list, spec: str = ".3f") -> str:
     return f"{statistics.mean(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
 
 
+def lora_arms(full_lr: float, lora: list[str] | None, ranks: list[int], multiples: list[float]) -> dict[str, list[str]]:
+    """The LoRA arms' overrides by name: the grid of ``ranks`` x lr ``multiples`` of the full
+    run's (alpha 2 x rank), or the one arm ``lora`` (default: rank 16, alpha 32, 10x)."""
+    if not ranks and not multiples:
+        return {"lora": lora if lora is not None else [*LORA_DEFAULT, f"optimizer.lr={10 * full_lr:g}"]}
+    return {f"lora_r{r}_lr{m:g}x": [f"model.lora.rank={r}", f"model.lora.alpha={2 * r}", f"optimizer.lr={m * full_lr:g}"]
+            for r in ranks or [16] for m in multiples or [10.0]}
+
+
 def table(arms: dict[str, dict[int, list[dict]]], heldout_key: str) -> str:
     lines = ["| arm | seed | held-out, first eval | held-out, last eval | reward, last 20 steps | training s | "
              "median step s |",
@@ -107,9 +119,11 @@ def table(arms: dict[str, dict[int, list[dict]]], heldout_key: str) -> str:
         lines.append(f"| {arm} | mean (min-max) | {spread(col('heldout_start'))} | {spread(col('heldout_end'))} | "
                      f"{spread(col('reward_last20'))} | {spread(col('seconds'), '.0f')} | {spread(col('step_s'), '.2f')} |")
     names = list(arms)
-    if len(names) == 2:
+    pairs = [(a, b) for a in names for b in names if a != b and "full" in (a, b)] if "full" in names else (
+        [(names[0], names[1]), (names[1], names[0])] if len(names) == 2 else [])
+    if pairs:
         lines.append("")
-        for a, b in (names, names[::-1]):
+        for a, b in pairs:
             ends = [s["seconds"] for s in summaries[b].values() if s["seconds"]]
             if not ends:
                 continue
@@ -126,7 +140,9 @@ def plot(arms: dict[str, dict[int, list[dict]]], heldout_key: str, path: Path) -
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    colors = {"full": "tab:blue", "lora": "tab:orange"}
+    palette = ["tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"]
+    colors = {arm: "tab:blue" if arm == "full" else palette[i % len(palette)]
+              for i, arm in enumerate(a for a in arms if a != "full")} | {"full": "tab:blue"}
     for arm, runs in arms.items():
         for i, (seed, rows) in enumerate(runs.items()):
             train = [r for r in rows if "reward_mean" in r]
@@ -156,17 +172,25 @@ def main(argv=None) -> int:
     p.add_argument("--full", nargs="*", default=[], help="section.key=value of the full arm")
     p.add_argument("--lora", nargs="*", default=None,
                    help="section.key=value of the LoRA arm (default: rank 16, alpha 32, 10x the full lr)")
+    p.add_argument("--sweep-ranks", type=int, nargs="*", default=[], help="a grid of LoRA arms: these ranks")
+    p.add_argument("--sweep-lr-x", type=float, nargs="*", default=[],
+                   help="a grid of LoRA arms: these multiples of the full run's lr")
+    p.add_argument("--no-full", action="store_true", help="run the LoRA arms only (the full arm's runs are read "
+                   "when they are in --out already)")
     p.add_argument("--table-only", action="store_true", help="read the finished runs; run nothing")
     args = p.parse_args(argv)
     heldout_key, config, common = WORKLOADS[args.workload]
     full_lr = config_lr(config)
     common = common + ([f"trainer.num_steps={args.steps}"] if args.steps else [])
-    lora = args.lora if args.lora is not None else [*LORA_DEFAULT, f"optimizer.lr={10 * full_lr:g}"]
-    arms_overrides = {"full": common + args.full, "lora": common + lora}
+    if args.lora is not None and (args.sweep_ranks or args.sweep_lr_x):
+        p.error("--lora and --sweep-ranks/--sweep-lr-x: one LoRA arm or a grid, not both")
+    arms_overrides = {"full": common + args.full} | {
+        name: common + overrides for name, overrides in lora_arms(full_lr, args.lora, args.sweep_ranks,
+                                                                   args.sweep_lr_x).items()}
     arms = {}
     for arm, overrides in arms_overrides.items():
         out = args.out / args.workload / arm
-        if args.table_only:
+        if args.table_only or (arm == "full" and args.no_full):
             runs = {s: demo_seeds.read_metrics(out / f"s{s}") for s in args.seeds}
         else:
             runs = run_arm(args.workload, args.seeds, out, overrides, args.demo)
