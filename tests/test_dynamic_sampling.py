@@ -87,9 +87,19 @@ def engine(tmp_path_factory):
         manager.stop()
 
 
-def _cfg(**rollout):
+def _cfg(seed=3, **rollout):
     return experiment(rollout=RolloutConfig(num_generations=N, max_new_tokens=6, **rollout),
-                      algorithm=AlgorithmConfig(), trainer=TrainerConfig(run_dir="unused", seed=3))
+                      algorithm=AlgorithmConfig(), trainer=TrainerConfig(run_dir="unused", seed=seed))
+
+
+def _seed_with_cut_and_whole_responses(engine) -> int:
+    """The first trainer.seed from 3 whose responses (6 tokens at most) are some cut at the cap,
+    some not: the overlong rules then have both kinds to tell apart."""
+    for seed in range(3, 30):
+        lengths = _run(engine, _cfg(seed), None).batch.loss_mask.sum(dim=1)
+        if (lengths == 6).any() and (lengths < 6).any():
+            return seed
+    raise AssertionError("no seed in 3..29 gave both cut and whole responses")
 
 
 def _run(engine, cfg, more):
@@ -138,9 +148,10 @@ def test_dynamic_sampling_cap_fills_with_dropped_groups(engine):
 
 @pytest.mark.slow
 def test_overlong_penalty_and_filter_on_engine_responses(engine):
-    cfg = _cfg(overlong=OverlongConfig(buffer_length=4, penalty_factor=1.0, filter=True))
+    seed = _seed_with_cut_and_whole_responses(engine)
+    cfg = _cfg(seed, overlong=OverlongConfig(buffer_length=4, penalty_factor=1.0, filter=True))
     result = _run(engine, cfg, None)
-    plain = _run(engine, _cfg(), None)  # same seeds: the same responses
+    plain = _run(engine, _cfg(seed), None)  # same seeds: the same responses
     lengths = plain.batch.loss_mask.sum(dim=1)
     expected_penalty = overlong_penalty(lengths.long(), 6, 4, 1.0)
     assert result.stats["overlong/penalty_mean"] == pytest.approx(float(expected_penalty.mean()))
@@ -159,8 +170,9 @@ def test_truncated_reward_replaces_score_and_penalty_of_cut_responses(engine):
     from megatron_grpo.losses.advantages import compute_advantages
 
     over = OverlongConfig(buffer_length=4, truncated_reward=-2.0)
-    result = _run(engine, _cfg(overlong=over), None)
-    plain = _run(engine, _cfg(), None)
+    seed = _seed_with_cut_and_whole_responses(engine)
+    result = _run(engine, _cfg(seed, overlong=over), None)
+    plain = _run(engine, _cfg(seed), None)
     lengths = plain.batch.loss_mask.sum(dim=1)
     truncated = lengths == 6
     assert truncated.any() and (~truncated).any()

@@ -14,6 +14,7 @@ the tokenizer and the reward functions live in one process.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -64,10 +65,36 @@ class GenerationContext:
     """The next prompts, for DAPO dynamic sampling's extra rounds (``rollout.dynamic_sampling``)."""
 
 
+SEED_SPACE = 2**31 - 1
+"""Sampler seeds stay below this (every engine, SGLang included, takes a 31-bit seed)."""
+SEEDS_PER_ROUND = 2**14
+"""Seeds a generation round owns: its response k is seeded ``base + k`` (the engines' and the
+HTTP client's convention), so rounds of up to this many responses never share a stream."""
+ROUNDS_PER_STEP = 8
+"""Rounds of a step given consecutive slots of seeds; a later round (DAPO's extra rounds past
+the eighth, an async group's ninth attempt) gets a hashed slot instead."""
+
+
 def sampling_seed(seed: int, step: int, round_index: int = 0) -> int:
-    """Per-step seed of the engine's sampler: a resumed run redraws the same responses.
-    Extra dynamic-sampling rounds of a step get their own seeds."""
-    return (seed * 1_000_003 + step + round_index * 7_919_111) % (2**31 - 1)
+    """Base seed of a generation round: a resumed run redraws the same responses, and no two
+    rounds draw from the same random streams.
+
+    Round r of step s owns the seeds ``base .. base + SEEDS_PER_ROUND - 1``, one slot of
+    ``SEEDS_PER_ROUND`` per (step, round): slot ``s * ROUNDS_PER_STEP + r``, past the run's
+    own offset (from ``seed``). The slots wrap around the 31-bit space after 16,384 steps;
+    nothing repeats before. Departure from the seeds before (``seed * 1_000_003 + step``):
+    consecutive steps' bases were one apart, so step s+1's response k drew the stream of step
+    s's response k+1 and a 40-step run of 32 responses a step used 71 streams instead of 1,280.
+    Each response was still drawn from the policy, but the responses of nearby steps were
+    correlated (the same uniforms fed the inverse-CDF draws of the same slots)."""
+    if round_index < ROUNDS_PER_STEP:
+        slot = step * ROUNDS_PER_STEP + round_index
+    else:  # rare: a stable hash of the three, away from the consecutive slots' pattern
+        slot = int.from_bytes(hashlib.blake2b(f"{seed}/{step}/{round_index}".encode(), digest_size=8).digest(),
+                              "little")
+    slots = SEED_SPACE // SEEDS_PER_ROUND
+    offset = (seed * 1_000_003) % slots
+    return ((offset + slot) % slots) * SEEDS_PER_ROUND
 
 
 @dataclass
