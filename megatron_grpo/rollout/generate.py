@@ -69,7 +69,8 @@ SEED_SPACE = 2**31 - 1
 """Sampler seeds stay below this (every engine, SGLang included, takes a 31-bit seed)."""
 SEEDS_PER_ROUND = 2**14
 """Seeds a generation round owns: its response k is seeded ``base + k`` (the engines' and the
-HTTP client's convention), so rounds of up to this many responses never share a stream."""
+HTTP client's convention), so rounds of up to this many responses never share a stream (a
+multi-turn round's calls count: episode i's turn t is seeded ``base + i * max_turns + t``)."""
 ROUNDS_PER_STEP = 8
 """Rounds of a step given consecutive slots of seeds; a later round (DAPO's extra rounds past
 the eighth, an async group's ninth attempt) gets a hashed slot instead."""
