@@ -60,7 +60,7 @@ def first_scored(loss_mask_BT: torch.Tensor) -> int:
     """The first shifted position any row scores (loss_mask [B, T]; 0 when none does): every
     position before it is a prompt position of every row, whose logits are never read. E.g.
     rows scoring from t = 4 and t = 2 -> 2."""
-    cols = loss_mask_BT.reshape(-1, loss_mask_BT.shape[-1]).ne(0).any(dim=0).nonzero()
+    cols = loss_mask_BT.ne(0).any(dim=0).nonzero()
     return int(cols[0]) if cols.numel() else 0
 
 
@@ -127,23 +127,34 @@ def _packed_token_scores(logits_1Rv: torch.Tensor, mb: TrainBatch, packed: Packe
     return back(lp), None if ent is None else back(ent)
 
 
-def _micro_batches(batch: TrainBatch, plan, pack_sequences: bool) -> list[tuple[TrainBatch, Optional[PackedRows]]]:
+MicroBatch = tuple[TrainBatch, Optional[PackedRows], "int | Optional[torch.Tensor]"]
+"""A micro-batch, its packed layout (None: padded rows) and where its logits are needed: the
+first scored position (padded rows, ``first_scored``) or the packed indices (``packed_scored``)."""
+
+
+def _micro_batches(batch: TrainBatch, plan, pack_sequences: bool) -> list[MicroBatch]:
     """The plan's micro-batches, each with its packed layout (rows cut to their own scored
-    length, ``trainer.microbatch.sequence_lengths``) when packing, else None."""
+    length, ``trainer.microbatch.sequence_lengths``) when packing, else None, and its scored
+    positions. Those are found here, once before the schedule, not in the forward step: each is
+    a host read of a device tensor, which there would wait for the previous micro-batch's
+    backward to finish."""
     mbs = split(batch, plan)
     if not pack_sequences:
-        return [(mb, None) for mb in mbs]
-    return [(mb, pack(mb.tokens, sequence_lengths(mb).tolist())) for mb in mbs]
+        return [(mb, None, first_scored(mb.loss_mask)) for mb in mbs]
+    items = []
+    for mb in mbs:
+        packed = pack(mb.tokens, sequence_lengths(mb).tolist())
+        items.append((mb, packed, packed_scored(mb, packed)))
+    return items
 
 
-def _forward(model, mb: TrainBatch, packed: Optional[PackedRows]):
+def _forward(model, mb: TrainBatch, packed: Optional[PackedRows], scored):
     """The chunk's output for ``mb`` and the positions its logits cover (``models.forward``,
-    logits of the scored positions only): padded rows, the first one (an int: the micro-batch's
-    first scored position where the model allows); packed rows, their indices (``packed_scored``)."""
+    logits of the scored positions only): padded rows, the first one (an int: ``scored`` where
+    the model allows); packed rows, their indices ``scored``."""
     if packed is not None:
-        positions = packed_scored(mb, packed)
-        return packed_logits(model, packed, positions), positions
-    start = logits_start(model, first_scored(mb.loss_mask))
+        return packed_logits(model, packed, scored), scored
+    start = logits_start(model, scored)
     return causal_logits(model, mb.tokens, start), start
 
 
@@ -155,11 +166,10 @@ def _scores(output, mb: TrainBatch, packed: Optional[PackedRows], spec: ScoringS
     return _packed_token_scores(output, mb, packed, spec, with_entropy, positions)
 
 
-def _run_schedule(model_chunks, items: list[tuple[TrainBatch, Optional[PackedRows]]], forward_step,
-                  forward_only: bool):
+def _run_schedule(model_chunks, items: list[MicroBatch], forward_step, forward_only: bool):
     # token-budget micro-batches (and packed rows) differ in shape: the pipeline stages then
     # exchange shapes
-    shapes = [tuple(mb.tokens.shape) if packed is None else (1, packed.num_tokens) for mb, packed in items]
+    shapes = [tuple(mb.tokens.shape) if packed is None else (1, packed.num_tokens) for mb, packed, _ in items]
     return run_schedule(model_chunks, items, forward_step, forward_only=forward_only, num_microbatches=len(items),
                         seq_length=shapes[0][1], micro_batch_size=shapes[0][0],
                         variable_seq_lengths=len(set(shapes)) > 1)
@@ -185,11 +195,11 @@ def compute_log_probs(model_chunks, batch: TrainBatch, batching: MicroBatching |
     from megatron.core import parallel_state
 
     def forward_step(data_iterator, model):
-        mb, packed = next(data_iterator)
+        mb, packed, scored = next(data_iterator)
         if router_load is not None:
             router_load.set_micro_batch(mb.loss_mask)
         _set_routing(routing, mb)
-        logits, positions = _forward(model, mb, packed)
+        logits, positions = _forward(model, mb, packed, scored)
 
         def loss_func(output):
             lp, _ = _scores(output, mb, packed, spec, with_entropy=False, positions=positions)
@@ -249,9 +259,9 @@ def train_mini_batch(
     want_entropy_grad = cfg.entropy_coef > 0
 
     def forward_step(data_iterator, model):
-        mb, packed = next(data_iterator)
+        mb, packed, scored = next(data_iterator)
         _set_routing(routing, mb)
-        logits, positions = _forward(model, mb, packed)
+        logits, positions = _forward(model, mb, packed, scored)
 
         def loss_func(output):
             lp, ent = _scores(output, mb, packed, spec, with_entropy=True, positions=positions)
