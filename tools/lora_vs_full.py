@@ -119,8 +119,7 @@ def table(arms: dict[str, dict[int, list[dict]]], heldout_key: str) -> str:
         lines.append(f"| {arm} | mean (min-max) | {spread(col('heldout_start'))} | {spread(col('heldout_end'))} | "
                      f"{spread(col('reward_last20'))} | {spread(col('seconds'), '.0f')} | {spread(col('step_s'), '.2f')} |")
     names = list(arms)
-    pairs = [(a, b) for a in names for b in names if a != b and "full" in (a, b)] if "full" in names else (
-        [(names[0], names[1]), (names[1], names[0])] if len(names) == 2 else [])
+    pairs = [(a, b) for a in names for b in names if a != b and "full" in (a, b)]  # each LoRA arm against full
     if pairs:
         lines.append("")
         for a, b in pairs:
