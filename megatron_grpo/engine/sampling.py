@@ -17,8 +17,12 @@ docs/loss_spec.md). The set is the engine's own, never rebuilt by the trainer fr
 on its (slightly different) logits. A set longer than the request's budget is not sent (None);
 its log kept mass still is.
 
-Randomness comes from one uniform number per row (inverse-CDF sampling), so a sequence with
-its own seeded generator draws the same tokens whatever else is in the batch.
+Randomness comes from one uniform number per row (inverse-CDF sampling), and whether a row
+draws over the sorted, filtered probabilities or the plain vocabulary depends on its own
+parameters only, so a sequence with its own seeded generator draws the same tokens whatever else
+is in the batch, and whether or not kept sets are asked for. ``draw_on_device`` is the draw
+without any host read (the static decode path, ``static_decode.py``, captures it in a CUDA graph);
+``sample_tokens`` (the eager scheduler's) is the same draw plus the host's reading of the kept sets.
 """
 
 from __future__ import annotations
@@ -211,13 +215,69 @@ class Draw:
     """With ``with_kept`` only."""
 
 
-def _truncation(kept_sorted_BV: torch.Tensor, order_BV: torch.Tensor, max_kept: int) -> Truncation:
-    """Kept sets from the filtered, descending-sorted probabilities (the kept ids are a prefix
-    of the order: every filter cuts a tail) and their log mass."""
-    num_kept = (kept_sorted_BV > 0).sum(dim=-1).tolist()
-    mass = kept_sorted_BV.double().sum(dim=-1).log().tolist()
-    ids = [order_BV[b, :n].tolist() if n <= max_kept else None for b, n in enumerate(num_kept)]
-    return Truncation(kept_ids=ids, log_kept_mass=mass)
+@dataclass
+class DeviceDraw:
+    """``draw_on_device``'s answer: every field a tensor on the logits' device (no host read)."""
+
+    tokens: torch.Tensor
+    """int64 [B]."""
+    logprobs: torch.Tensor
+    """float32 [B]: log softmax(logits / T) of the token, unfiltered."""
+    num_kept: Optional[torch.Tensor] = None
+    """int64 [B]: size of each row's kept set (with ``kept_width > 0`` only)."""
+    log_kept_mass: Optional[torch.Tensor] = None
+    """float64 [B]: log of the kept set's mass under softmax(logits / T)."""
+    kept_ids: Optional[torch.Tensor] = None
+    """int64 [B, min(kept_width, V)]: the first ids of each row's kept set (a prefix of the
+    descending order; only the first ``num_kept`` of a row are its set)."""
+
+
+def filtering_rows(top_k_B: torch.Tensor, top_p_B: torch.Tensor, min_p_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [B]: the rows whose top-k/top-p/min-p can cut a token (drawn from the sorted order)."""
+    return (top_k_B < vocab_size) | (top_p_B < 1.0) | (min_p_B > 0)
+
+
+def draw_on_device(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
+                   top_p_B: torch.Tensor, min_p_B: torch.Tensor, uniform_B: torch.Tensor, *,
+                   sorts: bool, kept_width: int = 0) -> DeviceDraw:
+    """One token per row from logits [B, V] with no host synchronisation (capturable in a CUDA
+    graph); ``sample_tokens`` is this plus the host's reading of the kept sets.
+
+    Each row's draw depends on its own row only (so a seeded row draws the same token whatever
+    else is in the batch): a row that filters (``filtering_rows``) draws by inverse CDF over the
+    descending-sorted, filtered probabilities; any other row over the unsorted vocabulary;
+    greedy rows (``top_k == 1``) take the argmax. ``sorts`` (decided by the caller from
+    parameters it knows): sort at all -- required when any row filters or ``kept_width > 0``.
+    ``kept_width > 0``: also each row's kept set (its first ``kept_width`` ids), size and mass.
+    """
+    assert sorts or kept_width == 0, "kept sets come from the sorted order"
+    logprobs_BV = scaled_logprobs(logits_BV, temperature_B)
+    probs_BV = logprobs_BV.exp()
+    tokens = inverse_cdf(probs_BV, uniform_B)
+    num_kept = log_kept_mass = kept_ids = None
+    if sorts:
+        sorted_probs, order = probs_BV.sort(dim=-1, descending=True)
+        kept = filter_sorted_probs(sorted_probs, top_k_B, top_p_B, min_p_B)
+        drawn_sorted = order.gather(1, inverse_cdf(kept, uniform_B).unsqueeze(1)).squeeze(1)
+        tokens = torch.where(filtering_rows(top_k_B, top_p_B, min_p_B, probs_BV.shape[-1]), drawn_sorted, tokens)
+        if kept_width > 0:
+            num_kept = (kept > 0).sum(dim=-1)
+            log_kept_mass = kept.double().sum(dim=-1).log()
+            kept_ids = order[:, :kept_width]
+    greedy = top_k_B == 1
+    tokens = torch.where(greedy, logits_BV.argmax(dim=-1), tokens)
+    logprobs = logprobs_BV.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    if kept_width > 0:  # a greedy row's set is its token (argmax may break a tie unlike the sort)
+        num_kept = torch.where(greedy, torch.ones_like(num_kept), num_kept)
+        log_kept_mass = torch.where(greedy, logprobs.double(), log_kept_mass)
+        first = torch.where(greedy, tokens, kept_ids[:, 0]).unsqueeze(1)
+        kept_ids = torch.cat([first, kept_ids[:, 1:]], dim=1)
+    return DeviceDraw(tokens, logprobs, num_kept, log_kept_mass, kept_ids)
+
+
+def kept_sets(num_kept: list[int], kept_ids: list[list[int]], max_kept: int) -> list[Optional[list[int]]]:
+    """Host side of ``DeviceDraw``'s kept sets: each row's ids, None when over ``max_kept``."""
+    return [ids[:n] if n <= max_kept else None for n, ids in zip(num_kept, kept_ids)]
 
 
 def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
@@ -228,28 +288,19 @@ def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B:
 
     ``top_k_B == 1`` rows are greedy (argmax of the logits; their kept set is that token).
     The log-prob is that of the temperature-scaled, unfiltered distribution (see the module
-    docstring).
+    docstring). The draw is ``draw_on_device``'s; this reads whether to sort, and the kept
+    sets, on the host.
     """
-    logprobs_BV = scaled_logprobs(logits_BV, temperature_B)
-    probs_BV = logprobs_BV.exp()
-    needs_filter = bool(((top_k_B < probs_BV.shape[-1]) | (top_p_B < 1.0) | (min_p_B > 0)).any())
+    vocab_size = logits_BV.shape[-1]
+    sorts = with_kept or bool(filtering_rows(top_k_B, top_p_B, min_p_B, vocab_size).any())
+    kept_width = min(max(max_kept, 1), vocab_size) if with_kept else 0
+    draw = draw_on_device(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, uniform_B,
+                          sorts=sorts, kept_width=kept_width)
     truncation = None
-    if needs_filter or with_kept:
-        sorted_probs, order = probs_BV.sort(dim=-1, descending=True)
-        kept = filter_sorted_probs(sorted_probs, top_k_B, top_p_B, min_p_B)
-        tokens = order.gather(1, inverse_cdf(kept, uniform_B).unsqueeze(1)).squeeze(1)
-        if with_kept:
-            truncation = _truncation(kept, order, max_kept)
-    else:
-        tokens = inverse_cdf(probs_BV, uniform_B)
-    greedy = top_k_B == 1
-    if bool(greedy.any()):
-        tokens = torch.where(greedy, logits_BV.argmax(dim=-1), tokens)
-        if truncation is not None:  # argmax may break a tie differently from the sort
-            for b in greedy.nonzero().flatten().tolist():
-                truncation.kept_ids[b] = [int(tokens[b])]
-                truncation.log_kept_mass[b] = float(logprobs_BV[b, tokens[b]])
-    return Draw(tokens, logprobs_BV.gather(1, tokens.unsqueeze(1)).squeeze(1), truncation)
+    if with_kept:
+        truncation = Truncation(kept_ids=kept_sets(draw.num_kept.tolist(), draw.kept_ids.tolist(), max_kept),
+                                log_kept_mass=draw.log_kept_mass.tolist())
+    return Draw(draw.tokens, draw.logprobs, truncation)
 
 
 def sample_next(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
