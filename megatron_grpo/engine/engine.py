@@ -44,6 +44,7 @@ from megatron_grpo.engine.lora_update import LoraUpdate, parse_lora, parse_lora_
 from megatron_grpo.engine.quantize import quantize_decoder_linears
 from megatron_grpo.engine.scheduler import StepControl, run_continuous
 from megatron_grpo.engine.served_names import served_tensors
+from megatron_grpo.engine.static_decode import DECODE_MODES, StaticDecoder
 from megatron_grpo.runtime.device import collective_device
 from megatron_grpo.wire.buckets import DISK_UPDATE_KEY, unflatten
 from megatron_grpo.wire.checksum import tensor_checksum
@@ -65,9 +66,15 @@ class EmbeddedEngine:
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", max_batch_size: int = 64,
                  seed: int = 0, batch_window_s: float = 0.005, device: str = "auto",
-                 quantization: Optional[QuantScheme] = None):
+                 quantization: Optional[QuantScheme] = None, decode: str = "eager", stop_check_every: int = 8):
         """``quantization``: serve the decoder's projections from a quantized copy of the weights
-        (``engine/quantize.py``), rebuilt at every load; None: as loaded."""
+        (``engine/quantize.py``), rebuilt at every load; None: as loaded. ``decode``: ``eager``
+        (``scheduler.run_continuous``) or ``static`` (``static_decode.py``: static buffers, the
+        host reading the tokens every ``stop_check_every`` tokens, CUDA graphs on a GPU)."""
+        if decode not in DECODE_MODES:
+            raise EngineError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        if stop_check_every < 1:
+            raise EngineError(f"stop_check_every must be >= 1, got {stop_check_every}")
         from transformers import AutoModelForCausalLM
 
         self.model_dir = str(model_dir)
@@ -87,6 +94,9 @@ class EmbeddedEngine:
         self.batch_window_s = batch_window_s
         self.weight_version = "default"
         self.shared_generator = torch.Generator().manual_seed(seed)
+        self.decode = decode
+        self._static = (StaticDecoder(stop_check_every=stop_check_every, use_graphs=self.device.type == "cuda")
+                        if decode == "static" else None)
         # by checkpoint name: what the weight sync sends (MoE experts are fused in memory)
         self._params = served_tensors(dict(self.model.named_parameters()),
                                       list(SafetensorsReader(self.model_dir).weight_map))
@@ -162,10 +172,11 @@ class EmbeddedEngine:
                 self._running = True
                 self._taken = []
             try:
-                retracted = run_continuous(self.model, self._admit, max_batch_size=self.max_batch_size,
-                                           eos_ids=self.eos_ids, pad_id=self.pad_id,
-                                           shared_generator=self.shared_generator, max_context=self.max_context,
-                                           control=self._between_steps, weight_version=lambda: self.weight_version)
+                run = self._static.run if self._static is not None else run_continuous
+                retracted = run(self.model, self._admit, max_batch_size=self.max_batch_size,
+                                eos_ids=self.eos_ids, pad_id=self.pad_id,
+                                shared_generator=self.shared_generator, max_context=self.max_context,
+                                control=self._between_steps, weight_version=lambda: self.weight_version)
             except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
                 log.exception("generation failed")
                 retracted = []
@@ -329,6 +340,8 @@ class EmbeddedEngine:
             torch.cuda.synchronize(device)
         for module in touched:
             module.requantize()
+        if touched and self._static is not None:
+            self._static.invalidate()  # new quantized tensors: the captured graphs read the old ones
         return count
 
     @torch.no_grad()
