@@ -12,11 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.engine.engine import EmbeddedEngine
+from megatron_grpo.config import ExperimentConfig
+from megatron_grpo.config.base import ConfigError, build_section
+from megatron_grpo.engine.engine import EmbeddedEngine, EngineError
 from megatron_grpo.engine.generation import Sequence
 from megatron_grpo.engine.sampling import draw_on_device, resolve_sampling_params, sample_tokens
 from megatron_grpo.engine.scheduler import StepControl, run_continuous
 from megatron_grpo.engine.static_decode import StaticDecoder, batch_buckets, bucket_for, cache_length
+from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.generation.inprocess import start_inprocess
 from megatron_grpo.models.tiny import save_tiny_model
 from tests.support.engine_runs import run
 
@@ -223,6 +227,30 @@ def test_engine_static_decode_serves_the_new_weights_after_a_load(model_dirs):
         static.shutdown()
         eager.shutdown()
     assert after == expected and after != before
+
+
+def experiment(embedded: dict) -> ExperimentConfig:
+    raw = {"model": {"hf_dir": "m"}, "data": {"train_file": "d.jsonl"}, "trainer": {"run_dir": "r"},
+           "rollout": {"num_generations": 2, "prompts_per_step": 4}, "engine": {"embedded": embedded}}
+    return build_section(ExperimentConfig, raw)
+
+
+def test_the_switch_is_checked_at_load_and_reaches_the_launched_engine(model_dirs):
+    cfg = experiment({"decode": "static", "stop_check_every": 4})
+    cmd = ENGINES["embedded"].launch_command(cfg, "m", "127.0.0.1", 1)
+    assert cmd[cmd.index("--decode") + 1] == "static" and cmd[cmd.index("--stop-check-every") + 1] == "4"
+    assert experiment({}).engine.embedded.decode == "eager"  # CPU behaviour unchanged by default
+    with pytest.raises(ConfigError, match=r"engine.embedded.decode"):
+        experiment({"decode": "graphs"})
+    with pytest.raises(ConfigError, match=r"engine.embedded.stop_check_every: must be >= 1"):
+        experiment({"stop_check_every": 0})
+    with pytest.raises(EngineError, match="decode must be one of"):
+        EmbeddedEngine(model_dirs[0], decode="graphs")
+    inprocess = start_inprocess(cfg.engine, model_dir=str(model_dirs[0]))  # engine.kind: inprocess
+    try:
+        assert inprocess._static is not None and inprocess._static.stop_check_every == 4
+    finally:
+        inprocess.shutdown()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")

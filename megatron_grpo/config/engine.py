@@ -54,8 +54,21 @@ class EmbeddedConfig:
     max_request_mb: int = 16
     """Largest request body (MiB) the launched engine reads; a larger one is a 413."""
 
+    decode: Literal["eager", "static"] = "eager"
+    """How the embedded and in-process engines decode. eager: the host reads every token as it is
+    drawn (continuous batching; host-bound on a GPU). static: preallocated KV caches per
+    batch-size bucket, sampling on the device, stops read every stop_check_every tokens, and on a
+    GPU each bucket's decode step replayed from a CUDA graph (engine/static_decode.py): the same
+    tokens as eager for greedy and seeded requests, but queued sequences wait for the running
+    batch to end (waves), and MoE or sliding-window models decode eagerly."""
+
+    stop_check_every: int = 8
+    """decode: static: tokens drawn between two host reads (stop checks, pause/abort/retract);
+    a finished row's draws past its stop are dropped."""
+
     def __post_init__(self):
-        for key in ("max_batch_size", "max_request_sequences", "max_request_tokens", "max_request_mb"):
+        for key in ("max_batch_size", "max_request_sequences", "max_request_tokens", "max_request_mb",
+                    "stop_check_every"):
             check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
 
 

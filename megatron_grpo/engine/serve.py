@@ -21,6 +21,7 @@ import torch
 import uvicorn
 
 from megatron_grpo.engine.engine import EmbeddedEngine
+from megatron_grpo.engine.static_decode import DECODE_MODES
 from megatron_grpo.ops.quantize import FP8_DTYPES, scheme_of
 from megatron_grpo.engine.policy import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES,
                                          DEFAULT_MAX_REQUEST_TOKENS, DEFAULT_READ_TIMEOUT_S, ServerPolicy)
@@ -48,6 +49,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="where the model runs: auto (the GPU when CUDA is available, "
                    "else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together (the running batch)")
+    p.add_argument("--decode", default="eager", choices=list(DECODE_MODES),
+                   help="eager (the host reads every token) or static (static caches, device sampling, CUDA "
+                        "graphs on a GPU; engine/static_decode.py)")
+    p.add_argument("--stop-check-every", type=int, default=8, metavar="K",
+                   help="--decode static: tokens drawn between two host reads (default: 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without sampling_seed")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -84,6 +90,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"megatron-grpo serve: --host {args.host} is reachable from the network and no API key is set: "
               f"give one with --api-key KEY or ${API_KEY_ENV} (or bind 127.0.0.1)", file=sys.stderr)
         return 2
+    if args.stop_check_every < 1:
+        print(f"megatron-grpo serve: --stop-check-every must be >= 1, got {args.stop_check_every}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -98,7 +107,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"megatron-grpo serve: {e}", file=sys.stderr)
         return 2
     engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,
-                            device=args.device, quantization=scheme_of(args.quantization, args.fp8_format))
+                            device=args.device, quantization=scheme_of(args.quantization, args.fp8_format),
+                            decode=args.decode, stop_check_every=args.stop_check_every)
     app = build_app(engine, api_key=api_key, policy=policy, tool_call_format=args.tool_call_format)
     print(f"megatron-grpo serve: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
     try:

@@ -57,7 +57,8 @@ def start_inprocess(engine_cfg: EngineConfig, *, model_dir: str) -> EmbeddedEngi
     batching window: ``generate`` hands the engine whole batches."""
     return EmbeddedEngine(model_dir, dtype=engine_cfg.dtype, max_batch_size=engine_cfg.embedded.max_batch_size,
                           batch_window_s=0.0, device="auto",
-                          quantization=scheme_of(engine_cfg.quantization, engine_cfg.fp8_format))
+                          quantization=scheme_of(engine_cfg.quantization, engine_cfg.fp8_format),
+                          decode=engine_cfg.embedded.decode, stop_check_every=engine_cfg.embedded.stop_check_every)
 
 
 def to_sample(seq: EngineSequence, prompt_index: int, sample_index: int, with_mask: bool,

@@ -46,7 +46,8 @@ class EmbeddedAdapter(EngineAdapter):
                # what one request may make the server do (engine/policy.py)
                "--max-request-sequences", str(embedded.max_request_sequences),
                "--max-request-tokens", str(embedded.max_request_tokens),
-               "--max-request-bytes", str(embedded.max_request_mb * 2**20)]
+               "--max-request-bytes", str(embedded.max_request_mb * 2**20),
+               "--decode", embedded.decode, "--stop-check-every", str(embedded.stop_check_every)]
         for directory in trusted_weight_dirs:
             cmd += ["--trusted-weight-dir", str(directory)]
         if master_address:  # null: the trainer's 127.0.0.1, the server's default
