@@ -172,14 +172,15 @@ def scaled_logprobs(logits_BV: torch.Tensor, temperature_B: torch.Tensor) -> tor
 
 def filter_sorted_probs(probs_sorted_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor,
                         min_p_B: torch.Tensor) -> torch.Tensor:
-    """Zero the filtered tail of descending-sorted probabilities (SGLang's rule). [B, V] -> [B, V]."""
-    probs = probs_sorted_BV.clone()
+    """Zero the filtered tail of descending-sorted probabilities (SGLang's rule). [B, V] -> [B, V].
+
+    ``masked_fill``, not boolean-index assignment: the latter may read the mask on the host,
+    which a CUDA graph cannot capture."""
     exclusive_cumsum = probs_sorted_BV.cumsum(dim=-1) - probs_sorted_BV
-    ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
-    probs[ranks >= top_k_B.unsqueeze(1)] = 0.0
-    probs[exclusive_cumsum > top_p_B.unsqueeze(1)] = 0.0
-    probs[probs < (probs_sorted_BV[:, :1] * min_p_B.unsqueeze(1))] = 0.0
-    return probs
+    ranks = torch.arange(probs_sorted_BV.shape[-1], device=probs_sorted_BV.device).unsqueeze(0)
+    probs = probs_sorted_BV.masked_fill(ranks >= top_k_B.unsqueeze(1), 0.0)
+    probs = probs.masked_fill(exclusive_cumsum > top_p_B.unsqueeze(1), 0.0)
+    return probs.masked_fill(probs < (probs_sorted_BV[:, :1] * min_p_B.unsqueeze(1)), 0.0)
 
 
 def inverse_cdf(probs_BV: torch.Tensor, uniform_B: torch.Tensor) -> torch.Tensor:

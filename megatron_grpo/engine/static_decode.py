@@ -186,8 +186,9 @@ class StaticBatch:
         self.forward()
         self.draw()
 
-    def capture(self) -> None:
-        """Record ``step`` in a CUDA graph (warm-up on a side stream first, as torch asks). The
+    def capture(self, pool) -> None:
+        """Record ``step`` in a CUDA graph (warm-up on a side stream first, as torch asks), its
+        memory from ``pool`` (shared by every shape: their graphs never replay at once). The
         warm-up writes garbage into the buffers: ``load`` resets them all."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -198,7 +199,8 @@ class StaticBatch:
         torch.cuda.current_stream().wait_stream(stream)
         self.slot.zero_()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: a weight-sync thread's CUDA work during the capture is not an error
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             self.step()
         self.graph = graph
 
@@ -307,6 +309,7 @@ class StaticDecoder:
         self.stop_check_every = stop_check_every
         self.use_graphs = use_graphs
         self._states: dict[Shape, StaticBatch] = {}
+        self._pool = None  # the CUDA graphs' memory pool, made at the first capture
 
     def invalidate(self) -> None:
         """Forget the captured graphs (after a weight update that replaced tensors rather than
@@ -322,7 +325,9 @@ class StaticDecoder:
             state = self._states[shape] = StaticBatch(model, shape, stop_check_every=self.stop_check_every,
                                                       max_context=max_context, like=batch)
         if self.use_graphs and state.graph is None and batch.last_logits_BV.is_cuda:
-            state.capture()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            state.capture(self._pool)
         return state
 
     @torch.inference_mode()
