@@ -70,6 +70,8 @@ def test_smoke_writes_each_part_and_a_rerun_skips_the_finished_ones(tmp_path):
         assert arm["tokens"] == sum(train["response_lengths"]) + len(train["response_lengths"]) * train["sizes"]["prompt_len"]
     rollout = json.loads((out / "rollout.json").read_text())
     assert [r["concurrency"] for r in rollout["rows"]] == [4] and rollout["rows"][0]["engine_tokens_per_s"] > 0
+    # the static decode path beside the engine, on the same seeded requests (fp32 here: the same tokens)
+    assert rollout["rows"][0]["static_tokens_per_s"] > 0 and rollout["rows"][0]["static_sequences_equal_to_engine"] == 4
 
     kept = {p: (out / f"{p}.json").stat().st_mtime_ns for p in ("logprobs", "train_qwen2.5-0.5b", "rollout")}
     second = _bench("--smoke", "--out", str(out), "--work", str(work), "--parts", ",".join(PARTS))

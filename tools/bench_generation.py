@@ -19,6 +19,11 @@ One process, one CPU thread, the same model object and the same requests for eve
   quarter of the batch is free, the ``n`` samples of a prompt share one prefill;
   ``continuous, admit each row`` admits as soon as one row is free (``min_admit=1``): more
   merges, to show what a merge costs;
+* ``static``: ``static_decode.StaticDecoder`` (``engine.embedded.decode: static``, CPU: no
+  graphs): waves of ``--batch`` sequences in a preallocated cache, draws on the device, the
+  host reading the tokens every ``--stop-check-every`` tokens; its tokens are checked equal to
+  ``continuous``'s (seeded) in the warm-up round. On a CPU it measures the host work the static
+  path removes and the padding rows it decodes; its point is the GPU (``tools/bench_gpu.py``);
 * ``hf generate``: ``model.generate(do_sample=True, temperature=1, top_k=0)`` on the same
   waves of ``--batch`` sequences (left-padded); it has no per-row length limit, so each
   wave runs to its longest limit (``min_new_tokens`` = ``max_new_tokens``: EOS ignored) and
@@ -38,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -47,6 +53,7 @@ from megatron_grpo.engine.batch import RunningBatch  # noqa: E402
 from megatron_grpo.engine.generation import Sequence, finish_reason_for, left_pad  # noqa: E402
 from megatron_grpo.engine.sampling import draw_uniforms, resolve_sampling_params, sample_next  # noqa: E402
 from megatron_grpo.engine.scheduler import StepControl, run_continuous  # noqa: E402
+from megatron_grpo.engine.static_decode import StaticDecoder  # noqa: E402
 from megatron_grpo.models.tiny import save_tiny_model  # noqa: E402
 
 PAD_ID = 0
@@ -123,7 +130,8 @@ def run_waves(model, reqs, batch_size: int) -> None:
     assert [len(s.output_ids) for s in seqs] == [r[1] for r in reqs]
 
 
-def run_cont(model, reqs, batch_size: int, min_admit=None, stats=None) -> None:
+def run_cont(model, reqs, batch_size: int, min_admit=None, stats=None, static: Optional[StaticDecoder] = None) -> list:
+    """``run_continuous`` (or ``static.run``) on the requests; returns each sample's tokens."""
     seqs = make_seqs(reqs)
     queue = list(seqs)
 
@@ -134,10 +142,15 @@ def run_cont(model, reqs, batch_size: int, min_admit=None, stats=None) -> None:
             stats["admissions"] = stats.get("admissions", 0) + 1
         return taken
 
-    run_continuous(model, admit, max_batch_size=batch_size, eos_ids=frozenset(), pad_id=PAD_ID,
-                   shared_generator=torch.Generator().manual_seed(0), max_context=1 << 20,
-                   control=lambda: StepControl.CONTINUE, weight_version=lambda: "v", min_admit=min_admit)
+    kwargs = dict(max_batch_size=batch_size, eos_ids=frozenset(), pad_id=PAD_ID,
+                  shared_generator=torch.Generator().manual_seed(0), max_context=1 << 20,
+                  control=lambda: StepControl.CONTINUE, weight_version=lambda: "v")
+    if static is not None:
+        static.run(model, admit, **kwargs)
+    else:
+        run_continuous(model, admit, min_admit=min_admit, **kwargs)
     assert [len(s.output_ids) for s in seqs] == [r[1] for r in reqs]
+    return [s.output_ids for s in seqs]
 
 
 @torch.inference_mode()
@@ -174,6 +187,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="max sequences decoded together")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop-check-every", type=int, default=8, help="the static runner's k")
     parser.add_argument("--demo-dir", default="runs/demo_cpu")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
@@ -189,14 +203,16 @@ def main(argv=None) -> int:
             reqs = requests(args.prompts, args.n, model.config.vocab_size, args.seed)
             useful = sum(r[1] for r in reqs)
             stats: dict = {}
+            static = StaticDecoder(stop_check_every=args.stop_check_every, use_graphs=False)
             runners = {
                 "wave (before)": lambda: run_waves(model, reqs, args.batch),
                 "continuous": lambda: run_cont(model, reqs, args.batch, stats=stats),
                 "continuous, admit each row": lambda: run_cont(model, reqs, args.batch, min_admit=1),
+                f"static, k={args.stop_check_every}": lambda: run_cont(model, reqs, args.batch, static=static),
                 "hf generate": lambda: run_hf(model, reqs, args.batch),
             }
-            for fn in runners.values():  # warm-up round
-                fn()
+            warm = {key: fn() for key, fn in runners.items()}  # warm-up round
+            assert warm[f"static, k={args.stop_check_every}"] == warm["continuous"], "static != continuous tokens"
             times: dict[str, list[float]] = {k: [] for k in runners}
             for _ in range(args.repeats):
                 for key, fn in runners.items():
@@ -206,11 +222,13 @@ def main(argv=None) -> int:
                   f"continuous admissions per run: {stats['admissions'] // (args.repeats + 1)}")
             base = statistics.median(times["wave (before)"])
             hf = statistics.median(times["hf generate"])
-            print("| runner | wall s | tokens/s | vs wave | vs hf generate |")
-            print("|---|---:|---:|---:|---:|")
+            cont = statistics.median(times["continuous"])
+            print("| runner | wall s | tokens/s | vs wave | vs continuous | vs hf generate |")
+            print("|---|---:|---:|---:|---:|---:|")
             for key, ts in times.items():
                 wall = statistics.median(ts)
-                print(f"| {key} | {wall:.2f} | {useful / wall:.0f} | {base / wall:.2f}x | {hf / wall:.2f}x |")
+                print(f"| {key} | {wall:.2f} | {useful / wall:.0f} | {base / wall:.2f}x | {cont / wall:.2f}x "
+                      f"| {hf / wall:.2f}x |")
     print(f"\nload average after: {os.getloadavg()}")
     return 0
 

@@ -25,7 +25,10 @@ parts, most wanted first:
    ``ROLLOUT_CONCURRENCY`` concurrent sequences (prompts of 128 tokens, ``8`` samples each,
    responses ``64 + Exp(mean 192)`` tokens, at most 512, EOS ignored so every runner makes
    the same tokens), against transformers' ``generate`` on the same model object and batch
-   (which runs each batch to its longest response; only requested tokens count);
+   (which runs each batch to its longest response; only requested tokens count), and the
+   static decode path (``engine.embedded.decode: static``: CUDA graphs, stops read every 8
+   tokens) on the same requests in a fresh engine, timed on its second run (the first captures
+   its graphs), with the count of sequences that drew exactly the eager engine's tokens;
 4. ``weight_sync``: ``tools/bench_weight_sync.py``'s worker syncing the 0.5B model into a
    launched embedded engine on the same GPU over the ``tensor`` transport (CUDA IPC): GB/s,
    and the fraction of a device-to-device copy of the same bytes. Colocated mode
@@ -328,8 +331,8 @@ def rollout_requests(concurrency: int, sizes: Sizes, vocab: int, seed: int = 0) 
     return out
 
 
-def engine_generate(engine, reqs) -> None:
-    """All of ``reqs`` through the engine at once; returns when every sequence finished."""
+def engine_generate(engine, reqs) -> list[list[int]]:
+    """All of ``reqs`` through the engine at once; returns each sequence's tokens once all finished."""
     from tools.bench_generation import make_seqs
 
     seqs = make_seqs(reqs)
@@ -347,6 +350,35 @@ def engine_generate(engine, reqs) -> None:
     if not done.wait(timeout=600):
         raise TimeoutError("the engine did not finish the batch in 600 s")
     assert [len(s.output_ids) for s in seqs] == [r[1] for r in reqs], "the engine stopped a sequence early"
+    return [s.output_ids for s in seqs]
+
+
+STATIC_STOP_CHECK_EVERY = 8
+
+
+def _free_gpu_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _static_rollout(model_dir: Path, sizes: Sizes, concurrency: int, reqs, eager_tokens) -> tuple[float, int]:
+    """The same requests on the static decode path (``engine.embedded.decode: static``: CUDA
+    graphs on a GPU): the wall time of a second run (the first captures the graphs of its shape),
+    and how many sequences drew exactly the eager engine's tokens (seeded; bf16 kernels over a
+    longer, padded cache may round a near-tie the other way)."""
+    from megatron_grpo.engine.engine import EmbeddedEngine
+
+    engine = EmbeddedEngine(model_dir, dtype=sizes.dtype, max_batch_size=concurrency, batch_window_s=0.0,
+                            decode="static", stop_check_every=STATIC_STOP_CHECK_EVERY)
+    try:
+        tokens = engine_generate(engine, reqs)  # warm-up: captures the graph of this shape
+        static_s = _timed(lambda: engine_generate(engine, reqs))
+    finally:
+        engine.shutdown()
+    engine = None  # the last reference: its memory goes back before the next engine loads
+    _free_gpu_memory()
+    return static_s, sum(a == b for a, b in zip(tokens, eager_tokens))
 
 
 def part_rollout(sizes: Sizes, work: Path) -> dict:
@@ -363,21 +395,26 @@ def part_rollout(sizes: Sizes, work: Path) -> dict:
             reqs = rollout_requests(concurrency, sizes, vocab)
             useful = sum(r[1] for r in reqs)
             engine_s = _timed(lambda: engine_generate(engine, reqs))
+            eager_tokens = engine_generate(engine, reqs)
             with engine.exclusive():  # the scheduler idles while generate borrows the model
                 hf_s = _timed(lambda: run_hf(engine.model, reqs, concurrency))
         finally:
             engine.shutdown()
+        engine = None  # the last reference: its memory goes back before the static engine loads
+        _free_gpu_memory()
+        static_s, same = _static_rollout(model_dir, sizes, concurrency, reqs, eager_tokens)
         row = {"concurrency": concurrency, "response_tokens": useful, "longest": max(r[1] for r in reqs),
                "engine_s": engine_s, "engine_tokens_per_s": useful / engine_s,
-               "hf_generate_s": hf_s, "hf_generate_tokens_per_s": useful / hf_s}
+               "hf_generate_s": hf_s, "hf_generate_tokens_per_s": useful / hf_s,
+               "static_stop_check_every": STATIC_STOP_CHECK_EVERY, "static_s": static_s,
+               "static_tokens_per_s": useful / static_s, "static_vs_hf_generate": hf_s / static_s,
+               "static_vs_engine": engine_s / static_s, "static_sequences_equal_to_engine": same}
         out["rows"].append(row)
         say(f"rollout {TRAIN_MODELS[0]} x{concurrency}: embedded engine {row['engine_tokens_per_s']:.0f} tokens/s, "
             f"hf generate {row['hf_generate_tokens_per_s']:.0f} tokens/s ({hf_s / engine_s:.2f}x), "
-            f"{useful} response tokens, longest {row['longest']}")
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            f"static decode (k={STATIC_STOP_CHECK_EVERY}) {row['static_tokens_per_s']:.0f} tokens/s "
+            f"({hf_s / static_s:.2f}x generate, {engine_s / static_s:.2f}x the engine; {same}/{len(reqs)} "
+            f"sequences equal to the engine's), {useful} response tokens, longest {row['longest']}")
     return out
 
 

@@ -41,8 +41,9 @@ What it does not do (yet):
   longest row ends -- the cost continuous batching avoids on the eager path.
 * **Models it refuses decode on the eager path** (``run_continuous``, batch by batch):
   mixture-of-experts models (transformers' MoE blocks read the routing on the host to dispatch
-  the experts, which a graph cannot capture; MoE routing replay records hooks each step) and
-  models with sliding-window attention layers (another cache layout).
+  the experts, which a graph cannot capture; MoE routing replay records hooks each step),
+  models with sliding-window attention layers (another cache layout) and models loaded with an
+  attention other than sdpa or eager (the step's 4-D additive mask is theirs).
 """
 
 from __future__ import annotations
@@ -91,7 +92,10 @@ def tokens_left(seq: Sequence, max_context: int) -> int:
 def serves_statically(model: torch.nn.Module) -> bool:
     """Whether the static path can decode for ``model`` (see the module docstring for what it refuses)."""
     layer_types = getattr(model.config, "layer_types", None) or ["full_attention"]
-    return all(t == "full_attention" for t in layer_types) and not moe_routers(model)
+    # the 4-D additive mask is what the sdpa and eager attentions take (flash attention takes none)
+    attention = getattr(model.config, "_attn_implementation", "sdpa")
+    return (all(t == "full_attention" for t in layer_types) and not moe_routers(model)
+            and attention in ("sdpa", "eager"))
 
 
 def additive_mask(allowed_BL: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -368,7 +372,8 @@ class StaticDecoder:
         live = [s for s in seqs if not s.finished]
         if not live:
             return None
-        budget = max(tokens_left(s, max_context) for s in live)
+        # at least one draw, as the eager path makes (a row at the context's end finishes on it)
+        budget = max(1, max(tokens_left(s, max_context) for s in live))
         vocab_size = batch.last_logits_BV.shape[-1]
         with_kept = any(s.return_sampling_mask for s in seqs)
         shape = Shape(bucket=bucket_for(len(seqs), max(max_batch_size, len(seqs))),
@@ -378,6 +383,7 @@ class StaticDecoder:
                       kept_width=min(max(max(s.max_kept for s in seqs), 1), vocab_size) if with_kept else 0)
         state = self.state_for(model, shape, batch, max_context)
         state.load(batch)
+        batch = None  # the prefill's cache is in the static one now: let it go
         drawn_so_far, first = 0, True
         while drawn_so_far < budget:
             num_draws = min(self.stop_check_every, budget - drawn_so_far)
