@@ -54,18 +54,23 @@ def make(specs: list[dict]) -> list[Sequence]:
     return seqs
 
 
-def decode(model, specs: list[dict], *, static: bool, max_batch_size: int = 8, k: int = 4,
-           eos_ids: frozenset[int] = frozenset(), max_context: int = 512,
-           control=lambda: StepControl.CONTINUE) -> tuple[list[Sequence], list[Sequence]]:
-    """Run the sequences of ``specs`` through one path; returns (sequences, retracted)."""
-    seqs = make(specs)
+def _admit_all(seqs: list[Sequence]):
+    """An ``admit(n)`` that hands out ``seqs`` in order, ``n`` at a time."""
     queue = list(seqs)
 
     def admit(n):
         taken = queue[:n]
         del queue[:n]
         return taken
+    return admit
 
+
+def decode(model, specs: list[dict], *, static: bool, max_batch_size: int = 8, k: int = 4,
+           eos_ids: frozenset[int] = frozenset(), max_context: int = 512,
+           control=lambda: StepControl.CONTINUE) -> tuple[list[Sequence], list[Sequence]]:
+    """Run the sequences of ``specs`` through one path; returns (sequences, retracted)."""
+    seqs = make(specs)
+    admit = _admit_all(seqs)
     kwargs = dict(max_batch_size=max_batch_size, eos_ids=eos_ids, pad_id=0,
                   shared_generator=torch.Generator().manual_seed(0), max_context=max_context,
                   control=control, weight_version=lambda: "v")
@@ -134,6 +139,31 @@ def test_greedy_tokens_are_identical(model):
     assert all(len(s.output_ids) == 10 for s in static)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe"])
+def test_other_architectures_and_a_moe_model_on_the_eager_path(tmp_path, model_type):
+    """Llama and Qwen3 (q/k norms) decode statically to the eager tokens; a MoE model (its
+    experts dispatched on the host) is decoded by the eager path, routing replay included."""
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / model_type, model_type, seed=2),
+                                                 dtype=torch.float32).eval()
+    specs = [seeded(i, max_new_tokens=6, top_k=8) for i in range(3)]
+    eager = make(specs)
+    static = make(specs)
+    for seqs in (eager, static):
+        for s in seqs:
+            s.return_routed_experts = model_type == "qwen3_moe"
+    kwargs = dict(max_batch_size=4, eos_ids=frozenset(), pad_id=0, max_context=512,
+                  control=lambda: StepControl.CONTINUE, weight_version=lambda: "v")
+    run_continuous(other, _admit_all(eager), shared_generator=torch.Generator(), **kwargs)
+    decoder = StaticDecoder(stop_check_every=4, use_graphs=False)
+    decoder.run(other, _admit_all(static), shared_generator=torch.Generator(), **kwargs)
+    assert_same(eager, static)
+    assert bool(decoder._states) == (model_type != "qwen3_moe")
+    if model_type == "qwen3_moe":
+        assert all(torch.equal(e.routed_experts, s.routed_experts) for e, s in zip(eager, static))
+
+
 @pytest.mark.parametrize("k", [1, 3, 16])
 def test_seeded_sampling_with_mixed_parameters_per_row_is_identical(model, k):
     specs = [seeded(0), seeded(1, temperature=0.7, top_k=5), seeded(2, top_p=0.8),
@@ -198,9 +228,8 @@ def test_abort_and_retract_at_a_check_point(model, action):
         assert retracted == [] and all(s.finish_reason["type"] == "abort" for s in static)
         return
     assert retracted == static and not any(s.finished for s in static)
-    queue = list(retracted)
     StaticDecoder(stop_check_every=3, use_graphs=False).run(
-        model, lambda n: [queue.pop(0) for _ in range(min(n, len(queue)))], max_batch_size=8, eos_ids=frozenset(),
+        model, _admit_all(retracted), max_batch_size=8, eos_ids=frozenset(),
         pad_id=0, shared_generator=torch.Generator(), max_context=512, control=lambda: StepControl.CONTINUE,
         weight_version=lambda: "v")
     whole, _ = decode(model, specs, static=False)
@@ -264,8 +293,7 @@ def test_cuda_graph_path_greedy_equals_eager_and_follows_a_weight_load(model_dir
     seqs = make(specs)
 
     def go(seqs):
-        queue = list(seqs)
-        graphed.run(gpu, lambda n: [queue.pop(0) for _ in range(min(n, len(queue)))], max_batch_size=8,
+        graphed.run(gpu, _admit_all(seqs), max_batch_size=8,
                     eos_ids=frozenset(), pad_id=0, shared_generator=torch.Generator(), max_context=512,
                     control=lambda: StepControl.CONTINUE, weight_version=lambda: "v")
         return seqs
