@@ -18,7 +18,8 @@ from megatron_grpo.engine.engine import EmbeddedEngine, EngineError
 from megatron_grpo.engine.generation import Sequence
 from megatron_grpo.engine.sampling import draw_on_device, resolve_sampling_params, sample_tokens
 from megatron_grpo.engine.scheduler import StepControl, run_continuous
-from megatron_grpo.engine.static_decode import StaticDecoder, batch_buckets, bucket_for, cache_length
+from megatron_grpo.engine.static_decode import (StaticBatch, StaticDecoder, batch_buckets, bucket_for,
+                                                  cache_length)
 from megatron_grpo.generation.engines import ENGINES
 from megatron_grpo.generation.inprocess import start_inprocess
 from megatron_grpo.models.tiny import save_tiny_model
@@ -211,10 +212,39 @@ def test_n_samples_of_one_prompt_and_more_sequences_than_the_batch(model):
     assert len({tuple(s.output_ids) for s in static[:6]}) > 1  # the samples differ
 
 
+def test_sequences_join_free_rows_of_a_running_static_batch(model, monkeypatch):
+    """Long-tailed lengths through a batch of 4 rows: queued sequences are prefilled and copied
+    into the rows that finished while the others decode (right-aligned to the write column, the
+    cache shifted left over columns no live row uses when the new rows need the room), and
+    every sequence draws the eager path's tokens."""
+    lengths = [3, 12, 2, 5, 9, 2, 12, 4, 6, 2, 11, 3, 7, 2, 10, 5]
+    specs = [{"prompt": PROMPTS[i % len(PROMPTS)], "params": {"max_new_tokens": n, "ignore_eos": True,
+                                                               "sampling_seed": 40 + i, "top_p": 0.9}}
+             for i, n in enumerate(lengths)]
+    shifts, calls = [], []
+    shift_left = StaticBatch.shift_left
+    monkeypatch.setattr(StaticBatch, "shift_left", lambda self, n: (shifts.append(n), shift_left(self, n)))
+    static, eager = make(specs), make(specs)
+    admit = _admit_all(static)
+    decoder = StaticDecoder(stop_check_every=2, use_graphs=False)
+    decoder.run(model, lambda n: calls.append(n) or admit(n), max_batch_size=4, eos_ids=frozenset(), pad_id=0,
+                shared_generator=torch.Generator(), max_context=512, control=lambda: StepControl.CONTINUE,
+                weight_version=lambda: "v")
+    run_continuous(model, _admit_all(eager), max_batch_size=4, eos_ids=frozenset(), pad_id=0,
+                   shared_generator=torch.Generator(), max_context=512, control=lambda: StepControl.CONTINUE,
+                   weight_version=lambda: "v", min_admit=1)
+    assert_same(eager, static)
+    assert [len(s.output_ids) for s in static] == lengths
+    assert sum(0 < n < 4 for n in calls) >= 3, calls  # admitted while other rows were live
+    assert any(n > 0 for n in shifts), shifts
+    assert len(decoder._states) == 1  # one static batch served them all
+
+
 @pytest.mark.parametrize("action", [StepControl.ABORT, StepControl.RETRACT])
 def test_abort_and_retract_at_a_check_point(model, action):
-    """control() answers at the second check point (k = 3: after 6 tokens); a retracted sequence
-    resumes (re-prefilled) to the same tokens as a run that was never interrupted."""
+    """control() answers at the second check point (k = 3: the first token is drawn with the
+    prefill, so after 1 + 3 + 3 tokens); a retracted sequence resumes (re-prefilled) to the
+    same tokens as a run that was never interrupted."""
     specs = [seeded(i, max_new_tokens=10) for i in range(3)]
     calls = []
 
@@ -223,7 +253,7 @@ def test_abort_and_retract_at_a_check_point(model, action):
         return action if len(calls) == 2 else StepControl.CONTINUE
 
     static, retracted = decode(model, specs, static=True, k=3, control=control)
-    assert all(len(s.output_ids) == 6 for s in static)
+    assert all(len(s.output_ids) == 7 for s in static)
     if action == StepControl.ABORT:
         assert retracted == [] and all(s.finish_reason["type"] == "abort" for s in static)
         return

@@ -20,8 +20,8 @@ One process, one CPU thread, the same model object and the same requests for eve
   ``continuous, admit each row`` admits as soon as one row is free (``min_admit=1``): more
   merges, to show what a merge costs;
 * ``static``: ``static_decode.StaticDecoder`` (``engine.embedded.decode: static``, CPU: no
-  graphs): waves of ``--batch`` sequences in a preallocated cache, draws on the device, the
-  host reading the tokens every ``--stop-check-every`` tokens; its tokens are checked equal to
+  graphs): ``--batch`` rows of a preallocated cache, draws on the device, the host reading the
+  tokens (and admitting into free rows) every ``--stop-check-every`` tokens; its tokens are checked equal to
   ``continuous``'s (seeded) in the warm-up round. On a CPU it measures the host work the static
   path removes and the padding rows it decodes; its point is the GPU (``tools/bench_gpu.py``);
 * ``hf generate``: ``model.generate(do_sample=True, temperature=1, top_k=0)`` on the same

@@ -59,8 +59,8 @@ class EmbeddedConfig:
     drawn (continuous batching; host-bound on a GPU). static: preallocated KV caches per
     batch-size bucket, sampling on the device, stops read every stop_check_every tokens, and on a
     GPU each bucket's decode step replayed from a CUDA graph (engine/static_decode.py): the same
-    tokens as eager for greedy and seeded requests, but queued sequences wait for the running
-    batch to end (waves), and MoE or sliding-window models decode eagerly."""
+    tokens as eager for greedy and seeded requests; queued sequences join free rows at the stop
+    checks; MoE and sliding-window models decode eagerly."""
 
     stop_check_every: int = 8
     """decode: static: tokens drawn between two host reads (stop checks, pause/abort/retract);

@@ -9,16 +9,17 @@ buffers whose shapes and addresses are fixed, so on CUDA it is captured once in 
 same buffers (so everything but the capture call is exercised by the CPU tests).
 
 * **Buckets.** Sequences run in a ``StaticBatch`` of ``bucket`` rows, the smallest of 1, 2, 4,
-  ... (and ``max_batch_size``) that holds them; unused rows decode padding. The cache holds
-  ``length`` columns, a power of two covering the longest prompt plus the most tokens any row
-  may still draw. One ``StaticBatch`` (its cache and graph) is kept per (bucket, length,
-  sampling kind) and reused by every later batch of that shape; a batch of another length
-  frees the others (memory: 2 * layers * bucket * length * kv_heads * head_dim elements).
-* **Layout.** The prompts are prefilled eagerly (``scheduler.prefill``: prefix sharing,
-  prompt log-probs) and their keys/values copied LEFT-padded into columns ``[0, W)``; every
-  row then writes its next token at the same column (transformers' ``StaticCache``), attends
-  through a 4-D additive mask built from ``allowed_BL`` (its own columns only) and is fed at its
-  own position ids, as in the eager path.
+  ... (and ``max_batch_size``) that holds the sequences it starts with; unused rows decode
+  padding. The cache holds ``length`` columns, a power of two covering the longest prefix plus
+  the most tokens any row may draw. One ``StaticBatch`` (its cache and graph) is kept per
+  (bucket, length, sampling kind) and reused by every later batch of that shape; a batch of
+  another length frees the others (memory: 2 * layers * bucket * length * kv_heads * head_dim).
+* **Layout.** Sequences are prefilled eagerly (``scheduler.prefill``: prefix sharing, prompt
+  log-probs) and draw their first token there (``scheduler.sample_step``); their keys/values
+  are then copied into free rows, RIGHT-aligned so that each prefix ends just before the
+  column every row writes next (transformers' ``StaticCache``: one write index for all rows).
+  Each row attends through a 4-D additive mask built from ``allowed_BL`` (its own columns
+  only) and is fed at its own position ids, as in the eager path.
 * **Sampling** is ``sampling.draw_on_device`` (the eager path's draw: same rule per row, same
   log-probs, same kept sets), with the uniforms of the next ``k`` tokens drawn beforehand on the
   host from each row's own generator, one per row per token as ``draw_uniforms`` does, so a
@@ -27,23 +28,31 @@ same buffers (so everything but the capture call is exercised by the CPU tests).
   ``stop_check_every`` tokens the host reads them once, appends each row's tokens up to its
   finish (``generation.finish_reason_for``: EOS, stop ids, max_new_tokens, the context), drops
   the ones drawn past it, and asks the engine's ``control()`` (pause, abort, retract), as the
-  eager path does after every token. A row that finished keeps decoding padding until the
-  batch ends.
+  eager path does after every token (so an abort or retract lands up to k - 1 tokens later).
+* **Continuous admission at check points.** Once a quarter of the rows is free (finished rows
+  count), queued sequences are prefilled and copied into free rows, as on the eager path.
+  They fit when their prefix is no wider than the write column and the cache has room for
+  all their draws after it; if not, the cache is shifted left over the leading columns no live
+  row uses (one copy of the cache, like the eager path's ``compact``) or they wait, prefilled,
+  for rows to finish; when no row is live they start a batch of their own shape. A finished
+  row decodes padding until a newcomer takes it. A batch's bucket and sampling kind are fixed
+  when it starts: newcomers whose draw needs another kind (sorting, a wider kept set) wait for
+  a batch of their own.
 * **Weight updates** copy into the parameters in place (``EmbeddedEngine._load``), so captured
   graphs stay valid; a quantized engine's re-quantization makes new tensors, so the engine
-  calls ``StaticDecoder.invalidate`` (graphs recaptured at the next use).
+  calls ``StaticDecoder.invalidate`` (graphs recaptured at the next batch of each shape).
 
-What it does not do (yet):
+What it refuses, and what it costs:
 
-* **Admission in waves, not continuous.** A batch takes up to ``max_batch_size`` queued
-  sequences and runs until all of them finished (or a pause); queued sequences wait for the
-  next batch. A long-tailed batch therefore decodes its finished rows as padding until its
-  longest row ends -- the cost continuous batching avoids on the eager path.
 * **Models it refuses decode on the eager path** (``run_continuous``, batch by batch):
   mixture-of-experts models (transformers' MoE blocks read the routing on the host to dispatch
   the experts, which a graph cannot capture; MoE routing replay records hooks each step),
   models with sliding-window attention layers (another cache layout) and models loaded with an
   attention other than sdpa or eager (the step's 4-D additive mask is theirs).
+* Every step attends over all ``length`` columns of every row (padding masked, not skipped),
+  and at each check point the device waits while the host appends the interval's tokens and
+  draws the next interval's uniforms (per-token Python work, batched k tokens at a time; not
+  yet overlapped with the next interval).
 """
 
 from __future__ import annotations
@@ -57,7 +66,7 @@ from megatron_grpo.engine.batch import RunningBatch
 from megatron_grpo.engine.generation import Sequence, finish_reason_for
 from megatron_grpo.engine.routing import moe_routers
 from megatron_grpo.engine.sampling import TOP_K_ALL, draw_on_device, draw_uniforms, kept_sets
-from megatron_grpo.engine.scheduler import StepControl, cache_kwarg, prefill, run_continuous, start
+from megatron_grpo.engine.scheduler import StepControl, cache_kwarg, prefill, run_continuous, sample_step, start
 
 DECODE_MODES = ("eager", "static")
 
@@ -116,15 +125,38 @@ class Shape:
     """Kept ids stored per row and token (0: no kept sets)."""
 
 
+@dataclass(eq=False)
+class Fresh:
+    """Sequences prefilled (``scheduler.prefill``) and given their first token on the host
+    (``scheduler.sample_step``, the eager path's draw), ready to take rows of a static batch.
+
+    batch: their ``RunningBatch`` (left-padded cache, mask, positions), live rows only.
+    tokens_B: int64 [B], each row's first token (fed at its first static step).
+    """
+
+    batch: RunningBatch
+    tokens_B: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.batch.mask_BT.shape[1]
+
+    def budget(self, max_context: int) -> int:
+        """The most tokens a row may still draw (one static step each)."""
+        return max(tokens_left(s, max_context) for s in self.batch.seqs)
+
+
 class StaticBatch:
     """The buffers of one static shape and, on CUDA, the graph of its decode step.
 
-    cache: transformers ``StaticCache``, [bucket, kv_heads, length, head_dim] per layer.
-    allowed_BL: bool, the cache columns each row attends to. tokens_B / pos_B: int64, the tokens
-    fed at the next step and their position ids. logits_BV: the logits of the last forward.
-    temperature_B, top_k_B, top_p_B, min_p_B: each row's sampling parameters.
+    cache: transformers ``StaticCache``, [bucket, kv_heads, length, head_dim] per layer; every
+    row writes its next token at the same column (``column``, a host mirror of the cache's
+    write index). allowed_BL: bool, the cache columns each row attends to. tokens_B / pos_B:
+    int64, the tokens fed at the next step and their position ids. logits_BV: the logits of
+    the last forward. temperature_B, top_k_B, top_p_B, min_p_B: each row's sampling parameters.
     uniforms_KB: float64 [k, bucket], the uniforms of the next k draws. slot: int64 [1], the draw
     the next step makes within the interval. out_*_K*: what each draw of the interval produced.
+    rows: the sequence of each row (None: free); starts: the first cache column each row uses.
     """
 
     def __init__(self, model: torch.nn.Module, shape: Shape, *, stop_check_every: int, max_context: int,
@@ -156,6 +188,9 @@ class StaticBatch:
         self.out_log_mass_KB = torch.zeros(k, b, dtype=torch.float64, device=device) if kept else None
         self.out_kept_KBC = torch.zeros(k, b, kept, dtype=torch.long, device=device) if kept else None
         self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.rows: list[Optional[Sequence]] = [None] * b
+        self.starts = [0] * b
+        self.column = 0
 
     # ---- the device work (no host read: captured on CUDA) -----------------------------
 
@@ -193,7 +228,7 @@ class StaticBatch:
     def capture(self, pool) -> None:
         """Record ``step`` in a CUDA graph (warm-up on a side stream first, as torch asks), its
         memory from ``pool`` (shared by every shape: their graphs never replay at once). The
-        warm-up writes garbage into the buffers: ``load`` resets them all."""
+        warm-up writes into the buffers: call it before ``reset``."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -208,45 +243,118 @@ class StaticBatch:
             self.step()
         self.graph = graph
 
-    def replay(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.step()
+    def replay(self, num_steps: int) -> None:
+        for _ in range(num_steps):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.step()
 
     # ---- the host side -----------------------------------------------------------------
 
-    def load(self, batch: RunningBatch) -> None:
-        """Take a prefilled batch's rows: their keys/values in columns [0, W) of the first rows
-        (the rest zeroed), their masks, positions, last logits and sampling parameters."""
-        n, width = len(batch), batch.mask_BT.shape[1]
-        assert n <= self.shape.bucket and width < self.shape.length, (n, width, self.shape)
-        for mine, theirs in zip(self.cache.layers, batch.cache.layers):
-            for buf, src in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
-                buf.zero_()
-                buf[:n, :, :width].copy_(src)
-            mine.cumulative_length.fill_(width)
+    def reset(self, column: int) -> None:
+        """Every row free, attending to nothing; the next step writes column ``column``."""
         self.allowed_BL.zero_()
-        self.allowed_BL[:n, :width].copy_(batch.mask_BT.bool())
-        self.pos_B.zero_()
-        self.pos_B[:n].copy_(batch.next_pos_B)
-        self.logits_BV.zero_()
-        self.logits_BV[:n].copy_(batch.last_logits_BV)
-        params = [s.params for s in batch.seqs]
-        for buf, values, rest in ((self.temperature_B, [p.temperature for p in params], 1.0),
-                                  (self.top_k_B, [p.top_k for p in params], TOP_K_ALL),
-                                  (self.top_p_B, [p.top_p for p in params], 1.0),
-                                  (self.min_p_B, [p.min_p for p in params], 0.0)):
-            buf.fill_(rest)
-            buf[:n].copy_(torch.tensor(values, dtype=buf.dtype))
+        self._set_column(column)
+        self.rows = [None] * self.shape.bucket
+        self.starts = [0] * self.shape.bucket
 
-    def set_uniforms(self, seqs: list[Sequence], shared: torch.Generator, num_draws: int) -> None:
+    def _set_column(self, column: int) -> None:
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(column)
+        self.column = column
+
+    def live_rows(self) -> list[int]:
+        return [i for i, s in enumerate(self.rows) if s is not None and not s.finished]
+
+    def free_rows(self) -> list[int]:
+        return [i for i, s in enumerate(self.rows) if s is None or s.finished]
+
+    def accepts(self, fresh: Fresh) -> bool:
+        """Whether ``fresh``'s sampling fits this shape's draw (sorting, kept-set width)."""
+        seqs = fresh.batch.seqs
+        vocab_size = self.logits_BV.shape[1]
+        if any(s.return_sampling_mask and min(max(s.max_kept, 1), vocab_size) > self.shape.kept_width for s in seqs):
+            return False
+        return self.shape.sorts or not any(filters(s, vocab_size) for s in seqs)
+
+    def make_room(self, fresh: Fresh) -> bool:
+        """Make ``fresh`` fit, right-aligned before the write column (its prefixes end where the
+        live rows' next token goes) with room for all its draws: shift the cache left over
+        columns no live row uses if needed (or start afresh when no row is live). False when it
+        cannot fit now (too few free rows, or the live rows still use those columns)."""
+        if not self.accepts(fresh) or len(fresh.batch) > len(self.free_rows()):
+            return False
+        budget, live = fresh.budget(self.max_context), self.live_rows()
+        if not live:  # nothing to keep: the whole cache is free
+            if fresh.width + budget > self.shape.length:
+                return False
+            self.reset(fresh.width)
+            return True
+        shift = max(0, self.column + budget - self.shape.length)
+        unused = min(self.starts[i] for i in live)  # leading columns no live row uses
+        if self.column - shift < fresh.width or shift > unused:
+            return False
+        self.shift_left(shift)
+        return True
+
+    def shift_left(self, columns: int) -> None:
+        """Drop the first ``columns`` cache columns of every row (unused: ``make_room``);
+        positions are explicit, so nothing else changes. A copy of the whole cache."""
+        if columns == 0:
+            return
+        keep = self.shape.length - columns
+        for layer in self.cache.layers:
+            for buf in (layer.keys, layer.values):
+                buf[:, :, :keep] = buf[:, :, columns:].clone()
+        self.allowed_BL[:, :keep] = self.allowed_BL[:, columns:].clone()
+        self.allowed_BL[:, keep:] = False
+        self._set_column(self.column - columns)
+        self.starts = [max(0, start - columns) for start in self.starts]
+
+    def place(self, fresh: Fresh) -> None:
+        """Copy ``fresh``'s rows into free rows, right-aligned so that their prefixes end just
+        before the write column (``room_after_shift`` said they fit)."""
+        rows = self.free_rows()[: len(fresh.batch)]
+        start = self.column - fresh.width
+        index = torch.tensor(rows, dtype=torch.long, device=self.tokens_B.device)
+        for mine, theirs in zip(self.cache.layers, fresh.batch.cache.layers):
+            for buf, src in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                buf[index, :, start:self.column] = src
+        self.allowed_BL[index] = False
+        self.allowed_BL[index, start:self.column] = fresh.batch.mask_BT.bool()
+        self.pos_B[index] = fresh.batch.next_pos_B
+        self.tokens_B[index] = fresh.tokens_B
+        params = [s.params for s in fresh.batch.seqs]
+        for buf, values in ((self.temperature_B, [p.temperature for p in params]),
+                            (self.top_k_B, [p.top_k for p in params]),
+                            (self.top_p_B, [p.top_p for p in params]),
+                            (self.min_p_B, [p.min_p for p in params])):
+            buf[index] = torch.tensor(values, dtype=buf.dtype, device=buf.device)
+        for row, seq in zip(rows, fresh.batch.seqs):
+            self.rows[row], self.starts[row] = seq, start
+
+    def set_uniforms(self, shared: torch.Generator, num_draws: int) -> None:
         """The uniforms of the next ``num_draws`` draws, drawn on the host as the eager path draws
-        them: per draw, one per row, from the row's generator when seeded (the finished rows'
-        too, as the eager path's batch does until it drops them: their draws are never used)."""
-        rows = [draw_uniforms([s.generator for s in seqs], shared) for _ in range(num_draws)]
-        self.uniforms_KB[:num_draws, : len(seqs)].copy_(torch.stack(rows))
+        them: per draw, one per live row from the row's generator when seeded (``draw_uniforms``)."""
+        live = self.live_rows()
+        uniforms = torch.full((num_draws, self.shape.bucket), 0.5, dtype=torch.float64)
+        for j in range(num_draws):
+            uniforms[j, live] = draw_uniforms([self.rows[i].generator for i in live], shared)
+        self.uniforms_KB[:num_draws].copy_(uniforms)
         self.slot.zero_()
+
+    def run_interval(self, shared: torch.Generator, num_draws: int) -> None:
+        """``num_draws`` decode steps with no host read."""
+        self.set_uniforms(shared, num_draws)
+        self.replay(num_draws)
+        self.column += num_draws
+
+
+def filters(seq: Sequence, vocab_size: int) -> bool:
+    """Whether ``seq``'s draws go through the sorted order (``sampling.filtering_rows``' rule)."""
+    p = seq.params
+    return p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0
 
 
 @dataclass
@@ -260,10 +368,10 @@ class Interval:
     kept_ids: Optional[list[list[list[int]]]] = None
 
 
-def read_interval(state: StaticBatch, num_rows: int, num_draws: int) -> Interval:
-    """The interval's draws of the first ``num_rows`` rows (the one host read of the interval)."""
+def read_interval(state: StaticBatch, num_draws: int) -> Interval:
+    """The interval's draws of every row (the one host read of the interval)."""
     def rows(buf_K):  # [K, B, ...] -> per row, its m draws
-        return buf_K[:num_draws, :num_rows].transpose(0, 1).tolist()
+        return buf_K[:num_draws].transpose(0, 1).tolist()
 
     out = Interval(rows(state.out_tokens_KB), rows(state.out_logprobs_KB))
     if state.shape.kept_width:
@@ -272,11 +380,13 @@ def read_interval(state: StaticBatch, num_rows: int, num_draws: int) -> Interval
     return out
 
 
-def append_interval(seqs: list[Sequence], drawn: Interval, *, eos_ids: frozenset[int], max_context: int,
-                    version: str, weight_version: Callable[[], str]) -> None:
+def append_interval(seqs: list[Optional[Sequence]], drawn: Interval, *, eos_ids: frozenset[int],
+                    max_context: int, version: str, weight_version: Callable[[], str]) -> None:
     """Append each live row's draws up to its finish (the draws past it are dropped), exactly as
     the eager ``sample_step`` would have, token by token."""
     for row, s in enumerate(seqs):
+        if s is None:
+            continue
         for j, token in enumerate(drawn.tokens[row]):
             if s.finished:
                 break
@@ -302,8 +412,45 @@ def _once(seqs: list[Sequence]) -> Callable[[int], list[Sequence]]:
     return admit
 
 
+@dataclass
+class Run:
+    """One ``StaticDecoder.run``'s fixed arguments (``scheduler.run_continuous``'s)."""
+
+    model: torch.nn.Module
+    admit: Callable[[int], list[Sequence]]
+    max_batch_size: int
+    eos_ids: frozenset[int]
+    pad_id: int
+    shared_generator: torch.Generator
+    max_context: int
+    control: Callable[[], str]
+    weight_version: Callable[[], str]
+
+    def prefill(self, seqs: list[Sequence]) -> Optional[Fresh]:
+        """Prefill ``seqs`` and draw their first tokens (the eager path's first step); None when
+        none is left to decode."""
+        batch = prefill(self.model, seqs, pad_id=self.pad_id, recorder=None)
+        for s in seqs:  # prompt log-probs only: the prefill was all they needed
+            if s.params.max_new_tokens == 0:
+                s.finish({"type": "length", "length": 0}, self.weight_version())
+        if batch.num_live == 0:
+            return None
+        tokens = sample_step(batch, shared_generator=self.shared_generator, eos_ids=self.eos_ids,
+                             max_context=self.max_context, weight_version=self.weight_version)
+        if batch.num_live == 0:
+            return None
+        keep = batch.drop_finished()
+        return Fresh(batch, tokens[keep])
+
+    def admit_fresh(self, num_rows: int) -> tuple[bool, Optional[Fresh]]:
+        """Up to ``num_rows`` queued sequences, prefilled: (whether any was admitted, the fresh rows)."""
+        admitted = self.admit(num_rows)
+        seqs = start(admitted, self.weight_version)
+        return bool(admitted), (self.prefill(seqs) if seqs else None)
+
+
 class StaticDecoder:
-    """Runs batches on the static path; keeps their ``StaticBatch`` (and graphs) between runs.
+    """Runs sequences on the static path; keeps each shape's ``StaticBatch`` (and graph) between runs.
 
     ``use_graphs``: capture each shape's step in a CUDA graph (on a CUDA model only).
     """
@@ -317,20 +464,29 @@ class StaticDecoder:
 
     def invalidate(self) -> None:
         """Forget the captured graphs (after a weight update that replaced tensors rather than
-        copying into them): the next batch of each shape recaptures."""
+        copying into them): each shape recaptures at its next batch."""
         for state in self._states.values():
             state.graph = None
 
-    def state_for(self, model: torch.nn.Module, shape: Shape, batch: RunningBatch, max_context: int) -> StaticBatch:
+    def shape_for(self, fresh: Fresh, max_batch_size: int, max_context: int) -> Shape:
+        seqs, vocab_size = fresh.batch.seqs, fresh.batch.last_logits_BV.shape[-1]
+        with_kept = any(s.return_sampling_mask for s in seqs)
+        return Shape(bucket=bucket_for(len(seqs), max(max_batch_size, len(seqs))),
+                     length=cache_length(fresh.width + fresh.budget(max_context)),
+                     sorts=with_kept or any(filters(s, vocab_size) for s in seqs),
+                     kept_width=min(max(max(s.max_kept for s in seqs), 1), vocab_size) if with_kept else 0)
+
+    def state_for(self, model: torch.nn.Module, shape: Shape, fresh: Fresh, max_context: int) -> StaticBatch:
         state = self._states.get(shape)
         if state is None:
             # another length: free the other caches first (a graph's memory goes with its batch)
             self._states = {s: st for s, st in self._states.items() if s.length == shape.length}
             state = self._states[shape] = StaticBatch(model, shape, stop_check_every=self.stop_check_every,
-                                                      max_context=max_context, like=batch)
-        if self.use_graphs and state.graph is None and batch.last_logits_BV.is_cuda:
+                                                      max_context=max_context, like=fresh.batch)
+        if self.use_graphs and state.graph is None and fresh.batch.last_logits_BV.is_cuda:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
+            state.reset(0)  # the warm-up steps write the first columns
             state.capture(self._pool)
         return state
 
@@ -341,70 +497,64 @@ class StaticDecoder:
         """``scheduler.run_continuous``'s contract, on the static path: decode until ``admit``
         has nothing more and every admitted sequence finished; returns the retracted sequences
         when ``control()`` said RETRACT, else []."""
+        run = Run(model, admit, max_batch_size, eos_ids, pad_id, shared_generator, max_context, control,
+                  weight_version)
+        pending: Optional[Fresh] = None
         while True:
-            admitted = admit(max_batch_size)
-            seqs = start(admitted, weight_version)
-            if not seqs:
-                if not admitted:
-                    return []
-                continue
-            if not serves_statically(model):
-                retracted = run_continuous(model, _once(seqs), max_batch_size=max_batch_size, eos_ids=eos_ids,
-                                           pad_id=pad_id, shared_generator=shared_generator,
-                                           max_context=max_context, control=control, weight_version=weight_version)
-            else:
-                retracted = self._run_batch(model, seqs, max_batch_size=max_batch_size, eos_ids=eos_ids, pad_id=pad_id,
-                                            shared_generator=shared_generator, max_context=max_context,
-                                            control=control, weight_version=weight_version)
+            if pending is None:
+                admitted = admit(max_batch_size)
+                seqs = start(admitted, weight_version)
+                if not seqs:
+                    if not admitted:
+                        return []
+                    continue
+                if not serves_statically(model):
+                    retracted = run_continuous(model, _once(seqs), max_batch_size=max_batch_size, eos_ids=eos_ids,
+                                               pad_id=pad_id, shared_generator=shared_generator,
+                                               max_context=max_context, control=control, weight_version=weight_version)
+                    if retracted:
+                        return retracted
+                    continue
+                pending = run.prefill(seqs)
+                if pending is None:
+                    continue
+            retracted, pending = self._run_batch(run, pending)
             if retracted is not None:
                 return retracted
 
-    def _run_batch(self, model: torch.nn.Module, seqs: list[Sequence], *, max_batch_size: int,
-                   eos_ids: frozenset[int], pad_id: int,
-                   shared_generator: torch.Generator, max_context: int, control: Callable[[], str],
-                   weight_version: Callable[[], str]) -> Optional[list[Sequence]]:
-        """Prefill ``seqs`` and decode them to the end. Returns None when they all finished,
-        else what the engine's control asked for (``run``'s return)."""
-        batch = prefill(model, seqs, pad_id=pad_id, recorder=None)
-        for s in seqs:  # prompt log-probs only: the prefill was all they needed
-            if s.params.max_new_tokens == 0:
-                s.finish({"type": "length", "length": 0}, weight_version())
-        live = [s for s in seqs if not s.finished]
-        if not live:
-            return None
-        # at least one draw, as the eager path makes (a row at the context's end finishes on it)
-        budget = max(1, max(tokens_left(s, max_context) for s in live))
-        vocab_size = batch.last_logits_BV.shape[-1]
-        with_kept = any(s.return_sampling_mask for s in seqs)
-        shape = Shape(bucket=bucket_for(len(seqs), max(max_batch_size, len(seqs))),
-                      length=cache_length(batch.mask_BT.shape[1] + budget),
-                      sorts=with_kept or any(s.params.top_k < vocab_size or s.params.top_p < 1.0 or s.params.min_p > 0
-                                             for s in seqs),
-                      kept_width=min(max(max(s.max_kept for s in seqs), 1), vocab_size) if with_kept else 0)
-        state = self.state_for(model, shape, batch, max_context)
-        state.load(batch)
-        batch = None  # the prefill's cache is in the static one now: let it go
-        drawn_so_far, first = 0, True
-        while drawn_so_far < budget:
-            num_draws = min(self.stop_check_every, budget - drawn_so_far)
-            version = weight_version()  # no update runs inside an interval (the engine's lock)
-            state.set_uniforms(seqs, shared_generator, num_draws)
-            if first:  # the prefill's logits are drawn from before the first step
-                state.draw()
-            for _ in range(num_draws - 1 if first else num_draws):
-                state.replay()
-            first = False
-            drawn_so_far += num_draws
-            append_interval(seqs, read_interval(state, len(seqs), num_draws), eos_ids=eos_ids,
-                            max_context=max_context, version=version, weight_version=weight_version)
-            action = control()
-            if action == StepControl.ABORT:
-                for s in seqs:
-                    if not s.finished:
-                        s.finish({"type": "abort", "message": "generation paused (mode=abort)"}, weight_version())
-                return []
-            if action == StepControl.RETRACT:
-                return [s for s in seqs if not s.finished]
-            if all(s.finished for s in seqs):
-                break
-        return None
+    def _run_batch(self, run: Run, first: Fresh) -> tuple[Optional[list[Sequence]], Optional[Fresh]]:
+        """Decode ``first`` in a static batch of its shape, admitting queued sequences into the
+        rows that free up, until no row is live and nothing more fits. Returns (what ``run``
+        returns, or None to go on; the prefilled sequences left for the next batch)."""
+        state = self.state_for(run.model, self.shape_for(first, run.max_batch_size, run.max_context),
+                               first, run.max_context)
+        state.reset(first.width)
+        state.place(first)
+        pending: Optional[Fresh] = None
+        while True:
+            live = state.live_rows()
+            if live:
+                num_draws = min(self.stop_check_every, max(tokens_left(state.rows[i], run.max_context) for i in live))
+                version = run.weight_version()  # no update runs inside an interval (the engine's lock)
+                state.run_interval(run.shared_generator, num_draws)
+                append_interval(state.rows, read_interval(state, num_draws), eos_ids=run.eos_ids,
+                                max_context=run.max_context, version=version, weight_version=run.weight_version)
+                action = run.control()
+                waiting = pending.batch.seqs if pending is not None else []
+                if action == StepControl.ABORT:
+                    for s in [state.rows[i] for i in state.live_rows()] + waiting:
+                        s.finish({"type": "abort", "message": "generation paused (mode=abort)"}, run.weight_version())
+                    return [], None
+                if action == StepControl.RETRACT:
+                    return [state.rows[i] for i in state.live_rows()] + waiting, None
+            # admit into the free rows, as the eager path does, once a quarter of them is free
+            free = len(state.free_rows())
+            if pending is None and (free == state.shape.bucket or free >= max(1, state.shape.bucket // 4)):
+                admitted, pending = run.admit_fresh(free)
+                if admitted and pending is None:
+                    continue  # they all finished on their first draw: look again
+            if pending is not None and state.make_room(pending):
+                state.place(pending)
+                pending = None
+            if not state.live_rows():
+                return None, pending  # nothing runs here: the caller starts pending in its own batch
