@@ -65,7 +65,7 @@ import torch
 from megatron_grpo.engine.batch import RunningBatch
 from megatron_grpo.engine.generation import Sequence, finish_reason_for
 from megatron_grpo.engine.routing import moe_routers
-from megatron_grpo.engine.sampling import TOP_K_ALL, draw_on_device, draw_uniforms, kept_sets
+from megatron_grpo.engine.sampling import TOP_K_ALL, draw_on_device, draw_uniforms
 from megatron_grpo.engine.scheduler import StepControl, cache_kwarg, prefill, run_continuous, sample_step, start
 
 DECODE_MODES = ("eager", "static")
@@ -314,7 +314,7 @@ class StaticBatch:
 
     def place(self, fresh: Fresh) -> None:
         """Copy ``fresh``'s rows into free rows, right-aligned so that their prefixes end just
-        before the write column (``room_after_shift`` said they fit)."""
+        before the write column (``make_room`` said they fit)."""
         rows = self.free_rows()[: len(fresh.batch)]
         start = self.column - fresh.width
         index = torch.tensor(rows, dtype=torch.long, device=self.tokens_B.device)
@@ -365,7 +365,9 @@ class Interval:
     logprobs: list[list[float]]
     num_kept: Optional[list[list[int]]] = None
     log_kept_mass: Optional[list[list[float]]] = None
-    kept_ids: Optional[list[list[list[int]]]] = None
+    kept_ids: Optional[torch.Tensor] = None
+    """int64 [B, m, kept_width] on the host (a row's set is the first ``num_kept`` of its draw's
+    ids: only those of rows that asked, within their budget, become lists)."""
 
 
 def read_interval(state: StaticBatch, num_draws: int) -> Interval:
@@ -376,7 +378,7 @@ def read_interval(state: StaticBatch, num_draws: int) -> Interval:
     out = Interval(rows(state.out_tokens_KB), rows(state.out_logprobs_KB))
     if state.shape.kept_width:
         out.num_kept, out.log_kept_mass = rows(state.out_num_kept_KB), rows(state.out_log_mass_KB)
-        out.kept_ids = rows(state.out_kept_KBC)
+        out.kept_ids = state.out_kept_KBC[:num_draws].transpose(0, 1).cpu()
     return out
 
 
@@ -395,7 +397,7 @@ def append_interval(seqs: list[Optional[Sequence]], drawn: Interval, *, eos_ids:
             s.output_versions.append(version)
             if s.return_sampling_mask:
                 n = drawn.num_kept[row][j]
-                s.output_kept_ids.append(kept_sets([n], [drawn.kept_ids[row][j]], s.max_kept)[0])
+                s.output_kept_ids.append(drawn.kept_ids[row, j, :n].tolist() if n <= s.max_kept else None)
                 s.output_log_kept_mass.append(drawn.log_kept_mass[row][j])
             reason = finish_reason_for(s, token, eos_ids, max_context)
             if reason is not None:
