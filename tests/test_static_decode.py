@@ -266,6 +266,34 @@ def test_abort_and_retract_at_a_check_point(model, action):
     assert_same(whole, static)
 
 
+@pytest.mark.parametrize("action", [StepControl.ABORT, StepControl.RETRACT])
+def test_a_sequence_waiting_for_room_is_aborted_or_retracted_with_the_batch(model, action):
+    """Two rows: the first finishes after 3 tokens and a queued sequence with an 8-token prompt
+    is prefilled (its first token drawn) but cannot fit before the write column (3 columns in):
+    it waits. Abort ends it too; retract returns it with the live row, and both resume to the
+    uninterrupted tokens."""
+    specs = [{"prompt": PROMPTS[3], "params": {"max_new_tokens": n, "ignore_eos": True, "sampling_seed": 60 + i}}
+             for i, n in enumerate([3, 20])] + [seeded(2, max_new_tokens=20)]
+    calls = []
+
+    def control():
+        calls.append(1)
+        return action if len(calls) == 2 else StepControl.CONTINUE
+
+    static, retracted = decode(model, specs, static=True, max_batch_size=2, k=2, control=control)
+    assert [len(s.output_ids) for s in static] == [3, 5, 1]  # the third waited after its first token
+    if action == StepControl.ABORT:
+        assert retracted == [] and [s.finish_reason["type"] for s in static] == ["length", "abort", "abort"]
+        return
+    assert retracted == static[1:]
+    StaticDecoder(stop_check_every=2, use_graphs=False).run(
+        model, _admit_all(retracted), max_batch_size=2, eos_ids=frozenset(), pad_id=0,
+        shared_generator=torch.Generator(), max_context=512, control=lambda: StepControl.CONTINUE,
+        weight_version=lambda: "v")
+    whole, _ = decode(model, specs, static=False, max_batch_size=2)
+    assert_same(whole, static)
+
+
 def test_engine_static_decode_serves_the_new_weights_after_a_load(model_dirs):
     """The embedded engine on the static path: same greedy answer as the eager engine, and after
     ``load_weights`` of another model's tensors, that model's answer (the static batch's buffers
