@@ -9,6 +9,9 @@ answers to abort/retract at a check point. The graph path itself is the CUDA-onl
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -314,6 +317,42 @@ def test_engine_static_decode_serves_the_new_weights_after_a_load(model_dirs):
         static.shutdown()
         eager.shutdown()
     assert after == expected and after != before
+
+
+def test_engine_static_decode_retracts_for_a_weight_update_and_resumes_on_the_new_weights(model_dirs):
+    """``pause("retract")`` mid-generation on the static path, a weight load and a new version,
+    ``resume()``: each sequence's tokens are labelled by the version that drew them, and the
+    ones after the update are the new model's greedy continuation of the prefix drawn before."""
+    from safetensors.torch import load_file
+
+    params = {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}
+    static = EmbeddedEngine(model_dirs[0], dtype="float32", max_batch_size=4, decode="static", stop_check_every=4)
+    reference = EmbeddedEngine(model_dirs[1], dtype="float32", max_batch_size=4)
+    try:
+        done = threading.Semaphore(0)
+        seqs = [Sequence(rid=str(i), prompt_ids=list(p), params=resolve_sampling_params(params),
+                         on_finish=lambda s: done.release()) for i, p in enumerate(PROMPTS[:3])]
+        static.submit(seqs, hold=False)
+        deadline = time.monotonic() + 60
+        while len(seqs[0].output_ids) < 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        static.pause("retract")
+        with static.exclusive():
+            static.load_weights(load_file(str(model_dirs[1] / "model.safetensors")).items())
+            static.weight_version = "2"
+        static.resume()
+        for _ in seqs:
+            assert done.acquire(timeout=120)
+        for s in seqs:
+            before = s.output_versions.count("default")
+            assert 0 < before < 400 and s.output_versions == ["default"] * before + ["2"] * (400 - before)
+            rest = params | {"max_new_tokens": 400 - before}
+            expected = run(reference, [s.prompt_ids + s.output_ids[:before]], rest, hold=False)[0].output_ids
+            assert s.output_ids[before:] == expected
+    finally:
+        static.shutdown()
+        reference.shutdown()
 
 
 def experiment(embedded: dict) -> ExperimentConfig:

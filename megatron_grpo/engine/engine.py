@@ -4,7 +4,8 @@ The HTTP layer (``server.py``) is a thin translation of SGLang's routes onto thi
 
 Concurrency (one model, several actors):
 
-* the scheduler thread runs one continuous batch (``scheduler.run_continuous``): queued
+* the scheduler thread runs one continuous batch (``scheduler.run_continuous``, or with
+  ``decode="static"`` ``static_decode.StaticDecoder.run``, which admits at its stop checks): queued
   sequences join the running batch whenever a quarter of it is free and leave it as they
   finish; a sequence is admitted once it has waited ``batch_window_s`` (so requests arriving
   together share one prefill, and the ``n`` samples of a prompt share their prompt's), unless
@@ -94,7 +95,6 @@ class EmbeddedEngine:
         self.batch_window_s = batch_window_s
         self.weight_version = "default"
         self.shared_generator = torch.Generator().manual_seed(seed)
-        self.decode = decode
         self._static = (StaticDecoder(stop_check_every=stop_check_every, use_graphs=self.device.type == "cuda")
                         if decode == "static" else None)
         # by checkpoint name: what the weight sync sends (MoE experts are fused in memory)
