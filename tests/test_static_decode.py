@@ -26,6 +26,7 @@ from megatron_grpo.engine.static_decode import (StaticBatch, StaticDecoder, batc
 from megatron_grpo.generation.engines import ENGINES
 from megatron_grpo.generation.inprocess import start_inprocess
 from megatron_grpo.models.tiny import save_tiny_model
+from megatron_grpo.ops.quantize import scheme_of
 from tests.support.engine_runs import run
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20], [21, 22, 23]]
@@ -297,15 +298,19 @@ def test_a_sequence_waiting_for_room_is_aborted_or_retracted_with_the_batch(mode
     assert_same(whole, static)
 
 
-def test_engine_static_decode_serves_the_new_weights_after_a_load(model_dirs):
-    """The embedded engine on the static path: same greedy answer as the eager engine, and after
-    ``load_weights`` of another model's tensors, that model's answer (the static batch's buffers
-    and, on CUDA, its graph read the parameters in place)."""
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_engine_static_decode_serves_the_new_weights_after_a_load(model_dirs, quantization):
+    """The embedded engine on the static path: after ``load_weights`` of another model's tensors,
+    that model's greedy answer, as an eager engine serving it gives (the static batch's buffers
+    and, on CUDA, its graph read the parameters in place; int8: the re-quantized copies are new
+    tensors, so the graphs are recaptured)."""
     from safetensors.torch import load_file
 
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-    static = EmbeddedEngine(model_dirs[0], dtype="float32", max_batch_size=4, decode="static", stop_check_every=3)
-    eager = EmbeddedEngine(model_dirs[1], dtype="float32", max_batch_size=4)
+    scheme = scheme_of(quantization)
+    static = EmbeddedEngine(model_dirs[0], dtype="float32", max_batch_size=4, decode="static", stop_check_every=3,
+                            quantization=scheme)
+    eager = EmbeddedEngine(model_dirs[1], dtype="float32", max_batch_size=4, quantization=scheme)
     try:
         before = [s.output_ids for s in run(static, PROMPTS[:3], params, hold=False)]
         assert static._static._states, "the engine decoded on the eager path"
