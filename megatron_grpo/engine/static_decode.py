@@ -415,7 +415,7 @@ def _once(seqs: list[Sequence]) -> Callable[[int], list[Sequence]]:
 
 
 @dataclass
-class Run:
+class DecodeRun:
     """One ``StaticDecoder.run``'s fixed arguments (``scheduler.run_continuous``'s)."""
 
     model: torch.nn.Module
@@ -499,7 +499,7 @@ class StaticDecoder:
         """``scheduler.run_continuous``'s contract, on the static path: decode until ``admit``
         has nothing more and every admitted sequence finished; returns the retracted sequences
         when ``control()`` said RETRACT, else []."""
-        run = Run(model, admit, max_batch_size, eos_ids, pad_id, shared_generator, max_context, control,
+        run = DecodeRun(model, admit, max_batch_size, eos_ids, pad_id, shared_generator, max_context, control,
                   weight_version)
         pending: Optional[Fresh] = None
         while True:
@@ -524,7 +524,7 @@ class StaticDecoder:
             if retracted is not None:
                 return retracted
 
-    def _run_batch(self, run: Run, first: Fresh) -> tuple[Optional[list[Sequence]], Optional[Fresh]]:
+    def _run_batch(self, run: DecodeRun, first: Fresh) -> tuple[Optional[list[Sequence]], Optional[Fresh]]:
         """Decode ``first`` in a static batch of its shape, admitting queued sequences into the
         rows that free up, until no row is live and nothing more fits. Returns (what ``run``
         returns, or None to go on; the prefilled sequences left for the next batch)."""
