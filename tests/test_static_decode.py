@@ -206,8 +206,8 @@ def test_stops_between_check_points_trim_the_tokens_drawn_past_them(model):
 
 
 def test_n_samples_of_one_prompt_and_more_sequences_than_the_batch(model):
-    """12 seeded samples of two prompts through batches of 4 rows: three static batches in turn,
-    the prompt prefilled once per batch and its rows replicated."""
+    """12 seeded samples of two prompts through 4 rows: each admission prefills a prompt once and
+    replicates its rows for its samples."""
     specs = [{"prompt": PROMPTS[i // 6], "params": {"max_new_tokens": 3 + i % 5, "ignore_eos": True,
                                                     "sampling_seed": 7 + i}} for i in range(12)]
     eager, _ = decode(model, specs, static=False, max_batch_size=4)
