@@ -276,9 +276,13 @@ def draw_on_device(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B
     return DeviceDraw(tokens, logprobs, num_kept, log_kept_mass, kept_ids)
 
 
-def kept_sets(num_kept: list[int], kept_ids: list[list[int]], max_kept: int) -> list[Optional[list[int]]]:
-    """Host side of ``DeviceDraw``'s kept sets: each row's ids, None when over ``max_kept``."""
-    return [ids[:n] if n <= max_kept else None for n, ids in zip(num_kept, kept_ids)]
+def kept_sets(num_kept: list[int], kept_ids_BW: torch.Tensor, max_kept: int) -> list[Optional[list[int]]]:
+    """Host side of ``DeviceDraw``'s kept sets: each row's ids, None when over ``max_kept``.
+
+    Only the ``num_kept`` ids of the rows that send a set become lists: an unfiltered row's set
+    is the whole vocabulary (None), and reading all ``[B, W]`` ids every token (W = max_kept,
+    1024 by default) would cost the eager loop more than the draw."""
+    return [kept_ids_BW[b, :n].tolist() if n <= max_kept else None for b, n in enumerate(num_kept)]
 
 
 def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
@@ -299,7 +303,7 @@ def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B:
                           sorts=sorts, kept_width=kept_width)
     truncation = None
     if with_kept:
-        truncation = Truncation(kept_ids=kept_sets(draw.num_kept.tolist(), draw.kept_ids.tolist(), max_kept),
+        truncation = Truncation(kept_ids=kept_sets(draw.num_kept.tolist(), draw.kept_ids, max_kept),
                                 log_kept_mass=draw.log_kept_mass.tolist())
     return Draw(draw.tokens, draw.logprobs, truncation)
 
