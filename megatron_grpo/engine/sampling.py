@@ -233,9 +233,17 @@ class DeviceDraw:
     descending order; only the first ``num_kept`` of a row are its set)."""
 
 
-def filtering_rows(top_k_B: torch.Tensor, top_p_B: torch.Tensor, min_p_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [B]: the rows whose top-k/top-p/min-p can cut a token (drawn from the sorted order)."""
+def filtering_rows(top_k_B: torch.Tensor, top_p_B: torch.Tensor, min_p_B: torch.Tensor,
+                   vocab_size: int) -> torch.Tensor:
+    """bool [B]: the rows whose top-k/top-p/min-p can cut a token (drawn from the sorted order).
+    Also one row's answer (a Python bool) from its scalar parameters."""
     return (top_k_B < vocab_size) | (top_p_B < 1.0) | (min_p_B > 0)
+
+
+def kept_set_width(max_kept: int, vocab_size: int) -> int:
+    """Kept ids stored per row and draw for a kept-set budget of ``max_kept`` (at least one, at
+    most the vocabulary): the draw's ``kept_width``."""
+    return min(max(max_kept, 1), vocab_size)
 
 
 def draw_on_device(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B: torch.Tensor,
@@ -298,9 +306,8 @@ def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_k_B:
     """
     vocab_size = logits_BV.shape[-1]
     sorts = with_kept or bool(filtering_rows(top_k_B, top_p_B, min_p_B, vocab_size).any())
-    kept_width = min(max(max_kept, 1), vocab_size) if with_kept else 0
     draw = draw_on_device(logits_BV, temperature_B, top_k_B, top_p_B, min_p_B, uniform_B,
-                          sorts=sorts, kept_width=kept_width)
+                          sorts=sorts, kept_width=kept_set_width(max_kept, vocab_size) if with_kept else 0)
     truncation = None
     if with_kept:
         truncation = Truncation(kept_ids=kept_sets(draw.num_kept.tolist(), draw.kept_ids, max_kept),

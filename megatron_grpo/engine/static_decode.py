@@ -65,7 +65,7 @@ import torch
 from megatron_grpo.engine.batch import RunningBatch
 from megatron_grpo.engine.generation import Sequence, finish_reason_for
 from megatron_grpo.engine.routing import moe_routers
-from megatron_grpo.engine.sampling import TOP_K_ALL, draw_on_device, draw_uniforms
+from megatron_grpo.engine.sampling import TOP_K_ALL, draw_on_device, draw_uniforms, filtering_rows, kept_set_width
 from megatron_grpo.engine.scheduler import StepControl, cache_kwarg, prefill, run_continuous, sample_step, start
 
 DECODE_MODES = ("eager", "static")
@@ -274,7 +274,7 @@ class StaticBatch:
         """Whether ``fresh``'s sampling fits this shape's draw (sorting, kept-set width)."""
         seqs = fresh.batch.seqs
         vocab_size = self.logits_BV.shape[1]
-        if any(s.return_sampling_mask and min(max(s.max_kept, 1), vocab_size) > self.shape.kept_width for s in seqs):
+        if any(s.return_sampling_mask and kept_set_width(s.max_kept, vocab_size) > self.shape.kept_width for s in seqs):
             return False
         return self.shape.sorts or not any(filters(s, vocab_size) for s in seqs)
 
@@ -352,9 +352,9 @@ class StaticBatch:
 
 
 def filters(seq: Sequence, vocab_size: int) -> bool:
-    """Whether ``seq``'s draws go through the sorted order (``sampling.filtering_rows``' rule)."""
+    """Whether ``seq``'s draws go through the sorted order (``sampling.filtering_rows`` on its parameters)."""
     p = seq.params
-    return p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0
+    return bool(filtering_rows(p.top_k, p.top_p, p.min_p, vocab_size))
 
 
 @dataclass
@@ -476,7 +476,7 @@ class StaticDecoder:
         return Shape(bucket=bucket_for(len(seqs), max(max_batch_size, len(seqs))),
                      length=cache_length(fresh.width + fresh.budget(max_context)),
                      sorts=with_kept or any(filters(s, vocab_size) for s in seqs),
-                     kept_width=min(max(max(s.max_kept for s in seqs), 1), vocab_size) if with_kept else 0)
+                     kept_width=kept_set_width(max(s.max_kept for s in seqs), vocab_size) if with_kept else 0)
 
     def state_for(self, model: torch.nn.Module, shape: Shape, fresh: Fresh, max_context: int) -> StaticBatch:
         state = self._states.get(shape)
