@@ -384,6 +384,31 @@ def test_the_switch_is_checked_at_load_and_reaches_the_launched_engine(model_dir
         inprocess.shutdown()
 
 
+def test_server_info_says_which_path_decoded(model_dirs):
+    """/get_server_info's ``decode``: the mode, and for ``static`` the interval, whether graphs
+    are captured (never off CUDA) and what ran on the static path; an eager engine says eager."""
+    from fastapi.testclient import TestClient
+
+    from megatron_grpo.engine.server import build_app
+
+    static = EmbeddedEngine(model_dirs[0], dtype="float32", max_batch_size=4, decode="static", stop_check_every=3)
+    eager = EmbeddedEngine(model_dirs[0], dtype="float32", max_batch_size=4)
+    try:
+        with TestClient(build_app(static)) as client:
+            body = {"input_ids": PROMPTS[:3], "sampling_params": {"temperature": 0, "max_new_tokens": 5,
+                                                                    "ignore_eos": True}}
+            assert client.post("/generate", json=body).status_code == 200
+            info = client.get("/get_server_info").json()["decode"]
+        with TestClient(build_app(eager)) as client:
+            assert client.get("/get_server_info").json()["decode"] == {"mode": "eager"}
+    finally:
+        static.shutdown()
+        eager.shutdown()
+    assert info["mode"] == "static" and info["stop_check_every"] == 3 and info["cuda_graphs"] is False
+    assert info["static_sequences"] == 3 and info["static_batches"] >= 1, info
+    assert info["graph_captures"] == 0 and info["eager_sequences"] == 0, info
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_cuda_graph_path_greedy_equals_eager_and_follows_a_weight_load(model_dirs):
     from transformers import AutoModelForCausalLM

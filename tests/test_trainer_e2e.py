@@ -85,6 +85,26 @@ def test_in_process_engine_takes_the_embedded_runs_first_steps(learned, demo, tm
 
 
 @pytest.mark.slow
+def test_static_decode_takes_the_embedded_runs_first_steps(learned, demo, tmp_path):
+    """``engine.embedded.decode: static`` in a real run: the launched engine (`megatron-grpo serve
+    --decode static`) decodes in static buffers and reads the tokens every 3 draws, and with the
+    same seed samples what the eager engine sampled (the same rewards and lengths), every sync
+    passing the probe. (On CPU there are no CUDA graphs; the path is otherwise the GPU's.)"""
+    run_dir = tmp_path / "run"
+    steps = 4
+    out = run_train(train_cmd(demo, run_dir, steps, "checkpoint.save_every=30", *SCHEDULE,
+                              "engine.embedded.decode=static", "engine.embedded.stop_check_every=3"))
+    rows = check_outputs(run_dir, out.stdout, steps, [steps])
+    assert "(decode: static, the host reads the tokens every 3;" in (run_dir / "rollout" / "server.log").read_text()
+    embedded = read_metrics(learned[0])[:steps]
+    assert [r["rollout/prompt_indices"] for r in rows] == [r["rollout/prompt_indices"] for r in embedded]
+    assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in embedded]
+    assert [r["response_length_mean"] for r in rows] == [r["response_length_mean"] for r in embedded]
+    for key in ("loss", "grad_norm"):
+        assert all(abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(b[key])) for a, b in zip(rows, embedded)), key
+
+
+@pytest.mark.slow
 def test_entropy_bonus_schedule_reaches_the_loss(demo, tmp_path):
     """``algorithm.entropy_coef_end``: each step's loss carries that step's weight. The demo's
     answer is one token and its mini-batches hold whole groups (generation order): the policy

@@ -122,6 +122,15 @@ class EmbeddedEngine:
         self._thread = threading.Thread(target=self._scheduler, name="engine-scheduler", daemon=True)
         self._thread.start()
 
+    def decode_info(self) -> dict:
+        """The decode path and, for ``static``, its stop-check interval, whether it captures
+        CUDA graphs, and its counts (static batches and sequences, graph captures, sequences
+        of models it leaves to the eager path)."""
+        if self._static is None:
+            return {"mode": "eager"}
+        return {"mode": "static", "stop_check_every": self._static.stop_check_every,
+                "cuda_graphs": self._static.use_graphs, **self._static.counts}
+
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
         for source in (getattr(self.model, "generation_config", None), self.model.config):

@@ -110,7 +110,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                             device=args.device, quantization=scheme_of(args.quantization, args.fp8_format),
                             decode=args.decode, stop_check_every=args.stop_check_every)
     app = build_app(engine, api_key=api_key, policy=policy, tool_call_format=args.tool_call_format)
-    print(f"megatron-grpo serve: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
+    decode = ("" if args.decode == "eager" else f" (decode: static, the host reads the tokens every "
+              f"{args.stop_check_every}; CUDA graphs {'on' if engine.device.type == 'cuda' else 'off: not CUDA'})")
+    print(f"megatron-grpo serve: {args.model_dir} on http://{args.host}:{args.port}{decode}", flush=True)
     try:
         # h11 with a deadline on the headers too (runtime/header_deadline.py); the body's is the route's
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

@@ -308,7 +308,9 @@ class _Routes:
                 "generate_requests": {"in_flight": self.generate_in_flight, "answered": self.generate_answered,
                                       "answered_on_weight_version": self._answered_on_current()},
                 # SGLang's key; fp8-e4m3, fp8-e5m2 or int8 (null: unquantized)
-                "quantization": engine.quantization.describe() if engine.quantization else None}
+                "quantization": engine.quantization.describe() if engine.quantization else None,
+                # this engine's extension: the decode path (engine.embedded.decode) and what it ran
+                "decode": engine.decode_info()}
 
     def _answered_on_current(self) -> int:
         """/generate requests answered since the engine's weight version became the current one

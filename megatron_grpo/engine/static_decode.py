@@ -463,6 +463,9 @@ class StaticDecoder:
         self.use_graphs = use_graphs
         self._states: dict[Shape, StaticBatch] = {}
         self._pool = None  # the CUDA graphs' memory pool, made at the first capture
+        # what ran where, for the server's /get_server_info: a user (and a test) can see that
+        # the static path, and on a GPU its graphs, served the run rather than the eager fallback
+        self.counts = {"static_batches": 0, "static_sequences": 0, "graph_captures": 0, "eager_sequences": 0}
 
     def invalidate(self) -> None:
         """Forget the captured graphs (after a weight update that replaced tensors rather than
@@ -490,6 +493,7 @@ class StaticDecoder:
                 self._pool = torch.cuda.graph_pool_handle()
             state.reset(0)  # the warm-up steps write the first columns
             state.capture(self._pool)
+            self.counts["graph_captures"] += 1
         return state
 
     @torch.inference_mode()
@@ -511,6 +515,7 @@ class StaticDecoder:
                         return []
                     continue
                 if not serves_statically(model):
+                    self.counts["eager_sequences"] += len(seqs)
                     retracted = run_continuous(model, _once(seqs), max_batch_size=max_batch_size, eos_ids=eos_ids,
                                                pad_id=pad_id, shared_generator=shared_generator,
                                                max_context=max_context, control=control, weight_version=weight_version)
@@ -532,6 +537,8 @@ class StaticDecoder:
                                first, run.max_context)
         state.reset(first.width)
         state.place(first)
+        self.counts["static_batches"] += 1
+        self.counts["static_sequences"] += len(first.batch.seqs)
         pending: Optional[Fresh] = None
         while True:
             live = state.live_rows()
@@ -557,6 +564,7 @@ class StaticDecoder:
                     continue  # they all finished on their first draw: look again
             if pending is not None and state.make_room(pending):
                 state.place(pending)
+                self.counts["static_sequences"] += len(pending.batch.seqs)
                 pending = None
             if not state.live_rows():
                 return None, pending  # nothing runs here: the caller starts pending in its own batch
