@@ -139,6 +139,34 @@ def test_fp32_main_weights_survive_resume_bitwise(tiny_hf, tmp_path):
         assert r["main_equal"] and r["state_equal"] and r["params_equal"], r
 
 
+def _save_before_the_first_step(rank, world, hf_dir, run_dir, dtype):
+    """A checkpoint written before any optimizer step (every step so far skipped: no group had
+    a learning signal, or a stop came first) resumes, and the resumed policy's first step is
+    the uninterrupted one's."""
+    from pathlib import Path
+
+    from megatron_grpo.config import ModelConfig, OptimizerConfig
+    from megatron_grpo.trainer.checkpoint import load_training_checkpoint, save_training_checkpoint
+    from tests.support.policy import build_test_policy
+
+    opt = OptimizerConfig(name="adam", lr=1e-3, clip_grad=0.0)
+    policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype=dtype), opt)
+    ckpt = save_training_checkpoint(run_dir, 1, policy.modules, policy.optimizer, {"step": 1}, keep_last=1)
+    resumed = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype=dtype), opt)
+    load_training_checkpoint(Path(ckpt), resumed.modules, resumed.optimizer)
+    policy_step(policy)
+    policy_step(resumed)
+    return all(torch.equal(a, b) for a, b in zip(_model_params(policy), _model_params(resumed)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_checkpoint_saved_before_the_first_step_resumes(tiny_hf, tmp_path, dtype):
+    results = run_distributed(_save_before_the_first_step, 2, tiny_hf, str(tmp_path / "run"), dtype, tp=2, pp=1,
+                              timeout_s=300)
+    assert results == [True, True]
+
+
 # name in the engine -> how to read it from the policy's main weights (direct mappings, TP1)
 _DIRECT = {
     "model.norm.weight": lambda m: m.decoder.final_layernorm.weight,

@@ -288,6 +288,63 @@ def remove_partial(run_dir: str | Path) -> None:
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+def materialize_adam_state(optimizer) -> int:
+    """Give every parameter of ``optimizer``'s torch Adam(s) the state torch would create at
+    its first step (zero moments, ``step`` 0) where that is missing; returns how many
+    parameters got moments. Equivalent for training: torch's lazy initialisation makes the same.
+
+    Why: megatron-core builds the state dict it loads from an optimizer whose state it first
+    initialises (``init_state_fn``: zero moments), so a checkpoint must hold the moments. One
+    written before the first optimizer step (every step so far skipped for want of a learning
+    signal, or a stop before the first update) held none, and resuming from it failed with
+    ``KeyError: optimizer.state.exp_avg...``. And megatron saves a step of 0 as no step at all
+    (``if step:``), so a state loaded from such a checkpoint has moments without a ``step``,
+    which torch's Adam refuses to load: ``with_step_zero`` gives it back before the load.
+    (Only torch's Adam and AdamW: apex's and TransformerEngine's fused Adams keep their own.)"""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    made = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if "exp_avg" not in state:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group.get("amsgrad"):
+                        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    made += 1
+                if "step" not in state:  # where torch's Adam keeps it (adam.py's lazy initialisation)
+                    on_device = group.get("capturable") or group.get("fused")
+                    state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")),
+                                                 device=p.device) if on_device
+                                     else torch.tensor(0.0, dtype=_get_scalar_dtype()))
+    return made
+
+
+def with_step_zero(optimizer_state: Any) -> Any:
+    """``optimizer_state`` (megatron's loaded optimizer state dict; a chained optimizer's nests
+    one per optimizer) with ``step`` 0 in every parameter's Adam state of a torch optimizer state
+    that has moments but neither a step nor megatron's ``common_step``: a checkpoint written
+    before the first optimizer step (megatron saves a step of 0 as none, ``if step:``), which
+    torch's Adam refuses to load (``KeyError: 'step'``). Changed in place; returned."""
+    if isinstance(optimizer_state, dict):
+        per_param = optimizer_state.get("state")
+        if isinstance(per_param, dict) and "param_groups" in optimizer_state and "common_step" not in per_param:
+            for state in per_param.values():
+                if isinstance(state, dict) and "exp_avg" in state and "step" not in state:
+                    state["step"] = torch.tensor(0.0)  # torch's lazy initialisation; megatron's load moves it
+        for value in optimizer_state.values():
+            with_step_zero(value)
+    elif isinstance(optimizer_state, list):
+        for value in optimizer_state:
+            with_step_zero(value)
+    return optimizer_state
+
+
 def training_sharded_state_dict(model_chunks, optimizer, *, is_loading: bool = False) -> dict:
     """Model and optimizer sharded state of this rank (megatron-core dist_checkpointing);
     the optimizer's is megatron's sharded optimizer state dict, plain or distributed. A LoRA
@@ -295,6 +352,8 @@ def training_sharded_state_dict(model_chunks, optimizer, *, is_loading: bool = F
     from (``model.hf_dir`` / ``model.megatron_ckpt``), not saved again."""
     model_sd = lora_sharded_state_dict(model_chunks) if has_lora(model_chunks) else model_sharded_state_dict(model_chunks)
     state = dict(model_sd)
+    if not is_loading:
+        materialize_adam_state(optimizer)  # a save before the first optimizer step holds the moments too
     state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                       metadata=dict(OPTIMIZER_METADATA))
     return state
@@ -455,7 +514,7 @@ def load_training_checkpoint(ckpt_dir: Path, model_chunks, optimizer) -> dict[st
             else:
                 for key, chunk in zip([k for k in sharded if k.startswith("model")], model_chunks):
                     chunk.load_state_dict(loaded[key], strict=True)
-            optimizer.load_state_dict(loaded["optimizer"])
+            optimizer.load_state_dict(with_step_zero(loaded["optimizer"]))
             rank_file = ckpt_dir / "rng" / f"rank_{dist.get_rank():05d}.pt"
             if rank_file.is_file():  # absent when resuming with more ranks than were saved
                 set_rng_state(torch.load(rank_file, weights_only=True, map_location="cpu"), cuda_available())
