@@ -124,11 +124,10 @@ SMOKE_GRPO_OVERRIDES = (
     "model.dtype=float32", "engine.dtype=float32", "rollout.prompts_per_step=2", "rollout.num_generations=2",
     "parallel.global_batch_size=4", "parallel.micro_batch_size=4", "parallel.max_tokens_per_microbatch=4096",
     "rollout.max_new_tokens=8", "engine.embedded.max_batch_size=4", "data.max_prompt_length=64",
-    "eval.every_n_steps=1",
-    # the random model's rewards are all 0: without this no step would update, and a checkpoint
-    # saved before the first optimizer step has no Adam state, which the resume cannot load (KeyError
-    # optimizer.state.exp_avg...: a trainer bug this smoke found, 2026-11-29, not fixed yet)
-    "algorithm.skip_zero_advantage_steps=false")
+    # (the random model's rewards are all 0, so every step is skipped for want of a signal and the
+    # stop's checkpoint is one from before the first optimizer step: the resume of such a one is
+    # what this smoke found broken, 2026-11-29, and now checks)
+    "eval.every_n_steps=1")
 """(checkpoint.save_every stays the config's 10: a stop in the smoke's 3 steps is saved by the stop itself)"""
 
 
