@@ -511,11 +511,10 @@ def part_rollout(sizes: Sizes, work: Path, budget: Budget) -> dict:
 
 
 def write_json_atomic(path: Path, value) -> None:
-    """``value`` as JSON at ``path``, written under a temp name and renamed (whole or absent)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(value, indent=1, default=str) + "\n")
-    tmp.replace(path)
+    """``value`` as JSON at ``path``, whole or absent (``runtime.files.write_text_atomic``)."""
+    from megatron_grpo.runtime.files import write_text_atomic
+
+    write_text_atomic(path, json.dumps(value, indent=1, default=str) + "\n")
 
 
 # ---- smollm2_grpo: the real model's GRPO run ----------------------------------------------
@@ -597,14 +596,12 @@ def grpo_overrides(sizes: Sizes, work: Path) -> list[str]:
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """metrics.jsonl's records, the last one of each step (a resumed run may log a step again),
-    in step order."""
-    path = run_dir / "metrics.jsonl"
-    by_step = {}
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        if line.strip():
-            record = json.loads(line)
-            by_step[record.get("step")] = record
-    return [by_step[k] for k in sorted(k for k in by_step if isinstance(k, int))]
+    in step order. Read by the trainer's own reader (``metrics_log.jsonl.read_metrics``), which
+    stops at a line still being written: the part reads the file while the run appends to it."""
+    from megatron_grpo.metrics_log.jsonl import read_metrics as read_jsonl
+
+    by_step = {record["step"]: record for record in read_jsonl(run_dir / "metrics.jsonl")}
+    return [by_step[k] for k in sorted(by_step)]
 
 
 def saved_step(run_dir: Path) -> int | None:

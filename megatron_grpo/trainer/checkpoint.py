@@ -288,10 +288,10 @@ def remove_partial(run_dir: str | Path) -> None:
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def materialize_adam_state(optimizer) -> int:
+def materialize_adam_state(optimizer) -> None:
     """Give every parameter of ``optimizer``'s torch Adam(s) the state torch would create at
-    its first step (zero moments, ``step`` 0) where that is missing; returns how many
-    parameters got moments. Equivalent for training: torch's lazy initialisation makes the same.
+    its first step (zero moments, ``step`` 0) where that is missing. Equivalent for training:
+    torch's lazy initialisation makes the same.
 
     Why: megatron-core builds the state dict it loads from an optimizer whose state it first
     initialises (``init_state_fn``: zero moments), so a checkpoint must hold the moments. One
@@ -303,7 +303,6 @@ def materialize_adam_state(optimizer) -> int:
     (Only torch's Adam and AdamW: apex's and TransformerEngine's fused Adams keep their own.)"""
     from torch.optim.optimizer import _get_scalar_dtype
 
-    made = 0
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, torch.optim.Adam):
@@ -316,13 +315,11 @@ def materialize_adam_state(optimizer) -> int:
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if group.get("amsgrad"):
                         state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    made += 1
                 if "step" not in state:  # where torch's Adam keeps it (adam.py's lazy initialisation)
                     on_device = group.get("capturable") or group.get("fused")
                     state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")),
                                                  device=p.device) if on_device
                                      else torch.tensor(0.0, dtype=_get_scalar_dtype()))
-    return made
 
 
 def with_step_zero(optimizer_state: Any) -> Any:
@@ -468,13 +465,7 @@ def torch_adam_checkpoint_load(optimizer):
     """
     opts = _torch_adam_distributed_optimizers(optimizer)
     for opt in opts:
-        for group in opt.optimizer.param_groups:
-            for p in group["params"]:
-                state = opt.optimizer.state[p]
-                if "exp_avg" not in state:
-                    state["exp_avg"] = torch.zeros_like(p.data)
-                    state["exp_avg_sq"] = torch.zeros_like(p.data)
-                state.setdefault("step", torch.tensor(0.0))
+        materialize_adam_state(opt)
 
     def keeping_step(opt, original):
         def set_states(model_param, tensors):
