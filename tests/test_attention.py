@@ -10,7 +10,9 @@ gradient's scale).
 
 Packed sequences (``models.packing``, ``parallel.pack_sequences``): packed vs unpacked logits,
 log-probs and gradients with the same tolerances at TP1, TP2 and PP2, for rows of 1 to 12
-tokens; and the refusals (unfused attention, MoE models) at build time and in preflight.
+tokens, and for a micro-batch whose rows share prompts (``parallel.share_prefix``: three rows
+run one prompt once, two of them share their first response token too, a fourth row has its
+own prompt); and the refusals (unfused attention, MoE models) at build time and in preflight.
 """
 
 import pytest
@@ -68,7 +70,7 @@ def unpacked_step(vocab_size):
     from megatron_grpo.ops import vocab_parallel_log_probs
 
     def step(data_iterator, model):
-        tokens, lengths, weights = next(data_iterator)
+        tokens, lengths, weights, _ = next(data_iterator)
 
         def loss_func(output):
             logits = gather_vocab(output.detach(), vocab_size)
@@ -86,7 +88,7 @@ def _backends_worker(rank, world_size, hf_dirs):
     """Per model: (sdpa logits, unfused logits, max |Δgrad| / max |grad|) of this rank."""
     from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
 
-    items = [(PROBE_IDS, [PROBE_IDS.shape[1]] * PROBE_IDS.shape[0], loss_weights(PROBE_IDS.shape))]
+    items = [(PROBE_IDS, [PROBE_IDS.shape[1]] * PROBE_IDS.shape[0], loss_weights(PROBE_IDS.shape), None)]
     out = {}
     for model_type, hf_dir in hf_dirs.items():
         cfg = load_hf_config(hf_dir)
@@ -150,35 +152,48 @@ def test_tp1_sdpa_matches_unfused_and_hf(hf_models, single_rank):
 
 # ---- packed sequences (models.packing) ------------------------------------------------------
 # rows of very different lengths, one of length 1 (it scores nothing), two micro-batches whose
-# packed rows differ in length (13 and 7 tokens: pipeline stages exchange shapes)
+# packed rows differ in length (13 and 7 tokens: pipeline stages exchange shapes), and a third
+# whose rows share prompts (prompt lengths given: the shared-prefix layout)
 BATCH = torch.cat([PROBE_IDS, PROBE_IDS.flip(1)])  # [4, 12]
 LENGTHS = [12, 1, 5, 2]
 MICRO_BATCHES = [(0, 1), (2, 3)]
+_P, _R = PROBE_IDS[0, :5].tolist(), PROBE_IDS[1].tolist()
+SHARED_ROWS = [_P + _R[:5], _P + _R[:1] + _R[6:9], PROBE_IDS[1, :4].tolist() + _R[:3], _P + _R[9:12]]
+SHARED_PROMPTS = [5, 5, 4, 5]  # rows 0, 1, 3: one prompt (rows 0 and 1 share a response token too)
+SHARED_LENGTHS = [len(r) for r in SHARED_ROWS]
+SHARED_BATCH = torch.tensor([r + [0] * (12 - len(r)) for r in SHARED_ROWS])
 
 
 def packing_items():
     weights = loss_weights(BATCH.shape)
-    return [(BATCH[list(rows)], [LENGTHS[r] for r in rows], weights[list(rows)]) for rows in MICRO_BATCHES]
+    items = [(BATCH[list(rows)], [LENGTHS[r] for r in rows], weights[list(rows)], None) for rows in MICRO_BATCHES]
+    return items + [(SHARED_BATCH, SHARED_LENGTHS, loss_weights(SHARED_BATCH.shape), SHARED_PROMPTS)]
 
 
 def packed_step(vocab_size):
-    """``unpacked_step``'s loss on the packed rows: log-probs on the packed logits [1, T, V/tp],
-    scattered back to [B, S - 1] (``models.packing.unpack``); its logits are scattered to
-    [B, S, V] for the comparison only."""
+    """``unpacked_step``'s loss on the packed rows (a shared prefix where the item gives prompt
+    lengths): log-probs of every (row, position) pair on the packed logits [1, T, V/tp]
+    (``models.packing.pairs``), scattered back to [B, S - 1]; the logits are scattered to
+    [B, S, V] through ``where`` for the comparison only."""
     from megatron_grpo.models.forward import gather_vocab, packed_logits
-    from megatron_grpo.models.packing import next_tokens, pack, unpack
+    from megatron_grpo.models.packing import pack, pairs, shared_prefix_groups
     from megatron_grpo.ops import vocab_parallel_log_probs
 
     def step(data_iterator, model):
-        tokens, lengths, weights = next(data_iterator)
-        packed = pack(tokens, lengths)
+        tokens, lengths, weights, prompts = next(data_iterator)
+        groups = None if prompts is None else shared_prefix_groups(tokens, lengths, prompts)
+        packed = pack(tokens, lengths, groups)
+        assert packed.shared == (prompts is not None)
 
         def loss_func(output):
             logits_T = gather_vocab(output.detach(), vocab_size)[0]
             logits = logits_T.new_zeros((*tokens.shape, vocab_size))
-            logits[packed.row, packed.position] = logits_T
-            lp, _ = vocab_parallel_log_probs(output, next_tokens(packed), vocab_size=vocab_size, with_entropy=False)
-            lp = unpack(lp[0], packed, tokens.shape[0], tokens.shape[1] - 1)
+            held = packed.where >= 0
+            logits[held] = logits_T[packed.where[held]]
+            p = pairs(packed)
+            lp, _ = vocab_parallel_log_probs(output[:, p.index], tokens[p.rows, p.cols + 1].unsqueeze(0),
+                                             vocab_size=vocab_size, with_entropy=False)
+            lp = lp.new_zeros(tokens.shape[0], tokens.shape[1] - 1).index_put((p.rows, p.cols), lp[0])
             return (lp * weights).sum(), {"logits": logits, "log_probs": lp}
 
         return packed_logits(model, packed), loss_func
@@ -193,7 +208,8 @@ def _packing_worker(rank, world_size, hf_dir):
     cfg = load_hf_config(hf_dir)
     chunks = build_model(cfg, init_weights=False, attention_backend="sdpa")
     load_hf_weights(chunks, hf_dir, cfg)
-    unpacked_outs, unpacked_grads = logits_and_grads(chunks, packing_items(), unpacked_step(cfg.vocab_size))
+    unpacked_outs, unpacked_grads = logits_and_grads(chunks, packing_items(), unpacked_step(cfg.vocab_size),
+                                                     variable_seq_lengths=True)  # 2 rows, then 4
     packed_outs, packed_grads = logits_and_grads(chunks, packing_items(), packed_step(cfg.vocab_size),
                                                  variable_seq_lengths=True)
     return unpacked_outs, packed_outs, relative_grad_delta(packed_grads, unpacked_grads)
@@ -203,9 +219,10 @@ def assert_packing_exact(per_rank):
     held = [r for r in per_rank if r[0] is not None]
     assert len(held) == 1
     unpacked, packed, _ = held[0]
-    for rows, u, p in zip(MICRO_BATCHES, unpacked, packed):
-        for i, r in enumerate(rows):
-            n = LENGTHS[r]
+    row_lengths = [[LENGTHS[r] for r in rows] for rows in MICRO_BATCHES] + [SHARED_LENGTHS]
+    assert len(unpacked) == len(packed) == len(row_lengths)
+    for lengths, u, p in zip(row_lengths, unpacked, packed):
+        for i, n in enumerate(lengths):
             assert (u["logits"][i, :n] - p["logits"][i, :n]).abs().max().item() <= TOL
             assert (u["log_probs"][i] - p["log_probs"][i]).abs().max().item() <= TOL
             assert not p["log_probs"][i, n - 1:].any()  # past the row: never filled
@@ -214,26 +231,59 @@ def assert_packing_exact(per_rank):
 
 
 def test_pack_layout():
-    from megatron_grpo.models.packing import gather_rows, next_tokens, pack, scored, unpack
+    from megatron_grpo.models.packing import pack, pairs
 
     packed = pack(torch.tensor([[5, 6, 7], [8, 0, 0], [9, 4, 0]]), [3, 1, 2])
     assert packed.tokens.tolist() == [[5, 6, 7, 8, 9, 4]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 0, 0, 1]]
     assert packed.cu_seqlens.tolist() == [0, 3, 4, 6] and packed.max_seqlen == 3
-    assert scored(packed).tolist() == [True, True, False, False, True, False]
-    assert next_tokens(packed)[0, scored(packed)].tolist() == [6, 7, 4]
-    values = unpack(torch.arange(1.0, 7.0), packed, 3, 2)
-    assert values.tolist() == [[1.0, 2.0], [0.0, 0.0], [5.0, 0.0]]
-    kept = gather_rows(torch.arange(6).reshape(3, 2), packed, fill=-1)
-    assert kept.tolist() == [[0, 1, -1, -1, 4, -1]]
+    assert packed.branch.tolist() == [0] * 6 and not packed.shared
+    assert packed.where.tolist() == [[0, 1, 2], [3, -1, -1], [4, 5, -1]]
+    p = pairs(packed)
+    assert (p.rows.tolist(), p.cols.tolist(), p.index.tolist()) == ([0, 0, 2], [0, 1, 0], [0, 1, 4])
+    scored = pairs(packed, torch.tensor([[0, 1], [1, 1], [1, 0]]))  # masked, and never past a row
+    assert (scored.rows.tolist(), scored.cols.tolist()) == ([0, 2], [1, 0])
+
+
+def test_shared_prefix_layout():
+    """Rows 0, 1 and 3 share the prompt [1, 2] and rows 0 and 1 also their next token; row 2
+    has its own prompt: one segment [1, 2] + row 0's 3, 4 + row 1's 5 + row 3's 6, and row 2
+    alone. Each row's tokens keep their own positions; the prefix's last index is read by the
+    pairs of every row of its group."""
+    from megatron_grpo.models.attention import branched_mask
+    from megatron_grpo.models.packing import pack, pairs, shared_prefix_groups
+
+    tokens = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 5], [1, 9, 9, 0], [1, 2, 6, 0]])
+    lengths = [4, 4, 3, 3]
+    groups = shared_prefix_groups(tokens, lengths, [2, 2, 2, 2])
+    assert groups == [((0, 1, 3), 2), ((2,), 0)]  # row 3 differs from rows 0, 1 at token 2
+    assert shared_prefix_groups(tokens, lengths, [2, 2, 2, 0]) == [((0, 1), 3), ((2,), 0), ((3,), 0)]
+    packed = pack(tokens, lengths, groups)
+    assert packed.tokens.tolist() == [[1, 2, 3, 4, 3, 5, 6, 1, 9, 9]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 2, 0, 1, 2]]
+    assert packed.branch.tolist() == [0, 0, 1, 1, 2, 2, 3, 0, 0, 0]
+    assert packed.cu_seqlens.tolist() == [0, 7, 10] and packed.segment_shared == (True, False)
+    assert packed.where.tolist() == [[0, 1, 2, 3], [0, 1, 4, 5], [7, 8, 9, -1], [0, 1, 6, -1]]
+    # every row's token t is the packed token at where[b, t]
+    for b, n in enumerate(lengths):
+        assert packed.tokens[0, packed.where[b, :n]].tolist() == tokens[b, :n].tolist()
+    p = pairs(packed)
+    assert p.index.tolist().count(1) == 3  # the prompt's last token scores rows 0, 1 and 3
+    # the mask: each packed token sees exactly its own row's earlier tokens
+    mask = branched_mask(packed.cu_seqlens, packed.position_ids[0], packed.branch)
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            seen = set(mask[packed.where[b, t]].nonzero().flatten().tolist())
+            assert seen == set(packed.where[b, : t + 1].tolist()), (b, t)
 
 
 def test_packed_attention_paths_agree():
     """The CPU path (one call, block-diagonal mask) and the CUDA path (one causal call per
-    row) compute the same, and equal each row's own causal attention."""
+    row) compute the same, and equal each row's own causal attention; with a shared prefix the
+    two paths (one [t, t] mask; a mask per shared segment) agree too."""
     import torch.nn.functional as F
 
-    from megatron_grpo.models.attention import sdpa_packed
+    from megatron_grpo.models.attention import BranchedSeqParams, sdpa_packed
 
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(9, 4, 8, generator=g), torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g)
@@ -244,6 +294,17 @@ def test_packed_attention_paths_agree():
         alone = F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True,
                                                scale=0.3, enable_gqa=True).transpose(0, 1)
         assert (per_row[a:b] - alone).abs().max().item() <= 1e-6
+    # segment 1 = a prefix of 2 and two branches of 2 and 1; segment 2 a plain row
+    params = BranchedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               position=torch.tensor([0, 0, 1, 2, 3, 2, 0, 1, 2]),
+                               branch=torch.tensor([0, 0, 0, 1, 1, 2, 0, 0, 0]), segment_shared=(False, True, False))
+    masked, per_row = (sdpa_packed(q, k, v, cu, 0.3, flag, params.masks(flag)) for flag in (False, True))
+    assert (masked - per_row).abs().max().item() <= 1e-6
+    rows = {"branch 1": [1, 2, 3, 4], "branch 2": [1, 2, 5]}  # each branch's row: the prefix, then its tokens
+    for name, index in rows.items():
+        alone = F.scaled_dot_product_attention(*(x[index].transpose(0, 1) for x in (q, k, v)), is_causal=True,
+                                               scale=0.3, enable_gqa=True).transpose(0, 1)
+        assert (masked[index] - alone).abs().max().item() <= 1e-6, name
 
 
 def test_tp1_packed_matches_unpacked(hf_models, single_rank):

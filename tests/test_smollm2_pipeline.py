@@ -170,7 +170,9 @@ def test_two_grpo_steps_with_the_inprocess_engine(smollm2_dir, problems, tmp_pat
     """DP2 (the YAML's layout), 2 prompts x 4 responses a step; the at-start evaluation is step 0.
     ``skip_zero_advantage_steps=false``: a step whose groups all scored alike still runs its
     log-prob pass, so the mismatch after the first update is measured whatever the rewards
-    (measured: 3.1e-6 at step 1, 4.3e-6 at step 2; the in-memory sync verified both times)."""
+    (measured: 3.1e-6 at step 1, 4.3e-6 at step 2; the in-memory sync verified both times).
+    The YAML packs the rows and runs each group's prompt once (``parallel.share_prefix``): the
+    mismatch bound holds the shared-prefix log-probs to the engine's, which ran every row alone."""
     run_dir = tmp_path / "run"
     out, wall = run("-m", "megatron_grpo.cli", "train", "--config", CONFIG,
                     *common_overrides(smollm2_dir, problems, run_dir),
@@ -196,6 +198,7 @@ def test_two_grpo_steps_with_the_inprocess_engine(smollm2_dir, problems, tmp_pat
         probe = r.get("weight_sync_probe_logprob_abs_diff")
         assert probe is None or probe <= FP32_LOGPROB_TOLERANCE, f"step {r['step']}: sync probe differs by {probe}"
         assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]), r
+        assert r["prefix_shared_fraction"] > 0.3, r  # a rank's group of 4 ran its ~46-token prompt once
     assert rows[0]["eval/greedy/num_prompts"] == len(HELDOUT_PAIRS)
     # responses stop on <|im_end|>, which never shows in the decoded text
     samples = [json.loads(line) for line in (run_dir / "eval" / "greedy" / "step_000000.jsonl").read_text().splitlines()]

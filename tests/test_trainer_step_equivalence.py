@@ -6,7 +6,8 @@ length, each micro-batch cut to its own length, shapes varying along the pipelin
 the step that skips the old-log-prob pass (pi_old = detached pi_theta), and for the loss with
 the entropy bonus and the k3 KL term (the CPU demo's loss) at TP2 and PP2, and for packed
 micro-batches (``parallel.pack_sequences``: each micro-batch's rows concatenated into one row)
-at TP1 and PP2."""
+at TP1 and PP2, and for packed rows that share their prompt (``parallel.share_prefix``: two GRPO
+groups of four, each prompt run once per micro-batch) at TP1, TP2, PP2 and DP2."""
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from tests.support.step_equivalence import (MICRO, N_SEQ, REGULARIZED, initial_w
                                             step_batch)
 
 BUDGET = 18  # tokens per micro-batch: 1-3 rows of 4-7 tokens, so the shapes vary
+SHARED_BUDGET = 12  # the grouped batch's groups (15 and 18 tokens shared) are cut into chunks of 2-3 rows
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +129,45 @@ def test_logits_of_the_scored_positions_only_change_nothing(tiny_hf, tp, pp, pac
     _assert_same_step(cut, reference, tiny_hf, ("entropy", "kl_loss", "k3_kl"))
 
 
+@pytest.fixture(scope="module")
+def grouped_reference(tiny_hf):
+    """The grouped batch's step, fixed micro-batches of 2 rows (no packing, no sharing), with
+    the entropy bonus and the KL term."""
+    (ref,) = run_distributed(one_step, 1, tiny_hf, None, False, True, False, False, False, True, tp=1, pp=1,
+                             timeout_s=300)
+    return ref
+
+
+@pytest.mark.parametrize("world,tp,pp", [(1, 1, 1), pytest.param(2, 2, 1, marks=pytest.mark.slow), (2, 1, 2),
+                                         pytest.param(2, 1, 1, marks=pytest.mark.slow)],
+                         ids=["tp1", "tp2", "pp2", "dp2"])
+def test_shared_prefix_step_matches_fixed(tiny_hf, grouped_reference, world, tp, pp):
+    """Rows sharing their prompt run it once (``parallel.share_prefix``; log-prob pass and
+    update): the same loss, entropy, KL, grad norm, updated weights and old-policy log-probs as
+    fixed micro-batches of 2 rows, on fewer token slots than the rows hold."""
+    results = run_distributed(one_step, world, tiny_hf, SHARED_BUDGET, False, True, True, False, True, True,
+                              tp=tp, pp=pp, timeout_s=300)
+    _assert_same_step(results, grouped_reference, tiny_hf, ("entropy", "kl_loss", "k3_kl"))
+    mask = step_batch(groups=True).loss_mask > 0
+    for r in results:
+        if r["old_lp"] is not None and world == 1:
+            assert (r["old_lp"][mask] - grouped_reference["old_lp"][mask]).abs().max() <= 1e-5
+        if r["metrics"] is not None:  # the prompts ran once: fewer slots than the rows' tokens
+            assert r["metrics"]["num_padded_tokens"] < r["metrics"]["num_sequence_tokens"], r["metrics"]
+
+
+def test_shared_plan_keeps_groups_together():
+    """The budget keeps each group whose rows fit in one micro-batch (a group costs its prompt
+    once), and cuts the others into chunks of consecutive rows."""
+    from megatron_grpo.trainer.microbatch import plan_micro_batches
+
+    batch = step_batch(groups=True)  # lengths 7, 8, 10, 8 | 7, 8, 9, 9; every prompt 6 tokens
+    assert plan_micro_batches(batch, MICRO, 18, packed=True, shared=True).rows == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert plan_micro_batches(batch, MICRO, 64, packed=True, shared=True).rows == (tuple(range(N_SEQ)),)
+    cut = plan_micro_batches(batch, MICRO, SHARED_BUDGET, packed=True, shared=True)
+    assert cut.rows == ((2, 3), (4, 5, 6), (0, 1), (7,))  # chunk costs 12, 12, 9, 9
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", [None, BUDGET], ids=["fixed", "budget"])
 def test_skipping_old_log_prob_pass_is_exact(tiny_hf, reference, budget):
@@ -137,6 +178,8 @@ def test_skipping_old_log_prob_pass_is_exact(tiny_hf, reference, budget):
 
 
 def _assert_same_step(results, reference, tiny_hf, extra_keys=()):
+    """Each reporting rank's loss, metrics ``extra_keys``, grad norm and the merged updated
+    weights equal ``reference``'s; the step moved the weights."""
     ref_m = reference["metrics"]
     assert reference["applied"] and ref_m["clip_ratio"] == 0.0  # first step: pi_old == pi_theta
     reporters = [r for r in results if r["metrics"] is not None]

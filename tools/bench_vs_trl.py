@@ -358,9 +358,10 @@ GENERATION = ("Generation: TRL calls model.generate on each rollout batch inside
               "(padded, until the longest response ends); ours samples on the engine of --engines "
               "(continuous batching) and syncs the weights into it every batch.")
 MICRO_BATCHES = ("Micro-batches: ours cuts each optimizer step into length-sorted micro-batches of at most "
-                 "parallel.micro_batch_size sequences and parallel.max_tokens_per_microbatch tokens; TRL "
-                 "into fixed micro-batches of parallel.micro_batch_size sequences padded to their longest. "
-                 "The gradient is the same; the work is not.")
+                 "parallel.micro_batch_size sequences and parallel.max_tokens_per_microbatch tokens (with "
+                 "parallel.pack_sequences, rows packed without padding; with parallel.share_prefix, each "
+                 "group's prompt run once); TRL into fixed micro-batches of parallel.micro_batch_size "
+                 "sequences padded to their longest. The gradient is the same; the work is not.")
 TOKEN_MEAN = ("Token-mean normaliser: ours divides an optimizer step's summed token loss by that step's "
               "own response tokens; TRL's dapo divides by the rollout batch's response tokens over its "
               "optimizer steps per batch, so with responses of unequal length a step of longer "

@@ -174,6 +174,14 @@ class ParallelConfig:
     model.attention_backend sdpa (auto on a machine without TransformerEngine); not with
     sequence_parallel, nor (refused when the model is built) a mixture-of-experts model."""
 
+    share_prefix: bool = False
+    """With pack_sequences: the rows of a micro-batch that start with the same prompt (a GRPO
+    group) run it once, each row's response attending to the one copy (the shared-prefix
+    forward, Prefix Grouper; verl's use_prefix_grouper). The same log-probs, loss and
+    gradients as without it, on fewer tokens: a group of G rows with a P-token prompt runs
+    P + G x (response) tokens instead of G x (P + response). The token budget keeps each group
+    in one micro-batch where it fits. Worth it when prompts are long next to responses."""
+
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1): activations outside the attention and
     MLP blocks are split over the tp ranks along the sequence; sequences are right-padded to
@@ -194,6 +202,8 @@ class ParallelConfig:
               f"got {self.max_tokens_per_microbatch}")
         check(not self.pack_sequences or self.max_tokens_per_microbatch is not None, "pack_sequences",
               "needs max_tokens_per_microbatch (the token budget of a packed row); set it or pack_sequences: false")
+        check(not self.share_prefix or self.pack_sequences, "share_prefix",
+              "needs pack_sequences: true (a shared prompt is one packed segment)")
         check(not (self.pack_sequences and self.sequence_parallel), "pack_sequences",
               "cannot be combined with sequence_parallel (a packed row is not padded to a multiple of tp)")
         check(self.etp is None or self.etp >= 1, "etp", f"must be >= 1 or null, got {self.etp}")

@@ -22,6 +22,10 @@ Two layouts (megatron's names):
   (megatron's unfused thd RoPE already reads ``cu_seqlens`` on the host). Not
   ``flex_attention`` with a document mask: outside ``torch.compile`` it runs an unfused
   reference path that materialises the scores.
+* ``thd`` with a shared prefix (``models.packing``, ``parallel.share_prefix``): the params are
+  ``BranchedSeqParams``, which add each token's position id and branch; a query sees the keys
+  of its segment that are not after it and lie in the prefix (branch 0) or its own branch
+  (``branched_mask``). On CUDA one SDPA call per segment with that segment's mask.
 
 Departures from ``DotProductAttention``: attention dropout must be 0 (this project trains
 without it; SDPA's dropout would draw from another RNG stream than megatron's), and only
@@ -32,6 +36,7 @@ architectures here use them; each is refused at construction).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -66,25 +71,71 @@ def block_causal_mask(cu_seqlens: Tensor, total: int) -> Tensor:
     return same_row & (positions.unsqueeze(0) <= positions.unsqueeze(1))
 
 
-def sdpa_packed(q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, cu_seqlens: Tensor, scale: float,
-                per_row: bool) -> Tensor:
-    """Causal attention inside each row of a pack. q [t, np, hn], k/v [t, ng, hn] (ng divides
-    np: grouped-query attention), cu_seqlens [rows + 1] -> [t, np, hn].
+def branched_mask(cu_seqlens: Tensor, position: Tensor, branch: Tensor) -> Tensor:
+    """bool [t, t]: True where query i may attend to key j: same segment, position[j] <=
+    position[i], and j in the shared prefix (branch 0) or in i's branch. cu_seqlens [segments +
+    1], position / branch long [t] (``models.packing``). With every branch 0 and positions
+    restarting per segment this is ``block_causal_mask``. E.g. one segment, positions (0, 1, 1),
+    branches (0, 1, 2) -> [[1,0,0],[1,1,0],[1,0,1]]."""
+    total = position.shape[0]
+    segment = torch.searchsorted(cu_seqlens[1:].to(torch.long), torch.arange(total, device=position.device), right=True)
+    same_segment = segment.unsqueeze(0) == segment.unsqueeze(1)
+    seen_branch = (branch.unsqueeze(0) == 0) | (branch.unsqueeze(0) == branch.unsqueeze(1))
+    return same_segment & seen_branch & (position.unsqueeze(0) <= position.unsqueeze(1))
 
-    per_row False: one SDPA call with ``block_causal_mask``; True: one causal SDPA call per row
-    (no [t, t] mask; what CUDA runs). Both compute the same function."""
+
+@dataclass
+class BranchedSeqParams(PackedSeqParams):
+    """megatron's thd ``PackedSeqParams`` plus each packed token's position id and branch
+    (long [t]) and which segments hold a shared prefix (``models.packing``). The masks are
+    built once per forward and reused by every layer. With no shared segment the attention
+    is the plain packed one."""
+
+    position: Optional[Tensor] = None
+    branch: Optional[Tensor] = None
+    segment_shared: tuple = ()
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def masks(self, per_row: bool):
+        """per_row False: the whole pack's bool [t, t] mask, or None (plain block-causal); True:
+        one entry per segment, its [l, l] ``branched_mask`` or None (plain causal)."""
+        if not any(self.segment_shared):
+            return None
+        if per_row not in self._masks:
+            cu = self.cu_seqlens_q
+            if not per_row:
+                self._masks[per_row] = branched_mask(cu, self.position, self.branch)
+            else:
+                bounds = cu.tolist()
+                self._masks[per_row] = [
+                    branched_mask(torch.tensor([0, e - s], device=cu.device), self.position[s:e], self.branch[s:e])
+                    if shared else None
+                    for s, e, shared in zip(bounds[:-1], bounds[1:], self.segment_shared)]
+        return self._masks[per_row]
+
+
+def sdpa_packed(q_THD: Tensor, k_TGD: Tensor, v_TGD: Tensor, cu_seqlens: Tensor, scale: float,
+                per_row: bool, masks=None) -> Tensor:
+    """Causal attention inside each segment of a pack. q [t, np, hn], k/v [t, ng, hn] (ng divides
+    np: grouped-query attention), cu_seqlens [segments + 1] -> [t, np, hn]. ``masks``: None
+    (each segment is one row) or ``BranchedSeqParams.masks(per_row)`` (shared prefixes).
+
+    per_row False: one SDPA call with the [t, t] mask (``block_causal_mask`` without
+    ``masks``); True: one SDPA call per segment, causal (no mask tensor) where the segment has
+    no mask of its own (what CUDA runs). Both compute the same function."""
     gqa = q_THD.shape[1] != k_TGD.shape[1]
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_THD, k_TGD, v_TGD))  # [1, heads, t, hn]
     if not per_row:
-        mask = block_causal_mask(cu_seqlens, q_THD.shape[0])
+        mask = block_causal_mask(cu_seqlens, q_THD.shape[0]) if masks is None else masks
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    else:
-        bounds = cu_seqlens.tolist()
-        out = torch.cat([
-            F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
-                                           scale=scale, enable_gqa=gqa)
-            for a, b in zip(bounds[:-1], bounds[1:])
-        ], dim=2)
+        return out.squeeze(0).transpose(0, 1)
+    bounds = cu_seqlens.tolist()
+    masks = masks or [None] * (len(bounds) - 1)
+    out = torch.cat([
+        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], attn_mask=mask,
+                                       is_causal=mask is None, scale=scale, enable_gqa=gqa)
+        for a, b, mask in zip(bounds[:-1], bounds[1:], masks)
+    ], dim=2)
     return out.squeeze(0).transpose(0, 1)
 
 
@@ -122,8 +173,9 @@ class SDPAttention(MegatronModule):
         if packed_seq_params is not None:
             assert packed_seq_params.qkv_format == "thd", packed_seq_params.qkv_format
             assert attention_mask is None, "a packed batch takes its mask from cu_seqlens"
-            out = sdpa_packed(query, key, value, packed_seq_params.cu_seqlens_q, self.softmax_scale,
-                              per_row=query.is_cuda)
+            per_row = query.is_cuda
+            masks = packed_seq_params.masks(per_row) if isinstance(packed_seq_params, BranchedSeqParams) else None
+            out = sdpa_packed(query, key, value, packed_seq_params.cu_seqlens_q, self.softmax_scale, per_row, masks)
             return out.reshape(out.shape[0], -1)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, hn]

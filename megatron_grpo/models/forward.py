@@ -123,15 +123,43 @@ def causal_logits(model, tokens_BS: torch.Tensor, start: int = 0) -> torch.Tenso
         return model(*model_inputs(tokens_BS), attention_mask=None)
 
 
+@contextlib.contextmanager
+def _rope_at(model, position_ids_T: torch.Tensor):
+    """Within the block, the chunk's rotary embedding gives the angles of ``position_ids_T``
+    (long [T]: each packed token's position in its own row) instead of those of 0..max_seqlen:
+    [T, 1, 1, dim], which megatron's thd RoPE applies token by token (its "freqs for every
+    packed position" case). So a shared-prefix row's own tokens, which follow the other rows'
+    in the pack, still rotate by their positions in that row. No-op for a model without RoPE
+    (its position embedding reads the ids itself)."""
+    from megatron.core.utils import unwrap_model
+
+    inner = unwrap_model(model)
+    rope = getattr(inner, "rotary_pos_emb", None) if getattr(inner, "position_embedding_type", "") == "rope" else None
+    if rope is None:
+        yield
+        return
+    assert not inner.config.apply_rope_fusion, "packed rows take their RoPE angles from the position ids (unfused)"
+
+    def at_positions(module, args, output):
+        return output.index_select(0, position_ids_T)
+
+    handle = rope.register_forward_hook(at_positions)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def packed_logits(model, packed: PackedRows, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``causal_logits`` of a packed micro-batch (``models.packing``): vocab-parallel logits
-    [1, T, V_pad/tp] on the last PP stage (the hidden states elsewhere), position p those of
-    packed token p within its own row; with ``positions`` (long [R], packed indices) [1, R,
-    V_pad/tp], those positions' only. Needs the sdpa core attention (the packed mask comes
-    from ``cu_seqlens``) and no sequence parallelism (T is not padded to a multiple of tp)."""
+    [1, T, V_pad/tp] on the last PP stage (the hidden states elsewhere), packed index p that of
+    packed token p in its own row; with ``positions`` (long [R], packed indices, repeats allowed:
+    rows sharing a prefix read its last token) [1, R, V_pad/tp], those indices' only. Needs the
+    sdpa core attention (the packed mask comes from ``cu_seqlens`` and the branches) and no
+    sequence parallelism (T is not padded to a multiple of tp)."""
     assert sequence_multiple(model) == 1, "packed sequences do not support sequence parallelism"
     tokens, position_ids = to_device(packed.tokens), to_device(packed.position_ids)
-    with _output_from(model, 0 if positions is None else to_device(positions)):
+    with _output_from(model, 0 if positions is None else to_device(positions)), _rope_at(model, position_ids[0]):
         return model(tokens, position_ids, attention_mask=None, packed_seq_params=packed_seq_params(packed))
 
 

@@ -7,8 +7,9 @@ pipeline stage the vocab-parallel logits ``[B, S, V/tp]`` are turned into per-to
 log-probs and entropies by ``ops.vocab_parallel_log_probs`` (never gathering the vocab),
 then into the loss by ``losses.compute_policy_loss``. The output layer runs only from each
 micro-batch's first scored position on (``first_scored``; packed rows: at their scored
-positions, ``packed_scored``; ``models.forward``): the positions left out get log-prob 0, and
-no gradient, which the loss mask gave them anyway.
+(row, position) pairs, ``packed_scored``, which repeat the index of a prefix several rows
+share; ``models.forward``): the positions left out get log-prob 0, and no gradient, which the
+loss mask gave them anyway.
 
 Loss scaling. Megatron's schedule divides each micro-batch loss by the number of
 micro-batches and DDP averages gradients over the dp ranks. ``compute_policy_loss`` instead
@@ -35,13 +36,14 @@ from megatron_grpo.config.algorithm import AlgorithmConfig
 from megatron_grpo.losses import compute_policy_loss, reduce_metrics
 from megatron_grpo.models.fake_quant import fake_quantized
 from megatron_grpo.models.forward import causal_logits, logits_start, packed_logits, run_schedule
-from megatron_grpo.models.packing import PackedRows, gather_rows, next_tokens, pack, unpack
+from megatron_grpo.models.packing import PackedRows, Pairs, pack, pairs, shared_prefix_groups
 from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.ops.quantize import QuantScheme
 from megatron_grpo.ops.vocab_parallel import Kernel
 from megatron_grpo.runtime.device import all_finite, collective_tensor, to_device
 from megatron_grpo.rollout.batch import TrainBatch, build_train_batch
-from megatron_grpo.trainer.microbatch import MicroBatching, plan_micro_batches, sequence_lengths, split, unsplit
+from megatron_grpo.trainer.microbatch import (MicroBatching, plan_micro_batches, prompt_lengths, sequence_lengths,
+                                              split, unsplit)
 from megatron_grpo.trainer.moe_metrics import RouterLoad
 from megatron_grpo.trainer.router_replay import RoutingReplay
 
@@ -96,54 +98,58 @@ def _log_probs(logits: torch.Tensor, targets: torch.Tensor, kept_ids: Optional[t
     )
 
 
-def packed_scored(mb: TrainBatch, packed: PackedRows) -> Optional[torch.Tensor]:
-    """long [R]: the packed positions some row scores (its loss mask there > 0), in order; None
-    when there is none (the output layer then runs on every position)."""
-    mask = gather_rows(mb.loss_mask, packed, fill=0)[0]
-    positions = mask.ne(0).nonzero().flatten()
-    return positions if positions.numel() else None
+def packed_scored(mb: TrainBatch, packed: PackedRows) -> Optional[Pairs]:
+    """The (row, position) pairs some row scores (its loss mask there > 0) and the packed
+    indices they read (``models.packing.pairs``); None when there is none (the output layer
+    then runs on every packed index)."""
+    scored = pairs(packed, mb.loss_mask)
+    return scored if scored.count else None
 
 
 def _packed_token_scores(logits_1Rv: torch.Tensor, mb: TrainBatch, packed: PackedRows, spec: ScoringSpec,
-                         with_entropy: bool, positions: Optional[torch.Tensor] = None):
+                         with_entropy: bool, positions: Optional[Pairs] = None):
     """``_token_scores`` of a packed micro-batch: vocab-parallel logits [1, R, V/tp] of the
-    packed ``positions`` (long [R]; None: every one, R = T_packed) -> (log_probs [B, T],
-    entropy [B, T] or None) in the micro-batch's row layout (T = S - 1), 0 at every position
-    not scored. Only the per-token scores are scattered back: no [B, S, V] logits are ever
-    padded out."""
-    kept = None if mb.kept_ids is None else gather_rows(mb.kept_ids, packed, fill=-1)
-    targets = next_tokens(packed)
-    if positions is not None:
-        targets, kept = targets[:, positions], None if kept is None else kept[:, positions]
+    pairs ``positions`` (``packed_scored``; None: logits [1, T_packed, V/tp] of every packed
+    index, read at every pair of every row) -> (log_probs [B, T], entropy [B, T] or None) in the
+    micro-batch's row layout (T = S - 1), 0 at every position not scored. Each pair is scored
+    against its own row's next token, so rows sharing a prefix share its logits, not their
+    targets. Only the per-token scores are scattered back: no [B, S, V] logits are ever padded
+    out."""
+    chosen = positions
+    if chosen is None:
+        chosen = pairs(packed)
+        logits_1Rv = logits_1Rv[:, chosen.index]
+    targets = mb.tokens[chosen.rows, chosen.cols + 1].unsqueeze(0)
+    kept = None if mb.kept_ids is None else mb.kept_ids[chosen.rows, chosen.cols].unsqueeze(0)
     lp, ent = _log_probs(logits_1Rv, targets, kept, spec, with_entropy)
     rows, width = mb.num_sequences, mb.seq_length - 1
 
-    def back(values_1R: torch.Tensor) -> torch.Tensor:
-        values_T = values_1R[0]
-        if positions is not None:  # differentiable: the loss's gradient reaches the R positions
-            values_T = values_T.new_zeros(packed.num_tokens).index_put((positions,), values_T)
-        return unpack(values_T, packed, rows, width)
+    def back(values_1R: torch.Tensor) -> torch.Tensor:  # differentiable: the loss's gradient reaches the R pairs
+        return values_1R.new_zeros(rows, width).index_put((chosen.rows, chosen.cols), values_1R[0])
 
     return back(lp), None if ent is None else back(ent)
 
 
-MicroBatch = tuple[TrainBatch, Optional[PackedRows], "int | Optional[torch.Tensor]"]
+MicroBatch = tuple[TrainBatch, Optional[PackedRows], "int | Optional[Pairs]"]
 """A micro-batch, its packed layout (None: padded rows) and where its logits are needed: the
-first scored position (padded rows, ``first_scored``) or the packed indices (``packed_scored``)."""
+first scored position (padded rows, ``first_scored``) or the scored pairs (``packed_scored``)."""
 
 
-def _micro_batches(batch: TrainBatch, plan, pack_sequences: bool) -> list[MicroBatch]:
+def _micro_batches(batch: TrainBatch, plan, batching: MicroBatching) -> list[MicroBatch]:
     """The plan's micro-batches, each with its packed layout (rows cut to their own scored
-    length, ``trainer.microbatch.sequence_lengths``) when packing, else None, and its scored
-    positions. Those are found here, once before the schedule, not in the forward step: each is
-    a host read of a device tensor, which there would wait for the previous micro-batch's
-    backward to finish."""
+    length, ``trainer.microbatch.sequence_lengths``; rows with one prompt sharing it with
+    ``batching.share``) when packing, else None, and its scored positions. Those are found
+    here, once before the schedule, not in the forward step: each is a host read of a device
+    tensor, which there would wait for the previous micro-batch's backward to finish."""
     mbs = split(batch, plan)
-    if not pack_sequences:
+    if not batching.pack:
         return [(mb, None, first_scored(mb.loss_mask)) for mb in mbs]
     items = []
     for mb in mbs:
-        packed = pack(mb.tokens, sequence_lengths(mb).tolist())
+        lengths = sequence_lengths(mb).tolist()
+        groups = (shared_prefix_groups(mb.tokens, lengths, prompt_lengths(mb.loss_mask))
+                  if batching.share else None)
+        packed = pack(mb.tokens, lengths, groups)
         items.append((mb, packed, packed_scored(mb, packed)))
     return items
 
@@ -151,9 +157,9 @@ def _micro_batches(batch: TrainBatch, plan, pack_sequences: bool) -> list[MicroB
 def _forward(model, mb: TrainBatch, packed: Optional[PackedRows], scored):
     """The chunk's output for ``mb`` and the positions its logits cover (``models.forward``,
     logits of the scored positions only): padded rows, the first one (an int: ``scored`` where
-    the model allows); packed rows, their indices ``scored``."""
+    the model allows); packed rows, the packed indices of the pairs ``scored``."""
     if packed is not None:
-        return packed_logits(model, packed, scored), scored
+        return packed_logits(model, packed, None if scored is None else scored.index), scored
     start = logits_start(model, scored)
     return causal_logits(model, mb.tokens, start), start
 
@@ -211,8 +217,9 @@ def compute_log_probs(model_chunks, batch: TrainBatch, batching: MicroBatching |
     for c in model_chunks:
         c.eval()
     batching = MicroBatching.coerce(batching)
-    plan = plan_micro_batches(batch, batching.rows, batching.max_tokens, batching.pack)
-    mbs = _micro_batches(batch, plan, batching.pack)
+    plan = plan_micro_batches(batch, batching.rows, batching.max_tokens, batching.pack,
+                              batching.share)
+    mbs = _micro_batches(batch, plan, batching)
     with torch.no_grad(), (router_load.counting(len(mbs)) if router_load else contextlib.nullcontext()), \
             _routing_applied(routing, batch):
         outs = _run_schedule(model_chunks, mbs, forward_step, True)
@@ -253,8 +260,8 @@ def train_mini_batch(
 
     mini = to_device(mini)
     batching = MicroBatching.coerce(batching)
-    mbs = _micro_batches(mini, plan_micro_batches(mini, batching.rows, batching.max_tokens, batching.pack),
-                         batching.pack)
+    plan = plan_micro_batches(mini, batching.rows, batching.max_tokens, batching.pack, batching.share)
+    mbs = _micro_batches(mini, plan, batching)
     scale = len(mbs) * dp_size  # dp ranks may differ in len(mbs): each scales by its own
     want_entropy_grad = cfg.entropy_coef > 0
 

@@ -23,6 +23,12 @@ decreasing while their SUMMED lengths stay within M (``packed_plan``); the forwa
 concatenates each micro-batch's rows into one row without padding (``models.packing``), so
 the budget counts real tokens. The micro-batch itself is still cut to its longest row (the
 per-token fields keep the [rows, L - 1] layout the loss reads).
+
+Shared prefix (``parallel.share_prefix``, with packing): rows with the same prompt (a GRPO
+group) are packed as one segment that runs their common prefix once (``models.packing``), so
+the plan keeps them together: a group costs its prefix once plus each row's own tokens
+(``shared_plan``), first-fit decreasing by that cost; a group over the budget is cut into
+consecutive chunks that fit, each paying the prefix again.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from megatron_grpo.models.packing import Group, shared_prefix_groups
 from megatron_grpo.rollout.batch import TrainBatch
 
 
@@ -46,11 +53,14 @@ class MicroBatching:
     """The token budget (None: fixed rows)."""
     pack: bool = False
     """Each micro-batch's rows run as one packed row (``models.packing``)."""
+    share: bool = False
+    """Packed rows with the same prompt run it once (``models.packing``, shared prefix)."""
 
     @classmethod
     def of(cls, parallel) -> "MicroBatching":
         """From the config's ``parallel`` section."""
-        return cls(parallel.micro_batch_size, parallel.max_tokens_per_microbatch, parallel.pack_sequences)
+        return cls(parallel.micro_batch_size, parallel.max_tokens_per_microbatch, parallel.pack_sequences,
+                   parallel.share_prefix)
 
     @classmethod
     def coerce(cls, batching: "MicroBatching | int") -> "MicroBatching":
@@ -79,6 +89,15 @@ def sequence_lengths(batch: TrainBatch) -> torch.Tensor:
     t = torch.arange(batch.loss_mask.shape[1], device=batch.loss_mask.device)
     last = torch.where(batch.loss_mask > 0, t, torch.full_like(t, -1)).amax(dim=1)
     return (last + 2).clamp(min=2).cpu()
+
+
+def prompt_lengths(loss_mask_BW: torch.Tensor) -> list[int]:
+    """Each row's prompt length: the tokens before its first scored one (shifted position t
+    scores token t + 1), 0 for a row that scores nothing. E.g. loss masks [[0, 1, 1], [0, 0, 0]]
+    -> [2, 0]."""
+    t = torch.arange(loss_mask_BW.shape[1], device=loss_mask_BW.device)
+    first = torch.where(loss_mask_BW > 0, t, torch.full_like(t, loss_mask_BW.shape[1])).amin(dim=1)
+    return [0 if f == loss_mask_BW.shape[1] else f + 1 for f in first.tolist()]
 
 
 def fixed_plan(num_rows: int, seq_length: int, micro_batch_size: int) -> MicroBatchPlan:
@@ -127,14 +146,54 @@ def packed_plan(lengths: list[int], max_tokens: int) -> MicroBatchPlan:
     return MicroBatchPlan(rows=tuple(tuple(r) for r in rows), lengths=tuple(lengths[r[0]] for r in rows))
 
 
-def plan_micro_batches(batch: TrainBatch, micro_batch_size: int,
-                       max_tokens: Optional[int], packed: bool = False) -> MicroBatchPlan:
+def shared_plan(groups: list[Group], lengths: list[int], max_tokens: int) -> MicroBatchPlan:
+    """Packed micro-batches that keep each group of rows sharing a prefix together
+    (``models.packing.shared_prefix_groups``: (rows, shared length)). A group costs shared +
+    sum(length - shared) tokens; one over ``max_tokens`` is cut into consecutive chunks that fit
+    (a row alone always does), each paying its prefix again; the chunks go first-fit decreasing
+    by cost (ties by first row) into micro-batches of at most ``max_tokens``. Each micro-batch's
+    length is its longest row's.
+
+    E.g. groups [((0, 1), 3), ((2,), 0)], lengths [5, 4, 6], max_tokens 9 -> chunk (0, 1)
+    costs 3 + 2 + 1 = 6, chunk (2,) 6: rows ((0, 1), (2,)), lengths (5, 6)."""
+    chunks: list[tuple[int, list[int]]] = []  # (cost, rows)
+    for rows, shared in groups:
+        cost, current = 0, []
+        for b in rows:
+            extra = lengths[b] - shared + (0 if current else shared)
+            if current and cost + extra > max_tokens:
+                chunks.append((cost, current))
+                cost, current, extra = 0, [], lengths[b]
+            current.append(b)
+            cost += extra
+        chunks.append((cost, current))
+    chunks.sort(key=lambda c: (-c[0], c[1][0]))
+    rows_of: list[list[int]] = []
+    totals: list[int] = []
+    for cost, rows in chunks:
+        k = next((k for k, total in enumerate(totals) if total + cost <= max_tokens), len(rows_of))
+        if k == len(rows_of):
+            rows_of.append([])
+            totals.append(0)
+        rows_of[k] += rows
+        totals[k] += cost
+    return MicroBatchPlan(rows=tuple(tuple(r) for r in rows_of),
+                          lengths=tuple(max(lengths[b] for b in r) for r in rows_of))
+
+
+def plan_micro_batches(batch: TrainBatch, micro_batch_size: int, max_tokens: Optional[int], packed: bool = False,
+                       shared: bool = False) -> MicroBatchPlan:
     """The plan for ``batch``: fixed when ``max_tokens`` is None, else the token budget
-    (``packed``: summed over packed rows, ``packed_plan``)."""
+    (``packed``: summed over packed rows, ``packed_plan``; ``shared``: groups sharing a prompt
+    kept together, ``shared_plan``)."""
     if max_tokens is None:
         assert not packed, "packed micro-batches need a token budget"
         return fixed_plan(batch.num_sequences, batch.seq_length, micro_batch_size)
     lengths = sequence_lengths(batch).tolist()
+    if shared:
+        assert packed, "a shared prefix needs packed micro-batches"
+        groups = shared_prefix_groups(batch.tokens, lengths, prompt_lengths(batch.loss_mask))
+        return shared_plan(groups, lengths, max_tokens)
     return packed_plan(lengths, max_tokens) if packed else token_budget_plan(lengths, max_tokens)
 
 

@@ -392,7 +392,9 @@ def pool_optimizer_steps(parts: list[dict]) -> dict:
         out = reduce_metrics([{k: v for k, v in r.items() if k not in per_step} for r in rows])
         out["loss"] = sum(r["loss"] for r in rows) / len(rows)
         out["grad_norm"] = sum(r["grad_norm"] for r in rows) / len(rows)
-        out["padding_fraction"] = 1.0 - out["num_sequence_tokens"] / max(out["num_padded_tokens"], 1.0)
+        # packed rows have no padding; a shared prefix runs fewer token slots than the rows hold
+        out["padding_fraction"] = max(0.0, 1.0 - out["num_sequence_tokens"] / max(out["num_padded_tokens"], 1.0))
+        out["prefix_shared_fraction"] = max(0.0, 1.0 - out["num_padded_tokens"] / max(out["num_sequence_tokens"], 1.0))
         return out
 
     out = pool(parts)

@@ -22,6 +22,26 @@ def random_train_batch(num_sequences: int, seed: int = 3) -> TrainBatch:
     return build_train_batch(prompts, outputs, logps, adv, pad_id=0)
 
 
+def grouped_train_batch(num_groups: int = 2, group_size: int = 4, seed: int = 4) -> TrainBatch:
+    """GRPO groups: ``num_groups`` prompts of 4-7 token ids, each answered ``group_size`` times
+    with 1-4 ids (ids in [7, 200); every group's first two responses start with the same id,
+    so they share one response token too); rollout log-probs in (-3, 0], standard-normal
+    advantages; rows group-major, padded with id 0 to [N, T]."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts, outputs = [], []
+    for _ in range(num_groups):
+        prompt = torch.randint(7, 200, (int(torch.randint(4, 8, (1,), generator=gen)),), generator=gen).tolist()
+        for k in range(group_size):
+            out = torch.randint(7, 200, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
+            if k == 1:
+                out[0] = outputs[-1][0]
+            prompts.append(prompt)
+            outputs.append(out)
+    logps = [(-torch.rand(len(o), generator=gen) * 3).tolist() for o in outputs]
+    adv = torch.randn(len(outputs), generator=gen)
+    return build_train_batch(prompts, outputs, logps, adv, pad_id=0)
+
+
 def random_multi_turn_batch(num_sequences: int, seed: int = 5) -> TrainBatch:
     """``num_sequences`` multi-turn rows: a prompt of 3-5 ids, then 1-3 model turns of 1-3 ids
     with an observation of 1-3 ids between two turns (``output_mask`` 0: loss mask 0, rollout

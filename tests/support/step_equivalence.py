@@ -8,19 +8,23 @@ import torch
 N_SEQ, GLOBAL_BATCH, MICRO = 8, 8, 2
 
 
-def step_batch():
-    from tests.support.batches import random_train_batch
+def step_batch(groups: bool = False):
+    """The step's rows: random prompts, or (``groups``) two GRPO groups of four rows sharing
+    their prompt (``parallel.share_prefix``)."""
+    from tests.support.batches import grouped_train_batch, random_train_batch
 
-    return random_train_batch(N_SEQ)
+    return grouped_train_batch(2, N_SEQ // 2) if groups else random_train_batch(N_SEQ)
 
 
 REGULARIZED = {"entropy_coef": 0.05, "kl_loss_coef": 0.05}
 """The CPU demo's entropy bonus (yaml_configs/demo_cpu.yaml) and its KL arm's weight (docs/history/benchmarks.md)."""
 
 
-def one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=False, pack=False, full_logits=False):
+def one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=False, pack=False, full_logits=False,
+             share=False, groups=False):
     """``full_logits``: the output layer runs on every position (as before the trainer cut its
-    logits to the scored positions, ``megatron_step.first_scored``), for comparison. The result's
+    logits to the scored positions, ``megatron_step.first_scored``), for comparison. ``groups``:
+    the grouped batch (``step_batch``); ``share``: packed rows share their prompts. The result's
     ``logit_positions``: the positions the output layer ran on, summed over this rank's forward
     steps (0 off the last stage)."""
     from megatron.core import parallel_state as ps
@@ -45,14 +49,14 @@ def one_step(rank, world, hf_dir, budget=None, skip_old=False, regularized=False
         megatron_step.first_scored = lambda mask: 0
         megatron_step.packed_scored = lambda mb, packed: None
     try:
-        result = _one_step(hf_dir, budget, skip_old, regularized, pack)
+        result = _one_step(hf_dir, budget, skip_old, regularized, pack, share, groups)
     finally:
         for name, fn in saved.items():
             setattr(megatron_step, name, fn)
     return {**result, "logit_positions": sum(positions)}
 
 
-def _one_step(hf_dir, budget, skip_old, regularized, pack):
+def _one_step(hf_dir, budget, skip_old, regularized, pack, share=False, groups=False):
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
@@ -70,11 +74,11 @@ def _one_step(hf_dir, budget, skip_old, regularized, pack):
                            **(REGULARIZED if regularized else {}))
     spec = ScoringSpec(temperature=0.7, vocab_size=policy.hf_config.vocab_size)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    full = step_batch()
+    full = step_batch(groups)
     local = dp_shard(full, dp_rank, dp, GLOBAL_BATCH)
     if regularized:  # a stand-in reference whose log-probs differ from the policy's: the KL has a gradient
         local.ref_log_probs = local.rollout_log_probs.clone()
-    batching = MicroBatching(MICRO, budget, pack)
+    batching = MicroBatching(MICRO, budget, pack, share)
     old_lp = compute_log_probs(policy.chunks, local, batching, spec)
     if not skip_old:
         local.old_log_probs = old_lp
