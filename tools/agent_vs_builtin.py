@@ -27,13 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_grpo.metrics_log import read_metrics
+
 TIME_PREFIXES = ("time/", "perf/", "throughput/", "mem/")
 TIME_KEYS = {"train_elapsed_s", "elapsed_s", "tokens_per_s", "multi_turn/env_s", "multi_turn/generate_s"}
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def is_time(key: str) -> bool:
@@ -65,7 +62,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     last = {"builtin": [], "agent": []}
     for s in args.seeds:
-        runs = {arm: read_metrics(args.runs / arm / f"s{s}") for arm in ("builtin", "agent")}
+        runs = {arm: read_metrics(args.runs / arm / f"s{s}" / "metrics.jsonl") for arm in ("builtin", "agent")}
         if not all(runs.values()):
             print(f"| {s} | missing run(s) | | | | | |")
             continue

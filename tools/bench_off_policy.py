@@ -55,6 +55,8 @@ from typing import Callable
 
 from megatron_grpo.runtime.files import write_text_atomic
 
+from megatron_grpo.metrics_log import read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 _OPC = "algorithm.off_policy_correction"
 OFF = [f"{_OPC}.tis_ratio_type=null"]
@@ -128,13 +130,9 @@ def run_args(workload: Workload, arm: list[str], seed: int, steps: int, run_dir:
             "logging.progress_bar=false", *extra]
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
+def step_rows(run_dir: Path) -> list[dict]:
     """The rows of a run's metrics.jsonl that carry a training step's reward."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "reward_mean" in r]
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r]
 
 
 def _values(rows: list[dict], key: str) -> list[float]:
@@ -245,7 +243,7 @@ def table(out: Path, workload: Workload, arms: list[str], seeds: list[int], step
     columns = REASONING_COLUMNS if workload.held_out else DEMO_COLUMNS
     lines = ["| arm | " + " | ".join(c[0] for c in columns) + " |", "|" + "---|" * (len(columns) + 1)]
     for arm in arms:
-        summaries = [run_summary(rows) for rows in (read_metrics(out / f"{arm}_s{s}") for s in seeds)
+        summaries = [run_summary(rows) for rows in (step_rows(out / f"{arm}_s{s}") for s in seeds)
                      if len(rows) >= steps]
         cells = [render(summaries) if summaries else "n/a" for _, render in columns]
         lines.append(f"| {arm} ({len(summaries)}/{len(seeds)} seeds) | " + " | ".join(cells) + " |")
@@ -273,7 +271,7 @@ def write_plot(out: Path, arms: list[str], seeds: list[int], steps: int) -> Path
     FigureCanvasAgg(fig)
     left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for i, arm in enumerate(arms):
-        runs = [rows for rows in (read_metrics(out / f"{arm}_s{seed}") for seed in seeds) if len(rows) >= steps]
+        runs = [rows for rows in (step_rows(out / f"{arm}_s{seed}") for seed in seeds) if len(rows) >= steps]
         if not runs:
             continue
         style = dict(color=f"C{i % 10}", linestyle=["-", "--", ":"][(i // 10) % 3])
@@ -348,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.table_only:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         todo = [(arm, seed) for seed in args.seeds for arm in arms  # seed-major
-                if len(read_metrics(out / f"{arm}_s{seed}")) < args.steps]
+                if len(step_rows(out / f"{arm}_s{seed}")) < args.steps]
         running: dict[str, tuple[subprocess.Popen, float, list[float]]] = {}
         while todo or running:
             while todo and len(running) < args.jobs:

@@ -16,7 +16,6 @@ seeds that reached the target. Extra ``section.key=value`` arguments go to every
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -24,14 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_grpo.metrics_log import read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def rolling(values: list[float], width: int) -> np.ndarray:
@@ -91,7 +85,7 @@ def main() -> int:
                        check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     table = []
     for seed in args.seeds:
-        table.append((seed, summarize(read_metrics(run_seed(seed, args.out, args.demo, args.overrides)), args.target)))
+        table.append((seed, summarize(read_metrics(run_seed(seed, args.out, args.demo, args.overrides) / "metrics.jsonl"), args.target)))
         print(f"seed {seed} done", flush=True)
     print(f"\n| seed | steps | best 20-step mean (step) | first step with a 20-step mean >= {args.target} | "
           "last 100 steps | held-out pass@1, last eval | training s |")

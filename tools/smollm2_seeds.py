@@ -22,15 +22,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_grpo.metrics_log import read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 RESCORE_FILE = "transformers_greedy.json"
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def summarize(rows: list[dict], rescore: dict | None) -> dict:
@@ -99,7 +94,7 @@ def main() -> int:
     for seed in args.seeds:
         run_dir = args.out / f"s{seed}" if args.table_only else run_seed(seed, args.out, args.overrides)
         rescore = run_dir / RESCORE_FILE
-        rows[seed] = summarize(read_metrics(run_dir), json.loads(rescore.read_text()) if rescore.is_file() else None)
+        rows[seed] = summarize(read_metrics(run_dir / "metrics.jsonl"), json.loads(rescore.read_text()) if rescore.is_file() else None)
     print(table(rows, args.target))
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

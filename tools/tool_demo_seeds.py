@@ -19,19 +19,13 @@ seed's 5-step rolling mean of the reward against the step.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import matplotlib
 import numpy as np
 
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from megatron_grpo.metrics_log import read_metrics
 
 
 def rolling(values: list[float], width: int) -> np.ndarray:
@@ -92,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", required=True)
     p.add_argument("--plot", type=Path, default=None, help="write the reward curves here (PNG)")
     args = p.parse_args(argv)
-    runs = {s: read_metrics(args.runs / f"s{s}") for s in args.seeds}
+    runs = {s: read_metrics(args.runs / f"s{s}" / "metrics.jsonl") for s in args.seeds}
     missing = [s for s, rows in runs.items() if not rows]
     if missing:
         print(f"error: no metrics.jsonl for seed(s) {missing} under {args.runs}", file=sys.stderr)
