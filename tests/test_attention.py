@@ -12,7 +12,7 @@ Packed sequences (``models.packing``, ``parallel.pack_sequences``): packed vs un
 log-probs and gradients with the same tolerances at TP1, TP2 and PP2, for rows of 1 to 12
 tokens, and for a micro-batch whose rows share prompts (``parallel.share_prefix``: three rows
 run one prompt once, two of them share their first response token too, a fourth row has its
-own prompt); and the refusals (unfused attention, MoE models) at build time and in preflight.
+own prompt, two identical rows share everything); and the refusals (unfused attention, MoE models) at build time and in preflight.
 """
 
 import pytest
@@ -158,8 +158,11 @@ BATCH = torch.cat([PROBE_IDS, PROBE_IDS.flip(1)])  # [4, 12]
 LENGTHS = [12, 1, 5, 2]
 MICRO_BATCHES = [(0, 1), (2, 3)]
 _P, _R = PROBE_IDS[0, :5].tolist(), PROBE_IDS[1].tolist()
-SHARED_ROWS = [_P + _R[:5], _P + _R[:1] + _R[6:9], PROBE_IDS[1, :4].tolist() + _R[:3], _P + _R[9:12]]
-SHARED_PROMPTS = [5, 5, 4, 5]  # rows 0, 1, 3: one prompt (rows 0 and 1 share a response token too)
+SHARED_ROWS = [_P + _R[:5], _P + _R[:1] + _R[6:9], PROBE_IDS[1, :4].tolist() + _R[:3], _P + _R[9:12],
+               PROBE_IDS[0].tolist(), PROBE_IDS[0].tolist()]
+# rows 0, 1, 3: one prompt (rows 0 and 1 share a response token too); rows 4 and 5: identical
+# samples of another prompt, the micro-batch's longest rows, shared whole
+SHARED_PROMPTS = [5, 5, 4, 5, 3, 3]
 SHARED_LENGTHS = [len(r) for r in SHARED_ROWS]
 SHARED_BATCH = torch.tensor([r + [0] * (12 - len(r)) for r in SHARED_ROWS])
 
@@ -275,6 +278,11 @@ def test_shared_prefix_layout():
         for t in range(n):
             seen = set(mask[packed.where[b, t]].nonzero().flatten().tolist())
             assert seen == set(packed.where[b, : t + 1].tolist()), (b, t)
+    # identical rows (a group whose samples all came out the same) share everything: no branches
+    same = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    packed = pack(same, [3, 3, 3], shared_prefix_groups(same, [3, 3, 3], [1, 1, 1]))
+    assert packed.tokens.tolist() == [[1, 2, 3]] and packed.where.tolist() == [[0, 1, 2]] * 3
+    assert pairs(packed).index.tolist() == [0, 1] * 3
 
 
 def test_packed_attention_paths_agree():

@@ -87,6 +87,7 @@ def shared_prefix_groups(tokens_BS: torch.Tensor, lengths: list[int], prompt_len
 
     E.g. rows [1, 2, 3, 4], [1, 2, 3, 5], [1, 9, 9], lengths [4, 4, 3], prompts [2, 2, 2] ->
     [((0, 1), 3), ((2,), 0)]."""
+    tokens_BS = tokens_BS.cpu()  # one device read, not one per row
     keyed: dict = {}
     for b, (n, p) in enumerate(zip(lengths, prompt_lengths)):
         key = (p, tuple(tokens_BS[b, :p].tolist())) if 0 < p <= n else ("alone", b)
@@ -135,7 +136,9 @@ def pack(tokens_BS: torch.Tensor, lengths: list[int], groups: Optional[list[Grou
     where = torch.full((num_rows, width), -1, dtype=torch.long, device=device)
     where[row, col] = torch.arange(row.numel(), device=device)
     for rows, shared in groups:  # the other rows of a group read the prefix at the first row's indices
-        where[list(rows[1:]), :shared] = where[rows[0], :shared]
+        # (a copy: when the group's rows are identical and the longest, the source row is the
+        # whole written-to block's memory neighbour and torch refuses the overlapping write)
+        where[list(rows[1:]), :shared] = where[rows[0], :shared].clone()
     return PackedRows(tokens=tokens_BS[row, col].unsqueeze(0), position_ids=col.unsqueeze(0),
                       cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=device),
                       branch=torch.tensor(branches, device=device), where=where, lengths=tuple(lengths),

@@ -25,8 +25,9 @@ def random_train_batch(num_sequences: int, seed: int = 3) -> TrainBatch:
 def grouped_train_batch(num_groups: int = 2, group_size: int = 4, seed: int = 4) -> TrainBatch:
     """GRPO groups: ``num_groups`` prompts of 4-7 token ids, each answered ``group_size`` times
     with 1-4 ids (ids in [7, 200); every group's first two responses start with the same id,
-    so they share one response token too); rollout log-probs in (-3, 0], standard-normal
-    advantages; rows group-major, padded with id 0 to [N, T]."""
+    so they share one response token too, and its last response repeats its third whole, as
+    identical samples do); rollout log-probs in (-3, 0], standard-normal advantages; rows
+    group-major, padded with id 0 to [N, T]."""
     gen = torch.Generator().manual_seed(seed)
     prompts, outputs = [], []
     for _ in range(num_groups):
@@ -35,6 +36,8 @@ def grouped_train_batch(num_groups: int = 2, group_size: int = 4, seed: int = 4)
             out = torch.randint(7, 200, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
             if k == 1:
                 out[0] = outputs[-1][0]
+            if k == group_size - 1 and k >= 3:
+                out = list(outputs[-1 - (k - 3)])
             prompts.append(prompt)
             outputs.append(out)
     logps = [(-torch.rand(len(o), generator=gen) * 3).tolist() for o in outputs]
