@@ -53,13 +53,12 @@ def _batch(vocab: int, rows: int, prompt: int, response: int, seed: int = 0):
 
 
 def _bench(rank, world, hf_dir, all_positions, steps, rows, prompt, response):
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
+    from megatron_grpo.config import ModelConfig, OptimizerConfig
     from megatron_grpo.rollout.batch import dp_shard
     from megatron_grpo.trainer import megatron_step
-    from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
+    from megatron_grpo.trainer.megatron_step import ScoringSpec
     from tests.support.policy import build_test_policy
 
     if all_positions:
@@ -71,7 +70,19 @@ def _bench(rank, world, hf_dir, all_positions, steps, rows, prompt, response):
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     full = _batch(spec.vocab_size, rows, prompt, response)
     local = dp_shard(full, dp_rank, dp, rows)
-    per_rank = local.num_sequences
+    return {**time_passes(policy, full, local, local.num_sequences, spec, steps), "seq_length": full.seq_length}
+
+
+def time_passes(policy, full, local, batching, spec, steps: int) -> dict:
+    """``steps`` forward-only log-prob passes and optimizer steps of ``policy`` on this rank's
+    rows ``local`` of the batch ``full`` (``batching``: ``trainer.microbatch.MicroBatching`` or
+    a row count), each timed between barriers after a warm-up one: the median seconds of each
+    (``logprob_s``, ``update_s``), the first step's loss and the last step's metrics."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.config import AlgorithmConfig
+    from megatron_grpo.trainer.megatron_step import compute_log_probs, train_mini_batch
 
     def timed(fn):
         dist.barrier()
@@ -80,18 +91,19 @@ def _bench(rank, world, hf_dir, all_positions, steps, rows, prompt, response):
         dist.barrier()
         return time.perf_counter() - t0, out
 
-    logprob_s, update_s, losses = [], [], []
+    dp = ps.get_data_parallel_world_size()
+    logprob_s, update_s, losses, metrics = [], [], [], {}
     for _ in range(steps + 1):  # the first of each: warm-up
-        s, old = timed(lambda: compute_log_probs(policy.chunks, local, per_rank, spec))
+        s, old = timed(lambda: compute_log_probs(policy.chunks, local, batching, spec))
         logprob_s.append(s)
         local.old_log_probs = old
         s, (metrics, _, _) = timed(lambda: train_mini_batch(
-            policy.chunks, policy.optimizer, local, AlgorithmConfig(), spec, per_rank, int(full.loss_mask.sum()),
+            policy.chunks, policy.optimizer, local, AlgorithmConfig(), spec, batching, int(full.loss_mask.sum()),
             full.num_sequences, dp, ps.get_data_parallel_group()))
         update_s.append(s)
         losses.append(metrics["loss"])
     return {"logprob_s": statistics.median(logprob_s[1:]), "update_s": statistics.median(update_s[1:]),
-            "first_loss": losses[0], "seq_length": full.seq_length}
+            "first_loss": losses[0], "metrics": metrics}
 
 
 def main(argv=None) -> int:

@@ -28,10 +28,8 @@ exact, ``tests/test_trainer_step_equivalence.py``), token slots run per rank, an
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -41,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.support.distributed import run_distributed  # noqa: E402
 from tools.bench_lora import _model_dir  # noqa: E402
+from tools.bench_scored_logits import time_passes  # noqa: E402
 
 MODES = {"padded": (False, False), "packed": (True, False), "shared": (True, True)}
 """mode -> (pack_sequences, share_prefix)."""
@@ -65,12 +64,11 @@ def grouped_batch(vocab: int, groups: int, group_size: int, prompt: int, respons
 
 
 def _bench(rank, world, hf_dir, mode, steps, groups, group_size, prompt, response):
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
+    from megatron_grpo.config import ModelConfig, OptimizerConfig
     from megatron_grpo.rollout.batch import dp_shard
-    from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
+    from megatron_grpo.trainer.megatron_step import ScoringSpec
     from megatron_grpo.trainer.microbatch import MicroBatching
     from tests.support.policy import build_test_policy
 
@@ -84,27 +82,8 @@ def _bench(rank, world, hf_dir, mode, steps, groups, group_size, prompt, respons
     pack, share = MODES[mode]
     # one micro-batch per rank in every mode: the budget holds all of a rank's rows
     batching = MicroBatching(local.num_sequences, int(local.tokens.numel()) if pack else None, pack, share)
-
-    def timed(fn):
-        dist.barrier()
-        t0 = time.perf_counter()
-        out = fn()
-        dist.barrier()
-        return time.perf_counter() - t0, out
-
-    logprob_s, update_s, losses, slots = [], [], [], 0
-    for _ in range(steps + 1):  # the first of each: warm-up
-        s, old = timed(lambda: compute_log_probs(policy.chunks, local, batching, spec))
-        logprob_s.append(s)
-        local.old_log_probs = old
-        s, (metrics, _, _) = timed(lambda: train_mini_batch(
-            policy.chunks, policy.optimizer, local, AlgorithmConfig(), spec, batching, int(full.loss_mask.sum()),
-            full.num_sequences, dp, ps.get_data_parallel_group()))
-        update_s.append(s)
-        losses.append(metrics["loss"])
-        slots = metrics["num_padded_tokens"] / dp  # pooled over dp: per rank
-    return {"logprob_s": statistics.median(logprob_s[1:]), "update_s": statistics.median(update_s[1:]),
-            "first_loss": losses[0], "slots": slots}
+    res = time_passes(policy, full, local, batching, spec, steps)
+    return {**res, "slots": res.pop("metrics")["num_padded_tokens"] / dp}  # pooled over dp: per rank
 
 
 def main(argv=None) -> int:
