@@ -186,7 +186,7 @@ def packed_step(vocab_size):
         tokens, lengths, weights, prompts = next(data_iterator)
         groups = None if prompts is None else shared_prefix_groups(tokens, lengths, prompts)
         packed = pack(tokens, lengths, groups)
-        assert packed.shared == (prompts is not None)
+        assert any(packed.segment_shared) == (prompts is not None)
 
         def loss_func(output):
             logits_T = gather_vocab(output.detach(), vocab_size)[0]
@@ -240,7 +240,7 @@ def test_pack_layout():
     assert packed.tokens.tolist() == [[5, 6, 7, 8, 9, 4]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 0, 0, 1]]
     assert packed.cu_seqlens.tolist() == [0, 3, 4, 6] and packed.max_seqlen == 3
-    assert packed.branch.tolist() == [0] * 6 and not packed.shared
+    assert packed.branch.tolist() == [0] * 6 and not any(packed.segment_shared)
     assert packed.where.tolist() == [[0, 1, 2], [3, -1, -1], [4, 5, -1]]
     p = pairs(packed)
     assert (p.rows.tolist(), p.cols.tolist(), p.index.tolist()) == ([0, 0, 2], [0, 1, 0], [0, 1, 4])

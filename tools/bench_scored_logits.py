@@ -52,21 +52,39 @@ def _batch(vocab: int, rows: int, prompt: int, response: int, seed: int = 0):
     return build_train_batch(prompts, outputs, logps, torch.randn(rows, generator=gen), pad_id=0)
 
 
-def _bench(rank, world, hf_dir, all_positions, steps, rows, prompt, response):
-    from megatron.core import parallel_state as ps
-
+def bench_policy(hf_dir: str):
+    """(the trainer's fp32 policy of ``hf_dir`` on this rank: megatron chunks, DDP, megatron-core
+    Adam at lr 1e-6; its ScoringSpec at the main job's temperature 0.7), seeded alike in every
+    mode of a bench."""
     from megatron_grpo.config import ModelConfig, OptimizerConfig
-    from megatron_grpo.rollout.batch import dp_shard
-    from megatron_grpo.trainer import megatron_step
     from megatron_grpo.trainer.megatron_step import ScoringSpec
     from tests.support.policy import build_test_policy
 
-    if all_positions:
-        megatron_step.first_scored = lambda mask: 0
     torch.manual_seed(0)
     policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32"),
                                OptimizerConfig(name="adam", lr=1e-6, clip_grad=1.0))
-    spec = ScoringSpec(temperature=0.7, vocab_size=policy.hf_config.vocab_size)
+    return policy, ScoringSpec(temperature=0.7, vocab_size=policy.hf_config.vocab_size)
+
+
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The options both pass benches share: the model, the data-parallel ranks, the task's
+    prompt and response lengths and the timed steps."""
+    p.add_argument("--model", choices=["smollm2", "demo"], default="smollm2")
+    p.add_argument("--world", type=int, default=2, help="data-parallel ranks (the main job's DP2)")
+    p.add_argument("--prompt-tokens", type=int, default=46)
+    p.add_argument("--response-tokens", type=int, default=20)
+    p.add_argument("--steps", type=int, default=4)
+
+
+def _bench(rank, world, hf_dir, all_positions, steps, rows, prompt, response):
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.rollout.batch import dp_shard
+    from megatron_grpo.trainer import megatron_step
+
+    if all_positions:
+        megatron_step.first_scored = lambda mask: 0
+    policy, spec = bench_policy(hf_dir)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     full = _batch(spec.vocab_size, rows, prompt, response)
     local = dp_shard(full, dp_rank, dp, rows)
@@ -108,12 +126,8 @@ def time_passes(policy, full, local, batching, spec, steps: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=["smollm2", "demo"], default="smollm2")
-    p.add_argument("--world", type=int, default=2, help="data-parallel ranks (the main job's DP2)")
+    add_shape_arguments(p)
     p.add_argument("--rows", type=int, default=32)
-    p.add_argument("--prompt-tokens", type=int, default=46)
-    p.add_argument("--response-tokens", type=int, default=20)
-    p.add_argument("--steps", type=int, default=4)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
         hf_dir = _model_dir(args.model, Path(work))

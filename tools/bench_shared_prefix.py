@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.support.distributed import run_distributed  # noqa: E402
 from tools.bench_lora import _model_dir  # noqa: E402
-from tools.bench_scored_logits import time_passes  # noqa: E402
+from tools.bench_scored_logits import add_shape_arguments, bench_policy, time_passes  # noqa: E402
 
 MODES = {"padded": (False, False), "packed": (True, False), "shared": (True, True)}
 """mode -> (pack_sequences, share_prefix)."""
@@ -66,16 +66,10 @@ def grouped_batch(vocab: int, groups: int, group_size: int, prompt: int, respons
 def _bench(rank, world, hf_dir, mode, steps, groups, group_size, prompt, response):
     from megatron.core import parallel_state as ps
 
-    from megatron_grpo.config import ModelConfig, OptimizerConfig
     from megatron_grpo.rollout.batch import dp_shard
-    from megatron_grpo.trainer.megatron_step import ScoringSpec
     from megatron_grpo.trainer.microbatch import MicroBatching
-    from tests.support.policy import build_test_policy
 
-    torch.manual_seed(0)
-    policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32"),
-                               OptimizerConfig(name="adam", lr=1e-6, clip_grad=1.0))
-    spec = ScoringSpec(temperature=0.7, vocab_size=policy.hf_config.vocab_size)
+    policy, spec = bench_policy(hf_dir)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     full = grouped_batch(spec.vocab_size, groups, group_size, prompt, response)
     local = dp_shard(full, dp_rank, dp, full.num_sequences)
@@ -88,13 +82,9 @@ def _bench(rank, world, hf_dir, mode, steps, groups, group_size, prompt, respons
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=["smollm2", "demo"], default="smollm2")
-    p.add_argument("--world", type=int, default=2, help="data-parallel ranks (the main job's DP2)")
+    add_shape_arguments(p)
     p.add_argument("--groups", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--prompt-tokens", type=int, default=46)
-    p.add_argument("--response-tokens", type=int, default=20)
-    p.add_argument("--steps", type=int, default=4)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
         hf_dir = _model_dir(args.model, Path(work))

@@ -56,11 +56,6 @@ class PackedRows:
     def num_tokens(self) -> int:
         return self.tokens.shape[1]
 
-    @property
-    def shared(self) -> bool:
-        """Whether some segment holds several rows."""
-        return any(self.segment_shared)
-
 
 @dataclass(frozen=True)
 class Pairs:
