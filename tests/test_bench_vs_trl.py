@@ -224,6 +224,33 @@ def test_smollm2_defaults_and_refusals(capsys):
         assert capsys.readouterr().err.strip().splitlines()[-1].split(": error: ")[1].startswith("--")
 
 
+def test_ours_batches_and_skip_trl(capsys, tmp_path, monkeypatch):
+    a = bench.parse_args(["--workload", "smollm2", "--ours-batches", "80", "--skip-trl"])
+    assert (a.batches, a.ours_batches, a.skip_trl) == (40, 80, True)
+    assert bench.parse_args(["--workload", "smollm2", "--batches", "30"]).ours_batches == 30
+    assert bench.length_departures(bench.parse_args(["--workload", "smollm2"])) == []
+    (length,) = bench.length_departures(a)
+    assert "ours trains 80 rollout batches, TRL 40" in length and "first 40 batches" in length
+    assert _flat(length.split(":")[0] + ":") in _flat((ROOT / "docs" / "benchmarks.md").read_text())
+    for argv in (["--ours-batches", "80"], ["--workload", "reasoning", "--skip-trl"],
+                 ["--workload", "smollm2", "--ours-batches", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert capsys.readouterr().err.strip().splitlines()[-1].split(": error: ")[1].startswith("--")
+    # another length runs in its own directory; the default length keeps the old names (--reuse)
+    runs = []
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: runs.append(cmd))
+    monkeypatch.setattr(bench, "_reward_rows", lambda path: [{"step": s, "reward_mean": 0.5, "train_elapsed_s": s}
+                                                             for s in range(1, 81)])
+    for batches in (40, 80):
+        *_, run_dir = bench.run_ours(1, None, 3, batches, tmp_path, tmp_path, engine="inprocess", workload="smollm2")
+        assert run_dir.name == "smollm2_ours_tp1_mbscfg_seed3_inprocess" + ("_b80" if batches == 80 else "")
+    assert f"trainer.num_steps=80" in runs[-1] and "trainer.num_steps=40" in runs[0]
+    bench.print_curves(bench.parse_args(["--workload", "smollm2", "--seeds", "3", "--skip-trl"]),
+                       {"ours": [{"curve": _curve((0, 0, 0.17), (80, 900.4, 0.5)), "rescored": 0.495}]})
+    assert "seed 3: step 0: 0.170 (0 s), step 80: 0.500 (900 s); re-scored 0.495" in capsys.readouterr().out
+
+
 def test_smollm2_departures_are_listed_in_the_docs():
     docs = _flat((ROOT / "docs" / "benchmarks.md").read_text())
     cpu = bench.smollm2_departures(smollm2_cfg(), "cpu")

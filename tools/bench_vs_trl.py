@@ -437,6 +437,16 @@ def smollm2_departures(cfg: ExperimentConfig, device: str) -> list[str]:
     ]
 
 
+def length_departures(args: argparse.Namespace) -> list[str]:
+    """With --ours-batches: the two sides train for different numbers of rollout batches."""
+    if args.ours_batches == args.batches:
+        return []
+    return [f"Length: ours trains {args.ours_batches} rollout batches, TRL {args.batches} (--ours-batches): the "
+            "measure is the training seconds ours takes to reach TRL's final accuracy; TRL's curve past its "
+            f"{args.batches} batches is not measured. Ours' first {min(args.batches, args.ours_batches)} batches "
+            "are the same prompts as TRL's (the sampler's order continues epoch after epoch)."]
+
+
 DEPARTURES = {"reasoning": reasoning_departures, "smollm2": smollm2_departures}
 """Workloads whose TRL side is mapped from our config -> the departures they list."""
 
@@ -451,6 +461,7 @@ def run_ours(tp: int, mbs: int | None, seed: int, batches: int, data_dir: Path, 
     tag = "" if engine == "embedded" else f"_{engine}"  # the embedded runs keep their directories (--reuse)
     prefix = "" if workload == "demo" else f"{workload}_"
     tag += "" if device == "cpu" else f"_{device}"
+    tag += "" if batches == wl.batches else f"_b{batches}"  # another length, another directory (--reuse)
     run_dir = out / f"{prefix}ours_tp{tp}_mbs{mbs or 'cfg'}_seed{seed}{'_shuffled' if shuffled else ''}{tag}"
     shared = shared_overrides(workload, data_dir, batches=batches, seed=seed, mbs=mbs, sets=sets,
                               heldout_rows=heldout_rows)
@@ -619,6 +630,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override of the workload's config for both sides (--workload reasoning or smollm2; "
                         "repeatable)")
     p.add_argument("--batches", type=int, default=None, help="rollout batches per run (default: smollm2 40, else 150)")
+    p.add_argument("--ours-batches", type=int, default=None,
+                   help="--workload smollm2: rollout batches of our side (default: --batches; TRL's stays --batches), "
+                        "to see whether and when ours reaches TRL's final accuracy past TRL's length")
+    p.add_argument("--skip-trl", action="store_true",
+                   help="--workload smollm2: run only our side and print its held-out curve per seed (no comparison)")
     p.add_argument("--heldout-rows", type=int, default=None,
                    help="--workload smollm2: evaluate the first N held-out prompts (default: all 200)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1234])
@@ -661,6 +677,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.micro_batch_size is None:
         args.micro_batch_size = [wl.micro_batch_size]
     args.batches = wl.batches if args.batches is None else args.batches
+    if wl.heldout_file is None and (args.ours_batches is not None or args.skip_trl):
+        flag = "--ours-batches" if args.ours_batches is not None else "--skip-trl"
+        p.error(f"{flag}: --workload {args.workload} compares the two sides batch for batch; accepted with "
+                "--workload smollm2")
+    args.ours_batches = args.batches if args.ours_batches is None else args.ours_batches
+    if min(args.batches, args.ours_batches) < 1:
+        p.error(f"--batches {args.batches} / --ours-batches {args.ours_batches}: at least 1")
     args.engines = [wl.engine] if args.engines is None else args.engines
     args.target = wl.target if args.target is None else args.target
     args.window = wl.window if args.window is None else args.window
@@ -694,7 +717,9 @@ def summary_record(args: argparse.Namespace, results: dict[str, list[dict]], bre
                           | {"final_reward": statistics.median(r["final_reward"] for r in runs)},
                           "per_seed": runs, "time_per_step_s": breakdown.get(name, {})}
                    for name, runs in results.items()},
-        "heldout": {name: {"median": heldout_medians(records), "per_seed": records}
+        "ours_batches": args.ours_batches, "skip_trl": args.skip_trl,
+        "heldout": {name: ({"per_seed": records} if args.skip_trl else
+                           {"median": heldout_medians(records), "per_seed": records})
                     for name, records in (heldout or {}).items()},
         "departures": departures,
     }
@@ -726,6 +751,30 @@ def run_seed(args: argparse.Namespace, seed: int, data_dir: Path, out: Path, res
     ``heldout`` (each of our setups against TRL, both final models re-scored)."""
     wl = WORKLOADS[args.workload]
     side = dict(workload=args.workload, device=args.device, sets=args.sets, heldout_rows=args.heldout_rows)
+    trl = None if args.skip_trl else run_trl_side(args, seed, data_dir, out, results, side)
+    for engine, tp, mbs, shuffled in itertools.product(args.engines, args.tp, args.micro_batch_size,
+                                                       [False, True] if args.ours_shuffled else [False]):
+        raw, times, run_dir = run_ours(tp, mbs, seed, args.ours_batches, data_dir, out, args.reuse, shuffled, engine,
+                                       **side)
+        name = ours_name(engine, tp, mbs, shuffled)
+        results.setdefault(name, []).append(summarize(**first(raw, args.stop_after), window=args.window,
+                                                      target=args.target))
+        breakdown[name] = times
+        if wl.heldout_file is not None:
+            shared = shared_overrides(args.workload, data_dir, batches=args.ours_batches, seed=seed, mbs=mbs,
+                                      sets=args.sets, heldout_rows=args.heldout_rows)
+            ours_rescored = rescore(export_ours(run_dir, args.reuse), wl.config, shared, args.reuse)
+            curve = ours_heldout_curve(_metric_rows(run_dir / "metrics.jsonl"))
+            heldout.setdefault(name, []).append(
+                {"curve": curve, "rescored": ours_rescored} if trl is None
+                else heldout_record(curve, trl_heldout_curve(trl[0]), ours_rescored, trl[1]))
+
+
+def run_trl_side(args: argparse.Namespace, seed: int, data_dir: Path, out: Path, results: dict,
+                 side: dict) -> tuple[list[dict], float] | None:
+    """TRL's runs of one seed, their reward summaries appended to ``results``; with a held-out
+    set, (its log lines, its final model's re-scored accuracy), else None."""
+    wl = WORKLOADS[args.workload]
     trl_mbs = args.micro_batch_size[0]
     raw, trl_lines = run_trl(args.trl_python, args.trl_threads, seed, args.batches, data_dir, out, reuse=args.reuse,
                              stop_after=args.stop_after, mbs=trl_mbs, **side)
@@ -740,29 +789,16 @@ def run_seed(args: argparse.Namespace, seed: int, data_dir: Path, out: Path, res
         shared = shared_overrides(args.workload, data_dir, batches=args.batches, seed=seed, mbs=trl_mbs,
                                   sets=args.sets, heldout_rows=args.heldout_rows)
         trl_dir = trl_log_dir(out, seed, False, args.workload, args.device)
-        trl_rescored = rescore(trl_dir / "hf", wl.config, shared, args.reuse)
-    for engine, tp, mbs, shuffled in itertools.product(args.engines, args.tp, args.micro_batch_size,
-                                                       [False, True] if args.ours_shuffled else [False]):
-        raw, times, run_dir = run_ours(tp, mbs, seed, args.batches, data_dir, out, args.reuse, shuffled, engine,
-                                       **side)
-        name = ours_name(engine, tp, mbs, shuffled)
-        results.setdefault(name, []).append(summarize(**first(raw, args.stop_after), window=args.window,
-                                                      target=args.target))
-        breakdown[name] = times
-        if wl.heldout_file is not None:
-            shared = shared_overrides(args.workload, data_dir, batches=args.batches, seed=seed, mbs=mbs,
-                                      sets=args.sets, heldout_rows=args.heldout_rows)
-            ours_rescored = rescore(export_ours(run_dir, args.reuse), wl.config, shared, args.reuse)
-            heldout.setdefault(name, []).append(heldout_record(
-                ours_heldout_curve(_metric_rows(run_dir / "metrics.jsonl")), trl_heldout_curve(trl_lines),
-                ours_rescored, trl_rescored))
+        return trl_lines, rescore(trl_dir / "hf", wl.config, shared, args.reuse)
+    return None
 
 
 def print_reward_tables(args: argparse.Namespace, results: dict[str, list[dict]], breakdown: dict[str, dict]) -> None:
     """The training-reward tables: median per setup, then per seed, then our step's times."""
-    trl = results[TRL_NAME]
-    trl_s, trl_hit = median_of(trl, "s_per_batch"), median_of(trl, "s_to_target")
+    trl = results.get(TRL_NAME)  # None with --skip-trl
+    trl_s, trl_hit = (None, None) if trl is None else (median_of(trl, "s_per_batch"), median_of(trl, "s_to_target"))
     shown = args.batches if args.stop_after is None else f"first {args.stop_after} of {args.batches}"
+    shown = shown if args.ours_batches == args.batches else f"TRL {args.batches}, ours {args.ours_batches}"
     print(f"\n{args.workload} workload on {args.device}: {shown} rollout batches x {len(args.seeds)} seed(s); "
           f"target: {args.window}-batch rolling mean reward >= {args.target}\n")
     print("| setup | s / batch | speed-up vs TRL | batch reaching target | s to target | reward, last "
@@ -770,10 +806,10 @@ def print_reward_tables(args: argparse.Namespace, results: dict[str, list[dict]]
     print("|---|---|---|---|---|---|")
     for name, runs in results.items():
         s, hit_s = median_of(runs, "s_per_batch"), median_of(runs, "s_to_target")
-        speed = trl_s / s if s else float("nan")
-        print(f"| {name} | {s:.2f} | {speed:.2f}x | {fmt(median_of(runs, 'hit_batch'), '.0f')} | "
+        speed = "-" if trl_s is None else f"{trl_s / s:.2f}x" if s else "nan"
+        print(f"| {name} | {s:.2f} | {speed} | {fmt(median_of(runs, 'hit_batch'), '.0f')} | "
               f"{fmt(hit_s, '.0f')} | {statistics.median(r['final_reward'] for r in runs):.2f} |")
-    if trl_hit is None:
+    if trl is not None and trl_hit is None:
         print("\nTRL never reached the target.")
     print(f"\nPer seed (s / batch, batch reaching target, reward last {args.window}):\n")
     print("| setup | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean |")
@@ -799,6 +835,17 @@ def heldout_row(label: str, r: dict) -> str:
             f"{r['ours_train_s']:.0f} | {reach} |")
 
 
+def print_curves(args: argparse.Namespace, curves: dict[str, list[dict]]) -> None:
+    """--skip-trl: per our setup and seed, each held-out evaluation (accuracy and training
+    seconds to it) and the final model's re-scored accuracy."""
+    for name, records in curves.items():
+        print(f"\nHeld-out greedy accuracy ({HELDOUT_SET} set) of {name}, at each evaluation (training s), and the "
+              "final model re-scored by tools/score_with_transformers.py\n")
+        for seed, r in zip(args.seeds, records):
+            points = ", ".join(f"step {p['step']}: {p['accuracy']:.3f} ({p['train_s']:.0f} s)" for p in r["curve"])
+            print(f"seed {seed}: {points}; re-scored {r['rescored']:.3f}")
+
+
 def print_heldout(args: argparse.Namespace, heldout: dict[str, list[dict]]) -> None:
     """Per our setup: held-out greedy accuracy at the start and the end of each side, training
     seconds, and when ours reaches TRL's final accuracy; per seed and the median."""
@@ -821,7 +868,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_vs_trl: --device cuda but torch.cuda.is_available() is False on this machine; "
               "accepted here: --device cpu", file=sys.stderr)
         return EXIT_NO_CUDA
-    if not Path(args.trl_python).exists():
+    if not args.skip_trl and not Path(args.trl_python).exists():
         print(f"--trl-python {args.trl_python}: not found; run `bash tools/setup_trl_venv.sh` first",
               file=sys.stderr)
         return 2
@@ -836,7 +883,7 @@ def main(argv: list[str] | None = None) -> int:
                                                              seed=args.seeds[0], mbs=args.micro_batch_size[0],
                                                              sets=args.sets, heldout_rows=args.heldout_rows))
         trl_grpo_args(cfg, batches=args.batches, device=args.device)  # refuse an unmappable config up front
-        departures = DEPARTURES[args.workload](cfg, args.device)
+        departures = DEPARTURES[args.workload](cfg, args.device) + length_departures(args)
     results: dict[str, list[dict]] = {}
     breakdown: dict[str, dict] = {}
     heldout: dict[str, list[dict]] = {}
@@ -844,7 +891,7 @@ def main(argv: list[str] | None = None) -> int:
         run_seed(args, seed, data_dir, out, results, breakdown, heldout)
         print(f"seed {seed} done", flush=True)
     print_reward_tables(args, results, breakdown)
-    print_heldout(args, heldout)
+    (print_curves if args.skip_trl else print_heldout)(args, heldout)
     if departures:
         print("\nDepartures between the two sides:\n" + "\n".join(f"* {d}" for d in departures))
     summary = Path(args.json or out / "summary.json")
