@@ -242,10 +242,11 @@ def test_ours_batches_and_skip_trl(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: runs.append(cmd))
     monkeypatch.setattr(bench, "_reward_rows", lambda path: [{"step": s, "reward_mean": 0.5, "train_elapsed_s": s}
                                                              for s in range(1, 81)])
-    for batches in (40, 80):
-        *_, run_dir = bench.run_ours(1, None, 3, batches, tmp_path, tmp_path, engine="inprocess", workload="smollm2")
+    for batches in (40, 80, 30):
+        *_, run_dir = bench.run_ours(1, None, 3, batches, tmp_path, tmp_path, engine="inprocess", workload="smollm2",
+                                     trl_batches=40 if batches != 30 else 30)
         assert run_dir.name == "smollm2_ours_tp1_mbscfg_seed3_inprocess" + ("_b80" if batches == 80 else "")
-    assert f"trainer.num_steps=80" in runs[-1] and "trainer.num_steps=40" in runs[0]
+    assert "trainer.num_steps=40" in runs[0] and "trainer.num_steps=80" in runs[1] and "trainer.num_steps=30" in runs[2]
     bench.print_curves(bench.parse_args(["--workload", "smollm2", "--seeds", "3", "--skip-trl"]),
                        {"ours": [{"curve": _curve((0, 0, 0.17), (80, 900.4, 0.5)), "rescored": 0.495}]})
     assert "seed 3: step 0: 0.170 (0 s), step 80: 0.500 (900 s); re-scored 0.495" in capsys.readouterr().out

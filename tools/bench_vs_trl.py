@@ -454,14 +454,15 @@ DEPARTURES = {"reasoning": reasoning_departures, "smollm2": smollm2_departures}
 def run_ours(tp: int, mbs: int | None, seed: int, batches: int, data_dir: Path, out: Path,
              reuse: bool = False, shuffled: bool = False, engine: str = "embedded", *,
              workload: str = "demo", device: str = "cpu", sets: list[str] = (),
-             heldout_rows: int | None = None) -> tuple[dict, dict, Path]:
+             heldout_rows: int | None = None, trl_batches: int | None = None) -> tuple[dict, dict, Path]:
     """Our side's run: (walls and rewards per batch, median seconds per step of each ``time/*_s``
-    metric, the run directory)."""
+    metric, the run directory). A run of another length than TRL's ``trl_batches``
+    (``--ours-batches``) gets a directory of its own."""
     wl = WORKLOADS[workload]
     tag = "" if engine == "embedded" else f"_{engine}"  # the embedded runs keep their directories (--reuse)
     prefix = "" if workload == "demo" else f"{workload}_"
     tag += "" if device == "cpu" else f"_{device}"
-    tag += "" if batches == wl.batches else f"_b{batches}"  # another length, another directory (--reuse)
+    tag += "" if batches == trl_batches or trl_batches is None else f"_b{batches}"  # --ours-batches: its own (--reuse)
     run_dir = out / f"{prefix}ours_tp{tp}_mbs{mbs or 'cfg'}_seed{seed}{'_shuffled' if shuffled else ''}{tag}"
     shared = shared_overrides(workload, data_dir, batches=batches, seed=seed, mbs=mbs, sets=sets,
                               heldout_rows=heldout_rows)
@@ -755,7 +756,7 @@ def run_seed(args: argparse.Namespace, seed: int, data_dir: Path, out: Path, res
     for engine, tp, mbs, shuffled in itertools.product(args.engines, args.tp, args.micro_batch_size,
                                                        [False, True] if args.ours_shuffled else [False]):
         raw, times, run_dir = run_ours(tp, mbs, seed, args.ours_batches, data_dir, out, args.reuse, shuffled, engine,
-                                       **side)
+                                       trl_batches=args.batches, **side)
         name = ours_name(engine, tp, mbs, shuffled)
         results.setdefault(name, []).append(summarize(**first(raw, args.stop_after), window=args.window,
                                                       target=args.target))
