@@ -3,7 +3,7 @@
     bash tools/setup_trl_venv.sh                     # once: .venv-trl with torch 2.13.0 + trl
     python tools/bench_vs_trl.py [--batches 150] [--seeds 1234 1235] [--tp 1 2] [--engines embedded inprocess]
     python tools/bench_vs_trl.py --workload reasoning [--device cuda] [--set rollout.max_new_tokens=64 ...]
-    python tools/bench_vs_trl.py --workload smollm2 [--seeds 1 2 3] [--heldout-rows N] [--set ...]
+    python tools/bench_vs_trl.py --workload smollm2 [--seeds 1 2 3] [--ours-batches 80] [--skip-trl] [--heldout-rows N]
 
 Both sides train the CPU demo's model (``tools/make_demo_model.py``: a tiny Qwen2 at chance
 on single-token addition) on the same prompts with the same hyper-parameters: 16 prompts x
@@ -42,7 +42,10 @@ evaluate the config's greedy set on the 200 held-out problems at the start, ever
 then both final models are re-scored by ``tools/score_with_transformers.py``. Per seed and the
 median: each side's accuracy at the start and the end, its training seconds, and the seconds at
 which ours reaches TRL's re-scored final accuracy as a fraction of TRL's training seconds.
-``smollm2_departures`` lists what differs, like ``reasoning_departures``.
+``smollm2_departures`` lists what differs, like ``reasoning_departures``. ``--ours-batches N``
+trains our side for N rollout batches against TRL's ``--batches`` (the time ours takes to reach
+TRL's final accuracy, past TRL's length; a listed departure), and ``--skip-trl`` runs our side
+alone and prints its held-out curve per seed.
 
 ``--device cuda`` runs both sides on GPU 0 (our side at TP=1; with the launched embedded engine
 the weights go over ``sync.transport=tensor``, as ``tools/gpu_smoke.py`` does;
