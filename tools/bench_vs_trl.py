@@ -73,6 +73,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: this checkout's megatron_grpo,
 
 from megatron_grpo.config import ExperimentConfig, load_config  # noqa: E402
 from megatron_grpo.data import PromptDataset, PromptSampler  # noqa: E402
+from megatron_grpo.metrics_log import read_metrics  # noqa: E402
 
 EXIT_NO_CUDA = 2
 
@@ -212,14 +213,9 @@ def summarize(walls: list[float], rewards: list[float], window: int, target: flo
     }
 
 
-def _metric_rows(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl ([] when the file is missing)."""
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _reward_rows(path: Path) -> list[dict]:
     """The rows of a metrics.jsonl that carry a step's reward ([] when the file is missing)."""
-    return [r for r in _metric_rows(path) if "reward_mean" in r]
+    return [r for r in read_metrics(path) if "reward_mean" in r]
 
 
 def heldout_overrides(wl: Workload, data_dir: Path, rows: int | None) -> list[str]:
@@ -768,7 +764,7 @@ def run_seed(args: argparse.Namespace, seed: int, data_dir: Path, out: Path, res
             shared = shared_overrides(args.workload, data_dir, batches=args.ours_batches, seed=seed, mbs=mbs,
                                       sets=args.sets, heldout_rows=args.heldout_rows)
             ours_rescored = rescore(export_ours(run_dir, args.reuse), wl.config, shared, args.reuse)
-            curve = ours_heldout_curve(_metric_rows(run_dir / "metrics.jsonl"))
+            curve = ours_heldout_curve(read_metrics(run_dir / "metrics.jsonl"))
             heldout.setdefault(name, []).append(
                 {"curve": curve, "rescored": ours_rescored} if trl is None
                 else heldout_record(curve, trl_heldout_curve(trl[0]), ours_rescored, trl[1]))
