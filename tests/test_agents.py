@@ -18,7 +18,7 @@ import pytest
 from megatron_grpo.config.base import ConfigError, ConfigValueError
 from megatron_grpo.config.episodes import EpisodesConfig
 from megatron_grpo.data.prompts import Prompt, prompt_messages, render_prompt
-from megatron_grpo.models.tiny import build_tokenizer
+from tools.tiny import build_tokenizer
 from megatron_grpo.rollout.agents.front import AgentFront, EpisodeLog, same_message
 from megatron_grpo.rollout.agents.runner import AgentContractError, AgentRunner
 from megatron_grpo.rollout.agents.trajectory import NotAnExtension, sample_from_calls

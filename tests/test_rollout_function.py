@@ -23,7 +23,7 @@ from megatron_grpo.rewards.scorer import ScoredBatch
 from megatron_grpo.rollout.multi_turn import Episode, EpisodeRunner
 from megatron_grpo.rollout.rollout_function import RolloutFunction, RolloutFunctionError, check_rollout_output
 from megatron_grpo.wire.samples import Sample, SamplingParams
-from megatron_grpo.models.tiny import build_tokenizer
+from tools.tiny import build_tokenizer
 from megatron_grpo.rollout.generate import GenerationContext, generate_and_score
 from megatron_grpo.config import EpisodesConfig, RolloutConfig, TrainerConfig
 from tests.support.configs import experiment

@@ -1,14 +1,14 @@
 """The shared-prefix forward against padded and packed rows, in one run: the update step's and
 the log-prob pass's seconds on GRPO groups of the main job's shapes.
 
-    python tools/bench_shared_prefix.py [--model smollm2|demo] [--world 2] [--groups 4]
+    python -m tools.bench.bench_shared_prefix [--model smollm2|demo] [--world 2] [--groups 4]
                                         [--group-size 8] [--prompt-tokens 46]
                                         [--response-tokens 20] [--steps 4]
 
 A GRPO group's rows all start with one prompt; row-per-sequence training runs it once per
 row. With ``parallel.share_prefix`` (and ``pack_sequences``) each micro-batch runs a group's
 prompt once and every row's response attends to that copy (``models.packing``). Three modes,
-each in fresh ranks (``run_distributed(fresh=True)``) that build the trainer's policy
+each in fresh ranks (``spawn_ranks(fresh=True)``) that build the trainer's policy
 (megatron chunks, DDP, megatron-core Adam) and run ``--steps`` forward-only log-prob passes
 and ``--steps`` optimizer steps on one batch (split over the data-parallel ranks), timed after
 a warm-up step:
@@ -34,12 +34,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.support.distributed import run_distributed  # noqa: E402
-from tools.bench_lora import _model_dir  # noqa: E402
-from tools.bench_scored_logits import add_shape_arguments, bench_policy, time_passes  # noqa: E402
+from tools.bench.bench_scored_logits import add_shape_arguments, bench_policy, time_passes
+from tools.bench.common import bench_model_dir, spawn_ranks
 
 MODES = {"padded": (False, False), "packed": (True, False), "shared": (True, True)}
 """mode -> (pack_sequences, share_prefix)."""
@@ -87,10 +83,10 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", type=int, default=8)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
-        hf_dir = _model_dir(args.model, Path(work))
+        hf_dir = bench_model_dir(args.model, Path(work))
         results = {}
         for mode in MODES:
-            (res, *_) = run_distributed(_bench, args.world, hf_dir, mode, args.steps, args.groups, args.group_size,
+            (res, *_) = spawn_ranks(_bench, args.world, hf_dir, mode, args.steps, args.groups, args.group_size,
                                         args.prompt_tokens, args.response_tokens, tp=1, pp=1, timeout_s=3600,
                                         fresh=True)
             results[mode] = res

@@ -6,8 +6,8 @@ change in the machine's load hits every arm alike. Reported per arm: the median 
 step (steps 2.. : the first includes no overlap), trained sequences per second, its ratio to
 sync within the same round, the mean and max token lag, and the load average around each run.
 
-    python tools/make_demo_model.py --out runs/demo_cpu
-    python tools/bench_async.py --demo runs/demo_cpu --steps 12 --out runs/bench_async
+    python -m tools.make_demo_model --out runs/demo_cpu
+    python -m tools.bench.bench_async --demo runs/demo_cpu --steps 12 --out runs/bench_async
 
 Prints a Markdown table; exits non-zero if a run fails.
 """
@@ -15,14 +15,14 @@ Prints a Markdown table; exits non-zero if a run fails.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tools.bench.common import ROOT, run_records
+
 ARMS = {
     "sync": ["rollout.mode=sync"],
     "one_step_off_policy": ["rollout.mode=one_step_off_policy"],
@@ -43,7 +43,7 @@ def train(demo: Path, run_dir: Path, steps: int, arm: list[str], extra: list[str
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     if out.returncode != 0:
         raise SystemExit(f"{run_dir}: run failed: {out.stderr.strip().splitlines()[-1:]}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return run_records(run_dir)
 
 
 def summarise(rows: list[dict]) -> dict:

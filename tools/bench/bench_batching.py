@@ -1,9 +1,9 @@
 """Benchmark: fixed micro-batches vs token-budget micro-batches on a long-tailed length mix.
 
-    python tools/bench_batching.py            # 64 sequences, responses 8-128 tokens, 3 repeats
-    python tools/bench_batching.py --quick    # 16 sequences, 1 repeat: a smoke run
+    python -m tools.bench.bench_batching            # 64 sequences, responses 8-128 tokens, 3 repeats
+    python -m tools.bench.bench_batching --quick    # 16 sequences, 1 repeat: a smoke run
 
-One trainer rank (``run_distributed``, gloo, one CPU thread) builds a tiny qwen2 policy and
+One trainer rank (``spawn_ranks``, gloo, one CPU thread) builds a tiny qwen2 policy and
 runs what a GRPO step runs on the Megatron side: the forward-only log-prob pass
 (``compute_log_probs``) and one optimizer step (``train_mini_batch``), through the real
 megatron-core schedule, for each batching:
@@ -24,7 +24,6 @@ is printed too: it is the same (tests/test_trainer_step_equivalence.py pins it).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -32,9 +31,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tests.support.distributed import run_distributed  # noqa: E402
+from tools.bench.common import spawn_ranks
 
 
 def long_tailed_batch(num_sequences: int, seed: int):
@@ -108,13 +105,13 @@ def main(argv=None) -> int:
     if args.quick:
         args.sequences, args.repeats = 16, 1
     torch.set_num_threads(1)
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = str(save_tiny_model(tmp, "qwen2", seed=1))
         probe = long_tailed_batch(args.sequences, seed=0)
         budgets = [None, args.micro_batch_size * probe.seq_length, args.budget]
-        (out,) = run_distributed(_worker, 1, hf_dir, args.sequences, args.micro_batch_size, budgets,
+        (out,) = spawn_ranks(_worker, 1, hf_dir, args.sequences, args.micro_batch_size, budgets,
                                  args.repeats, tp=1, pp=1, timeout_s=1800)
     lengths = out["lengths"]
     print(f"{args.sequences} sequences, prompt+response lengths {lengths[0]}-{lengths[-1]} "

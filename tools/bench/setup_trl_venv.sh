@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The separate environment tools/bench_vs_trl.py runs TRL's GRPOTrainer in: .venv-trl at the
+# The separate environment tools/bench/bench_vs_trl.py runs TRL's GRPOTrainer in: .venv-trl at the
 # repository root with the same CPU torch as the trainer, TRL from PyPI, and megatron-grpo
 # itself (the TRL side imports its tokenizer loader, prompts and reward so both sides see the
 # same token ids and scores; the reasoning extra for the reasoning_gym reward of --workload

@@ -1,12 +1,12 @@
 """The tool demo (yaml_configs/demo_cpu_tools.yaml) over several seeds: one table and one plot.
 
-    python tools/make_tool_demo_model.py --out runs/demo_cpu_tools
+    python -m tools.make_tool_demo_model --out runs/demo_cpu_tools
     for s in 1 2 3 4; do
       megatron-grpo train --config yaml_configs/demo_cpu_tools.yaml trainer.seed=$s \\
           trainer.run_dir=runs/tools_seeds/s$s checkpoint.save_every=0 checkpoint.resume=never \\
           logging.progress_bar=false
     done
-    python tools/tool_demo_seeds.py runs/tools_seeds --seeds 1 2 3 4 --plot docs/images/tool_demo_seeds.png
+    python -m tools.bench.tool_demo_seeds runs/tools_seeds --seeds 1 2 3 4 --plot docs/images/tool_demo_seeds.png
 
 Every seed starts from the same warm-up model (``make_tool_demo_model.py --seed 0``);
 ``trainer.seed`` draws the prompts and the sampling seeds. Per seed (run dir ``<runs>/s<seed>``),
@@ -25,16 +25,8 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
-from megatron_grpo.metrics_log import read_metrics
 
-
-def rolling(values: list[float], width: int) -> np.ndarray:
-    """float[len(values)]: the mean of the up-to-``width`` values ending at each position."""
-    x = np.asarray(values, dtype=np.float64)
-    c = np.concatenate([[0.0], np.cumsum(x)])
-    idx = np.arange(1, len(x) + 1)
-    lo = np.maximum(idx - width, 0)
-    return (c[idx] - c[lo]) / (idx - lo)
+from tools.bench.common import rolling, run_records, seed_dir
 
 
 def seed_row(seed: int, rows: list[dict]) -> dict:
@@ -86,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", required=True)
     p.add_argument("--plot", type=Path, default=None, help="write the reward curves here (PNG)")
     args = p.parse_args(argv)
-    runs = {s: read_metrics(args.runs / f"s{s}" / "metrics.jsonl") for s in args.seeds}
+    runs = {s: run_records(seed_dir(args.runs, s)) for s in args.seeds}
     missing = [s for s, rows in runs.items() if not rows]
     if missing:
         print(f"error: no metrics.jsonl for seed(s) {missing} under {args.runs}", file=sys.stderr)

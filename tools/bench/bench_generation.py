@@ -1,7 +1,7 @@
 """Benchmark: continuous batching vs fixed-batch waves vs ``transformers`` ``generate``.
 
-    python tools/bench_generation.py             # 16 prompts x 4, batch 16, 5 repeats
-    python tools/bench_generation.py --quick     # 4 prompts x 4, 1 repeat: a smoke run
+    python -m tools.bench.bench_generation             # 16 prompts x 4, batch 16, 5 repeats
+    python -m tools.bench.bench_generation --quick     # 4 prompts x 4, 1 repeat: a smoke run
 
 One process, one CPU thread, the same model object and the same requests for every runner:
 
@@ -23,7 +23,7 @@ One process, one CPU thread, the same model object and the same requests for eve
   graphs): ``--batch`` rows of a preallocated cache, draws on the device, the host reading the
   tokens (and admitting into free rows) every ``--stop-check-every`` tokens; its tokens are checked equal to
   ``continuous``'s (seeded) in the warm-up round. On a CPU it measures the host work the static
-  path removes and the padding rows it decodes; its point is the GPU (``tools/bench_gpu.py``);
+  path removes and the padding rows it decodes; its point is the GPU (``tools/bench/bench_gpu.py``);
 * ``hf generate``: ``model.generate(do_sample=True, temperature=1, top_k=0)`` on the same
   waves of ``--batch`` sequences (left-padded); it has no per-row length limit, so each
   wave runs to its longest limit (``min_new_tokens`` = ``max_new_tokens``: EOS ignored) and
@@ -47,14 +47,13 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_grpo.engine.batch import RunningBatch
+from megatron_grpo.engine.generation import Sequence, finish_reason_for, left_pad
+from megatron_grpo.engine.sampling import draw_uniforms, resolve_sampling_params, sample_next
+from megatron_grpo.engine.scheduler import StepControl, run_continuous
+from megatron_grpo.engine.static_decode import StaticDecoder
 
-from megatron_grpo.engine.batch import RunningBatch  # noqa: E402
-from megatron_grpo.engine.generation import Sequence, finish_reason_for, left_pad  # noqa: E402
-from megatron_grpo.engine.sampling import draw_uniforms, resolve_sampling_params, sample_next  # noqa: E402
-from megatron_grpo.engine.scheduler import StepControl, run_continuous  # noqa: E402
-from megatron_grpo.engine.static_decode import StaticDecoder  # noqa: E402
-from megatron_grpo.models.tiny import save_tiny_model  # noqa: E402
+from tools.tiny import save_tiny_model
 
 PAD_ID = 0
 

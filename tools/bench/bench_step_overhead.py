@@ -1,7 +1,7 @@
 """Where a GRPO step's time goes, phase by phase, against the model work in it: launched
 (HTTP) embedded engine vs the in-process engine, a tiny and a small model, TP1 and TP2.
 
-    python tools/bench_step_overhead.py [--workload demo|reasoning] [--steps 12] [--sizes tiny small] \\
+    python -m tools.bench.bench_step_overhead [--workload demo|reasoning] [--steps 12] [--sizes tiny small] \\
         [--tp 1 2] [--engines embedded inprocess] [--demo-batch] [--out runs/bench_step_overhead]
 
 Two workloads, 8 prompts x 16 generations = 128 samples per step, one optimizer step of 128
@@ -46,15 +46,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from tools.bench.common import ROOT, run_records
+
 PROMPTS_PER_STEP, NUM_GENERATIONS = 8, 16
 SMALL = {"hidden_size": 512, "num_hidden_layers": 4, "intermediate_size": 1024, "num_attention_heads": 8,
          "num_key_value_heads": 4}
 PHASES = ("generate", "sync", "train", "logprob")
 WORKLOADS = {
     # name -> (config, builder, its data file)
-    "demo": ("yaml_configs/demo_cpu.yaml", "tools/make_demo_model.py", "arithmetic.jsonl"),
-    "reasoning": ("yaml_configs/reasoning_cpu.yaml", "tools/make_reasoning_model.py", "train.jsonl"),
+    "demo": ("yaml_configs/demo_cpu.yaml", "tools.make_demo_model", "arithmetic.jsonl"),
+    "reasoning": ("yaml_configs/reasoning_cpu.yaml", "tools.make_reasoning_model", "train.jsonl"),
 }
 
 
@@ -96,7 +97,7 @@ def run_config(model: Path, demo: Path, tp: int, engine: str, steps: int, run_di
     subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config",
                     str(ROOT / config), *overrides],
                    check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return run_records(run_dir)
 
 
 def phase_medians(rows: list[dict], skip: int) -> dict[str, float]:
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     _, builder, data_file = WORKLOADS[args.workload]
     demo = Path(args.demo).resolve() if args.demo else out / args.workload
     if not (demo / "model" / "config.json").is_file():
-        subprocess.run([sys.executable, builder, "--out", str(demo)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", builder, "--out", str(demo)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     if not (demo / data_file).is_file():
         print(f"--demo {demo}: no {data_file} (not a {builder} directory for --workload {args.workload})",
               file=sys.stderr)

@@ -1,14 +1,14 @@
 """The output layer on the scored positions only, against every position, in one run: the
 update step's and the log-prob pass's seconds on the main job's shapes.
 
-    python tools/bench_scored_logits.py [--model smollm2|demo] [--world 2] [--rows 32]
+    python -m tools.bench.bench_scored_logits [--model smollm2|demo] [--world 2] [--rows 32]
                                         [--prompt-tokens 46] [--response-tokens 20] [--steps 4]
 
 A GRPO micro-batch scores only its responses, but a forward computes the vocabulary-sized
 logits (and their log-softmax, and its backward) at every position; the trainer now runs the
 output layer from the micro-batch's first scored position on (``models.forward``,
 ``trainer.megatron_step.first_scored``). This measures what that saves: each mode runs in
-fresh ranks (``run_distributed(fresh=True)``) that build the trainer's policy (megatron chunks,
+fresh ranks (``spawn_ranks(fresh=True)``) that build the trainer's policy (megatron chunks,
 DDP, megatron-core Adam) and run ``--steps`` forward-only log-prob passes and ``--steps``
 optimizer steps on one batch of ``--rows`` sequences (split over the data-parallel ranks, one
 micro-batch each, as the main job's config), timed after a warm-up step; ``all positions``
@@ -30,11 +30,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.support.distributed import run_distributed  # noqa: E402
-from tools.bench_lora import _model_dir  # noqa: E402
+from tools.bench.common import bench_model_dir, spawn_ranks
 
 
 def _batch(vocab: int, rows: int, prompt: int, response: int, seed: int = 0):
@@ -58,10 +54,10 @@ def bench_policy(hf_dir: str):
     mode of a bench."""
     from megatron_grpo.config import ModelConfig, OptimizerConfig
     from megatron_grpo.trainer.megatron_step import ScoringSpec
-    from tests.support.policy import build_test_policy
+    from tools.bench.common import policy_of
 
     torch.manual_seed(0)
-    policy = build_test_policy(ModelConfig(hf_dir=hf_dir, dtype="float32"),
+    policy = policy_of(ModelConfig(hf_dir=hf_dir, dtype="float32"),
                                OptimizerConfig(name="adam", lr=1e-6, clip_grad=1.0))
     return policy, ScoringSpec(temperature=0.7, vocab_size=policy.hf_config.vocab_size)
 
@@ -130,10 +126,10 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=32)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as work:
-        hf_dir = _model_dir(args.model, Path(work))
+        hf_dir = bench_model_dir(args.model, Path(work))
         results = {}
         for mode, all_positions in (("all positions", True), ("scored positions", False)):
-            (res, *_) = run_distributed(_bench, args.world, hf_dir, all_positions, args.steps, args.rows,
+            (res, *_) = spawn_ranks(_bench, args.world, hf_dir, all_positions, args.steps, args.rows,
                                         args.prompt_tokens, args.response_tokens, tp=1, pp=1, timeout_s=3600,
                                         fresh=True)
             results[mode] = res

@@ -1,10 +1,10 @@
 """Benchmark the per-step weight sync: throughput vs a memcpy, bucket size, checksum cost.
 
-    python tools/bench_weight_sync.py [--layers 9] [--hidden 1024] [--repeats 2] [--json OUT]
+    python -m tools.bench.bench_weight_sync [--layers 9] [--hidden 1024] [--repeats 2] [--json OUT]
 
 A ~100M-parameter Qwen2-shaped model (``tiny_config`` with bigger sizes, random weights) is
 saved as an HF directory and served by a launched embedded engine (float32, its own process,
-over HTTP). Trainer ranks (``run_distributed``, gloo) build the Megatron model at TP1 and TP2,
+over HTTP). Trainer ranks (``spawn_ranks``, gloo) build the Megatron model at TP1 and TP2,
 load the HF weights and sync them into the engine with ``WeightSyncer`` exactly as the
 trainer does, for several transports and bucket sizes, with and without verification.
 
@@ -35,13 +35,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from megatron_grpo.config import EngineConfig, SyncConfig
+from megatron_grpo.generation.manager import RolloutServerManager
 
-from megatron_grpo.config import EngineConfig, SyncConfig  # noqa: E402
-from megatron_grpo.generation.manager import RolloutServerManager  # noqa: E402
-from tests.support.configs import experiment  # noqa: E402
-from tests.support.distributed import run_distributed  # noqa: E402
+from tools.bench.common import sections_config, spawn_ranks
 
 
 def memcpy_seconds(tensors: list[torch.Tensor], repeats: int) -> float:
@@ -93,7 +90,7 @@ def _bench_worker(rank, world_size, url, model_dir, work_dir, throughput_configs
 
     def syncer(transport, bucket_mb, verify):
         kind, _, wire = transport.partition(":")
-        cfg = experiment(engine=EngineConfig(request_timeout_s=600),
+        cfg = sections_config(engine=EngineConfig(request_timeout_s=600),
                          sync=SyncConfig(transport=kind, bucket_mb=bucket_mb, verify_every=1 if verify else 0))
         s = WeightSyncer(cfg, [url], hf_config, work_dir=work_dir, client=client)
         if s.transport is not None:
@@ -149,7 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
 
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_weight_sync_"))
     model_dir = str(save_tiny_model(tmp / "model", "qwen2", hidden_size=args.hidden, num_layers=args.layers,
@@ -165,13 +162,13 @@ def main(argv=None) -> int:
             ["distributed", "tensor:shm_bucket"]),
         2: ([("distributed", 512), ("tensor:named_tensors", 512), ("tensor:shm_bucket", 512)], ["distributed"]),
     }
-    cfg = experiment(engine=EngineConfig(dtype="float32", launch_timeout_s=300))
+    cfg = sections_config(engine=EngineConfig(dtype="float32", launch_timeout_s=300))
     results = {}
     with RolloutServerManager(cfg, model_dir=model_dir, run_dir=tmp / "run") as manager:
         url = manager.urls[0]
         for tp, (configs, overhead) in plans.items():
             t0 = time.perf_counter()
-            out = run_distributed(_bench_worker, tp, url, model_dir, str(tmp / "sync"), configs, overhead,
+            out = spawn_ranks(_bench_worker, tp, url, model_dir, str(tmp / "sync"), configs, overhead,
                                   args.repeats, tp=tp, pp=1, timeout_s=900)
             results[f"tp{tp}"] = out[0]
             print(f"tp{tp}: {time.perf_counter() - t0:.0f}s", flush=True)

@@ -1,14 +1,14 @@
 """Benchmark: vocab-parallel log-probs + entropy vs megatron's cross-entropy vs naive gather.
 
-    python tools/bench_logprobs.py            # V = 32k and 152k, 1024 tokens, tp = 1 and 2
-    python tools/bench_logprobs.py --quick    # V = 32k, 256 tokens: a smoke run (~15 s)
-    python tools/bench_logprobs.py --tokens 4096 --vocab 151936 --tp 2
-    python tools/bench_logprobs.py --methods "megatron CE (log-prob only)" triton  # a subset, in order
+    python -m tools.bench.bench_logprobs            # V = 32k and 152k, 1024 tokens, tp = 1 and 2
+    python -m tools.bench.bench_logprobs --quick    # V = 32k, 256 tokens: a smoke run (~15 s)
+    python -m tools.bench.bench_logprobs --tokens 4096 --vocab 151936 --tp 2
+    python -m tools.bench.bench_logprobs --methods "megatron CE (log-prob only)" triton  # a subset, in order
 
 1024 tokens by default (about 2.5 min on 2 CPU cores): at 4096 tokens and V = 152k the naive
 baseline alone needs ~12 GB, too much for a shared machine.
 
-Each tp runs on ``tp`` gloo ranks spawned by ``run_distributed`` (tp = 1 is one process),
+Each tp runs on ``tp`` gloo ranks spawned by ``spawn_ranks`` (tp = 1 is one process),
 one CPU thread per rank. Every method does forward + backward of a loss on this rank's
 logits shard ``[tokens, V/tp]`` (float32 by default; ``--dtype bfloat16``), T = 1 unless
 ``--temperature`` is given:
@@ -66,11 +66,10 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the memory profiler's start/st
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_grpo.ops import vocab_parallel_log_probs
+from megatron_grpo.runtime.device import compute_device
 
-from megatron_grpo.ops import vocab_parallel_log_probs  # noqa: E402
-from megatron_grpo.runtime.device import compute_device  # noqa: E402
-from tests.support.distributed import run_distributed  # noqa: E402
+from tools.bench.common import spawn_ranks
 
 
 @dataclass(frozen=True)
@@ -278,7 +277,7 @@ def run(vocabs, tps, cfg_kwargs, timeout_s: float) -> list[dict]:
     for vocab in vocabs:
         for tp in tps:
             cfg = BenchConfig(vocab=vocab, **cfg_kwargs)
-            per_rank = run_distributed(_bench_worker, tp, cfg, tp=tp, timeout_s=timeout_s)
+            per_rank = spawn_ranks(_bench_worker, tp, cfg, tp=tp, timeout_s=timeout_s)
             shard_bytes = per_rank[0]["_shard_bytes"]
             names = [k for k in per_rank[0] if not k.startswith("_")]
             base_time = max(r[names[0]][0] for r in per_rank)

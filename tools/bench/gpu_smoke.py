@@ -1,6 +1,6 @@
 """GPU verification on ONE CUDA device: the checks the CPU test suite cannot run.
 
-    python tools/gpu_smoke.py [--out DIR] [--only step,features,bench,self_check,demo,fp8] [--demo-steps N]
+    python -m tools.bench.gpu_smoke [--out DIR] [--only step,features,bench,self_check,demo,fp8] [--demo-steps N]
 
 Each check prints its figures on lines that start with the GPU's name
 (``torch.cuda.get_device_name()``), and a last line ``PASS`` or ``FAIL: <check>: <why>``:
@@ -13,7 +13,7 @@ Each check prints its figures on lines that start with the GPU's name
   the CUDA RNG state in the checkpoint written at the end;
 * ``features``: activation recomputation and the distributed optimizer in bf16: two steps,
   a checkpoint (the optimizer's sharded format), then a resume to step 4;
-* ``bench``: ``tools/bench_logprobs.py`` at tp 1 on the GPU: our vocab-parallel log-prob +
+* ``bench``: ``tools/bench/bench_logprobs.py`` at tp 1 on the GPU: our vocab-parallel log-prob +
   entropy op against megatron-core's ``vocab_parallel_cross_entropy`` (time and peak memory,
   V = 32k and 152k, bf16 logits);
 * ``self_check``: the HF -> Megatron conversion self-check (``models.self_check``) in fp32
@@ -41,8 +41,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tools.bench.common import ROOT, run_records
 
 CHECKS = ("step", "features", "bench", "self_check", "demo", "fp8")
 EXIT_NO_GPU = 2
@@ -81,14 +80,12 @@ def _train(out: Path, name: str, overrides: list[str], timeout_s: float) -> list
     if proc.returncode != 0:
         errors = [ln for ln in log.read_text().splitlines() if "Error" in ln or "error:" in ln]
         raise RuntimeError(f"train exited {proc.returncode} (log {log}): {' | '.join(errors[-3:])}")
-    from megatron_grpo.metrics_log.jsonl import read_metrics
-
-    return read_metrics(run_dir / "metrics.jsonl")
+    return run_records(run_dir)
 
 
 def _make_demo(out: Path) -> None:
     if not (out / "demo/model/config.json").is_file():
-        subprocess.run([sys.executable, str(ROOT / "tools/make_demo_model.py"), "--out", str(out / "demo")],
+        subprocess.run([sys.executable, "-m", "tools.make_demo_model", "--out", str(out / "demo")],
                        cwd=ROOT, check=True, capture_output=True, env=_env())
 
 
@@ -134,7 +131,7 @@ def check_features(out: Path) -> None:
 
 
 def check_bench(out: Path) -> None:
-    from tools.bench_logprobs import format_table, run
+    from tools.bench.bench_logprobs import format_table, run
 
     cfg = dict(tokens=4096, dtype="bfloat16", temperature=1.0, repeats=10, logit_std=3.0, chunk_size=None)
     rows = run([32768, 151936], [1], cfg, timeout_s=900)
@@ -158,11 +155,11 @@ def _self_check_worker(rank, world, hf_dir):
 
 
 def check_self_check(out: Path) -> None:
-    from tests.support.distributed import run_distributed
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.bench.common import spawn_ranks
+    from tools.tiny import save_tiny_model
 
     hf_dir = str(save_tiny_model(out / "self_check", "qwen2", seed=0))
-    (res,) = run_distributed(_self_check_worker, 1, hf_dir, tp=1, pp=1, timeout_s=600)
+    (res,) = spawn_ranks(_self_check_worker, 1, hf_dir, tp=1, pp=1, timeout_s=600)
     report("self_check (fp32, TP1)", model_device=res["device"], max_abs_logit_diff=float(res["max_abs_diff"]))
     if not res["ok"] or not res["device"].startswith("cuda"):
         raise RuntimeError(f"self-check failed: {res}")

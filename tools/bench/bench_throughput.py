@@ -1,7 +1,7 @@
 """GRPO step throughput on a long-tailed multi-token task: sync vs one-step off-policy rollouts,
 fixed vs token-budget micro-batches, in one run.
 
-    python tools/bench_throughput.py --steps 80 --seeds 1 2 --out runs/bench_throughput
+    python -m tools.bench.bench_throughput --steps 80 --seeds 1 2 --out runs/bench_throughput
 
 The task (built locally, no downloads, into ``OUT/task/``): the CPU demo's addition problems
 (``a + b``, operands 0..5, a uniform guess scores 1/11) with a *chain-of-thought-style*
@@ -28,7 +28,6 @@ configuration. The load average (``os.getloadavg``) is printed before and after.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -36,7 +35,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tools.bench.common import ROOT, fmt, reward_rows, run_records
+
 MAX_OPERAND = 5
 MIN_FILLER = 5  # + "####", the number and <eos>: at least 8 response tokens
 FILLER_MEAN = 16.0  # 1 / the stop probability per filler word
@@ -85,8 +85,8 @@ def build_task(out: Path, steps: int, seed: int) -> Path:
     from transformers import AutoModelForCausalLM
 
     from megatron_grpo.data.synthetic import all_problems, generate, write_jsonl
-    from megatron_grpo.models.tiny import DEMO_ARCH, WORDS, build_tokenizer, tiny_config
-    from megatron_grpo.models.tiny import supervised_step
+    from tools.tiny import DEMO_ARCH, WORDS, build_tokenizer, tiny_config
+    from tools.tiny import supervised_step
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -140,7 +140,6 @@ def mean_or_none(values: list) -> float | None:
 
 def run(name: str, seed: int, steps: int, task: Path, out: Path) -> list[dict]:
     run_dir = out / f"{name.replace(', ', '_').replace('-', '')}_s{seed}"
-    metrics = run_dir / "metrics.jsonl"
     cmd = [sys.executable, "-m", "megatron_grpo.cli", "train", "--config", str(ROOT / "yaml_configs/demo_cpu.yaml"),
            *COMMON, *CONFIGS[name], f"model.hf_dir={task}/model", f"data.train_file={task}/train.jsonl",
            f"trainer.seed={seed}", f"trainer.num_steps={steps}", f"trainer.run_dir={run_dir}"]
@@ -148,11 +147,7 @@ def run(name: str, seed: int, steps: int, task: Path, out: Path) -> list[dict]:
         subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                        stdout=subprocess.DEVNULL)
         (run_dir / "done").write_text(" ".join(cmd) + "\n")
-    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "reward_mean" in r]
-
-
-def fmt(v, spec: str) -> str:
-    return "never" if v is None else format(v, spec)
+    return reward_rows(run_records(run_dir))
 
 
 def main() -> int:
@@ -189,15 +184,15 @@ def main() -> int:
     for name, runs in results.items():
         tps = statistics.fmean(r["tokens_per_s"] for r in runs)
         hit_s = mean_or_none([r["s_to_target"] for r in runs])
-        speed = fmt(None if hit_s is None or base_hit is None else base_hit / hit_s, ".2f")
+        speed = fmt(None if hit_s is None or base_hit is None else base_hit / hit_s, ".2f", "never")
         print(f"| {name} | {tps:.0f} | {tps / base_tps:.2f} | {statistics.fmean(r['step_s'] for r in runs):.2f} | "
               f"{statistics.fmean(r['padding'] for r in runs):.2f} | "
               f"{statistics.fmean(r['response_mean'] for r in runs):.1f} / {max(r['response_max'] for r in runs):.0f} | "
-              f"{fmt(mean_or_none([r['hit_step'] for r in runs]), '.0f')} | {fmt(hit_s, '.0f')} | {speed} | "
+              f"{fmt(mean_or_none([r['hit_step'] for r in runs]), '.0f', 'never')} | {fmt(hit_s, '.0f', 'never')} | {speed} | "
               f"{statistics.fmean(r['final_reward'] for r in runs):.2f} |")
     print("\nPer seed (tokens/s, step reaching target, final reward):")
     for name, runs in results.items():
-        print(f"  {name}: " + "; ".join(f"{r['tokens_per_s']:.0f}, {fmt(r['hit_step'], '.0f')}, "
+        print(f"  {name}: " + "; ".join(f"{r['tokens_per_s']:.0f}, {fmt(r['hit_step'], '.0f', 'never')}, "
                                          f"{r['final_reward']:.2f}" for r in runs))
     return 0
 

@@ -1,4 +1,4 @@
-"""``python -m megatron_grpo.losses.bench``: time the loss and measure micro-batch additivity.
+"""``python -m tools.bench.bench_losses``: time the loss and measure micro-batch additivity.
 
 For each policy loss, plain and with every extra on (KL, entropy, token TIS, outlier and
 geometric masks), on a random float32 batch (default B = 64, T = 1024, 25% padding with NaN):

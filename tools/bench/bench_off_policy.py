@@ -10,14 +10,14 @@ Two workloads:
   without correction; asynchronous rollouts at k = 1, 2, 4 with correction and k = 4 without.
   Held-out pass@1 is evaluated every ``--eval-every`` steps (64 problems x 8 samples)::
 
-      python tools/make_reasoning_model.py --out runs/reasoning_cpu
-      python tools/bench_off_policy.py --workload reasoning --steps 100 --seeds 1 2 3 4 5 --jobs 2
+      python -m tools.make_reasoning_model --out runs/reasoning_cpu
+      python -m tools.bench.bench_off_policy --workload reasoning --steps 100 --seeds 1 2 3 4 5 --jobs 2
 
 * ``--workload demo_bf16`` (the first comparison, docs/off_policy.md): the one-token CPU demo
   with the trainer in bf16 and the engine in float32::
 
-      python tools/make_demo_model.py --out runs/demo_cpu_bf16
-      python tools/bench_off_policy.py --steps 30 --seeds 1 2 --out runs/bench_off_policy
+      python -m tools.make_demo_model --out runs/demo_cpu_bf16
+      python -m tools.bench.bench_off_policy --steps 30 --seeds 1 2 --out runs/bench_off_policy
 
 Each (arm, seed) is one real ``megatron-grpo train`` run in ``OUT/<arm>_s<seed>/``, ``--jobs``
 of them at a time (seed-major, so a cut-short bench has every arm at the first seeds). A
@@ -55,9 +55,9 @@ from typing import Callable
 
 from megatron_grpo.runtime.files import write_text_atomic
 
-from megatron_grpo.metrics_log import read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+from tools.bench.common import ROOT, fmt, reward_rows, run_records
+
 _OPC = "algorithm.off_policy_correction"
 OFF = [f"{_OPC}.tis_ratio_type=null"]
 TOKEN_TIS = [f"{_OPC}.tis_ratio_type=token", f"{_OPC}.token_tis_ratio_clip_high=2.0"]
@@ -132,7 +132,7 @@ def run_args(workload: Workload, arm: list[str], seed: int, steps: int, run_dir:
 
 def step_rows(run_dir: Path) -> list[dict]:
     """The rows of a run's metrics.jsonl that carry a training step's reward."""
-    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r]
+    return reward_rows(run_records(run_dir))
 
 
 def _values(rows: list[dict], key: str) -> list[float]:
@@ -184,24 +184,19 @@ BINDS = [("tokens clipped", "tis_token_clip_high_ratio"), ("seqs clipped", "tis_
 def _binds(summaries: list[dict]) -> str:
     """``label value`` for each cut the arm's runs logged (mean over seeds), or ``-``."""
     labels = [label for label, _ in BINDS if any(label in x["binds"] for x in summaries)]
-    return ", ".join(f"{label} {fmt(_mean([x['binds'][label] for x in summaries if label in x['binds']]))}"
+    return ", ".join(f"{label} {sig3(_mean([x['binds'][label] for x in summaries if label in x['binds']]))}"
                      for label in labels) or "-"
 
 
-def fmt(x) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if x != x:
-        return "n/a"
-    return f"{x:.3g}"
+def sig3(x) -> str:
+    """A table cell of three significant digits (``fmt``'s None, bool and NaN cells)."""
+    return fmt(x, ".3g")
 
 
 def _cell(per_seed: list, how=_mean) -> str:
     """``mean (v1, v2, ...)`` over seeds."""
-    head = fmt(how([v for v in per_seed if v == v])) if per_seed else "n/a"
-    return head + (" (" + ", ".join(fmt(v) for v in per_seed) + ")" if len(per_seed) > 1 else "")
+    head = sig3(how([v for v in per_seed if v == v])) if per_seed else "n/a"
+    return head + (" (" + ", ".join(sig3(v) for v in per_seed) + ")" if len(per_seed) > 1 else "")
 
 
 REASONING_COLUMNS: list[tuple[str, Callable[[list[dict]], str]]] = [
@@ -209,19 +204,19 @@ REASONING_COLUMNS: list[tuple[str, Callable[[list[dict]], str]]] = [
     ("pass@1, last 3 evals", lambda s: _cell([x["last3"] for x in s])),
     ("best pass@1", lambda s: _cell([x["best"] for x in s])),
     (f"reached {TARGET}: seeds, mean step", lambda s: f"{sum(x['reached'] is not None for x in s)}/{len(s)}, "
-     + (fmt(_mean(steps)) if (steps := [x["reached"] for x in s if x["reached"] is not None]) else "-")),
-    ("s to reach it", lambda s: fmt(_mean(t)) if (t := [x["to_target_s"] for x in s if x["reached"] is not None])
+     + (sig3(_mean(steps)) if (steps := [x["reached"] for x in s if x["reached"] is not None]) else "-")),
+    ("s to reach it", lambda s: sig3(_mean(t)) if (t := [x["to_target_s"] for x in s if x["reached"] is not None])
      else "-"),
     ("collapsed", lambda s: f"{sum(x['collapsed'] for x in s)}/{len(s)}"),
     ("train reward, all steps", lambda s: _cell([x["reward"] for x in s])),
-    ("s / step", lambda s: fmt(_mean([x["step_s"] for x in s]))),
-    ("\\|Δlogp\\| mean", lambda s: fmt(_mean([x["abs_diff"] for x in s]))),
-    ("rho outside [0.9, 1.1]", lambda s: fmt(_mean([x["outside"] for x in s]))),
-    ("k3 KL", lambda s: fmt(_mean([x["k3"] for x in s]))),
-    ("rho min / max", lambda s: f"{fmt(min((x['rho_min'] for x in s), default=float('nan')))} / "
-     f"{fmt(max((x['rho_max'] for x in s), default=float('nan')))}"),
-    ("token lag", lambda s: fmt(_mean([x["lag"] for x in s]))),
-    ("stale groups", lambda s: fmt(_mean([x["stale"] for x in s]))),
+    ("s / step", lambda s: sig3(_mean([x["step_s"] for x in s]))),
+    ("\\|Δlogp\\| mean", lambda s: sig3(_mean([x["abs_diff"] for x in s]))),
+    ("rho outside [0.9, 1.1]", lambda s: sig3(_mean([x["outside"] for x in s]))),
+    ("k3 KL", lambda s: sig3(_mean([x["k3"] for x in s]))),
+    ("rho min / max", lambda s: f"{sig3(min((x['rho_min'] for x in s), default=float('nan')))} / "
+     f"{sig3(max((x['rho_max'] for x in s), default=float('nan')))}"),
+    ("token lag", lambda s: sig3(_mean([x["lag"] for x in s]))),
+    ("stale groups", lambda s: sig3(_mean([x["stale"] for x in s]))),
     ("what the correction cut", _binds),
 ]
 
@@ -229,11 +224,11 @@ DEMO_COLUMNS: list[tuple[str, Callable[[list[dict]], str]]] = [
     ("final reward", lambda s: _cell([x["reward_final"] for x in s])),
     ("reward, last 10 steps", lambda s: _cell([x["reward_tail10"] for x in s])),
     ("reward, all steps", lambda s: _cell([x["reward"] for x in s])),
-    ("abs diff mean", lambda s: fmt(_mean([x["abs_diff"] for x in s]))),
-    ("k3 KL", lambda s: fmt(_mean([x["k3"] for x in s]))),
-    ("rho min / max", lambda s: f"{fmt(min((x['rho_min'] for x in s), default=float('nan')))} / "
-     f"{fmt(max((x['rho_max'] for x in s), default=float('nan')))}"),
-    ("geo-masked seqs", lambda s: fmt(_mean([x["geo_masked"] for x in s]))),
+    ("abs diff mean", lambda s: sig3(_mean([x["abs_diff"] for x in s]))),
+    ("k3 KL", lambda s: sig3(_mean([x["k3"] for x in s]))),
+    ("rho min / max", lambda s: f"{sig3(min((x['rho_min'] for x in s), default=float('nan')))} / "
+     f"{sig3(max((x['rho_max'] for x in s), default=float('nan')))}"),
+    ("geo-masked seqs", lambda s: sig3(_mean([x["geo_masked"] for x in s]))),
 ]
 
 
@@ -331,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1 or args.steps < 1:
         p.error("--jobs and --steps must be >= 1")
     out = Path(args.out or ("runs/bench_off_policy" + ("_reasoning" if workload.held_out else "")))
-    command = "python tools/bench_off_policy.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m tools.bench.bench_off_policy " + " ".join(sys.argv[1:] if argv is None else argv)
     loads_path = out / "loads.json"
     loads: dict[str, float] = json.loads(loads_path.read_text()) if loads_path.exists() else {}
 

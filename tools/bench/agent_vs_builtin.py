@@ -2,14 +2,14 @@
 (yaml_configs/demo_cpu_tools.yaml) and the same calculator as an OpenAI-SDK agent
 (yaml_configs/demo_cpu_tools_agent.yaml, examples/agents/calculator_sdk.py). One table.
 
-    python tools/make_tool_demo_model.py --out runs/demo_cpu_tools
+    python -m tools.make_tool_demo_model --out runs/demo_cpu_tools
     for s in 1 2 3; do for arm in builtin agent; do
       cfg=yaml_configs/demo_cpu_tools.yaml; [ $arm = agent ] && cfg=yaml_configs/demo_cpu_tools_agent.yaml
       megatron-grpo train --config $cfg trainer.seed=$s trainer.num_steps=30 \\
           trainer.run_dir=runs/agent_vs_builtin/$arm/s$s checkpoint.save_every=0 checkpoint.resume=never \\
           logging.progress_bar=false
     done; done
-    python tools/agent_vs_builtin.py runs/agent_vs_builtin --seeds 1 2 3
+    python -m tools.bench.agent_vs_builtin runs/agent_vs_builtin --seeds 1 2 3
 
 Per seed: each arm's reward (``reward_mean``) over the first 10 steps and the last 10, its
 model turns per episode, and the largest difference between the two arms over every logged
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_grpo.metrics_log import read_metrics
+from tools.bench.common import run_records, seed_dir
 
 TIME_PREFIXES = ("time/", "perf/", "throughput/", "mem/")
 TIME_KEYS = {"train_elapsed_s", "elapsed_s", "tokens_per_s", "multi_turn/env_s", "multi_turn/generate_s"}
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     last = {"builtin": [], "agent": []}
     for s in args.seeds:
-        runs = {arm: read_metrics(args.runs / arm / f"s{s}" / "metrics.jsonl") for arm in ("builtin", "agent")}
+        runs = {arm: run_records(seed_dir(args.runs / arm, s)) for arm in ("builtin", "agent")}
         if not all(runs.values()):
             print(f"| {s} | missing run(s) | | | | | |")
             continue

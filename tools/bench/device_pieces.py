@@ -1,8 +1,8 @@
 """A file too large for one call to a lent GPU machine, carried in pieces over consecutive calls.
 
-    python tools/device_pieces.py split FILE --out runs/carry [--max-piece-mib 47]   # here
-    python tools/device_pieces.py stash runs/carry                                    # there, each call
-    python tools/device_pieces.py join --name NAME --dest DEST                        # there, once all came
+    python -m tools.bench.device_pieces split FILE --out runs/carry [--max-piece-mib 47]   # here
+    python -m tools.bench.device_pieces stash runs/carry                                    # there, each call
+    python -m tools.bench.device_pieces join --name NAME --dest DEST                        # there, once all came
 
 A call to a lent machine takes at most 64 MiB of the working tree with it (docs/gpu.md#next-loan);
 SmolLM2-135M-Instruct's Q4_1 GGUF is 93.8 MiB. ``split`` cuts it into pieces of at most
@@ -28,9 +28,6 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 EXIT_BAD_INPUT = 2
 MAX_HEADER_BYTES = 4096
@@ -155,7 +152,7 @@ def read_header(piece: Path) -> tuple[Header, int]:
         raw = json.loads(line)
         header = Header(**{k: raw[k] for k in HEADER_KEYS})
     except (ValueError, KeyError, TypeError):
-        raise PieceError(f"{piece}: not a piece written by tools/device_pieces.py split (no header line)") from None
+        raise PieceError(f"{piece}: not a piece written by tools/bench/device_pieces.py split (no header line)") from None
     if piece.stat().st_size != len(line) + header.piece_size:
         raise PieceError(f"{piece}: {piece.stat().st_size - len(line)} bytes after the header, the header says "
                          f"{header.piece_size} (cut short in transit?)")
@@ -197,7 +194,7 @@ def join(name: str, dest: Path, dirs: list[Path]) -> Path:
             found.setdefault(header.index, (piece, header))
     if not found:
         raise PieceError(f"no piece of {name} in {', '.join(map(str, dirs))}: carry {name}.part-I-of-N "
-                         "(tools/device_pieces.py split)")
+                         "(tools/bench/device_pieces.py split)")
     headers = [h for _, h in found.values()]
     first = headers[0]
     if any((h.name, h.size, h.sha256, h.count) != (first.name, first.size, first.sha256, first.count)

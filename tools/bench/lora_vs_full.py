@@ -1,16 +1,16 @@
 """LoRA against full fine-tuning on the same task over several seeds: reward and held-out
 accuracy by step and by wall time, in one table and one plot.
 
-    python tools/lora_vs_full.py --workload demo --seeds 1 2 3 [--steps 300] [--out runs/lora_vs_full]
-    python tools/lora_vs_full.py --workload smollm2 --seeds 1 2 3
-    python tools/lora_vs_full.py --workload smollm2 --seeds 1 --sweep-ranks 16 64 --sweep-lr-x 5 10 20
+    python -m tools.bench.lora_vs_full --workload demo --seeds 1 2 3 [--steps 300] [--out runs/lora_vs_full]
+    python -m tools.bench.lora_vs_full --workload smollm2 --seeds 1 2 3
+    python -m tools.bench.lora_vs_full --workload smollm2 --seeds 1 --sweep-ranks 16 64 --sweep-lr-x 5 10 20
 
 Each arm runs every seed through the workload's own seed tool, with ``--full`` / ``--lora``
 overrides on top of the workload's config (a finished run is read, not run again):
 
-* ``demo``: ``tools/demo_seeds.py``'s run (yaml_configs/demo_cpu.yaml on the demo model built by
+* ``demo``: ``tools/bench/demo_seeds.py``'s run (yaml_configs/demo_cpu.yaml on the demo model built by
   ``tools/make_demo_model.py`` in ``--demo``), ``trainer.num_steps=--steps``;
-* ``smollm2``: ``tools/smollm2_seeds.py``'s run (``launch/smollm2_cpu.sh``: the main job, its
+* ``smollm2``: ``tools/bench/smollm2_seeds.py``'s run (``launch/smollm2_cpu.sh``: the main job, its
   exported checkpoint re-scored by transformers; a LoRA run's adapters are merged for that).
 
 The default LoRA arm is rank 16, alpha 32 on all four linears at 10x the full run's learning
@@ -31,10 +31,8 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tools import demo_seeds, smollm2_seeds  # noqa: E402
+from tools.bench import demo_seeds, smollm2_seeds
+from tools.bench.common import ROOT, fmt, reward_rows, rolling, run_records, seed_dir, spread
 
 WORKLOADS = {
     # name: (held-out accuracy key, the config both arms start from, extra overrides of both arms)
@@ -58,10 +56,9 @@ def run_arm(workload: str, seeds: list[int], out: Path, overrides: list[str], de
     for seed in seeds:
         if workload == "demo":
             run_dir = demo_seeds.run_seed(seed, out, demo, overrides)
-            runs[seed] = demo_seeds.read_metrics(run_dir)
         else:
             run_dir = smollm2_seeds.run_seed(seed, out, overrides)
-            runs[seed] = smollm2_seeds.read_metrics(run_dir)
+        runs[seed] = run_records(run_dir)
     return runs
 
 
@@ -77,24 +74,13 @@ def at_time(points: list[tuple[int, float, float]], seconds: float) -> float | N
 
 
 def summarize(rows: list[dict], heldout_key: str) -> dict:
-    train = [r for r in rows if "reward_mean" in r]
+    train = reward_rows(rows)
     evals = curve(rows, heldout_key)
     return {"heldout_start": evals[0][2] if evals else None, "heldout_end": evals[-1][2] if evals else None,
             "reward_last20": statistics.mean(r["reward_mean"] for r in train[-20:]) if train else None,
             "seconds": train[-1].get("train_elapsed_s") if train else None,
             "step_s": statistics.median(r["time/step_s"] for r in train) if train else None,
             "steps": len(train)}
-
-
-def fmt(v, spec=".3f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def spread(values: list, spec: str = ".3f") -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    return f"{statistics.mean(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
 
 
 def lora_arms(full_lr: float, lora: list[str] | None, ranks: list[int], multiples: list[float]) -> dict[str, list[str]]:
@@ -144,8 +130,8 @@ def plot(arms: dict[str, dict[int, list[dict]]], heldout_key: str, path: Path) -
               for i, arm in enumerate(a for a in arms if a != "full")} | {"full": "tab:blue"}
     for arm, runs in arms.items():
         for i, (seed, rows) in enumerate(runs.items()):
-            train = [r for r in rows if "reward_mean" in r]
-            reward = demo_seeds.rolling([r["reward_mean"] for r in train], 20)
+            train = reward_rows(rows)
+            reward = rolling([r["reward_mean"] for r in train], 20)
             label = arm if i == 0 else None
             axes[0][0].plot([r["step"] for r in train], reward, color=colors.get(arm), alpha=0.7, label=label)
             axes[0][1].plot([r["train_elapsed_s"] for r in train], reward, color=colors.get(arm), alpha=0.7, label=label)
@@ -190,7 +176,7 @@ def main(argv=None) -> int:
     for arm, overrides in arms_overrides.items():
         out = args.out / args.workload / arm
         if args.table_only or (arm == "full" and args.no_full):
-            runs = {s: demo_seeds.read_metrics(out / f"s{s}") for s in args.seeds}
+            runs = {s: run_records(seed_dir(out, s)) for s in args.seeds}
         else:
             runs = run_arm(args.workload, args.seeds, out, overrides, args.demo)
         arms[arm] = {s: rows for s, rows in runs.items() if rows}

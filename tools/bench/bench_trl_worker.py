@@ -1,15 +1,15 @@
-"""TRL's side of ``tools/bench_vs_trl.py``: train the same model on the same prompts with TRL's
+"""TRL's side of ``tools/bench/bench_vs_trl.py``: train the same model on the same prompts with TRL's
 ``GRPOTrainer`` and write one JSON line per rollout batch (mean reward, wall clock).
 
 Run by ``bench_vs_trl.py`` with the interpreter of a separate virtual environment that has
-``trl`` (``bash tools/setup_trl_venv.sh``); not meant to be run by hand. It imports
+``trl`` (``bash tools/bench/setup_trl_venv.sh``); not meant to be run by hand. It imports
 megatron-grpo only for what must be identical on both sides: the tokenizer as its files
 describe it, the prompts (chat template applied exactly as the trainer does) and the
 reward function.
 
-    PY tools/bench_trl_worker.py --model DIR --data FILE --batches N --out FILE [--seed S] [--in-order]
+    PY -m tools.bench.bench_trl_worker --model DIR --data FILE --batches N --out FILE [--seed S] [--in-order]
         [--stop-after M]
-    PY tools/bench_trl_worker.py --config YAML [--set KEY=VALUE ...] --grpo-args JSON --out FILE
+    PY -m tools.bench.bench_trl_worker --config YAML [--set KEY=VALUE ...] --grpo-args JSON --out FILE
         [--in-order] [--stop-after M] [--evaluate --save-model DIR] [--our-prompt-order]
 
 The first form is the CPU demo (its hyper-parameters are this script's flags). The second
@@ -52,20 +52,21 @@ from typing import Callable, Optional
 # Both sides get the machine's cores: torch reads this before it starts its thread pool.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from transformers import AutoModelForCausalLM, TrainerCallback  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-from trl.trainer import grpo_trainer as trl_grpo_module  # noqa: E402
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer import grpo_trainer as trl_grpo_module
 
-from bench_vs_trl import TrainClock, our_order, truncated_of  # noqa: E402  (tools/, this script's directory)
-from megatron_grpo.config import ExperimentConfig, load_config  # noqa: E402
-from megatron_grpo.config.sections import DataConfig  # noqa: E402
-from megatron_grpo.data import load_prompt_dataset  # noqa: E402
-from megatron_grpo.models.tokenizer import load_tokenizer  # noqa: E402
-from megatron_grpo.rewards import RewardScorer, math_exact_match  # noqa: E402
-from megatron_grpo.rewards.sample import RewardSample  # noqa: E402
-from score_with_transformers import greedy_accuracy  # noqa: E402  (this script's folder, tools/)
+from megatron_grpo.config import ExperimentConfig, load_config
+from megatron_grpo.config.sections import DataConfig
+from megatron_grpo.data import load_prompt_dataset
+from megatron_grpo.models.tokenizer import load_tokenizer
+from megatron_grpo.rewards import RewardScorer, math_exact_match
+from megatron_grpo.rewards.sample import RewardSample
+
+from tools.bench.bench_vs_trl import TrainClock, our_order, truncated_of
+from tools.score_with_transformers import greedy_accuracy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.float32}
 """Our model.dtype -> the dtype TRL's model is loaded in (bf16: fp32 weights, GRPOConfig.bf16 autocasts)."""

@@ -1,16 +1,16 @@
 """Build a randomly initialised model of a real model's shape, with a tokenizer of its
 vocabulary's size, as a Hugging Face directory (no downloads).
 
-    python tools/make_sized_model.py --shape qwen2.5-0.5b --out runs/sized/qwen2.5-0.5b [--dtype bf16]
-    python tools/make_sized_model.py --shape qwen2.5-0.5b --out /tmp/m --set num_hidden_layers=2 hidden_size=64
+    python -m tools.bench.make_sized_model --shape qwen2.5-0.5b --out runs/sized/qwen2.5-0.5b [--dtype bf16]
+    python -m tools.bench.make_sized_model --shape qwen2.5-0.5b --out /tmp/m --set num_hidden_layers=2 hidden_size=64
 
-The shapes are the config.json files in ``tools/model_shapes/`` (``--shape`` names one):
+The shapes are the config.json files in ``tools/bench/model_shapes/`` (``--shape`` names one):
 
 * ``qwen2.5-0.5b`` and ``qwen2.5-1.5b``: the published Qwen2.5 configs' sizes (qkv bias, tied
   embeddings, vocab 151936, rope_theta 1e6, RMSNorm eps 1e-6);
 * ``qwen3-moe-1b-a0.5b``: a small Qwen3-MoE (q/k norm, 32 experts, 4 per token, untied).
 
-Parameter counts (``megatron_grpo.models.flops.count_parameters``, equal to the HF model's
+Parameter counts (``tools.bench.flops.count_parameters``, equal to the HF model's
 ``num_parameters()``) are printed and written to ``OUT/sized_model.json``. Only time and
 memory are meaningful with random weights: the model's outputs are noise.
 
@@ -31,12 +31,10 @@ import shutil
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tools.bench.flops import ModelShape, count_parameters
+from tools.bench.common import ROOT
 
-from megatron_grpo.models.flops import ModelShape, count_parameters  # noqa: E402
-
-SHAPES_DIR = ROOT / "tools" / "model_shapes"
+SHAPES_DIR = ROOT / "tools" / "bench" / "model_shapes"
 SHAPES = sorted(p.stem for p in SHAPES_DIR.glob("*.json"))
 TOKENIZER_SIZE = 151665  # Qwen2.5's tokenizer: 151643 regular tokens + 22 special ones
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -71,7 +69,7 @@ def build(shape: str, out: Path, dtype: str = "bf16", overrides: dict | None = N
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_grpo.models.tiny import build_tokenizer
+    from tools.tiny import build_tokenizer
 
     raw = shape_config(shape, overrides)
     tokenizer = build_tokenizer(min(TOKENIZER_SIZE, raw["vocab_size"]))
@@ -101,7 +99,7 @@ def build(shape: str, out: Path, dtype: str = "bf16", overrides: dict | None = N
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", required=True, choices=SHAPES, help="a config in tools/model_shapes/")
+    parser.add_argument("--shape", required=True, choices=SHAPES, help="a config in tools/bench/model_shapes/")
     parser.add_argument("--out", required=True, help="HF model directory to write (replaced if present)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the saved weights")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",

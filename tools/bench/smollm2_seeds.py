@@ -1,6 +1,6 @@
 """The real-model run (launch/smollm2_cpu.sh) over several seeds, and its table.
 
-    python tools/smollm2_seeds.py --seeds 1 2 3 [--out runs/smollm2_seeds] [section.key=value ...]
+    python -m tools.bench.smollm2_seeds --seeds 1 2 3 [--out runs/smollm2_seeds] [section.key=value ...]
 
 Each seed is one ``RUN_DIR=<out>/s<seed> bash launch/smollm2_cpu.sh trainer.seed=<seed>``
 (the same model and data files for every seed; ``trainer.seed`` draws the prompts and the
@@ -22,16 +22,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_grpo.metrics_log import read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+from tools.bench.common import ROOT, fmt, reward_rows, run_records, seed_dir
+
+
 RESCORE_FILE = "transformers_greedy.json"
 
 
 def summarize(rows: list[dict], rescore: dict | None) -> dict:
     """One seed's row: first and last evaluation of each set, the re-score, steps and seconds."""
     evals = [r for r in rows if "eval/greedy/pass@1" in r]
-    train = [r for r in rows if "reward_mean" in r]
+    train = reward_rows(rows)
     first, last = (evals[0], evals[-1]) if evals else ({}, {})
     phases = ("generate", "reward", "logprob", "train", "sync")
     return {
@@ -47,17 +48,13 @@ def summarize(rows: list[dict], rescore: dict | None) -> dict:
 
 
 def run_seed(seed: int, out: Path, extra: list[str]) -> Path:
-    run_dir = out / f"s{seed}"
+    run_dir = seed_dir(out, seed)
     if (run_dir / RESCORE_FILE).is_file():
         return run_dir
     env = dict(os.environ, RUN_DIR=str(run_dir))
     subprocess.run(["bash", str(ROOT / "launch/smollm2_cpu.sh"), f"trainer.seed={seed}", "logging.progress_bar=false",
                     *extra], cwd=ROOT, env=env, check=True)
     return run_dir
-
-
-def fmt(v, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
 
 
 def table(rows: dict[int, dict], target: float) -> str:
@@ -92,9 +89,9 @@ def main() -> int:
     args = p.parse_args()
     rows = {}
     for seed in args.seeds:
-        run_dir = args.out / f"s{seed}" if args.table_only else run_seed(seed, args.out, args.overrides)
+        run_dir = seed_dir(args.out, seed) if args.table_only else run_seed(seed, args.out, args.overrides)
         rescore = run_dir / RESCORE_FILE
-        rows[seed] = summarize(read_metrics(run_dir / "metrics.jsonl"), json.loads(rescore.read_text()) if rescore.is_file() else None)
+        rows[seed] = summarize(run_records(run_dir), json.loads(rescore.read_text()) if rescore.is_file() else None)
     print(table(rows, args.target))
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")

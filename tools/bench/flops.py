@@ -1,7 +1,7 @@
 """Parameter counts and model FLOPs of a decoder from its Hugging Face config, and MFU.
 
-Pure arithmetic (no torch): the numbers behind ``tools/bench_gpu.py``'s MFU column and
-``tools/make_sized_model.py``'s parameter counts; the formula is written out in
+Pure arithmetic (no torch): the numbers behind ``tools/bench/bench_gpu.py``'s MFU column and
+``tools/bench/make_sized_model.py``'s parameter counts; the formula is written out in
 docs/gpu.md#flops-and-mfu.
 
 FLOPs convention (PaLM's "model FLOPs", appendix B of Chowdhery et al. 2022; Megatron-LM's

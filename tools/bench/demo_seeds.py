@@ -1,7 +1,7 @@
 """The CPU demo (yaml_configs/demo_cpu.yaml) over several seeds: what fraction keeps the README's promise.
 
-    bash launch/demo_cpu.sh trainer.num_steps=0      # or: python tools/make_demo_model.py --out runs/demo_cpu
-    python tools/demo_seeds.py --seeds 101 102 103 104 105 --out runs/demo_seeds
+    bash launch/demo_cpu.sh trainer.num_steps=0      # or: python -m tools.make_demo_model --out runs/demo_cpu
+    python -m tools.bench.demo_seeds --seeds 101 102 103 104 105 --out runs/demo_seeds
 
 Each seed is one ``megatron-grpo train --config yaml_configs/demo_cpu.yaml trainer.seed=S``
 (everything else as the README's command runs it: the same model, built once by
@@ -23,22 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_grpo.metrics_log import read_metrics
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def rolling(values: list[float], width: int) -> np.ndarray:
-    """float[len(values)]: the mean of the up-to-``width`` values ending at each position."""
-    x = np.asarray(values, dtype=np.float64)
-    c = np.concatenate([[0.0], np.cumsum(x)])
-    lo = np.maximum(np.arange(1, len(x) + 1) - width, 0)
-    return (c[1:] - c[lo]) / (np.arange(1, len(x) + 1) - lo)
+from tools.bench.common import ROOT, fmt, reward_rows, rolling, run_records, seed_dir
 
 
 def summarize(rows: list[dict], target: float, window: int = 20) -> dict:
     """One seed's row of the table from its metrics records (steps in order)."""
-    train = [r for r in rows if "reward_mean" in r]
+    train = reward_rows(rows)
     steps = [r["step"] for r in train]
     mean = rolling([r["reward_mean"] for r in train], window)
     full = mean[window - 1:]  # only full windows count
@@ -54,7 +44,7 @@ def summarize(rows: list[dict], target: float, window: int = 20) -> dict:
 
 
 def run_seed(seed: int, out: Path, demo: Path, extra: list[str]) -> Path:
-    run_dir = out / f"s{seed}"
+    run_dir = seed_dir(out, seed)
     if (run_dir / "done").is_file():
         return run_dir
     cmd = [sys.executable, "-m", "megatron_grpo.cli", "train", "--config", str(ROOT / "yaml_configs/demo_cpu.yaml"),
@@ -67,10 +57,6 @@ def run_seed(seed: int, out: Path, demo: Path, extra: list[str]) -> Path:
     return run_dir
 
 
-def fmt(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", required=True)
@@ -81,11 +67,11 @@ def main() -> int:
     p.add_argument("overrides", nargs="*", help="section.key=value for every run")
     args = p.parse_args()
     if not (args.demo / "model" / "config.json").is_file():
-        subprocess.run([sys.executable, str(ROOT / "tools/make_demo_model.py"), "--out", str(args.demo)],
+        subprocess.run([sys.executable, "-m", "tools.make_demo_model", "--out", str(args.demo)],
                        check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     table = []
     for seed in args.seeds:
-        table.append((seed, summarize(read_metrics(run_seed(seed, args.out, args.demo, args.overrides) / "metrics.jsonl"), args.target)))
+        table.append((seed, summarize(run_records(run_seed(seed, args.out, args.demo, args.overrides)), args.target)))
         print(f"seed {seed} done", flush=True)
     print(f"\n| seed | steps | best 20-step mean (step) | first step with a 20-step mean >= {args.target} | "
           "last 100 steps | held-out pass@1, last eval | training s |")

