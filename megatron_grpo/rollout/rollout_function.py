@@ -41,6 +41,7 @@ from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE
 from megatron_grpo.rollout.environments.loading import finite_real
 from megatron_grpo.rollout.environments.worker import fork_server, kill_worker
 from megatron_grpo.rollout.multi_turn import Episode
+from megatron_grpo.runtime.errors import one_line
 from megatron_grpo.wire.samples import RolloutError, Sample, SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -229,7 +230,7 @@ def check_rollout_output(out: Any, prompts: Sequence, n: int, sampling: Sampling
             raise
         except (TypeError, ValueError, OverflowError) as e:
             # a field of the wrong type (None where a list belongs): ``len(None)`` escaped as a traceback
-            fail(f"item {i}: a field has the wrong type ({type(e).__name__}: {' '.join(str(e).split())[:120]}); "
+            fail(f"item {i}: a field has the wrong type ({one_line(e, 120)}); "
                  "see Sample in wire/samples.py")
 
 
