@@ -13,7 +13,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
-# the GGUF's pieces this call carried (docs/gpu.md#next-loan) wait outside the working tree for the
+# the GGUF's pieces this call carried (tools/bench/gpu_loan.md) wait outside the working tree for the
 # next ones; smollm2_grpo joins them once all came
 if compgen -G "runs/carry/*.part-*-of-*" >/dev/null; then
   python3 -m tools.bench.device_pieces stash runs/carry

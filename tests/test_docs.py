@@ -1,5 +1,5 @@
-"""The documentation cannot rot silently: README.md, docs/*.md and docs/history/*.md are checked against
-the code.
+"""The documentation cannot rot silently: README.md, docs/*.md, docs/history/*.md and the benchmarks'
+runbook (tools/bench/*.md) are checked against the code.
 
 * every relative link resolves to a file, and a ``#anchor`` to a heading of that file (GitHub's
   slug rules); the code's own pointers into the docs (``docs/x.md#anchor`` in docstrings,
@@ -39,7 +39,7 @@ from tests.support.helps import run_helps
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-             *sorted((ROOT / "docs" / "history").glob("*.md"))]
+             *sorted((ROOT / "docs" / "history").glob("*.md")), *sorted((ROOT / "tools" / "bench").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 FENCE_RE = re.compile(r"^(```+|~~~+)\s*([\w+-]*)[^\n]*\n(.*?)^\1\s*$", re.S | re.M)
 LINK_RE = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -233,6 +233,16 @@ def test_readme_links_every_docs_page():
     pages = [p.name for p in DOC_FILES if p.parent.name == "docs" and p.name != "index.md"]
     missing = [p for p in pages if f"(docs/{p}" not in readme or f"({p}" not in index]
     assert not missing, f"docs pages not linked from both README.md and docs/index.md: {missing}"
+
+
+def test_the_readme_fits_and_starts_with_the_two_commands():
+    """The README fits a screen or two (issue 62: it had grown to 309 lines) and its first screen
+    holds the two commands; test counts and times live in docs/testing.md alone."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines (at most 150: detail goes to docs/)"
+    first_screen = "\n".join(lines[:40])
+    assert "bash launch/smollm2_cpu.sh" in first_screen and "bash launch/run_tests.sh" in first_screen
+    assert not re.search(r"\b1[0-9]{3} tests\b", "\n".join(lines)), "test counts belong in docs/testing.md"
 
 
 def test_code_pointers_into_the_docs_resolve():

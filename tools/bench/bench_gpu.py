@@ -4,7 +4,7 @@
     python -m tools.bench.bench_gpu --smoke --out OUT      # CPU, tiny shapes, every part's code path
 
 On one CUDA device (docs/gpu.md#benchmark-for-a-gpu-loan; ``bash launch/gpu_bench.sh OUT``
-installs the carried wheels first; docs/gpu.md#next-loan has the calls of a loan). Each part
+installs the carried wheels first; tools/bench/gpu_loan.md has the calls of a loan). Each part
 writes ``OUT/<part>.json`` when it finishes; a re-run skips a part whose file exists (``--force``
 re-runs it). The call has a budget (``--budget-s``, default ``$BENCH_GPU_BUDGET_S`` or
 ``DEFAULT_BUDGET_S``: one call of at most 600 s keeps a margin): no part starts once it is spent,
@@ -540,7 +540,7 @@ def smollm2_model(work: Path) -> Path:
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:  # transformers' GGUF reader needs both
         raise RuntimeError(f"{' and '.join(missing)} not importable: carry the wheel(s) in .whl/ "
-                           "(docs/gpu.md#next-loan)")
+                           "(tools/bench/gpu_loan.md)")
     cache = default_cache_dir()
     gguf = cache / Path(GGUF_MEMBER).name
     if not gguf.is_file():
@@ -548,7 +548,7 @@ def smollm2_model(work: Path) -> Path:
         if not any(any(d.glob(f"{gguf.name}.part-*")) for d in where if d.is_dir()):
             raise RuntimeError(f"no SmolLM2 GGUF in {cache} and no piece of it in {' or '.join(map(str, where))}: "
                                f"carry runs/carry/{gguf.name}.part-1-of-2 on one call and .part-2-of-2 on the next "
-                               "(docs/gpu.md#next-loan)")
+                               "(tools/bench/gpu_loan.md)")
         try:
             join(gguf.name, gguf, where)
         except PieceError as e:

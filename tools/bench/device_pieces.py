@@ -4,7 +4,7 @@
     python -m tools.bench.device_pieces stash runs/carry                                    # there, each call
     python -m tools.bench.device_pieces join --name NAME --dest DEST                        # there, once all came
 
-A call to a lent machine takes at most 64 MiB of the working tree with it (docs/gpu.md#next-loan);
+A call to a lent machine takes at most 64 MiB of the working tree with it (tools/bench/gpu_loan.md);
 SmolLM2-135M-Instruct's Q4_1 GGUF is 93.8 MiB. ``split`` cuts it into pieces of at most
 ``--max-piece-mib`` (``NAME.part-I-of-N``) in an ignored folder; each piece is self-describing: one
 JSON header line (``HEADER_KEYS``: the whole file's name, size and sha256, this piece's index,
