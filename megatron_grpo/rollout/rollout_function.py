@@ -29,7 +29,6 @@ is one ``RolloutFunctionError`` line naming the file and the function.
 
 from __future__ import annotations
 
-import atexit
 import inspect
 import numbers
 import threading
@@ -72,7 +71,6 @@ class RolloutFunction:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # one round at a time through the worker's connection
         self._closed = False
-        atexit.register(self.close)
 
     @classmethod
     def load(cls, spec: str, tokenizer: Any = None, *, vocab_size: Optional[int] = None,
@@ -158,8 +156,16 @@ class RolloutFunction:
             raise RolloutFunctionError(f"{KEY} {self.where}: its worker process died (the function crashed it "
                                        "or it was killed)") from None
 
+    def episodes(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
+                 sampling_seed: Optional[int] = None) -> tuple[list[Sample], Optional[list[Episode]]]:
+        """``EpisodeSource`` (rollout/episode_source.py): the checked output's samples, and its
+        episodes when the function returned Episodes."""
+        return samples_of(self(engine, prompts, n, sampling, sampling_seed))
+
     def close(self) -> None:
-        """End the worker (SIGKILL: it may be stuck in the user's code)."""
+        """``EpisodeSource``: end the worker (SIGKILL: it may be stuck in the user's code). The
+        run closes its source; a process that ends without closing it ends the fork server, which
+        ends its workers."""
         if self._closed:
             return
         self._closed = True
