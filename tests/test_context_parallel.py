@@ -7,7 +7,8 @@ passes (``trainer.megatron_step``: the real megatron-core schedule, DDP, optimiz
 vocab-parallel op). Cases: every ``loss_reduction``, the ppo/gspo/cispo losses, the entropy
 bonus and the KL term, padded and packed rows, a row shorter than 2 x cp, rows whose length
 2 x cp does not divide, a fully masked response, multi-turn loss masks (observation tokens),
-and gradient accumulation over token-budget micro-batches of unequal token counts.
+gradient accumulation over token-budget micro-batches of unequal token counts, and a LoRA
+policy.
 
 Independent references: the attention (``sdpa_context_parallel``, both its CPU mask path and
 its per-chunk CUDA path) against plain causal SDPA over the whole sequence; the CP2 log-probs
@@ -107,6 +108,7 @@ CASES = {
     "edge_packed": dict(batch="edge", budget=24, pack=True),
     "multi_turn": dict(batch="multi_turn", algorithm={"loss_reduction": "seq_mean_token_mean"}),
     "accumulation": dict(budget=40),  # token-budget micro-batches of unequal token counts
+    "lora": dict(lora=True),
 }
 
 
@@ -114,7 +116,7 @@ def _step(world, hf, case, **layout):
     kwargs = dict(CASES[case])
     return run_distributed(cp_step, world, hf, kwargs.pop("batch", "long"), 2, kwargs.pop("budget", None),
                            kwargs.pop("pack", False), kwargs.pop("algorithm", None), kwargs.pop("reference", False),
-                           layout.get("cp", 1), layout.pop("sequence_parallel", False),
+                           layout.get("cp", 1), layout.pop("sequence_parallel", False), 1.0, kwargs.pop("lora", False),
                            tp=layout.get("tp", 1), pp=layout.get("pp", 1), cp=layout.get("cp", 1), timeout_s=300)
 
 
@@ -180,6 +182,23 @@ def test_the_cases_exercise_what_they_name():
 @pytest.mark.parametrize("case", ["token_mean", "packed", "edge"])
 def test_four_rank_layouts_equal_cp1(tiny_hf, layout, case):
     assert_same_step(_step(4, tiny_hf, case, **layout), _reference(tiny_hf, case), f"{case} {layout}")
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_4_layers(tmp_path_factory):
+    from megatron_grpo.models.tiny import save_tiny_model
+
+    return str(save_tiny_model(tmp_path_factory.mktemp("hf4"), "qwen2", seed=2, num_layers=4))
+
+
+@pytest.mark.slow
+def test_virtual_pipeline_with_cp_equals_cp1(tiny_hf_4_layers):
+    """PP2 x VPP2 x CP2 (megatron's interleaved schedule, 4 model chunks of one layer)."""
+    (ref,) = _step(1, tiny_hf_4_layers, "token_mean")
+    kwargs = dict(tp=1, pp=2, cp=2, timeout_s=300)
+    results = run_distributed(cp_step, 4, tiny_hf_4_layers, "long", 2, None, False, None, False, 2, False,
+                              vpp=2, **kwargs)
+    assert_same_step(results, ref, "pp2 x vpp2 x cp2")
 
 
 # ---- an independent reference: transformers --------------------------------------------------

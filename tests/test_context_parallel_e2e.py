@@ -42,6 +42,9 @@ def test_cp2_run_is_the_cp1_run(demo, tmp_path):
     cp1 = _run(demo, tmp_path / "cp1", 3, *CP1, *SGD)
     cp2 = _run(demo, tmp_path / "cp2", 3, *CP2, *SGD)
     assert_same_steps(cp2, cp1, "cp2 vs cp1")
+    # the weights are replicated over CP: one CP rank sends them, the probe verifies each sync
+    assert [r["weight_sync_bytes"] for r in cp2] == [r["weight_sync_bytes"] for r in cp1]
+    assert all(r["weight_sync_verified"] == 1 for r in cp2)
     assert len({r["loss"] for r in cp1}) == 3  # the steps differ: the weights moved
 
 

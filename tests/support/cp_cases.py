@@ -51,18 +51,20 @@ BATCHES = {"random": lambda: random_train_batch(GLOBAL_BATCH), "long": long_batc
 
 
 def cp_step(rank, world, hf_dir, batch="long", micro=2, budget=None, pack=False, algorithm=None, reference=False,
-            cp=1, sequence_parallel=False, lr=1.0):
+            cp=1, sequence_parallel=False, lr=1.0, lora=False):
     """One optimizer step (SGD at ``lr``: the update is the gradient, so any gradient difference
     shows) on ``BATCHES[batch]``'s rows of this DP rank, micro-batches of ``micro`` rows or
     ``budget`` tokens (``pack``: packed), the corrected loss of ``algorithm`` (AlgorithmConfig
     keywords) with a stand-in reference (``reference``: log-probs off the policy's, so a KL term
     has a gradient). ``cp``: the layout's context-parallel size (the ranks run under it).
+    ``lora``: a rank-4 LoRA policy on every linear layer (its B starts at 0: the step trains B;
+    the weights compared are the merged ones).
     Returns {metrics (last stage, else None), applied, grad_norm, weights (HF names: this
     rank's), old_lp [N/dp, T] (last stage, else None), entropy [N/dp, T] (last stage)}."""
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.config import AlgorithmConfig, ModelConfig, OptimizerConfig
-    from megatron_grpo.config.model import ParallelConfig
+    from megatron_grpo.config.model import LoraConfig, ParallelConfig
     from megatron_grpo.models import iter_hf_weights
     from megatron_grpo.rollout.batch import dp_shard
     from megatron_grpo.trainer.components import build_policy
@@ -71,7 +73,8 @@ def cp_step(rank, world, hf_dir, batch="long", micro=2, budget=None, pack=False,
 
     parallel = ParallelConfig(tp=ps.get_tensor_model_parallel_world_size(), cp=cp,
                               sequence_parallel=sequence_parallel)
-    policy = build_policy(SimpleNamespace(model=ModelConfig(hf_dir=hf_dir, dtype="float32"),
+    model = ModelConfig(hf_dir=hf_dir, dtype="float32", lora=LoraConfig(rank=4, alpha=8.0) if lora else None)
+    policy = build_policy(SimpleNamespace(model=model,
                                           optimizer=OptimizerConfig(name="sgd", lr=lr, clip_grad=0.0),
                                           parallel=parallel))
     algo = AlgorithmConfig(**{"eps_clip_high": 0.28, "off_policy_correction": {"tis_ratio_type": "token"},

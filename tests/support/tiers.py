@@ -15,6 +15,8 @@ refuses a key that matches no test when the whole suite is collected (a renamed 
 """
 
 EXTENDED: dict[str, str] = {
+    "tests/test_context_parallel.py::test_virtual_pipeline_with_cp_equals_cp1":
+        "test_context_parallel::test_cp2_step_equals_cp1 (the CP path); test_vpp (the interleaved schedule)",
     "tests/test_context_parallel.py::test_four_rank_layouts_equal_cp1":
         "test_context_parallel::test_cp2_step_equals_cp1 (the same CP path at 2 ranks, every case); "
         "test_trainer_step_equivalence (TP2, PP2, DP2 steps)",
