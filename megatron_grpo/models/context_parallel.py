@@ -158,10 +158,12 @@ def gather_whole(x_local: Tensor, segment_lengths: list[int], group) -> Tensor:
 def cp_attention_mask(segment_lengths: list[int], query_index: Tensor) -> Tensor:
     """bool [q, total]: True where the local query at global index ``query_index[i]`` may attend
     to key j: same segment and j <= the query's index (causal over the whole sequence)."""
-    total = sum(segment_lengths)
-    bounds = torch.tensor([0, *torch.tensor(segment_lengths).cumsum(0).tolist()], device=query_index.device)
-    keys = torch.arange(total, device=query_index.device)
-    segment_of = lambda idx: torch.searchsorted(bounds[1:], idx, right=True)  # noqa: E731
+    ends = torch.tensor(segment_lengths, device=query_index.device).cumsum(0)
+    keys = torch.arange(sum(segment_lengths), device=query_index.device)
+
+    def segment_of(index: Tensor) -> Tensor:
+        return torch.searchsorted(ends, index, right=True)
+
     same = segment_of(query_index).unsqueeze(1) == segment_of(keys).unsqueeze(0)
     return same & (keys.unsqueeze(0) <= query_index.unsqueeze(1))
 
