@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 python -m pip install --quiet --disable-pip-version-check -e .
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-python tools/make_demo_model.py --out runs/demo_cpu
+python -m tools.make_demo_model --out runs/demo_cpu
 megatron-grpo train --config yaml_configs/demo_cpu.yaml "$@"

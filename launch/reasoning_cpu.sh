@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 python -m pip install --quiet --disable-pip-version-check -e .
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-python tools/make_reasoning_model.py --out runs/reasoning_cpu
+python -m tools.make_reasoning_model --out runs/reasoning_cpu
 megatron-grpo train --config yaml_configs/reasoning_cpu.yaml "$@"

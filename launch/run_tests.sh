@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install megatron-grpo with its test, reasoning, gguf, lora and agents extras (the reasoning-gym,
 # math-verify, GGUF, peft, skyrl-gym and OpenEnv tests need the real libraries) and run the test
-# suite's CI tier on two pytest-xdist workers (CPU, 2 cores: see README.md for the time).
+# suite's CI tier on two pytest-xdist workers (CPU, 2 cores: docs/testing.md has the counts and times).
 # MEGATRON_GRPO_TEST_EXTENDED=1 runs the extended tier too (tests/support/tiers.py).
 # MEGATRON_GRPO_TEST_WORKERS=0 runs it in one process; tests/conftest.py keeps each module, and every
 # test of the shared SGLang servers, on one worker, heaviest groups first.

@@ -15,9 +15,9 @@ python -m pip install --quiet --disable-pip-version-check -e ".[reasoning,gguf]"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 config=yaml_configs/smollm2_135m_chain_sum_cpu.yaml
 run_dir="${RUN_DIR:-runs/smollm2_cpu}"
-python tools/fetch_smollm2.py --out runs/smollm2/model
+python -m tools.fetch_smollm2 --out runs/smollm2/model
 if [[ ! -f runs/smollm2/chain_sum_2term/heldout.jsonl ]]; then
-  python tools/make_reasoning_gym_data.py --task chain_sum --size 2000 --heldout 200 --seed 0 --split natural \
+  python -m tools.make_reasoning_gym_data --task chain_sum --size 2000 --heldout 200 --seed 0 --split natural \
     --task-config '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}' \
     --prompt-template plain --out runs/smollm2/chain_sum_2term
 fi
@@ -26,5 +26,5 @@ megatron-grpo train --config "$config" "trainer.run_dir=$run_dir" "$@"
 # (--merge: a LoRA run's adapters merged into the base; a full run's checkpoint converts as usual)
 ckpt="$run_dir/checkpoints/$(cat "$run_dir/checkpoints/latest")"
 megatron-grpo convert-megatron-to-hf --ckpt-dir "$ckpt" --output-dir "$run_dir/hf" --overwrite --merge
-python tools/score_with_transformers.py --config "$config" --model "$run_dir/hf" --set greedy \
+python -m tools.score_with_transformers --config "$config" --model "$run_dir/hf" --set greedy \
   --out "$run_dir/transformers_greedy.json" "trainer.run_dir=$run_dir" "$@"

@@ -23,7 +23,7 @@ from megatron_grpo.generation.client import RolloutClient  # noqa: E402
 from megatron_grpo.generation.manager import RolloutServerManager  # noqa: E402
 from tests.support.sglang import require_sglang  # noqa: E402
 from tests.support.configs import experiment  # noqa: E402
-from megatron_grpo.models.tiny import save_tiny_model  # noqa: E402
+from tools.tiny import save_tiny_model  # noqa: E402
 from tests.support.demo_run import make_demo, make_tool_demo  # noqa: E402  (needs ROOT on sys.path, set just above)
 from tests.support.sglang_shared import SGLangServers  # noqa: E402
 from tests.support.tiers import EXTENDED  # noqa: E402

@@ -18,8 +18,8 @@ import pytest
 from megatron_grpo.config.base import ConfigError, ConfigValueError
 from megatron_grpo.config.episodes import EpisodesConfig
 from megatron_grpo.data.prompts import Prompt, prompt_messages, render_prompt
-from megatron_grpo.models.tiny import build_tokenizer
-from megatron_grpo.rollout.agents.front import AgentFront, EpisodeLog, same_message
+from tools.tiny import build_tokenizer
+from megatron_grpo.rollout.agents.front import MAX_BODY_BYTES, AgentFront, EpisodeLog, same_message
 from megatron_grpo.rollout.agents.runner import AgentContractError, AgentRunner
 from megatron_grpo.rollout.agents.trajectory import NotAnExtension, sample_from_calls
 from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_stats
@@ -314,6 +314,31 @@ def test_requests_are_checked_and_authenticated(tok, front):
         other.chat.completions.create(model="policy", messages=msgs)
     assert [m.id for m in client.models.list()] == ["policy"]
     assert front.close_episode("ep").calls == []
+
+
+def test_the_front_refuses_in_one_line_of_openais_shape(tok):
+    """The front's guards are the engine server's (runtime/http_guard.py): a wrong key is a 401,
+    a body past MAX_BODY_BYTES a 413 (by its Content-Length, before a byte of it is read), a body
+    that is not JSON or holds NaN a 400; each one line in OpenAI's error shape, naming the setting."""
+    import httpx
+
+    front = AgentFront(tok, TurnRenderer(tok, "user"), tool_call_format="compute").start()
+    try:
+        url = f"http://127.0.0.1:{front.port}/episodes/ep/v1/chat/completions"
+        key = {"Authorization": f"Bearer {front.api_key}", "Content-Type": "application/json"}
+        cases = [({"Authorization": "Bearer wrong"}, b"{}", 401, "authentication_error", "invalid API key"),
+                 (key, b" " * (MAX_BODY_BYTES + 1), 413, "invalid_request_error",
+                  f"exceeds this server's limit of {MAX_BODY_BYTES} bytes (MAX_BODY_BYTES)"),
+                 (key, b"{not json", 400, "invalid_request_error", "the request body must be JSON"),
+                 (key, b'{"temperature": NaN}', 400, "invalid_request_error", "holds NaN")]
+        with httpx.Client(timeout=30) as client:
+            for headers, body, status, kind, said in cases:
+                answer = client.post(url, headers=headers, content=body)
+                error = answer.json()["error"]
+                assert (answer.status_code, error["type"], error["code"]) == (status, kind, status), answer.text
+                assert said in error["message"] and "\n" not in error["message"], error
+    finally:
+        front.close()
 
 
 def test_a_stalled_sender_gets_a_408_and_the_front_serves_on(tok):

@@ -22,7 +22,7 @@ from verifiers.utils.message_utils import normalize_messages
 from megatron_grpo.chat.openai_api import render_chat
 from megatron_grpo.chat.tool_calls import parse_tool_calls
 from megatron_grpo.data.prompts import Prompt, render_prompt
-from megatron_grpo.models.tiny import build_tokenizer
+from tools.tiny import build_tokenizer
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.rollout.agents.connectors import load_agent
 from megatron_grpo.rollout.agents.connectors.verifiers_env import EnvRows, question_messages, rollout_input

@@ -156,15 +156,18 @@ class _Gate:
 
 
 class _Recorder:
-    """The episode runner, keeping every group's prompt and episodes (a dropped group's too)."""
+    """The run's episode source, keeping every group's prompt and episodes (a dropped group's too)."""
 
-    def __init__(self, runner):
-        self.runner, self.calls = runner, []
+    def __init__(self, source):
+        self.source, self.calls = source, []
 
-    def __call__(self, engine, prompts, *args, **kw):
-        out = self.runner(engine, prompts, *args, **kw)
-        self.calls.append((prompts[0], out))
-        return out
+    def episodes(self, engine, prompts, *args, **kw):
+        samples, episodes = self.source.episodes(engine, prompts, *args, **kw)
+        self.calls.append((prompts[0], episodes))
+        return samples, episodes
+
+    def close(self):
+        self.source.close()
 
 
 class _Supervisor:
@@ -196,12 +199,12 @@ def test_the_scheduler_drops_stale_groups_whose_episodes_span_weight_updates(dem
     tokenizer = load_tokenizer(cfg.model.hf_dir)
     sampler = PromptSampler(load_prompt_dataset(cfg.data, tokenizer), b, cfg.trainer.seed, cfg.data.shuffle)
     side = build_rollout_side(cfg, tokenizer, sampler)
-    side.rollout_function = recorder = _Recorder(side.rollout_function)
+    side.episode_source = recorder = _Recorder(side.episode_source)
     with RolloutServerManager(cfg, model_dir=cfg.model.hf_dir, run_dir=run_dir) as manager:
         client = RolloutClient.from_config(cfg.engine, manager.urls)
         (url,) = manager.urls
         gate = _Gate(client)
-        ctx = GenerationContext(gate, side.sampling, side.scorer, side.tokenizer, cfg, side.rollout_function)
+        ctx = GenerationContext(gate, side.sampling, side.scorer, side.tokenizer, cfg, side.episode_source)
         schedule = AsyncRolloutSchedule(cfg, _Supervisor(), ctx, sampler, start_step=0)
         rows = []
         try:

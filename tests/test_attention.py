@@ -339,7 +339,7 @@ def test_packing_refusals(hf_models):
     from megatron_grpo.models import load_hf_config
     from megatron_grpo.models.builder import check_packing
     from megatron_grpo.models.errors import ModelError
-    from megatron_grpo.models.tiny import tiny_config
+    from tools.tiny import tiny_config
 
     dense = load_hf_config(hf_models["qwen2"][0])
     check_packing(dense, "auto")  # sdpa on CPU
@@ -355,7 +355,7 @@ def test_preflight_refuses_packing_an_moe_model(tmp_path):
 
     from megatron_grpo.config import ConfigError
     from megatron_grpo.preflight.run import check_model_dir
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     hf_dir = str(save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=4))
     cfg = SimpleNamespace(model=SimpleNamespace(hf_dir=hf_dir, attention_backend="auto", lora=None),

@@ -1,4 +1,4 @@
-"""tools/bench_context_parallel.py: its flags, its refusals and its table (the measurement itself
+"""tools/bench/bench_context_parallel.py: its flags, its refusals and its table (the measurement itself
 runs in minutes and is a benchmark, not a test: docs/models.md has its figures)."""
 
 import subprocess
@@ -8,8 +8,8 @@ from tests.support.demo_run import ROOT
 
 
 def _tool(*args):
-    return subprocess.run([sys.executable, "tools/bench_context_parallel.py", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "tools.bench.bench_context_parallel", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_help_and_refusals():
@@ -22,11 +22,8 @@ def test_help_and_refusals():
 
 
 def test_table_gives_ratios_against_cp1():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        from bench_context_parallel import table
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    from tools.bench.bench_context_parallel import table
+
     points = [{"length": 8, "cp": 1, "activation_bytes": 4 * 2**20, "peak_rss_over_bytes": 2**20, "update_s": 2.0},
               {"length": 8, "cp": 2, "activation_bytes": 2 * 2**20, "peak_rss_over_bytes": 2**20, "update_s": 3.0}]
     lines = table(points).splitlines()

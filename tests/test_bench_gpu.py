@@ -1,9 +1,9 @@
-"""``tools/bench_gpu.py`` without a GPU: its ``--smoke`` mode runs every part's code path on
+"""``tools/bench/bench_gpu.py`` without a GPU: its ``--smoke`` mode runs every part's code path on
 CPU at tiny sizes (the CUDA-only parts print one line each), writes one JSON file per finished
 part, and a re-run skips the parts whose file exists (without touching their files); the
 smollm2_grpo part's run, stopped by SIGTERM as a spent budget stops it, saves its step and the
 next call resumes it to its last step (a CI test: the smoke itself is in the extended tier).
-Also: tools/device_pieces.py's split/stash/join (a damaged piece or joined file refused in one
+Also: tools/bench/device_pieces.py's split/stash/join (a damaged piece or joined file refused in one
 line), the GPU run's config, the summary of a run's metrics and the budget's answers.
 
 The smoke test: 83-104 s measured on 2 cores shared with other jobs (load average ~14) before the
@@ -29,7 +29,7 @@ PARTS = ["rollout", "smollm2_grpo", "lora_1.5b", "trl", "logprobs", "train_qwen2
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(ROOT / "tools/bench_gpu.py"), *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "tools.bench.bench_gpu", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -40,7 +40,7 @@ def _lines(proc: subprocess.CompletedProcess) -> list[str]:
 def test_every_train_arm_is_a_valid_config_at_full_size():
     """The arms (config overrides) load on the full-size batch's base config: a typo in a key
     fails here, not on a lent GPU."""
-    from tools.bench_gpu import FULL, TRAIN_ARMS, train_config
+    from tools.bench.bench_gpu import FULL, TRAIN_ARMS, train_config
 
     for name, arm in TRAIN_ARMS.items():
         cfg = train_config("unused_model_dir", FULL.train_sequences, FULL.dtype, arm)
@@ -109,7 +109,7 @@ def test_the_grpo_run_stopped_by_sigterm_saves_its_step_and_the_next_call_resume
     from dataclasses import replace
 
     from megatron_grpo.trainer.checkpoint import complete_checkpoints
-    from tools.bench_gpu import SMOKE, Budget, PartTimeUp, part_smollm2_grpo
+    from tools.bench.bench_gpu import SMOKE, Budget, PartTimeUp, part_smollm2_grpo
 
     # the tiny run's steps take ~0.1 s: 40 of them, so that the SIGTERM surely lands mid-run
     sizes, work = replace(SMOKE, grpo_steps=40), tmp_path / "work"
@@ -131,7 +131,7 @@ def test_the_gpu_run_config_validates_at_load_with_and_without_the_smoke_overrid
     loading accepts it (bf16, the in-process engine decoding statically, chain-of-thought lengths,
     a reward that needs no package the lent machine lacks) and the smoke's CPU overrides of it."""
     from megatron_grpo.config.experiment import load_config
-    from tools.bench_gpu import SMOKE_GRPO_OVERRIDES, SMOLLM2_CONFIG
+    from tools.bench.bench_gpu import SMOKE_GRPO_OVERRIDES, SMOLLM2_CONFIG
 
     cfg = load_config(ROOT / SMOLLM2_CONFIG, [], world_size=1)
     assert cfg.model.dtype == "bfloat16" and cfg.engine.kind == "inprocess" and cfg.engine.embedded.decode == "static"
@@ -144,7 +144,7 @@ def test_the_gpu_run_config_validates_at_load_with_and_without_the_smoke_overrid
 
 
 def _pieces(tmp_path, size=300_000, max_mib=0.1):
-    from tools.device_pieces import split
+    from tools.bench.device_pieces import split
 
     blob = tmp_path / "blob.gguf"
     blob.write_bytes(os.urandom(size))
@@ -154,7 +154,7 @@ def _pieces(tmp_path, size=300_000, max_mib=0.1):
 def test_pieces_split_stash_and_join_round_trip(tmp_path):
     """Three pieces, carried one per call: each stashed as it comes, the file joined once all came
     (byte for byte), a missing one named."""
-    from tools.device_pieces import PieceError, join, stash
+    from tools.bench.device_pieces import PieceError, join, stash
 
     blob, pieces = _pieces(tmp_path)
     assert [p.name for p in pieces] == [f"blob.gguf.part-{i}-of-3" for i in (1, 2, 3)]
@@ -173,14 +173,14 @@ def test_pieces_split_stash_and_join_round_trip(tmp_path):
 
 
 def test_a_damaged_piece_or_joined_file_is_refused_in_one_line(tmp_path):
-    from tools.device_pieces import Header, main, read_header
+    from tools.bench.device_pieces import Header, main, read_header
 
     blob, pieces = _pieces(tmp_path)
     data = bytearray(pieces[1].read_bytes())
     data[-1] ^= 0xFF  # one byte of the payload flipped in transit
     pieces[1].write_bytes(bytes(data))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MEGATRON_GRPO_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "tools/device_pieces.py", "join", "--name", "blob.gguf", "--dest",
+    proc = subprocess.run([sys.executable, "-m", "tools.bench.device_pieces", "join", "--name", "blob.gguf", "--dest",
                            str(tmp_path / "out.gguf"), "--from", str(tmp_path / "carry")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
@@ -200,7 +200,7 @@ def test_a_damaged_piece_or_joined_file_is_refused_in_one_line(tmp_path):
 
 
 def test_without_the_gguf_or_its_pieces_smollm2_grpo_names_what_to_carry(tmp_path, monkeypatch):
-    import tools.bench_gpu as bench
+    import tools.bench.bench_gpu as bench
 
     monkeypatch.setenv("MEGATRON_GRPO_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(bench, "CARRY_DIR", tmp_path / "carry")
@@ -213,7 +213,7 @@ def test_without_the_gguf_or_its_pieces_smollm2_grpo_names_what_to_carry(tmp_pat
 
 
 def test_a_spent_budget_stops_the_rollout_part_before_a_new_row_and_kept_rows_are_reused(tmp_path):
-    from tools.bench_gpu import SMOKE, Budget, PartTimeUp, _sizes_key, part_rollout
+    from tools.bench.bench_gpu import SMOKE, Budget, PartTimeUp, _sizes_key, part_rollout
 
     with pytest.raises(PartTimeUp, match="budget of 0 s spent after 0 of 2 rows .*; resumes on the next call"):
         part_rollout(SMOKE, tmp_path, Budget(1e-9))
@@ -225,7 +225,7 @@ def test_a_spent_budget_stops_the_rollout_part_before_a_new_row_and_kept_rows_ar
 
 
 def test_no_part_starts_once_the_calls_budget_is_spent(tmp_path, capsys):
-    from tools.bench_gpu import main
+    from tools.bench.bench_gpu import main
 
     assert main(["--smoke", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"),
                  "--parts", "rollout,logprobs", "--budget-s", "1e-9"]) == 1
@@ -236,7 +236,7 @@ def test_no_part_starts_once_the_calls_budget_is_spent(tmp_path, capsys):
 
 
 def test_the_grpo_summary_reads_accuracy_time_split_and_throughput_from_the_metrics():
-    from tools.bench_gpu import grpo_summary
+    from tools.bench.bench_gpu import grpo_summary
 
     def step(n, **extra):
         return {"step": n, "reward_mean": n / 10, "rollout_tokens_per_s": 1000.0 * n, "time/generate_s": 2.0 * n,
@@ -257,7 +257,7 @@ def test_kernel_rows_report_their_difference_from_the_torch_op_with_the_same_set
     """bench_logprobs pairs each "triton..." row with the "ours..." row of the same entropy and
     in-place settings and reports max |diff| of log-prob, entropy and gradient (hand values);
     rows without a twin, and the torch rows themselves, report nothing."""
-    from tools.bench_logprobs import _diffs_vs_ours
+    from tools.bench.bench_logprobs import _diffs_vs_ours
 
     t = torch.tensor
     outputs = {
@@ -280,7 +280,7 @@ def test_trl_part_needs_trl_in_this_interpreter(tmp_path):
     anything (this CPU machine keeps TRL in .venv-trl only)."""
     import importlib.util
 
-    from tools.bench_gpu import SMOKE, part_trl
+    from tools.bench.bench_gpu import SMOKE, part_trl
 
     if importlib.util.find_spec("trl") is not None:
         pytest.skip("trl is importable here")

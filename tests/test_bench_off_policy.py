@@ -1,13 +1,11 @@
-"""tools/bench_off_policy.py: every arm is the configuration it is named for (loaded by the strict
+"""tools/bench/bench_off_policy.py: every arm is the configuration it is named for (loaded by the strict
 config), a run's summary and the table are computed as documented (hand-checked on written
 metrics files), and an unfinished run is neither counted nor kept."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,10 +13,7 @@ import pytest
 from megatron_grpo.config import load_config
 from tests.support.demo_run import ROOT
 
-_SPEC = importlib.util.spec_from_file_location("bench_off_policy", ROOT / "tools" / "bench_off_policy.py")
-bench = importlib.util.module_from_spec(_SPEC)
-sys.modules["bench_off_policy"] = bench  # its dataclass looks its module up there
-_SPEC.loader.exec_module(bench)
+import tools.bench.bench_off_policy as bench
 
 REASONING = bench.WORKLOADS["reasoning"]
 

@@ -1,19 +1,14 @@
-"""tools/bench_throughput.py: the long-tailed length sampler and the table's reductions
+"""tools/bench/bench_throughput.py: the long-tailed length sampler and the table's reductions
 (the benchmark itself runs minutes of training and is not a test)."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import statistics
-from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location(
-    "bench_throughput", Path(__file__).resolve().parent.parent / "tools" / "bench_throughput.py")
-bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)
+import tools.bench.bench_throughput as bench
 
 
 def test_filler_lengths_are_long_tailed_within_the_response_budget():

@@ -1,11 +1,10 @@
-"""tools/bench_vs_trl.py: the mapping of our config to TRL's GRPOConfig, the departures it lists
+"""tools/bench/bench_vs_trl.py: the mapping of our config to TRL's GRPOConfig, the departures it lists
 (pinned to docs/benchmarks.md), its flags, the held-out arithmetic of --workload smollm2 on
-hand-made records, and, slow and only where the TRL venv of tools/setup_trl_venv.sh exists (CI
+hand-made records, and, slow and only where the TRL venv of tools/bench/setup_trl_venv.sh exists (CI
 does not build it), a reasoning-workload run of both sides."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -19,10 +18,7 @@ from megatron_grpo.config import load_config
 from megatron_grpo.data import PromptDataset, PromptSampler
 from tests.support.demo_run import ENV, ROOT
 
-_SPEC = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "tools" / "bench_vs_trl.py")
-bench = importlib.util.module_from_spec(_SPEC)
-sys.modules["bench_vs_trl"] = bench  # its dataclass looks its module up there
-_SPEC.loader.exec_module(bench)
+import tools.bench.bench_vs_trl as bench
 
 REASONING = ROOT / "yaml_configs" / "reasoning_cpu.yaml"
 SMOLLM2 = ROOT / "yaml_configs" / "smollm2_135m_chain_sum_cpu.yaml"
@@ -202,10 +198,10 @@ def _launch_args(script: str, tool: str) -> list[str]:
 def test_smollm2_builds_what_the_launch_script_builds():
     wl = bench.WORKLOADS["smollm2"]
     fetch, data = wl.build
-    assert fetch == ("tools/fetch_smollm2.py", "--out", "{out}/model")
-    launched = _launch_args("launch/smollm2_cpu.sh", "tools/make_reasoning_gym_data.py")
+    assert fetch == ("tools.fetch_smollm2", "--out", "{out}/model")
+    launched = _launch_args("launch/smollm2_cpu.sh", "tools.make_reasoning_gym_data")
     assert launched[launched.index("--out"):] == ["--out", "runs/smollm2/chain_sum_2term"]
-    assert list(data) == ["tools/make_reasoning_gym_data.py", *launched[:launched.index("--out")], "--out", "{out}"]
+    assert list(data) == ["tools.make_reasoning_gym_data", *launched[:launched.index("--out")], "--out", "{out}"]
     yaml_sets = load_config(SMOLLM2, ["model.hf_dir=unused"]).eval.sets
     assert any(s.name == bench.HELDOUT_SET and s.temperature == 0 and s.path.endswith(wl.heldout_file)
                for s in yaml_sets)
@@ -240,7 +236,7 @@ def test_ours_batches_and_skip_trl(capsys, tmp_path, monkeypatch):
     # another length runs in its own directory; the default length keeps the old names (--reuse)
     runs = []
     monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: runs.append(cmd))
-    monkeypatch.setattr(bench, "_reward_rows", lambda path: [{"step": s, "reward_mean": 0.5, "train_elapsed_s": s}
+    monkeypatch.setattr(bench, "run_records", lambda run_dir: [{"step": s, "reward_mean": 0.5, "train_elapsed_s": s}
                                                              for s in range(1, 81)])
     for batches in (40, 80, 30):
         *_, run_dir = bench.run_ours(1, None, 3, batches, tmp_path, tmp_path, engine="inprocess", workload="smollm2",
@@ -318,17 +314,17 @@ def test_heldout_summary_and_table(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not TRL_PYTHON.exists(), reason="needs .venv-trl (bash tools/setup_trl_venv.sh); CI has none")
+@pytest.mark.skipif(not TRL_PYTHON.exists(), reason="needs .venv-trl (bash tools/bench/setup_trl_venv.sh); CI has none")
 def test_reasoning_workload_both_sides_end_to_end(tmp_path):
     out = tmp_path / "bench"
     build = subprocess.run(  # a reduced workload where the bench looks for it: it then skips its own build
-        [sys.executable, "tools/make_reasoning_model.py", "--out", str(out / "reasoning"), "--hidden", "32",
+        [sys.executable, "-m", "tools.make_reasoning_model", "--out", str(out / "reasoning"), "--hidden", "32",
          "--warmup-steps", "40", "--num-train", "200", "--num-heldout", "8", "--probe", "0"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert build.returncode == 0, build.stderr[-3000:]
     summary = tmp_path / "summary.json"
     run = subprocess.run(
-        [sys.executable, "tools/bench_vs_trl.py", "--workload", "reasoning", "--batches", "3", "--seeds", "1",
+        [sys.executable, "-m", "tools.bench.bench_vs_trl", "--workload", "reasoning", "--batches", "3", "--seeds", "1",
          "--tp", "1", "--engines", "inprocess", "--window", "2", "--out", str(out), "--json", str(summary),
          "--set", "rollout.max_new_tokens=32", "--set", "rollout.prompts_per_step=4",
          "--set", "rollout.num_generations=4", "--set", "parallel.global_batch_size=8"],

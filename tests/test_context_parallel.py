@@ -30,7 +30,7 @@ TOL = 1e-6
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=1))
 
@@ -186,7 +186,7 @@ def test_four_rank_layouts_equal_cp1(tiny_hf, layout, case):
 
 @pytest.fixture(scope="module")
 def tiny_hf_4_layers(tmp_path_factory):
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("hf4"), "qwen2", seed=2, num_layers=4))
 

@@ -9,7 +9,7 @@ import pytest
 from megatron_grpo.config.base import ConfigError, build_section
 from megatron_grpo.config.sections import DataConfig
 from megatron_grpo.data import DataError, load_prompt_dataset
-from megatron_grpo.models.tiny import build_tokenizer, vocab
+from tools.tiny import build_tokenizer, vocab
 
 
 @pytest.fixture(scope="module")

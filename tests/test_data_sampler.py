@@ -8,7 +8,7 @@ import pytest
 from megatron_grpo.config.sections import DataConfig
 from megatron_grpo.data import DataError, Prompt, PromptDataset, PromptSampler, load_prompt_dataset
 from megatron_grpo.data.synthetic import all_problems, chance_reward, generate, main as synthetic_main
-from megatron_grpo.models.tiny import MAX_NUMBER, build_tokenizer, vocab
+from tools.tiny import MAX_NUMBER, build_tokenizer, vocab
 
 
 def toy_dataset(n, answer_offset=0):

@@ -1,4 +1,4 @@
-"""tools/demo_seeds.py's summary of one seed's metrics, against a hand computation."""
+"""tools/bench/demo_seeds.py's summary of one seed's metrics, against a hand computation."""
 
 import importlib.util
 from pathlib import Path
@@ -7,10 +7,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("demo_seeds", ROOT / "tools" / "demo_seeds.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("tools.bench.demo_seeds")
 
 
 def test_summary_of_a_seed():

@@ -38,7 +38,7 @@ def _policy(hf_dir):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=4))
 

@@ -1,13 +1,13 @@
-"""The documentation cannot rot silently: README.md, docs/*.md and docs/history/*.md are checked against
-the code.
+"""The documentation cannot rot silently: README.md, docs/*.md, docs/history/*.md and the benchmarks'
+runbook (tools/bench/*.md) are checked against the code.
 
 * every relative link resolves to a file, and a ``#anchor`` to a heading of that file (GitHub's
   slug rules); the code's own pointers into the docs (``docs/x.md#anchor`` in docstrings,
   comments and messages) resolve the same way;
 * every repository path quoted in backticks (``tests/...``, ``megatron_grpo/...``) exists;
 * every command shown in a ```bash / sh / console block that runs this project's programs
-  (``megatron-grpo SUB``, ``python -m megatron_grpo...``, ``python tools/X.py``,
-  ``python tests/X.py``, ``torchrun ... -m megatron_grpo.train | tools/X.py``, ``bash launch/X``,
+  (``megatron-grpo SUB``, ``python -m megatron_grpo...``, ``python -m tools.X``,
+  ``python tests/X.py``, ``torchrun ... -m megatron_grpo.train | tools.X``, ``bash launch/X``,
   ``sbatch launch/X``) parses: its ``--help`` exits 0 (once per program and sub-command), and a
   launch script passes ``bash -n``;
 * every config a command names (``--config F``, the config argument of ``validate-config`` and
@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import copy
 import glob
-import json
-import os
 import re
 import shlex
-import subprocess
 import sys
 import unicodedata
 from dataclasses import dataclass
@@ -38,10 +35,11 @@ import pytest
 from megatron_grpo.config import ConfigError
 from megatron_grpo.config.experiment import yaml_load
 from megatron_grpo.preflight import build_experiment, load_experiment
+from tests.support.helps import run_helps
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-             *sorted((ROOT / "docs" / "history").glob("*.md"))]
+             *sorted((ROOT / "docs" / "history").glob("*.md")), *sorted((ROOT / "tools" / "bench").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 FENCE_RE = re.compile(r"^(```+|~~~+)\s*([\w+-]*)[^\n]*\n(.*?)^\1\s*$", re.S | re.M)
 LINK_RE = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -187,9 +185,9 @@ def project_program(argv: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, 
                 return project_program(("python", *argv[i:]))
         return None
     if is_python(prog) and len(argv) > 1:
-        if argv[1] == "-m" and len(argv) > 2 and argv[2].startswith("megatron_grpo"):
+        if argv[1] == "-m" and len(argv) > 2 and argv[2].startswith(("megatron_grpo", "tools.")):
             return ("python", "-m", argv[2]), argv[3:]
-        if argv[1].startswith(("tools/", "tests/")) and argv[1].endswith(".py"):
+        if argv[1].startswith(("tools/", "tests/")) and argv[1].endswith(".py"):  # tools/: refused below
             return ("python", argv[1]), argv[2:]
     if prog in ("bash", "sbatch") and len(argv) > 1 and argv[1].startswith("launch/"):
         return (prog, argv[1]), argv[2:]
@@ -212,55 +210,6 @@ def config_of(program: tuple[str, ...], args: tuple[str, ...]) -> str | None:
     if program[-1] == "launch/demo_cpu.sh":
         return DEMO_CONFIG
     return None
-
-
-# One child process runs every ``--help`` in turn, in-process (runpy, as ``python -m`` and
-# ``python script.py`` do), so torch and megatron-core are imported once rather than once per
-# program: ~18 separate interpreters cost ~25 s of CPU, which a loaded 2-core CI machine
-# stretches past a minute. The child, not pytest, absorbs whatever a program's import does.
-_HELP_DRIVER = r"""
-import contextlib, io, json, runpy, sys
-results = []
-for program in json.loads(sys.argv[1]):
-    out = io.StringIO()
-    code = 0
-    argv0 = list(sys.argv)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            if program[0] == "megatron-grpo":
-                from megatron_grpo.cli import main
-                code = main([*program[1:], "--help"])
-            elif program[1] == "-m":
-                sys.argv = [program[2], "--help"]
-                runpy.run_module(program[2], run_name="__main__", alter_sys=True)
-            else:
-                sys.argv = [program[1], "--help"]
-                runpy.run_path(program[1], run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException as e:
-        code, _ = 1, out.write(f"{type(e).__name__}: {e}")
-    finally:
-        sys.argv = argv0
-    results.append([program, code, out.getvalue()[-2000:]])
-print(json.dumps(results))
-"""
-
-
-def run_helps(programs: list[tuple[str, ...]]) -> list[tuple[tuple[str, ...], int, str]]:
-    """``--help`` of every Python program (one child process) and ``bash -n`` of every script."""
-    results = []
-    for program in (p for p in programs if p[0] in ("bash", "sbatch")):
-        proc = subprocess.run(["bash", "-n", program[1]], cwd=ROOT, capture_output=True, text=True, timeout=60)
-        results.append((program, proc.returncode, proc.stderr))
-    python_programs = [list(p) for p in programs if p[0] not in ("bash", "sbatch")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _HELP_DRIVER, json.dumps(python_programs)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, f"the --help driver failed:\n{proc.stderr[-3000:]}"
-    results += [(tuple(p), code, out) for p, code, out in json.loads(proc.stdout.strip().splitlines()[-1])]
-    return results
 
 
 # ---- tests: links ---------------------------------------------------------------------------
@@ -286,9 +235,19 @@ def test_readme_links_every_docs_page():
     assert not missing, f"docs pages not linked from both README.md and docs/index.md: {missing}"
 
 
+def test_the_readme_fits_and_starts_with_the_two_commands():
+    """The README fits a screen or two (issue 62: it had grown to 309 lines) and its first screen
+    holds the two commands; test counts and times live in docs/testing.md alone."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines (at most 150: detail goes to docs/)"
+    first_screen = "\n".join(lines[:40])
+    assert "bash launch/smollm2_cpu.sh" in first_screen and "bash launch/run_tests.sh" in first_screen
+    assert not re.search(r"\b1[0-9]{3} tests\b", "\n".join(lines)), "test counts belong in docs/testing.md"
+
+
 def test_code_pointers_into_the_docs_resolve():
     problems, checked = [], 0
-    for pattern in ("megatron_grpo/**/*.py", "tests/*.py", "tools/*.py", "launch/*", "yaml_configs/*"):
+    for pattern in ("megatron_grpo/**/*.py", "tests/*.py", "tools/**/*.py", "launch/*", "yaml_configs/*"):
         for name in glob.glob(str(ROOT / pattern), recursive=True):
             path = Path(name)
             if path.name == "test_docs.py" or not path.is_file():  # its own examples; launch/sglang_cpu/
@@ -332,6 +291,17 @@ def test_every_shown_command_parses():
     assert len(results) == len(programs)
     failed = [f"{' '.join(p)} (shown in {programs[p]}): exit {rc}\n{out}" for p, rc, out in results if rc != 0]
     assert not failed, "commands shown in the docs do not parse:\n" + "\n\n".join(failed)
+
+
+def test_tools_are_shown_run_as_modules():
+    """A tool imports its shared modules as ``tools.*``, which ``python tools/X.py`` would not find
+    (the script's own folder, not the checkout, heads ``sys.path``): the docs show the one way,
+    ``python -m tools.X`` from the repository root."""
+    programs = [found[0] for cmd in all_commands() if (found := project_program(cmd.argv)) and found[0][0] == "python"]
+    as_module = {p for p in programs if p[1] == "-m" and p[2].startswith("tools.")}
+    as_script = sorted({p[1] for p in programs if p[1].startswith("tools/")})
+    assert len(as_module) >= 10, f"only {sorted(as_module)} shown: is the parser broken?"
+    assert not as_script, f"tools shown run as scripts (show `python -m tools.X`): {as_script}"
 
 
 def test_every_config_a_command_names_validates():
@@ -416,7 +386,7 @@ def test_command_extraction():
         ["megatron-grpo", "train", "--config", "a.yaml", "k=1", "j=2"]]
     argv = split_commands("MASTER_ADDR=1 NNODES=2 bash launch/multi_node.sh c.yaml 'engine.urls=[http://h:1]'  # note")
     assert argv == [["bash", "launch/multi_node.sh", "c.yaml", "engine.urls=[http://h:1]"]]
-    program, args = project_program(("torchrun", "--nproc-per-node", "4", "tools/convert_hf_to_megatron.py", "--tp", "2"))
-    assert program == ("python", "tools/convert_hf_to_megatron.py") and args == ("--tp", "2")
+    program, args = project_program(("torchrun", "--nproc-per-node", "4", "-m", "tools.convert_hf_to_megatron", "--tp", "2"))
+    assert program == ("python", "-m", "tools.convert_hf_to_megatron") and args == ("--tp", "2")
     assert config_of(*project_program(tuple(argv[0]))) == "c.yaml"
     assert overrides_of(args + ("a.b=1", "--x=y")) == ["a.b=1"]

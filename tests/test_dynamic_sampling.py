@@ -75,7 +75,7 @@ def engine(tmp_path_factory):
     from megatron_grpo.models.tokenizer import load_tokenizer
     from megatron_grpo.generation import RolloutClient
     from megatron_grpo.generation.manager import RolloutServerManager
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=5))
     manager = RolloutServerManager(experiment(engine=EngineConfig(dtype="float32")), model_dir=model_dir,

@@ -474,7 +474,7 @@ def test_the_episode_loop_hands_a_tool_class_the_runs_tool_call_format(env_files
     """episodes.tool_call_format reaches the tools connector: the demo vocabulary's `compute 3 + 4`
     is a call of the class's compute method (the default hermes format would see no call)."""
     from megatron_grpo.data.prompts import Prompt, render_prompt
-    from megatron_grpo.models.tiny import build_tokenizer
+    from tools.tiny import build_tokenizer
     from megatron_grpo.rollout.multi_turn import EpisodeRunner
 
     tok = build_tokenizer()

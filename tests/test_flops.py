@@ -1,5 +1,5 @@
-"""Parameter counts and model FLOPs (``models/flops.py``) and the sized models built from
-``tools/model_shapes/`` (``tools/make_sized_model.py``).
+"""Parameter counts and model FLOPs (``tools/bench/flops.py``) and the sized models built from
+``tools/bench/model_shapes/`` (``tools/bench/make_sized_model.py``).
 
 * the shipped shapes' parameter counts equal the published totals (Qwen2.5-0.5B: 0.49B, 0.36B
   without embeddings; Qwen2.5-1.5B: 1.54B, 1.31B) and transformers' own count of the same
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.models.flops import (
+from tools.bench.flops import (
     ModelShape,
     count_parameters,
     forward_flops,
@@ -32,7 +32,7 @@ from megatron_grpo.models.flops import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAPES = ROOT / "tools" / "model_shapes"
+SHAPES = ROOT / "tools" / "bench" / "model_shapes"
 
 
 def _shape(name: str) -> ModelShape:
@@ -71,7 +71,7 @@ def test_shipped_shapes_count_like_transformers(name):
 def test_parameter_count_equals_an_instantiated_models_numel(model_type, tied):
     from transformers import AutoModelForCausalLM
 
-    from megatron_grpo.models.tiny import tiny_config
+    from tools.tiny import tiny_config
 
     config = tiny_config(model_type, tie_word_embeddings=tied)
     model = AutoModelForCausalLM.from_config(config)
@@ -146,7 +146,7 @@ def test_a_shrunk_sized_model_loads_in_the_converter(tmp_path):
     from tests.support.distributed import run_distributed
 
     out = tmp_path / "q05"
-    subprocess.run([sys.executable, str(ROOT / "tools/make_sized_model.py"), "--shape", "qwen2.5-0.5b",
+    subprocess.run([sys.executable, "-m", "tools.bench.make_sized_model", "--shape", "qwen2.5-0.5b",
                     "--out", str(out), "--dtype", "fp32", "--set", "num_hidden_layers=2", "hidden_size=64",
                     "intermediate_size=128", "num_attention_heads=4", "num_key_value_heads=2"],
                    check=True, capture_output=True, cwd=ROOT)

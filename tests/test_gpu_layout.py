@@ -271,7 +271,7 @@ def test_memory_routes_are_named_only_by_the_sglang_adapter():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
 def test_gpu_smoke_says_in_one_line_that_it_needs_a_gpu():
-    proc = subprocess.run([sys.executable, str(ROOT / "tools/gpu_smoke.py")], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "tools.bench.gpu_smoke"], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 2
     assert proc.stdout == ""

@@ -38,7 +38,7 @@ DATA_LINES = [{"prompt": f"what is {i} plus 1", "answer": str(i + 1)} for i in r
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """The good inputs every case starts from: a tiny qwen2 model and a 4-prompt dataset."""
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("hostile")
     model = save_tiny_model(root / "model", "qwen2", seed=0)

@@ -16,7 +16,7 @@ from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.wire.samples import SamplingParams
 from tests.support.distributed import run_distributed
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 from tests.support.engine_runs import run
 from tests.support.sync_checks import NUM_HF_TENSORS, engine_vs_trainer, perturb
 from megatron_grpo.config import EngineConfig, RolloutConfig, SyncConfig

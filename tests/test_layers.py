@@ -18,7 +18,9 @@ their file lives. Only ``ast`` is used: nothing of the package is imported, so t
 well under a second.
 
 The tests themselves: a test module (``tests/**/test_*.py``) is imported by no other module of
-``tests/`` or ``tools/``; what several modules share lives in ``tests/support/``.
+``tests/`` or ``tools/``; what several modules share lives in ``tests/support/``. The tools
+(``tools/``, outside the wheel like the tests): no tool imports test code or edits ``sys.path``
+(they run as modules, ``python -m tools.X``), and no package module imports a tool.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def imports_of(source: str, module: str, path: str, is_package: bool, known: set
         else:
             continue
         for target in dict.fromkeys(targets):
-            if target.split(".")[0] in ("megatron_grpo", "tests"):
+            if target.split(".")[0] in ("megatron_grpo", "tests", "tools"):
                 found.append(Import(module, path, node.lineno, target, id(node) in in_function,
                                     _has_reason(lines, node)))
     return found
@@ -119,8 +121,8 @@ def imports_of(source: str, module: str, path: str, is_package: bool, known: set
 def layer(module: str) -> tuple[int, str]:
     """(layer index, package) of a dotted module name."""
     parts = module.split(".")
-    if parts[0] == "tests":
-        return len(LAYERS), "tests"
+    if parts[0] in ("tests", "tools"):
+        return len(LAYERS), parts[0]
     if module in ENTRY_POINTS or parts[-1] == "cli" or parts[-1].endswith("_cli"):
         return LAYER_OF["<entry>"], "<entry>"
     package = parts[1] if len(parts) > 1 else "<entry>"
@@ -136,6 +138,8 @@ def layer_problems(found: list[Import]) -> list[str]:
         where = f"{imp.path}:{imp.line}: {imp.module} imports {imp.target}"
         if dst_pkg == "tests":
             problems.append(f"{where} (production code never imports test code)")
+        elif dst_pkg == "tools":
+            problems.append(f"{where} (production code never imports tools/, which the wheel leaves out)")
         elif dst > src:
             problems.append(f"{where} (layer {LAYERS[dst]} is above {LAYERS[src]})")
         elif dst == src and src_pkg != dst_pkg:
@@ -230,7 +234,7 @@ def test_the_wheel_ships_no_test_code():
 
     packages = find_packages(str(ROOT), include=["megatron_grpo", "megatron_grpo.*"])
     assert "megatron_grpo.engine" in packages and "megatron_grpo.launcher" in packages
-    assert not [p for p in packages if "test" in p.split(".")[-1]], packages
+    assert not [p for p in packages if "test" in p.split(".")[-1] or p.split(".")[0] == "tools"], packages
     assert 'find_packages(include=["megatron_grpo", "megatron_grpo.*"])' in (ROOT / "setup.py").read_text()
 
 
@@ -358,3 +362,38 @@ def test_the_test_module_rule_can_fail():
         "tests/support/configs.py:2"], problems
     assert problems[0] == ("tests/test_vpp.py:1: tests.test_vpp imports the test module tests.test_sync_weights "
                            "(shared helpers go in tests/support/)")
+
+
+# ---- the tools: no test code, no sys.path -------------------------------------------------------
+
+def tool_problems(found: list[Import], sources: dict[str, str]) -> list[str]:
+    """One line per import of test code by a tool and per use of ``sys.path`` in one."""
+    problems = [f"{imp.path}:{imp.line}: {imp.module} imports {imp.target} (a tool never imports test code: "
+                "what the benchmarks share lives in tools/bench/common.py)"
+                for imp in found if imp.module.split(".")[0] == "tools" and imp.target.split(".")[0] == "tests"]
+    for path, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                    and node.value.id == "sys"):
+                problems.append(f"{path}:{node.lineno}: sys.path (tools run as modules, python -m tools.X)")
+    return problems
+
+
+def test_no_tool_imports_test_code_or_edits_sys_path():
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "tools").rglob("*.py"))}
+    found = imports_of_tests_and_tools()
+    assert any(imp.module.startswith("tools.bench.") and imp.target == "tools.bench.common" for imp in found)
+    problems = tool_problems(found, sources)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_tool_rule_can_fail():
+    known = {"tests.support.distributed", "tools.bench.common"}
+    source = ("import sys\nsys.path.insert(0, '.')\nfrom tests.support.distributed import run_distributed\n"
+              "from tools.bench.common import fmt\n")
+    found = imports_of(source, "tools.bench.x", "tools/bench/x.py", False, known)
+    problems = tool_problems(found, {"tools/bench/x.py": source})
+    assert [p.split(": ", 1)[0] for p in problems] == ["tools/bench/x.py:3", "tools/bench/x.py:2"], problems
+    (bad,) = layer_problems(imports_of("from tools.tiny import vocab\n", "megatron_grpo.data.x", "data/x.py", False,
+                                       known))
+    assert "never imports tools/" in bad

@@ -20,7 +20,7 @@ from megatron_grpo.config.base import ConfigError, build_section
 from megatron_grpo.config.model import LoraConfig
 from megatron_grpo.models.lora import LoraSpec, lora_problem, resolve_targets
 from tests.support.distributed import run_distributed
-from megatron_grpo.models.tiny import tiny_config
+from tools.tiny import tiny_config
 
 RANK, ALPHA = 4, 8.0
 
@@ -131,7 +131,7 @@ def _lora_step(rank, world, hf_dir, recompute=False):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=1))
 
@@ -145,7 +145,7 @@ def reference(tiny_hf):
 @pytest.fixture(scope="module")
 def four_layers(tmp_path_factory):
     """A 4-layer model (pp2 x vpp2 needs a layer per virtual stage) and its TP1 step."""
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     hf_dir = str(save_tiny_model(tmp_path_factory.mktemp("hf4"), "llama", seed=2, num_layers=4))
     (ref,) = run_distributed(_lora_step, 1, hf_dir, tp=1, pp=1, timeout_s=300)

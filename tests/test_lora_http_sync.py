@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.engine.policy import ServerPolicy
 from megatron_grpo.engine.server import build_app
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 from megatron_grpo.ops.lora_merge import merge_fp32
 from megatron_grpo.wire.buckets import DISK_UPDATE_KEY, Bucket
 from megatron_grpo.wire.checksum import tensor_checksum

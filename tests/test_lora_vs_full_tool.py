@@ -1,7 +1,7 @@
-"""tools/lora_vs_full.py's table: per arm and seed, the mean with its spread, and each arm's
+"""tools/bench/lora_vs_full.py's table: per arm and seed, the mean with its spread, and each arm's
 held-out accuracy at the other's end time (by wall time), from metrics records."""
 
-from tools.lora_vs_full import at_time, curve, table
+from tools.bench.lora_vs_full import at_time, curve, table
 
 KEY = "eval/heldout/pass@1"
 
@@ -37,14 +37,14 @@ def test_the_full_arms_lr_is_the_workloads_config():
     """The full arm's lr (and the default LoRA arm's 10x) is read from the config the runs use:
     a hard-coded copy had stayed at 2e-5 after the SmolLM2 config moved to 1e-5."""
     from megatron_grpo.preflight import load_experiment
-    from tools.lora_vs_full import ROOT, WORKLOADS, config_lr
+    from tools.bench.lora_vs_full import ROOT, WORKLOADS, config_lr
 
     for _key, config, _extra in WORKLOADS.values():
         assert config_lr(config) == load_experiment(ROOT / config).optimizer.lr
 
 
 def test_a_sweep_is_a_grid_of_named_lora_arms_each_compared_with_full():
-    from tools.lora_vs_full import lora_arms
+    from tools.bench.lora_vs_full import lora_arms
 
     assert lora_arms(1e-5, None, [], []) == {
         "lora": ["model.lora.rank=16", "model.lora.alpha=32", "optimizer.lr=0.0001"]}
@@ -61,7 +61,7 @@ def test_a_sweep_is_a_grid_of_named_lora_arms_each_compared_with_full():
 
 
 def test_the_plot_draws_every_arm(tmp_path):
-    from tools.lora_vs_full import plot
+    from tools.bench.lora_vs_full import plot
 
     arms = {"full": {1: _run(2.0, [0.1, 0.3, 0.5], 0.4)}, "lora_a": {1: _run(1.0, [0.1, 0.2, 0.3], 0.3)},
             "lora_b": {1: _run(1.0, [0.1, 0.4, 0.6], 0.3)}}

@@ -16,8 +16,8 @@ from megatron_grpo.models.layouts import GatedFC1
 from tests.support.models_fixtures import PROBE_IDS, hf_reference_logits, hf_tensors, make_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
-TO_MEGATRON = str(ROOT / "tools" / "convert_hf_to_megatron.py")
-TO_HF = str(ROOT / "tools" / "convert_megatron_to_hf.py")
+TO_MEGATRON = "tools.convert_hf_to_megatron"  # run as modules: python -m tools.X
+TO_HF = "tools.convert_megatron_to_hf"
 
 
 def run_tool(*args, torchrun_nproc=None, timeout=300):
@@ -63,13 +63,13 @@ def test_tools_round_trip_bitwise_and_loadable_by_transformers(qwen2_dir, tmp_pa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf_out"
-    r = run_tool(TO_MEGATRON, "--hf-dir", qwen2_dir, "--output-dir", ckpt)
+    r = run_tool("-m", TO_MEGATRON, "--hf-dir", qwen2_dir, "--output-dir", ckpt)
     assert r.returncode == 0, r.stderr
     assert "self-check OK: max |Δlogits| = " in r.stdout and "wrote" in r.stdout
     assert json.loads((ckpt / "megatron_grpo.json").read_text())["model_type"] == "qwen2"
 
     shutil.copytree(qwen2_dir, tmp_path / "gone")  # the export must not need the HF dir
-    r = run_tool(TO_HF, "--ckpt-dir", ckpt, "--output-dir", out)
+    r = run_tool("-m", TO_HF, "--ckpt-dir", ckpt, "--output-dir", out)
     assert r.returncode == 0, r.stderr
     assert "self-check OK" in r.stdout and "MB of torch.float32 weights" in r.stdout
     assert_same_hf_dir(out, qwen2_dir)
@@ -87,7 +87,7 @@ def test_export_under_torchrun_at_pp2_writes_every_stage_into_one_index(llama_ti
     assert run_in_process("convert-hf-to-megatron", "--hf-dir", llama_tied_dir, "--output-dir", ckpt,
                           "--no-self-check") == 0
     # 50 kB shards: several files per stage, renamed model-0000i-of-0000N in stage order
-    r = run_tool(TO_HF, "--ckpt-dir", ckpt, "--output-dir", out, "--pp", 2,
+    r = run_tool("-m", TO_HF, "--ckpt-dir", ckpt, "--output-dir", out, "--pp", 2,
                  "--max-shard-size-gb", 50e3 / 1024**3, torchrun_nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("self-check OK") == 1  # printed by rank 0 only
@@ -202,7 +202,7 @@ def test_cli_registry_and_script_reach_the_same_command(tmp_path, capsys):
 
     assert main(["convert-megatron-to-hf", "--ckpt-dir", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "o")]) == 2
     assert "checkpoint directory not found" in one_line_error(capsys, "convert-megatron-to-hf")
-    r = run_tool(TO_MEGATRON, "--hf-dir", tmp_path / "nope", "--output-dir", tmp_path / "o")
+    r = run_tool("-m", TO_MEGATRON, "--hf-dir", tmp_path / "nope", "--output-dir", tmp_path / "o")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         f"convert-hf-to-megatron: error: {tmp_path / 'nope'}: Hugging Face model directory not found"]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from megatron_grpo.models import ARCHITECTURES, ModelError, get_architecture, load_hf_config, padded_vocab_size
 from megatron_grpo.models.layouts import FusedQKV, GatedFC1, Replicated, TPSplit, VocabSplit
-from megatron_grpo.models.tiny import save_tiny_model, tiny_config
+from tools.tiny import save_tiny_model, tiny_config
 
 
 def rows(*values):

@@ -47,7 +47,7 @@ def _hand_counts(hf_dir, batch) -> torch.Tensor:
 
 def test_router_load_equals_hand_count(single_rank, tmp_path):
     from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs
     from megatron_grpo.trainer.moe_metrics import RouterLoad
 

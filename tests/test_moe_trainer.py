@@ -9,7 +9,7 @@ import torch
 
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
 from tests.support.distributed import run_distributed
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 from tests.support.models_fixtures import hf_tensors
 from tests.support.sync_checks import check_sync, sync_worker
 from tests.support.step_equivalence import initial_weights, merged_weights, one_step

@@ -22,7 +22,7 @@ from megatron_grpo.rollout.environments.worker import fork_server
 from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_rewards, episode_stats
 from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
-from megatron_grpo.models.tiny import build_tokenizer
+from tools.tiny import build_tokenizer
 from megatron_grpo.rollout.batch import build_train_batch
 from megatron_grpo.config import EngineConfig, EpisodesConfig, RolloutConfig
 from megatron_grpo.config.episodes import BUILTIN_ENVIRONMENTS

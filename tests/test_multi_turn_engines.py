@@ -22,7 +22,7 @@ from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_d
 from megatron_grpo.rollout.multi_turn import EpisodeRunner
 from megatron_grpo.rollout.turns import TurnRenderer
 from megatron_grpo.wire.samples import SamplingParams
-from megatron_grpo.models.tiny import DEMO_ARCH, build_tokenizer, save_tiny_model
+from tools.tiny import DEMO_ARCH, build_tokenizer, save_tiny_model
 from tests.support.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
 from tests.support.sglang_shared import API_KEY
 from megatron_grpo.config import EngineConfig, EpisodesConfig

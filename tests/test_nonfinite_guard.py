@@ -101,7 +101,7 @@ def _guard(rank, world, hf_dir):
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     hf_dir = str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=2))
     (res,) = run_distributed(_guard, 1, hf_dir, tp=1, pp=1, timeout_s=300)

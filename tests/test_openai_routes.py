@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.engine.server import build_app
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 from megatron_grpo.models.tokenizer import load_tokenizer
 
 KEY = "test-key"

@@ -24,7 +24,7 @@ from megatron_grpo.ops.quantize import (QuantScheme, dequantize, fake_quantize, 
 from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.engine.quantize import QuantizedLinear
 from tests.support.distributed import run_distributed
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 from megatron_grpo.wire.checksum import tensor_checksum
 from tests.support.engine_runs import run
 

@@ -27,16 +27,13 @@ from tests.support.demo_run import ROOT
 
 reasoning_gym = pytest.importorskip("reasoning_gym")  # the `reasoning` extra, which CI installs
 
-TOOL = ROOT / "tools" / "make_reasoning_gym_data.py"
+TOOL = "tools.make_reasoning_gym_data"
 
 
 def load_tool():
-    import importlib.util
+    import importlib
 
-    spec = importlib.util.spec_from_file_location("make_reasoning_gym_data", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(TOOL)
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +250,7 @@ def test_bad_arguments_are_one_line_and_exit_2(tool, tmp_path, capsys, args, exp
 
 def test_the_command_line_and_a_missing_reasoning_gym(tool, tmp_path, monkeypatch, capsys):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, str(TOOL), "--task", "chain_sun", "--size", "2", "--heldout", "1",
+    run = subprocess.run([sys.executable, "-m", TOOL, "--task", "chain_sun", "--size", "2", "--heldout", "1",
                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "did you mean 'chain_sum'" in run.stderr
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as if the extra were not installed

@@ -130,10 +130,7 @@ def test_reward_checks_only_the_final_answer(reward, response, answer, expected)
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("make_reasoning_model", ROOT / "tools" / "make_reasoning_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("tools.make_reasoning_model")
 
 
 def test_tokenizer_has_every_word_of_the_format():
@@ -163,7 +160,7 @@ def test_build_is_deterministic_given_the_seed(tmp_path, capsys):
 def test_build_and_a_few_grpo_steps(tmp_path):
     work = tmp_path / "reasoning"
     build = subprocess.run(
-        [sys.executable, "tools/make_reasoning_model.py", "--out", str(work), "--warmup-steps", "40",
+        [sys.executable, "-m", "tools.make_reasoning_model", "--out", str(work), "--warmup-steps", "40",
          "--num-train", "200", "--num-heldout", "8", "--probe", "4", "--max-new-tokens", "32"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert build.returncode == 0, build.stderr[-3000:]

@@ -6,7 +6,7 @@ happens: each transformer layer runs its forward twice per training micro-batch 
 without autograd, once again in the backward pass) instead of once.
 
 On CPU this runs through the CPU shim's redirection of megatron's CUDA RNG save/restore
-(``runtime/cpu_shim.py``); on a GPU it ran in ``tools/gpu_smoke.py``'s ``features`` check.
+(``runtime/cpu_shim.py``); on a GPU it ran in ``tools/bench/gpu_smoke.py``'s ``features`` check.
 """
 
 import pytest
@@ -50,7 +50,7 @@ def _both_steps(rank, world, hf_dir):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=3))
 

@@ -4,7 +4,7 @@ import pytest
 
 from megatron_grpo.rewards import extract_final_answer, format_reward, math_exact_match, parse_number
 from megatron_grpo.rewards.answers import extract_boxed
-from megatron_grpo.models.tiny import build_tokenizer
+from tools.tiny import build_tokenizer
 
 EXACT_MATCH_CASES = [
     # (response, answer, use_last_number, expected reward)

@@ -13,7 +13,7 @@ from megatron_grpo.data import load_prompt_dataset
 from megatron_grpo.config.sections import DataConfig
 from megatron_grpo.rewards import RewardError, RewardSample, RewardScorer
 from megatron_grpo.wire.samples import Sample
-from megatron_grpo.models.tiny import build_tokenizer
+from tools.tiny import build_tokenizer
 from megatron_grpo.rewards.sample import reward_samples
 
 FORMS = """

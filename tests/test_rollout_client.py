@@ -19,7 +19,7 @@ from megatron_grpo.wire.checksum import tensor_checksum
 from megatron_grpo.wire.group import destroy_custom_process_group, init_custom_process_group
 from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_system_sharing
 from tests.support.sglang import require_sglang
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 from tests.support.sglang_shared import SGLANG_MEMORY
 from megatron_grpo.config import EngineConfig, SGLangConfig, SyncConfig
 from tests.support.configs import experiment

@@ -13,7 +13,7 @@ import torch
 from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.engine.generation import Sequence
 from megatron_grpo.engine.sampling import resolve_sampling_params
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 from tests.support.engine_runs import reference_logprobs, run
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20]]

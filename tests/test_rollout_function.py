@@ -23,7 +23,7 @@ from megatron_grpo.rewards.scorer import ScoredBatch
 from megatron_grpo.rollout.multi_turn import Episode, EpisodeRunner
 from megatron_grpo.rollout.rollout_function import RolloutFunction, RolloutFunctionError, check_rollout_output
 from megatron_grpo.wire.samples import Sample, SamplingParams
-from megatron_grpo.models.tiny import build_tokenizer
+from tools.tiny import build_tokenizer
 from megatron_grpo.rollout.generate import GenerationContext, generate_and_score
 from megatron_grpo.config import EpisodesConfig, RolloutConfig, TrainerConfig
 from tests.support.configs import experiment
@@ -405,14 +405,14 @@ def test_samples_and_episodes_through_generate_and_score(fn_file, tok):
     prompts = [make_prompt(tok, 0), make_prompt(tok, 1)]
     sampling = SamplingParams(max_new_tokens=3)
     plain = generate_and_score(GenerationContext(FakeEngine(), sampling, ByLastToken(), tok, _cfg(),
-                                                 rollout_function=load(fn_file, "passthrough")), 0, prompts)
+                                                 episode_source=load(fn_file, "passthrough")), 0, prompts)
     direct = generate_and_score(GenerationContext(FakeEngine(), sampling, ByLastToken(), tok, _cfg()), 0, prompts)
     assert torch.equal(plain.batch.tokens, direct.batch.tokens)  # a passthrough function is the single-turn path
     assert torch.equal(plain.batch.advantages, direct.batch.advantages)
     assert not any(k.startswith("multi_turn/") for k in plain.stats)
     # Episodes: the environment's reward is added, a failed episode scored by on_env_error (zero_reward)
     episodes = generate_and_score(GenerationContext(FakeEngine(), sampling, ByLastToken(), tok, _cfg(),
-                                                    rollout_function=load(fn_file, "as_episodes")), 0, prompts)
+                                                    episode_source=load(fn_file, "as_episodes")), 0, prompts)
     assert episodes.stats["multi_turn/turns_mean"] == 1 and episodes.stats["multi_turn/env_timeouts"] == 2
     # rewards: sample 0 of each prompt 0.12 + 0; sample 1 timed out: 0 -> each group's advantages +-
     assert episodes.stats["reward_mean"] == pytest.approx(0.06)
@@ -440,7 +440,7 @@ def test_trainer_rows_are_the_engines_tokens_plus_observations(fn_file, tok, emb
     sampling = SamplingParams.from_rollout_config(cfg.rollout)
     sampling.stop_token_ids = [tok.eos_token_id]
     result = generate_and_score(GenerationContext(engine, sampling, ByLastToken(), tok, cfg,
-                                                  rollout_function=load(fn_file, "always_twice", tok)), 0, prompts)
+                                                  episode_source=load(fn_file, "always_twice", tok)), 0, prompts)
     (first_in, _, first), (second_in, _, second) = engine.calls
     obs = tok(" <|user|> please reply with only a number <|assistant|>", add_special_tokens=False)["input_ids"]
     batch = result.batch

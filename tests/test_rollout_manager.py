@@ -9,7 +9,7 @@ import pytest
 
 from megatron_grpo.generation import RolloutClient, RolloutError, SamplingParams
 from megatron_grpo.generation.manager import RolloutServerManager, free_port
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 from megatron_grpo.config import EngineConfig
 from tests.support.configs import experiment
 

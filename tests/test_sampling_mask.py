@@ -174,7 +174,7 @@ def served(tmp_path_factory):
 
     from megatron_grpo.generation.client import RolloutClient
     from megatron_grpo.generation.manager import RolloutServerManager
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     model_dir = str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama", seed=5))
     cfg = experiment(engine=EngineConfig(kind="embedded", dtype="float32", launch_timeout_s=600, request_timeout_s=120))

@@ -94,7 +94,7 @@ def test_weight_sync_store_listens_on_the_master_address_only():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("sec") / "model", "qwen2", seed=0)
 

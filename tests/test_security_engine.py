@@ -45,7 +45,7 @@ MAX_MB = 4
 def launched(tmp_path_factory):
     """(url, run_dir, model_dir) of an embedded engine launched as a run launches it."""
     from megatron_grpo.generation.manager import RolloutServerManager
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path_factory.mktemp("hard") / "model", "qwen2", seed=0)
     run_dir = tmp_path_factory.mktemp("hard_run")
@@ -302,7 +302,7 @@ def served(tmp_path_factory):
     import subprocess
     import sys
 
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path_factory.mktemp("served") / "model", "qwen2", seed=0)
     port = _free_port()

@@ -33,8 +33,8 @@ from megatron_grpo.config import EngineConfig, SGLangConfig
 from tests.support.configs import experiment
 
 CONFIG = "yaml_configs/smollm2_135m_chain_sum_cpu.yaml"
-TO_MEGATRON = ROOT / "tools" / "convert_hf_to_megatron.py"
-TO_HF = ROOT / "tools" / "convert_megatron_to_hf.py"
+TO_MEGATRON = "tools.convert_hf_to_megatron"  # run as modules: python -m tools.X
+TO_HF = "tools.convert_megatron_to_hf"
 IM_END = "<|im_end|>"
 EVAL_NEW_TOKENS = 32
 """The held-out set's response length: room for the model's one-sentence answers to end on
@@ -86,7 +86,7 @@ def explain(out: subprocess.CompletedProcess) -> str:
 def converted(smollm2_dir, tmp_path_factory):
     """The PP2 checkpoint written by the converter under torchrun (2 ranks), and its stdout."""
     ckpt = tmp_path_factory.mktemp("pp2") / "ckpt"
-    out, wall = run(TO_MEGATRON, "--hf-dir", smollm2_dir, "--output-dir", ckpt, "--pp", 2, torchrun_nproc=2)
+    out, wall = run("-m", TO_MEGATRON, "--hf-dir", smollm2_dir, "--output-dir", ckpt, "--pp", 2, torchrun_nproc=2)
     assert out.returncode == 0, f"convert_hf_to_megatron --pp 2 failed: {explain(out)}"
     print(f"\nPP2 conversion with self-check: {wall:.1f} s")
     return ckpt, out.stdout
@@ -115,7 +115,7 @@ def exported(converted, tmp_path_factory):
     """The PP2 checkpoint exported back to HF by one process (stdout included)."""
     ckpt, _ = converted
     hf_out = tmp_path_factory.mktemp("export") / "hf"
-    out, wall = run(TO_HF, "--ckpt-dir", ckpt, "--output-dir", hf_out)
+    out, wall = run("-m", TO_HF, "--ckpt-dir", ckpt, "--output-dir", hf_out)
     assert out.returncode == 0, f"convert_megatron_to_hf of the PP2 checkpoint failed: {explain(out)}"
     print(f"\nexport of the PP2 checkpoint (one process, self-check): {wall:.1f} s")
     return hf_out, out.stdout
@@ -143,7 +143,7 @@ def test_export_of_the_pp2_checkpoint_is_the_original_bitwise(exported, smollm2_
 def test_tp2_is_refused_in_one_line(smollm2_dir, tmp_path):
     """9 heads and 3 KV heads split at TP 1 or 3 only: --tp 2 is refused before any rank starts
     (plain python: a torchrun would be told the same on every rank), exit 2, one line."""
-    out, _ = run(TO_MEGATRON, "--hf-dir", smollm2_dir, "--output-dir", tmp_path / "o", "--tp", 2)
+    out, _ = run("-m", TO_MEGATRON, "--hf-dir", smollm2_dir, "--output-dir", tmp_path / "o", "--tp", 2)
     assert out.returncode == 2, explain(out)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, f"one stderr line expected: {explain(out)}"

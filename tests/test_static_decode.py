@@ -25,7 +25,7 @@ from megatron_grpo.engine.static_decode import (StaticBatch, StaticDecoder, batc
                                                   cache_length)
 from megatron_grpo.generation.engines import ENGINES
 from megatron_grpo.generation.inprocess import start_inprocess
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 from megatron_grpo.ops.quantize import scheme_of
 from tests.support.engine_runs import run
 

@@ -15,7 +15,7 @@ import torch
 from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.wire.buckets import Bucket, plan_buckets
 from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 from megatron_grpo.config import EngineConfig, SyncConfig
 from tests.support.configs import experiment
 

@@ -21,7 +21,7 @@ from megatron_grpo.generation.client import RolloutClient
 from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
 from megatron_grpo.sync.transports import ShmBucketWire
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 from megatron_grpo.wire.shm import PREFIX, SHM_DIR, open_segment
 from megatron_grpo.config import EngineConfig, SyncConfig
 from tests.support.configs import experiment

@@ -9,7 +9,7 @@ are tests/support/sync_checks.py's.
 import pytest
 
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 from tests.support.distributed import run_distributed
 from tests.support.sync_checks import NUM_HF_TENSORS, check_sync, sync_worker
 from megatron_grpo.config import EngineConfig

@@ -16,15 +16,12 @@ import pytest
 
 from megatron_grpo.rollout.environments.builtin import Calculator
 from megatron_grpo.rollout.turns import TurnRenderer
-from megatron_grpo.models.tiny import build_tokenizer
+from tools.tiny import build_tokenizer
 from tests.support.demo_run import ENV, ROOT, read_metrics, tool_demo_overrides
 
 
 def _tool_module():
-    spec = importlib.util.spec_from_file_location("make_tool_demo_model", ROOT / "tools" / "make_tool_demo_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("tools.make_tool_demo_model")
 
 
 def test_warmup_rows_are_the_episode_loops_tokens_and_never_the_answer_without_the_tool():

@@ -22,7 +22,7 @@ SHARED_BUDGET = 12  # the grouped batch's groups (19 and 18 tokens shared) are c
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from megatron_grpo.models.tiny import save_tiny_model
+    from tools.tiny import save_tiny_model
 
     return str(save_tiny_model(tmp_path_factory.mktemp("hf"), "qwen2", seed=1))
 

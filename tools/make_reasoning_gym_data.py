@@ -1,7 +1,7 @@
 """Write a reasoning-gym task as prompt data: a training file and a held-out file whose
 questions never appear in training.
 
-    python tools/make_reasoning_gym_data.py --task chain_sum --size 2000 --heldout 200 --seed 0 --out data/chain_sum
+    python -m tools.make_reasoning_gym_data --task chain_sum --size 2000 --heldout 200 --seed 0 --out data/chain_sum
 
 writes ``OUT/train.jsonl`` (``--size`` rows) and ``OUT/heldout.jsonl`` (``--heldout`` rows), each
 file atomically. A row is ``{"prompt", "answer", "entry",
@@ -39,7 +39,7 @@ from megatron_grpo.data.reasoning_gym_source import (
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python tools/make_reasoning_gym_data.py",
+    parser = argparse.ArgumentParser(prog="python -m tools.make_reasoning_gym_data",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", required=True, help="reasoning-gym task name, e.g. chain_sum")
     parser.add_argument("--size", type=int, required=True, help="training rows")

@@ -1,7 +1,7 @@
 """Build the CPU reasoning workload: a small model that adds multi-digit numbers with a
 written-out chain of thought, part-trained so that GRPO has something to learn.
 
-    python tools/make_reasoning_model.py --out runs/reasoning_cpu
+    python -m tools.make_reasoning_model --out runs/reasoning_cpu
 
 writes ``OUT/model/`` (a Qwen2-architecture HF checkpoint + tokenizer), ``OUT/train.jsonl``
 (training-split problems, ``megatron_grpo.data.reasoning``) and ``OUT/heldout.jsonl``
@@ -37,8 +37,9 @@ import torch
 
 from megatron_grpo.data.reasoning import WORDS, AdditionTask, generate, write_jsonl
 from megatron_grpo.rewards.builtin import math_exact_match
-from megatron_grpo.models.tiny import build_tokenizer, tiny_config
-from megatron_grpo.models.tiny import supervised_step
+
+from tools.tiny import build_tokenizer, tiny_config
+from tools.tiny import supervised_step
 
 
 def reasoning_tokenizer():

@@ -1,6 +1,6 @@
 """Build the tool demo's starting model and dataset (yaml_configs/demo_cpu_tools.yaml; no downloads, ~4 min).
 
-    python tools/make_tool_demo_model.py --out runs/demo_cpu_tools
+    python -m tools.make_tool_demo_model --out runs/demo_cpu_tools
 
 The task: ``what is a + b ?`` with a, b in 0..99 (answers 0..198, one token each): a guess is
 right 1 time in ~199, so the tiny model cannot do these additions alone. The environment is
@@ -31,7 +31,8 @@ import torch
 
 from megatron_grpo.data.synthetic import write_jsonl
 from megatron_grpo.rollout.turns import TurnRenderer
-from megatron_grpo.models.tiny import DEMO_ARCH, build_tokenizer, tiny_config
+
+from tools.tiny import DEMO_ARCH, build_tokenizer, tiny_config
 
 MAX_OPERAND = 99
 

@@ -1,7 +1,7 @@
 """Greedy held-out accuracy of a Hugging Face model with plain transformers: the independent
 check of a run's own evaluation.
 
-    python tools/score_with_transformers.py --config yaml_configs/smollm2_135m_chain_sum_cpu.yaml \
+    python -m tools.score_with_transformers --config yaml_configs/smollm2_135m_chain_sum_cpu.yaml \
         --model runs/smollm2_cpu/hf --set greedy [section.key=value ...]
 
 The trainer evaluates through its rollout engine (the embedded engine's generation code); this
@@ -68,7 +68,7 @@ def greedy_accuracy(model, tokenizer, cfg, eval_set, scorer: RewardScorer, batch
     """(accuracy, number of prompts) of ``model``'s greedy responses to ``eval_set`` (one of
     ``cfg.eval.sets``), rendered as the run renders them and graded by ``scorer`` (built from
     ``cfg.reward``) as the run decides "correct". Also the TRL side of
-    ``tools/bench_vs_trl.py --workload smollm2`` evaluates with this, inside its training."""
+    ``tools/bench/bench_vs_trl.py --workload smollm2`` evaluates with this, inside its training."""
     prompts = load_prompt_dataset(cfg.data, tokenizer, path=eval_set.path).prompts[:eval_set.max_samples]
     eos_ids = sorted({int(i) for i in ([model.generation_config.eos_token_id] if isinstance(
         model.generation_config.eos_token_id, int) else model.generation_config.eos_token_id or [])}

@@ -1,7 +1,7 @@
 """Where the test suite's time went, per pytest-xdist worker, from ``pytest --timeline PATH``.
 
     bash launch/run_tests.sh --timeline /tmp/timeline.jsonl
-    python tools/suite_timeline.py /tmp/timeline.jsonl
+    python -m tools.suite_timeline /tmp/timeline.jsonl
 
 Prints, for each worker, its busy time, when it finished (seconds after the first test began)
 and its idle tail (how long it waited for the last worker), then the heaviest modules with the

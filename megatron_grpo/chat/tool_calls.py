@@ -11,7 +11,7 @@ text. One parser per convention, in one registry (``TOOL_CALL_FORMATS``):
       </tool_call>
 
   any number of calls; the text outside them is the message's ``content``;
-* ``compute``: the CPU tool demo's model (``models/tiny.py``'s word-level vocabulary has no
+* ``compute``: the CPU tool demo's model (``tools/tiny.py``'s word-level vocabulary has no
   braces-and-quotes JSON): ``compute <expression>`` calls the function ``compute`` with
   ``{"expression": "<expression>"}`` (as the built-in calculator environment reads it, an
   empty or bad expression included: the tool answers it); the text before it is the content.

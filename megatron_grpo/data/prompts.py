@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_grpo.data.records import DataError, RawRecord
+from megatron_grpo.runtime.errors import one_line
 
 ROLES = ("system", "user", "assistant")
 
@@ -129,7 +130,7 @@ def render_prompt(prompt: str | list[dict], tokenizer, *, use_template: bool, sy
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # a Jinja error in a user's template: say which prompt triggered it
-        raise DataError(f"{where}: the tokenizer's chat template failed: {type(e).__name__}: {' '.join(str(e).split())}") from None
+        raise DataError(f"{where}: the tokenizer's chat template failed: {one_line(e, None)}") from None
     return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -1,6 +1,6 @@
 """Prompt rows from a reasoning-gym task, each carrying the entry its own grader scores.
 
-    python tools/make_reasoning_gym_data.py --task chain_sum --size 2000 --heldout 200 --seed 0 --out data/chain_sum
+    python -m tools.make_reasoning_gym_data --task chain_sum --size 2000 --heldout 200 --seed 0 --out data/chain_sum
 
 One row per reasoning-gym entry::
 

@@ -2,7 +2,7 @@
 
 Each line is ``{"prompt": "what is 7 + 5 ?", "answer": "12"}``. Operands are drawn from
 ``0..max_operand`` (subtraction only when the result is >= 0), so every answer is an integer
-in 0..MAX_NUMBER = 199: ONE token of the tiny tokenizer (``megatron_grpo/models/tiny.py``
+in 0..MAX_NUMBER = 199: ONE token of the tiny tokenizer (``tools/tiny.py``
 takes its numbers from ``MAX_NUMBER`` here) and the task is solved by emitting one right token.
 ``chance_reward`` is the best reward a policy ignoring the question can reach (always answering
 the most frequent answer); the generator refuses a task where it exceeds 0.2, so a demo that

@@ -64,7 +64,7 @@ class ServerPolicy:
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
     """Deadline for reading one request's body once its headers arrived: a slow or stalled
     sender gets a 408 and its connection is closed, instead of holding a slot for ever.
-    ``megatron-grpo serve`` bounds the headers by the same time (``runtime/header_deadline.py``)."""
+    ``megatron-grpo serve`` bounds the headers by the same time (``runtime/http_guard.py``)."""
 
     def __post_init__(self):
         for key in ("max_request_bytes", "max_request_sequences", "max_request_tokens"):

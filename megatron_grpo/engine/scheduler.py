@@ -22,7 +22,7 @@ values (no paged attention / copy-on-write blocks here, unlike SGLang's radix ca
 Why bunches: every admission costs a prefill forward plus one copy of the whole cache
 (``merge``), every drop one more (``select``); admitting and dropping a quarter of the
 batch at a time bounds that to a few copies per quarter of the batch that turns over
-(measured in ``tools/bench_generation.py``).
+(measured in ``tools/bench/bench_generation.py``).
 """
 
 from __future__ import annotations

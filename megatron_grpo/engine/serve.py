@@ -26,7 +26,7 @@ from megatron_grpo.ops.quantize import FP8_DTYPES, scheme_of
 from megatron_grpo.engine.policy import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES,
                                          DEFAULT_MAX_REQUEST_TOKENS, DEFAULT_READ_TIMEOUT_S, ServerPolicy)
 from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS
-from megatron_grpo.runtime.header_deadline import header_deadline_protocol
+from megatron_grpo.runtime.http_guard import header_deadline_protocol
 from megatron_grpo.engine.server import build_app, http_error_body
 from megatron_grpo.generation.engines.embedded import API_KEY_ENV
 from megatron_grpo.runtime.placement import is_loopback
@@ -114,7 +114,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{args.stop_check_every}; CUDA graphs {'on' if engine.device.type == 'cuda' else 'off: not CUDA'})")
     print(f"megatron-grpo serve: {args.model_dir} on http://{args.host}:{args.port}{decode}", flush=True)
     try:
-        # h11 with a deadline on the headers too (runtime/header_deadline.py); the body's is the route's
+        # h11 with a deadline on the headers too (runtime/http_guard.py); the body's is the route's
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                     http=header_deadline_protocol(args.read_timeout_s, "--read-timeout-s", http_error_body))
     finally:

@@ -43,8 +43,6 @@ Route groups, each a few methods of ``_Routes`` (which holds the engine) that ``
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import time
 import uuid
 from typing import Any, Callable, Optional
@@ -63,6 +61,7 @@ from megatron_grpo.engine.lora_update import LoraUpdate, parse_lora, parse_lora_
 from megatron_grpo.engine.policy import (ServerPolicy, rendezvous_problem, request_size_problem,
                                          trusted_weight_dir, untrusted_weight_path_message)
 from megatron_grpo.engine.sampling import resolve_sampling_params
+from megatron_grpo.runtime.http_guard import BodyBound, Refused, bearer_ok, read_json
 from megatron_grpo.wire.serialize import deserialize_named_tensors
 
 # /generate keys that are accepted at these (SGLang default) values only.
@@ -99,40 +98,13 @@ class RequestTooLarge(ValueError):
     """A request past one of the server's bounds (HTTP 413)."""
 
 
-class _NonFinite(ValueError):
-    """A JSON body holding NaN, Infinity or -Infinity (Python's parser accepts them; JSON has none)."""
-
-
-def _refuse_constant(name: str) -> None:
-    raise _NonFinite(name)
-
-
-async def _body(request: Request, max_bytes: int, read_timeout_s: float) -> dict:
-    """The request's JSON object, read only up to ``max_bytes`` (413 past it, whatever the
-    Content-Length header claims) and within ``read_timeout_s`` (408 for a slow or stalled
-    sender); anything but a JSON object, or one holding NaN or Infinity, is a 400."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise HTTPException(413, f"the request body of {int(declared)} bytes exceeds this server's limit of "
-                                 f"{max_bytes} bytes (--max-request-bytes)")
-    chunks, size = [], 0
+async def _body(request: Request, bound: BodyBound) -> dict:
+    """The request's JSON object through the guards (``runtime/http_guard.py``: 413 past the
+    body bound, 408 past the read deadline, 400 for anything but JSON); not an object: a 400."""
     try:
-        async with asyncio.timeout(read_timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > max_bytes:
-                    raise HTTPException(413, f"the request body exceeds this server's limit of {max_bytes} bytes "
-                                             "(--max-request-bytes)")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise HTTPException(408, f"the request body was not received within {read_timeout_s:g} s "
-                                 "(--read-timeout-s)") from None
-    try:
-        data = json.loads(b"".join(chunks), parse_constant=_refuse_constant)
-    except _NonFinite as e:
-        raise HTTPException(400, f"the request body holds {e}, which is not a JSON number") from None
-    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
-        raise HTTPException(400, "the request body must be JSON") from None
+        data = await read_json(request, bound)
+    except Refused as e:
+        raise HTTPException(e.status, e.message) from None
     if not isinstance(data, dict):
         raise HTTPException(400, "the request body must be a JSON object")
     return data
@@ -233,6 +205,8 @@ class _Routes:
         self.engine = engine
         self.api_key = api_key
         self.policy = policy
+        self.bound = BodyBound(policy.max_request_bytes, policy.read_timeout_s, "--max-request-bytes",
+                               "--read-timeout-s")
         # /generate requests being answered, answered so far, and answered on the current
         # weight version (in /get_server_info): what an operator or a test watches to see a
         # step's generation under way or done. Only the event loop touches them: no lock.
@@ -241,7 +215,7 @@ class _Routes:
         self._answered_on: tuple[str, int] = ("", 0)  # (weight version, requests answered on it)
 
     async def _body(self, request: Request) -> dict:
-        return await _body(request, self.policy.max_request_bytes, self.policy.read_timeout_s)
+        return await _body(request, self.bound)
 
     def table(self) -> list[tuple[str, list[str], Callable]]:
         """(path, methods, handler) of every route, in registration order."""
@@ -273,11 +247,8 @@ class _Routes:
         """HTTP middleware, installed only with an API key; /health stays open for probes."""
         if request.url.path.startswith("/health") or request.method == "OPTIONS":
             return await call_next(request)
-        # bytes, compared in constant time: the answer's timing must not tell how much of a
-        # guessed key was right (the header's str is its latin-1 decoding, so this is the raw value)
-        sent = request.headers.get("Authorization", "").encode("latin-1")
-        if not hmac.compare_digest(sent, f"Bearer {self.api_key}".encode()):
-            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        if not bearer_ok(request, self.api_key):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)  # SGLang's own 401
         return await call_next(request)
 
     def _set_version(self, version: Optional[str]) -> str:

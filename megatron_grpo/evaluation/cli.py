@@ -155,7 +155,7 @@ def evaluate_weights(cfg: ExperimentConfig, weights: Weights, out_dir: Path) -> 
         side.close()
         raise
     try:
-        evaluator = Evaluator(run_cfg, tokenizer, engine, side.scorer, side.sampling, side.rollout_function)
+        evaluator = Evaluator(run_cfg, tokenizer, engine, side.scorer, side.sampling, side.episode_source)
         results = [evaluator.run_round(weights.step, r) for r in evaluator.rounds()]
     finally:
         engine.close()

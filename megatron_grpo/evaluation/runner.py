@@ -36,7 +36,6 @@ from megatron_grpo.config.sections import ENV_LABEL
 from megatron_grpo.data import Prompt, load_prompt_dataset
 from megatron_grpo.evaluation.passk import mean_pass_at_k
 from megatron_grpo.rewards.sample import reward_samples
-from megatron_grpo.rollout.rollout_function import samples_of
 from megatron_grpo.runtime.files import write_text_atomic
 
 SEED_MODULUS = 2**31 - 1
@@ -119,15 +118,15 @@ class Evaluator:
     """Rank 0's evaluation machinery (see the module docstring). ``engine``: what generates
     (a ``generation.protocol.RolloutEngine``, or anything with its ``generate``); ``sampling``: the
     run's SamplingParams (stop ids, top-p/k); each set sets its temperature and length.
-    ``rollout_function``: the run's (``RolloutSide.rollout_function``: the environment's
-    ``EpisodeRunner`` or the user's function), or None for single-turn generation."""
+    ``episode_source``: the run's (``RolloutSide.episode_source``, rollout/episode_source.py), or
+    None for single-turn generation."""
 
-    def __init__(self, cfg: ExperimentConfig, tokenizer, engine, scorer, sampling, rollout_function=None):
+    def __init__(self, cfg: ExperimentConfig, tokenizer, engine, scorer, sampling, episode_source=None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.engine = engine
         self.scorer = scorer
-        self.rollout_function = rollout_function
+        self.episode_source = episode_source
         self.sets = load_sets(cfg, tokenizer, sampling)
         labels = cfg.reward.labels
         self.correct_label = cfg.eval.correct_function or labels[0]
@@ -142,11 +141,11 @@ class Evaluator:
         s = self.sets[rnd.set_index]
         prompts = s.prompts[rnd.start:rnd.stop]
         seed = (eval_seed(self.cfg.trainer.seed, step, rnd.set_index) + rnd.start * s.n) % SEED_MODULUS
-        if self.rollout_function is None or s.single_turn:
+        if self.episode_source is None or s.single_turn:
             samples, episodes = self.engine.generate([p.prompt_ids for p in prompts], s.n, s.sampling,
                                                      sampling_seed=seed), None
         else:
-            samples, episodes = samples_of(self.rollout_function(self.engine, prompts, s.n, s.sampling, seed))
+            samples, episodes = self.episode_source.episodes(self.engine, prompts, s.n, s.sampling, seed)
         to_score = reward_samples(prompts, samples, self.tokenizer)
         texts = [r.response for r in to_score]
         scored = self.scorer.score_samples(to_score)

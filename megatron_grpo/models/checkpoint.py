@@ -37,6 +37,7 @@ from megatron_grpo.models.errors import CheckpointError, ModelError
 from megatron_grpo.models.hf_config import load_hf_config, sidecar_files
 from megatron_grpo.models.lora import load_lora_state, lora_metadata, lora_sharded_state_dict
 from megatron_grpo.runtime import parallel
+from megatron_grpo.runtime.collectives import agree
 from megatron_grpo.runtime.parallel import peer_failure
 from megatron_grpo.runtime.process import fail_when_a_fork_dies, forks_die_with_this_process
 
@@ -118,12 +119,9 @@ class AgreedSave:
             result = fn()
         except Exception as e:  # noqa: BLE001 - any failure of a save is the save's one line
             error = failure_reason(e)
-        errors: list[Optional[str]] = [None] * self.world
-        dist.all_gather_object(errors, error)
-        failed = [(r, text) for r, text in enumerate(errors) if text]
-        if failed:
-            rank, text = failed[0]
-            raise self._fail(self._with_rank(rank, text))
+        failure = agree(error)
+        if failure is not None:
+            raise self._fail(self._with_rank(failure.rank, failure.line))
         return result
 
     def _with_rank(self, rank: int, text: str) -> str:

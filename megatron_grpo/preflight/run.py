@@ -33,6 +33,7 @@ from megatron_grpo.rollout.environments import check_environment
 from megatron_grpo.rollout.environments.worker import shutdown_fork_server
 from megatron_grpo.rollout.rollout_function import RolloutFunction
 from megatron_grpo.runtime.device import cuda_available
+from megatron_grpo.runtime.errors import one_line
 from megatron_grpo.runtime.placement import ranks_on_this_node
 
 # Vocabulary files of the tokenizer formats transformers reads (one is enough).
@@ -54,7 +55,7 @@ def check_model_dir(cfg: ExperimentConfig):
         raise _in_key("model.hf_dir", e) from None
     except Exception as e:  # noqa: BLE001 - transformers rejects a malformed config.json many ways
         raise ConfigError("model.hf_dir", f"{hf_dir}/config.json: transformers cannot read it: "
-                                          f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+                                          f"{one_line(e, 200)}") from None
     try:
         get_architecture(hf_config.model_type).transformer_config_kwargs(hf_config)
     except ModelError as e:

@@ -46,6 +46,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable
 
+from megatron_grpo.runtime.errors import one_line
+
 HEADER = struct.Struct("<Q")
 """A message's length, before its pickle."""
 
@@ -69,10 +71,6 @@ class WorkerError(RuntimeError):
     one line naming the function."""
 
 
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-
-
 def _write(fd: int, obj: Any) -> None:
     _send(fd, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
@@ -90,7 +88,7 @@ def _reply_bytes(reply: tuple) -> bytes:
     try:
         return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:  # noqa: BLE001 - whatever the object's __reduce__ raises
-        return pickle.dumps(("raised", f"its result cannot be sent back to the trainer's process ({_one_line(e)})"),
+        return pickle.dumps(("raised", f"its result cannot be sent back to the trainer's process ({one_line(e)})"),
                             protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -235,7 +233,7 @@ def serve(target: str, setup: str = "") -> None:
     try:
         functions = {"call": _load(target), "setup": _load(setup) if setup else None}
     except Exception as e:
-        _write(answers, ("raised", _one_line(e)))
+        _write(answers, ("raised", one_line(e)))
         return
     _write(answers, ("ready", None))
     while True:
@@ -248,5 +246,5 @@ def serve(target: str, setup: str = "") -> None:
         try:
             reply = ("ok", functions[kind](*args))
         except Exception as e:
-            reply = ("raised", _one_line(e))
+            reply = ("raised", one_line(e))
         _send(answers, _reply_bytes(reply))

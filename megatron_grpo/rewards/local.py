@@ -27,6 +27,7 @@ from typing import Any
 from megatron_grpo.rewards.calling import RewardCall
 from megatron_grpo.rewards.isolated import CallTimeout, IsolatedFunction, WorkerError
 from megatron_grpo.rewards.registry import FILE_PATH_RE, import_dotted, load_file
+from megatron_grpo.runtime.errors import one_line
 
 DEFAULT_TIMEOUT_S = 60.0
 """``reward.functions[i].timeout_s`` when null: generous for a grader (milliseconds), short
@@ -126,7 +127,7 @@ def call_in_worker(args: tuple, kwargs: dict) -> tuple[str, Any]:
     except SystemExit as e:
         return "exit", repr(e.code)
     except Exception as e:  # noqa: BLE001 - the user's function: its one line goes back
-        return "raised", f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        return "raised", one_line(e, 200)
 
 
 async def _awaited(value):

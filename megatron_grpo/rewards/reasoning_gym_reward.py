@@ -35,6 +35,7 @@ from typing import Any, Optional
 from megatron_grpo.data.reasoning_gym_source import entry_from_json
 from megatron_grpo.rewards.answers import ANSWER_EXTRACTORS, ExtractName
 from megatron_grpo.rewards.isolated import CallTimeout, IsolatedFunction
+from megatron_grpo.runtime.errors import one_line
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def prepare_in_worker(task: str, settings: str):
         return reasoning_gym.create_dataset(task, size=1, seed=0, **json.loads(settings)).score_answer
     except Exception as e:  # an unknown task, or settings it refuses: the data is wrong
         raise ValueError(f"reasoning-gym cannot make task {task!r} with the row's task_config {settings}: "
-                         f"{type(e).__name__}: {' '.join(str(e).split())}") from None
+                         f"{one_line(e, None)}") from None
 
 
 def score_in_worker(answer: Optional[str], entry_json: dict, settings: str) -> tuple[Any, Optional[tuple[str, str]]]:
@@ -127,4 +128,4 @@ def score_in_worker(answer: Optional[str], entry_json: dict, settings: str) -> t
     try:
         return score_answer(answer, entry), None
     except Exception as e:
-        return 0.0, (task, f"{type(e).__name__}: {' '.join(str(e).split())[:200]}")
+        return 0.0, (task, one_line(e, 200))

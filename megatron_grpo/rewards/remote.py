@@ -35,6 +35,7 @@ import httpx
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.rewards.sample import RewardSample
+from megatron_grpo.runtime.errors import one_line
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 MAX_ANSWER_BYTES = 1 << 20
@@ -82,7 +83,7 @@ class RemoteReward:
                 last = f"no answer within timeout_s={self.timeout_s:g}"
                 continue
             except httpx.HTTPError as e:
-                last = f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
+                last = one_line(e, 120)
                 continue
             if status in RETRY_STATUSES:
                 last = f"HTTP {status}"

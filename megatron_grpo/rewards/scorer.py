@@ -23,6 +23,7 @@ from megatron_grpo.rewards.local import (DEFAULT_TIMEOUT_S, PluginRaised, Plugin
                                          is_async)
 from megatron_grpo.rewards.registry import is_user_function, resolve_reward
 from megatron_grpo.rewards.sample import RewardSample
+from megatron_grpo.runtime.errors import one_line
 
 
 class RewardError(ValueError):
@@ -55,10 +56,10 @@ class _Function:
     """Deadline of an in-process call (a user's async function: cancelled past it)."""
 
 
-def _one_line(e: BaseException) -> str:
+def _failure_line(e: BaseException) -> str:
     if isinstance(e, PluginRaised):  # already the worker's one line of the function's exception
         return str(e)
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return one_line(e, 200)
 
 
 def _exit_stopped(code: Any) -> PluginStopped:
@@ -191,7 +192,7 @@ class RewardScorer:
             except PluginStopped as e:
                 raise RewardError(f"{f.where} {e.what} on a batch of {len(samples)}{e.why}") from None
             except Exception as e:
-                raise RewardError(f"{f.where} raised on a batch of {len(samples)}: {_one_line(e)}") from e
+                raise RewardError(f"{f.where} raised on a batch of {len(samples)}: {_failure_line(e)}") from e
             values = _values_of_batch(result, f.where, len(samples))
             if len(values) != len(samples):
                 raise RewardError(f"{f.where} returned {len(values)} values for {len(samples)} samples; "
@@ -204,7 +205,7 @@ class RewardScorer:
             except PluginStopped as e:
                 raise RewardError(f"{f.where} {e.what} on sample {j}{e.why}") from None
             except Exception as e:
-                raise RewardError(f"{f.where} raised on sample {j}: {_one_line(e)}") from e
+                raise RewardError(f"{f.where} raised on sample {j}: {_failure_line(e)}") from e
             return _check_value(value, f.where, j)
 
         return await bounded_gather([lambda j=j: one(j) for j in range(len(samples))], f.max_concurrency)

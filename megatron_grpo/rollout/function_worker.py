@@ -24,7 +24,7 @@ from typing import Any
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.rewards.registry import load_file
-from megatron_grpo.rollout.environments.loading import one_line
+from megatron_grpo.runtime.errors import one_line
 from megatron_grpo.rollout.environments.worker import raise_site
 
 KEY = "episodes.rollout_function"

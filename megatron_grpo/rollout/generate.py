@@ -29,13 +29,9 @@ from megatron_grpo.rollout.batch import (TrainBatch, build_train_batch, pad_kept
                                          truncated_log_probs)
 from megatron_grpo.rollout.dynamic_sampling import (choose_groups, informative_groups, overlong_penalty,
                                                      truncated_rewards)
+from megatron_grpo.rollout.episode_source import EpisodeSource
 from megatron_grpo.rollout.multi_turn import episode_rewards, episode_stats
-from megatron_grpo.rollout.rollout_function import samples_of
 from megatron_grpo.wire.samples import SamplingParams
-
-
-RolloutFn = Callable[..., list]
-"""``fn(engine, prompts, n, sampling, seed)`` -> n Samples or Episodes per prompt (rollout/rollout_function.py)."""
 
 
 @dataclass
@@ -57,10 +53,9 @@ class GenerationContext:
     tokenizer: Any
     """The model's transformers tokenizer (its pad/EOS ids; decoding for the rewards)."""
     cfg: ExperimentConfig
-    rollout_function: Optional[RolloutFn] = None
-    """What generates instead of ``engine.generate``: rank 0's EpisodeRunner with
-    ``episodes.environment``, the user's RolloutFunction with ``episodes.rollout_function``;
-    None: single-turn. Called ``(engine, prompts, n, sampling, seed)`` -> Samples or Episodes."""
+    episode_source: Optional[EpisodeSource] = None
+    """What generates instead of ``engine.generate`` (rollout/episode_source.py: the environment
+    loop, the agent runner or the user's rollout function); None: single-turn."""
     more_prompts: Optional[Callable[[], list]] = None
     """The next prompts, for DAPO dynamic sampling's extra rounds (``rollout.dynamic_sampling``)."""
 
@@ -125,15 +120,15 @@ def generate_round(ctx: GenerationContext, step: int, round_index: int, prompts:
     ``seed``: the sampler seed of the round's first response (default: the step's and round's
     ``sampling_seed``; async rollouts give each group its own)."""
     t0 = time.monotonic()
-    cfg, engine, sampling, rollout_function = ctx.cfg, ctx.engine, ctx.sampling, ctx.rollout_function
+    cfg, engine, sampling, source = ctx.cfg, ctx.engine, ctx.sampling, ctx.episode_source
     n = cfg.rollout.num_generations
     seed = sampling_seed(cfg.trainer.seed, step, round_index) if seed is None else seed
-    if rollout_function is None:
+    if source is None:
         episodes = None
         samples = engine.generate([p.prompt_ids for p in prompts], n, sampling, sampling_seed=seed,
                                   return_routed_experts=cfg.algorithm.router_replay)
     else:
-        samples, episodes = samples_of(rollout_function(engine, prompts, n, sampling, seed))
+        samples, episodes = source.episodes(engine, prompts, n, sampling, seed)
     gen_s = time.monotonic() - t0
     scored = ctx.scorer.score_samples(reward_samples(prompts, samples, ctx.tokenizer))
     reward_s = time.monotonic() - t0 - gen_s

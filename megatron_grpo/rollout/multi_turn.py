@@ -128,6 +128,16 @@ class EpisodeRunner:
         """The built-in rollout function (``rollout/rollout_function.py``): ``run``."""
         return self.run(engine, prompts, n, sampling, sampling_seed)
 
+    def episodes(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
+                 sampling_seed: Optional[int] = None) -> tuple[list[Sample], list[Episode]]:
+        """``EpisodeSource`` (rollout/episode_source.py): ``run``'s episodes and their samples."""
+        episodes = self.run(engine, prompts, n, sampling, sampling_seed)
+        return [e.sample for e in episodes], episodes
+
+    def close(self) -> None:
+        """``EpisodeSource``: nothing outlives a call (each episode's environment worker ends with
+        its episode; the fork server is the process's)."""
+
     def run(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
             sampling_seed: Optional[int] = None) -> list[Episode]:
         """``n`` episodes per prompt (data.Prompt: ``prompt_ids``, ``text``, ``answer``, ``fields``)

@@ -29,7 +29,6 @@ is one ``RolloutFunctionError`` line naming the file and the function.
 
 from __future__ import annotations
 
-import atexit
 import inspect
 import numbers
 import threading
@@ -41,6 +40,7 @@ from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE
 from megatron_grpo.rollout.environments.loading import finite_real
 from megatron_grpo.rollout.environments.worker import fork_server, kill_worker
 from megatron_grpo.rollout.multi_turn import Episode
+from megatron_grpo.runtime.errors import one_line
 from megatron_grpo.wire.samples import RolloutError, Sample, SamplingParams
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -71,7 +71,6 @@ class RolloutFunction:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # one round at a time through the worker's connection
         self._closed = False
-        atexit.register(self.close)
 
     @classmethod
     def load(cls, spec: str, tokenizer: Any = None, *, vocab_size: Optional[int] = None,
@@ -157,8 +156,16 @@ class RolloutFunction:
             raise RolloutFunctionError(f"{KEY} {self.where}: its worker process died (the function crashed it "
                                        "or it was killed)") from None
 
+    def episodes(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
+                 sampling_seed: Optional[int] = None) -> tuple[list[Sample], Optional[list[Episode]]]:
+        """``EpisodeSource`` (rollout/episode_source.py): the checked output's samples, and its
+        episodes when the function returned Episodes."""
+        return samples_of(self(engine, prompts, n, sampling, sampling_seed))
+
     def close(self) -> None:
-        """End the worker (SIGKILL: it may be stuck in the user's code)."""
+        """``EpisodeSource``: end the worker (SIGKILL: it may be stuck in the user's code). The
+        run closes its source; a process that ends without closing it ends the fork server, which
+        ends its workers."""
         if self._closed:
             return
         self._closed = True
@@ -229,7 +236,7 @@ def check_rollout_output(out: Any, prompts: Sequence, n: int, sampling: Sampling
             raise
         except (TypeError, ValueError, OverflowError) as e:
             # a field of the wrong type (None where a list belongs): ``len(None)`` escaped as a traceback
-            fail(f"item {i}: a field has the wrong type ({type(e).__name__}: {' '.join(str(e).split())[:120]}); "
+            fail(f"item {i}: a field has the wrong type ({one_line(e, 120)}); "
                  "see Sample in wire/samples.py")
 
 

@@ -39,6 +39,7 @@ from typing import Callable, Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.data.prompts import has_chat_template
+from megatron_grpo.runtime.errors import one_line
 
 PLACEHOLDER = "1"
 """Content of the placeholder turns: one token in every vocabulary we know (a digit)."""
@@ -104,7 +105,7 @@ class TurnRenderer:
         except Exception as e:  # a Jinja error of the template (e.g. a role it refuses)
             raise ConfigError("episodes.observation_role",
                               f"the chat template cannot render a {self.role!r} turn after an assistant turn: "
-                              f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
+                              f"{one_line(e, 200)}") from None
         for (m_short, _), (m_long, _), short, long in zip(chain, chain[1:], renders, renders[1:]):
             if not _is_prefix(short, long):
                 roles = "/".join(x["role"] for x in m_long)

@@ -40,25 +40,9 @@ from megatron_grpo.models import iter_hf_weights
 from megatron_grpo.models.lora import has_lora
 from megatron_grpo.models.lora_export import iter_adapters_hf
 from megatron_grpo.engine.engine import EmbeddedEngine
-from megatron_grpo.sync.syncer import Probe, SyncStats, WeightSyncError, probe_abs_diff, probe_tokens
+from megatron_grpo.runtime.errors import one_line
+from megatron_grpo.sync.syncer import Probe, SyncStats, agree_or_raise, probe_abs_diff, probe_tokens
 from megatron_grpo.wire.checksum import compare_checksums, tensor_checksum
-
-
-def agree(error: Optional[str], what: str) -> None:
-    """Collective: raise WeightSyncError on every rank if any rank reported an error."""
-    errors = [error]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
-        rank, message = failed[0]
-        more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
-        raise WeightSyncError(f"weight sync {what} failed on rank {rank}{more}: {message}")
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(f"{type(e).__name__}: {e}".split())
 
 
 def _roles() -> tuple[bool, bool, int]:
@@ -124,7 +108,7 @@ class InMemorySyncer:
             error = None
             if self.participant:
                 error = self._stage(model_chunks, verify and not lora, stats, expected, kept, merge_lora=not lora)
-            agree(error, f"copy (step {step})")
+            agree_or_raise(error, f"copy (step {step})")
             if self.pp > 1:
                 self._gather_stages(kept, verify and not lora, stats, expected, step)
         if lora:
@@ -144,9 +128,9 @@ class InMemorySyncer:
                         problem = f"{bad[0]}{more} differs between the trainer and the in-process engine " \
                                   f"after the step {step} sync"
                 except Exception as e:  # noqa: BLE001 - agreed on below
-                    problem = f"cannot verify: {_one_line(e)}"
+                    problem = f"cannot verify: {one_line(e, None)}"
                 stats.checksum_seconds += time.perf_counter() - c0
-            agree(problem, f"verification (step {step})")
+            agree_or_raise(problem, f"verification (step {step})")
         if self.rank == 0:
             self.engine.weight_version = str(step)
 
@@ -159,8 +143,8 @@ class InMemorySyncer:
             try:
                 triples = list(iter_adapters_hf(model_chunks, self.hf_config))
             except Exception as e:  # noqa: BLE001 - reported collectively
-                error = _one_line(e)
-        agree(error, f"adapters (step {step})")
+                error = one_line(e, None)
+        agree_or_raise(error, f"adapters (step {step})")
         if self.pp > 1:
             gathered = [None] * dist.get_world_size() if self.rank == 0 else None
             mine = [(n, a.cpu(), b.cpu()) for n, a, b in triples] if self.sender and self.rank != 0 else None
@@ -177,8 +161,8 @@ class InMemorySyncer:
                 with self.engine.exclusive():
                     self.engine.merge_lora(triples, model_chunks[0].lora_spec.scale)
             except Exception as e:  # noqa: BLE001
-                error = _one_line(e)
-        agree(error, f"LoRA merge in the engine (step {step})")
+                error = one_line(e, None)
+        agree_or_raise(error, f"LoRA merge in the engine (step {step})")
         stats.send_seconds += time.perf_counter() - t0
 
     def _verify_probe(self, step: int, stats: SyncStats) -> None:
@@ -201,9 +185,9 @@ class InMemorySyncer:
                                f"(sync.verify_logprob_tolerance={self.sync_cfg.verify_logprob_tolerance}; "
                                f"engine dtype {self.engine.dtype})")
             except Exception as e:  # noqa: BLE001 - agreed on below
-                problem = f"cannot probe: {_one_line(e)}"
+                problem = f"cannot probe: {one_line(e, None)}"
         stats.checksum_seconds += time.perf_counter() - c0
-        agree(problem, f"probe verification (step {step})")
+        agree_or_raise(problem, f"probe verification (step {step})")
 
     def _load(self, named: Iterator[tuple[str, torch.Tensor]], verify: bool, stats: SyncStats,
               expected: dict[str, str]) -> None:
@@ -239,7 +223,7 @@ class InMemorySyncer:
                 # CPU copies: gather_object pickles them (a GPU tensor would pickle a device handle)
                 kept.extend((name, tensor.detach().cpu()) for name, tensor in weights)
         except Exception as e:  # noqa: BLE001 - reported collectively by the caller
-            error = _one_line(e)
+            error = one_line(e, None)
         for _ in weights:
             pass
         stats.send_seconds = time.perf_counter() - t0
@@ -256,8 +240,8 @@ class InMemorySyncer:
                 self._load((nt for part in gathered if part for nt in part), verify, stats, expected)
                 stats.send_seconds += time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001
-                error = _one_line(e)
-        agree(error, f"copy of the later pipeline stages (step {step})")
+                error = one_line(e, None)
+        agree_or_raise(error, f"copy of the later pipeline stages (step {step})")
 
     def reset(self) -> None:
         """Send every weight again at the next sync (the engine lives and dies with this process)."""

@@ -59,7 +59,9 @@ from megatron_grpo.models.weights import expert_hf_names
 from megatron_grpo.generation.client import RolloutClient
 from megatron_grpo.generation.engines import ENGINES
 from megatron_grpo.wire.samples import RolloutError
+from megatron_grpo.runtime.collectives import agree
 from megatron_grpo.runtime.device import cuda_available
+from megatron_grpo.runtime.errors import one_line
 from megatron_grpo.sync.lora_sync import adapter_buckets, base_stream, mark_base, reference_checksums
 from megatron_grpo.sync.transports import TRANSPORTS
 from megatron_grpo.wire.buckets import plan_buckets
@@ -85,6 +87,13 @@ def _expert_split_buckets(named_tensors, expert_names: Callable[[], frozenset[st
 
 class WeightSyncError(RuntimeError):
     """The weight sync failed or the engine does not serve the weights the trainer sent."""
+
+
+def agree_or_raise(error: Optional[str], what: str) -> None:
+    """Collective: raise WeightSyncError on every rank if any rank reported an error (its line)."""
+    failure = agree(error)
+    if failure is not None:
+        raise WeightSyncError(f"weight sync {what} failed on {failure}")
 
 
 @dataclass
@@ -173,27 +182,14 @@ class WeightSyncer:
 
     # ---- collective helpers -------------------------------------------------------------
 
-    def _agree(self, error: Optional[str], what: str) -> None:
-        """Raise WeightSyncError on every rank if any rank reported an error."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            errors: list = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-        else:
-            errors = [error]
-        failed = [(r, e) for r, e in enumerate(errors) if e]
-        if failed:
-            rank, message = failed[0]
-            more = f" (and {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
-            raise WeightSyncError(f"weight sync {what} failed on rank {rank}{more}: {message}")
-
     def _run(self, fn: Callable[[], None], what: str, *, on: bool) -> None:
         error = None
         if on:
             try:
                 fn()
             except Exception as e:  # noqa: BLE001 - reported collectively below
-                error = " ".join(f"{type(e).__name__}: {e}".split())
-        self._agree(error, what)
+                error = one_line(e, None)
+        agree_or_raise(error, what)
 
     def engine_info(self) -> list[dict]:
         """/get_server_info of every engine (cached until ``reset``)."""
@@ -235,7 +231,7 @@ class WeightSyncer:
                     error = self._send_lora_stage(model_chunks, step, verify, stats, expected, send_base)
                 else:
                     error = self._send_stage(model_chunks, step, verify, stats, expected, samples)
-            self._agree(error, f"send (step {step})")
+            agree_or_raise(error, f"send (step {step})")
             if verify:
                 self._verify(step, expected, samples, stats)
             ok = True
@@ -349,7 +345,7 @@ class WeightSyncer:
                 stats.num_bytes += bucket.nbytes
             self.transport.end(step)
         except Exception as e:  # noqa: BLE001 - drain so TP peers are not left in a collective
-            error = " ".join(f"{type(e).__name__}: {e}".split())
+            error = one_line(e, None)
             for _ in weights:
                 pass
         stats.send_seconds = time.perf_counter() - t0
@@ -367,7 +363,7 @@ class WeightSyncer:
                 dtype = self.engine_dtype()
                 self.transport.begin(step)
         except Exception as e:  # noqa: BLE001
-            error = " ".join(f"{type(e).__name__}: {e}".split())
+            error = one_line(e, None)
         base = iter_hf_weights(model_chunks, self.hf_config, merge_lora=False) if send_base else iter(())
         units = iter_adapter_units(model_chunks, self.hf_config, with_base=verify)
         if not self.sender or error:
@@ -405,7 +401,7 @@ class WeightSyncer:
                 send(bucket, (lambda h=held: reference(h)) if verify else None)
             self.transport.end(step)
         except Exception as e:  # noqa: BLE001 - drain so TP peers are not left in a collective
-            error = " ".join(f"{type(e).__name__}: {e}".split())
+            error = one_line(e, None)
             for _ in itertools.chain(base, units):
                 pass
         stats.send_seconds = time.perf_counter() - t0
@@ -434,7 +430,7 @@ class WeightSyncer:
             except RolloutError as e:
                 problem = f"cannot verify: {e}"
             stats.checksum_seconds += time.perf_counter() - c0
-        self._agree(problem, f"verification (step {step})")
+        agree_or_raise(problem, f"verification (step {step})")
 
     def _verify_probe(self, step: int, stats: SyncStats) -> None:
         """Collective: the engines' prompt log-probs of the probe equal the trainer's (module doc, 5)."""
@@ -444,7 +440,7 @@ class WeightSyncer:
             mine = self.probe(tokens)
         except Exception as e:  # noqa: BLE001 - agreed on below
             error = f"{type(e).__name__}: {e}"
-        self._agree(error, f"probe forward (step {step})")
+        agree_or_raise(error, f"probe forward (step {step})")
         gathered: list = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
         if dist.is_initialized():
             dist.all_gather_object(gathered, mine)
@@ -466,7 +462,7 @@ class WeightSyncer:
                         break
             except RolloutError as e:
                 problem = f"cannot probe: {e}"
-        self._agree(problem, f"probe verification (step {step})")
+        agree_or_raise(problem, f"probe verification (step {step})")
 
     def reset(self) -> None:
         """Forget engine state (call on every rank after an engine restarted, or after a failed

@@ -37,6 +37,7 @@ import torch
 
 from megatron_grpo.wire.samples import RolloutError
 from megatron_grpo.runtime.device import collective_device, compute_device
+from megatron_grpo.runtime.errors import one_line
 from megatron_grpo.wire.buckets import DISK_UPDATE_KEY, Bucket, unflatten
 from megatron_grpo.wire.group import bind_group_store, destroy_custom_process_group, init_custom_process_group
 from megatron_grpo.wire.serialize import serialize_named_tensors, use_file_system_sharing
@@ -146,7 +147,7 @@ class DistributedTransport(Transport):
         except Exception as e:  # noqa: BLE001 - gloo/NCCL errors: name the engines
             self.reset()
             raise RolloutError(",".join(self.urls), "broadcast (weight update group)",
-                               " ".join(f"{type(e).__name__}: {e}".split())) from None
+                               one_line(e, None)) from None
         self._wait_all(futures)
 
     def _broadcast(self, flat: torch.Tensor, futures: list[Future], overlap: Optional[Callable[[], None]]) -> None:

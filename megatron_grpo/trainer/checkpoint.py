@@ -60,7 +60,7 @@ from torch.distributed.checkpoint import CheckpointException  # a BaseException,
 from megatron_grpo.config import ConfigError
 from megatron_grpo.models.checkpoint import MARKER, STATE_FILE, STEP_DIR_RE, AgreedSave, failure_reason
 from megatron_grpo.models.errors import CheckpointError
-from megatron_grpo.runtime.collectives import broadcast
+from megatron_grpo.runtime.collectives import agree, broadcast
 from megatron_grpo.runtime.device import cuda_available
 from megatron_grpo.runtime.parallel import peer_failure
 from megatron_grpo.runtime.files import write_text_atomic
@@ -514,13 +514,10 @@ def load_training_checkpoint(ckpt_dir: Path, model_chunks, optimizer) -> dict[st
             if peer_failure(e):
                 raise
             error = failure_reason(e)
-    errors: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(r, text) for r, text in enumerate(errors) if text]
-    if failed:
-        rank, text = failed[0]
-        where = f"rank {rank}: " if len(errors) > 1 and not text.startswith("rank ") else ""
-        raise CheckpointError(f"could not load checkpoint {ckpt_dir}: {where}{first_line(text)}")
+    failure = agree(error)
+    if failure is not None:
+        where = f"rank {failure.rank}: " if failure.world > 1 and not failure.line.startswith("rank ") else ""
+        raise CheckpointError(f"could not load checkpoint {ckpt_dir}: {where}{first_line(failure.line)}")
     return state
 
 

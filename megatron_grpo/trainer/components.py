@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -27,9 +27,7 @@ from megatron_grpo.generation.http_engine import HttpEngine, run_api_key, start_
 from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
 from megatron_grpo.generation.protocol import RolloutEngine
-from megatron_grpo.rollout.agents.runner import AgentRunner
-from megatron_grpo.rollout.multi_turn import EpisodeRunner
-from megatron_grpo.rollout.rollout_function import RolloutFunction
+from megatron_grpo.rollout.episode_source import EpisodeSource, build_episode_source
 from megatron_grpo.wire.samples import SamplingParams
 from megatron_grpo.runtime.collectives import broadcast
 from megatron_grpo.runtime.device import cuda_available, resolve_distributed_optimizer
@@ -109,14 +107,14 @@ class RolloutSide:
     tokenizer: Any  # a transformers tokenizer
     sampler: Optional[PromptSampler]  # None when evaluating a saved model
     scorer: RewardScorer
-    rollout_function: Optional[Callable] = None
-    """What generates instead of the engine's generate: episodes.environment's EpisodeRunner,
-    episodes.agent's AgentRunner or episodes.rollout_function's RolloutFunction (None: single-turn)."""
+    episode_source: Optional[EpisodeSource] = None
+    """What generates instead of the engine's generate (rollout/episode_source.py: the
+    environment loop, the agent runner or the user's rollout function); None: single-turn."""
 
     def close(self) -> None:
         self.scorer.close()
-        if isinstance(self.rollout_function, (RolloutFunction, AgentRunner)):
-            self.rollout_function.close()  # its worker processes (and the agents' front)
+        if self.episode_source is not None:
+            self.episode_source.close()  # its worker processes (and an agent's front)
 
 
 def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[PromptSampler], *,
@@ -127,23 +125,14 @@ def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[Promp
     function fails fast). ``vocab_size``: the model's, the bound of a rollout function's ids."""
     with reward_build_deadline(cfg.reward):
         scorer = RewardScorer(cfg.reward)
-    rollout_function = None
-    if cfg.episodes.environment is not None:
-        use_template = cfg.data.apply_chat_template and has_chat_template(tokenizer)
-        rollout_function = EpisodeRunner.build(cfg.episodes, tokenizer, max_inflight=cfg.engine.max_inflight_requests,
-                                               use_template=use_template)
-    elif cfg.episodes.agent is not None:
-        use_template = cfg.data.apply_chat_template and has_chat_template(tokenizer)
-        rollout_function = AgentRunner.build(cfg.episodes, tokenizer, max_inflight=cfg.engine.max_inflight_requests,
-                                             use_template=use_template)
-    elif cfg.episodes.rollout_function is not None:
-        rollout_function = RolloutFunction.load(cfg.episodes.rollout_function, tokenizer, vocab_size=vocab_size,
-                                                timeout_s=cfg.episodes.rollout_function_timeout_s)
+    episode_source = build_episode_source(
+        cfg.episodes, tokenizer, max_inflight=cfg.engine.max_inflight_requests, vocab_size=vocab_size,
+        use_template=cfg.data.apply_chat_template and has_chat_template(tokenizer))
     sampling = SamplingParams.from_rollout_config(cfg.rollout)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in sampling.stop_token_ids:
         sampling.stop_token_ids = [*sampling.stop_token_ids, tokenizer.eos_token_id]
     return RolloutSide(sampling=sampling, tokenizer=tokenizer, sampler=sampler, scorer=scorer,
-                       rollout_function=rollout_function)
+                       episode_source=episode_source)
 
 
 def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Optional[Probe] = None,

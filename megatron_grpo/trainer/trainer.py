@@ -155,7 +155,7 @@ class Trainer:
         engine = EngineSupervisor(http, policy.modules, max_attempts=cfg.engine.max_restarts + 1,
                                   colocate=cfg.engine.colocate, owner=rank == 0)
         try:
-            evaluator = (Evaluator(cfg, tokenizer, http, side.scorer, side.sampling, side.rollout_function)
+            evaluator = (Evaluator(cfg, tokenizer, http, side.scorer, side.sampling, side.episode_source)
                          if side is not None and cfg.eval.sets else None)
             engine.sync(start_step)  # the engine starts from the HF weights
         except BaseException:  # nothing this run started outlives a failed start
@@ -163,7 +163,7 @@ class Trainer:
             if side is not None:
                 side.close()
             raise
-        ctx = (GenerationContext(http, side.sampling, side.scorer, side.tokenizer, cfg, side.rollout_function,
+        ctx = (GenerationContext(http, side.sampling, side.scorer, side.tokenizer, cfg, side.episode_source,
                                  more_prompts=side.sampler.next_batch) if side is not None else None)
         rollouts = build_rollout_source(cfg, engine, ctx, sampler if side is not None else None, start_step,
                                         trainer_state)

@@ -1,5 +1,6 @@
-"""Helpers shared by the tests (and the ``tools/`` benchmarks run from a checkout): the rank
-pool (``distributed``), random batches, a policy built by hand, the SGLang guard and the
+"""Helpers shared by the tests (never imported by ``tools/``: what the benchmarks share is
+``tools/bench/common.py``): the rank pool (``distributed``), the ``--help`` of many programs in
+one process (``helps``), random batches, a policy built by hand, the SGLang guard and the
 session's shared SGLang servers (``sglang``, ``sglang_shared``), the CPU demo run as a user
 starts it (``demo_run``), kill -9 and resume (``kill_resume``, also a script), launched nodes
 (``launch_nodes``), the embedded engine driven in-process (``engine_runs``), tiny HF models

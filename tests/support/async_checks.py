@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from megatron_grpo.engine.generation import Sequence
-from megatron_grpo.models.tiny import DEMO_ARCH
+from tools.tiny import DEMO_ARCH
 from tests.support.demo_run import ENV, ROOT, train_cmd
 from tests.support.models_fixtures import make_hf_model
 

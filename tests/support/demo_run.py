@@ -17,7 +17,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 def make_demo(out: Path, warmup_steps: int) -> Path:
     """Build the demo model + dataset into ``out`` with ``warmup_steps`` steps of format warm-up
     (the README's demo: tools/make_demo_model.py's default, 60)."""
-    subprocess.run([sys.executable, "tools/make_demo_model.py", "--out", str(out), "--warmup-steps",
+    subprocess.run([sys.executable, "-m", "tools.make_demo_model", "--out", str(out), "--warmup-steps",
                     str(warmup_steps)], cwd=ROOT, check=True, capture_output=True)
     return out
 
@@ -34,7 +34,7 @@ demo: no row pairs a question with its answer without the tool."""
 
 def make_tool_demo(out: Path) -> Path:
     """Build the tool demo's model + dataset (tools/make_tool_demo_model.py, ``TOOL_DEMO_WARMUP``)."""
-    subprocess.run([sys.executable, "tools/make_tool_demo_model.py", "--out", str(out), *TOOL_DEMO_WARMUP],
+    subprocess.run([sys.executable, "-m", "tools.make_tool_demo_model", "--out", str(out), *TOOL_DEMO_WARMUP],
                    cwd=ROOT, check=True, capture_output=True)
     return out
 

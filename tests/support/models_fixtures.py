@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_grpo.models.tiny import save_tiny_model
+from tools.tiny import save_tiny_model
 
 PROBE_IDS = torch.tensor([[3, 17, 200, 45, 9, 254, 0, 88, 120, 31, 7, 64],
                           [250, 1, 2, 99, 100, 101, 13, 5, 77, 160, 42, 11]])

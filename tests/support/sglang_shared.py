@@ -44,7 +44,7 @@ import torch
 from megatron_grpo.generation import RolloutClient, RolloutError
 from megatron_grpo.wire.samples import SamplingParams
 from megatron_grpo.generation.manager import RolloutServerManager
-from megatron_grpo.models.tiny import build_tokenizer
+from tools.tiny import build_tokenizer
 from megatron_grpo.config import EngineConfig, SGLangConfig
 from tests.support.configs import experiment
 

@@ -1,8 +1,8 @@
 """The test tiers: which tests CI leaves out (the *extended* tier), and what still proves
 their path in CI.
 
-CI (``.ci/run``, ``launch/run_tests.sh``) runs every test but these: 1489 tests, 21.7 min
-of pytest on 2 cores for 1453 of them on 2026-11-29 (quiet), 33.7 min for 1477 beside other work. The extended tier is the rest of the suite: variants of a path a CI test
+CI (``.ci/run``, ``launch/run_tests.sh``) runs every test but these (the counts and times:
+docs/testing.md, the one place they are written). The extended tier is the rest of the suite: variants of a path a CI test
 already proves end to end (another TP/PP layout, another transport, a second failure of the same
 kind), long learning curves, and the test harness's own tests. Each entry names the CI tests
 that cover its path; a test is moved here only when such a test exists.

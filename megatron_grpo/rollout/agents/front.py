@@ -33,15 +33,15 @@ budget or past ``max_turns`` calls is answered with an empty completion,
 The server is loopback-only with a random bearer key per run (the agents' workers get it);
 bodies are bounded (``MAX_BODY_BYTES``, 413). Requests for unknown episodes are 404. A request's
 headers, and then its body, must each arrive within ``READ_TIMEOUT_S`` (a 408 and the
-connection closed: ``runtime/header_deadline.py``), so an agent that opens a connection and
-stalls holds no thread or socket of the run for longer.
+connection closed), so an agent that opens a connection and stalls holds no thread or socket of
+the run for longer. These guards are ``megatron-grpo serve``'s too (``runtime/http_guard.py``);
+every refusal is one line in OpenAI's error shape (``refusal_body``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import os
 import socket
@@ -59,7 +59,8 @@ from megatron_grpo.chat.openai_api import (ChatRequest, Choice, OpenAIRequestErr
                                            completion_response, error_body, parse_chat_request,
                                            parse_completion_request, render_chat, stop_token_ids)
 from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
-from megatron_grpo.runtime.header_deadline import header_deadline_protocol
+from megatron_grpo.runtime.errors import one_line
+from megatron_grpo.runtime.http_guard import BodyBound, Refused, bearer_ok, header_deadline_protocol, read_json
 from megatron_grpo.wire.samples import RolloutError, Sample, SamplingParams
 
 MAX_BODY_BYTES = 8 * 2**20
@@ -136,9 +137,22 @@ def same_message(a: dict, b: dict) -> bool:
             and _norm_calls(a.get("tool_calls")) == _norm_calls(b.get("tool_calls")))
 
 
-def timeout_body(message: str, status: int) -> dict:
-    """OpenAI's error shape for a request not received in time (the SDK raises ``APIStatusError``)."""
-    return {"error": {"message": message, "type": "timeout_error", "param": None, "code": status}}
+REFUSAL_TYPES = {401: "authentication_error", 408: "timeout_error"}
+"""OpenAI's error type of a refused request by status (any other: ``invalid_request_error``)."""
+
+
+def refusal_body(message: str, status: int) -> dict:
+    """OpenAI's error shape for a request refused before its route (bad key, body past its bound
+    or deadline, not JSON; the SDK raises ``APIStatusError`` with this message)."""
+    kind = REFUSAL_TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def refusal(e: Refused) -> JSONResponse:
+    """The answer to a refused request; after a 408 the connection is closed, so what is left of a
+    stalled body is never read."""
+    return JSONResponse(refusal_body(e.message, e.status), e.status,
+                        headers={"connection": "close"} if e.status == 408 else None)
 
 
 class AgentFront:
@@ -294,27 +308,15 @@ class AgentFront:
     def build_app(self) -> FastAPI:
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
+        bound = BodyBound(MAX_BODY_BYTES, self.read_timeout_s, "MAX_BODY_BYTES", "READ_TIMEOUT_S")
+
         async def body_of(request: Request) -> Any:
-            auth = request.headers.get("authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
-                return JSONResponse({"error": {"message": "invalid API key", "type": "authentication_error"}}, 401)
-            size = request.headers.get("content-length")
-            if size is None or not size.isdigit() or int(size) > MAX_BODY_BYTES:
-                return JSONResponse({"error": {"message": f"the body must have a Content-Length of at most "
-                                                          f"{MAX_BODY_BYTES} bytes", "type": "invalid_request_error"}},
-                                    413)
             try:
-                async with asyncio.timeout(self.read_timeout_s):
-                    raw = await request.body()
-            except TimeoutError:
-                # the connection is closed after the answer: what is left of the body is never read
-                return JSONResponse(timeout_body(f"the request body was not received within "
-                                                 f"{self.read_timeout_s:g} s (READ_TIMEOUT_S)", 408), 408,
-                                    headers={"connection": "close"})
-            try:
-                return json.loads(raw)
-            except ValueError as e:
-                return JSONResponse(error_body(OpenAIRequestError(None, f"the body is not JSON: {e}")), 400)
+                if not bearer_ok(request, self.api_key):
+                    raise Refused(401, "invalid API key")
+                return await read_json(request, bound)
+            except Refused as e:
+                return refusal(e)
 
         async def answer(fn, episode_id: str, request: Request):
             body = await body_of(request)
@@ -324,7 +326,7 @@ class AgentFront:
                 status, out = await asyncio.get_running_loop().run_in_executor(self._pool, fn, episode_id, body)
             except Exception as e:  # noqa: BLE001 - a failure of the call (the engine's): one line, not
                 # uvicorn's traceback on the run's stderr for each call and each of the SDK's retries
-                message = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                message = one_line(e)
                 self._say_once(f"500 {type(e).__name__}", f"a call failed (HTTP 500 to the agent): {message}")
                 return JSONResponse({"error": {"message": message, "type": "internal_error"}}, 500)
             return JSONResponse(out, status)
@@ -353,7 +355,7 @@ class AgentFront:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.build_app(), log_level="warning", access_log=False, lifespan="off",
                                 timeout_keep_alive=30,
-                                http=header_deadline_protocol(self.read_timeout_s, "READ_TIMEOUT_S", timeout_body))
+                                http=header_deadline_protocol(self.read_timeout_s, "READ_TIMEOUT_S", refusal_body))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name="agent-front")

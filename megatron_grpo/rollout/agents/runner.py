@@ -204,6 +204,12 @@ class AgentRunner:
 
     # ---- episodes ------------------------------------------------------------------------
 
+    def episodes(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
+                 sampling_seed: Optional[int] = None) -> tuple[list[Sample], list[Episode]]:
+        """``EpisodeSource`` (rollout/episode_source.py): the episodes and their samples."""
+        episodes = self(engine, prompts, n, sampling, sampling_seed)
+        return [e.sample for e in episodes], episodes
+
     def __call__(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
                  sampling_seed: Optional[int] = None) -> list[Episode]:
         jobs = episode_jobs(prompts, n)

@@ -27,7 +27,7 @@ from typing import Any
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.rollout.agents.connectors import load_agent
-from megatron_grpo.rollout.environments.loading import one_line
+from megatron_grpo.runtime.errors import one_line
 from megatron_grpo.rollout.environments.worker import raise_site
 
 KEY = "episodes.agent"

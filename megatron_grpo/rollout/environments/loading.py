@@ -24,6 +24,7 @@ from typing import Any
 from megatron_grpo.config.env_connectors import ENVIRONMENT_CONNECTORS, split_connector_spec
 from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE
 from megatron_grpo.rollout.environments.builtin import BUILTINS
+from megatron_grpo.runtime.errors import one_line
 
 MAX_COUNTS = 16
 """Most names in one step's ``counts`` (bounded work and metrics per step)."""
@@ -192,6 +193,3 @@ def finite_real(x: Any) -> bool:
     except (OverflowError, ValueError, TypeError):
         return False
 
-
-def one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"

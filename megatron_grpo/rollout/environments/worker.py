@@ -48,8 +48,8 @@ from typing import Any, Optional
 
 from megatron_grpo.runtime.process import children_of
 from megatron_grpo.rollout.environments.loading import (ContractViolation, check_step_result, class_problem,
-                                                        describe, load_environment_class, one_line,
-                                                        prepare_environment)
+                                                        describe, load_environment_class, prepare_environment)
+from megatron_grpo.runtime.errors import one_line
 
 STARTUP_TIMEOUT_S = 60.0
 """Allowance for the fork server and a worker to start (not the environment's: it has not run yet)."""

@@ -55,7 +55,7 @@ from typing import Any, Callable, Optional
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.rewards.registry import load_file
 from megatron_grpo.rollout.agents.front import MODEL_NAME
-from megatron_grpo.rollout.environments.loading import one_line
+from megatron_grpo.runtime.errors import one_line
 from megatron_grpo.rollout.environments.worker import raise_site
 
 SUPPORTED = ">=0.1.14,<0.4"

@@ -60,7 +60,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_grpo.config.env_connectors import AGENTS_EXTRA, FILE_TARGET_RE
-from megatron_grpo.rollout.environments.loading import ContractViolation, describe, one_line
+from megatron_grpo.rollout.environments.loading import ContractViolation, describe
+from megatron_grpo.runtime.errors import one_line
 
 START_TIMEOUT_S = 120.0
 """Deadline for a forked server to serve (its app's own imports). With the client's import
@@ -389,5 +390,5 @@ def _serve(path: Path, attr: str, port_file: str, log_file: str, parent: int) ->
         os.replace(tmp, port_file)  # whole, or not there
         uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
     except BaseException as e:  # noqa: BLE001 (the fork server reads this line as the reason)
-        print(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", file=sys.stderr, flush=True)
+        print(one_line(e), file=sys.stderr, flush=True)
     os._exit(0)

@@ -41,7 +41,8 @@ import importlib
 from typing import Any, Callable, Optional
 
 from megatron_grpo.config.env_connectors import AGENTS_EXTRA, FILE_TARGET_RE
-from megatron_grpo.rollout.environments.loading import ContractViolation, describe, load_file_attribute, one_line
+from megatron_grpo.rollout.environments.loading import ContractViolation, describe, load_file_attribute
+from megatron_grpo.runtime.errors import one_line
 
 
 def prepare(target: str, workdir: str) -> None:

@@ -1,0 +1,59 @@
+"""The one protocol of every producer of episodes, and the one place that picks the run's.
+
+A step asks an ``EpisodeSource`` for ``n`` episodes of each prompt at the run's sampling
+settings, and closes it when the run ends; it never asks which kind it holds. Three implement
+it, one per ``episodes:`` key:
+
+* ``EpisodeRunner`` (``episodes.environment``, rollout/multi_turn.py): the built-in loop, an
+  environment in its own worker process per episode;
+* ``AgentRunner`` (``episodes.agent``, rollout/agents/runner.py): the user's agent against an
+  OpenAI-compatible front on loopback, trained on the exact tokens of its calls;
+* ``RolloutFunction`` (``episodes.rollout_function``, rollout/rollout_function.py): the user's
+  function in its worker process, its output checked on every call.
+
+Without any of them a step's responses are the engine's own ``generate`` (single-turn).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+
+from megatron_grpo.config.episodes import EpisodesConfig
+from megatron_grpo.rollout.agents.runner import AgentRunner
+from megatron_grpo.rollout.multi_turn import Episode, EpisodeRunner
+from megatron_grpo.rollout.rollout_function import RolloutFunction
+from megatron_grpo.wire.samples import Sample, SamplingParams
+
+EpisodeOutput = tuple[list[Sample], Optional[list[Episode]]]
+"""``n`` samples per prompt, prompt-major (what is scored and trained), and the episodes they
+close when the source runs multi-turn episodes (their turns, tool calls and failures; None for a
+rollout function that returns bare samples)."""
+
+
+@runtime_checkable
+class EpisodeSource(Protocol):
+    """What a step asks of any producer of episodes (rank 0's; the engine is the run's)."""
+
+    def episodes(self, engine: Any, prompts: Sequence, n: int, sampling: SamplingParams,
+                 sampling_seed: Optional[int] = None) -> EpisodeOutput:
+        """``n`` episodes of each prompt (data.Prompt) on ``engine`` at ``sampling``; the sampler
+        seeds start at ``sampling_seed`` (a resumed run replays the same)."""
+
+    def close(self) -> None:
+        """Release what the source holds between steps (worker processes, a server); idempotent."""
+
+
+def build_episode_source(episodes_cfg: EpisodesConfig, tokenizer, *, max_inflight: int, use_template: bool,
+                         vocab_size: Optional[int] = None) -> Optional[EpisodeSource]:
+    """The run's source, by the ``episodes:`` key set (the config allows one); None: single-turn.
+    Built before the engine starts, so a bad environment, agent or function fails fast with one
+    line. ``max_inflight``: the most episodes at once; ``use_template``: render turns with the
+    tokenizer's chat template; ``vocab_size``: the bound of a rollout function's token ids."""
+    if episodes_cfg.environment is not None:
+        return EpisodeRunner.build(episodes_cfg, tokenizer, max_inflight=max_inflight, use_template=use_template)
+    if episodes_cfg.agent is not None:
+        return AgentRunner.build(episodes_cfg, tokenizer, max_inflight=max_inflight, use_template=use_template)
+    if episodes_cfg.rollout_function is not None:
+        return RolloutFunction.load(episodes_cfg.rollout_function, tokenizer, vocab_size=vocab_size,
+                                    timeout_s=episodes_cfg.rollout_function_timeout_s)
+    return None
