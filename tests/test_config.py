@@ -44,7 +44,7 @@ MALFORMED = [
     ("parallel.tp", 3, "parallel.world_size", "not divisible by tp*pp"),
     ("parallel.micro_batch_size", -1, "parallel.micro_batch_size", ">= 1"),
     ("parallel.ep", 0, "parallel.ep", ">= 1"),
-    ("parallel.ep", 3, "parallel.ep", "does not divide dp = world_size/(tp*pp) = 1"),
+    ("parallel.ep", 3, "parallel.ep", "does not divide dp = world_size/(tp*pp*cp) = 1"),
     ("parallel.global_batch_size", 192, "parallel.global_batch_size", "must divide the rollout batch"),
     ("parallel.tp", 1.5, "parallel.tp", "expected an integer"),
     ("parallel.sequence_parallel", "yes", "parallel.sequence_parallel", "expected true or false"),
@@ -190,12 +190,12 @@ def test_world_size_from_launcher(tmp_path):
     # micro-batches of 16: dp = 2 (world size 4 at tp 2) and 4 split the global batch of 64
     path = write(tmp_path, apply_overrides(with_change("parallel.world_size", None), ["parallel.micro_batch_size=16"]))
     assert load_experiment(path, world_size=4).parallel.tp == 2
-    with pytest.raises(ConfigError, match=r"parallel.tp: tp\*pp = 2\*1 does not divide the world size 3"):
+    with pytest.raises(ConfigError, match=r"parallel.tp: tp\*pp\*cp = 2\*1\*1 does not divide the world size 3"):
         load_experiment(path, world_size=3)
     ep4 = write(tmp_path, apply_overrides(with_change("parallel.world_size", None),
                                           ["parallel.ep=4", "parallel.micro_batch_size=16"]), "ep.yaml")
     assert load_experiment(ep4, world_size=8).parallel.ep == 4
-    with pytest.raises(ConfigError, match=r"parallel.ep: 4 does not divide dp = world size/\(tp\*pp\) = 2"):
+    with pytest.raises(ConfigError, match=r"parallel.ep: 4 does not divide dp = world size/\(tp\*pp\*cp\) = 2"):
         load_experiment(ep4, world_size=4)
 
 

@@ -333,7 +333,7 @@ def apply_overrides(raw: dict, overrides: list[str], renamed: Optional[aliases.R
 def build_experiment(raw: Any, world_size: Optional[int] = None) -> ExperimentConfig:
     """Build and validate an ExperimentConfig from a parsed YAML mapping.
 
-    ``world_size`` (the launcher's) is checked against ``parallel.world_size`` and the tp*pp
+    ``world_size`` (the launcher's) is checked against ``parallel.world_size`` and the tp*pp*cp
     product when given.
     """
     if not isinstance(raw, dict):
@@ -347,13 +347,13 @@ def build_experiment(raw: Any, world_size: Optional[int] = None) -> ExperimentCo
             raise ConfigError(
                 "parallel.world_size", f"is {par.world_size} but the launcher started {world_size} ranks"
             )
-        if world_size % (par.tp * par.pp) != 0:
+        if world_size % (par.tp * par.pp * par.cp) != 0:
             raise ConfigError(
-                "parallel.tp", f"tp*pp = {par.tp}*{par.pp} does not divide the world size {world_size}"
+                "parallel.tp", f"tp*pp*cp = {par.tp}*{par.pp}*{par.cp} does not divide the world size {world_size}"
             )
-        dp = world_size // (par.tp * par.pp)
+        dp = par.dp(world_size)
         if dp % par.ep != 0:
-            raise ConfigError("parallel.ep", f"{par.ep} does not divide dp = world size/(tp*pp) = {dp}")
+            raise ConfigError("parallel.ep", f"{par.ep} does not divide dp = world size/(tp*pp*cp) = {dp}")
         if par.global_batch_size % (par.micro_batch_size * dp) != 0:
             raise ConfigError(
                 "parallel.global_batch_size",

@@ -122,6 +122,15 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel size."""
 
+    cp: int = 1
+    """Context-parallel size: each sequence of a micro-batch is split over `cp` ranks
+    (megatron's load-balanced layout: 2 x cp chunks, rank r keeps chunks r and 2cp-1-r), so a
+    rank holds 1/cp of every long sequence's activations and logits. Exact: attention gathers
+    the whole sequence's keys and values, and the loss is computed on the whole sequence's
+    token log-probs on every CP rank (docs/models.md#context-parallelism-parallelcp). dp =
+    world_size / (tp * pp * cp). Needs model.attention_backend sdpa (or te on a GPU with
+    TransformerEngine); not with share_prefix, nor a mixture-of-experts model."""
+
     vpp: Optional[int] = None
     """Virtual pipeline stages per PP rank (megatron's interleaved 1F1B schedule): each rank
     holds `vpp` model chunks of num_layers / (pp * vpp) layers, which shrinks the pipeline
@@ -142,7 +151,7 @@ class ParallelConfig:
     world_size: Optional[int] = None
     """Total trainer ranks. null: taken from the launcher (torchrun's WORLD_SIZE); when set,
     it must match the launcher, and `megatron-grpo train` starts this many ranks. dp is
-    derived: world_size / (tp * pp)."""
+    derived: world_size / (tp * pp * cp)."""
 
     micro_batch_size: int = 1
     """Sequences per micro-batch on one rank (one forward/backward)."""
@@ -194,7 +203,7 @@ class ParallelConfig:
     longest phase one rank runs while the others wait (rank 0's rollout, a checkpoint save)."""
 
     def __post_init__(self):
-        for key in ("tp", "pp", "ep", "micro_batch_size", "global_batch_size"):
+        for key in ("tp", "pp", "cp", "ep", "micro_batch_size", "global_batch_size"):
             value = getattr(self, key)
             check(value >= 1, key, f"must be >= 1, got {value}")
         check(self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 2,
@@ -204,6 +213,9 @@ class ParallelConfig:
               "needs max_tokens_per_microbatch (the token budget of a packed row); set it or pack_sequences: false")
         check(not self.share_prefix or self.pack_sequences, "share_prefix",
               "needs pack_sequences: true (a shared prompt is one packed segment)")
+        check(not (self.share_prefix and self.cp > 1), "share_prefix",
+              f"cannot be combined with cp={self.cp} (a shared prompt's branches are not split over CP ranks); "
+              "set share_prefix: false or cp: 1")
         check(not (self.pack_sequences and self.sequence_parallel), "pack_sequences",
               "cannot be combined with sequence_parallel (a packed row is not padded to a multiple of tp)")
         check(self.etp is None or self.etp >= 1, "etp", f"must be >= 1 or null, got {self.etp}")
@@ -217,12 +229,12 @@ class ParallelConfig:
         if self.world_size is not None:
             check(self.world_size >= 1, "world_size", f"must be >= 1, got {self.world_size}")
             check(
-                self.world_size % (self.tp * self.pp) == 0,
+                self.world_size % (self.tp * self.pp * self.cp) == 0,
                 "world_size",
-                f"{self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp}",
+                f"{self.world_size} is not divisible by tp*pp*cp = {self.tp}*{self.pp}*{self.cp}",
             )
-            dp = self.world_size // (self.tp * self.pp)
-            check(dp % self.ep == 0, "ep", f"{self.ep} does not divide dp = world_size/(tp*pp) = {dp}")
+            dp = self.dp(self.world_size)
+            check(dp % self.ep == 0, "ep", f"{self.ep} does not divide dp = world_size/(tp*pp*cp) = {dp}")
             self.check_expert_layout(self.world_size)
             check(
                 self.global_batch_size % (self.micro_batch_size * dp) == 0,
@@ -257,5 +269,5 @@ class ParallelConfig:
               f"multiple of pp={self.pp}")
 
     def dp(self, world_size: int) -> int:
-        """Data-parallel size for a given world size."""
-        return world_size // (self.tp * self.pp)
+        """Data-parallel size for a given world size (context-parallel ranks share their data)."""
+        return world_size // (self.tp * self.pp * self.cp)

@@ -2,7 +2,7 @@
 
 It validates the config and the inputs it names (pre-flight), takes the run directory's lock,
 then starts ``N`` ranks on this machine under torchrun's agent (``agent``; N =
-``parallel.world_size``, default tp*pp). With ``--nnodes K --node-rank R --master-addr A`` it
+``parallel.world_size``, default tp*pp*cp). With ``--nnodes K --node-rank R --master-addr A`` it
 is node R of K (``nodes``; launch/multi_node.sh) and starts its share of the ranks, N / K by
 default. Each rank runs ``python -m megatron_grpo.train`` (``trainer/rank.py``), which is also
 what a bare ``torchrun`` and the ``launch/`` scripts start.
@@ -31,14 +31,14 @@ from megatron_grpo.runtime.run_lock import lock_run_dir
 def _parse(argv: list[str]):
     parser = run_parser("megatron-grpo train")
     parser.add_argument("--nproc", type=int, default=None,
-                        help="ranks to start on this machine (default (parallel.world_size or tp*pp) / nnodes)")
+                        help="ranks to start on this machine (default (parallel.world_size or tp*pp*cp) / nnodes)")
     nodes.add_arguments(parser)
     return parser.parse_args(argv)
 
 
 def _ranks_per_node(cfg: ExperimentConfig, nnodes: int) -> int:
     """This machine's share of the run's ranks when ``--nproc`` is not given."""
-    total = cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp
+    total = cfg.parallel.world_size or cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
     if total % nnodes:
         raise ConfigError("parallel.world_size", f"{total} ranks do not split evenly over --nnodes {nnodes}; "
                                                  "pass --nproc (ranks per node)")

@@ -27,10 +27,15 @@ Two layouts (megatron's names):
   of its segment that are not after it and lie in the prefix (branch 0) or its own branch
   (``branched_mask``). On CUDA one SDPA call per segment with that segment's mask.
 
+* context parallelism (``parallel.cp``, ``models.context_parallel``): the query is the rank's
+  chunks of each sequence (sbhd: of every row; thd: of every segment, whose padded boundaries
+  are ``cu_seqlens_q_padded``); keys and values are all-gathered over the CP group into the
+  whole sequences and masked by the tokens' true positions (``sdpa_context_parallel``).
+
 Departures from ``DotProductAttention``: attention dropout must be 0 (this project trains
 without it; SDPA's dropout would draw from another RNG stream than megatron's), and only
-``softmax_type: vanilla``, no sliding window and no context parallelism (none of the
-architectures here use them; each is refused at construction).
+``softmax_type: vanilla`` and no sliding window (none of the architectures here use them;
+each is refused at construction).
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from megatron_grpo.models.context_parallel import gather_whole, sdpa_context_parallel
 
 
 def attention_scale(config: TransformerConfig, layer_number: int, softmax_scale: Optional[float] = None) -> float:
@@ -151,12 +158,13 @@ class SDPAttention(MegatronModule):
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout != 0:
             raise ValueError(f"SDPAttention needs attention_dropout 0, got {dropout}")
-        if config.context_parallel_size != 1 or config.window_size is not None or config.softmax_type != "vanilla":
-            raise ValueError("SDPAttention supports neither context parallelism, sliding windows nor "
-                             f"softmax_type {config.softmax_type!r}")
+        if config.window_size is not None or config.softmax_type != "vanilla":
+            raise ValueError(f"SDPAttention supports neither sliding windows nor softmax_type {config.softmax_type!r}")
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp = pg_collection.tp.size()
+        cp_group = getattr(pg_collection, "cp", None)
+        self.cp_group = cp_group if cp_group is not None and cp_group.size() > 1 else None
         self.attn_mask_type = attn_mask_type
         self.num_heads_per_partition = divide(config.num_attention_heads, tp)
         self.num_groups_per_partition = divide(config.num_query_groups, tp)
@@ -170,6 +178,8 @@ class SDPAttention(MegatronModule):
         out (megatron's convention), or None for the layer's mask type (causal here)."""
         assert attention_bias is None, "attention bias is not supported by SDPAttention"
         gqa = self.num_heads_per_partition != self.num_groups_per_partition
+        if self.cp_group is not None:
+            return self._context_parallel(query, key, value, attention_mask, packed_seq_params, gqa)
         if packed_seq_params is not None:
             assert packed_seq_params.qkv_format == "thd", packed_seq_params.qkv_format
             assert attention_mask is None, "a packed batch takes its mask from cu_seqlens"
@@ -191,3 +201,24 @@ class SDPAttention(MegatronModule):
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, np * hn]
 
+    def _context_parallel(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                          packed_seq_params: Optional[PackedSeqParams], gqa: bool) -> Tensor:
+        """``forward`` under context parallelism: the same shapes, the rank's tokens only (module
+        docstring). The causal mask is the whole sequence's, from the layout."""
+        assert attention_mask is None, "context parallelism takes its mask from the layout"
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        if packed_seq_params is None:  # sbhd: every row is one segment of S_loc * cp tokens
+            lengths = [query.shape[0] * cp]
+            q = query.permute(1, 2, 0, 3)  # [b, np, s_loc, hn]
+            k, v = (gather_whole(x, lengths, self.cp_group).permute(1, 2, 0, 3) for x in (key, value))
+        else:
+            assert packed_seq_params.qkv_format == "thd", packed_seq_params.qkv_format
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            lengths = (cu[1:] - cu[:-1]).tolist()
+            q = query.transpose(0, 1).unsqueeze(0)  # [1, np, t_loc, hn]
+            k, v = (gather_whole(x, lengths, self.cp_group).transpose(0, 1).unsqueeze(0) for x in (key, value))
+        out = sdpa_context_parallel(q, k, v, lengths, cp, rank, self.softmax_scale, gqa, per_chunk=query.is_cuda)
+        if packed_seq_params is None:
+            return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [s_loc, b, np * hn]
+        return out.squeeze(0).transpose(0, 1).reshape(query.shape[0], -1)  # [t_loc, np * hn]

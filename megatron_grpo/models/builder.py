@@ -48,6 +48,7 @@ def transformer_config(hf_config, *, dtype: torch.dtype = torch.float32, recompu
     runtime = dict(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
@@ -131,6 +132,23 @@ def check_packing(hf_config, attention_backend: str) -> None:
     if isinstance(get_architecture(hf_config.model_type), MoEMLP):
         raise ModelError(f"parallel.pack_sequences is not supported for the mixture-of-experts model "
                          f"{hf_config.model_type!r} yet (set it false)")
+
+
+def check_context_parallel(hf_config, attention_backend: str, cp: int) -> None:
+    """ModelError (one line) where ``parallel.cp`` > 1 cannot run: the sdpa core attention does
+    context parallelism (``models.context_parallel``), TransformerEngine's spec does it its own
+    way (megatron-core's ring attention: a GPU path not run here), megatron-core's unfused
+    attention has none; mixture-of-experts models are refused (routing replay and the MoE
+    metrics lay tokens out per whole row: not split yet)."""
+    if cp == 1:
+        return
+    backend = resolve_attention_backend(attention_backend)
+    if backend == "unfused":
+        raise ModelError(f"parallel.cp={cp} needs model.attention_backend sdpa or te; megatron-core's unfused "
+                         "attention has no context parallelism (set model.attention_backend: sdpa)")
+    if isinstance(get_architecture(hf_config.model_type), MoEMLP):
+        raise ModelError(f"parallel.cp={cp} is not supported for the mixture-of-experts model "
+                         f"{hf_config.model_type!r} yet (set parallel.cp: 1)")
 
 
 def layer_spec(hf_config, config, attention_backend: str = "auto"):

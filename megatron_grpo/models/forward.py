@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from megatron_grpo.models.context_parallel import cp_group_info, local_index
 from megatron_grpo.models.packing import PackedRows, packed_seq_params
 from megatron_grpo.runtime.device import to_device
 
@@ -43,11 +44,21 @@ PAD_ID = 0  # token id of the sequence-parallel padding (never scored: it is pas
 
 def sequence_multiple(model) -> int:
     """The multiple the sequence length must have for ``model`` (a chunk, DDP-wrapped or
-    not): tp with sequence parallelism, else 1."""
+    not): tp with sequence parallelism, else 1; times 2 x cp under context parallelism (every
+    sequence cut into 2 x cp equal chunks, ``models.context_parallel``)."""
     from megatron.core.utils import get_model_config
 
     config = get_model_config(model)
-    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    cp = config.context_parallel_size
+    return multiple * 2 * cp if cp > 1 else multiple
+
+
+def context_parallel_size(model) -> int:
+    """``parallel.cp`` of ``model``'s config (1: no context parallelism)."""
+    from megatron.core.utils import get_model_config
+
+    return get_model_config(model).context_parallel_size
 
 
 def padded_length(seq_len: int, multiple: int) -> int:
@@ -76,7 +87,9 @@ def model_inputs(tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def logits_start(model, first_scored: int) -> int:
     """The first position ``causal_logits`` can give logits from when the caller reads none
     before ``first_scored``: ``first_scored``, or 0 under sequence parallelism."""
-    return 0 if sequence_multiple(model) > 1 else max(0, first_scored)
+    from megatron.core.utils import get_model_config
+
+    return 0 if get_model_config(model).sequence_parallel else max(0, first_scored)
 
 
 def _output_layer(model):
@@ -116,11 +129,26 @@ def causal_logits(model, tokens_BS: torch.Tensor, start: int = 0) -> torch.Tenso
     last PP stage (the hidden states elsewhere). S_pad = S padded to
     ``sequence_multiple(model)``; logits position j is that of token position ``start + j``.
     ``start``: from ``logits_start`` (0 under sequence parallelism)."""
-    assert start == 0 or sequence_multiple(model) == 1, "no logits slice with sequence parallelism"
+    assert start == 0 or sequence_multiple(model) == 1, "no logits slice with sequence or context parallelism"
     tokens_BS = pad_sequence(tokens_BS, sequence_multiple(model))
     # attention_mask=None: the causal mask comes from the layer spec (AttnMaskType.causal)
     with _output_from(model, start):
         return model(*model_inputs(tokens_BS), attention_mask=None)
+
+
+def context_parallel_logits(model, tokens_BS: torch.Tensor, columns: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``causal_logits`` under context parallelism: the chunk runs this CP rank's tokens of every
+    row (``models.context_parallel``: ``tokens_BS`` padded to ``sequence_multiple(model)``, this
+    rank's chunks at their true positions). Vocab-parallel logits [B, R, V_pad/tp] of the local
+    token indices ``columns`` (long [R]; None: every local token) on the last PP stage, the
+    hidden states elsewhere. Collective over the CP group (attention gathers keys and values)."""
+    cp, rank, _ = cp_group_info()
+    tokens_BS = to_device(pad_sequence(tokens_BS, sequence_multiple(model)))
+    index = local_index([tokens_BS.shape[1]], cp, rank).to(tokens_BS.device)
+    local = tokens_BS.index_select(1, index)
+    positions = index.unsqueeze(0).expand_as(local)  # RoPE slices its own angles; learned embeddings read these
+    with _output_from(model, 0 if columns is None else to_device(columns)):
+        return model(local, positions, attention_mask=None)
 
 
 @contextlib.contextmanager
@@ -156,10 +184,15 @@ def packed_logits(model, packed: PackedRows, positions: Optional[torch.Tensor] =
     packed token p in its own row; with ``positions`` (long [R], packed indices, repeats allowed:
     rows sharing a prefix read its last token) [1, R, V_pad/tp], those indices' only. Needs the
     sdpa core attention (the packed mask comes from ``cu_seqlens`` and the branches) and no
-    sequence parallelism (T is not padded to a multiple of tp)."""
-    assert sequence_multiple(model) == 1, "packed sequences do not support sequence parallelism"
+    sequence parallelism (T is not padded to a multiple of tp). Under context parallelism
+    ``packed`` is this CP rank's share (``models.context_parallel.split_packed``): megatron's CP
+    RoPE places its tokens from the padded ``cu_seqlens``."""
+    from megatron.core.utils import get_model_config
+
+    assert not get_model_config(model).sequence_parallel, "packed sequences do not support sequence parallelism"
     tokens, position_ids = to_device(packed.tokens), to_device(packed.position_ids)
-    with _output_from(model, 0 if positions is None else to_device(positions)), _rope_at(model, position_ids[0]):
+    rope = _rope_at(model, position_ids[0]) if context_parallel_size(model) == 1 else contextlib.nullcontext()
+    with _output_from(model, 0 if positions is None else to_device(positions)), rope:
         return model(tokens, position_ids, attention_mask=None, packed_seq_params=packed_seq_params(packed))
 
 

@@ -55,7 +55,7 @@ def save_hf_checkpoint(model_chunks: list, hf_config, out_dir: str | Path, *,
     stage = ps.get_pipeline_model_parallel_rank()
     written: list[tuple[str, list[str], int]] = []  # (file, tensor names, bytes)
     if exports_weights():  # DP replicas hold the same weights (MoE: the ep ranks' experts differ)
-        is_writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+        is_writer = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
         total = sum(len(m.hf_names) * max(1, len(m.ep_hf_names))
                     for c in model_chunks for m, _ in chunk_params(c, hf_config)
                     if m.exported)

@@ -126,7 +126,7 @@ def collect_lora_weights(model_chunks: list, hf_config) -> dict[str, torch.Tenso
     from megatron.core import parallel_state as ps
 
     local = dict(iter_lora_weights(model_chunks, hf_config)) if exports_weights() else {}
-    sender = exports_weights() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    sender = exports_weights() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
     parts: list = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object({k: v.cpu() for k, v in local.items()} if sender else {}, parts, dst=0)
     if dist.get_rank() != 0:

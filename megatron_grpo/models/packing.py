@@ -159,7 +159,10 @@ def packed_seq_params(packed: PackedRows):
     (``models.attention.BranchedSeqParams``)."""
     from megatron_grpo.models.attention import BranchedSeqParams  # imports megatron-core: deferred like it
 
+    # the padded boundaries equal the real ones: a row's CP padding is part of its segment
+    # (megatron's CP RoPE and TransformerEngine's CP attention read the padded ones)
     return BranchedSeqParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_kv=packed.cu_seqlens,
+                             cu_seqlens_q_padded=packed.cu_seqlens, cu_seqlens_kv_padded=packed.cu_seqlens,
                              max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen,
                              position=packed.position_ids[0], branch=packed.branch,
                              segment_shared=packed.segment_shared)

@@ -53,7 +53,7 @@ def megatron_logits_on_rank0(model_chunks: list, hf_config, input_ids_BS) -> tor
         logits = gather_vocab(logits, hf_config.vocab_size).float().cpu()
     # The holder: last PP stage, TP rank 0, DP rank 0 (global rank 0 when pp == 1).
     holder = int(logits is not None and ps.get_tensor_model_parallel_rank() == 0
-                 and ps.get_data_parallel_rank() == 0)
+                 and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
     flags = collective_tensor([dist.get_rank() if holder else -1], dtype=torch.int64)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     src, rank = int(flags.item()), dist.get_rank()

@@ -18,7 +18,8 @@ from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.data import DataError, load_prompt_dataset
 from megatron_grpo.models import ModelError, get_architecture, load_hf_config
 from megatron_grpo.models.hf_config import split_problem
-from megatron_grpo.models.builder import check_packing, resolve_attention_backend, use_transformer_engine
+from megatron_grpo.models.builder import (check_context_parallel, check_packing, resolve_attention_backend,
+                                         use_transformer_engine)
 from megatron_grpo.models.lora import lora_problem, spec_from_config
 from megatron_grpo.models.checkpoint import MARKER, STEP_DIR_RE, checkpoint_path
 from megatron_grpo.models.tokenizer import load_tokenizer
@@ -75,6 +76,10 @@ def check_model_dir(cfg: ExperimentConfig):
             check_packing(hf_config, cfg.model.attention_backend)
         except ModelError as e:
             raise _in_key("parallel.pack_sequences", str(e).removeprefix("parallel.pack_sequences ")) from None
+    try:
+        check_context_parallel(hf_config, cfg.model.attention_backend, parallel_cfg.cp)
+    except ModelError as e:
+        raise _in_key("parallel.cp", str(e).removeprefix("parallel.cp=")) from None
     # A partial download (config.json but no or unreadable weights) must fail here, not after
     # the ranks and the rollout engine have started.
     try:

@@ -25,7 +25,10 @@ megatron-core 0.16 assumes a GPU in a handful of places that the CPU path reache
   the same code already saves and restores beside it;
 * the MoE router's gating GEMM reads ``moe_utils.te_general_gemm``, a name megatron-core only
   defines when transformer_engine imports (a NameError without it): defined as None, which
-  selects its plain ``torch.mm`` path.
+  selects its plain ``torch.mm`` path;
+* context parallelism's RoPE slice (``rope_utils.get_pos_emb_on_this_cp_rank``) builds its
+  chunk index as a pinned CPU tensor moved with ``.cuda()``: the same slice with the index on
+  the angles' own device (``_pos_emb_on_this_cp_rank``).
 
 One redirection is for speed, not function: megatron's checkpoint writer collects its write
 results through a ``multiprocessing`` manager started with the *spawn* method. The spawned
@@ -197,6 +200,16 @@ def tensor_type_names_cuda():
         torch.Tensor.type = original
 
 
+def _pos_emb_on_this_cp_rank(pos_emb, seq_dim: int, cp_group):
+    """megatron's ``get_pos_emb_on_this_cp_rank`` (the angles of CP rank r's chunks r and
+    2cp-1-r, ``models.context_parallel``) without its pinned-memory ``.cuda()`` index."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
 def _fork_write_results_queue():
     """megatron's ``filesystem_async._get_write_results_queue`` (one manager queue per
     process, created on the first save) with a fork-context manager (module docstring)."""
@@ -266,6 +279,10 @@ def install() -> bool:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._get_write_results_queue = _fork_write_results_queue
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
     mcore_random.initialize_rng_tracker(force_reset=True)
     _INSTALLED = True
     return True

@@ -21,9 +21,12 @@ from megatron_grpo.runtime.process import free_port
 
 
 def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 600.0, *,
-               ep: int = 1, etp: int | None = None, vpp: int | None = None) -> None:
+               ep: int = 1, etp: int | None = None, vpp: int | None = None, cp: int = 1) -> None:
     """Start torch.distributed from the torchrun environment (or a single process) and
-    megatron's parallel state with ``tp`` x ``pp`` (dp = world / (tp * pp)).
+    megatron's parallel state with ``tp`` x ``pp`` x ``cp`` (dp = world / (tp * pp * cp)).
+
+    ``cp``: context-parallel size (each sequence split over cp ranks, ``models.context_parallel``;
+    gradients are reduced over megatron's data-and-context-parallel group).
 
     ``ep``: expert-parallel size (MoE experts split over ``ep`` of the dp ranks); ``etp``:
     tensor-parallel size of the experts (default: ``tp``). world / pp must be divisible by
@@ -49,8 +52,8 @@ def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 60
             default_backend(), rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
         )
     world = dist.get_world_size()
-    if world % (tp * pp) != 0:
-        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
+    if world % (tp * pp * cp) != 0:
+        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
     etp = tp if etp is None else etp
     vpp = None if vpp in (None, 1) else vpp
     if vpp is not None and pp < 2:
@@ -62,7 +65,7 @@ def initialize(tp: int = 1, pp: int = 1, seed: int = 1234, timeout_s: float = 60
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-        virtual_pipeline_model_parallel_size=vpp,
+        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
         distributed_timeout_minutes=timeout_s / 60,  # a timedelta(minutes=...): fractions are kept
     )
     torch.manual_seed(seed)

@@ -51,7 +51,7 @@ def _roles() -> tuple[bool, bool, int]:
     if not ps.model_parallel_is_initialized():
         return True, True, 1
     participant = ps.get_expert_data_parallel_rank() == 0
-    sender = participant and ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+    sender = participant and ps.get_data_parallel_rank(with_context_parallel=True) == 0 and ps.get_tensor_model_parallel_rank() == 0
     return participant, sender, ps.get_pipeline_model_parallel_world_size()
 
 

@@ -136,7 +136,7 @@ def _parallel_ranks() -> tuple[int, int, int, int]:
     parallel state). The expert-dp rank equals the dp rank unless ep > 1."""
     if not ps.model_parallel_is_initialized():
         return 0, 0, 0, 0
-    return (ps.get_data_parallel_rank(), ps.get_expert_data_parallel_rank(),
+    return (ps.get_data_parallel_rank(with_context_parallel=True), ps.get_expert_data_parallel_rank(),
             ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
 
 

@@ -15,7 +15,8 @@ from megatron.core import parallel_state
 from megatron_grpo.config import ExperimentConfig
 from megatron_grpo.data import PromptSampler
 from megatron_grpo.models import build_model, load_hf_config, load_hf_weights, load_megatron_checkpoint
-from megatron_grpo.models.builder import check_moe_training, check_packing, resolve_attention_backend
+from megatron_grpo.models.builder import (check_context_parallel, check_moe_training, check_packing,
+                                         resolve_attention_backend)
 from megatron_grpo.models.errors import ModelError
 from megatron_grpo.models.lora import apply_lora, lora_problem, spec_from_config
 from megatron_grpo.preflight.report import reward_build_deadline
@@ -65,6 +66,7 @@ def build_policy(cfg: ExperimentConfig) -> Policy:
                        cfg.parallel.sequence_parallel)
     if cfg.parallel.pack_sequences:
         check_packing(hf_config, cfg.model.attention_backend)
+    check_context_parallel(hf_config, cfg.model.attention_backend, cfg.parallel.cp)
     modules = _build_and_load(cfg, hf_config, recompute=cfg.model.recompute_activations,
                               sequence_parallel=cfg.parallel.sequence_parallel)
     if cfg.model.lora is not None:  # freeze the base before DDP: it and the optimizer see the adapters only

@@ -19,6 +19,14 @@ docs/loss_spec.md#reductions). We therefore multiply each part by ``num_microbat
 schedule, so the gradient is exactly that of the global mini-batch loss whatever the TP,
 PP, DP or micro-batch split (docs/loss_spec.md#the-whole-loss-and-the-distributed-contract, SkyRL's
 ``grad_sum_correction_factor``).
+
+Context parallelism (``parallel.cp``, ``models.context_parallel``): each CP rank runs its
+chunks of every sequence, scores the pairs its logits cover (``CPScored``) and sums the [B, T]
+log-probs and entropies over the CP group, so the loss above is computed on whole sequences,
+identically on every CP rank. Megatron's DDP averages gradients over dp x cp ranks and its
+schedule multiplies each micro-batch loss by cp (the legacy two-output ``loss_func`` path), so
+the scale above stays ``num_microbatches * dp`` and each rank's gradient (that of the whole
+loss through its own tokens) sums over CP to the CP1 gradient.
 """
 
 from __future__ import annotations
@@ -35,7 +43,9 @@ import torch.distributed as dist
 from megatron_grpo.config.algorithm import AlgorithmConfig
 from megatron_grpo.losses import compute_policy_loss, reduce_metrics
 from megatron_grpo.models.fake_quant import fake_quantized
-from megatron_grpo.models.forward import causal_logits, logits_start, packed_logits, run_schedule
+from megatron_grpo.models.context_parallel import cp_group_info, cp_sum, local_index, local_of_global, split_packed
+from megatron_grpo.models.forward import (causal_logits, context_parallel_logits, context_parallel_size, logits_start,
+                                          packed_logits, padded_length, run_schedule, sequence_multiple)
 from megatron_grpo.models.packing import PackedRows, Pairs, pack, pairs, shared_prefix_groups
 from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.ops.quantize import QuantScheme
@@ -130,18 +140,89 @@ def _packed_token_scores(logits_1Rv: torch.Tensor, mb: TrainBatch, packed: Packe
     return back(lp), None if ent is None else back(ent)
 
 
-MicroBatch = tuple[TrainBatch, Optional[PackedRows], "int | Optional[Pairs]"]
-"""A micro-batch, its packed layout (None: padded rows) and where its logits are needed: the
-first scored position (padded rows, ``first_scored``) or the scored pairs (``packed_scored``)."""
+@dataclass(frozen=True)
+class CPScored:
+    """Under context parallelism, what a CP rank's logits score: the local token indices the
+    output layer runs on (``columns``, long [R]) and the (row, shifted position) pair of each
+    logits row (``rows`` / ``cols``, long [N]: padded rows, every row at each column, N = B x R,
+    row-major; packed rows, one pair per column). A ``cols`` of T (= S - 1) marks a value
+    nobody reads (a position another rank, or no rank, scores): it is dropped."""
+
+    columns: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
 
 
-def _micro_batches(batch: TrainBatch, plan, batching: MicroBatching) -> list[MicroBatch]:
+def _cp_padded(mb: TrainBatch, multiple: int, start: int, cp: int, rank: int) -> CPScored:
+    """``CPScored`` of padded rows: this rank's tokens of the rows padded to ``multiple``
+    (``models.forward.context_parallel_logits``), the output layer on those at positions
+    ``start`` .. T-1 (at least one column, so every rank's loss reaches its logits)."""
+    device, width = mb.tokens.device, mb.seq_length - 1
+    positions = local_index([padded_length(mb.seq_length, multiple)], cp, rank).to(device)
+    wanted = ((positions >= start) & (positions < width)).nonzero()[:, 0]
+    columns = wanted if wanted.numel() else torch.zeros(1, dtype=torch.long, device=device)
+    cols = torch.where((positions[columns] >= start) & (positions[columns] < width), positions[columns], width)
+    rows = torch.arange(mb.num_sequences, device=device).repeat_interleave(columns.numel())
+    return CPScored(columns=columns, rows=rows, cols=cols.repeat(mb.num_sequences))
+
+
+def _cp_packed(mb: TrainBatch, cp: int, rank: int) -> tuple[PackedRows, CPScored]:
+    """This rank's share of ``mb`` packed (each row cut to its scored length, then padded to a
+    multiple of 2 x cp: ``models.context_parallel.split_packed``) and the scored pairs it holds."""
+    lengths = [padded_length(n, 2 * cp) for n in sequence_lengths(mb).tolist()]
+    width = max(max(lengths), mb.seq_length)
+    tokens = torch.nn.functional.pad(mb.tokens, (0, width - mb.seq_length))
+    mask = torch.nn.functional.pad(mb.loss_mask, (0, width - mb.seq_length))
+    whole = pack(tokens, lengths)
+    scored = pairs(whole, mask)
+    local = local_of_global(lengths, cp, rank).to(mb.tokens.device)[scored.index]
+    mine = local >= 0
+    if not mine.any():  # one dropped pair, so that this rank's loss still reaches its logits
+        zero = torch.zeros(1, dtype=torch.long, device=mb.tokens.device)
+        return split_packed(whole, cp, rank), CPScored(columns=zero, rows=zero, cols=zero + mb.seq_length - 1)
+    return split_packed(whole, cp, rank), CPScored(columns=local[mine], rows=scored.rows[mine], cols=scored.cols[mine])
+
+
+def _cp_scores(logits_BRv: torch.Tensor, mb: TrainBatch, scored: CPScored, spec: ScoringSpec, with_entropy: bool,
+               group) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Vocab-parallel logits [B, R, V/tp] (padded) or [1, R, V/tp] (packed) of ``scored``'s
+    columns -> (log_probs [B, T], entropy [B, T] or None) of the WHOLE sequences: this rank's
+    pairs, zeros elsewhere, summed over the CP group (``cp_sum``: every rank then holds the
+    values CP1 computes, 0 where CP1 gives 0)."""
+    rows_, width = mb.num_sequences, mb.seq_length - 1
+    safe = scored.cols.clamp(max=width - 1)
+    targets = mb.tokens[scored.rows, safe + 1].unsqueeze(0)
+    kept = None if mb.kept_ids is None else mb.kept_ids[scored.rows, safe].unsqueeze(0)
+    lp, ent = _log_probs(logits_BRv.reshape(1, -1, logits_BRv.shape[-1]), targets, kept, spec, with_entropy)
+
+    def whole(values_1N: torch.Tensor) -> torch.Tensor:  # column T collects the dropped values
+        local = values_1N.new_zeros(rows_, width + 1).index_put((scored.rows, scored.cols), values_1N[0])
+        return cp_sum(local[:, :width], group)
+
+    return whole(lp), None if ent is None else whole(ent)
+
+
+MicroBatch = tuple[TrainBatch, Optional[PackedRows], "int | Optional[Pairs] | CPScored"]
+"""A micro-batch, its packed layout (None: padded rows; under CP this rank's share) and where
+its logits are needed: the first scored position (padded rows, ``first_scored``), the scored
+pairs (``packed_scored``) or, under context parallelism, this rank's ``CPScored``."""
+
+
+def _micro_batches(batch: TrainBatch, plan, batching: MicroBatching, model) -> list[MicroBatch]:
     """The plan's micro-batches, each with its packed layout (rows cut to their own scored
     length, ``trainer.microbatch.sequence_lengths``; rows with one prompt sharing it with
     ``batching.share``) when packing, else None, and its scored positions. Those are found
     here, once before the schedule, not in the forward step: each is a host read of a device
-    tensor, which there would wait for the previous micro-batch's backward to finish."""
+    tensor, which there would wait for the previous micro-batch's backward to finish.
+    ``model``: a chunk (its sequence multiple and context-parallel size)."""
     mbs = split(batch, plan)
+    cp, rank, _ = cp_group_info()
+    if cp > 1 and batching.pack:
+        return [(mb, *_cp_packed(mb, cp, rank)) for mb in mbs]
+    if cp > 1:
+        multiple = sequence_multiple(model)
+        return [(mb, None, _cp_padded(mb, multiple, logits_start(model, first_scored(mb.loss_mask)), cp, rank))
+                for mb in mbs]
     if not batching.pack:
         return [(mb, None, first_scored(mb.loss_mask)) for mb in mbs]
     items = []
@@ -157,7 +238,12 @@ def _micro_batches(batch: TrainBatch, plan, batching: MicroBatching) -> list[Mic
 def _forward(model, mb: TrainBatch, packed: Optional[PackedRows], scored):
     """The chunk's output for ``mb`` and the positions its logits cover (``models.forward``,
     logits of the scored positions only): padded rows, the first one (an int: ``scored`` where
-    the model allows); packed rows, the packed indices of the pairs ``scored``."""
+    the model allows); packed rows, the packed indices of the pairs ``scored``; under context
+    parallelism, this rank's columns (``CPScored``)."""
+    if isinstance(scored, CPScored):
+        if packed is not None:
+            return packed_logits(model, packed, scored.columns), scored
+        return context_parallel_logits(model, mb.tokens, scored.columns), scored
     if packed is not None:
         return packed_logits(model, packed, None if scored is None else scored.index), scored
     start = logits_start(model, scored)
@@ -167,6 +253,8 @@ def _forward(model, mb: TrainBatch, packed: Optional[PackedRows], scored):
 def _scores(output, mb: TrainBatch, packed: Optional[PackedRows], spec: ScoringSpec, with_entropy: bool,
             positions=0):
     """``_forward``'s output and positions -> (log_probs [B, T], entropy [B, T] or None)."""
+    if isinstance(positions, CPScored):
+        return _cp_scores(output, mb, positions, spec, with_entropy, cp_group_info()[2])
     if packed is None:
         return _token_scores(output, mb, spec, with_entropy, positions)
     return _packed_token_scores(output, mb, packed, spec, with_entropy, positions)
@@ -175,7 +263,9 @@ def _scores(output, mb: TrainBatch, packed: Optional[PackedRows], spec: ScoringS
 def _run_schedule(model_chunks, items: list[MicroBatch], forward_step, forward_only: bool):
     # token-budget micro-batches (and packed rows) differ in shape: the pipeline stages then
     # exchange shapes
-    shapes = [tuple(mb.tokens.shape) if packed is None else (1, packed.num_tokens) for mb, packed, _ in items]
+    # (the whole sequence's length: megatron's schedule divides it by cp)
+    cp = context_parallel_size(model_chunks[0])
+    shapes = [tuple(mb.tokens.shape) if packed is None else (1, packed.num_tokens * cp) for mb, packed, _ in items]
     return run_schedule(model_chunks, items, forward_step, forward_only=forward_only, num_microbatches=len(items),
                         seq_length=shapes[0][1], micro_batch_size=shapes[0][0],
                         variable_seq_lengths=len(set(shapes)) > 1)
@@ -219,7 +309,7 @@ def compute_log_probs(model_chunks, batch: TrainBatch, batching: MicroBatching |
     batching = MicroBatching.coerce(batching)
     plan = plan_micro_batches(batch, batching.rows, batching.max_tokens, batching.pack,
                               batching.share)
-    mbs = _micro_batches(batch, plan, batching)
+    mbs = _micro_batches(batch, plan, batching, model_chunks[0])
     with torch.no_grad(), (router_load.counting(len(mbs)) if router_load else contextlib.nullcontext()), \
             _routing_applied(routing, batch):
         outs = _run_schedule(model_chunks, mbs, forward_step, True)
@@ -261,8 +351,11 @@ def train_mini_batch(
     mini = to_device(mini)
     batching = MicroBatching.coerce(batching)
     plan = plan_micro_batches(mini, batching.rows, batching.max_tokens, batching.pack, batching.share)
-    mbs = _micro_batches(mini, plan, batching)
-    scale = len(mbs) * dp_size  # dp ranks may differ in len(mbs): each scales by its own
+    mbs = _micro_batches(mini, plan, batching, model_chunks[0])
+    # dp ranks may differ in len(mbs): each scales by its own. Under CP megatron's schedule
+    # multiplies by cp itself (DDP averages over dp x cp ranks: module docstring)
+    cp = context_parallel_size(model_chunks[0])
+    scale = len(mbs) * dp_size
     want_entropy_grad = cfg.entropy_coef > 0
 
     def forward_step(data_iterator, model):
@@ -280,7 +373,7 @@ def train_mini_batch(
                 num_tokens=num_tokens, num_sequences=num_sequences,
             )
             metrics["loss"] = float(loss.detach())
-            metrics["num_padded_tokens"] = float(mb.tokens.numel() if packed is None else packed.num_tokens)
+            metrics["num_padded_tokens"] = float(mb.tokens.numel() if packed is None else packed.num_tokens * cp)
             metrics["num_sequence_tokens"] = float(sequence_lengths(mb).sum())
             return loss * scale, metrics
 

@@ -86,7 +86,7 @@ def rank_main(argv: list[str]) -> int:
 
         parallel.initialize(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed,
                             timeout_s=cfg.parallel.distributed_timeout_s, ep=cfg.parallel.ep,
-                            vpp=cfg.parallel.vpp, etp=cfg.parallel.etp)
+                            vpp=cfg.parallel.vpp, etp=cfg.parallel.etp, cp=cfg.parallel.cp)
         train(cfg, spawned)
     except user_errors() as e:
         return _report(e, rank, args.config, cfg.data.train_file)

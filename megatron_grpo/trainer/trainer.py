@@ -298,7 +298,7 @@ class Trainer:
         its optimizer steps (sent from the reporting last-stage rank), lr, skipped updates,
         engine restarts and the sync's verification."""
         reporter = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
-                    and ps.get_data_parallel_rank() == 0)
+                    and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
         box = [None] * dist.get_world_size()
         mine = pool_optimizer_steps(updates.metrics) if reporter and updates.metrics else None
         dist.all_gather_object(box, (mine, synced.num_bytes))

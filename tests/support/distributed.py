@@ -1,6 +1,6 @@
 """Run a function on N gloo ranks: the harness behind every TP/PP test and benchmark.
 
-``run_distributed(fn, world_size, *args, tp=..., pp=..., ep=..., vpp=..., etp=...)`` spawns ``world_size`` fresh
+``run_distributed(fn, world_size, *args, tp=..., pp=..., ep=..., vpp=..., etp=..., cp=...)`` spawns ``world_size`` fresh
 processes (``spawn`` start method, so no state leaks from the parent), points them at a
 free loopback port, initialises torch.distributed (+ megatron parallel state when ``tp``,
 ``pp`` or ``ep`` is given) and calls ``fn(rank, world_size, *args)`` in each. It returns the list of
@@ -64,7 +64,7 @@ POOL_ENV = "MEGATRON_GRPO_RANK_POOL"
 _PARENT_POLL_S = 1.0
 
 
-def _worker(fn, rank, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs, results):
+def _worker(fn, rank, world_size, port, tp, pp, ep, vpp, etp, cp, seed, args, kwargs, results):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -78,8 +78,8 @@ def _worker(fn, rank, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
-        if tp is not None or pp is not None or ep is not None:
-            parallel.initialize(tp or 1, pp or 1, seed=seed, ep=ep or 1, vpp=vpp, etp=etp)
+        if tp is not None or pp is not None or ep is not None or cp is not None:
+            parallel.initialize(tp or 1, pp or 1, seed=seed, ep=ep or 1, vpp=vpp, etp=etp, cp=cp or 1)
         else:
             import torch.distributed as dist
 
@@ -108,7 +108,7 @@ fresh process would have them (only for modules a job imported)."""
 
 
 def _pooled_worker(rank: int, world_size: int, jobs, results, owner_pid: int, caller_env: dict) -> None:
-    """A pool rank: run jobs (pickled ``(fn, port, tp, pp, ep, vpp, etp, seed, args, kwargs)``)
+    """A pool rank: run jobs (pickled ``(fn, port, tp, pp, ep, vpp, etp, cp, seed, args, kwargs)``)
     until it gets None or the pool's owner is gone. Each job runs exactly as ``_worker`` runs it
     in a fresh process, then what a job may change process-wide is put back."""
     import torch
@@ -131,9 +131,9 @@ def _pooled_worker(rank: int, world_size: int, jobs, results, owner_pid: int, ca
             continue
         if job is None:
             return
-        fn, port, tp, pp, ep, vpp, etp, seed, args, kwargs = pickle.loads(job)
+        fn, port, tp, pp, ep, vpp, etp, cp, seed, args, kwargs = pickle.loads(job)
         try:
-            _worker(fn, rank, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs, results)
+            _worker(fn, rank, world_size, port, tp, pp, ep, vpp, etp, cp, seed, args, kwargs, results)
         finally:
             os.environ.clear()
             os.environ.update(environ)
@@ -271,6 +271,7 @@ def run_distributed(
     ep: int | None = None,
     vpp: int | None = None,
     etp: int | None = None,
+    cp: int | None = None,
     seed: int = 1234,
     timeout_s: float = 300.0,
     fresh: Optional[bool] = None,
@@ -286,7 +287,7 @@ def run_distributed(
     __tracebackhide__ = True  # pytest: a failure shows the ranks' tracebacks, not this harness
     if fresh is None:
         fresh = os.environ.get(POOL_ENV) != "1"
-    layout = dict(tp=tp, pp=pp, ep=ep, vpp=vpp, etp=etp, seed=seed, timeout_s=timeout_s)
+    layout = dict(tp=tp, pp=pp, ep=ep, vpp=vpp, etp=etp, cp=cp, seed=seed, timeout_s=timeout_s)
     if fresh:
         return _run(fn, world_size, args, kwargs, fresh=True, **layout)
     try:
@@ -304,7 +305,8 @@ class RankPoolWarning(UserWarning):
 
 
 def _run(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, fresh: bool,
-         tp: int | None, pp: int | None, ep: int | None, vpp: int | None, etp: int | None, seed: int,
+         tp: int | None, pp: int | None, ep: int | None, vpp: int | None, etp: int | None, cp: int | None,
+         seed: int,
          timeout_s: float) -> list[Any]:
     """One try of ``run_distributed`` in fresh processes or the rank pool's."""
     __tracebackhide__ = True
@@ -316,7 +318,7 @@ def _run(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, 
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, port, tp, pp, ep, vpp, etp, seed, args, kwargs, results),
+                args=(fn, r, world_size, port, tp, pp, ep, vpp, etp, cp, seed, args, kwargs, results),
                 daemon=False,
             )
             for r in range(world_size)
@@ -327,7 +329,7 @@ def _run(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, *, 
         key = _pool_key(world_size)
         pool = _pool_for(key)
         results, procs = pool.results, pool.procs
-        pool.submit(pickle.dumps((fn, port, tp, pp, ep, vpp, etp, seed, args, kwargs)))
+        pool.submit(pickle.dumps((fn, port, tp, pp, ep, vpp, etp, cp, seed, args, kwargs)))
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s

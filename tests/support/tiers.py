@@ -15,6 +15,11 @@ refuses a key that matches no test when the whole suite is collected (a renamed 
 """
 
 EXTENDED: dict[str, str] = {
+    "tests/test_context_parallel.py::test_virtual_pipeline_with_cp_equals_cp1":
+        "test_context_parallel::test_cp2_step_equals_cp1 (the CP path); test_vpp (the interleaved schedule)",
+    "tests/test_context_parallel.py::test_four_rank_layouts_equal_cp1":
+        "test_context_parallel::test_cp2_step_equals_cp1 (the same CP path at 2 ranks, every case); "
+        "test_trainer_step_equivalence (TP2, PP2, DP2 steps)",
     "tests/test_smollm2_pipeline.py::test_export_of_the_pp2_checkpoint_is_the_original_bitwise":
         "test_models_equivalence::test_multi_rank_logits_and_round_trip[pp2] (HF weights back bitwise at PP2); "
         "non-slow test_models_moe::test_convert_cli_both_ways_with_self_check",

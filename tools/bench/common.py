@@ -115,7 +115,7 @@ def sections_config(**sections):
 
 
 def _rank_main(rank: int, fn: Callable, world_size: int, port: int, tp: int | None, pp: int | None,
-               args: tuple, kwargs: dict, out_dir: str) -> None:
+               cp: int | None, args: tuple, kwargs: dict, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     import torch
@@ -124,8 +124,8 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, tp: int | No
     from megatron_grpo.runtime import cpu_shim, parallel
 
     torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
-    if tp is not None or pp is not None:
-        parallel.initialize(tp or 1, pp or 1)
+    if tp is not None or pp is not None or cp is not None:
+        parallel.initialize(tp or 1, pp or 1, cp=cp or 1)
     else:
         cpu_shim.install()
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -138,9 +138,9 @@ def _rank_main(rank: int, fn: Callable, world_size: int, port: int, tp: int | No
 
 
 def spawn_ranks(fn: Callable, world_size: int, *args: Any, tp: int | None = None, pp: int | None = None,
-                timeout_s: float = 600.0, **kwargs: Any) -> list[Any]:
+                cp: int | None = None, timeout_s: float = 600.0, **kwargs: Any) -> list[Any]:
     """``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh gloo ranks (megatron's
-    parallel state too when ``tp`` or ``pp`` is given); the per-rank results in rank order.
+    parallel state too when ``tp``, ``pp`` or ``cp`` is given); the per-rank results in rank order.
     A failing rank raises with its traceback (torch's ``ProcessRaisedException``); ranks still
     running after ``timeout_s`` are killed and ``TimeoutError`` is raised. Fresh processes
     each call: a benchmark measures a first import and a clean peak memory."""
@@ -149,7 +149,7 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, tp: int | None = None
     from megatron_grpo.runtime.process import free_port
 
     with tempfile.TemporaryDirectory(prefix="ranks-") as out_dir:
-        ctx = mp.start_processes(_rank_main, args=(fn, world_size, free_port(), tp, pp, args, kwargs, out_dir),
+        ctx = mp.start_processes(_rank_main, args=(fn, world_size, free_port(), tp, pp, cp, args, kwargs, out_dir),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
