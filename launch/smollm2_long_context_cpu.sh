@@ -13,7 +13,7 @@ python -m pip install --quiet --disable-pip-version-check -e ".[reasoning,gguf]"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 config=yaml_configs/smollm2_135m_long_context_cp2_cpu.yaml
 data=runs/smollm2/chain_sum_long
-python tools/fetch_smollm2.py --out runs/smollm2/model
+python -m tools.fetch_smollm2 --out runs/smollm2/model
 if [[ ! -f "$data/heldout.jsonl" ]]; then
   mkdir -p "$data"
   # ~2k tokens of notes to ignore (reasoning-gym's needle_haystack statements), then the question
@@ -24,7 +24,7 @@ notes = reasoning_gym.create_dataset("needle_haystack", size=1, seed=5, min_num_
                                      max_num_statements=260)[0]["question"].rsplit("\n", 1)[0].strip()
 open(sys.argv[1], "w").write("Some notes you can ignore:\n" + notes + "\n\n{question}")
 PY
-  python tools/make_reasoning_gym_data.py --task chain_sum --size 400 --heldout 20 --seed 0 --split natural \
+  python -m tools.make_reasoning_gym_data --task chain_sum --size 400 --heldout 20 --seed 0 --split natural \
     --task-config '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}' \
     --prompt-template "$(cat "$data/template.txt")" --out "$data"
 fi

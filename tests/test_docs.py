@@ -302,6 +302,9 @@ def test_tools_are_shown_run_as_modules():
     as_script = sorted({p[1] for p in programs if p[1].startswith("tools/")})
     assert len(as_module) >= 10, f"only {sorted(as_module)} shown: is the parser broken?"
     assert not as_script, f"tools shown run as scripts (show `python -m tools.X`): {as_script}"
+    launched = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "launch").glob("*.sh"))
+                for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"python3? tools/", line)]
+    assert not launched, f"launch scripts that run a tool as a script (run `python -m tools.X`): {launched}"
 
 
 def test_every_config_a_command_names_validates():
