@@ -58,11 +58,16 @@ def test_attention_mask_is_causal_inside_each_segment():
 
 
 @pytest.mark.parametrize("lengths,cp", [([12], 2), ([8, 4, 16], 2), ([16, 8], 4)])
-@pytest.mark.parametrize("per_chunk", [False, True], ids=["mask", "per_chunk"])
-def test_sdpa_context_parallel_is_causal_attention_of_the_whole_sequence(lengths, cp, per_chunk):
+@pytest.mark.parametrize("per_chunk,block", [(False, 256), (False, 3), (True, 256)],
+                         ids=["mask", "mask_blocks_of_3", "per_chunk"])
+def test_sdpa_context_parallel_is_causal_attention_of_the_whole_sequence(lengths, cp, per_chunk, block, monkeypatch):
     """Each rank's output (grouped-query: 4 heads over 2 groups) = the rows of plain causal SDPA
-    over each whole segment at that rank's tokens; gradients too (the CPU mask path and the
-    per-chunk path CUDA runs compute the same function)."""
+    over each whole segment at that rank's tokens; gradients too (the CPU mask path, in one
+    query block or in blocks of 3 queries, and the per-chunk path CUDA runs compute the same
+    function)."""
+    from megatron_grpo.models import context_parallel
+
+    monkeypatch.setattr(context_parallel, "_QUERY_BLOCK", block)
     gen = torch.Generator().manual_seed(0)
     total = sum(lengths)
     q = torch.randn(1, 4, total, 8, generator=gen, requires_grad=True)

@@ -30,6 +30,7 @@ divided by cp (activations outside attention, the logits and the vocabulary work
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -168,19 +169,64 @@ def cp_attention_mask(segment_lengths: list[int], query_index: Tensor) -> Tensor
     return same & (keys.unsqueeze(0) <= query_index.unsqueeze(1))
 
 
+@functools.lru_cache(maxsize=2)
+def _layout_mask(segment_lengths: tuple[int, ...], cp: int, rank: int, device: str) -> Tensor:
+    """``cp_attention_mask`` of a layout, built once for every layer of a forward (and its
+    backward), not once per layer: each layer keeps it for its backward."""
+    return cp_attention_mask(list(segment_lengths), local_index(list(segment_lengths), cp, rank).to(device))
+
+
+_QUERY_BLOCK = 256
+"""Queries per SDPA call of ``_BlockedMaskedSDPA``: the math kernel's [heads, block, keys] weights
+are the transient memory (e.g. 9 heads x 256 x 8192 keys x 4 bytes = 75 MB)."""
+
+
+class _BlockedMaskedSDPA(torch.autograd.Function):
+    """SDPA with a boolean mask, ``_QUERY_BLOCK`` queries at a time, whose backward recomputes
+    each block's forward. A mask sends CPU SDPA to its math kernel, which materialises the
+    [heads, q, k] attention weights and keeps them for the backward: quadratic, at 8k tokens more
+    than a whole CP1 layer (whose causal call runs the flash kernel). Here a layer keeps only q,
+    k, v and the mask, and the weights exist for one block at a time.
+    q [b, np, q, hn], k/v [b, ng, k, hn], mask bool [q, k] -> [b, np, q, hn]."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, gqa: bool) -> Tensor:
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.scale, ctx.gqa = scale, gqa
+        return torch.cat([F.scaled_dot_product_attention(q[:, :, a:a + _QUERY_BLOCK], k, v, attn_mask=mask[a:a + _QUERY_BLOCK],
+                                                         scale=scale, enable_gqa=gqa)
+                          for a in range(0, q.shape[2], _QUERY_BLOCK)], dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, mask = ctx.saved_tensors
+        k, v = k.detach().requires_grad_(), v.detach().requires_grad_()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for a in range(0, q.shape[2], _QUERY_BLOCK):
+            block = q[:, :, a:a + _QUERY_BLOCK].detach().requires_grad_()
+            with torch.enable_grad():
+                out = F.scaled_dot_product_attention(block, k, v, attn_mask=mask[a:a + _QUERY_BLOCK], scale=ctx.scale,
+                                                     enable_gqa=ctx.gqa)
+            dq_block, dk_block, dv_block = torch.autograd.grad(out, (block, k, v), grad[:, :, a:a + _QUERY_BLOCK])
+            dq[:, :, a:a + _QUERY_BLOCK] = dq_block
+            dk += dk_block
+            dv += dv_block
+        return dq, dk, dv, None, None, None
+
+
 def sdpa_context_parallel(q: Tensor, k_whole: Tensor, v_whole: Tensor, segment_lengths: list[int], cp: int,
                           rank: int, scale: float, gqa: bool, per_chunk: bool) -> Tensor:
     """Exact causal attention of a rank's query chunks against the whole sequences' keys/values.
 
     q [b, np, q_local, hn] (the rank's tokens, local order), k/v [b, ng, total, hn] (global
     order, ``gather_whole``) -> [b, np, q_local, hn]. per_chunk False: one SDPA call with the
-    [q_local, total] mask (``cp_attention_mask``: the CPU path); True: one call per chunk against
+    [q_local, total] mask a query block at a time (``cp_attention_mask``, ``_BlockedMaskedSDPA``:
+    the CPU path); True: one call per chunk against
     its segment's keys up to the chunk's end, bottom-right causal (flash-capable: the CUDA
     path). Both compute the same function."""
     if not per_chunk:
-        query_index = local_index(segment_lengths, cp, rank).to(q.device)
-        mask = cp_attention_mask(segment_lengths, query_index)
-        return F.scaled_dot_product_attention(q, k_whole, v_whole, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        mask = _layout_mask(tuple(segment_lengths), cp, rank, str(q.device))
+        return _BlockedMaskedSDPA.apply(q, k_whole, v_whole, mask, scale, gqa)
     from torch.nn.attention.bias import causal_lower_right
 
     outs = []

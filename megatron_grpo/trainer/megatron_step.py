@@ -189,14 +189,14 @@ def _cp_scores(logits_BRv: torch.Tensor, mb: TrainBatch, scored: CPScored, spec:
     columns -> (log_probs [B, T], entropy [B, T] or None) of the WHOLE sequences: this rank's
     pairs, zeros elsewhere, summed over the CP group (``cp_sum``: every rank then holds the
     values CP1 computes, 0 where CP1 gives 0)."""
-    rows_, width = mb.num_sequences, mb.seq_length - 1
+    num_rows, width = mb.num_sequences, mb.seq_length - 1
     safe = scored.cols.clamp(max=width - 1)
     targets = mb.tokens[scored.rows, safe + 1].unsqueeze(0)
     kept = None if mb.kept_ids is None else mb.kept_ids[scored.rows, safe].unsqueeze(0)
     lp, ent = _log_probs(logits_BRv.reshape(1, -1, logits_BRv.shape[-1]), targets, kept, spec, with_entropy)
 
     def whole(values_1N: torch.Tensor) -> torch.Tensor:  # column T collects the dropped values
-        local = values_1N.new_zeros(rows_, width + 1).index_put((scored.rows, scored.cols), values_1N[0])
+        local = values_1N.new_zeros(num_rows, width + 1).index_put((scored.rows, scored.cols), values_1N[0])
         return cp_sum(local[:, :width], group)
 
     return whole(lp), None if ent is None else whole(ent)

@@ -15,6 +15,9 @@ refuses a key that matches no test when the whole suite is collected (a renamed 
 """
 
 EXTENDED: dict[str, str] = {
+    "tests/test_context_parallel_e2e.py::test_a_checkpoint_resumes_at_another_cp[cp1_to_cp2]":
+        "test_context_parallel_e2e::test_a_checkpoint_resumes_at_another_cp[cp2_to_cp1] (the other direction "
+        "of the same load); test_context_parallel_e2e::test_cp2_run_is_the_cp1_run",
     "tests/test_context_parallel.py::test_virtual_pipeline_with_cp_equals_cp1":
         "test_context_parallel::test_cp2_step_equals_cp1 (the CP path); test_vpp (the interleaved schedule)",
     "tests/test_context_parallel.py::test_four_rank_layouts_equal_cp1":

@@ -10,8 +10,10 @@ hidden 576, 9 heads over 3 key/value groups, MLP 1536, vocabulary 49152, ``--lay
 30; random weights: only memory and time mean anything), fp32, on cp gloo ranks; the machine's
 cores are split between the ranks (cp 1: one rank with every thread). Measured on each rank:
 
-* activation memory: the bytes autograd keeps for the backward (``saved_tensors_hooks``, each
-  storage once, the parameters left out): deterministic, what CP divides;
+* activation memory: the peak of the bytes autograd holds for the backward at once
+  (``saved_tensors_hooks``: each storage once, counted from its first save until autograd
+  frees its last, the parameters left out; recomputations inside the backward count too):
+  deterministic, what CP divides;
 * the update's peak resident memory above the rank's before it (``resource.getrusage``'s
   high-water mark minus the resident size after the model and optimizer were built);
 * the update's seconds (the second of two updates: the first pays the allocator's warm-up).
@@ -29,12 +31,22 @@ import resource
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 from tools.bench.common import spawn_ranks
 from tools.tiny import save_tiny_model
 
 SMOLLM2 = dict(hidden_size=576, num_heads=9, num_kv_heads=3, intermediate_size=1536, vocab_size=49152)
+
+
+class _Held:
+    """A saved tensor as autograd holds it (``saved_tensors_hooks``): freed when autograd is done with it."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
 
 
 def _rank(rank: int, world: int, hf_dir: str, length: int, threads: int) -> dict:
@@ -60,13 +72,27 @@ def _rank(rank: int, world: int, hf_dir: str, length: int, threads: int) -> dict
                               [[-1.0] * response], torch.tensor([1.0]), pad_id=0)
     spec = ScoringSpec(temperature=1.0, vocab_size=policy.hf_config.vocab_size)
     params = {p.untyped_storage().data_ptr() for c in policy.chunks for p in c.parameters()}
-    saved: dict[int, int] = {}
+    live: dict[int, list] = {}  # storage -> [saved tensors holding it, its bytes]
+    total = {"now": 0, "peak": 0}
+
+    def release(ptr: int) -> None:
+        entry = live[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            total["now"] -= entry[1]
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
+        if storage.data_ptr() in params:
+            return t
+        entry = live.setdefault(storage.data_ptr(), [0, storage.nbytes()])
+        if entry[0] == 0:
+            total["now"] += entry[1]
+            total["peak"] = max(total["peak"], total["now"])
+        entry[0] += 1
+        holder = _Held(t)  # autograd drops it when the saved tensor is used up: the bytes leave the count
+        weakref.finalize(holder, release, storage.data_ptr())
+        return holder
 
     def update():
         return train_mini_batch(policy.chunks, policy.optimizer, batch, AlgorithmConfig(), spec, 1,
@@ -75,11 +101,11 @@ def _rank(rank: int, world: int, hf_dir: str, length: int, threads: int) -> dict
     update()  # warm-up: the allocator's first growth, megatron's buffers
     rss_before = psutil.Process().memory_info().rss
     start = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.tensor if isinstance(held, _Held) else held):
         update()
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"activation_bytes": sum(saved.values()), "peak_rss_over_bytes": max(0, peak - rss_before),
+    return {"activation_bytes": total["peak"], "peak_rss_over_bytes": max(0, peak - rss_before),
             "update_s": seconds}
 
 
