@@ -359,7 +359,7 @@ def test_preflight_refuses_packing_an_moe_model(tmp_path):
 
     hf_dir = str(save_tiny_model(tmp_path / "moe", "qwen3_moe", seed=4))
     cfg = SimpleNamespace(model=SimpleNamespace(hf_dir=hf_dir, attention_backend="auto", lora=None),
-                          parallel=SimpleNamespace(tp=1, pp=1, pack_sequences=True))
+                          parallel=SimpleNamespace(tp=1, pp=1, cp=1, pack_sequences=True))
     with pytest.raises(ConfigError, match="^parallel.pack_sequences: is not supported for the mixture-of-experts"):
         check_model_dir(cfg)
     cfg.parallel.pack_sequences = False

@@ -86,10 +86,11 @@ def model_inputs(tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def logits_start(model, first_scored: int) -> int:
     """The first position ``causal_logits`` can give logits from when the caller reads none
-    before ``first_scored``: ``first_scored``, or 0 under sequence parallelism."""
-    from megatron.core.utils import get_model_config
-
-    return 0 if get_model_config(model).sequence_parallel else max(0, first_scored)
+    before ``first_scored``: ``first_scored``, or 0 under sequence parallelism (the sequence
+    multiple beyond context parallelism's 2 x cp)."""
+    cp = context_parallel_size(model)
+    multiple = sequence_multiple(model)
+    return 0 if (multiple // (2 * cp) if cp > 1 else multiple) > 1 else max(0, first_scored)
 
 
 def _output_layer(model):
