@@ -150,10 +150,17 @@ def cp_sum(x: Tensor, group) -> Tensor:
 def gather_whole(x_local: Tensor, segment_lengths: list[int], group) -> Tensor:
     """The whole layout [sum(lengths), ...] from every CP rank's local tokens ``x_local``
     [sum(lengths) / cp, ...] (dim 0 is the sequence; differentiable, see ``_GatherSequence``)."""
-    cp = dist.get_world_size(group)
     gathered = _GatherSequence.apply(x_local, group)  # [cp * local, ...], rank-major
-    order = torch.cat([local_index(segment_lengths, cp, r) for r in range(cp)]).to(x_local.device)
-    return gathered.index_select(0, torch.argsort(order))
+    order = _whole_order(tuple(segment_lengths), dist.get_world_size(group), str(x_local.device))
+    return gathered.index_select(0, order)
+
+
+@functools.lru_cache(maxsize=2)
+def _whole_order(segment_lengths: tuple[int, ...], cp: int, device: str) -> Tensor:
+    """long [sum(lengths)]: where each global index sits in the rank-major gather of every
+    rank's local tokens; built once per layout, not twice per layer (keys and values)."""
+    held = torch.cat([local_index(list(segment_lengths), cp, r) for r in range(cp)])
+    return torch.argsort(held).to(device)
 
 
 def cp_attention_mask(segment_lengths: list[int], query_index: Tensor) -> Tensor:

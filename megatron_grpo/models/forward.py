@@ -89,8 +89,8 @@ def logits_start(model, first_scored: int) -> int:
     before ``first_scored``: ``first_scored``, or 0 under sequence parallelism (the sequence
     multiple beyond context parallelism's 2 x cp)."""
     cp = context_parallel_size(model)
-    multiple = sequence_multiple(model)
-    return 0 if (multiple // (2 * cp) if cp > 1 else multiple) > 1 else max(0, first_scored)
+    beyond_cp = sequence_multiple(model) // (2 * cp if cp > 1 else 1)
+    return 0 if beyond_cp > 1 else max(0, first_scored)
 
 
 def _output_layer(model):

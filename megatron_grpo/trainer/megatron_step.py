@@ -159,9 +159,10 @@ def _cp_padded(mb: TrainBatch, multiple: int, start: int, cp: int, rank: int) ->
     ``start`` .. T-1 (at least one column, so every rank's loss reaches its logits)."""
     device, width = mb.tokens.device, mb.seq_length - 1
     positions = local_index([padded_length(mb.seq_length, multiple)], cp, rank).to(device)
-    wanted = ((positions >= start) & (positions < width)).nonzero()[:, 0]
+    scored = (positions >= start) & (positions < width)
+    wanted = scored.nonzero()[:, 0]
     columns = wanted if wanted.numel() else torch.zeros(1, dtype=torch.long, device=device)
-    cols = torch.where((positions[columns] >= start) & (positions[columns] < width), positions[columns], width)
+    cols = torch.where(scored[columns], positions[columns], width)
     rows = torch.arange(mb.num_sequences, device=device).repeat_interleave(columns.numel())
     return CPScored(columns=columns, rows=rows, cols=cols.repeat(mb.num_sequences))
 
