@@ -20,6 +20,7 @@ import yaml
 from megatron_grpo.config import aliases
 from megatron_grpo.config.algorithm import AlgorithmConfig
 from megatron_grpo.config.base import ConfigError, ConfigValueError, build_section, check, to_dict
+from megatron_grpo.config.distillation import DistillationConfig
 from megatron_grpo.config.engine import EngineConfig
 from megatron_grpo.config.episodes import EpisodesConfig
 from megatron_grpo.config.evaluation import EvalConfig
@@ -59,6 +60,9 @@ class ExperimentConfig:
 
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantages, policy loss, KL/entropy and off-policy correction."""
+
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation from a frozen teacher (off while distillation.teacher is null)."""
 
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer, learning-rate schedule and gradient clipping."""
@@ -122,6 +126,7 @@ class ExperimentConfig:
         check(self.episodes.agent is None or not self.algorithm.router_replay, "algorithm.router_replay",
               "is not supported with episodes.agent (multi-turn episodes): set one of them off")
 
+        self._check_distillation()
         labels = self.reward.labels
         if self.episodes.environment is not None or self.episodes.agent is not None:
             # an evaluation episode's own reward (evaluation/runner.py)
@@ -163,6 +168,16 @@ class ExperimentConfig:
               "an episode's finish reason is its last turn's, not the episode's; set it to null with "
               "episodes.environment, episodes.agent or episodes.rollout_function (episodes.max_episode_tokens "
               "bounds an episode)")
+
+    def _check_distillation(self) -> None:
+        """The rules between `distillation:` and the other sections."""
+        distill = self.distillation
+        if not distill.enabled:
+            return
+        # pure distillation trains every sampled token: a filter of groups by their rewards
+        # would throw away the very tokens the teacher scores
+        check(distill.task_reward or not self.rollout.dynamic_sampling.enabled, "rollout.dynamic_sampling.enabled",
+              "drops groups by their rewards, which distillation.task_reward: false does not train on; turn it off")
 
     @property
     def mini_batches_per_step(self) -> int:

@@ -14,6 +14,10 @@ and m' the valid mask after the off-policy masks (``off_policy.py``)::
 
     loss = agg(l * w, m') + kl_loss_coef * (1/S) sum_i mean_t k_{i,t} - entropy_coef * sum m H / N
 
+With ``distillation:`` (``distill.py``) the advantage of token t becomes A + coef (lt - lo)
+(form advantage), or coef (1/S) sum_i mean_t k(lp, lt) is added (form loss), lt the frozen
+teacher's log-prob of the sampled token.
+
 Registries (``registry.py``), one per concept, keyed by the config's ``Literal`` values:
 ``ADVANTAGE_ESTIMATORS`` (grpo|dr_grpo|rloo), ``POLICY_LOSSES`` (ppo|gspo|cispo|sapo),
 ``REDUCTIONS`` (token_mean|seq_mean_token_mean|seq_mean_token_sum|seq_mean_token_sum_norm),

@@ -11,7 +11,9 @@ from typing import Optional
 import torch
 
 from megatron_grpo.config.algorithm import AlgorithmConfig
+from megatron_grpo.config.distillation import DistillationConfig
 from megatron_grpo.losses.common import Count, as_count, compute_dtype, masked_sum, sanitize
+from megatron_grpo.losses.distill import distill
 from megatron_grpo.losses.kl import KL_ESTIMATORS
 from megatron_grpo.losses.off_policy import off_policy_correction, rollout_diagnostics
 from megatron_grpo.losses.policy import POLICY_LOSSES
@@ -43,6 +45,8 @@ def compute_policy_loss(
     entropy: Optional[torch.Tensor] = None,
     num_tokens: Optional[Count] = None,
     num_sequences: Optional[Count] = None,
+    teacher_log_probs: Optional[torch.Tensor] = None,
+    distillation: Optional[DistillationConfig] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO policy loss of one batch (or one part of a mini-batch) and its metrics.
 
@@ -58,6 +62,8 @@ def compute_policy_loss(
     num_tokens:        N, valid tokens of the whole mini-batch before off-policy masking
                        (default: this call's); int or 0-d tensor
     num_sequences:     S, sequences of the whole mini-batch (default: this call's B)
+    teacher_log_probs: float[B, T] log pi_teacher of the sampled tokens, with ``distillation``
+                       (``losses.distill``: the distillation advantage or loss term)
 
     Returns ``(loss, metrics)``: a 0-d tensor (float32, float64 for float64 inputs) whose
     sum over the parts of a mini-batch, each called with the mini-batch's N and S, equals the
@@ -69,7 +75,10 @@ def compute_policy_loss(
     _check_shapes(
         log_probs, advantages, old_log_probs=old_log_probs, loss_mask=loss_mask,
         rollout_log_probs=rollout_log_probs, ref_log_probs=ref_log_probs, entropy=entropy,
+        teacher_log_probs=teacher_log_probs,
     )
+    if (teacher_log_probs is None) != (distillation is None or not distillation.enabled):
+        raise ValueError("teacher_log_probs and an enabled distillation config go together")
     if config.kl_loss_coef > 0 and ref_log_probs is None:
         raise ValueError("algorithm.kl_loss_coef > 0 needs ref_log_probs")
     if config.entropy_coef > 0 and entropy is None:
@@ -98,9 +107,14 @@ def compute_policy_loss(
         horizon=config.max_response_length,
     )
 
+    metrics: dict[str, torch.Tensor] = {}
+    extra = None
+    if teacher_log_probs is not None:  # the teacher's term: per-token advantages or a loss term
+        distilled = distill(lp, lo, sanitize(teacher_log_probs.detach(), valid, dtype), adv, valid, den, distillation)
+        adv, extra = distilled.advantages, distilled.loss
+        metrics.update(distilled.metrics)
     surrogate = POLICY_LOSSES.get(config.policy_loss_type)(lp, lo, adv, valid, config)
     pg_BT, keep = surrogate.loss, valid
-    metrics: dict[str, torch.Tensor] = {}
     if rollout_log_probs is not None:
         lmu = sanitize(rollout_log_probs.detach(), valid, dtype)
         # float64: detached statistics, so that mean <= max holds to the last digit.
@@ -112,6 +126,8 @@ def compute_policy_loss(
                 pg_BT = pg_BT * correction.weight
             metrics.update(correction.metrics)
     loss = REDUCTIONS.get(config.loss_reduction)(pg_BT, keep, den)
+    if extra is not None:
+        loss = loss + extra
 
     def token_fraction(flags: torch.Tensor) -> torch.Tensor:
         return masked_sum(flags.to(dtype), valid) / local_tokens

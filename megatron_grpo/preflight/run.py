@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -48,65 +49,117 @@ def _in_key(key: str, error: BaseException | str) -> ConfigError:
 def check_model_dir(cfg: ExperimentConfig):
     """config.json (supported architecture, sizes that split over tp/pp), the safetensors
     weights and the tokenizer of ``model.hf_dir``; returns (hf_config, tokenizer)."""
-    hf_dir = cfg.model.hf_dir
-    try:
-        hf_config = load_hf_config(hf_dir)
-    except ModelError as e:
-        raise _in_key("model.hf_dir", e) from None
-    except Exception as e:  # noqa: BLE001 - transformers rejects a malformed config.json many ways
-        raise ConfigError("model.hf_dir", f"{hf_dir}/config.json: transformers cannot read it: "
-                                          f"{one_line(e, 200)}") from None
-    try:
-        get_architecture(hf_config.model_type).transformer_config_kwargs(hf_config)
-    except ModelError as e:
-        raise _in_key("model.hf_dir", f"{hf_dir}/config.json: {e}") from None
-    parallel_cfg = cfg.parallel
-    problem = split_problem(hf_config, parallel_cfg.tp, parallel_cfg.pp)
-    if problem:
-        flag, why = problem
-        raise ConfigError(f"parallel.{flag}", why.replace("(config.json)", f"({hf_dir}/config.json)"))
+    hf_config = _check_hf_config(cfg.model.hf_dir, "model.hf_dir", cfg)
     if cfg.model.lora is not None:
-        problem = lora_problem(spec_from_config(cfg.model.lora), hf_config, tp=parallel_cfg.tp,
+        problem = lora_problem(spec_from_config(cfg.model.lora), hf_config, tp=cfg.parallel.tp,
                                attention_backend=resolve_attention_backend(cfg.model.attention_backend),
-                               sequence_parallel=parallel_cfg.sequence_parallel)
+                               sequence_parallel=cfg.parallel.sequence_parallel)
         if problem:
             raise ConfigError(*problem)
-    if parallel_cfg.pack_sequences:
+    if cfg.parallel.pack_sequences:
         try:
             check_packing(hf_config, cfg.model.attention_backend)
         except ModelError as e:
             raise _in_key("parallel.pack_sequences", str(e).removeprefix("parallel.pack_sequences ")) from None
+    _check_weights(cfg.model.hf_dir, "model.hf_dir")
+    return hf_config, _check_tokenizer(cfg.model.hf_dir, "model.hf_dir", hf_config)
+
+
+def check_teacher(cfg: ExperimentConfig, tokenizer) -> None:
+    """``distillation.teacher``: a model folder as ``check_model_dir`` checks the policy's (its
+    weights unless ``teacher_megatron_ckpt`` gives them), whose tokenizer and chat template are
+    the student's (``tokenizer``): the teacher scores the student's token ids as they are."""
+    distill = cfg.distillation
+    if not distill.enabled:
+        return
+    hf_config = _check_hf_config(distill.teacher, "distillation.teacher", cfg)
+    if distill.teacher_megatron_ckpt:
+        try:
+            checkpoint_path(distill.teacher_megatron_ckpt)
+        except ModelError as e:
+            raise _in_key("distillation.teacher_megatron_ckpt", e) from None
+    else:
+        _check_weights(distill.teacher, "distillation.teacher")
+    theirs = _check_tokenizer(distill.teacher, "distillation.teacher", hf_config)
+    difference = tokenizer_difference(tokenizer, theirs)
+    if difference:
+        raise ConfigError("distillation.teacher", f"{distill.teacher}'s tokenizer is not the student's "
+                                                  f"({cfg.model.hf_dir}): {difference}; the teacher must score the "
+                                                  "student's token ids as they are")
+
+
+def tokenizer_difference(student, teacher) -> Optional[str]:
+    """What differs between two tokenizers that a teacher scoring a student's ids cannot have
+    (the vocabulary: id for id; the special tokens; the chat template), or None."""
+    mine, theirs = student.get_vocab(), teacher.get_vocab()
+    if mine != theirs:
+        changed = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda kv: kv[1])
+        return (f"vocabularies differ ({len(mine)} vs {len(theirs)} tokens; first difference: "
+                f"{changed[0][0]!r} id {changed[0][1]})")
+    for name in ("eos_token_id", "bos_token_id"):
+        if getattr(student, name, None) != getattr(teacher, name, None):
+            return f"{name} differs ({getattr(student, name, None)} vs {getattr(teacher, name, None)})"
+    if getattr(student, "chat_template", None) != getattr(teacher, "chat_template", None):
+        return "chat templates differ"
+    return None
+
+
+def _check_hf_config(hf_dir: str, key: str, cfg: ExperimentConfig):
+    """``hf_dir``'s config.json: readable, a supported architecture, sizes that split over
+    parallel.tp/pp, and context parallelism it can run (``key`` names the folder's config key)."""
     try:
-        check_context_parallel(hf_config, cfg.model.attention_backend, parallel_cfg.cp)
+        hf_config = load_hf_config(hf_dir)
+    except ModelError as e:
+        raise _in_key(key, e) from None
+    except Exception as e:  # noqa: BLE001 - transformers rejects a malformed config.json many ways
+        raise ConfigError(key, f"{hf_dir}/config.json: transformers cannot read it: {one_line(e, 200)}") from None
+    try:
+        get_architecture(hf_config.model_type).transformer_config_kwargs(hf_config)
+    except ModelError as e:
+        raise _in_key(key, f"{hf_dir}/config.json: {e}") from None
+    problem = split_problem(hf_config, cfg.parallel.tp, cfg.parallel.pp)
+    if problem:
+        flag, why = problem
+        raise ConfigError(f"parallel.{flag}", why.replace("(config.json)", f"({hf_dir}/config.json)"))
+    try:
+        check_context_parallel(hf_config, cfg.model.attention_backend, cfg.parallel.cp)
     except ModelError as e:
         raise _in_key("parallel.cp", str(e).removeprefix("parallel.cp=")) from None
+    return hf_config
+
+
+def _check_weights(hf_dir: str, key: str) -> None:
+    """The safetensors of ``hf_dir`` are all there and readable."""
     # A partial download (config.json but no or unreadable weights) must fail here, not after
     # the ranks and the rollout engine have started.
     try:
         reader = SafetensorsReader(hf_dir)
         missing = sorted({f for f in reader.weight_map.values() if not (reader.dir / f).is_file()})
     except ModelError as e:
-        raise _in_key("model.hf_dir", e) from None
+        raise _in_key(key, e) from None
     except Exception as e:  # noqa: BLE001 - a corrupt safetensors header or index
-        raise ConfigError("model.hf_dir", f"{hf_dir}: unreadable weights: {type(e).__name__}: "
-                                          f"{' '.join(str(e).split())[:200]}") from None
+        raise ConfigError(key, f"{hf_dir}: unreadable weights: {type(e).__name__}: "
+                               f"{' '.join(str(e).split())[:200]}") from None
     if missing:
-        raise ConfigError("model.hf_dir", f"{hf_dir}: {missing[0]} is listed in model.safetensors.index.json "
-                                          f"but missing ({len(missing)} shard(s) missing: a partial download?)")
+        raise ConfigError(key, f"{hf_dir}: {missing[0]} is listed in model.safetensors.index.json "
+                               f"but missing ({len(missing)} shard(s) missing: a partial download?)")
+
+
+def _check_tokenizer(hf_dir: str, key: str, hf_config):
+    """The tokenizer of ``hf_dir``: there, loadable, and within config.json's vocabulary."""
     # Without vocabulary files transformers silently builds an empty tokenizer for the
     # model_type (every prompt would tokenize to nothing): require one.
     if not any(any(Path(hf_dir).glob(pattern)) for pattern in TOKENIZER_FILES):
-        raise ConfigError("model.hf_dir", f"{hf_dir}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
+        raise ConfigError(key, f"{hf_dir}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
     try:
         tokenizer = load_tokenizer(hf_dir)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad dir
-        raise ConfigError("model.hf_dir", f"{hf_dir}: cannot load the tokenizer: "
-                                          f"{' '.join(str(e).split())[:200]}") from None
+        raise ConfigError(key, f"{hf_dir}: cannot load the tokenizer: {' '.join(str(e).split())[:200]}") from None
     if len(tokenizer) > hf_config.vocab_size:
         raise ConfigError(
-            "model.hf_dir", f"{hf_dir}: the tokenizer has {len(tokenizer)} tokens but config.json's vocab_size is "
+            key, f"{hf_dir}: the tokenizer has {len(tokenizer)} tokens but config.json's vocab_size is "
             f"{hf_config.vocab_size}: tokenizer and model do not belong together")
-    return hf_config, tokenizer
+    return tokenizer
 
 
 def check_checkpoints(cfg: ExperimentConfig) -> None:
@@ -156,6 +209,7 @@ def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
         raise ConfigError("", engine_problem)  # the problem names its key
     check_machine(cfg, ranks_on_node)
     hf_config, tokenizer = check_model_dir(cfg)
+    check_teacher(cfg, tokenizer)
     check_checkpoints(cfg)
     dataset = load_prompt_dataset(cfg.data, tokenizer)
     context = getattr(hf_config, "max_position_embeddings", None)

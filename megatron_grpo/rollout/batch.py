@@ -38,6 +38,7 @@ class TrainBatch:
     advantages: torch.Tensor  # float[N]
     old_log_probs: torch.Tensor | None = None  # float[N, T], filled by the trainer
     ref_log_probs: torch.Tensor | None = None  # float[N, T], only with a KL loss
+    teacher_log_probs: torch.Tensor | None = None  # float[N, T], only with distillation.teacher
     routed_experts: torch.Tensor | None = None  # int32[N, T, L*k], only with router replay
     kept_ids: torch.Tensor | None = None  # long[N, T, K], only with sampling-mask replay
 

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.config.algorithm import AlgorithmConfig
+from megatron_grpo.config.distillation import DistillationConfig
 from megatron_grpo.losses import compute_policy_loss, reduce_metrics
 from megatron_grpo.models.fake_quant import fake_quantized
 from megatron_grpo.models.context_parallel import cp_group_info, cp_sum, local_index, local_of_global, split_packed
@@ -333,6 +334,7 @@ def train_mini_batch(
     dp_size: int,
     dp_group,
     routing: Optional[RoutingReplay] = None,
+    distillation: Optional[DistillationConfig] = None,
 ) -> tuple[dict[str, float] | None, bool, float]:
     """One optimizer step on this rank's share of a mini-batch.
 
@@ -341,6 +343,7 @@ def train_mini_batch(
     budget, packed or not; an int: fixed rows). ``mini.old_log_probs`` None means pi_old = pi_theta
     (``old_log_probs_needed``): the detached current log-probs stand in.
     ``routing``: replays ``mini.routed_experts`` in the forward (``trainer.router_replay``).
+    ``distillation``: with ``mini.teacher_log_probs``, the teacher's term (``losses.distill``).
     The metrics carry ``num_padded_tokens`` / ``num_sequence_tokens`` (token slots run /
     real prompt+response tokens), whose ratio gives the padding fraction.
     Returns (metrics pooled over micro-batches and dp on the last stage else None,
@@ -372,6 +375,8 @@ def train_mini_batch(
                 rollout_log_probs=mb.rollout_log_probs, ref_log_probs=mb.ref_log_probs,
                 entropy=ent if want_entropy_grad else ent.detach(),
                 num_tokens=num_tokens, num_sequences=num_sequences,
+                teacher_log_probs=mb.teacher_log_probs,
+                distillation=distillation if mb.teacher_log_probs is not None else None,
             )
             metrics["loss"] = float(loss.detach())
             metrics["num_padded_tokens"] = float(mb.tokens.numel() if packed is None else packed.num_tokens * cp)

@@ -6,7 +6,8 @@ start to its metrics entry; the checkpoint written after the entry is not in it)
 * ``generate``: waiting for the engine to sample in order (sync mode; the first step and
   retries in off-policy mode), plus drawing prompts and the broadcast of the batch;
 * ``reward``: scoring those responses (rank 0; the other ranks wait in the broadcast);
-* ``logprob``: old-policy and reference log-probs; ``train``: the optimizer steps;
+* ``logprob``: old-policy and reference log-probs; ``teacher``: the distillation teacher's
+  log-probs and its check (0 without ``distillation.teacher``); ``train``: the optimizer steps;
 * ``idle``: waiting for the batch generated in the background (off-policy mode; 0 in sync);
 * ``sync``: the weight sync; ``eval``: held-out evaluation; ``other``: the rest (gathering
   metrics). The background generation's own times are ``rollout/generate_s`` and
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-PHASES = ("generate", "reward", "logprob", "train", "idle", "sync", "eval", "other")
+PHASES = ("generate", "reward", "logprob", "teacher", "train", "idle", "sync", "eval", "other")
 
 
 class StepTimer:
