@@ -213,6 +213,34 @@ def test_two_grpo_steps_with_the_inprocess_engine(smollm2_dir, problems, tmp_pat
     assert (run_dir / "checkpoints" / "step_000002" / "COMPLETE").is_file()  # the final step is saved
 
 
+
+@pytest.mark.slow
+def test_two_distillation_steps_with_the_teacher_checked(smollm2_dir, problems, tmp_path):
+    """On-policy distillation on the real model (docs/distillation.md): the teacher is the model
+    itself, its term added to the GRPO advantage, checked against transformers at both steps. At
+    step 1 teacher and student are the same weights (the reverse KL is 0 up to the training
+    forward's rounding); the first update moves the student, so step 2 measures a real gap."""
+    run_dir = tmp_path / "run"
+    out, wall = run("-m", "megatron_grpo.cli", "train", "--config", CONFIG,
+                    *common_overrides(smollm2_dir, problems, run_dir),
+                    "parallel.tp=1", "parallel.pp=1", "parallel.world_size=2", "trainer.num_steps=2",
+                    "rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.temperature=0.7",
+                    f"rollout.max_new_tokens={TRAIN_NEW_TOKENS}", "optimizer.lr=1e-4",
+                    "parallel.global_batch_size=8", "parallel.micro_batch_size=4", "eval.at_start=false",
+                    "eval.at_end=false", "eval.every_n_steps=0", "checkpoint.save_every=0", "checkpoint.resume=never",
+                    f"distillation.teacher={smollm2_dir}", "distillation.verify_every=1")
+    assert out.returncode == 0, f"megatron-grpo train failed: {explain(out)}"
+    rows = read_metrics(run_dir)
+    print(f"\n2 distillation steps: {wall:.1f} s; reverse KL {[r['distill/reverse_kl'] for r in rows]}, teacher "
+          f"check {[r['distill/teacher_check_abs_diff'] for r in rows]}, teacher s {[r['time/teacher_s'] for r in rows]}")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert abs(rows[0]["distill/reverse_kl"]) <= FP32_LOGPROB_TOLERANCE
+    assert rows[1]["distill/logprob_gap_abs"] > 10 * FP32_LOGPROB_TOLERANCE  # the student moved off the teacher
+    for r in rows:
+        assert r["distill/teacher_check_abs_diff"] <= FP32_LOGPROB_TOLERANCE, r
+        assert r["time/teacher_s"] > 0 and math.isfinite(r["loss"])
+        assert r["weight_sync_verified"] == 1
+
 # ---- 3. megatron-grpo eval on the export vs transformers -------------------------------------
 
 @pytest.mark.slow

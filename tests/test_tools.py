@@ -67,3 +67,35 @@ def test_lora_vs_full_reads_its_runs(tmp_path, capsys):
         assert "| full | 1 | 0.100 | 0.500 | 0.400 | 40 | 2.00 |" in out
         assert "| lora | 1 | 0.100 | 0.400 | 0.300 | 40 | 2.00 |" in out
         assert (tmp_path / "demo.png").stat().st_size > 10_000
+
+
+def _write_greedy_run(run_dir: Path, evals: dict[int, float], steps: int) -> None:
+    """A run's metrics.jsonl with held-out greedy evaluations at ``evals`` (step -> accuracy)."""
+    run_dir.mkdir(parents=True)
+    metrics = MetricsFile(run_dir / "metrics.jsonl")
+    for step in range(0 if 0 in evals else 1, steps + 1):
+        record = {"step": step} if step == 0 else {"step": step, "reward_mean": 0.5, "train_elapsed_s": 10.0 * step}
+        if step in evals:
+            record["eval/greedy/pass@1"] = evals[step]
+        metrics.append(record)
+    metrics.close()
+
+
+def test_distill_arms_reads_its_runs_and_finds_the_steps_to_the_target(tmp_path, capsys):
+    from tools.bench import distill_arms
+
+    teacher = tmp_path / "teacher"
+    _write_greedy_run(teacher, {0: 0.2, 20: 0.5, 40: 0.5}, 40)
+    (teacher / "hf").mkdir()
+    (teacher / "hf" / "config.json").write_text("{}")
+    out = tmp_path / "arms"
+    _write_greedy_run(out / "grpo" / "s1", {5: 0.3, 10: 0.4, 15: 0.46, 40: 0.5}, 40)  # 0.9 x 0.5 = 0.45 at 15
+    _write_greedy_run(out / "distill" / "s1", {3: 0.44, 6: 0.47, 15: 0.48}, 15)  # at 6
+    assert distill_arms.main(["--teacher-run", str(teacher), "--out", str(out), "--seeds", "1", "--arms", "grpo",
+                              "distill", "--table-only"]) == 0
+    said = capsys.readouterr().out
+    assert "untrained greedy 0.200; teacher greedy 0.500; target 90% of it = 0.450" in said
+    assert "| grpo | 1 | 5: 0.300 (50) / 10: 0.400 (100) / 15: 0.460 (150) / 40: 0.500 (400) | 15 (150) |" in said
+    assert "| distill | 1 | 3: 0.440 (30) / 6: 0.470 (60) / 15: 0.480 (150) | 6 (60) |" in said
+    assert "distill / grpo steps to the target: 0.40" in said
+    assert distill_arms.main(["--teacher-run", str(tmp_path / "none"), "--table-only"]) == 2

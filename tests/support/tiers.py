@@ -15,6 +15,10 @@ refuses a key that matches no test when the whole suite is collected (a renamed 
 """
 
 EXTENDED: dict[str, str] = {
+    "tests/test_distillation.py::test_teacher_scores_at_the_sampling_temperature_and_gets_no_gradient[dp2]":
+        "test_distillation::test_teacher_scores_at_the_sampling_temperature_and_gets_no_gradient[tp2|pp2] (the "
+        "same teacher pass and update, sharded); test_smollm2_pipeline::test_two_distillation_steps_with_the_teacher_"
+        "checked (DP2)",
     "tests/test_context_parallel_e2e.py::test_a_checkpoint_resumes_at_another_cp[cp1_to_cp2]":
         "test_context_parallel_e2e::test_a_checkpoint_resumes_at_another_cp[cp2_to_cp1] (the other direction "
         "of the same load); test_context_parallel_e2e::test_cp2_run_is_the_cp1_run",
