@@ -14,7 +14,8 @@
   not the student's refused in one line naming both folders.
 * The run (`megatron-grpo train` on the demo): pure distillation from an identical teacher (its
   reverse KL exactly 0 at the first step, the teacher check logged, the teacher's time split
-  out), and a teacher check past its tolerance ending the run with one line.
+  out); a LoRA student in bf16 on asynchronous rollouts with packed rows; and a teacher check
+  past its tolerance ending the run with one line.
 """
 
 from __future__ import annotations
@@ -321,3 +322,19 @@ def test_a_teacher_check_past_its_tolerance_ends_the_run_in_one_line(demo, tmp_p
     assert lines and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "disagree with transformers" in lines[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(tmp_path / "run")
+
+
+def test_distillation_composes_with_a_lora_student_bf16_async_and_packing(demo, tmp_path):
+    """The teacher (the demo model, bf16 like the student) beside a LoRA policy trained in bf16
+    on asynchronous rollouts with packed rows: the run trains, the teacher's check passes at the
+    bf16 tolerance at every step, and the teacher's term moves the adapters."""
+    out = _train(demo, tmp_path / "run", 2, f"distillation.teacher={demo / 'model'}", "distillation.task_reward=false",
+                 "distillation.verify_tolerance=5e-2", "model.dtype=bfloat16", "sync.verify_logprob_tolerance=5e-2", "model.lora.rank=4",
+                 "model.lora.alpha=8", "optimizer.lr=2e-3", "rollout.mode=async", "parallel.pack_sequences=true",
+                 "parallel.max_tokens_per_microbatch=512")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["distill/teacher_check_abs_diff"] <= 5e-2 and r["grad_norm"] > 0, r
+    assert rows[-1]["distill/logprob_gap_abs"] > 0
