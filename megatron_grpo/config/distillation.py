@@ -38,8 +38,10 @@ class DistillationConfig:
     coef: float = 1.0
     """Weight of the distillation term (the advantage's or the loss's)."""
 
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
-    """form: loss only: the per-token estimator of KL(student || teacher), as algorithm.kl_estimator."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k2"
+    """form: loss only: the per-token estimator of KL(student || teacher), as algorithm.kl_estimator.
+    k2 by default: on the student's own samples the gradient of k2 = (lp - lt)^2 / 2 is
+    (lp - lt) grad lp, the reverse KL's gradient; k1's is grad lp, zero in expectation."""
 
     task_reward: bool = True
     """true: the GRPO advantage of reward.functions is kept and the distillation term added;
