@@ -322,13 +322,28 @@ def materialize_adam_state(optimizer) -> None:
                                      else torch.tensor(0.0, dtype=_get_scalar_dtype()))
 
 
+def stateless_init_state(optimizer) -> None:
+    """Give each megatron optimizer of ``optimizer`` that has no ``init_state_fn`` a no-op one.
+
+    Why: megatron-core calls ``init_state_fn`` before it builds the state dict a checkpoint is
+    loaded into, and sets none for SGD (plain SGD keeps no per-parameter state), so resuming an
+    ``optimizer.name: sgd`` run raised ``TypeError: 'NoneType' object is not callable``."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "init_state_fn") and opt.init_state_fn is None:
+            opt.init_state_fn = lambda inner, config=None: None
+
+
 def with_step_zero(optimizer_state: Any) -> Any:
     """``optimizer_state`` (megatron's loaded optimizer state dict; a chained optimizer's nests
     one per optimizer) with ``step`` 0 in every parameter's Adam state of a torch optimizer state
     that has moments but neither a step nor megatron's ``common_step``: a checkpoint written
     before the first optimizer step (megatron saves a step of 0 as none, ``if step:``), which
-    torch's Adam refuses to load (``KeyError: 'step'``). Changed in place; returned."""
+    torch's Adam refuses to load (``KeyError: 'step'``). And an empty ``state`` where the
+    checkpoint has none (plain SGD keeps no per-parameter state, and an empty dict is not saved),
+    which megatron's load reads (``KeyError: 'state'``). Changed in place; returned."""
     if isinstance(optimizer_state, dict):
+        if "param_groups" in optimizer_state:
+            optimizer_state.setdefault("state", {})
         per_param = optimizer_state.get("state")
         if isinstance(per_param, dict) and "param_groups" in optimizer_state and "common_step" not in per_param:
             for state in per_param.values():
@@ -351,6 +366,8 @@ def training_sharded_state_dict(model_chunks, optimizer, *, is_loading: bool = F
     state = dict(model_sd)
     if not is_loading:
         materialize_adam_state(optimizer)  # a save before the first optimizer step holds the moments too
+    else:
+        stateless_init_state(optimizer)
     state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                       metadata=dict(OPTIMIZER_METADATA))
     return state
