@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -34,7 +33,7 @@ from megatron_grpo.config.base import ConfigError, ConfigValueError
 from megatron_grpo.config.distillation import DistillationConfig
 from megatron_grpo.losses import compute_policy_loss
 from megatron_grpo.losses.kl import KL_ESTIMATORS
-from megatron_grpo.trainer.teacher_check import compare
+from megatron_grpo.trainer.teacher import compare
 from tests.support.cp_cases import BATCHES
 from tests.support.demo_run import ENV, ROOT, demo_overrides, read_metrics
 from tests.support.distributed import run_distributed
@@ -174,7 +173,8 @@ def _distill_step(rank, world, student, teacher, form="advantage"):
     from megatron_grpo.config import ModelConfig, OptimizerConfig
     from megatron_grpo.config.model import ParallelConfig
     from megatron_grpo.rollout.batch import dp_shard
-    from megatron_grpo.trainer.components import build_policy, build_teacher
+    from megatron_grpo.trainer.components import build_policy
+    from megatron_grpo.trainer.teacher import build_teacher
     from megatron_grpo.trainer.megatron_step import ScoringSpec, compute_log_probs, train_mini_batch
     from megatron_grpo.trainer.microbatch import MicroBatching
 
@@ -184,7 +184,8 @@ def _distill_step(rank, world, student, teacher, form="advantage"):
                           parallel=ParallelConfig(tp=ps.get_tensor_model_parallel_world_size(),
                                                   pp=ps.get_pipeline_model_parallel_world_size()),
                           distillation=distill)
-    policy, frozen = build_policy(cfg), build_teacher(cfg)
+    spec = ScoringSpec(temperature=TEMPERATURE, vocab_size=0)  # build_teacher gives it the teacher's vocabulary
+    policy, frozen = build_policy(cfg), build_teacher(cfg, spec)
     before = [p.detach().clone() for c in frozen.chunks for p in c.parameters()]
     spec = ScoringSpec(temperature=TEMPERATURE, vocab_size=policy.hf_config.vocab_size)
     full = BATCHES["long"]()
@@ -192,8 +193,7 @@ def _distill_step(rank, world, student, teacher, form="advantage"):
     local = dp_shard(full, ps.get_data_parallel_rank(), dp, full.num_sequences)
     batching = MicroBatching(2, None, False, False)
     local.old_log_probs = compute_log_probs(policy.chunks, local, batching, spec)
-    local.teacher_log_probs = compute_log_probs(frozen.chunks, local, batching,
-                                                replace(spec, vocab_size=frozen.hf_config.vocab_size))
+    local.teacher_log_probs = compute_log_probs(frozen.chunks, local, batching, frozen.spec)
     metrics, applied, _ = train_mini_batch(policy.chunks, policy.optimizer, local, AlgorithmConfig(), spec, batching,
                                            int(full.loss_mask.sum()), full.num_sequences, dp,
                                            ps.get_data_parallel_group(), distillation=distill)
@@ -210,7 +210,7 @@ def _distill_step(rank, world, student, teacher, form="advantage"):
 def _transformers_log_probs(hf_dir, tokens, temperature):
     from transformers import AutoModelForCausalLM
 
-    from megatron_grpo.trainer.teacher_check import reference_log_probs
+    from megatron_grpo.trainer.teacher import reference_log_probs
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     return reference_log_probs(model, tokens, temperature)

@@ -1,5 +1,5 @@
 """Build what a run needs from its config: the policy (Megatron chunks + DDP + optimizer),
-the frozen reference, the rollout engine (every rank's ``RolloutEngine``) and rank 0's
+the frozen reference (the distillation teacher: ``trainer/teacher.py``), the rollout engine (every rank's ``RolloutEngine``) and rank 0's
 rollout side (sampling parameters, tokenizer, data, rewards)."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from megatron_grpo.models import build_model, load_hf_config, load_hf_weights, l
 from megatron_grpo.models.builder import (check_context_parallel, check_moe_training, check_packing,
                                          resolve_attention_backend)
 from megatron_grpo.models.errors import ModelError
-from megatron_grpo.models.hf_export import save_hf_checkpoint
 from megatron_grpo.models.lora import apply_lora, lora_problem, spec_from_config
 from megatron_grpo.preflight.report import reward_build_deadline
 from megatron_grpo.rewards import RewardScorer
@@ -47,7 +46,7 @@ class Policy:
     hf_config: Any
 
 
-def _build_and_load(cfg: ExperimentConfig, hf_config, hf_dir: Optional[str] = None,
+def build_and_load(cfg: ExperimentConfig, hf_config, hf_dir: Optional[str] = None,
                     megatron_ckpt: Optional[str] = None, **build_kwargs) -> list:
     """This rank's model chunks, initialised from ``megatron_ckpt`` or the HF weights of
     ``hf_dir`` (default: the policy's, ``model.megatron_ckpt`` / ``model.hf_dir``): the one
@@ -72,7 +71,7 @@ def build_policy(cfg: ExperimentConfig) -> Policy:
     if cfg.parallel.pack_sequences:
         check_packing(hf_config, cfg.model.attention_backend)
     check_context_parallel(hf_config, cfg.model.attention_backend, cfg.parallel.cp)
-    modules = _build_and_load(cfg, hf_config, recompute=cfg.model.recompute_activations,
+    modules = build_and_load(cfg, hf_config, recompute=cfg.model.recompute_activations,
                               sequence_parallel=cfg.parallel.sequence_parallel)
     if cfg.model.lora is not None:  # freeze the base before DDP: it and the optimizer see the adapters only
         spec = spec_from_config(cfg.model.lora)
@@ -97,46 +96,10 @@ def build_reference(cfg: ExperimentConfig, hf_config) -> Optional[list]:
     """Frozen reference chunks (the initial weights) when the KL loss is on, else None."""
     if cfg.algorithm.kl_loss_coef <= 0:
         return None
-    return _frozen(_build_and_load(cfg, hf_config))
+    return frozen(build_and_load(cfg, hf_config))
 
 
-@dataclass
-class Teacher:
-    """The distillation teacher (``distillation.teacher``): frozen Megatron chunks, never in DDP,
-    the optimizer or a checkpoint."""
-
-    chunks: list
-    hf_config: Any
-
-
-def build_teacher(cfg: ExperimentConfig) -> Optional[Teacher]:
-    """The teacher's chunks for this rank, sharded over the policy's tp/pp/cp groups, loaded
-    from ``distillation.teacher`` (or its ``teacher_megatron_ckpt``) and frozen; None without
-    distillation. Its tokenizer was checked against the student's at pre-flight."""
-    distill = cfg.distillation
-    if not distill.enabled:
-        return None
-    hf_config = load_hf_config(distill.teacher)
-    check_context_parallel(hf_config, cfg.model.attention_backend, cfg.parallel.cp)
-    chunks = _build_and_load(cfg, hf_config, hf_dir=distill.teacher, megatron_ckpt=distill.teacher_megatron_ckpt,
-                             sequence_parallel=cfg.parallel.sequence_parallel)
-    return Teacher(chunks=_frozen(chunks), hf_config=hf_config)
-
-
-def teacher_reference_dir(cfg: ExperimentConfig, teacher: Teacher) -> str:
-    """The HF folder the teacher check loads in transformers (collective): ``distillation.teacher``,
-    or, for a teacher loaded from ``teacher_megatron_ckpt``, its weights exported once (fp32) to
-    ``<run_dir>/distillation/teacher_hf``."""
-    distill = cfg.distillation
-    if not distill.teacher_megatron_ckpt:
-        return distill.teacher
-    out = Path(cfg.trainer.run_dir) / "distillation" / "teacher_hf"
-    save_hf_checkpoint(teacher.chunks, teacher.hf_config, out, sidecar_dir=distill.teacher, dtype=torch.float32,
-                       progress=False)
-    return str(out)
-
-
-def _frozen(chunks: list) -> list:
+def frozen(chunks: list) -> list:
     """``chunks`` in eval mode with no parameter requiring a gradient (a frozen model)."""
     for chunk in chunks:
         chunk.eval()

@@ -21,7 +21,7 @@ One step, read top to bottom (``Trainer.step``):
 3. **score**: old-policy (and, with a KL loss, reference) log-probs are recomputed by Megatron
    in forward-only mode with the vocab-parallel op; with ``distillation.teacher`` the frozen
    teacher scores the same tokens at the same temperature, checked against transformers every
-   ``distillation.verify_every`` steps (``teacher_check``);
+   ``distillation.verify_every`` steps (``teacher.py``);
 4. **update**: for ``num_iterations`` epochs, every mini-batch is one optimizer step of the
    corrected GRPO loss (``megatron_step.train_mini_batch``), its learning rate from the run's
    one schedule (``update_plan.UpdatePlan``);
@@ -70,16 +70,15 @@ from megatron_grpo.runtime.collectives import RunAborted, broadcast
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.sync.syncer import SyncStats
 from megatron_grpo.trainer import checkpoint as ckpt
-from megatron_grpo.trainer.components import (Policy, RolloutSide, Teacher, build_engine, build_policy,
-                                              build_reference, build_rollout_side, build_teacher,
-                                              teacher_reference_dir)
+from megatron_grpo.trainer.components import (Policy, RolloutSide, build_engine, build_policy, build_reference,
+                                              build_rollout_side)
 from megatron_grpo.trainer.megatron_step import (ScoringSpec, compute_log_probs, old_log_probs_needed,
                                                  probe_log_probs, train_mini_batch)
 from megatron_grpo.trainer.microbatch import MicroBatching
 from megatron_grpo.trainer.moe_metrics import RouterLoad
 from megatron_grpo.trainer.router_replay import RoutingReplay
 from megatron_grpo.trainer.step_timer import StepTimer
-from megatron_grpo.trainer.teacher_check import TeacherVerifier
+from megatron_grpo.trainer.teacher import Teacher, build_teacher
 from megatron_grpo.trainer.update_plan import UpdatePlan
 
 
@@ -113,10 +112,6 @@ class Trainer:
     """Frozen reference chunks, with a KL loss only."""
     teacher: Optional[Teacher]
     """The frozen distillation teacher (distillation.teacher) only."""
-    teacher_spec: Optional[ScoringSpec]
-    """How the teacher is scored: the policy's temperature, the teacher's vocabulary."""
-    verifier: Optional[TeacherVerifier]
-    """The teacher's check against transformers (distillation.verify_every > 0)."""
     routing: Optional[RoutingReplay]
     """MoE router replay (algorithm.router_replay) only."""
     engine: EngineSupervisor
@@ -147,12 +142,7 @@ class Trainer:
         reference = build_reference(cfg, policy.hf_config)
         spec = ScoringSpec(cfg.rollout.temperature, policy.hf_config.vocab_size, cfg.model.logprob_chunk_size,
                            cfg.model.logprob_kernel)
-        teacher = build_teacher(cfg)
-        teacher_spec = (dataclasses.replace(spec, vocab_size=teacher.hf_config.vocab_size)
-                        if teacher is not None else None)  # the same temperature: the convention both are scored at
-        verifier = (TeacherVerifier(teacher_reference_dir(cfg, teacher), cfg.distillation.verify_sequences,
-                                    cfg.rollout.temperature)
-                    if teacher is not None and cfg.distillation.verify_every else None)
+        teacher = build_teacher(cfg, spec)
         quantization = scheme_of(cfg.engine.quantization, cfg.engine.fp8_format)  # the probe's, as the engine's
         start_step, trainer_state = _resume(cfg, policy, sampler, rank)
         logger = MetricsLogger(run_dir, cfg.logging, cfg.trainer.num_steps, rank,
@@ -188,8 +178,7 @@ class Trainer:
             print(f"[megatron-grpo] {note}", flush=True)
         plan = UpdatePlan.from_config(cfg, ps.get_data_parallel_world_size())
         return cls(cfg=cfg, rank=rank, plan=plan, spec=spec, batching=MicroBatching.of(cfg.parallel), policy=policy,
-                   reference=reference, teacher=teacher, teacher_spec=teacher_spec, verifier=verifier,
-                   routing=routing,
+                   reference=reference, teacher=teacher, routing=routing,
                    engine=engine, rollouts=rollouts, side=side, evaluator=evaluator, logger=logger,
                    start_step=start_step, nonfinite_streak=trainer_state.get("nonfinite_streak", 0))
 
@@ -209,7 +198,8 @@ class Trainer:
                 and not has_gradient(batch, algorithm))  # the teacher's term gives a gradient
         moe_metrics = {} if skip else self.score(local)
         timer.lap("logprob")
-        moe_metrics.update(self.score_teacher(step, local))
+        if self.teacher is not None:  # its log-probs of the batch, checked when due
+            moe_metrics.update(self.teacher.score(step, local, self.batching))
         timer.lap("teacher")
         updates = Updates(skipped_zero_advantage=True) if skip else self.update(step, batch, local, algorithm)
         timer.lap("train")
@@ -258,26 +248,6 @@ class Trainer:
         if self.reference is not None:
             local.ref_log_probs = compute_log_probs(self.reference, local, self.batching, self.spec)
         return moe_metrics
-
-    def score_teacher(self, step: int, local: TrainBatch) -> dict:
-        """Fill ``local.teacher_log_probs`` (distillation: the teacher's log-probs of the sampled
-        tokens, on its full distribution at the sampling temperature) and, when due, check them
-        against transformers; returns the check's metrics ({} when none ran). Raises RunAborted
-        (every rank) when the check disagrees past ``distillation.verify_tolerance``."""
-        if self.teacher is None:
-            return {}
-        scored = dataclasses.replace(local, kept_ids=None)  # the teacher's own distribution, not the engine's kept set
-        local.teacher_log_probs = compute_log_probs(self.teacher.chunks, scored, self.batching, self.teacher_spec)
-        if self.verifier is None or step % self.cfg.distillation.verify_every:
-            return {}
-        found = self.verifier.check(local.teacher_log_probs, local)
-        tolerance = self.cfg.distillation.verify_tolerance
-        if not found.mean_abs_diff <= tolerance:  # NaN fails too
-            raise RunAborted(
-                f"step {step + 1}: the distillation teacher's log-probs disagree with transformers' forward of "
-                f"{self.cfg.distillation.teacher}: mean |diff| {found.mean_abs_diff:.3g} over {found.tokens} tokens "
-                f"> distillation.verify_tolerance {tolerance:g} (a teacher built wrong, or bf16: raise the tolerance)")
-        return found.metrics()
 
     def update(self, step: int, batch: TrainBatch, local: TrainBatch, algorithm: AlgorithmConfig) -> Updates:
         """``num_iterations`` epochs over the mini-batches, one optimizer step each. ``batch``:
