@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from megatron_grpo.models.self_check import DEFAULT_TOLERANCE, round_params_, ru
 from megatron_grpo.models.weights import SafetensorsReader, load_hf_weights
 from megatron_grpo.runtime import parallel
 from megatron_grpo.runtime.errors import one_line
+from megatron_grpo.runtime.files import check_writable
 from megatron_grpo.runtime.library_warnings import quiet_library_warnings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -294,16 +294,11 @@ def _check_output(out: Path, overwrite: bool, source: Path) -> None:
 def _check_writable(out: Path) -> None:
     """Refuse an output folder that cannot be written, before the model is built: an export
     writes a sibling temp folder and renames it, and a read-only parent failed there, after the
-    work, with an ``OSError`` traceback (issue 64). The probe is per process (torchrun's ranks
-    each check) and removed."""
-    probe = out.with_name(f".{out.name}.probe-{os.getpid()}")
+    work, with an ``OSError`` traceback (issue 64)."""
     try:
-        probe.mkdir(parents=True)
-        (probe / "written").write_bytes(b"")
+        check_writable(out.parent)
     except OSError as e:
         raise ModelError(f"--output-dir {out}: cannot write there ({one_line(e)})") from None
-    finally:
-        shutil.rmtree(probe, ignore_errors=True)
 
 
 def _check_split(hf_config, args, config_dir: Path) -> None:
