@@ -151,3 +151,20 @@ def test_damaged_or_unwritable_lora_exports_are_one_line(straight, tmp_path):
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-3000:]
         assert refused.stderr.startswith(f"convert-megatron-to-hf: error: --output-dir {out}: cannot write there ("), \
             refused.stderr
+
+
+@pytest.mark.slow
+def test_resuming_a_lora_checkpoint_without_model_lora_names_lora(straight, demo, tmp_path):
+    """Issue 64: resuming a LoRA run with ``model.lora`` unset ended in "could not load checkpoint
+    ...: ValueError: Cannot merge two lists with different lengths". The line now says the
+    checkpoint holds adapters, the config none, and the way out."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight[0], run_dir)
+    no_lora = [o for o in LORA if not o.startswith("model.lora")]
+    out = subprocess.run(train_cmd(demo, run_dir, STEPS + 1, *no_lora), cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert (f"it holds LoRA adapters (rank 4, targets linear_qkv" in last and "and the config sets no model.lora: "
+            f"set model.lora as in the run's {run_dir / 'config.yaml'} to resume it" in last), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]

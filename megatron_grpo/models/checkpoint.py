@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import CheckpointException  # a BaseException,
 
 from megatron_grpo.models.errors import CheckpointError, ModelError
 from megatron_grpo.models.hf_config import load_hf_config, sidecar_files
-from megatron_grpo.models.lora import load_lora_state, lora_metadata, lora_sharded_state_dict
+from megatron_grpo.models.lora import LoraSpec, load_lora_state, lora_metadata, lora_sharded_state_dict
 from megatron_grpo.runtime import parallel
 from megatron_grpo.runtime.collectives import agree
 from megatron_grpo.runtime.errors import one_line
@@ -390,6 +390,31 @@ def checkpoint_lora(ckpt_dir: str | Path) -> dict | None:
     """The ``lora`` entry of a checkpoint holding LoRA adapters (``lora.lora_metadata``), else None."""
     meta = checkpoint_path(ckpt_dir) / META_FILE
     return json.loads(meta.read_text()).get("lora") if meta.is_file() else None
+
+
+def lora_mismatch(ckpt_dir: str | Path, spec: Optional[LoraSpec]) -> Optional[str]:
+    """Why a model adapted by ``spec`` (None: no ``model.lora``) cannot load the training
+    checkpoint ``ckpt_dir``, in one line with the way out; None when both hold the same kind of
+    weights. A LoRA checkpoint holds adapters only and a full one the whole model, so a resume
+    with the other kind failed inside megatron-core ("Cannot merge two lists with different
+    lengths", issue 64) without naming LoRA."""
+    meta_file = Path(ckpt_dir) / META_FILE
+    try:
+        saved = json.loads(meta_file.read_text()).get("lora")
+    except (OSError, ValueError, AttributeError):
+        return None  # no provenance to compare: the load says what is wrong
+    run_config = Path(ckpt_dir).parent.parent / "config.yaml"
+    as_saved = f"as in the run's {run_config}" if run_config.is_file() else "as when it was saved"
+    way_out = f"{as_saved} to resume it, or checkpoint.resume: never to start over"
+    if saved is not None and spec is None:
+        return (f"it holds LoRA adapters (rank {saved['rank']}, targets {', '.join(saved['targets'])}) and the config "
+                f"sets no model.lora: set model.lora {way_out}")
+    if saved is None and spec is not None:
+        return f"it holds the whole model (a run without LoRA) and the config sets model.lora: unset it {way_out}"
+    if saved is not None and (saved["rank"], tuple(saved["targets"])) != (spec.rank, spec.targets):
+        return (f"its LoRA adapters have rank {saved['rank']} and targets {', '.join(saved['targets'])}, model.lora "
+                f"here rank {spec.rank} and targets {', '.join(spec.targets)}: set model.lora {way_out}")
+    return None
 
 
 def checkpoint_dtype(ckpt_dir: str | Path) -> torch.dtype | None:

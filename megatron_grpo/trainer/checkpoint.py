@@ -58,7 +58,8 @@ from torch.distributed.checkpoint import CheckpointException  # a BaseException,
 
 from megatron_grpo.config import ConfigError
 from megatron_grpo.models.checkpoint import (CRC_MAX_BYTES, MANIFEST, MARKER, STATE_FILE, STEP_DIR_RE, AgreedSave,
-                                             failure_reason, manifest_problem, write_manifest)
+                                             failure_reason, lora_mismatch, manifest_problem,
+                                             write_manifest)
 from megatron_grpo.models.errors import CheckpointError
 from megatron_grpo.runtime.collectives import agree, broadcast
 from megatron_grpo.runtime.device import cuda_available
@@ -446,6 +447,10 @@ def load_training_checkpoint(ckpt_dir: Path, model_chunks, optimizer) -> dict[st
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException  # with dist_checkpointing
 
+    spec = next((c.lora_spec for c in model_chunks if getattr(c, "lora_spec", None) is not None), None)
+    mismatch = lora_mismatch(ckpt_dir, spec)
+    if mismatch:  # every rank reads the same file: the same line everywhere, before any collective
+        raise CheckpointError(f"could not load checkpoint {ckpt_dir}: {mismatch}")
     error: Optional[str] = None
     state: dict[str, Any] = {}
     with torch_adam_checkpoint_load(optimizer):
