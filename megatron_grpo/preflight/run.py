@@ -191,7 +191,10 @@ def check_plugins(cfg: ExperimentConfig, tokenizer, vocab_size: int | None) -> N
         return
     try:
         if episodes.environment is not None:
-            check_environment(episodes.environment, episodes.env_timeout_s)
+            # prepare: what the episodes share starts here too (an OpenEnv server, stopped below),
+            # so an app that raises on import or a server nobody runs is refused before the run
+            # directory is written (it was refused by the run's own pre-flight, after; issue 64)
+            check_environment(episodes.environment, episodes.env_timeout_s, prepare=True)
         elif episodes.agent is not None:
             check_agent(episodes.agent)
         else:
