@@ -82,6 +82,18 @@ class OwnsThePrompt(Raises):
         return "Increment the counter by 3."
 
 
+class NoTools:
+    def reset(self, **kwargs):
+        return None
+
+    def get_reward(self) -> float:
+        return 0.0
+
+    @staticmethod
+    def helper(x):
+        return x
+
+
 class NeedsAnUrl(Raises):
     def __init__(self, url):
         self.url = url
@@ -266,6 +278,14 @@ def test_a_reset_that_owns_the_prompt_is_refused_in_one_line(env_files):
         EnvProcess(f"tools:{env_files}/tool_envs.py:OwnsThePrompt", ROW, 30)
     with pytest.raises(EnvContractError, match="the class must be constructed with no argument"):
         check_environment(f"tools:{env_files}/tool_envs.py:NeedsAnUrl", 30)
+
+
+def test_a_tool_class_without_a_tool_is_refused_at_preflight(env_files):
+    """Issue 64: a class with no tool method started training, and every call failed at run time
+    ("Tool compute not found"). The pre-flight refuses it in one line."""
+    with pytest.raises(EnvContractError, match=r"^episodes.environment tools:.*tool_envs.py:NoTools: the class has no "
+                                               r"tool: a tool is a public method other than reset and get_reward"):
+        check_environment(f"tools:{env_files}/tool_envs.py:NoTools", 30)
 
 
 # ---- OpenEnv -------------------------------------------------------------------------------------
