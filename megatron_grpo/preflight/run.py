@@ -164,8 +164,9 @@ def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
         raise DataError(f"{too_long[0].where}: prompt is {len(too_long[0].prompt_ids)} tokens, no room to generate "
                         f"in the model's context of {context} (max_position_embeddings, {cfg.model.hf_dir}/config.json)")
     if context and (cfg.episodes.environment is not None or cfg.episodes.agent is not None):
-        check_fits(dataset.prompts, cfg.episodes.max_episode_tokens, "episodes.max_episode_tokens",
-                   context, cfg.model.hf_dir)
+        if cfg.episodes.max_episode_tokens is not None:  # null: what the context leaves, which fits
+            check_fits(dataset.prompts, cfg.episodes.max_episode_tokens, "episodes.max_episode_tokens",
+                       context, cfg.model.hf_dir)
     elif context:
         check_fits(dataset.prompts, cfg.rollout.max_new_tokens, "rollout.max_new_tokens", context, cfg.model.hf_dir)
     for i, s in enumerate(cfg.eval.sets):
