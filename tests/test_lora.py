@@ -14,6 +14,7 @@
 import zlib
 
 import pytest
+import yaml
 import torch
 
 from megatron_grpo.config.base import ConfigError, build_section
@@ -40,6 +41,23 @@ def test_bad_lora_config_is_one_line(raw, key, words):
         build_section(LoraConfig, raw, "model.lora")
     line = e.value.one_line()
     assert "\n" not in line and key in line and words in line, line
+
+
+@pytest.mark.parametrize("written, kept", [("all-linear", ["all-linear"]), ("linear_qkv", ["linear_qkv"]),
+                                            (["all-linear"], ["all-linear"])])
+def test_target_modules_may_be_one_name_as_peft_takes_it(written, kept, tmp_path):
+    """Issue 64: ``target_modules: all-linear`` (PEFT's string form) was refused with "expected a
+    list"; one name alone is that name's list, from a file and from the command line."""
+    from megatron_grpo.config import load_config
+    from tests.support.configs import BASE
+
+    assert build_section(LoraConfig, {"target_modules": written}, "model.lora").target_modules == kept
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "model": {**BASE["model"], "lora": {"target_modules": written}}}))
+    assert load_config(path).model.lora.target_modules == kept
+    if isinstance(written, str):
+        assert load_config(tmp_path / "c.yaml", [f"model.lora.target_modules={written}"]).model.lora.target_modules \
+            == kept
 
 
 def test_targets_resolve_in_megatron_order():
