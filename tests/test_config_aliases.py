@@ -231,8 +231,15 @@ def test_the_command_line_still_wins_over_the_file_whichever_names_they_use(tmp_
     ("engine.kindd=sglang", "engine.kindd: unknown key; did you mean 'kind'?"),
     ("sync.transprt=tensor", "sync.transprt: unknown key; did you mean 'transport'?"),
     ("episodes.max_turn=3", "episodes.max_turn: unknown key; did you mean 'max_turns'?"),
-    ("rollout.multi_turn.max_turn=3", "rollout.multi_turn.max_turn: unknown key; did you mean 'max_turns'?"),
     ("rollout.weight_sync=tensor", "rollout.weight_sync: unknown key"),
+    ("rollout.max_new_tokns=3", "rollout.max_new_tokns: unknown key; did you mean 'max_new_tokens'?"),
+    # issue 64: a misspelt old key points at the key it now is
+    ("rollout.multi_turn.max_turn=3", "rollout.multi_turn.max_turn: unknown key; did you mean 'episodes.max_turns' "
+                                      "(once rollout.multi_turn.max_turns)?"),
+    ("rollout.engien=inprocess", "rollout.engien: unknown key; did you mean 'engine.kind' (once rollout.engine)?"),
+    ("rollout.weight_sync_transprt=tensor", "rollout.weight_sync_transprt: unknown key; did you mean "
+                                            "'sync.transport' (once rollout.weight_sync_transport)?"),
+    ("rollout={engien: inprocess}", "rollout.engien: unknown key; did you mean 'engine.kind' (once rollout.engine)?"),
 ])
 def test_unknown_keys_are_refused_as_before(override, message, tmp_path):
     path = tmp_path / "new.yaml"
@@ -246,8 +253,33 @@ def test_an_unknown_key_under_an_old_section_in_the_file(tmp_path):
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump(_set(copy.deepcopy(BASE), "rollout.multi_turn", {"max_turn": 3})))
     with pytest.raises(ConfigError, match=rf"^{path}: rollout.multi_turn.max_turn: unknown key; did you mean "
-                                          "'max_turns'"):
+                                          r"'episodes.max_turns' \(once rollout.multi_turn.max_turns\)\?"):
         load_config(path)
+
+
+def test_a_misspelt_old_key_in_the_file_names_the_new_key(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(_set(copy.deepcopy(BASE), "rollout.engien", "inprocess")))
+    with pytest.raises(ConfigError, match=rf"^{path}: rollout.engien: unknown key; did you mean 'engine.kind' "
+                                          r"\(once rollout.engine\)\?$"):
+        load_config(path)
+
+
+def test_old_keys_inside_a_whole_section_override_load_as_the_new_keys(tmp_path, capsys):
+    """Issue 64: ``rollout={engine: inprocess, ...}`` (the old keys inside a section given whole on
+    the command line) was "unknown key rollout.engine"; they move as in a file, each announced,
+    and the section's other keys still replace it."""
+    path = tmp_path / "new.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    section = {**BASE["rollout"], "max_new_tokens": 3, "engine": "inprocess", "weight_sync_transport": "tensor",
+               "multi_turn": {"max_turns": 3}}
+    cfg = load_config(path, ["rollout=" + yaml.safe_dump(section, default_flow_style=True).strip()])
+    assert (cfg.engine.kind, cfg.sync.transport, cfg.episodes.max_turns, cfg.rollout.max_new_tokens) == \
+        ("inprocess", "tensor", 3, 3)
+    err = capsys.readouterr().err
+    for old, new in [("rollout.engine", "engine.kind"), ("rollout.weight_sync_transport", "sync.transport"),
+                     ("rollout.multi_turn.max_turns", "episodes.max_turns")]:
+        assert f"{old} is deprecated; use {new}" in err, err
 
 
 def test_an_error_at_an_old_key_names_the_override_and_keeps_the_secret(tmp_path):

@@ -82,6 +82,18 @@ class OwnsThePrompt(Raises):
         return "Increment the counter by 3."
 
 
+class NoTools:
+    def reset(self, **kwargs):
+        return None
+
+    def get_reward(self) -> float:
+        return 0.0
+
+    @staticmethod
+    def helper(x):
+        return x
+
+
 class NeedsAnUrl(Raises):
     def __init__(self, url):
         self.url = url
@@ -266,6 +278,14 @@ def test_a_reset_that_owns_the_prompt_is_refused_in_one_line(env_files):
         EnvProcess(f"tools:{env_files}/tool_envs.py:OwnsThePrompt", ROW, 30)
     with pytest.raises(EnvContractError, match="the class must be constructed with no argument"):
         check_environment(f"tools:{env_files}/tool_envs.py:NeedsAnUrl", 30)
+
+
+def test_a_tool_class_without_a_tool_is_refused_at_preflight(env_files):
+    """Issue 64: a class with no tool method started training, and every call failed at run time
+    ("Tool compute not found"). The pre-flight refuses it in one line."""
+    with pytest.raises(EnvContractError, match=r"^episodes.environment tools:.*tool_envs.py:NoTools: the class has no "
+                                               r"tool: a tool is a public method other than reset and get_reward"):
+        check_environment(f"tools:{env_files}/tool_envs.py:NoTools", 30)
 
 
 # ---- OpenEnv -------------------------------------------------------------------------------------
@@ -499,3 +519,22 @@ def test_the_episode_loop_hands_a_tool_class_the_runs_tool_call_format(env_files
         assert (episode.num_turns, episode.env_reward, episode.error) == (turns, reward, None), fmt
         if fmt == "compute":
             assert "result 7" in tok.decode(episode.sample.output_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("app, line", [
+    ("broken", "its server exited while starting: RuntimeError: no database at /data/envs.sqlite"),
+    ("unreachable", "no OpenEnv server answers"),
+])
+def test_an_openenv_server_that_cannot_start_is_refused_before_the_run_dir_is_written(demo, tmp_path, app, line):
+    """Issue 64: an app that raises on import, or a URL where nothing serves, was refused in one
+    line, but by the run's own pre-flight, after the run directory was written (.lock,
+    config.yaml, metrics.jsonl, debug/). The launcher's pre-flight starts the server now."""
+    broken = tmp_path / "broken_app.py"
+    broken.write_text("raise RuntimeError('no database at /data/envs.sqlite')\n")
+    spec = f"openenv:{broken}:app" if app == "broken" else "openenv:http://127.0.0.1:9"
+    run_dir = tmp_path / "run"
+    out = subprocess.run(train_cmd(demo, run_dir, 2, f"episodes.environment={spec}", *RUN_OVERRIDES), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, env=ENV)
+    assert out.returncode == 2 and line in out.stderr and out.stderr.strip().count("\n") == 0, out.stderr[-3000:]
+    assert not run_dir.exists() or not any(run_dir.iterdir()), sorted(run_dir.iterdir())

@@ -1,6 +1,8 @@
 """``rollout/episode_source.py``: the three producers of episodes are one ``EpisodeSource``, and
 ``build_episode_source`` picks the run's by its ``episodes:`` key (None: single-turn)."""
 
+from pathlib import Path
+
 import pytest
 
 from megatron_grpo.config.episodes import EpisodesConfig
@@ -36,3 +38,34 @@ def test_the_source_is_chosen_by_the_episodes_key(tmp_path):
         function.close()
         function.close()  # idempotent: the run and a failed start may both close it
     runner.close()
+
+
+def test_an_episodes_budget_is_what_the_context_leaves_by_default():
+    """Issue 64: the default budget was 512, the demo model's whole context, so any environment on
+    the demo was refused at pre-flight. null (the default) is what the context leaves after the
+    episode's prompt; a number set is kept."""
+    from megatron_grpo.config.episodes import FALLBACK_EPISODE_TOKENS, episode_budget
+
+    assert EpisodesConfig().max_episode_tokens is None
+    assert episode_budget(None, 512, 8) == 504 and episode_budget(64, 512, 8) == 64
+    assert episode_budget(None, 512, 512) == 1 and episode_budget(None, None, 8) == FALLBACK_EPISODE_TOKENS
+
+
+AGENT = "def run(client, row):\n    return 0.0\n"
+
+
+@pytest.mark.parametrize("config", ["demo_cpu.yaml", "demo_cpu_bf16.yaml"])
+@pytest.mark.parametrize("kind", ["environment", "agent"])
+def test_the_demo_configs_take_an_environment_or_an_agent_with_no_other_key(demo, tmp_path, config, kind):
+    """The shipped demo configs with an environment (the built-in calculator) or an SDK agent, and
+    no other key, pass the launcher's whole pre-flight. (The tool demos set their own budget.)"""
+    from megatron_grpo.preflight import load_experiment
+    from megatron_grpo.preflight.run import check_run
+    from tests.support.demo_run import demo_overrides
+
+    (tmp_path / "agent.py").write_text(AGENT)
+    setting = "episodes.environment=calculator" if kind == "environment" else f"episodes.agent={tmp_path}/agent.py:run"
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_experiment(root / "yaml_configs" / config, demo_overrides(demo, tmp_path / "run", 1, setting))
+    check_run(cfg, 1)
+    assert not (tmp_path / "run").exists()

@@ -130,7 +130,7 @@ def test_eval_cli_on_an_hf_dir_greedy_matches_transformers(trained):
                                      for p, a in all_problems(5, ["+"])))
     out = run_eval_cli("--checkpoint", str(demo / "model"), "--out-dir", str(trained["root"] / "cli_hf"),
                        *demo_args(demo, trained["root"] / "unused"),
-                       f"eval.sets=[{{name: greedy, path: {problems_file}, n: 1, temperature: 0.0}}]")
+                       f"eval.sets=[{{name: greedy, path: {problems_file}, n: 1, temperature: 0.0}}]", "eval.pass_k=[1]")
     assert out.returncode == 0, out.stderr[-4000:]
     (line,) = [json.loads(x) for x in out.stdout.splitlines()]
     # the reference: transformers' argmax of the first answer token, problem by problem

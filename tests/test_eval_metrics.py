@@ -57,6 +57,9 @@ def test_set_metrics():
     ({"sets": [{"name": "a", "path": "x.jsonl", "n": 4}]}, "eval.sets[0].n: is 4 with greedy decoding"),
     ({"sets": [{"name": "a", "path": "x.jsonl"}, {"name": "a", "path": "y.jsonl"}]}, "eval.sets: set name 'a' appears twice"),
     ({"pass_k": [0]}, "eval.pass_k: must be k values >= 1"),
+    # issue 64: pass@8 of a set sampled n: 4 was left out of the metrics without a word
+    ({"sets": [{"name": "s", "path": "x.jsonl", "n": 4, "temperature": 1.0}], "pass_k": [1, 8]},
+     "eval.pass_k: 8 is more than the responses per prompt of every set (s: n 4): pass@k needs n >= k"),
     ({"every_n_step": 3}, "eval.every_n_step: unknown key; did you mean 'every_n_steps'?"),
 ])
 def test_eval_config_errors(raw, expected):
@@ -169,3 +172,9 @@ def test_correct_function_names_a_label():
         build_section(ExperimentConfig, raw)
     assert str(e.value) == ("eval.correct_function: 'pkg.rewards.judge' is not a reward function label; labels: "
                             "math_exact_match, judged ('pkg.rewards.judge' is the name of the function labelled 'judged')")
+
+
+def test_a_k_one_set_reports_is_accepted():
+    """A greedy set (n 1) beside a sampled one (n 4): pass@4 is the sampled set's (as shipped)."""
+    sets = [{"name": "g", "path": "x.jsonl"}, {"name": "s", "path": "y.jsonl", "n": 4, "temperature": 1.0}]
+    assert build_section(EvalConfig, {"sets": sets, "pass_k": [1, 4]}, "eval").pass_k == [1, 4]

@@ -14,6 +14,7 @@
 import zlib
 
 import pytest
+import yaml
 import torch
 
 from megatron_grpo.config.base import ConfigError, build_section
@@ -40,6 +41,23 @@ def test_bad_lora_config_is_one_line(raw, key, words):
         build_section(LoraConfig, raw, "model.lora")
     line = e.value.one_line()
     assert "\n" not in line and key in line and words in line, line
+
+
+@pytest.mark.parametrize("written, kept", [("all-linear", ["all-linear"]), ("linear_qkv", ["linear_qkv"]),
+                                            (["all-linear"], ["all-linear"])])
+def test_target_modules_may_be_one_name_as_peft_takes_it(written, kept, tmp_path):
+    """Issue 64: ``target_modules: all-linear`` (PEFT's string form) was refused with "expected a
+    list"; one name alone is that name's list, from a file and from the command line."""
+    from megatron_grpo.config import load_config
+    from tests.support.configs import BASE
+
+    assert build_section(LoraConfig, {"target_modules": written}, "model.lora").target_modules == kept
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "model": {**BASE["model"], "lora": {"target_modules": written}}}))
+    assert load_config(path).model.lora.target_modules == kept
+    if isinstance(written, str):
+        assert load_config(tmp_path / "c.yaml", [f"model.lora.target_modules={written}"]).model.lora.target_modules \
+            == kept
 
 
 def test_targets_resolve_in_megatron_order():
@@ -302,3 +320,31 @@ def test_adapter_gradients_equal_peft(tiny_hf, tmp_path):
                 worst = max(worst, ((g - ref).abs().max() / ref.abs().max()).item())
             assert grad_a.abs().max() > 0 and grad_b.abs().max() > 0
     assert worst <= 1e-5, worst  # fp32 summation order (measured 4.7e-7)
+
+
+def test_a_resume_with_the_other_kind_of_weights_names_lora(tmp_path):
+    """Issue 64: a LoRA checkpoint resumed without ``model.lora`` (and the reverse) failed inside
+    megatron-core without naming LoRA; ``lora_mismatch`` says which side holds what, and how out."""
+    import json
+
+    from megatron_grpo.models.checkpoint import META_FILE, lora_mismatch
+    from megatron_grpo.models.lora import LoraSpec
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (run / "config.yaml").write_text("")
+    spec = LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=("linear_qkv", "linear_proj"))
+    saved = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["linear_qkv", "linear_proj"], "init_seed": 0}
+    (ckpt / META_FILE).write_text(json.dumps({"lora": saved}))
+    way_out = f"as in the run's {run / 'config.yaml'} to resume it, or checkpoint.resume: never to start over"
+    assert lora_mismatch(ckpt, spec) is None
+    assert lora_mismatch(ckpt, None) == ("it holds LoRA adapters (rank 4, targets linear_qkv, linear_proj) and the "
+                                         f"config sets no model.lora: set model.lora {way_out}")
+    assert lora_mismatch(ckpt, LoraSpec(rank=8, alpha=8.0, dropout=0.0, targets=("linear_qkv", "linear_proj"))) == (
+        "its LoRA adapters have rank 4 and targets linear_qkv, linear_proj, model.lora here rank 8 and targets "
+        f"linear_qkv, linear_proj: set model.lora {way_out}")
+    (ckpt / META_FILE).write_text(json.dumps({"format": "megatron_grpo.model_checkpoint"}))
+    assert lora_mismatch(ckpt, None) is None
+    assert lora_mismatch(ckpt, spec) == ("it holds the whole model (a run without LoRA) and the config sets "
+                                         f"model.lora: unset it {way_out}")

@@ -6,6 +6,8 @@ and as a merged model, each passing its self-check; a LoRA checkpoint converted 
 --lora/--merge, and a bad ``model.lora``, end in one line."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -114,3 +116,55 @@ def test_bad_lora_config_stops_before_any_rank(demo, tmp_path):
     out = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "model.lora.target_modules" in out.stderr, out.stderr
+
+
+def _unwritable_outputs(tmp_path):
+    """Output folders that cannot be written: under a regular file (which stops root too), and
+    under a read-only folder where the tests do not run as root (root writes there anyway)."""
+    (tmp_path / "a_file").write_text("")
+    outs = [tmp_path / "a_file" / "adapter"]
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o555)
+        outs.append(locked / "adapter")
+    return outs
+
+
+@pytest.mark.slow
+def test_damaged_or_unwritable_lora_exports_are_one_line(straight, tmp_path):
+    """Issue 64: ``--merge`` of a LoRA checkpoint whose adapter shard was cut ended in an
+    ``EOFError`` traceback from torch's checkpoint reader, and ``--lora`` into a read-only
+    folder in an ``OSError`` one on its temp file. Each is now one line naming the file, exit 2,
+    and nothing written."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(straight[0] / "checkpoints" / f"step_{STEPS:06d}", ckpt)
+    shard = sorted(ckpt.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    cut = _convert("--ckpt-dir", ckpt, "--output-dir", tmp_path / "merged", "--merge", "--no-self-check")
+    assert cut.returncode == 2 and cut.stderr.count("\n") == 1, cut.stderr[-3000:]
+    assert f"{shard.name} has {shard.stat().st_size} bytes, the manifest says" in cut.stderr, cut.stderr
+    assert not (tmp_path / "merged").exists()
+
+    good = straight[0] / "checkpoints" / f"step_{STEPS:06d}"
+    for out in _unwritable_outputs(tmp_path):
+        refused = _convert("--ckpt-dir", good, "--output-dir", out, "--lora", "--no-self-check")
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr[-3000:]
+        assert refused.stderr.startswith(f"convert-megatron-to-hf: error: --output-dir {out}: cannot write there ("), \
+            refused.stderr
+
+
+@pytest.mark.slow
+def test_resuming_a_lora_checkpoint_without_model_lora_names_lora(straight, demo, tmp_path):
+    """Issue 64: resuming a LoRA run with ``model.lora`` unset ended in "could not load checkpoint
+    ...: ValueError: Cannot merge two lists with different lengths". The line now says the
+    checkpoint holds adapters, the config none, and the way out."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight[0], run_dir)
+    no_lora = [o for o in LORA if not o.startswith("model.lora")]
+    out = subprocess.run(train_cmd(demo, run_dir, STEPS + 1, *no_lora), cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert (f"it holds LoRA adapters (rank 4, targets linear_qkv" in last and "and the config sets no model.lora: "
+            f"set model.lora as in the run's {run_dir / 'config.yaml'} to resume it" in last), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -258,3 +258,18 @@ def test_the_command_line_and_a_missing_reasoning_gym(tool, tmp_path, monkeypatc
     assert tool.main(["--task", "chain_sum", "--size", "2", "--heldout", "1", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err == ("error: reasoning-gym is not installed "
                                        "(pip install 'megatron-grpo[reasoning]')\n")
+
+
+def test_an_out_folder_that_cannot_be_written_is_one_line(tool, tmp_path, capsys):
+    """Issue 64: ``--out`` under a read-only folder ended in an ``OSError`` traceback after the
+    rows were made. It is now refused before, in one line naming the path, exit 2. Under a
+    regular file (what stops root too), and under a read-only folder where not root."""
+    (tmp_path / "a_file").write_text("")
+    outs = [tmp_path / "a_file" / "out"]
+    if os.geteuid() != 0:  # root writes into a read-only folder anyway
+        (tmp_path / "locked").mkdir(mode=0o555)
+        outs.append(tmp_path / "locked" / "out")
+    for out in outs:
+        assert tool.main(["--task", "chain_sum", "--size", "2", "--heldout", "1", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --out: ") and str(out.parent) in err and err.count("\n") == 1, err

@@ -69,3 +69,63 @@ def test_extraction_helpers():
 ])
 def test_format_reward(response, style, expected):
     assert format_reward(response, "unused", style=style) == expected
+
+
+HOSTILE_1MB = {  # what a long chain of thought can emit: 1 MB of openings that never close, and such
+    "unclosed answer tags": "<answer>" * (1 << 17),
+    "unclosed boxes": "\\boxed{" * (1 << 17),
+    "hash marks": "# " * (1 << 19),
+    "thousands": "1," * (1 << 19),
+    "decimals": "1." * (1 << 19),
+    "signs": "-" * (1 << 20),
+    "braces": "\\boxed{" + "{" * (1 << 20),
+}
+
+_SCORE_HOSTILE = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from megatron_grpo.rewards.answers import ANSWER_EXTRACTORS, answers_equal, extract_final_answer, reference_answer
+from megatron_grpo.rewards.builtin import FORMAT_STYLES, format_reward, math_exact_match
+from tests.test_rewards_builtin import HOSTILE_1MB
+for name, text in HOSTILE_1MB.items():
+    start = time.perf_counter()
+    for extract in ANSWER_EXTRACTORS.values():
+        extract(text)
+    extract_final_answer(text), reference_answer(text), answers_equal(text, "12"), math_exact_match(text, "12")
+    for style in FORMAT_STYLES:
+        format_reward(text, "12", style=style)
+    print(f"{name}: {time.perf_counter() - start:.2f} s", flush=True)
+"""
+
+
+def test_every_extractor_is_linear_on_1mb_of_hostile_text(tmp_path):
+    """Every parse of a response runs in the trainer, outside any deadline, so each must be linear:
+    the regex ``<answer>(.*?)</answer>`` took minutes on 1 MB of unclosed tags (issue 64). In a
+    child process, so a quadratic parse fails the test at its deadline instead of hanging it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        done = subprocess.run([sys.executable, "-c", _SCORE_HOSTILE, str(root)], capture_output=True, text=True,
+                              timeout=30, cwd=tmp_path)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the extractors took over 30 s on 1 MB; finished: {e.stdout!r}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(" s\n") == len(HOSTILE_1MB), done.stdout
+
+
+@pytest.mark.parametrize("text", [
+    "<answer>1</answer>", "<answer>1</answer> <answer>2</answer>", "<answer><answer>2</answer>",
+    "<answer>1</answer><answer>", "</answer><answer>3</answer></answer>", "<answer>\n x \n</answer>", "no tag",
+    "<answer>a</answer><answer>b", "<answer></answer>",
+])
+def test_answer_tag_reads_as_the_regex(text):
+    """The linear scan finds the pair reasoning-gym's regex finds (its last match, stripped)."""
+    import re
+
+    from megatron_grpo.rewards.answers import extract_answer_tag
+
+    found = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+    assert extract_answer_tag(text) == (found[-1].strip() if found else None)

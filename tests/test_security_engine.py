@@ -298,29 +298,32 @@ def test_the_payload_allow_list_is_what_the_sender_produces():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(url, port) of ``megatron-grpo serve`` on the tiny model with a 1 s read deadline."""
+    """(url, port, its log) of ``megatron-grpo serve`` on the tiny model with a 1 s read deadline."""
     import subprocess
     import sys
 
     from tools.tiny import save_tiny_model
 
-    model_dir = save_tiny_model(tmp_path_factory.mktemp("served") / "model", "qwen2", seed=0)
+    root = tmp_path_factory.mktemp("served")
+    model_dir = save_tiny_model(root / "model", "qwen2", seed=0)
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_grpo.cli", "serve", "--model-dir", str(model_dir),
-                             "--port", str(port), "--dtype", "float32", "--num-threads", "1",
-                             "--read-timeout-s", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = root / "serve.log"
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_grpo.cli", "serve", "--model-dir", str(model_dir),
+                                 "--port", str(port), "--dtype", "float32", "--num-threads", "1",
+                                 "--read-timeout-s", "1"], stdout=log_file, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     try:
         while True:
-            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            assert proc.poll() is None, log.read_text()[-2000:]
             assert time.monotonic() < deadline, "the server did not become healthy within 180 s"
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        yield url, port
+        yield url, port, log
     finally:
         proc.terminate()
         try:
@@ -336,7 +339,7 @@ def test_non_finite_numbers_are_a_400_and_a_stalled_sender_a_408(served):
     (Python's JSON parser reads NaN and Infinity, which JSON has not); 100 half-sent requests
     were held open past 22 s. Now: a 400 naming the constant, and a 408 once the body has not
     arrived within --read-timeout-s, the connection closed; the server serves on."""
-    url, port = served
+    url, port, _ = served
     for constant in ("Infinity", "-Infinity", "NaN"):
         body = ('{"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}, "logprob_start_len": '
                 f'{constant}}}')
@@ -369,7 +372,7 @@ def test_a_sender_stalled_in_its_headers_gets_a_408(served):
     nothing, held its connection for good (checked for 30 s). The same --read-timeout-s (1 s
     here) now bounds the headers: from the connection's start, or from the previous answer on a
     kept-alive connection; then a 408 and the connection is closed. The server serves on."""
-    url, port = served
+    url, port, _ = served
     stalled = []
     for first in (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Ty", b"", None):
         s = socket.create_connection(("127.0.0.1", port), timeout=15)
@@ -389,3 +392,21 @@ def test_a_sender_stalled_in_its_headers_gets_a_408(served):
             assert b"the request headers were not received within 1 s (--read-timeout-s)" in answer
     assert time.monotonic() - start < 8, "the stalled senders were not dropped within the deadline"
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
+@pytest.mark.slow  # shares the served fixture's server
+def test_a_client_gone_mid_request_is_one_line_in_the_log(served):
+    """Issue 64: a client that disconnected in the middle of its request body left a
+    ``starlette.requests.ClientDisconnect`` traceback in the server's log. It is one line now,
+    and the server serves on."""
+    url, port, log = served
+    before = len(log.read_text())
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"input_ids\": [5")  # 16 of the 100 bytes, then gone
+    time.sleep(1.0)
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    written = log.read_text()[before:]
+    assert "Traceback" not in written and "ClientDisconnect" not in written, written[-3000:]
+    assert written.count("the client disconnected before its request body was received") == 3, written[-3000:]

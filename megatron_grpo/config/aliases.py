@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import sys
 import typing
 from typing import Any, Iterator, Optional
@@ -149,8 +150,41 @@ def _leftover(root: type, raw: dict) -> None:
             continue
         if not isinstance(value, dict):
             raise ConfigError(section, f"expected a mapping of keys, got {type(value).__name__} {value!r}")
-        names = [old.rpartition(".")[2] for old in DEPRECATED_KEYS if old.rpartition(".")[0] == section]
-        raise unknown_key(f"{section}.{next(iter(value))}", next(iter(value)), names)
+        key = next(iter(value))
+        raise misspelt_old_key(section, str(key), []) or unknown_key(f"{section}.{key}", str(key), [])
+
+
+def misspelt_old_key(section: str, key: str, names: list[str]) -> Optional[ConfigError]:
+    """The error of the unknown ``section.key`` when it is closer to a deprecated key of
+    ``section`` than to any of its current ``names``: "did you mean" the key it now is
+    (``rollout.engien`` -> ``engine.kind``: the old names were in every older doc); else None."""
+    old = {o.rpartition(".")[2]: o for o in DEPRECATED_KEYS if o.rpartition(".")[0] == section}
+    close = difflib.get_close_matches(key, [*names, *old], n=1, cutoff=0.6)
+    if not close or close[0] not in old or close[0] in names:
+        return None
+    return ConfigError(f"{section}.{key}", f"unknown key; did you mean '{DEPRECATED_KEYS[old[close[0]]]}' "
+                                           f"(once {old[close[0]]})?")
+
+
+def _current_names(root: type, section: str) -> Optional[list[str]]:
+    """The keys of ``section`` under ``root``, or None when it is no section (any more)."""
+    tp = key_type(root, section)
+    return list(field_types(tp)) if tp is not None and dataclasses.is_dataclass(tp) else None
+
+
+def _misspelt(root: type, raw: dict) -> None:
+    """Refuse a key of a current section that holds deprecated keys (``rollout``) that is a
+    misspelt old key, naming the key it now is (``_leftover`` does so in removed sections)."""
+    for section in sorted({old.rpartition(".")[0] for old in DEPRECATED_KEYS}):
+        names = _current_names(root, section)
+        found, value = _pop(copy.deepcopy(raw), section.split("."))
+        if names is None or not found or not isinstance(value, dict):
+            continue
+        for key in value:
+            if isinstance(key, str) and key not in names:
+                error = misspelt_old_key(section, key, names)
+                if error is not None:
+                    raise error
 
 
 def rename_file(raw: dict, root: type) -> tuple[dict, Renamed]:
@@ -163,7 +197,29 @@ def rename_file(raw: dict, root: type) -> tuple[dict, Renamed]:
             _put(raw, new, value, old)
             renamed.append((old, new))
     _leftover(root, raw)
+    _misspelt(root, raw)
     return raw, renamed
+
+
+def _rename_section_value(parts: list[str], value: dict, root: type) -> Iterator[tuple[list[str], Any, Optional[str]]]:
+    """The override of a whole section (``rollout={engine: inprocess, max_new_tokens: 64}``) whose
+    mapping holds deprecated keys: the section's value without them (it still replaces the
+    section), then each of them as its current key, renamed as in a file (issue 64: they were
+    "unknown key" without the new name)."""
+    wrapped: dict = {}
+    node = wrapped
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    renamed_raw, renamed = rename_file(wrapped, root)
+    moved = []
+    for old, new in renamed:
+        found, sub = _pop(renamed_raw, new.split("."))
+        if found:  # a section given under both names was merged into one value: taken once
+            moved.append((new.split("."), sub, old))
+    found, rest = _pop(renamed_raw, parts)
+    yield parts, rest if found else {}, None
+    yield from moved
 
 
 def rename_override(parts: list[str], value: Any, root: type) -> Iterator[tuple[list[str], Any, Optional[str]]]:
@@ -174,6 +230,10 @@ def rename_override(parts: list[str], value: Any, root: type) -> Iterator[tuple[
         if dotted == old or dotted.startswith(old + "."):
             yield [*new.split("."), *parts[len(old.split(".")):]], value, dotted
             return
+    if isinstance(value, dict) and any(old.startswith(dotted + ".") for old in DEPRECATED_KEYS) \
+            and dotted not in removed_sections(root):
+        yield from _rename_section_value(parts, value, root)
+        return
     for section in removed_sections(root):
         if dotted == section:  # rollout.multi_turn={max_turns: 3}
             if not isinstance(value, dict):
@@ -182,8 +242,14 @@ def rename_override(parts: list[str], value: Any, root: type) -> Iterator[tuple[
                 yield from rename_override([*parts, str(key)], sub, root)
             return
         if dotted.startswith(section + "."):
-            names = [old.rpartition(".")[2] for old in DEPRECATED_KEYS if old.rpartition(".")[0] == section]
-            raise unknown_key(dotted, parts[len(section.split("."))], names)
+            key = parts[len(section.split("."))]
+            raise misspelt_old_key(section, key, []) or unknown_key(dotted, key, [])
+    section, _, key = dotted.rpartition(".")
+    names = _current_names(root, section) if section else None
+    if names is not None and key not in names:
+        error = misspelt_old_key(section, key, names)
+        if error is not None:
+            raise error
     yield parts, value, None
 
 

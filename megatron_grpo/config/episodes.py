@@ -98,10 +98,12 @@ class EpisodesConfig:
     max_turns: int = 4
     """Model turns per episode; the episode ends after the environment's answer to the last one."""
 
-    max_episode_tokens: int = 512
+    max_episode_tokens: Optional[int] = None
     """Token budget of an episode after the prompt (model and observation tokens): a model turn
     gets at most what is left (finish_reason length when cut), an observation that does not fit
-    with at least one more model token ends the episode."""
+    with at least one more model token ends the episode. null: what the model's context leaves
+    after the episode's prompt (max_position_embeddings less its tokens), which always fits; a
+    number must fit after the longest prompt (checked at pre-flight)."""
 
     env_timeout_s: float = 30.0
     """Deadline of one environment call (construction or step); a call past it is killed with
@@ -158,7 +160,8 @@ class EpisodesConfig:
                   "cannot be combined with episodes.environment or episodes.rollout_function (the agent runs the "
                   "episode); set the others to null")
         check(self.max_turns >= 1, "max_turns", f"must be >= 1, got {self.max_turns}")
-        check(self.max_episode_tokens >= 1, "max_episode_tokens", f"must be >= 1, got {self.max_episode_tokens}")
+        check(self.max_episode_tokens is None or self.max_episode_tokens >= 1, "max_episode_tokens",
+              f"must be >= 1 or null, got {self.max_episode_tokens}")
         check(self.env_timeout_s > 0, "env_timeout_s", f"must be > 0, got {self.env_timeout_s}")
         f = self.observation_formatter
         check(f is None or ENVIRONMENT_FILE_RE.match(f) is not None, "observation_formatter",
@@ -173,3 +176,20 @@ class EpisodesConfig:
             check(self.environment is None, "rollout_function",
                   "cannot be combined with episodes.environment (the environment's episode loop is the built-in "
                   "rollout function); set one of them to null")
+
+
+FALLBACK_EPISODE_TOKENS = 512
+"""An episode's budget when ``max_episode_tokens`` is null and the model's config gives no
+context length (no ``max_position_embeddings``)."""
+
+
+def episode_budget(max_episode_tokens: Optional[int], model_context: Optional[int], prompt_tokens: int) -> int:
+    """Tokens an episode may add after its prompt: ``max_episode_tokens`` when set; else what the
+    model's context leaves after the prompt (at least 1: a prompt that fills the context is
+    refused at pre-flight). The old fixed default, 512, was the demo model's whole context, so any
+    environment on the demo was refused (issue 64)."""
+    if max_episode_tokens is not None:
+        return max_episode_tokens
+    if model_context is None:
+        return FALLBACK_EPISODE_TOKENS
+    return max(1, model_context - prompt_tokens)

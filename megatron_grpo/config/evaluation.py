@@ -67,7 +67,8 @@ class EvalConfig:
     whose metrics.jsonl already holds it): the baseline a learning curve is read against."""
 
     pass_k: list[int] = field(default_factory=lambda: [1])
-    """k values of pass@k (unbiased estimator); a set reports those with k <= its n."""
+    """k values of pass@k (unbiased estimator); a set reports those with k <= its n, and each k
+    must be reported by one set at least (k <= the largest n)."""
 
     correct_function: Optional[str] = None
     """Label of the reward function that decides whether a response is correct (its value >=
@@ -88,6 +89,12 @@ class EvalConfig:
         check(self.every_n_steps >= 0, "every_n_steps", f"must be >= 0, got {self.every_n_steps}")
         check(bool(self.pass_k) and all(k >= 1 for k in self.pass_k), "pass_k", f"must be k values >= 1, got {self.pass_k}")
         check(len(set(self.pass_k)) == len(self.pass_k), "pass_k", f"has a repeated k: {self.pass_k}")
+        # a k above every set's n was left out of the metrics without a word (issue 64)
+        unreported = [k for k in self.pass_k if self.sets and k > max(s.n for s in self.sets)]
+        check(not unreported, "pass_k",
+              f"{unreported[0] if unreported else ''} is more than the responses per prompt of every set "
+              f"({', '.join(f'{s.name}: n {s.n}' for s in self.sets)}): pass@k needs n >= k; raise a set's n or "
+              "drop that k")
         check(math.isfinite(self.correct_threshold), "correct_threshold", "must be a finite number")
         check(self.prompts_per_round >= 1, "prompts_per_round", f"must be >= 1, got {self.prompts_per_round}")
 

@@ -27,15 +27,18 @@ class LoraConfig:
     """Dropout on the adapter's input in the update's forward (not in the log-prob passes, so
     it perturbs the importance ratio); tp=1 only."""
 
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    target_modules: list[str] | str = field(default_factory=lambda: ["all-linear"])
     """Megatron-core linears to adapt: linear_qkv (q, k, v), linear_proj (o), linear_fc1 (gate,
     up), linear_fc2 (down), or all-linear for all four. Mixture-of-experts experts are not
-    adapted (refused)."""
+    adapted (refused). One name may be written alone, as PEFT takes it (`all-linear`); it is
+    kept as a list of that name."""
 
     init_seed: int = 0
     """Seed of the A matrices (the same adapters at every tp/pp)."""
 
     def __post_init__(self):
+        if isinstance(self.target_modules, str):  # PEFT's string form: `target_modules: all-linear`
+            self.target_modules = [self.target_modules]
         check(self.rank >= 1, "rank", f"must be >= 1, got {self.rank}")
         check(self.alpha > 0 and math.isfinite(self.alpha), "alpha", f"must be > 0, got {self.alpha}")
         check(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")

@@ -26,6 +26,7 @@ import json
 import re
 import shutil
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -35,9 +36,10 @@ from torch.distributed.checkpoint import CheckpointException  # a BaseException,
 
 from megatron_grpo.models.errors import CheckpointError, ModelError
 from megatron_grpo.models.hf_config import load_hf_config, sidecar_files
-from megatron_grpo.models.lora import load_lora_state, lora_metadata, lora_sharded_state_dict
+from megatron_grpo.models.lora import LoraSpec, load_lora_state, lora_metadata, lora_sharded_state_dict
 from megatron_grpo.runtime import parallel
 from megatron_grpo.runtime.collectives import agree
+from megatron_grpo.runtime.errors import one_line
 from megatron_grpo.runtime.parallel import peer_failure
 from megatron_grpo.runtime.process import fail_when_a_fork_dies, forks_die_with_this_process
 
@@ -52,6 +54,60 @@ STATE_FILE = "trainer_state.json"
 STEP_DIR_RE = re.compile(r"^step_(\d{6,})$")
 """The name of a training checkpoint's directory under ``RUN_DIR/checkpoints/`` (``trainer/checkpoint.py``;
 the pre-flight refuses anything else by that name)."""
+
+MANIFEST = "manifest.json"
+"""A training checkpoint's list of its files (``trainer/checkpoint.py`` writes it; a conversion
+reads it to name the file a failed load tripped on)."""
+MANIFEST_FORMAT = "megatron_grpo.checkpoint_manifest"
+CRC_MAX_BYTES = 64 << 20
+"""Files up to this size get a CRC-32 in the manifest, larger ones (model and optimizer shards
+of a real model) their size only (module docstring)."""
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files(ckpt_dir: Path) -> list[str]:
+    """The checkpoint's files the manifest covers: all but itself and the COMPLETE marker."""
+    return sorted(p.relative_to(ckpt_dir).as_posix() for p in ckpt_dir.rglob("*")
+                  if p.is_file() and p.name not in (MANIFEST, MARKER))
+
+
+def write_manifest(ckpt_dir: Path) -> None:
+    """``ckpt_dir/manifest.json``: each file's size, and its CRC-32 up to ``CRC_MAX_BYTES``."""
+    files = {}
+    for rel in _files(ckpt_dir):
+        size = (ckpt_dir / rel).stat().st_size
+        files[rel] = {"size": size, "crc32": _crc32(ckpt_dir / rel)} if size <= CRC_MAX_BYTES else {"size": size}
+    body = {"format": MANIFEST_FORMAT, "version": 1, "crc_max_bytes": CRC_MAX_BYTES, "files": files}
+    (ckpt_dir / MANIFEST).write_text(json.dumps(body, indent=1) + "\n")
+
+
+def manifest_problem(ckpt_dir: Path) -> Optional[str]:
+    """What differs between ``ckpt_dir``'s files and its manifest, in a few words (the first
+    file cut, missing or changed); None when they agree."""
+    try:
+        manifest = json.loads((ckpt_dir / MANIFEST).read_text())
+        files = manifest["files"]
+        assert isinstance(files, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return f"{MANIFEST} is unreadable"
+    for rel, want in files.items():
+        path = ckpt_dir / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        size = path.stat().st_size
+        if size != want.get("size"):
+            return f"{rel} has {size} bytes, the manifest says {want.get('size')}"
+        if "crc32" in want and _crc32(path) != want["crc32"]:
+            return f"{rel} does not match its CRC-32 in the manifest"
+    return None
+
 
 
 def failure_reason(e: BaseException) -> str:
@@ -281,6 +337,8 @@ def load_megatron_checkpoint(model_chunks: list, ckpt_dir: str | Path):
         loaded = dist_checkpointing.load(state, str(path))
     except CheckpointingException as e:
         raise ModelError(f"{path}: {str(e).splitlines()[0]}") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - whatever the reader makes of a damaged file
+        raise unreadable(path, e) from None
     for key, chunk in zip(state, model_chunks):
         chunk.load_state_dict(loaded[key], strict=True)
     return loaded.get("extra_state")
@@ -297,7 +355,17 @@ def load_lora_adapters(model_chunks: list, ckpt_dir: str | Path) -> None:
         loaded = dist_checkpointing.load(lora_sharded_state_dict(model_chunks), str(path))
     except CheckpointingException as e:
         raise ModelError(f"{path}: {str(e).splitlines()[0]}") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - whatever the reader makes of a damaged file
+        raise unreadable(path, e) from None
     load_lora_state(model_chunks, loaded)
+
+
+def unreadable(path: Path, e: BaseException) -> ModelError:
+    """The one line of a load that failed on a file: the file its manifest finds cut or changed
+    (a truncated shard made torch's reader raise a bare ``EOFError``, issue 64), else the reader's
+    own line."""
+    problem = manifest_problem(path) if (path / MANIFEST).is_file() else None
+    return ModelError(f"{path}: cannot be loaded: {problem or one_line(e, 300) + ' (a file cut or damaged?)'}")
 
 
 def checkpoint_path(ckpt_dir: str | Path) -> Path:
@@ -322,6 +390,31 @@ def checkpoint_lora(ckpt_dir: str | Path) -> dict | None:
     """The ``lora`` entry of a checkpoint holding LoRA adapters (``lora.lora_metadata``), else None."""
     meta = checkpoint_path(ckpt_dir) / META_FILE
     return json.loads(meta.read_text()).get("lora") if meta.is_file() else None
+
+
+def lora_mismatch(ckpt_dir: str | Path, spec: Optional[LoraSpec]) -> Optional[str]:
+    """Why a model adapted by ``spec`` (None: no ``model.lora``) cannot load the training
+    checkpoint ``ckpt_dir``, in one line with the way out; None when both hold the same kind of
+    weights. A LoRA checkpoint holds adapters only and a full one the whole model, so a resume
+    with the other kind failed inside megatron-core ("Cannot merge two lists with different
+    lengths", issue 64) without naming LoRA."""
+    meta_file = Path(ckpt_dir) / META_FILE
+    try:
+        saved = json.loads(meta_file.read_text()).get("lora")
+    except (OSError, ValueError, AttributeError):
+        return None  # no provenance to compare: the load says what is wrong
+    run_config = Path(ckpt_dir).parent.parent / "config.yaml"
+    as_saved = f"as in the run's {run_config}" if run_config.is_file() else "as when it was saved"
+    way_out = f"{as_saved} to resume it, or checkpoint.resume: never to start over"
+    if saved is not None and spec is None:
+        return (f"it holds LoRA adapters (rank {saved['rank']}, targets {', '.join(saved['targets'])}) and the config "
+                f"sets no model.lora: set model.lora {way_out}")
+    if saved is None and spec is not None:
+        return f"it holds the whole model (a run without LoRA) and the config sets model.lora: unset it {way_out}"
+    if saved is not None and (saved["rank"], tuple(saved["targets"])) != (spec.rank, spec.targets):
+        return (f"its LoRA adapters have rank {saved['rank']} and targets {', '.join(saved['targets'])}, model.lora "
+                f"here rank {spec.rank} and targets {', '.join(spec.targets)}: set model.lora {way_out}")
+    return None
 
 
 def checkpoint_dtype(ckpt_dir: str | Path) -> torch.dtype | None:

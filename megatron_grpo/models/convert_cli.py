@@ -38,6 +38,8 @@ from megatron_grpo.models.lora_export import save_peft_adapter
 from megatron_grpo.models.self_check import DEFAULT_TOLERANCE, round_params_, run_self_check
 from megatron_grpo.models.weights import SafetensorsReader, load_hf_weights
 from megatron_grpo.runtime import parallel
+from megatron_grpo.runtime.errors import one_line
+from megatron_grpo.runtime.files import check_writable
 from megatron_grpo.runtime.library_warnings import quiet_library_warnings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -249,6 +251,9 @@ def run_command(name: str, argv: list[str]) -> int:
     except ModelError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file that could not be read or written: its own line names it
+        print(f"{name}: error: {one_line(e)}", file=sys.stderr)
+        return 2
     finally:
         if started_here:
             parallel.destroy()
@@ -283,6 +288,17 @@ def _check_output(out: Path, overwrite: bool, source: Path) -> None:
         raise ModelError(f"--output-dir {out} is inside the input directory {source}; choose another directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ModelError(f"--output-dir {out} exists and is not empty (pass --overwrite to replace it)")
+    _check_writable(out)
+
+
+def _check_writable(out: Path) -> None:
+    """Refuse an output folder that cannot be written, before the model is built: an export
+    writes a sibling temp folder and renames it, and a read-only parent failed there, after the
+    work, with an ``OSError`` traceback (issue 64)."""
+    try:
+        check_writable(out.parent)
+    except OSError as e:
+        raise ModelError(f"--output-dir {out}: cannot write there ({one_line(e)})") from None
 
 
 def _check_split(hf_config, args, config_dir: Path) -> None:

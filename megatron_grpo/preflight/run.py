@@ -218,8 +218,9 @@ def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
         raise DataError(f"{too_long[0].where}: prompt is {len(too_long[0].prompt_ids)} tokens, no room to generate "
                         f"in the model's context of {context} (max_position_embeddings, {cfg.model.hf_dir}/config.json)")
     if context and (cfg.episodes.environment is not None or cfg.episodes.agent is not None):
-        check_fits(dataset.prompts, cfg.episodes.max_episode_tokens, "episodes.max_episode_tokens",
-                   context, cfg.model.hf_dir)
+        if cfg.episodes.max_episode_tokens is not None:  # null: what the context leaves, which fits
+            check_fits(dataset.prompts, cfg.episodes.max_episode_tokens, "episodes.max_episode_tokens",
+                       context, cfg.model.hf_dir)
     elif context:
         check_fits(dataset.prompts, cfg.rollout.max_new_tokens, "rollout.max_new_tokens", context, cfg.model.hf_dir)
     for i, s in enumerate(cfg.eval.sets):
@@ -245,7 +246,10 @@ def check_plugins(cfg: ExperimentConfig, tokenizer, vocab_size: int | None) -> N
         return
     try:
         if episodes.environment is not None:
-            check_environment(episodes.environment, episodes.env_timeout_s)
+            # prepare: what the episodes share starts here too (an OpenEnv server, stopped below),
+            # so an app that raises on import or a server nobody runs is refused before the run
+            # directory is written (it was refused by the run's own pre-flight, after; issue 64)
+            check_environment(episodes.environment, episodes.env_timeout_s, prepare=True)
         elif episodes.agent is not None:
             check_agent(episodes.agent)
         else:

@@ -18,7 +18,7 @@ from fractions import Fraction
 from typing import Callable, Literal, Optional
 
 BOXED_RE = re.compile(r"\\\s*boxed\s*\{")
-ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 HASH_RE = re.compile(r"#\s*#\s*#\s*#")  # GSM8K's "#### 72" marker, possibly decoded with spaces
 LAST_NUMBER_RE = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
@@ -59,9 +59,21 @@ def last_number(text: str) -> Optional[str]:
 
 def extract_answer_tag(text: str) -> Optional[str]:
     """Content of the LAST complete ``<answer>...</answer>``, stripped (reasoning-gym's
-    convention, as its ``extract_answer``), or None."""
-    found = ANSWER_TAG_RE.findall(text)
-    return found[-1].strip() if found else None
+    convention, as its ``extract_answer``), or None.
+
+    The pairs are those of the regex ``<answer>(.*?)</answer>`` scanned left to right (the first
+    opening tag after the previous pair, up to the next closing tag), found with ``str.find``:
+    the regex tries every unclosed opening tag against the rest of the text, which is quadratic
+    (1 MB of ``<answer>`` kept the trainer busy for minutes, outside any deadline); this is one
+    pass (issue 64).
+    """
+    found, pos = None, 0
+    while (start := text.find(ANSWER_OPEN, pos)) >= 0:
+        end = text.find(ANSWER_CLOSE, start + len(ANSWER_OPEN))
+        if end < 0:
+            break  # no closing tag after this opening one, so none after any later one either
+        found, pos = text[start + len(ANSWER_OPEN):end], end + len(ANSWER_CLOSE)
+    return found.strip() if found is not None else None
 
 
 def extract_boxed_answer(text: str) -> Optional[str]:

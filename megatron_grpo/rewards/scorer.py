@@ -208,6 +208,12 @@ class RewardScorer:
                 raise RewardError(f"{f.where} raised on sample {j}: {_failure_line(e)}") from e
             return _check_value(value, f.where, j)
 
+        if not is_async(f.call.fn):
+            # a plain call blocks the loop, so as tasks every sample's call ran before the first
+            # failure could cancel the rest: a hung function was given its deadline once per sample
+            # (16 samples at timeout_s 10: 175 s, issue 64). One after the other, the first
+            # failure ends the batch, at the first deadline.
+            return [await one(j) for j in range(len(samples))]
         return await bounded_gather([lambda j=j: one(j) for j in range(len(samples))], f.max_concurrency)
 
     def close(self) -> None:

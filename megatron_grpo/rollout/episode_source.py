@@ -44,15 +44,20 @@ class EpisodeSource(Protocol):
 
 
 def build_episode_source(episodes_cfg: EpisodesConfig, tokenizer, *, max_inflight: int, use_template: bool,
-                         vocab_size: Optional[int] = None) -> Optional[EpisodeSource]:
+                         vocab_size: Optional[int] = None, model_context: Optional[int] = None
+                         ) -> Optional[EpisodeSource]:
     """The run's source, by the ``episodes:`` key set (the config allows one); None: single-turn.
     Built before the engine starts, so a bad environment, agent or function fails fast with one
     line. ``max_inflight``: the most episodes at once; ``use_template``: render turns with the
-    tokenizer's chat template; ``vocab_size``: the bound of a rollout function's token ids."""
+    tokenizer's chat template; ``vocab_size``: the bound of a rollout function's token ids;
+    ``model_context``: the model's context length (an episode's budget when
+    ``episodes.max_episode_tokens`` is null)."""
     if episodes_cfg.environment is not None:
-        return EpisodeRunner.build(episodes_cfg, tokenizer, max_inflight=max_inflight, use_template=use_template)
+        return EpisodeRunner.build(episodes_cfg, tokenizer, max_inflight=max_inflight, use_template=use_template,
+                                   model_context=model_context)
     if episodes_cfg.agent is not None:
-        return AgentRunner.build(episodes_cfg, tokenizer, max_inflight=max_inflight, use_template=use_template)
+        return AgentRunner.build(episodes_cfg, tokenizer, max_inflight=max_inflight, use_template=use_template,
+                                 model_context=model_context)
     if episodes_cfg.rollout_function is not None:
         return RolloutFunction.load(episodes_cfg.rollout_function, tokenizer, vocab_size=vocab_size,
                                     timeout_s=episodes_cfg.rollout_function_timeout_s)

@@ -40,7 +40,7 @@ import torch
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.env_connectors import split_connector_spec
-from megatron_grpo.config.episodes import EpisodesConfig
+from megatron_grpo.config.episodes import EpisodesConfig, episode_budget
 from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rewards.registry import load_file
 from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
@@ -94,11 +94,14 @@ class EpisodeRunner:
     max_inflight=..., use_template=...)`` checks everything that can be checked before a rank trains (pre-flight);
     ``run(engine, prompts, n, sampling, sampling_seed)`` -> ``n`` Episodes per prompt, prompt-major."""
 
-    def __init__(self, episodes_cfg: EpisodesConfig, renderer: TurnRenderer, *, max_inflight: int):
+    def __init__(self, episodes_cfg: EpisodesConfig, renderer: TurnRenderer, *, max_inflight: int,
+                 model_context: Optional[int] = None):
         """``max_inflight``: the most episodes at once (``engine.max_inflight_requests``: each
-        has at most one engine request in flight)."""
+        has at most one engine request in flight); ``model_context``: the model's context length,
+        an episode's budget when ``max_episode_tokens`` is null (``episode_budget``)."""
         self.spec = episodes_cfg.environment
         self.cfg = episodes_cfg
+        self.model_context = model_context
         self.max_inflight = max_inflight
         self.renderer = renderer
         self.tokenizer = renderer.tokenizer
@@ -110,7 +113,7 @@ class EpisodeRunner:
 
     @classmethod
     def build(cls, episodes_cfg: EpisodesConfig, tokenizer, *, max_inflight: int,
-              use_template: bool) -> "EpisodeRunner":
+              use_template: bool, model_context: Optional[int] = None) -> "EpisodeRunner":
         """Pre-flight: the environment class loads (in a worker process), the formatter loads,
         the chat template renders observation turns prefix-stably. One-line errors."""
         try:
@@ -121,7 +124,7 @@ class EpisodeRunner:
                      if episodes_cfg.observation_formatter else None)
         renderer = TurnRenderer(tokenizer, episodes_cfg.observation_role, formatter=formatter,
                                 use_template=use_template and has_chat_template(tokenizer))
-        return cls(episodes_cfg, renderer, max_inflight=max_inflight)
+        return cls(episodes_cfg, renderer, max_inflight=max_inflight, model_context=model_context)
 
     def __call__(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
                  sampling_seed: Optional[int] = None) -> list[Episode]:
@@ -164,6 +167,7 @@ class EpisodeRunner:
         cfg = self.cfg
         row = {**prompt.fields, "prompt": prompt.text, "answer": prompt.answer}
         context = list(prompt.prompt_ids)
+        budget = episode_budget(cfg.max_episode_tokens, self.model_context, len(context))
         out_ids: list[int] = []
         out_lps: list[float] = []
         mask: list[int] = []
@@ -180,7 +184,7 @@ class EpisodeRunner:
             env = await loop.run_in_executor(pool, EnvProcess, self.spec, row, cfg.env_timeout_s, self.env_options)
             env_s += time.monotonic() - t0
             while True:
-                left = cfg.max_episode_tokens - len(out_ids)
+                left = budget - len(out_ids)
                 turn_sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, left))
                 seed = None if sampling_seed is None else (sampling_seed + index * cfg.max_turns + turns) % _SEED_MODULUS
                 t0 = time.monotonic()
@@ -203,7 +207,7 @@ class EpisodeRunner:
                 text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
                 # an observation may use what is left less one model token; a longer text cannot
                 # fit, and is cut before the template and the tokenizer see it (bounded memory)
-                limit = self.renderer.observation_char_limit(cfg.max_episode_tokens - len(out_ids) - 1)
+                limit = self.renderer.observation_char_limit(budget - len(out_ids) - 1)
                 t0 = time.monotonic()
                 answer = await loop.run_in_executor(pool, env.step, text, limit)
                 env_s += time.monotonic() - t0
@@ -216,7 +220,7 @@ class EpisodeRunner:
                 if len(observation) > limit:
                     observation, cut = observation[:limit], cut + 1
                 obs = self.renderer.observation_ids(s.output_ids, observation)
-                if len(out_ids) + len(obs) >= cfg.max_episode_tokens:  # no room for another model token
+                if len(out_ids) + len(obs) >= budget:  # no room for another model token
                     finish = "length"
                     break
                 out_ids += obs

@@ -22,3 +22,14 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_writable(folder: str | Path) -> None:
+    """Make ``folder`` (and its parents) if needed and write and remove a temp file in it; the
+    ``OSError`` (naming the path) when that fails. A tool calls it before its work, so a folder
+    it cannot write is refused at once, not with a traceback once the work is done."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe.")
+    os.close(fd)
+    os.unlink(probe)

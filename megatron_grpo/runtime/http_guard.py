@@ -25,12 +25,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import h11
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
 
 ErrorBody = Callable[[str, int], dict]
 """A server's error shape: ``error_body(message, status)`` is the JSON object of a refusal."""
@@ -91,6 +94,10 @@ async def read_body(request: Request, bound: BodyBound) -> bytes:
     except TimeoutError:
         raise Refused(408, f"the request body was not received within {bound.read_timeout_s:g} s "
                            f"({bound.read_timeout_setting})") from None
+    except ClientDisconnect:  # left starlette's traceback in the server's log (issue 64): one line
+        message = "the client disconnected before its request body was received"
+        log.warning("%s %s: %s", request.method, request.url.path, message)
+        raise Refused(400, message) from None  # its answer goes nowhere; the route ends here
     return b"".join(chunks)
 
 

@@ -49,7 +49,6 @@ import contextlib
 import dataclasses
 import json
 import shutil
-import zlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -58,7 +57,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException  # a BaseException, not an Exception
 
 from megatron_grpo.config import ConfigError
-from megatron_grpo.models.checkpoint import MARKER, STATE_FILE, STEP_DIR_RE, AgreedSave, failure_reason
+from megatron_grpo.models.checkpoint import (CRC_MAX_BYTES, MANIFEST, MARKER, STATE_FILE, STEP_DIR_RE, AgreedSave,
+                                             failure_reason, lora_mismatch, manifest_problem,
+                                             write_manifest)
 from megatron_grpo.models.errors import CheckpointError
 from megatron_grpo.runtime.collectives import agree, broadcast
 from megatron_grpo.runtime.device import cuda_available
@@ -91,57 +92,9 @@ def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = "megatron_grpo.checkpoint_manifest"
-CRC_MAX_BYTES = 64 << 20
-"""Files up to this size get a CRC-32 in the manifest, larger ones (model and optimizer shards
-of a real model) their size only (module docstring)."""
 STATE_KEYS = ("step", "sampler")
 """What the trainer reads of ``trainer_state.json`` on resume (``trainer._resume``)."""
 SAMPLER_KEYS = ("epoch", "position", "seed", "shuffle", "num_prompts", "fingerprint")
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _files(ckpt_dir: Path) -> list[str]:
-    """The checkpoint's files the manifest covers: all but itself and the COMPLETE marker."""
-    return sorted(p.relative_to(ckpt_dir).as_posix() for p in ckpt_dir.rglob("*")
-                  if p.is_file() and p.name not in (MANIFEST, MARKER))
-
-
-def write_manifest(ckpt_dir: Path) -> None:
-    """``ckpt_dir/manifest.json``: each file's size, and its CRC-32 up to ``CRC_MAX_BYTES``."""
-    files = {}
-    for rel in _files(ckpt_dir):
-        size = (ckpt_dir / rel).stat().st_size
-        files[rel] = {"size": size, "crc32": _crc32(ckpt_dir / rel)} if size <= CRC_MAX_BYTES else {"size": size}
-    body = {"format": MANIFEST_FORMAT, "version": 1, "crc_max_bytes": CRC_MAX_BYTES, "files": files}
-    (ckpt_dir / MANIFEST).write_text(json.dumps(body, indent=1) + "\n")
-
-
-def _manifest_problem(ckpt_dir: Path) -> Optional[str]:
-    try:
-        manifest = json.loads((ckpt_dir / MANIFEST).read_text())
-        files = manifest["files"]
-        assert isinstance(files, dict)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
-        return f"{MANIFEST} is unreadable"
-    for rel, want in files.items():
-        path = ckpt_dir / rel
-        if not path.is_file():
-            return f"{rel} is missing"
-        size = path.stat().st_size
-        if size != want.get("size"):
-            return f"{rel} has {size} bytes, the manifest says {want.get('size')}"
-        if "crc32" in want and _crc32(path) != want["crc32"]:
-            return f"{rel} does not match its CRC-32 in the manifest"
-    return None
 
 
 def _state_problem(ckpt_dir: Path, step: Optional[int]) -> Optional[str]:
@@ -182,7 +135,7 @@ def checkpoint_problem(ckpt_dir: str | Path) -> Optional[str]:
     m = CKPT_RE.match(path.name)
     step = int(m.group(1)) if m else None
     if (path / MANIFEST).is_file():
-        problem = _manifest_problem(path)
+        problem = manifest_problem(path)
     elif not (path / "metadata.json").is_file():  # written before the manifest: the marker, and these
         problem = "metadata.json is missing"
     else:
@@ -511,6 +464,10 @@ def load_training_checkpoint(ckpt_dir: Path, model_chunks, optimizer) -> dict[st
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException  # with dist_checkpointing
 
+    spec = next((c.lora_spec for c in model_chunks if getattr(c, "lora_spec", None) is not None), None)
+    mismatch = lora_mismatch(ckpt_dir, spec)
+    if mismatch:  # every rank reads the same file: the same line everywhere, before any collective
+        raise CheckpointError(f"could not load checkpoint {ckpt_dir}: {mismatch}")
     error: Optional[str] = None
     state: dict[str, Any] = {}
     with torch_adam_checkpoint_load(optimizer):

@@ -135,7 +135,8 @@ def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[Promp
         scorer = RewardScorer(cfg.reward)
     episode_source = build_episode_source(
         cfg.episodes, tokenizer, max_inflight=cfg.engine.max_inflight_requests, vocab_size=vocab_size,
-        use_template=cfg.data.apply_chat_template and has_chat_template(tokenizer))
+        use_template=cfg.data.apply_chat_template and has_chat_template(tokenizer),
+        model_context=getattr(load_hf_config(cfg.model.hf_dir), "max_position_embeddings", None))
     sampling = SamplingParams.from_rollout_config(cfg.rollout)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in sampling.stop_token_ids:
         sampling.stop_token_ids = [*sampling.stop_token_ids, tokenizer.eos_token_id]

@@ -218,8 +218,8 @@ def heldout_overrides(wl: Workload, data_dir: Path, rows: int | None) -> list[st
         return []
     greedy = {"name": HELDOUT_SET, "path": str(data_dir / wl.heldout_file), "n": 1, "temperature": 0.0,
               "max_samples": rows}
-    return [f"eval.sets={json.dumps([greedy])}", f"eval.every_n_steps={wl.eval_every}", "eval.at_start=true",
-            "eval.at_end=true"]
+    return [f"eval.sets={json.dumps([greedy])}", "eval.pass_k=[1]", f"eval.every_n_steps={wl.eval_every}",
+            "eval.at_start=true", "eval.at_end=true"]
 
 
 def shared_overrides(workload: str, data_dir: Path, *, batches: int, seed: int, mbs: int | None,

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
-from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE
+from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE, episode_budget
 from megatron_grpo.rollout.agents.connectors import CONNECTORS, split_spec
 from megatron_grpo.rollout.agents.front import AgentFront, EpisodeLog
 from megatron_grpo.rollout.agents.trajectory import sample_from_calls
@@ -149,13 +149,14 @@ class AgentRunner:
     """Rank 0's agent episodes (module docstring): a rollout function,
     ``runner(engine, prompts, n, sampling, seed) -> n Episodes per prompt``, prompt-major."""
 
-    def __init__(self, spec: str, tokenizer, renderer: TurnRenderer, *, max_turns: int, max_episode_tokens: int,
-                 timeout_s: float, workers: int, tool_call_format: str = "hermes", max_inflight: int = 64,
-                 on_env_error: str = "zero_reward"):
+    def __init__(self, spec: str, tokenizer, renderer: TurnRenderer, *, max_turns: int,
+                 max_episode_tokens: Optional[int], timeout_s: float, workers: int, tool_call_format: str = "hermes",
+                 max_inflight: int = 64, on_env_error: str = "zero_reward", model_context: Optional[int] = None):
         self.spec = resolve_spec(spec)
         self.tokenizer = tokenizer
         self.max_turns = max_turns
         self.max_episode_tokens = max_episode_tokens
+        self.model_context = model_context  # an episode's budget when max_episode_tokens is null
         self.timeout_s = timeout_s
         self.workers = workers
         self.on_env_error = on_env_error
@@ -171,7 +172,8 @@ class AgentRunner:
             raise ConfigError(KEY, str(e).removeprefix(f"{KEY} ")) from None
 
     @classmethod
-    def build(cls, episodes_cfg, tokenizer, *, max_inflight: int, use_template: bool) -> "AgentRunner":
+    def build(cls, episodes_cfg, tokenizer, *, max_inflight: int, use_template: bool,
+              model_context: Optional[int] = None) -> "AgentRunner":
         """The run's runner from its ``episodes:`` section (``EpisodesConfig``): the chat template
         must render tool/user turns after an assistant turn prefix-stably (``TurnRenderer``'s
         pre-flight), the agent's file loads in a worker; ConfigError (one line) otherwise."""
@@ -179,7 +181,7 @@ class AgentRunner:
         return cls(episodes_cfg.agent, tokenizer, renderer, max_turns=episodes_cfg.max_turns,
                    max_episode_tokens=episodes_cfg.max_episode_tokens, timeout_s=episodes_cfg.agent_timeout_s,
                    workers=episodes_cfg.agent_workers, tool_call_format=episodes_cfg.tool_call_format,
-                   max_inflight=max_inflight, on_env_error=episodes_cfg.on_env_error)
+                   max_inflight=max_inflight, on_env_error=episodes_cfg.on_env_error, model_context=model_context)
 
     # ---- workers -------------------------------------------------------------------------
 
@@ -234,7 +236,9 @@ class AgentRunner:
         episode_id = uuid.uuid4().hex
         self.front.open_episode(episode_id, EpisodeLog(engine=engine, sampling=sampling, seed=seed,
                                                        max_calls=self.max_turns,
-                                                       max_tokens=self.max_episode_tokens))
+                                                       max_tokens=episode_budget(self.max_episode_tokens,
+                                                                                 self.model_context,
+                                                                                 len(prompt.prompt_ids))))
         reward, metrics, error = 0.0, {}, None
         t0 = time.monotonic()
         try:

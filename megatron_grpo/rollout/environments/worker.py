@@ -340,8 +340,8 @@ def _check(conn, spec: str) -> None:
 def check_environment(spec: str, timeout_s: float, prepare: bool = False) -> None:
     """Pre-flight, in a worker process: ``spec`` loads and names an environment class.
     EnvContractError (one line: file, class, what is wrong) otherwise. ``prepare``: first start
-    what the spec's episodes share (the run's own pre-flight, whose episodes follow; the
-    launcher's check does not start an OpenEnv server it would stop at once)."""
+    what the spec's episodes share (an OpenEnv server): the run's own pre-flight, whose episodes
+    follow, and the launcher's, so a server that cannot start is refused before anything is written."""
     conn, pid = fork_server().connect(("check", spec, prepare))
     try:
         if not conn.poll(timeout_s):

@@ -6,7 +6,8 @@ yourself: a container, a Space's image run locally).
 **The server.** One per run (per fork server, ``worker.py``), shared by every episode, as
 OpenEnv's servers are meant to be (one WebSocket session, so one environment instance, per
 client). The fork server starts it for the first episode's request (``prepare``; the run's own
-pre-flight, ``EpisodeRunner.build``, is that request; the launcher's check starts none), before
+pre-flight, ``EpisodeRunner.build``, is that request; the launcher's check starts one and stops it,
+so a server that cannot start is refused before the run directory is written), before
 it forks that episode's worker. It first imports OpenEnv's client (which imports its server
 side too: ~10 s of gradio and FastAPI), then forks the server from itself, so the server
 costs only its app's own imports (~1 s; a restart as much); the server imports the app file
@@ -291,7 +292,7 @@ def prepare(target: str, workdir: str) -> None:
 def environment_class(target: str) -> type:
     """The adapter class for ``target``; ValueError (one line) when its server could not be
     started (a worker forked after ``prepare``). A class is returned before any server exists
-    too (the launcher's check starts none)."""
+    too (a check without ``prepare``)."""
     where = f"openenv:{describe(target)}"
     if not (FILE_TARGET_RE.match(target) or target.startswith(("http://", "https://"))):
         raise ValueError(f"episodes.environment {where}: expected openenv:path/to/app.py:app or openenv:http://host:port")

@@ -66,7 +66,23 @@ def environment_class(target: str) -> type:
                          f"environment_factory): {e}") from None
     except ValueError:
         pass  # no signature (a C type): checked at the first episode
+    if not class_tools(cls):  # every call would fail at run time ("Tool compute not found"), each episode
+        raise ValueError(f"episodes.environment {where}: the class has no tool: a tool is a public method other "
+                         f"than {' and '.join(RESERVED)} (TRL's environment_factory)")
     return type("ToolEnvironment", (ToolsAdapter,), {"env_class": cls, "where": where})
+
+
+def class_tools(cls: type) -> list[str]:
+    """The names ``tools_of`` will find on an instance of ``cls``, read from the class: its public
+    functions and class methods but ``RESERVED`` (a static method is no bound method, so no tool)."""
+    names = []
+    for name in dir(cls):
+        if name.startswith("_") or name in RESERVED:
+            continue
+        attr = inspect.getattr_static(cls, name, None)
+        if isinstance(attr, classmethod) or (inspect.isfunction(attr) and not isinstance(attr, staticmethod)):
+            names.append(name)
+    return names
 
 
 def tools_of(instance: Any) -> dict[str, Callable]:
