@@ -1,7 +1,8 @@
-"""verifiers environments as agents (``episodes.agent: verifiers:env.py:load_environment``;
-docs/agents.md, "verifiers environments"): the real ``verifiers`` library (the ``agents``
-extra; its absence fails these tests), environments built on local datasets, rolled out by
-their own turn loop through the run's front on the in-process engine (tiny model).
+"""Classic verifiers environments (verifiers < 0.4) as agents (``episodes.agent:
+verifiers:env.py:load_environment``; docs/agents.md, "verifiers environments"): the real
+``verifiers`` library (the ``agents`` extra; its absence fails these tests, a 0.4 release skips
+them: it has only ``verifiers.v1``, trained by tests/test_agents_verifiers.py), environments
+built on local datasets, rolled out by their own turn loop through the run's front on the in-process engine (tiny model).
 
 References: verifiers itself (the environment's rubric scores the completion the test rebuilds
 from the episode's tokens, in this process), the engine's calls (every trained token is one
@@ -16,7 +17,12 @@ import json
 import openai
 import pytest
 import verifiers as vf  # the agents extra: a missing library fails here, it is never skipped
-from verifiers.clients import OpenAIChatCompletionsClient
+
+if not hasattr(vf, "Environment"):  # 0.4 on: verifiers.v1 only (tests/test_agents_verifiers.py)
+    pytest.skip(f"verifiers {vf.__version__} has not the classic API (verifiers < 0.4); the agents extra installs the "
+                "current release, whose tasksets tests/test_agents_verifiers.py trains", allow_module_level=True)
+
+from verifiers.clients import OpenAIChatCompletionsClient  # noqa: E402 (after the version's check)
 from verifiers.utils.message_utils import normalize_messages
 
 from megatron_grpo.chat.openai_api import render_chat
@@ -30,6 +36,7 @@ from megatron_grpo.rollout.agents.runner import AgentRunner, resolve_spec
 from megatron_grpo.rollout.multi_turn import episode_stats
 from megatron_grpo.rollout.turns import TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
+from tests.support.agent_spans import Recorder, check_tokens, texts
 
 ENVS = r'''
 import verifiers as vf
@@ -127,18 +134,6 @@ def envs(envs_file):
     return module
 
 
-class Recorder:
-    """The engine, recording each call's prompt ids, output ids and log-probs."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    def generate(self, prompts, n, sampling, **kw):
-        out = self.engine.generate(prompts, n, sampling, **kw)
-        self.calls.append((list(prompts[0]), list(out[0].output_ids), list(out[0].output_logprobs)))
-        return out
-
-
 @pytest.fixture(scope="module")
 def engine(inprocess_engine):
     return inprocess_engine  # tests/conftest.py: a tiny Qwen2 in this process
@@ -178,37 +173,6 @@ class Scripted:
         out = self.replies.pop(0)
         return [Sample(prompt_index=0, sample_index=0, prompt_ids=list(prompts[0]), output_ids=out,
                        output_logprobs=[-0.5] * len(out), finish_reason="stop", weight_version="1")]
-
-
-def model_spans(sample):
-    """``(context ids, output ids, log-probs)`` of each run of trained tokens; every other token
-    must have log-prob 0."""
-    spans, i, ids = [], 0, sample.output_ids
-    assert len(ids) == len(sample.output_mask) == len(sample.output_logprobs)
-    while i < len(ids):
-        j = i
-        while j < len(ids) and sample.output_mask[j] == sample.output_mask[i]:
-            j += 1
-        if sample.output_mask[i]:
-            spans.append((sample.prompt_ids + ids[:i], ids[i:j], sample.output_logprobs[i:j]))
-        else:
-            assert all(lp == 0.0 for lp in sample.output_logprobs[i:j])
-        i = j
-    return spans
-
-
-def check_tokens(episodes, calls):
-    """Every trained span is one engine call (its prompt, its tokens, its log-probs) and every
-    engine call is one span: nothing re-tokenized, nothing lost."""
-    key = lambda c: (tuple(c[0]), tuple(c[1]), tuple(c[2]))  # noqa: E731
-    spans = [s for e in episodes for s in model_spans(e.sample)]
-    assert sorted(map(key, spans)) == sorted(map(key, calls))
-    assert all(e.error != "diverged" for e in episodes)
-
-
-def texts(tok, sample):
-    """The model's messages' texts, as the front decoded them."""
-    return [tok.decode(out, skip_special_tokens=True) for _, out, _ in model_spans(sample)]
 
 
 def reference_score(env, row, completion, turns):
