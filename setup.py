@@ -45,12 +45,16 @@ setup(
         # users' own inference); training LoRA needs nothing beyond the base install
         "lora": ["peft>=0.17"],
         # agents and the environment libraries (docs/agents.md, docs/multi_turn.md): the OpenAI SDK
-        # (the agent worker's client), verifiers environments through their connector (their classic
-        # API, SingleTurnEnv / MultiTurnEnv / ToolEnv / Rubric, lives in 0.1.14 to 0.3.x; 0.4 has only
-        # verifiers.v1, another API), skyrl-gym and OpenEnv environments (rollout.environment
-        # skyrl_gym:..., openenv:...). Imported only by the worker processes of a run that names
-        # them; TRL-style tool classes (tools:...) need none of them.
-        "agents": ["openai>=1.108.1", "verifiers>=0.1.14,<0.4", "skyrl-gym>=0.4.0", "openenv-core>=0.3.0"],
+        # (the agent worker's client), verifiers environments through their connector (0.4's
+        # verifiers.v1 tasksets; the classic API of 0.1.14 to 0.3.x too), skyrl-gym and OpenEnv
+        # environments (rollout.environment skyrl_gym:..., openenv:...). OpenEnv's module `openenv`
+        # comes from openenv-core here: its other package, openenv 0.10, pins mcp < 2 (through
+        # fastmcp < 4) and verifiers 0.4 pins mcp == 2.0.0, so the two cannot share an environment;
+        # the `openenv` extra below installs it instead of verifiers. Imported only by the worker
+        # processes of a run that names them; TRL-style tool classes (tools:...) need none of them.
+        "agents": ["openai>=1.108.1", "verifiers>=0.1.14", "skyrl-gym>=0.4.0", "openenv-core>=0.3.0"],
+        # OpenEnv's current package, for runs without verifiers 0.4 (the conflict above)
+        "openenv": ["openenv>=0.10.0"],
         # tensorboard: its logging test; triton: the Triton kernels' tests (its CPU interpreter;
         # CUDA builds of torch bring triton, the CPU wheel does not); pytest-xdist: the suite runs on
         # two workers (launch/run_tests.sh). pytest < 9.1: xdist 3.8 groups tests by renaming their

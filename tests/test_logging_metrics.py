@@ -14,6 +14,7 @@ import torch
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.sections import LoggingConfig
 from megatron_grpo.metrics_log import MetricsLogger, format_summary, read_metrics, write_plot
+from megatron_grpo.metrics_log.report import plot_figure
 from megatron_grpo.metrics_log.__main__ import main as metrics_main
 
 QUIET = dict(tensorboard=False, progress_bar=False, plot=False)
@@ -155,7 +156,7 @@ def test_finish_writes_a_valid_png_and_prints_the_summary(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "4/4" in captured.err and "reward=0.4" in captured.err  # the progress bar
     assert summary in captured.out
-    assert png_size(tmp_path / "plot.png") == (1200, 1000)
+    assert png_size(tmp_path / "plot.png") == (1200, 1333)  # 4 rows: ppo_kl and clip_ratio move here
     assert not list(tmp_path.glob(".plot*"))  # the temp file was renamed away
     lines = summary.splitlines()
     assert lines[0].split() == ["step", "reward", "loss", "ppo_kl", "clip", "mismatch", "elapsed_s"]
@@ -213,10 +214,44 @@ def test_multi_turn_runs_show_turns_and_env_failures_in_bar_plot_and_summary(tmp
     err = capsys.readouterr().err
     assert "turns=2.5" in err and "env_err=3" in err, err
     assert "turns" in summary.splitlines()[0].split()
-    assert png_size(tmp_path / "plot.png") == (1200, 1333)  # 4 rows of panels: turns and failed episodes
+    assert png_size(tmp_path / "plot.png") == (1200, 1666)  # 5 rows: ppo_kl, clip, turns, failed episodes
     # a single-turn run's bar and plot are unchanged
     log = MetricsLogger(tmp_path / "single", LoggingConfig(tensorboard=False), total_steps=1)
     log.log(1, step_metrics(1))
     log.finish()
     assert "turns=" not in capsys.readouterr().err
-    assert png_size(tmp_path / "single" / "plot.png") == (1200, 1000)
+    assert png_size(tmp_path / "single" / "plot.png") == (1200, 1333)
+
+
+ON_POLICY = {"reward_mean": 0.3, "reward_std": 0.1, "loss": 0.2, "ppo_kl": 0.0, "clip_ratio": 0.0, "entropy": 1.7,
+             "skipped_updates": 0, "skipped_zero_advantage": 0, "rollout_train_logprobs_abs_diff_mean": 0.002,
+             "response_length_mean": 40.0, "time/generate_s": 1.2, "time/logprob_s": 0.4, "time/train_s": 1.5,
+             "time/sync_s": 0.1, "time/idle_s": 0.05}
+
+
+def drawn_panels(tmp_path, records):
+    """The titles of the panels ``python -m megatron_grpo.metrics_log`` draws from a written run."""
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    fig = plot_figure(read_metrics(tmp_path / "metrics.jsonl"))
+    return [ax.get_title() for ax in fig.axes if ax.get_visible()]
+
+
+def test_an_on_policy_run_plots_what_moves_not_the_zero_kl_and_clip(tmp_path):
+    """num_iterations 1, one mini-batch: ppo_kl and clip_ratio are 0 at every step, so their
+    panels give way to entropy and the step's time split; off-policy updates bring them back,
+    a skipped update brings its own panel."""
+    on_policy = [{"step": s, **ON_POLICY, "entropy": 1.7 - 0.1 * s} for s in (1, 2, 3)]
+    titles = drawn_panels(tmp_path, on_policy)
+    assert titles == ["reward (mean over responses)", "held-out eval: pass@k", "entropy (mean over response tokens)",
+                      "step time split (s)", "train/rollout |logprob diff| (mean)", "response length (tokens, mean)"]
+    fig = plot_figure(on_policy)
+    time_axis = next(ax for ax in fig.axes if ax.get_title() == "step time split (s)")
+    assert [line.get_label() for line in time_axis.get_lines()] == ["generate_s", "logprob_s", "train_s", "sync_s",
+                                                                    "idle_s"]
+    off_policy = [{**r, "ppo_kl": 1e-3 * (r["step"] - 1), "clip_ratio": 0.0, "skipped_updates": int(r["step"] == 2)}
+                  for r in on_policy]
+    titles = drawn_panels(tmp_path, off_policy)
+    assert titles[6:] == ["KL old->new policy (ppo_kl)", "skipped optimizer updates"]  # clip_ratio is still all 0
+    off_policy = [{**r, "clip_ratio": 0.01} for r in off_policy]
+    assert drawn_panels(tmp_path, off_policy)[6:] == ["KL old->new policy (ppo_kl)", "clip ratio",
+                                                      "skipped optimizer updates"]

@@ -14,21 +14,31 @@ from pathlib import Path
 PLOT_PANELS: list[tuple[str, str]] = [
     ("reward_mean", "reward (mean over responses)"),
     ("eval/*/pass@*", "held-out eval: pass@k"),
-    ("ppo_kl", "KL old->new policy (ppo_kl)"),
-    ("clip_ratio", "clip ratio"),
+    ("entropy", "entropy (mean over response tokens)"),
+    ("time/generate_s|time/reward_s|time/logprob_s|time/train_s|time/sync_s|time/eval_s|time/idle_s",
+     "step time split (s)"),
     ("rollout_train_logprobs_abs_diff_mean", "train/rollout |logprob diff| (mean)"),
     ("response_length_mean", "response length (tokens, mean)"),
 ]
 """(metric key, panel title) of the six panels of plot.png; a key with ``*`` draws every
-matching metric as its own line (one per eval set and k)."""
+matching metric as its own line (one per eval set and k); ``a|b`` draws each of the keys as its
+own line."""
+
+MOVING_PANELS: list[tuple[str, str]] = [
+    ("ppo_kl", "KL old->new policy (ppo_kl)"),
+    ("clip_ratio", "clip ratio"),
+    ("skipped_updates|skipped_zero_advantage", "skipped optimizer updates"),
+]
+"""Panels drawn only for a run where their metric moves (a non-zero value at some step):
+``ppo_kl`` and ``clip_ratio`` are zero by construction on an on-policy run (one optimizer step
+per rollout batch: ``num_iterations: 1``, one mini-batch), skipped updates on a healthy one."""
 
 MULTI_TURN_PANELS: list[tuple[str, str]] = [
     ("multi_turn/turns_mean|multi_turn/turns_max", "model turns per episode"),
     ("multi_turn/env_errors|multi_turn/env_timeouts|multi_turn/observations_refused",
      "failed episodes per step (environment)"),
 ]
-"""Two more panels when the run has multi-turn episodes (``multi_turn/turns_mean`` logged);
-``a|b`` draws each of the keys as its own line."""
+"""Two more panels when the run has multi-turn episodes (``multi_turn/turns_mean`` logged)."""
 
 SUMMARY_COLUMNS: list[tuple[str, str]] = [
     ("step", "step"),
@@ -71,17 +81,31 @@ def matching_keys(records: list[dict], pattern: str) -> list[str]:
     return list(seen)
 
 
-def write_plot(records: list[dict], path: str | Path, title: str = "") -> Path:
-    """Draw the PLOT_PANELS metrics vs step into ``path`` (PNG, atomic); returns the path."""
+def moves(records: list[dict], pattern: str) -> bool:
+    """Whether any metric ``pattern`` names has a non-zero value at some step."""
+    return any(v != 0.0 for key in matching_keys(records, pattern) for v in series(records, key)[1])
+
+
+def plot_panels(records: list[dict]) -> list[tuple[str, str]]:
+    """The panels of a run's plot: PLOT_PANELS, then those of MOVING_PANELS that move, then the
+    multi-turn ones when it has multi-turn episodes."""
+    moving = [panel for panel in MOVING_PANELS if moves(records, panel[0])]
+    return PLOT_PANELS + moving + (MULTI_TURN_PANELS if series(records, "multi_turn/turns_mean")[0] else [])
+
+
+def plot_figure(records: list[dict], title: str = ""):
+    """The matplotlib Figure of the ``plot_panels`` metrics vs step (an Agg canvas)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    panels = PLOT_PANELS + (MULTI_TURN_PANELS if series(records, "multi_turn/turns_mean")[0] else [])
+    panels = plot_panels(records)
     rows = (len(panels) + 1) // 2
     fig = Figure(figsize=(12, 10 * rows / 3), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, 2).ravel()
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
     for ax, (pattern, panel_title) in zip(axes, panels):
         ax.set_title(panel_title, fontsize=10)
         ax.set_xlabel("step")
@@ -95,7 +119,8 @@ def write_plot(records: list[dict], path: str | Path, title: str = "") -> Path:
         several = "*" in pattern or "|" in pattern
         for key, steps, values in lines:
             ax.plot(steps, values, marker="." if len(steps) < 50 else None,
-                    label=key.removeprefix("eval/").removeprefix("multi_turn/") if several else None)
+                    label=key.removeprefix("eval/").removeprefix("multi_turn/").removeprefix("time/")
+                    if several else None)
         if several:
             ax.legend(loc="lower right", fontsize=8)
             continue
@@ -109,6 +134,12 @@ def write_plot(records: list[dict], path: str | Path, title: str = "") -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def write_plot(records: list[dict], path: str | Path, title: str = "") -> Path:
+    """Draw ``plot_figure`` into ``path`` (PNG, atomic); returns the path."""
+    fig = plot_figure(records, title)
     path = Path(path)
     tmp = path.with_name(f".{path.stem}.tmp.{os.getpid()}.png")
     fig.savefig(tmp, format="png")

@@ -169,9 +169,11 @@ EXTENDED: dict[str, str] = {
     "tests/test_agents_e2e.py::test_a_broken_agent_file_is_one_line_before_the_run":
         "non-slow "
         "test_hostile_inputs::test_rejected_by_the_command[environment_import_fails|rollout_function_import_fails]"
-        " (same plug-in load path); non-slow test_agents_verifiers::test_specs_and_load_errors",
-    "tests/test_agents_e2e.py::test_two_steps_of_a_verifiers_tool_env":
-        "non-slow test_agents_verifiers::test_tool_env, ::test_multi_turn_env (adapter against the real library);"
+        " (same plug-in load path); non-slow "
+        "test_agents_verifiers::test_what_one_chat_turn_cannot_score_is_refused_at_load",
+    "tests/test_agents_e2e.py::test_two_steps_of_a_verifiers_taskset":
+        "non-slow test_agents_verifiers::test_a_v1_taskset_trains_through_the_connector (adapter against the real "
+        "library);"
         " test_two_steps_with_an_sdk_agent (agent run)",
     "tests/test_agents_e2e.py::test_an_agent_that_breaks_its_contract_stops_the_run_in_one_line":
         "non-slow test_agents::test_contract_errors_stop_the_run_in_one_line; "

@@ -18,10 +18,11 @@ Verifiers' turn loop re-sends the conversation each turn as the previous prompt,
 message it was answered (content and tool calls as returned) and the new messages (the env's
 response, tool results), so the front extends the episode's tokens without re-tokenizing it.
 
-Supported: verifiers >= 0.1.14, < 0.4, the classic API (``vf.Environment``, ``MultiTurnEnv``,
-``Rubric``, ``env.rollout(input, client, model, sampling_args)``); 0.3 keeps it under
-``verifiers.legacy`` and still answers ``import verifiers as vf``; 0.4 has only ``verifiers.v1``,
-another API, refused at load with that reason.
+Supported here: verifiers >= 0.1.14, < 0.4, the classic API (``vf.Environment``,
+``MultiTurnEnv``, ``Rubric``, ``env.rollout(input, client, model, sampling_args)``); 0.3 keeps it
+under ``verifiers.legacy`` and still answers ``import verifiers as vf``. 0.4 has only
+``verifiers.v1`` (tasksets and harnesses): ``load_agent`` hands a ``verifiers.v1`` object to
+``verifiers_v1.py``.
 
 Departures from verifiers' own behaviour, each deliberate:
 
@@ -54,12 +55,14 @@ from typing import Any, Callable, Optional
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.rewards.registry import load_file
+from megatron_grpo.rollout.agents.connectors import verifiers_v1
 from megatron_grpo.rollout.agents.front import MODEL_NAME
 from megatron_grpo.runtime.errors import one_line
 from megatron_grpo.rollout.environments.worker import raise_site
 
 SUPPORTED = ">=0.1.14,<0.4"
-"""The verifiers versions whose classic API this connector drives (module docstring)."""
+"""The verifiers versions whose classic API this module drives (module docstring); 0.4's
+``verifiers.v1`` tasksets go to ``verifiers_v1.py``."""
 
 
 class VerifiersEpisodeError(RuntimeError):
@@ -81,7 +84,8 @@ def import_verifiers(key: str) -> tuple[Any, type]:
     except (AttributeError, ImportError):
         version = getattr(vf, "__version__", "?")
         raise ConfigError(key, f"verifiers {version} has not the classic environment API (vf.Environment, "
-                               f"MultiTurnEnv, Rubric) that the connector drives; install verifiers{SUPPORTED}") from None
+                               f"MultiTurnEnv, Rubric): return a verifiers.v1 Taskset, or install "
+                               f"verifiers{SUPPORTED} for a classic environment") from None
     return vf, OpenAIChatCompletionsClient
 
 
@@ -256,16 +260,25 @@ def agent_function(env, client_class: type, failures: list) -> Callable:
 
 def load_agent(file_spec: str, key: str) -> tuple[Callable, str]:
     """``(agent fn, the user's file)`` for ``<absolute path>:load_environment``; ConfigError when
-    the library, the file or the environment it returns cannot be used."""
-    vf, client_base = import_verifiers(key)
+    the library, the file or the environment it returns cannot be used. A ``verifiers.v1``
+    taskset goes to ``verifiers_v1.py``; anything else must be a classic ``vf.Environment``."""
+    try:
+        import verifiers  # noqa: F401 (the library's presence, before the user's file imports it)
+    except ImportError as e:
+        raise ConfigError(key, f"the verifiers connector needs the verifiers library (pip install "
+                               f"'megatron-grpo[agents]'): {one_line(e)}") from None
     make = load_file(file_spec, key)
     path = file_spec.rpartition(":")[0]
     try:
         env = make()
     except Exception as e:  # the user's code: one line with its site
         raise ConfigError(key, f"verifiers:{file_spec} raised {one_line(e)} at {raise_site(e, path)}") from None
+    if verifiers_v1.is_v1(env):
+        return verifiers_v1.load_agent(env, f"verifiers:{file_spec}", key), path
+    vf, client_base = import_verifiers(key)
     if not isinstance(env, vf.Environment):
-        raise ConfigError(key, f"verifiers:{file_spec} returned {type(env).__name__}, not a verifiers Environment")
+        raise ConfigError(key, f"verifiers:{file_spec} returned {type(env).__name__}, not a verifiers Environment "
+                               "(classic API) nor a verifiers.v1 Taskset")
     check_rubric(env.rubric, f"verifiers:{file_spec}", key)
     failures: list = []
     for leaf in leaf_rubrics(env.rubric):
