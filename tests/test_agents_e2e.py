@@ -34,7 +34,7 @@ def test_two_steps_with_an_sdk_agent(demo, tmp_path):
                     "episodes.agent_workers=2",
                     "rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=16",
                     "parallel.micro_batch_size=8", "eval.every_n_steps=0", "logging.plot=false",
-                    f"eval.sets=[{{name: heldout, path: {heldout}, n: 2, temperature: 1.0}}]")
+                    f"eval.sets=[{{name: heldout, path: {heldout}, n: 2, temperature: 1.0}}]", "eval.pass_k=[1, 2]")
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = read_metrics(run_dir)

@@ -9,10 +9,10 @@ import subprocess
 
 import pytest
 
+from megatron_grpo.trainer.step_timer import PHASES
 from tests.support.demo_run import ENV, ROOT, kill_engine_after, read_metrics, train_cmd
 
 OFF = "rollout.mode=one_step_off_policy"
-PHASES = ("generate", "reward", "logprob", "train", "idle", "sync", "eval", "other")
 
 
 def cmd(demo, run_dir, steps, *extra):

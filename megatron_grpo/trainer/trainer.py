@@ -200,7 +200,7 @@ class Trainer:
         timer.lap("logprob")
         if self.teacher is not None:  # its log-probs of the batch, checked when due
             moe_metrics.update(self.teacher.score(step, local, self.batching))
-        timer.lap("teacher")
+            timer.lap("teacher")
         updates = Updates(skipped_zero_advantage=True) if skip else self.update(step, batch, local, algorithm)
         timer.lap("train")
         if self.routing is not None:  # without an old-log-prob pass: the (single) update's forward

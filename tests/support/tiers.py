@@ -15,6 +15,11 @@ refuses a key that matches no test when the whole suite is collected (a renamed 
 """
 
 EXTENDED: dict[str, str] = {
+    "tests/test_checkpoint_integrity.py::test_train_falls_back_and_fails_in_one_line":
+        "test_checkpoint_integrity::test_a_damaged_newest_checkpoint_is_skipped_in_one_line, "
+        "::test_an_explicit_damaged_checkpoint_is_a_user_error and ::test_ranks_resume_the_older_checkpoint_and_load_it "
+        "(the same fallback and refusal on the trainer's own load, in ranks); test_kill_resume::"
+        "test_kill_minus_9_and_resume (a resume through train)",
     "tests/test_distillation.py::test_teacher_scores_at_the_sampling_temperature_and_gets_no_gradient[dp2]":
         "test_distillation::test_teacher_scores_at_the_sampling_temperature_and_gets_no_gradient[tp2|pp2] (the "
         "same teacher pass and update, sharded); test_smollm2_pipeline::test_two_distillation_steps_with_the_teacher_"
