@@ -376,7 +376,7 @@ def train_mini_batch(
                 entropy=ent if want_entropy_grad else ent.detach(),
                 num_tokens=num_tokens, num_sequences=num_sequences,
                 teacher_log_probs=mb.teacher_log_probs,
-                distillation=distillation if mb.teacher_log_probs is not None else None,
+                distillation=distillation,  # with mb.teacher_log_probs, or the loss refuses it
             )
             metrics["loss"] = float(loss.detach())
             metrics["num_padded_tokens"] = float(mb.tokens.numel() if packed is None else packed.num_tokens * cp)

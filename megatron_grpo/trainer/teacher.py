@@ -91,8 +91,8 @@ class TeacherVerifier:
         rows = min(self.num_rows, local.num_sequences)
         holder = (teacher_BT is not None and ps.get_tensor_model_parallel_rank() == 0
                   and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, teacher_BT[:rows].detach().cpu() if holder else None)
+        gathered: Optional[list] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(teacher_BT[:rows].detach().cpu() if holder else None, gathered, dst=0)  # rank 0 compares
         result = None
         if dist.get_rank() == 0:
             ours = next(t for t in gathered if t is not None)

@@ -196,16 +196,16 @@ class Trainer:
         algorithm = self.step_algorithm(step)
         skip = (self.cfg.algorithm.skip_zero_advantage_steps and self.teacher is None
                 and not has_gradient(batch, algorithm))  # the teacher's term gives a gradient
-        moe_metrics = {} if skip else self.score(local)
+        score_metrics = {} if skip else self.score(local)
         timer.lap("logprob")
         if self.teacher is not None:  # its log-probs of the batch, checked when due
-            moe_metrics.update(self.teacher.score(step, local, self.batching))
+            score_metrics.update(self.teacher.score(step, local, self.batching))
             timer.lap("teacher")
         updates = Updates(skipped_zero_advantage=True) if skip else self.update(step, batch, local, algorithm)
         timer.lap("train")
         if self.routing is not None:  # without an old-log-prob pass: the (single) update's forward
             for key, value in self.routing.take_metrics().items():  # collective; restarts the count
-                moe_metrics.setdefault(key, value)
+                score_metrics.setdefault(key, value)
         self.rollouts.collect_next(step)  # off-policy: step+1's batch; the engine must be idle to sync
         timer.lap("idle")
         synced = self.engine.sync(step + 1)
@@ -213,7 +213,7 @@ class Trainer:
         eval_metrics = self.evaluate(step + 1)
         eval_s = timer.lap("eval")
         self.nonfinite_streak = self.nonfinite_streak + 1 if updates.skipped else 0
-        record = {**self.record(result.stats, updates, synced), **moe_metrics, **eval_metrics, **timer.finish()}
+        record = {**self.record(result.stats, updates, synced), **score_metrics, **eval_metrics, **timer.finish()}
         # training throughput: evaluation time is not the step's work
         record["tokens_per_s"] = float(batch.loss_mask.sum()) / max(record["time/step_s"] - eval_s, 1e-9)
         record["entropy_coef"] = algorithm.entropy_coef
