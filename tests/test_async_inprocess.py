@@ -4,7 +4,7 @@ The engine side: the in-memory sync (``sync/in_memory.py``) retracts the sequenc
 copies the new weights, sets the version and resumes, so sequences that span two syncs carry,
 token by token, the version and the log-prob of the weights that drew them. Checked through the
 real ``InProcessEngine.generate`` (called from a worker thread, as the async scheduler does)
-and the real ``InMemorySyncer``, against a float64 transformers forward of each version's
+and the real in-memory ``WeightSync``, against a float64 transformers forward of each version's
 weights (``check_token_versions``, tests/support/async_checks.py, as tests/test_async_rollouts.py
 checks the embedded engine). Then a real trainer run: the staleness bound, whole groups and lag
 ``k`` reached, as tests/test_async_e2e.py checks the embedded engine.
@@ -19,7 +19,8 @@ from megatron_grpo.preflight.rules import check_engine
 from megatron_grpo.engine.engine import EmbeddedEngine
 from megatron_grpo.generation.inprocess import InProcessEngine
 from megatron_grpo.wire.samples import SamplingParams
-from megatron_grpo.sync.in_memory import InMemorySyncer
+from megatron_grpo.sync.driver import WeightSync
+from megatron_grpo.sync.in_memory import InMemoryDelivery
 from tests.support.async_checks import PROMPTS, async_cmd, async_groups, check_bound, check_token_versions, run_train
 from tests.support.demo_run import read_metrics
 from tests.support.models_fixtures import hf_tensors
@@ -38,8 +39,8 @@ def test_inprocess_sync_retracts_and_tokens_carry_their_version_and_log_prob(wei
     engine = EmbeddedEngine(weight_versions[0], dtype="float32", max_batch_size=8, batch_window_s=0.0, seed=0)
     engine.weight_version = "0"
     cfg = experiment(rollout=RolloutConfig(mode="async"), engine=EngineConfig(kind="inprocess"))
-    receiver = InMemorySyncer(cfg, None, engine,
-                              iter_weights=lambda chunks, hf_config: iter(chunks))
+    receiver = WeightSync(cfg, None, InMemoryDelivery(cfg, engine),
+                          iter_weights=lambda chunks, hf_config: iter(chunks))
     inprocess = InProcessEngine(engine, receiver, timeout_s=300)
     out: dict = {}
 

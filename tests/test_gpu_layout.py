@@ -112,10 +112,10 @@ def test_colocate_needs_the_tensor_transport_and_an_engine_that_releases_memory(
 
 
 def test_the_master_address_reaches_the_transport():
-    from megatron_grpo.sync.syncer import WeightSyncer
+    from megatron_grpo.sync.servers import ServerDelivery
 
     cfg = _experiment(engine={"urls": ["http://10.0.0.7:1"]}, sync={"master_address": "10.0.0.2"})
-    syncer = WeightSyncer(cfg, cfg.engine.urls, None, iter_weights=lambda chunks, hf: iter(()))
+    syncer = ServerDelivery(cfg, cfg.engine.urls, None)
     try:
         assert syncer.transport.master_address == "10.0.0.2"
     finally:

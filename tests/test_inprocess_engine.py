@@ -79,15 +79,15 @@ def test_bad_input_is_one_rollout_error(engine):
 
 def _worker(rank, world_size, model_dir, corrupt):
     from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
-    from megatron_grpo.sync.in_memory import InMemorySyncer
-    from megatron_grpo.sync.syncer import WeightSyncError
+    from megatron_grpo.sync.driver import WeightSync, WeightSyncError
+    from megatron_grpo.sync.in_memory import InMemoryDelivery
 
     hf_config = load_hf_config(model_dir)
     chunks = build_model(hf_config, dtype=torch.float32, init_weights=False)
     load_hf_weights(chunks, model_dir, hf_config)
     cfg = experiment(engine=EngineConfig(dtype="float32", kind="inprocess"))
     inner = start_inprocess(cfg.engine, model_dir=model_dir) if rank == 0 else None
-    engine = InProcessEngine(inner, InMemorySyncer(cfg, hf_config, inner), timeout_s=120)
+    engine = InProcessEngine(inner, WeightSync(cfg, hf_config, InMemoryDelivery(cfg, inner)), timeout_s=120)
     out = {}
 
     def probe(step):

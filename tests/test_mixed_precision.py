@@ -178,13 +178,14 @@ _DIRECT = {
 def _sync_into_engine(rank, world, hf_dir, url):
     from megatron_grpo.config import OptimizerConfig
     from megatron_grpo.generation import RolloutClient
-    from megatron_grpo.sync.syncer import WeightSyncer
+    from megatron_grpo.sync.driver import WeightSync
+    from megatron_grpo.sync.servers import ServerDelivery
 
     policy = _policy(hf_dir, OptimizerConfig(name="adam", lr=1e-4, clip_grad=0.0))
     policy_step(policy)
     client = RolloutClient([url], request_timeout_s=120)
     cfg = experiment(engine=EngineConfig(request_timeout_s=120), sync=SyncConfig(transport="distributed"))
-    syncer = WeightSyncer(cfg, [url], policy.hf_config, client=client)
+    syncer = WeightSync(cfg, policy.hf_config, ServerDelivery(cfg, [url], policy.hf_config, client=client))
     stats = syncer.sync(policy.modules, 1)  # verified: the engine's checksums match what was sent
     syncer.close()
     (module,) = policy.modules

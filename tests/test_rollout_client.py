@@ -399,9 +399,10 @@ def test_release_memory_occupation_is_never_called_without_a_gpu():
 
 @pytest.mark.parametrize("transport", ["distributed", "tensor", "disk"])
 def test_weight_syncer_transport_against_the_server(server, client, hf_model, perturbed, weight_dir, transport):
-    """The trainer's own WeightSyncer (buckets, bracket, every transport, the engine's
+    """The trainer's own WeightSync (buckets, bracket, every transport, the engine's
     verifier and, on SGLang, the log-prob probe) pushing weights into the real server."""
-    from megatron_grpo.sync.syncer import WeightSyncer
+    from megatron_grpo.sync.driver import WeightSync
+    from megatron_grpo.sync.servers import ServerDelivery
 
     kind, url = server
     reference = type(hf_model)(hf_model.config).eval()
@@ -414,8 +415,9 @@ def test_weight_syncer_transport_against_the_server(server, client, hf_model, pe
     cfg = experiment(engine=EngineConfig(kind=kind, api_key=API_KEY, request_timeout_s=120),
                      sync=SyncConfig(transport=transport, bucket_mb=1, verify_logprob_tolerance=1e-5))
     named = [(k, v.contiguous()) for k, v in perturbed.items()]
-    syncer = WeightSyncer(cfg, [url], hf_model.config, work_dir=weight_dir, client=client,
-                          iter_weights=lambda chunks, hf_config: iter(named), probe=probe)
+    syncer = WeightSync(cfg, hf_model.config,
+                        ServerDelivery(cfg, [url], hf_model.config, work_dir=weight_dir, client=client),
+                        iter_weights=lambda chunks, hf_config: iter(named), probe=probe)
     try:
         stats = syncer.sync([], step=42)
     finally:

@@ -14,7 +14,8 @@ import torch
 
 from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.wire.buckets import Bucket, plan_buckets
-from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
+from megatron_grpo.sync.driver import WeightSync, WeightSyncError
+from megatron_grpo.sync.servers import ServerDelivery
 from tools.tiny import save_tiny_model
 from megatron_grpo.config import EngineConfig, SyncConfig
 from tests.support.configs import experiment
@@ -53,7 +54,7 @@ def test_engine_killed_during_sync_is_reported_within_the_timeout(launched, tran
 
     cfg = experiment(engine=EngineConfig(request_timeout_s=TIMEOUT_S, max_retries=2),
                      sync=SyncConfig(transport=transport, bucket_mb=1))
-    syncer = WeightSyncer(cfg, manager.urls, None, iter_weights=iter_weights_then_kill)
+    syncer = WeightSync(cfg, None, ServerDelivery(cfg, manager.urls, None), iter_weights=iter_weights_then_kill)
     started = time.monotonic()
     with pytest.raises(WeightSyncError, match=rf"send \(step 1\) failed on rank 0: .*{manager.urls[0]}"):
         syncer.sync([], 1)
@@ -67,7 +68,8 @@ def test_sync_to_a_dead_engine_fails_fast(launched):
     os.kill(manager.pid, signal.SIGKILL)
     time.sleep(0.5)
     cfg = experiment(engine=EngineConfig(request_timeout_s=TIMEOUT_S, max_retries=2))
-    syncer = WeightSyncer(cfg, manager.urls, None, iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
+    syncer = WeightSync(cfg, None, ServerDelivery(cfg, manager.urls, None),
+                        iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
     started = time.monotonic()
     with pytest.raises(WeightSyncError, match=r"prepare \(pause/flush\) failed on rank 0: RolloutError"):
         syncer.sync([], 1)
@@ -123,16 +125,17 @@ def test_a_dead_engine_does_not_leave_the_live_one_inside_the_bracket(launched):
     live = manager.urls[0]
     cfg = experiment(engine=EngineConfig(request_timeout_s=TIMEOUT_S, max_retries=1),
                      sync=SyncConfig(transport="tensor"))
-    syncer = WeightSyncer(cfg, [live, _closed_port_url()], None,
-                          iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
+    syncer = WeightSync(cfg, None, ServerDelivery(cfg, [live, _closed_port_url()], None),
+                        iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
     with pytest.raises(WeightSyncError, match=r"prepare \(pause/flush\) failed on rank 0: .*ConnectError"):
         syncer.sync([], 1)
     syncer.close()
     # the live engine was finished (bracket closed, generating again): a sync to it alone succeeds
     # without having to close anything, and moves its version
-    retry = WeightSyncer(cfg, [live], None, iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
+    retry = WeightSync(cfg, None, ServerDelivery(cfg, [live], None),
+                       iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
     retry.sync([], 2)
-    assert retry.client.weight_version(live) == "2"
+    assert retry.delivery.client.weight_version(live) == "2"
     retry.close()
 
 
@@ -142,10 +145,11 @@ def test_a_bracket_left_open_by_an_earlier_trainer_is_closed(launched, caplog):
     url = manager.urls[0]
     cfg = experiment(engine=EngineConfig(request_timeout_s=TIMEOUT_S, max_retries=1),
                      sync=SyncConfig(transport="tensor"))
-    syncer = WeightSyncer(cfg, [url], None, iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
-    syncer.client.begin_weight_update(url)  # what a trainer killed mid-sync leaves behind
+    syncer = WeightSync(cfg, None, ServerDelivery(cfg, [url], None),
+                        iter_weights=lambda c, h: iter(hf_tensors(model_dir)))
+    syncer.delivery.client.begin_weight_update(url)  # what a trainer killed mid-sync leaves behind
     with caplog.at_level("WARNING"):
         syncer.sync([], 3)
     assert "had a weight-update bracket open" in caplog.text
-    assert syncer.client.weight_version(url) == "3"
+    assert syncer.delivery.client.weight_version(url) == "3"
     syncer.close()

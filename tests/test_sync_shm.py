@@ -19,7 +19,8 @@ import torch
 
 from megatron_grpo.generation.client import RolloutClient
 from megatron_grpo.generation.manager import RolloutServerManager
-from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
+from megatron_grpo.sync.driver import WeightSync, WeightSyncError
+from megatron_grpo.sync.servers import ServerDelivery
 from megatron_grpo.sync.transports import ShmBucketWire
 from tools.tiny import save_tiny_model
 from megatron_grpo.wire.shm import PREFIX, SHM_DIR, open_segment
@@ -54,8 +55,8 @@ def launched(tmp_path):
 def make_syncer(urls, tensors, **sync):
     cfg = experiment(engine=EngineConfig(request_timeout_s=TIMEOUT_S, max_retries=1),
                      sync=SyncConfig(transport="tensor", **sync))
-    syncer = WeightSyncer(cfg, urls, None, iter_weights=lambda c, h: iter(tensors))
-    assert isinstance(syncer.transport.wire, ShmBucketWire)  # the embedded engine's CPU wire
+    syncer = WeightSync(cfg, None, ServerDelivery(cfg, urls, None), iter_weights=lambda c, h: iter(tensors))
+    assert isinstance(syncer.delivery.transport.wire, ShmBucketWire)  # the embedded engine's CPU wire
     return syncer
 
 
@@ -86,7 +87,7 @@ def test_a_byte_flipped_in_the_segment_fails_verification_and_leaves_no_segment(
     manager, model_dir = launched
     before = segments()
     syncer = make_syncer(manager.urls, hf_tensors(model_dir, 1))
-    send = syncer.transport.send
+    send = syncer.delivery.transport.send
 
     def flipping_send(bucket, **kwargs):
         pack = bucket.pack
@@ -99,7 +100,7 @@ def test_a_byte_flipped_in_the_segment_fails_verification_and_leaves_no_segment(
         bucket.pack = bad_pack
         send(bucket, **kwargs)
 
-    syncer.transport.send = flipping_send
+    syncer.delivery.transport.send = flipping_send
     with pytest.raises(WeightSyncError, match=r"verification \(step 1\).*differs between the trainer and engine"):
         syncer.sync([], 1)
     syncer.close()

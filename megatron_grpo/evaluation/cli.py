@@ -44,12 +44,10 @@ from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.preflight import load_experiment
 from megatron_grpo.preflight.errors import USER_ERRORS, describe_user_error
 from megatron_grpo.wire.samples import RolloutError, SamplingParams
-from megatron_grpo.generation.engines import ENGINES
-from megatron_grpo.generation.http_engine import HttpEngine, start_servers
-from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.runtime import parallel
 from megatron_grpo.runtime.files import write_text_atomic
 from megatron_grpo.runtime.library_warnings import quiet_library_warnings
+from megatron_grpo.sync.factory import build_engine
 from megatron_grpo.trainer import checkpoint as ckpt
 from megatron_grpo.trainer.components import build_rollout_side
 
@@ -145,12 +143,7 @@ def evaluate_weights(cfg: ExperimentConfig, weights: Weights, out_dir: Path) -> 
     load_sets(run_cfg, tokenizer, SamplingParams())  # bad eval data fails before the engine starts
     side = build_rollout_side(run_cfg, tokenizer, sampler=None)
     try:
-        if ENGINES[run_cfg.engine.kind].in_process:  # no server: the engine in this process
-            engine = InProcessEngine(start_inprocess(run_cfg.engine, model_dir=run_cfg.model.hf_dir), None,
-                                     timeout_s=run_cfg.engine.request_timeout_s)
-        else:
-            engine = HttpEngine(*start_servers(run_cfg, model_dir=run_cfg.model.hf_dir,
-                                               run_dir=run_cfg.trainer.run_dir), receiver=None)
+        engine = build_engine(run_cfg, synced=False)  # the checkpoint's fixed weights: no sync
     except BaseException:
         side.close()
         raise

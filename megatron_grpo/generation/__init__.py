@@ -7,7 +7,8 @@ engine kind.
 * ``client``: SGLang's HTTP API (``RolloutClient``: synchronous, several servers round-robin;
   ``AsyncRolloutClient``), spoken by SGLang and by our embedded engine alike;
 * ``manager``: launching and stopping rollout servers; ``http_engine``: a launched or external
-  server as a ``RolloutEngine``; ``inprocess``: the embedded engine in rank 0's process.
+  server as a ``RolloutEngine``; ``inprocess``: the embedded engine in rank 0's process;
+  ``handles``: which of the two an engine kind is (``HANDLES[adapter.runs]``), started.
 
 The engine we ship is ``megatron_grpo.engine``; this package is its client side (the
 in-process engine is the one place it is imported, through ``inprocess``).

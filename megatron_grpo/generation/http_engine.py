@@ -16,9 +16,9 @@ from typing import Any, Optional, Sequence
 from megatron_grpo.config.engine import EngineConfig
 from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.generation.client import RolloutClient
-from megatron_grpo.generation.engines import ENGINES
 from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.generation.protocol import WeightReceiver
+from megatron_grpo.runtime.collectives import broadcast
 from megatron_grpo.wire.samples import RolloutError, Sample, SamplingParams
 
 
@@ -45,7 +45,7 @@ def start_servers(cfg: ExperimentConfig, *, model_dir: str, run_dir: str,
     """Launch the servers of ``cfg.engine``, or wait for the external ones in ``engine.urls``,
     until healthy; returns their manager and a client of them. Launched servers without a
     configured key get a per-run one (``run_api_key``). ``spawned``: the servers
-    ``spawn_servers`` already started (their key is the one ``cfg.engine`` must carry)."""
+    ``HttpEngine.spawn`` already started (their key is the one ``cfg.engine`` must carry)."""
     if spawned is None:
         spawned = RolloutServerManager(with_api_key(cfg, run_api_key(cfg.engine)), model_dir=model_dir,
                                        run_dir=run_dir)
@@ -58,35 +58,56 @@ def start_servers(cfg: ExperimentConfig, *, model_dir: str, run_dir: str,
         mask_budget_per_request=spawned.adapter.sampling_mask_budget_per_request)
 
 
-def spawn_servers(cfg: ExperimentConfig, *, model_dir: str, run_dir: str) -> Optional[RolloutServerManager]:
-    """Start the processes of the servers a run launches (with their per-run key) without
-    waiting for them; None when there is nothing to start early: external servers, an
-    in-process engine, colocated engines (they must start after the trainer took its share of
-    the GPU), or a spawn that failed (``start_servers`` then tries again where the run reports
-    its errors). Measured on the CPU demo (TP2, 2 cores): the embedded server takes 8-11 s to
-    become healthy (torch and transformers' imports), which otherwise follows the ranks'
-    imports and model build instead of overlapping them."""
-    engine_cfg = cfg.engine
-    if engine_cfg.urls or engine_cfg.colocate or ENGINES[engine_cfg.kind].in_process:
-        return None
-    manager = RolloutServerManager(with_api_key(cfg, run_api_key(engine_cfg)), model_dir=model_dir, run_dir=run_dir)
-    try:
-        manager.spawn()
-    except RolloutError:
-        return None
-    return manager
-
-
 class HttpEngine:
     """A ``RolloutEngine`` over HTTP servers. ``manager`` and ``client``: rank 0's (None
     elsewhere); ``receiver``: every rank's weight sync into those servers (None: the engine
-    serves fixed weights, e.g. when evaluating a saved model)."""
+    serves fixed weights, e.g. when evaluating a saved model); ``urls`` and ``api_key``: the
+    servers' and the run's key, on every rank (what the weight sync needs)."""
 
     def __init__(self, manager: Optional[RolloutServerManager], client: Optional[RolloutClient],
-                 receiver: Optional[WeightReceiver]):
+                 receiver: Optional[WeightReceiver], *, urls: Sequence[str] = (), api_key: Optional[str] = None):
         self.manager = manager
         self.client = client
         self.receiver = receiver
+        self.urls = list(urls)
+        self.api_key = api_key
+
+    @classmethod
+    def spawn(cls, cfg: ExperimentConfig) -> Optional[RolloutServerManager]:
+        """Start the processes of the servers a run launches (with their per-run key) without
+        waiting for them; None when there is nothing to start early: external servers,
+        colocated engines (they must start after the trainer took its share of the GPU), or a
+        spawn that failed (``start`` then tries again where the run reports its errors).
+        Measured on the CPU demo (TP2, 2 cores): the embedded server takes 8-11 s to become
+        healthy (torch and transformers' imports), which otherwise follows the ranks' imports
+        and model build instead of overlapping them."""
+        engine_cfg = cfg.engine
+        if engine_cfg.urls or engine_cfg.colocate:
+            return None
+        manager = RolloutServerManager(with_api_key(cfg, run_api_key(engine_cfg)), model_dir=cfg.model.hf_dir,
+                                       run_dir=cfg.trainer.run_dir)
+        try:
+            manager.spawn()
+        except RolloutError:
+            return None
+        return manager
+
+    @classmethod
+    def start(cls, cfg: ExperimentConfig, *, owner: bool = True,
+              spawned: Optional[RolloutServerManager] = None) -> "HttpEngine":
+        """Collective: rank 0 (``owner``) starts (or connects to) the servers of ``cfg.engine``
+        and every rank learns their URLs and the run's key; no weight sync yet (``receiver``).
+        ``spawned``: rank 0's servers already started (``spawn``)."""
+        # the per-run key of launched servers (run_api_key) lives only in the engine and its
+        # sync, never in the trainer's cfg, so neither the saved nor the logged config holds it
+        key = (spawned.engine_cfg.api_key if spawned is not None else run_api_key(cfg.engine)) if owner else None
+        keyed = with_api_key(cfg, broadcast(key))
+        manager = client = None
+        if owner:
+            manager, client = start_servers(keyed, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir,
+                                            spawned=spawned)
+        urls = broadcast(manager.urls if owner else None)
+        return cls(manager, client, None, urls=urls, api_key=keyed.engine.api_key)
 
     @property
     def restarts_itself(self) -> bool:

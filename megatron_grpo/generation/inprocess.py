@@ -40,6 +40,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from megatron_grpo.config.engine import EngineConfig
+from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.ops.quantize import scheme_of
 from megatron_grpo.generation.client import parse_sampling_mask
 from megatron_grpo.engine.engine import EmbeddedEngine, EngineError
@@ -97,6 +98,18 @@ class InProcessEngine:
         self.engine = engine
         self.receiver = receiver
         self.timeout_s = timeout_s
+
+    @classmethod
+    def spawn(cls, cfg: ExperimentConfig) -> None:
+        """Nothing to start early: the engine is built in the trainer's process."""
+        return None
+
+    @classmethod
+    def start(cls, cfg: ExperimentConfig, *, owner: bool = True, spawned: None = None) -> "InProcessEngine":
+        """Rank 0's (``owner``) engine on the model's weights, built in this process; no weight
+        sync yet (``receiver``)."""
+        engine = start_inprocess(cfg.engine, model_dir=cfg.model.hf_dir) if owner else None
+        return cls(engine, None, timeout_s=cfg.engine.request_timeout_s)
 
     @property
     def restarts_itself(self) -> bool:

@@ -26,7 +26,7 @@ from megatron_grpo.wire.samples import Sample, SamplingParams
 
 
 class WeightReceiver(Protocol):
-    """The collective weight sync into the engines (``sync.syncer.WeightSyncer``)."""
+    """The collective weight sync into the engines (``sync.driver.WeightSync``)."""
 
     def sync(self, model_chunks: list, step: int) -> Any:
         """Make the engines serve ``model_chunks``' weights as version ``step``; returns its

@@ -30,7 +30,7 @@ from megatron_grpo.generation.protocol import RolloutEngine
 from megatron_grpo.wire.samples import RolloutError
 from megatron_grpo.runtime import stop
 from megatron_grpo.runtime.collectives import RunAborted, broadcast
-from megatron_grpo.sync.syncer import SyncStats, WeightSyncError
+from megatron_grpo.sync.driver import SyncStats, WeightSyncError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,10 @@ class RunAborted(RuntimeError):
 
 
 def broadcast(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (a pickled object; collective over the default group)."""
+    """Rank 0's ``obj`` on every rank (a pickled object; collective over the default group, a
+    no-op without one)."""
+    if not dist.is_initialized():
+        return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -1,10 +1,10 @@
 """What the adapter-only weight sync of a LoRA policy sends to an engine that merges on its side
 (the embedded engine over HTTP: ``EngineAdapter.merges_lora``), and the checksums it verifies.
 
-``WeightSyncer`` runs it in place of the merged sync when the policy has adapters
-(``models/lora.py``); the request keys are the engine's (``engine/lora_update.py``):
+``ServerDelivery`` (``servers.py``) sends it in place of the merged weights when the policy has
+adapters (``models/lora.py``); the request keys are the engine's (``engine/lora_update.py``):
 
-1. the first sync after the syncer starts (a run's start or resume) or after ``reset`` (an
+1. the first sync after the sync starts (a run's start or resume) or after ``reset`` (an
    engine restarted, or a sync failed) sends every weight as the merged sync does, except that
    each adapted weight is its frozen base, in the trainer's own dtype (the engine keeps it in
    fp32 exactly as sent: a bf16 engine of an fp32 trainer merges from the fp32 base, as the

@@ -1,6 +1,7 @@
 """Build what a run needs from its config: the policy (Megatron chunks + DDP + optimizer),
-the frozen reference (the distillation teacher: ``trainer/teacher.py``), the rollout engine (every rank's ``RolloutEngine``) and rank 0's
-rollout side (sampling parameters, tokenizer, data, rewards)."""
+the frozen reference (the distillation teacher: ``trainer/teacher.py``) and rank 0's rollout
+side (sampling parameters, tokenizer, data, rewards); the rollout engine and its weight sync
+come from ``sync.factory.build_engine``."""
 
 from __future__ import annotations
 
@@ -22,17 +23,9 @@ from megatron_grpo.models.lora import apply_lora, lora_problem, spec_from_config
 from megatron_grpo.preflight.report import reward_build_deadline
 from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.data.prompts import has_chat_template
-from megatron_grpo.generation.engines import ENGINES
-from megatron_grpo.generation.http_engine import HttpEngine, run_api_key, start_servers, with_api_key
-from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
-from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
-from megatron_grpo.generation.protocol import RolloutEngine
 from megatron_grpo.rollout.episode_source import EpisodeSource, build_episode_source
 from megatron_grpo.wire.samples import SamplingParams
-from megatron_grpo.runtime.collectives import broadcast
 from megatron_grpo.runtime.device import cuda_available, resolve_distributed_optimizer
-from megatron_grpo.sync.in_memory import InMemorySyncer
-from megatron_grpo.sync.syncer import Probe, WeightSyncer
 from megatron_grpo.trainer.optim import build_optimizer, wrap_ddp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -142,28 +135,3 @@ def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[Promp
         sampling.stop_token_ids = [*sampling.stop_token_ids, tokenizer.eos_token_id]
     return RolloutSide(sampling=sampling, tokenizer=tokenizer, sampler=sampler, scorer=scorer,
                        episode_source=episode_source)
-
-
-def build_engine(cfg: ExperimentConfig, hf_config, *, owner: bool, probe: Optional[Probe] = None,
-                 spawned: Optional[RolloutServerManager] = None) -> RolloutEngine:
-    """Collective: rank 0 (``owner``) starts (or connects to) the rollout servers; every rank
-    builds its half of the weight sync into them (``probe``: the trainer's log-probs of the
-    verification sequence, for engines verified by probe). An in-process engine kind
-    (``engine.kind: inprocess``) is built in rank 0's process instead, synced in memory.
-    ``spawned``: rank 0's servers already started at its start-up (``spawn_servers``)."""
-    if ENGINES[cfg.engine.kind].in_process:
-        engine = start_inprocess(cfg.engine, model_dir=cfg.model.hf_dir) if owner else None
-        return InProcessEngine(engine, InMemorySyncer(cfg, hf_config, engine, probe=probe),
-                               timeout_s=cfg.engine.request_timeout_s)
-    manager = client = None
-    # the per-run key of launched servers (run_api_key) lives only in this copy, never in the
-    # trainer's cfg, so neither the saved nor the logged config can hold it
-    key = (spawned.engine_cfg.api_key if spawned is not None else run_api_key(cfg.engine)) if owner else None
-    keyed = with_api_key(cfg, broadcast(key))
-    if owner:
-        manager, client = start_servers(keyed, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir,
-                                        spawned=spawned)
-    urls = broadcast(manager.urls if owner else None)
-    receiver = WeightSyncer(keyed, urls, hf_config, work_dir=weight_sync_dir(cfg.trainer.run_dir),
-                            client=client, probe=probe)
-    return HttpEngine(manager, client, receiver)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 
 from megatron_grpo.config import ExperimentConfig
-from megatron_grpo.generation.http_engine import spawn_servers
+from megatron_grpo.generation.handles import spawn_engine
 from megatron_grpo.preflight import load_experiment
 from megatron_grpo.preflight.errors import describe_user_error
 from megatron_grpo.preflight.report import (ERROR_FILE_ENV, EXIT_RUN_ABORTED, EXIT_USER_ERROR, PEER_SUFFIX,
@@ -76,9 +76,8 @@ def rank_main(argv: list[str]) -> int:
         return _report(e, rank, args.config, data_file(args.config, args.overrides))
     stacks.dump_stacks_on_signal(cfg.trainer.run_dir, rank)  # kill -USR1: where a hung rank is
     # Rank 0's rollout servers boot from here, beside the driver's import and the model build
-    # (generation.http_engine.spawn_servers); the trainer adopts them, and stops them at its end.
-    spawned = (spawn_servers(cfg, model_dir=cfg.model.hf_dir, run_dir=cfg.trainer.run_dir)
-               if rank == 0 else None)
+    # (generation.handles.spawn_engine); the trainer adopts them, and stops them at its end.
+    spawned = spawn_engine(cfg) if rank == 0 else None
     try:
         # Deferred, measured (module docstring): the driver's import is most of a rank's
         # start-up, and megatron-core warns at import, so it comes after quiet_library_warnings().

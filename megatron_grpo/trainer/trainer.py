@@ -68,10 +68,10 @@ from megatron_grpo.rollout.supervisor import EngineSupervisor
 from megatron_grpo.runtime import stop
 from megatron_grpo.runtime.collectives import RunAborted, broadcast
 from megatron_grpo.runtime.files import write_text_atomic
-from megatron_grpo.sync.syncer import SyncStats
+from megatron_grpo.sync.driver import SyncStats
+from megatron_grpo.sync.factory import build_engine
 from megatron_grpo.trainer import checkpoint as ckpt
-from megatron_grpo.trainer.components import (Policy, RolloutSide, build_engine, build_policy, build_reference,
-                                              build_rollout_side)
+from megatron_grpo.trainer.components import Policy, RolloutSide, build_policy, build_reference, build_rollout_side
 from megatron_grpo.trainer.megatron_step import (ScoringSpec, compute_log_probs, old_log_probs_needed,
                                                  probe_log_probs, train_mini_batch)
 from megatron_grpo.trainer.microbatch import MicroBatching
@@ -132,7 +132,7 @@ class Trainer:
     def build(cls, cfg: ExperimentConfig, spawned: Optional[RolloutServerManager] = None) -> "Trainer":
         """Build every component (collective), resume from the last checkpoint when there is
         one, and sync the engine to the policy's weights. ``spawned``: rank 0's rollout
-        servers, already booting (``generation.http_engine.spawn_servers``)."""
+        servers, already booting (``generation.handles.spawn_engine``)."""
         rank, run_dir = dist.get_rank(), cfg.trainer.run_dir
         tokenizer = load_tokenizer(cfg.model.hf_dir)
         sampler = PromptSampler(load_prompt_dataset(cfg.data, tokenizer), cfg.rollout.prompts_per_step,

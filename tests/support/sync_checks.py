@@ -71,7 +71,8 @@ def trainer_logprobs(chunks, hf_config, prompt, output) -> torch.Tensor | None:
 def sync_worker(rank, world_size, url, work_dir, model_dir, transports, corrupt):
     from megatron_grpo.models import build_model, load_hf_config, load_hf_weights
     from megatron_grpo.generation import RolloutClient
-    from megatron_grpo.sync.syncer import WeightSyncer, WeightSyncError
+    from megatron_grpo.sync.driver import WeightSync, WeightSyncError
+    from megatron_grpo.sync.servers import ServerDelivery
 
     hf_config = load_hf_config(model_dir)
     chunks = build_model(hf_config, dtype=torch.float32, init_weights=False)
@@ -89,7 +90,7 @@ def sync_worker(rank, world_size, url, work_dir, model_dir, transports, corrupt)
             out["stale_delta"] = probe(step)[0]
         cfg = experiment(engine=EngineConfig(request_timeout_s=120),
                          sync=SyncConfig(transport=transport, bucket_mb=1))
-        syncer = WeightSyncer(cfg, [url], hf_config, work_dir=work_dir, client=client)
+        syncer = WeightSync(cfg, hf_config, ServerDelivery(cfg, [url], hf_config, work_dir=work_dir, client=client))
         stats = syncer.sync(chunks, step)
         syncer.close()
         delta, versions = probe(step)
@@ -99,9 +100,9 @@ def sync_worker(rank, world_size, url, work_dir, model_dir, transports, corrupt)
     if corrupt:
         perturb(chunks, 999)
         cfg = experiment(sync=SyncConfig(transport="distributed", bucket_mb=1))
-        syncer = WeightSyncer(cfg, [url], hf_config, client=client)
-        if syncer.sender and syncer.stage == 0:
-            send = syncer.transport.send
+        syncer = WeightSync(cfg, hf_config, ServerDelivery(cfg, [url], hf_config, client=client))
+        if syncer.sender and syncer.roles.stage == 0:
+            send = syncer.delivery.transport.send
 
             def corrupted_send(bucket, _done=[], **kwargs):
                 if not _done:  # flip one byte in the middle of the first bucket, on the wire
@@ -116,7 +117,7 @@ def sync_worker(rank, world_size, url, work_dir, model_dir, transports, corrupt)
                     _done.append(True)
                 send(bucket, **kwargs)
 
-            syncer.transport.send = corrupted_send
+            syncer.delivery.transport.send = corrupted_send
         try:
             syncer.sync(chunks, 999)
             out["corrupt"] = "not detected"
@@ -125,7 +126,7 @@ def sync_worker(rank, world_size, url, work_dir, model_dir, transports, corrupt)
         syncer.close()
         # A failed sync leaves the engine paused (it must not sample from bad weights); the
         # next clean sync recovers it.
-        syncer = WeightSyncer(cfg, [url], hf_config, client=client)
+        syncer = WeightSync(cfg, hf_config, ServerDelivery(cfg, [url], hf_config, client=client))
         syncer.sync(chunks, 1000)
         syncer.close()
         out["recovered"] = probe(1000)

@@ -5,7 +5,7 @@
 A ~100M-parameter Qwen2-shaped model (``tiny_config`` with bigger sizes, random weights) is
 saved as an HF directory and served by a launched embedded engine (float32, its own process,
 over HTTP). Trainer ranks (``spawn_ranks``, gloo) build the Megatron model at TP1 and TP2,
-load the HF weights and sync them into the engine with ``WeightSyncer`` exactly as the
+load the HF weights and sync them into the engine with ``WeightSync`` exactly as the
 trainer does, for several transports and bucket sizes, with and without verification.
 
 Reported per configuration: bytes synced, best-of-N wall time of ``sync()``, throughput,
@@ -74,7 +74,8 @@ def _bench_worker(rank, world_size, url, model_dir, work_dir, throughput_configs
 
     from megatron_grpo.models import build_model, iter_hf_weights, load_hf_config, load_hf_weights
     from megatron_grpo.generation import RolloutClient
-    from megatron_grpo.sync.syncer import WeightSyncer
+    from megatron_grpo.sync.driver import WeightSync
+    from megatron_grpo.sync.servers import ServerDelivery
     from megatron_grpo.sync.transports import TENSOR_WIRES
 
     hf_config = load_hf_config(model_dir)
@@ -92,20 +93,22 @@ def _bench_worker(rank, world_size, url, model_dir, work_dir, throughput_configs
         kind, _, wire = transport.partition(":")
         cfg = sections_config(engine=EngineConfig(request_timeout_s=600),
                          sync=SyncConfig(transport=kind, bucket_mb=bucket_mb, verify_every=1 if verify else 0))
-        s = WeightSyncer(cfg, [url], hf_config, work_dir=work_dir, client=client)
-        if s.transport is not None:
+        s = WeightSync(cfg, hf_config, ServerDelivery(cfg, [url], hf_config, work_dir=work_dir, client=client))
+        sender = s.delivery.transport
+        if sender is not None:
             if wire:  # the other CPU wire, to compare both in this process
-                s.transport.wire.release()
-                s.transport.wire = TENSOR_WIRES[wire]()
-            _time_data_path(s.transport)
+                sender.wire.release()
+                sender.wire = TENSOR_WIRES[wire]()
+            _time_data_path(sender)
         return s
 
     def run(s):
         step[0] += 1
-        if s.transport is not None:
-            s.transport.data_seconds = 0.0
+        sender = s.delivery.transport
+        if sender is not None:
+            sender.data_seconds = 0.0
         st = s.sync(chunks, step[0])
-        st.data_seconds = s.transport.data_seconds if s.transport is not None else 0.0
+        st.data_seconds = sender.data_seconds if sender is not None else 0.0
         return st
 
     rows = []

@@ -49,9 +49,11 @@ class EngineAdapter:
     """engine.fp8_format values its fp8 accepts."""
     quantization_needs_cuda: bool = False
     """True: a quantized engine runs only on a GPU (SGLang's fp8 kernels)."""
-    in_process: bool = False
-    """True: the engine runs inside trainer rank 0's process (``generation/inprocess.py``): nothing
-    is launched, ``engine.urls`` cannot name it, and the weight sync is an in-memory copy."""
+    runs: str = "servers"
+    """Where the engine runs, which picks how it is started and called (``generation/handles.py``:
+    ``HANDLES``) and how the weight sync reaches it (``sync/factory.py``: ``DELIVERIES``):
+    ``servers`` (launched or external HTTP servers) or ``in_process`` (inside trainer rank 0's
+    process: nothing is launched, ``engine.urls`` cannot name it, the sync is an in-memory copy)."""
     returns_routing: bool = False
     """True: /generate answers ``return_routed_experts`` with the MoE routing of every position
     (``meta_info.routed_experts``; algorithm.router_replay needs it)."""
@@ -133,6 +135,11 @@ class EngineAdapter:
     (the embedded engine's ``lora``/``lora_base`` update keys, ``engine/lora_update.py``), so
     the weight sync sends the adapters alone after the first sync (``sync/lora_sync.py``);
     False: it is sent the merged weights every sync."""
+
+    @property
+    def in_process(self) -> bool:
+        """True: the engine runs inside trainer rank 0's process (``runs``)."""
+        return self.runs == "in_process"
 
     @property
     def verifies_by_probe(self) -> bool:

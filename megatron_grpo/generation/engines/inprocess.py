@@ -13,7 +13,7 @@ from megatron_grpo.generation.engines.base import EngineAdapter
 
 class InProcessAdapter(EngineAdapter):
     name = "inprocess"
-    in_process = True
+    runs = "in_process"
     # The sync is an in-memory copy on rank 0: no transport or process group is used, so every
     # value of sync.transport / sync.backend is accepted and ignored.
     transports = frozenset({"distributed", "tensor", "disk"})
