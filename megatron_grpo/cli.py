@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("megatron_grpo.evaluation.cli", "evaluate a checkpoint or HF model on the config's eval sets"),
     "validate-config": ("megatron_grpo.config.cli", "validate a YAML config and print it resolved"),
     "config-reference": ("megatron_grpo.config.reference", "print the generated config reference"),
-    "serve": ("megatron_grpo.engine.serve", "run the embedded rollout engine as an HTTP server"),
+    "serve": ("megatron_grpo.inference.serve", "run the embedded rollout engine as an HTTP server"),
     "convert-hf-to-megatron": ("megatron_grpo.models.convert_cli", "HF directory -> Megatron checkpoint"),
     "convert-megatron-to-hf": ("megatron_grpo.models.convert_cli", "Megatron checkpoint -> HF directory"),
 }

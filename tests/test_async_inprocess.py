@@ -16,7 +16,7 @@ import time
 import pytest
 
 from megatron_grpo.preflight.rules import check_engine
-from megatron_grpo.engine.engine import EmbeddedEngine
+from megatron_grpo.inference.engine import EmbeddedEngine
 from megatron_grpo.generation.inprocess import InProcessEngine
 from megatron_grpo.wire.samples import SamplingParams
 from megatron_grpo.sync.driver import WeightSync
@@ -75,7 +75,7 @@ def test_the_preflight_accepts_async_on_every_engine_that_reports_versions(monke
     for engine in ("inprocess", "embedded"):
         check_engine(experiment(rollout=RolloutConfig(mode="async"), engine=EngineConfig(kind=engine)))
     from megatron_grpo.config import ConfigError
-    from megatron_grpo.generation.engines.inprocess import InProcessAdapter
+    from megatron_grpo.generation.adapters.inprocess import InProcessAdapter
 
     monkeypatch.setattr(InProcessAdapter, "reports_token_versions", False)  # an engine without them
     with pytest.raises(ConfigError, match="rollout.mode.*async needs per-token weight versions.*'inprocess'"):

@@ -22,9 +22,9 @@ from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.preflight.rules import check_engine
 from megatron_grpo.generation.client import RolloutClient, versions_from_spans
 from megatron_grpo.generation.manager import RolloutServerManager
-from megatron_grpo.engine.engine import EmbeddedEngine
-from megatron_grpo.engine.generation import Sequence
-from megatron_grpo.engine.sampling import resolve_sampling_params
+from megatron_grpo.inference.engine import EmbeddedEngine
+from megatron_grpo.inference.generation import Sequence
+from megatron_grpo.inference.sampling import resolve_sampling_params
 from megatron_grpo.rollout.async_source import (AsyncRolloutSchedule, Group, admission_limit, is_stale, resume_note,
                                                 settled_state, start_version, take_groups, token_lags)
 from megatron_grpo.rollout.generate import GenerationContext

@@ -1,4 +1,4 @@
-"""Continuous batching in the embedded engine (``engine/scheduler.py``).
+"""Continuous batching in the embedded engine (``inference/scheduler.py``).
 
 References: transformers' own unpadded full forward of each finished sequence (log-probs to
 1e-5), the same seeded sequence generated alone (batch invariance), and the row count of
@@ -12,10 +12,10 @@ import warnings
 import pytest
 import torch
 
-from megatron_grpo.engine.engine import EmbeddedEngine
-from megatron_grpo.engine.generation import Sequence
-from megatron_grpo.engine.sampling import resolve_sampling_params
-from megatron_grpo.engine.scheduler import StepControl, run_continuous
+from megatron_grpo.inference.engine import EmbeddedEngine
+from megatron_grpo.inference.generation import Sequence
+from megatron_grpo.inference.sampling import resolve_sampling_params
+from megatron_grpo.inference.scheduler import StepControl, run_continuous
 from tools.tiny import save_tiny_model
 from tests.support.engine_runs import hf_topk, reference_logprobs
 

@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 from megatron_grpo.config import EngineConfig, ModelConfig, TrainerConfig
-from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.generation.adapters import ENGINES
 from megatron_grpo.generation.handles import HANDLES, spawn_engine
 from megatron_grpo.generation.inprocess import InProcessEngine
 from megatron_grpo.sync.driver import WeightSync

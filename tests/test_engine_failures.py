@@ -20,7 +20,7 @@ def cmd(demo, run_dir, steps, *extra):
 
 def serve_processes(root_pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process(root_pid).children(recursive=True)
-            if "megatron_grpo.engine.serve" in " ".join(p.cmdline())]
+            if "megatron_grpo.inference.serve" in " ".join(p.cmdline())]
 
 
 @pytest.mark.slow
@@ -44,7 +44,7 @@ def test_launched_engine_killed_mid_run_is_restarted(demo, tmp_path):
 @pytest.mark.slow
 def test_external_engine_down_is_a_bounded_one_line_error(demo, tmp_path):
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "megatron_grpo.engine.serve", "--model-dir",
+    server = subprocess.Popen([sys.executable, "-m", "megatron_grpo.inference.serve", "--model-dir",
                                str(demo / "model"), "--host", "127.0.0.1", "--port", str(port)],
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_dir = tmp_path / "run"

@@ -16,7 +16,7 @@ import torch
 from megatron_grpo.config import EngineConfig, ExperimentConfig, SGLangConfig, SyncConfig
 from megatron_grpo.config.base import ConfigError, build_section
 from megatron_grpo.preflight import check_engine, layout_problem
-from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.generation.adapters import ENGINES
 from megatron_grpo.runtime import placement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -261,7 +261,7 @@ def test_colocated_engine_releases_after_generation_and_resumes_around_the_sync(
 
 
 def test_memory_routes_are_named_only_by_the_sglang_adapter():
-    from megatron_grpo.generation.engines import sglang
+    from megatron_grpo.generation.adapters import sglang
 
     assert sglang._RELEASE_MEMORY[1] == "/release_memory_occupation"
     assert ENGINES["sglang"].supports_memory_release and not ENGINES["embedded"].supports_memory_release

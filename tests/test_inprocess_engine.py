@@ -12,7 +12,7 @@ replay) are the embedded engine's tests parametrised over the engine kind
 import pytest
 import torch
 
-from megatron_grpo.engine.engine import EmbeddedEngine
+from megatron_grpo.inference.engine import EmbeddedEngine
 from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.wire.samples import SamplingParams
 from tests.support.distributed import run_distributed

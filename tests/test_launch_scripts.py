@@ -230,7 +230,7 @@ def test_two_nodes_train(demo, tmp_path, no_leftovers):
 def external_engine(demo):
     """`megatron-grpo serve` started on its own, as on a separate rollout node; its URL."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "megatron_grpo.engine.serve", "--model-dir", str(demo / "model"),
+    server = subprocess.Popen([sys.executable, "-m", "megatron_grpo.inference.serve", "--model-dir", str(demo / "model"),
                                "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     yield f"http://127.0.0.1:{port}"

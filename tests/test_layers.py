@@ -4,16 +4,16 @@ except a few, each with its reason written beside it.
 
 The order (low to high; docs/design.md, "Layers", says why):
 
-    config < runtime < wire, chat, ops, models, data, rewards, losses, metrics_log < engine < generation
+    config < runtime < wire, chat, ops, models, data, rewards, losses, metrics_log < inference < generation
            < sync < rollout < evaluation < preflight < trainer < launcher < entry points
 
-``engine`` is the inference server we ship; ``generation`` its client side (and SGLang's); the
+``inference`` is the inference server we ship; ``generation`` its client side (and SGLang's); the
 trainer reaches the engine only through ``generation.inprocess``. No package imports test code
 (``tests/support`` is outside the package, and the wheel).
 
 Packages of one layer may import each other only without a cycle. Entry points (the command
 lines: ``megatron_grpo/cli.py``, ``train.py``, every ``*cli.py``, ``config/reference.py``,
-``engine/serve.py``, ``metrics_log/__main__.py``) sit in the top production layer wherever
+``inference/serve.py``, ``metrics_log/__main__.py``) sit in the top production layer wherever
 their file lives. Only ``ast`` is used: nothing of the package is imported, so the test runs in
 well under a second.
 
@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("config",),
     ("runtime",),
     ("wire", "chat", "ops", "models", "data", "rewards", "losses", "metrics_log"),
-    ("engine",),
+    ("inference",),
     ("generation",),
     ("sync",),
     ("rollout",),
@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, ...]] = [
 LAYER_OF = {package: i for i, layer in enumerate(LAYERS) for package in layer}
 
 ENTRY_POINTS = {"megatron_grpo.cli", "megatron_grpo.train", "megatron_grpo.config.reference",
-                "megatron_grpo.engine.serve", "megatron_grpo.metrics_log.__main__"}
+                "megatron_grpo.inference.serve", "megatron_grpo.metrics_log.__main__"}
 
 FUNCTION_IMPORT_BUDGET = 25
 """Most imports of the package's own modules allowed inside functions, in the whole package."""
@@ -189,12 +189,12 @@ def test_function_level_imports_are_few_and_give_their_reason():
     assert not problems, "\n".join(problems)
 
 
-ENGINE_MAY_IMPORT = {"config", "runtime", "wire", "chat", "models", "ops", "engine"}
+ENGINE_MAY_IMPORT = {"config", "runtime", "wire", "chat", "models", "ops", "inference"}
 """The engine we ship stands alone: below it only the wire format, the chat conventions (its
 OpenAI routes), the models and the ops."""
 ENGINE_IMPORTERS = {"megatron_grpo.generation.inprocess", "megatron_grpo.sync.in_memory"}
-"""The only modules outside ``engine/`` that import it: the in-process engine and its in-memory
-weight receiver; the trainer reaches the engine through them (or over HTTP)."""
+"""The only modules outside ``inference/`` that import it: the in-process engine and its in-memory
+weight delivery; the trainer reaches the engine through them (or over HTTP)."""
 
 
 def engine_problems(found: list[Import]) -> list[str]:
@@ -202,9 +202,9 @@ def engine_problems(found: list[Import]) -> list[str]:
     for imp in found:
         src_pkg, dst_pkg = layer(imp.module)[1], layer(imp.target)[1]
         where = f"{imp.path}:{imp.line}: {imp.module} imports {imp.target}"
-        if src_pkg == "engine" and dst_pkg not in ENGINE_MAY_IMPORT:
-            problems.append(f"{where} (the engine imports only {sorted(ENGINE_MAY_IMPORT - {'engine'})})")
-        if dst_pkg == "engine" and src_pkg != "engine" and imp.module not in ENGINE_IMPORTERS \
+        if src_pkg == "inference" and dst_pkg not in ENGINE_MAY_IMPORT:
+            problems.append(f"{where} (the engine imports only {sorted(ENGINE_MAY_IMPORT - {'inference'})})")
+        if dst_pkg == "inference" and src_pkg != "inference" and imp.module not in ENGINE_IMPORTERS \
                 and layer(imp.module)[0] != LAYER_OF["<entry>"]:
             problems.append(f"{where} (only {sorted(ENGINE_IMPORTERS)} reach the engine)")
     return problems
@@ -216,15 +216,15 @@ def test_the_engine_stands_alone_and_is_reached_through_the_in_process_adapter()
 
 
 def test_the_engine_rules_can_fail():
-    known = {"megatron_grpo.engine.engine", "megatron_grpo.rollout.generate", "megatron_grpo.wire.samples"}
+    known = {"megatron_grpo.inference.engine", "megatron_grpo.rollout.generate", "megatron_grpo.wire.samples"}
     bad = imports_of("from megatron_grpo.rollout.generate import RolloutResult\n"
-                     "from megatron_grpo.wire.samples import Sample\n", "megatron_grpo.engine.x", "engine/x.py", False,
+                     "from megatron_grpo.wire.samples import Sample\n", "megatron_grpo.inference.x", "inference/x.py", False,
                      known)
-    bad += imports_of("from megatron_grpo.engine.engine import EmbeddedEngine\n", "megatron_grpo.trainer.y",
+    bad += imports_of("from megatron_grpo.inference.engine import EmbeddedEngine\n", "megatron_grpo.trainer.y",
                       "trainer/y.py", False, known)
     problems = engine_problems(bad)
     assert len(problems) == 2, problems
-    assert "engine/x.py:1:" in problems[0] and "the engine imports only" in problems[0]
+    assert "inference/x.py:1:" in problems[0] and "the engine imports only" in problems[0]
     assert "trainer/y.py:1:" in problems[1] and "reach the engine" in problems[1]
 
 
@@ -233,7 +233,7 @@ def test_the_wheel_ships_no_test_code():
     from setuptools import find_packages
 
     packages = find_packages(str(ROOT), include=["megatron_grpo", "megatron_grpo.*"])
-    assert "megatron_grpo.engine" in packages and "megatron_grpo.launcher" in packages
+    assert "megatron_grpo.inference" in packages and "megatron_grpo.launcher" in packages
     assert not [p for p in packages if "test" in p.split(".")[-1] or p.split(".")[0] == "tools"], packages
     assert 'find_packages(include=["megatron_grpo", "megatron_grpo.*"])' in (ROOT / "setup.py").read_text()
 
@@ -261,11 +261,11 @@ def test_no_module_imports_another_modules_private_names():
 # ---- the checker can fail ---------------------------------------------------------------------
 
 KNOWN = {"megatron_grpo.config.base", "megatron_grpo.trainer.driver", "tests.support.distributed",
-         "megatron_grpo.generation.engines", "megatron_grpo.runtime.device", "megatron_grpo.losses",
+         "megatron_grpo.generation.adapters", "megatron_grpo.runtime.device", "megatron_grpo.losses",
          "megatron_grpo.rewards"}
 
 BAD_MODULE = '''
-from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.generation.adapters import ENGINES
 from tests.support.distributed import run_distributed
 from ..runtime import device
 
@@ -287,7 +287,7 @@ def test_the_checker_fails_on_a_synthetic_bad_module():
     problems = layer_problems(found)
     assert len(problems) == 4, problems
     assert problems[0].startswith("megatron_grpo/config/bad.py:2: megatron_grpo.config.bad imports "
-                                  "megatron_grpo.generation.engines (layer ('generation',) is above ('config',))")
+                                  "megatron_grpo.generation.adapters (layer ('generation',) is above ('config',))")
     assert "bad.py:3:" in problems[1] and "never imports test code" in problems[1]
     assert "bad.py:4:" in problems[2] and "megatron_grpo.runtime.device" in problems[2]
     assert "bad.py:8:" in problems[3] and "megatron_grpo.trainer.driver" in problems[3]
@@ -309,7 +309,7 @@ def test_the_checker_sees_a_cycle_inside_one_layer():
 
 
 @pytest.mark.parametrize("module", ["megatron_grpo.cli", "megatron_grpo.launcher.cli", "megatron_grpo.models.convert_cli",
-                                    "megatron_grpo.engine.serve"])
+                                    "megatron_grpo.inference.serve"])
 def test_entry_points_sit_above_the_trainer(module):
     assert layer(module)[0] > LAYER_OF["trainer"]
 

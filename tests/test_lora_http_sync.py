@@ -1,5 +1,5 @@
 """The adapter-only weight sync of a LoRA policy into the embedded engine over HTTP
-(``engine/lora_update.py``, ``sync/lora_sync.py``).
+(``inference/lora_update.py``, ``sync/lora_sync.py``).
 
 Route level (the embedded engine's app in-process, a tiny qwen2; the requests as the trainer's
 transports send them): the engine keeps the base exactly as sent (fp32 under a bf16 engine) and
@@ -23,9 +23,9 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
-from megatron_grpo.engine.engine import EmbeddedEngine
-from megatron_grpo.engine.policy import ServerPolicy
-from megatron_grpo.engine.server import build_app
+from megatron_grpo.inference.engine import EmbeddedEngine
+from megatron_grpo.inference.limits import ServerPolicy
+from megatron_grpo.inference.server import build_app
 from tools.tiny import save_tiny_model
 from megatron_grpo.ops.lora_merge import merge_fp32
 from megatron_grpo.wire.buckets import DISK_UPDATE_KEY, Bucket

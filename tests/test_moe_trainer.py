@@ -26,7 +26,7 @@ def moe_dir(tmp_path_factory):
 def test_engine_serves_fused_experts_under_checkpoint_names(model_type, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_grpo.engine.served_names import served_tensors
+    from megatron_grpo.inference.served_names import served_tensors
 
     path = save_tiny_model(tmp_path / model_type, model_type, seed=5)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)

@@ -14,8 +14,8 @@ import torch
 import uvicorn
 from transformers import AutoModelForCausalLM
 
-from megatron_grpo.engine.engine import EmbeddedEngine
-from megatron_grpo.engine.server import build_app
+from megatron_grpo.inference.engine import EmbeddedEngine
+from megatron_grpo.inference.server import build_app
 from tools.tiny import save_tiny_model
 from megatron_grpo.models.tokenizer import load_tokenizer
 

@@ -21,8 +21,8 @@ import torch
 
 from megatron_grpo.ops.quantize import (QuantScheme, dequantize, fake_quantize, quantize, quantize_weight,
                                         quantized_linear, scales_from, row_absmax)
-from megatron_grpo.engine.engine import EmbeddedEngine
-from megatron_grpo.engine.quantize import QuantizedLinear
+from megatron_grpo.inference.engine import EmbeddedEngine
+from megatron_grpo.inference.quantize import QuantizedLinear
 from tests.support.distributed import run_distributed
 from tools.tiny import save_tiny_model
 from megatron_grpo.wire.checksum import tensor_checksum
@@ -270,7 +270,7 @@ def test_preflight_and_launch_commands():
     from megatron_grpo.config import ConfigError, ExperimentConfig
     from megatron_grpo.config.base import build_section
     from megatron_grpo.preflight import check_engine, layout_problem
-    from megatron_grpo.generation.engines import ENGINES
+    from megatron_grpo.generation.adapters import ENGINES
 
     def experiment(**engine):
         return build_section(ExperimentConfig, {

@@ -369,7 +369,7 @@ def test_prompt_logprobs_are_at_temperature_one(server, client, hf_model):
 def test_engine_adapter_verifier_sees_a_stale_tensor(server, client, hf_model):
     """Each adapter's verifier against its real server: what it serves passes, a tensor the
     trainer sent differently is named."""
-    from megatron_grpo.generation.engines import ENGINES
+    from megatron_grpo.generation.adapters import ENGINES
     from megatron_grpo.wire.checksum import tensor_checksum
 
     kind, url = server

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.engine.engine import EmbeddedEngine
-from megatron_grpo.engine.generation import Sequence
-from megatron_grpo.engine.sampling import resolve_sampling_params
+from megatron_grpo.inference.engine import EmbeddedEngine
+from megatron_grpo.inference.generation import Sequence
+from megatron_grpo.inference.sampling import resolve_sampling_params
 from tools.tiny import save_tiny_model
 from tests.support.engine_runs import reference_logprobs, run
 
@@ -151,7 +151,7 @@ def test_server_info_counts_generate_requests_in_flight_and_answered(engine):
     (what tests/test_process_lifetime.py waits on to signal a run after a step's generation)."""
     from fastapi.testclient import TestClient
 
-    from megatron_grpo.engine.server import build_app
+    from megatron_grpo.inference.server import build_app
 
     with TestClient(build_app(engine)) as client:
         def requests() -> dict:

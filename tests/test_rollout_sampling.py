@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_grpo.engine.sampling import (
+from megatron_grpo.inference.sampling import (
     TOP_K_ALL,
     filter_sorted_probs,
     inverse_cdf,

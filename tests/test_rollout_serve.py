@@ -3,7 +3,7 @@
 import pytest
 
 from megatron_grpo.cli import main as cli_main
-from megatron_grpo.engine.serve import main, parse_args
+from megatron_grpo.inference.serve import main, parse_args
 
 
 def test_binds_loopback_by_default():
@@ -31,8 +31,8 @@ class _Started(Exception):
 
 @pytest.fixture
 def model_dir(tmp_path, monkeypatch):
-    import megatron_grpo.engine.serve as serve
-    from megatron_grpo.generation.engines.embedded import API_KEY_ENV
+    import megatron_grpo.inference.serve as serve
+    from megatron_grpo.generation.adapters.embedded import API_KEY_ENV
 
     def engine(*args, **kwargs):
         raise _Started

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from megatron_grpo.wire import routed_experts
-from megatron_grpo.engine import routing
-from megatron_grpo.engine.engine import EmbeddedEngine
-from megatron_grpo.engine.generation import Sequence
-from megatron_grpo.engine.sampling import resolve_sampling_params
-from megatron_grpo.engine.server import _render
+from megatron_grpo.inference import routing
+from megatron_grpo.inference.engine import EmbeddedEngine
+from megatron_grpo.inference.generation import Sequence
+from megatron_grpo.inference.sampling import resolve_sampling_params
+from megatron_grpo.inference.server import _render
 from tools.tiny import save_tiny_model
 from tests.support.engine_runs import hf_topk
 

@@ -19,7 +19,7 @@ import torch
 
 from megatron_grpo.ops import vocab_parallel_log_probs
 from megatron_grpo.ops.vocab_parallel import kept_column_mask
-from megatron_grpo.engine.sampling import sample_tokens
+from megatron_grpo.inference.sampling import sample_tokens
 from tests.support.distributed import run_distributed
 from megatron_grpo.config import EngineConfig, RolloutConfig
 from tests.support.configs import experiment

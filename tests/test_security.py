@@ -43,8 +43,8 @@ def _package_sources() -> dict[str, ast.Module]:
 # ---- servers bind loopback ---------------------------------------------------------------------
 
 def test_server_defaults_are_loopback():
-    from megatron_grpo.generation.engines import ENGINES
-    from megatron_grpo.engine.serve import parse_args
+    from megatron_grpo.generation.adapters import ENGINES
+    from megatron_grpo.inference.serve import parse_args
 
     cfg = experiment(engine=EngineConfig(sglang=SGLangConfig(python=sys.executable)))
     assert cfg.engine.host == "127.0.0.1"
@@ -115,7 +115,7 @@ def engine(tiny_model, tmp_path_factory):
 
 def _routes() -> list[tuple[str, str]]:
     """(method, path) of every route of the embedded engine's app."""
-    from megatron_grpo.engine.server import build_app
+    from megatron_grpo.inference.server import build_app
 
     out = []
     for route in build_app(None, api_key=API_KEY).routes:  # the engine is only used by handlers
@@ -185,7 +185,7 @@ def test_the_api_key_is_compared_in_constant_time(monkeypatch):
 
     from fastapi.testclient import TestClient
 
-    from megatron_grpo.engine.server import build_app
+    from megatron_grpo.inference.server import build_app
 
     compared = []
     real = hmac.compare_digest
@@ -350,7 +350,7 @@ def test_safe_unpickler_still_reads_real_tensors():
 def test_malicious_pytorch_bin_is_not_executed_by_the_engine_loader(tiny_model, tmp_path):
     """A model dir whose weights are a pickle (pytorch_model.bin) that would run code: the
     embedded engine's loader (transformers, weights_only=True) refuses it."""
-    from megatron_grpo.engine.engine import EmbeddedEngine
+    from megatron_grpo.inference.engine import EmbeddedEngine
 
     bad = tmp_path / "model"
     shutil.copytree(tiny_model, bad)

@@ -1,4 +1,4 @@
-"""The static decode path (``engine/static_decode.py``) against the eager one (``scheduler.py``).
+"""The static decode path (``inference/static_decode.py``) against the eager one (``scheduler.py``).
 
 Both paths get the same requests on the same tiny model (fp32, CPU: the static step runs eagerly
 through its static buffers, the only difference from CUDA being the graph capture): greedy
@@ -17,13 +17,13 @@ import torch
 
 from megatron_grpo.config import ExperimentConfig
 from megatron_grpo.config.base import ConfigError, build_section
-from megatron_grpo.engine.engine import EmbeddedEngine, EngineError
-from megatron_grpo.engine.generation import Sequence
-from megatron_grpo.engine.sampling import draw_on_device, resolve_sampling_params, sample_tokens
-from megatron_grpo.engine.scheduler import StepControl, run_continuous
-from megatron_grpo.engine.static_decode import (StaticBatch, StaticDecoder, batch_buckets, bucket_for,
+from megatron_grpo.inference.engine import EmbeddedEngine, EngineError
+from megatron_grpo.inference.generation import Sequence
+from megatron_grpo.inference.sampling import draw_on_device, resolve_sampling_params, sample_tokens
+from megatron_grpo.inference.scheduler import StepControl, run_continuous
+from megatron_grpo.inference.static_decode import (StaticBatch, StaticDecoder, batch_buckets, bucket_for,
                                                   cache_length)
-from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.generation.adapters import ENGINES
 from megatron_grpo.generation.inprocess import start_inprocess
 from tools.tiny import save_tiny_model
 from megatron_grpo.ops.quantize import scheme_of
@@ -389,7 +389,7 @@ def test_server_info_says_which_path_decoded(model_dirs):
     are captured (never off CUDA) and what ran on the static path; an eager engine says eager."""
     from fastapi.testclient import TestClient
 
-    from megatron_grpo.engine.server import build_app
+    from megatron_grpo.inference.server import build_app
 
     static = EmbeddedEngine(model_dirs[0], dtype="float32", max_batch_size=4, decode="static", stop_check_every=3)
     eager = EmbeddedEngine(model_dirs[0], dtype="float32", max_batch_size=4)

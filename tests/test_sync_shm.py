@@ -152,7 +152,7 @@ def test_segments_of_a_killed_trainer_are_swept_and_foreign_paths_refused(tmp_pa
 def test_each_engine_kind_names_its_tensor_wire():
     """SGLang keeps its own /update_weights_from_tensor payload everywhere; the embedded engine
     gets the shm wire on the CPU and SGLang's CUDA-IPC payload on a GPU."""
-    from megatron_grpo.generation.engines import ENGINES
+    from megatron_grpo.generation.adapters import ENGINES
     from megatron_grpo.sync.transports import TENSOR_WIRES
 
     # the in-process engine has no wire: it is synced by an in-memory copy (sync/in_memory.py)

@@ -58,7 +58,7 @@ class EmbeddedConfig:
     """How the embedded and in-process engines decode. eager: the host reads every token as it is
     drawn (continuous batching; host-bound on a GPU). static: preallocated KV caches per
     batch-size bucket, sampling on the device, stops read every stop_check_every tokens, and on a
-    GPU each bucket's decode step replayed from a CUDA graph (engine/static_decode.py): the same
+    GPU each bucket's decode step replayed from a CUDA graph (inference/static_decode.py): the same
     tokens as eager for greedy and seeded requests; queued sequences join free rows at the stop
     checks; MoE and sliding-window models decode eagerly."""
 

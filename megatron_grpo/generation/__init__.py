@@ -10,7 +10,7 @@ engine kind.
   server as a ``RolloutEngine``; ``inprocess``: the embedded engine in rank 0's process;
   ``handles``: which of the two an engine kind is (``HANDLES[adapter.runs]``), started.
 
-The engine we ship is ``megatron_grpo.engine``; this package is its client side (the
+The engine we ship is ``megatron_grpo.inference``; this package is its client side (the
 in-process engine is the one place it is imported, through ``inprocess``).
 """
 

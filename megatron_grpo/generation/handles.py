@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_grpo.config.experiment import ExperimentConfig
-from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.generation.adapters import ENGINES
 from megatron_grpo.generation.http_engine import HttpEngine
 from megatron_grpo.generation.inprocess import InProcessEngine
 from megatron_grpo.generation.manager import RolloutServerManager

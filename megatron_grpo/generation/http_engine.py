@@ -4,7 +4,7 @@ engine and SGLang), one or several servers.
 Rank 0 holds the server manager (launch, health, restart) and the client (generation, the
 adapter's memory routes); every rank holds the weight receiver (the collective weight sync,
 given by the caller so that this layer does not depend on ``sync/``). URLs, launch commands
-and routes stay in here and in the engine's adapter (``generation/engines``).
+and routes stay in here and in the engine's adapter (``generation/adapters``).
 """
 
 from __future__ import annotations

@@ -43,9 +43,9 @@ from megatron_grpo.config.engine import EngineConfig
 from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.ops.quantize import scheme_of
 from megatron_grpo.generation.client import parse_sampling_mask
-from megatron_grpo.engine.engine import EmbeddedEngine, EngineError
-from megatron_grpo.engine.generation import Sequence as EngineSequence
-from megatron_grpo.engine.sampling import resolve_sampling_params
+from megatron_grpo.inference.engine import EmbeddedEngine, EngineError
+from megatron_grpo.inference.generation import Sequence as EngineSequence
+from megatron_grpo.inference.sampling import resolve_sampling_params
 from megatron_grpo.generation.protocol import WeightReceiver
 from megatron_grpo.wire.samples import RolloutError, Sample, SamplingParams
 

@@ -6,7 +6,7 @@
   ``launch_timeout_s``) until every listed server answers /health, then checks that each is of
   the kind ``engine.kind`` names;
 * otherwise ``engine.num_servers`` servers are launched with the command and environment of
-  the engine's adapter (``generation/engines``), on the GPUs ``runtime.placement`` assigns them
+  the engine's adapter (``generation/adapters``), on the GPUs ``runtime.placement`` assigns them
   (with CUDA), bound to ``engine.host`` (loopback by default),
   each logging to ``<run_dir>/rollout/server_<i>.log``; ``start()`` returns once all are
   healthy or raises with the failing log's last lines;
@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import httpx
 
 from megatron_grpo.config.experiment import ExperimentConfig
-from megatron_grpo.generation.engines import ENGINES, EngineKindMismatch
+from megatron_grpo.generation.adapters import ENGINES, EngineKindMismatch
 from megatron_grpo.wire.samples import RolloutError
 from megatron_grpo.runtime.device import cuda_available
 from megatron_grpo.runtime.placement import engine_gpu_ids, ranks_on_this_node

@@ -2,7 +2,7 @@
 
 The trainer merges it for the weight sync and the HF export (``models/lora.py``, shard by
 shard), the embedded engine merges it from its kept base when it receives the adapters alone
-(``engine/engine.py``), and the trainer recomputes the engine's merge to verify that sync
+(``inference/engine.py``), and the trainer recomputes the engine's merge to verify that sync
 (``sync/lora_sync.py``): the engine's served tensor and the trainer's reference are then the
 same floating-point operations on the same inputs, so their checksums can be compared bit for
 bit (on the same kind of device; a CPU and a GPU round a matmul differently).

@@ -2,7 +2,7 @@
 
 ``config/`` checks what one section can see (and the relations between sections that need no
 other package: batch-size divisibility, ...); the rules here need what other packages know:
-the engine adapters' capabilities (``generation/engines``), the reward registry's names, the GPU
+the engine adapters' capabilities (``generation/adapters``), the reward registry's names, the GPU
 layout (``runtime/placement``) and, for a run, the machine, the model directory, the
 checkpoints, the dataset and the reward functions.
 

@@ -21,7 +21,7 @@ from typing import Optional
 
 from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.preflight.rules import colocate_problem
-from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.generation.adapters import ENGINES
 from megatron_grpo.runtime.placement import engine_gpu_ids
 
 

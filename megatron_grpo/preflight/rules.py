@@ -1,5 +1,5 @@
 """The config rules that need another package: what the engine kind can do (its adapter in
-``generation/engines``), colocation, where a remote engine connects back to, the reward
+``generation/adapters``), colocation, where a remote engine connects back to, the reward
 registry's names and MoE router replay. No machine facts here (see ``layout.py``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.config.sections import RewardConfig
 from megatron_grpo.config.sync import SyncConfig
 from megatron_grpo.rewards.registry import name_problem
-from megatron_grpo.generation.engines import ENGINES, EngineAdapter
+from megatron_grpo.generation.adapters import ENGINES, EngineAdapter
 from megatron_grpo.runtime.placement import is_loopback
 
 

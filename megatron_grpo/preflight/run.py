@@ -27,7 +27,7 @@ from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.models.weights import SafetensorsReader
 from megatron_grpo.preflight.layout import layout_problem
 from megatron_grpo.preflight.report import reward_build_deadline
-from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.generation.adapters import ENGINES
 from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.rollout.agents.runner import check_agent
 from megatron_grpo.rollout.environments import check_environment

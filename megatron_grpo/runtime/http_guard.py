@@ -1,4 +1,4 @@
-"""The guards before every route of our HTTP servers, ``megatron-grpo serve`` (engine/server.py)
+"""The guards before every route of our HTTP servers, ``megatron-grpo serve`` (inference/server.py)
 and the agent front (rollout/agents/front.py), written once: the bearer check, the body bound,
 the read deadlines of the headers and of the body, and the one-line refusal.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from megatron_grpo.config.experiment import ExperimentConfig
-from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.generation.adapters import ENGINES
 from megatron_grpo.generation.handles import start_engine
 from megatron_grpo.generation.manager import RolloutServerManager
 from megatron_grpo.generation.protocol import RolloutEngine

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_grpo.config.experiment import ExperimentConfig
-from megatron_grpo.engine.engine import EmbeddedEngine
+from megatron_grpo.inference.engine import EmbeddedEngine
 from megatron_grpo.runtime.errors import one_line
 from megatron_grpo.sync.driver import Sent, SyncStats, agree_or_raise, sync_roles
 from megatron_grpo.wire.checksum import compare_checksums, tensor_checksum

@@ -2,7 +2,7 @@
 (the embedded engine over HTTP: ``EngineAdapter.merges_lora``), and the checksums it verifies.
 
 ``ServerDelivery`` (``servers.py``) sends it in place of the merged weights when the policy has
-adapters (``models/lora.py``); the request keys are the engine's (``engine/lora_update.py``):
+adapters (``models/lora.py``); the request keys are the engine's (``inference/lora_update.py``):
 
 1. the first sync after the sync starts (a run's start or resume) or after ``reset`` (an
    engine restarted, or a sync failed) sends every weight as the merged sync does, except that

@@ -33,7 +33,7 @@ import torch
 from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.models.weights import expert_hf_names
 from megatron_grpo.generation.client import RolloutClient
-from megatron_grpo.generation.engines import ENGINES
+from megatron_grpo.generation.adapters import ENGINES
 from megatron_grpo.generation.http_engine import with_api_key
 from megatron_grpo.generation.manager import weight_sync_dir
 from megatron_grpo.wire.samples import RolloutError

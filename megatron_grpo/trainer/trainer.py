@@ -155,21 +155,21 @@ class Trainer:
         if taken:
             print(f"[megatron-grpo] a plug-in imported by rank {rank} replaced its {' and '.join(taken)} handler; "
                   "put back, so that a stop still ends the run after its step", file=sys.stderr, flush=True)
-        http = build_engine(cfg, policy.hf_config, owner=rank == 0,
-                            probe=lambda tokens: probe_log_probs(policy.chunks, tokens, spec, quantization),
-                            spawned=spawned)
-        engine = EngineSupervisor(http, policy.modules, max_attempts=cfg.engine.max_restarts + 1,
+        rollout_engine = build_engine(cfg, policy.hf_config, owner=rank == 0,
+                                      probe=lambda tokens: probe_log_probs(policy.chunks, tokens, spec, quantization),
+                                      spawned=spawned)
+        engine = EngineSupervisor(rollout_engine, policy.modules, max_attempts=cfg.engine.max_restarts + 1,
                                   colocate=cfg.engine.colocate, owner=rank == 0)
         try:
-            evaluator = (Evaluator(cfg, tokenizer, http, side.scorer, side.sampling, side.episode_source)
+            evaluator = (Evaluator(cfg, tokenizer, rollout_engine, side.scorer, side.sampling, side.episode_source)
                          if side is not None and cfg.eval.sets else None)
             engine.sync(start_step)  # the engine starts from the HF weights
         except BaseException:  # nothing this run started outlives a failed start
-            http.close()
+            rollout_engine.close()
             if side is not None:
                 side.close()
             raise
-        ctx = (GenerationContext(http, side.sampling, side.scorer, side.tokenizer, cfg, side.episode_source,
+        ctx = (GenerationContext(rollout_engine, side.sampling, side.scorer, side.tokenizer, cfg, side.episode_source,
                                  more_prompts=side.sampler.next_batch) if side is not None else None)
         rollouts = build_rollout_source(cfg, engine, ctx, sampler if side is not None else None, start_step,
                                         trainer_state)

@@ -1,7 +1,7 @@
 """The weight-transfer wire format, below both of its ends.
 
 The trainer's weight sync (``megatron_grpo.sync``) sends what the rollout engines receive
-(``megatron_grpo.engine``, or SGLang itself): the bytes and the group they travel in
+(``megatron_grpo.inference``, or SGLang itself): the bytes and the group they travel in
 are defined once, here, and both ends import this package, never each other.
 
 * ``buckets``: SGLang's ``flattened_bucket`` layout (one uint8 buffer per single-dtype bucket);

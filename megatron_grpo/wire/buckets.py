@@ -30,7 +30,7 @@ class Bucket:
     nbytes: int = 0
     extras: dict = field(default_factory=dict)
     """Keys this bucket's weight-update request carries besides the sync's own (the embedded
-    engine's ``lora``/``lora_base``, ``engine/lora_update.py``)."""
+    engine's ``lora``/``lora_base``, ``inference/lora_update.py``)."""
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         assert tensor.dtype == self.dtype, (name, tensor.dtype, self.dtype)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_grpo.engine.generation import Sequence
+from megatron_grpo.inference.generation import Sequence
 from tools.tiny import DEMO_ARCH
 from tests.support.demo_run import ENV, ROOT, train_cmd
 from tests.support.models_fixtures import make_hf_model

@@ -129,7 +129,7 @@ def kill_engine_after(proc: subprocess.Popen, run_dir: Path, steps: int, settle_
         wait_for_steps(run_dir, steps, proc, deadline_s, poll_s=0.01)
         time.sleep(settle_s)
         (engine,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                     if "megatron_grpo.engine.serve" in " ".join(p.cmdline())]
+                     if "megatron_grpo.inference.serve" in " ".join(p.cmdline())]
         engine.kill()
         return proc.communicate(timeout=deadline_s)[1]
     finally:

@@ -8,9 +8,9 @@ import threading
 
 import torch
 
-from megatron_grpo.engine import routing
-from megatron_grpo.engine.generation import Sequence
-from megatron_grpo.engine.sampling import resolve_sampling_params
+from megatron_grpo.inference import routing
+from megatron_grpo.inference.generation import Sequence
+from megatron_grpo.inference.sampling import resolve_sampling_params
 
 
 def run(engine, prompts, params: dict, logprob_start_len=-1, timeout_s=120, hold=True) -> list[Sequence]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_grpo.generation.engines import find_sglang_python
+from megatron_grpo.generation.adapters import find_sglang_python
 
 
 def require_sglang() -> str:

@@ -47,11 +47,11 @@ from typing import Optional
 
 import torch
 
-from megatron_grpo.engine.batch import RunningBatch
-from megatron_grpo.engine.generation import Sequence, finish_reason_for, left_pad
-from megatron_grpo.engine.sampling import draw_uniforms, resolve_sampling_params, sample_next
-from megatron_grpo.engine.scheduler import StepControl, run_continuous
-from megatron_grpo.engine.static_decode import StaticDecoder
+from megatron_grpo.inference.batch import RunningBatch
+from megatron_grpo.inference.generation import Sequence, finish_reason_for, left_pad
+from megatron_grpo.inference.sampling import draw_uniforms, resolve_sampling_params, sample_next
+from megatron_grpo.inference.scheduler import StepControl, run_continuous
+from megatron_grpo.inference.static_decode import StaticDecoder
 
 from tools.tiny import save_tiny_model
 

@@ -13,7 +13,7 @@ with one line "... resumes on the next call", keep what they finished and end th
 call on the same warm machine continues them. Every line printed starts with the GPU's name. The
 parts, most wanted first:
 
-1. ``rollout``: the embedded engine's generation (``engine/``, in this process) of the 0.5B and
+1. ``rollout``: the embedded engine's generation (``inference/``, in this process) of the 0.5B and
    the 1.5B shapes (``ROLLOUT_MODELS``) at ``ROLLOUT_CONCURRENCY`` concurrent sequences (prompts
    of 128 tokens, ``8`` samples each, responses ``64 + Exp(mean 192)`` tokens, at most 512, EOS
    ignored so every runner makes the same tokens), against transformers' ``generate`` on the
@@ -427,7 +427,7 @@ def _static_rollout(model_dir: Path, sizes: Sizes, concurrency: int, reqs, eager
     graphs on a GPU): the wall time of a second run (the first captures the graphs of its shape),
     and how many sequences drew exactly the eager engine's tokens (seeded; bf16 kernels over a
     longer, padded cache may round a near-tie the other way)."""
-    from megatron_grpo.engine.engine import EmbeddedEngine
+    from megatron_grpo.inference.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(model_dir, dtype=sizes.dtype, max_batch_size=concurrency, batch_window_s=0.0,
                             decode="static", stop_check_every=STATIC_STOP_CHECK_EVERY)
@@ -444,7 +444,7 @@ def _static_rollout(model_dir: Path, sizes: Sizes, concurrency: int, reqs, eager
 def _rollout_row(model_dir: Path, model: str, sizes: Sizes, concurrency: int) -> dict:
     """One row of the rollout part: ``concurrency`` sequences of ``model`` on the eager engine
     (its timed run's tokens are the reference), transformers' generate and the static path."""
-    from megatron_grpo.engine.engine import EmbeddedEngine
+    from megatron_grpo.inference.engine import EmbeddedEngine
     from tools.bench.bench_generation import run_hf
 
     engine = EmbeddedEngine(model_dir, dtype=sizes.dtype, max_batch_size=concurrency, batch_window_s=0.0)

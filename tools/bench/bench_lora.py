@@ -83,7 +83,7 @@ def _bench(rank, world, hf_dir, lora, dtype, steps, rows, tokens):
     from megatron_grpo.models.lora import has_lora
     from megatron_grpo.models.lora_export import iter_adapters_hf
     from megatron_grpo.models.weights import exports_weights
-    from megatron_grpo.engine.engine import EmbeddedEngine
+    from megatron_grpo.inference.engine import EmbeddedEngine
     from tools.bench.common import policy_of
     from megatron_grpo.rollout.batch import dp_shard
     from megatron_grpo.trainer.megatron_step import ScoringSpec, train_mini_batch

@@ -132,7 +132,7 @@ class EngineAdapter:
 
     merges_lora: bool = False
     """True: the engine keeps a LoRA policy's frozen base and merges the adapters it is sent
-    (the embedded engine's ``lora``/``lora_base`` update keys, ``engine/lora_update.py``), so
+    (the embedded engine's ``lora``/``lora_base`` update keys, ``inference/lora_update.py``), so
     the weight sync sends the adapters alone after the first sync (``sync/lora_sync.py``);
     False: it is sent the merged weights every sync."""
 

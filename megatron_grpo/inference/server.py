@@ -55,12 +55,12 @@ from megatron_grpo.chat.openai_api import (Choice, OpenAIRequestError, Sampling,
                                            parse_completion_request, render_chat, stop_token_ids)
 from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS
 from megatron_grpo.wire import routed_experts
-from megatron_grpo.engine.engine import EmbeddedEngine, EngineError
-from megatron_grpo.engine.generation import Sequence
-from megatron_grpo.engine.lora_update import LoraUpdate, parse_lora, parse_lora_base
-from megatron_grpo.engine.policy import (ServerPolicy, rendezvous_problem, request_size_problem,
+from megatron_grpo.inference.engine import EmbeddedEngine, EngineError
+from megatron_grpo.inference.generation import Sequence
+from megatron_grpo.inference.lora_update import LoraUpdate, parse_lora, parse_lora_base
+from megatron_grpo.inference.limits import (ServerPolicy, rendezvous_problem, request_size_problem,
                                          trusted_weight_dir, untrusted_weight_path_message)
-from megatron_grpo.engine.sampling import resolve_sampling_params
+from megatron_grpo.inference.sampling import resolve_sampling_params
 from megatron_grpo.runtime.http_guard import BodyBound, Refused, bearer_ok, read_json
 from megatron_grpo.wire.serialize import deserialize_named_tensors
 

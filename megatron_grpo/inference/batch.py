@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_grpo.engine.generation import Sequence
+from megatron_grpo.inference.generation import Sequence
 
 
 @dataclass(eq=False)

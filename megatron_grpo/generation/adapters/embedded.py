@@ -1,4 +1,4 @@
-"""The embedded engine (``python -m megatron_grpo.engine.serve``): this package's own server."""
+"""The embedded engine (``python -m megatron_grpo.inference.serve``): this package's own server."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 from megatron_grpo.config.engine import EngineConfig
 from megatron_grpo.config.experiment import ExperimentConfig
-from megatron_grpo.generation.engines.base import EngineAdapter, EngineKindMismatch
+from megatron_grpo.generation.adapters.base import EngineAdapter, EngineKindMismatch
 from megatron_grpo.wire.checksum import compare_checksums
 
 API_KEY_ENV = "MEGATRON_GRPO_API_KEY"
@@ -40,10 +40,10 @@ class EmbeddedAdapter(EngineAdapter):
         device = f"cuda:{gpu_ids[0]}" if gpu_ids else "cpu"
         engine_cfg, master_address = cfg.engine, cfg.sync.master_address
         embedded = engine_cfg.embedded
-        cmd = [sys.executable, "-m", "megatron_grpo.engine.serve", "--model-dir", model_dir, "--host", host,
+        cmd = [sys.executable, "-m", "megatron_grpo.inference.serve", "--model-dir", model_dir, "--host", host,
                "--port", str(port), "--dtype", engine_cfg.dtype,
                "--max-batch-size", str(embedded.max_batch_size), "--device", device,
-               # what one request may make the server do (engine/policy.py)
+               # what one request may make the server do (inference/limits.py)
                "--max-request-sequences", str(embedded.max_request_sequences),
                "--max-request-tokens", str(embedded.max_request_tokens),
                "--max-request-bytes", str(embedded.max_request_mb * 2**20),

@@ -4,9 +4,9 @@
 
 Binds loopback by default. Any other address exposes the weight-update routes to the network,
 so it needs an API key (--api-key or $MEGATRON_GRPO_API_KEY): without one the server refuses to
-start. Also started by the trainer as ``python -m megatron_grpo.engine.serve``,
+start. Also started by the trainer as ``python -m megatron_grpo.inference.serve``,
 with the request bounds of ``engine.embedded``, the run's weight-sync directory as a trusted
-weight directory and the run's weight-update master address (``engine/policy.py``).
+weight directory and the run's weight-update master address (``inference/limits.py``).
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from typing import Optional
 import torch
 import uvicorn
 
-from megatron_grpo.engine.engine import EmbeddedEngine
-from megatron_grpo.engine.static_decode import DECODE_MODES
+from megatron_grpo.inference.engine import EmbeddedEngine
+from megatron_grpo.inference.static_decode import DECODE_MODES
 from megatron_grpo.ops.quantize import FP8_DTYPES, scheme_of
-from megatron_grpo.engine.policy import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES,
+from megatron_grpo.inference.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES,
                                          DEFAULT_MAX_REQUEST_TOKENS, DEFAULT_READ_TIMEOUT_S, ServerPolicy)
 from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS
 from megatron_grpo.runtime.http_guard import header_deadline_protocol
-from megatron_grpo.engine.server import build_app, http_error_body
-from megatron_grpo.generation.engines.embedded import API_KEY_ENV
+from megatron_grpo.inference.server import build_app, http_error_body
+from megatron_grpo.generation.adapters.embedded import API_KEY_ENV
 from megatron_grpo.runtime.placement import is_loopback
 
 
@@ -51,7 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together (the running batch)")
     p.add_argument("--decode", default="eager", choices=list(DECODE_MODES),
                    help="eager (the host reads every token) or static (static caches, device sampling, CUDA "
-                        "graphs on a GPU; engine/static_decode.py)")
+                        "graphs on a GPU; inference/static_decode.py)")
     p.add_argument("--stop-check-every", type=int, default=8, metavar="K",
                    help="--decode static: tokens drawn between two host reads (default: 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without sampling_seed")

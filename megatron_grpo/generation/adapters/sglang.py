@@ -40,7 +40,7 @@ import yaml
 
 from megatron_grpo.config.engine import EngineConfig
 from megatron_grpo.config.experiment import ExperimentConfig
-from megatron_grpo.generation.engines.base import EngineAdapter, EngineKindMismatch
+from megatron_grpo.generation.adapters.base import EngineAdapter, EngineKindMismatch
 from megatron_grpo.wire.samples import RolloutError
 
 log = logging.getLogger(__name__)

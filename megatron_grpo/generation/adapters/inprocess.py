@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 from megatron_grpo.config.engine import EngineConfig
 from megatron_grpo.config.experiment import ExperimentConfig
-from megatron_grpo.generation.engines.base import EngineAdapter
+from megatron_grpo.generation.adapters.base import EngineAdapter
 
 
 class InProcessAdapter(EngineAdapter):

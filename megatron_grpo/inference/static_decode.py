@@ -62,11 +62,11 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_grpo.engine.batch import RunningBatch
-from megatron_grpo.engine.generation import Sequence, finish_reason_for
-from megatron_grpo.engine.routing import moe_routers
-from megatron_grpo.engine.sampling import TOP_K_ALL, draw_on_device, draw_uniforms, filtering_rows, kept_set_width
-from megatron_grpo.engine.scheduler import StepControl, cache_kwarg, prefill, run_continuous, sample_step, start
+from megatron_grpo.inference.batch import RunningBatch
+from megatron_grpo.inference.generation import Sequence, finish_reason_for
+from megatron_grpo.inference.routing import moe_routers
+from megatron_grpo.inference.sampling import TOP_K_ALL, draw_on_device, draw_uniforms, filtering_rows, kept_set_width
+from megatron_grpo.inference.scheduler import StepControl, cache_kwarg, prefill, run_continuous, sample_step, start
 
 DECODE_MODES = ("eager", "static")
 

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_grpo.engine.sampling import ResolvedSampling
+from megatron_grpo.inference.sampling import ResolvedSampling
 
 
 @dataclass(eq=False)

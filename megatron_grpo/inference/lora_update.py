@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_grpo.engine.policy import lora_rank_problem
+from megatron_grpo.inference.limits import lora_rank_problem
 
 
 @dataclass(frozen=True)

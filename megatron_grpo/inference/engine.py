@@ -40,12 +40,12 @@ from megatron_grpo.models.tokenizer import load_tokenizer
 from megatron_grpo.models.weights import SafetensorsReader
 from megatron_grpo.ops.lora_merge import merge_fp32
 from megatron_grpo.ops.quantize import QuantScheme
-from megatron_grpo.engine.generation import Sequence, prompt_logprobs
-from megatron_grpo.engine.lora_update import LoraUpdate, parse_lora, parse_lora_base, plan_merge
-from megatron_grpo.engine.quantize import quantize_decoder_linears
-from megatron_grpo.engine.scheduler import StepControl, run_continuous
-from megatron_grpo.engine.served_names import served_tensors
-from megatron_grpo.engine.static_decode import DECODE_MODES, StaticDecoder
+from megatron_grpo.inference.generation import Sequence, prompt_logprobs
+from megatron_grpo.inference.lora_update import LoraUpdate, parse_lora, parse_lora_base, plan_merge
+from megatron_grpo.inference.quantize import quantize_decoder_linears
+from megatron_grpo.inference.scheduler import StepControl, run_continuous
+from megatron_grpo.inference.served_names import served_tensors
+from megatron_grpo.inference.static_decode import DECODE_MODES, StaticDecoder
 from megatron_grpo.runtime.device import collective_device
 from megatron_grpo.wire.buckets import DISK_UPDATE_KEY, unflatten
 from megatron_grpo.wire.checksum import tensor_checksum
@@ -69,7 +69,7 @@ class EmbeddedEngine:
                  seed: int = 0, batch_window_s: float = 0.005, device: str = "auto",
                  quantization: Optional[QuantScheme] = None, decode: str = "eager", stop_check_every: int = 8):
         """``quantization``: serve the decoder's projections from a quantized copy of the weights
-        (``engine/quantize.py``), rebuilt at every load; None: as loaded. ``decode``: ``eager``
+        (``inference/quantize.py``), rebuilt at every load; None: as loaded. ``decode``: ``eager``
         (``scheduler.run_continuous``) or ``static`` (``static_decode.py``: static buffers, the
         host reading the tokens every ``stop_check_every`` tokens, CUDA graphs on a GPU)."""
         if decode not in DECODE_MODES:

@@ -8,10 +8,10 @@ what it declares (transports, backends, memory release, MoE routing). No other m
 branches on the engine kind.
 """
 
-from megatron_grpo.generation.engines.base import EngineAdapter, EngineKindMismatch
-from megatron_grpo.generation.engines.embedded import EmbeddedAdapter
-from megatron_grpo.generation.engines.inprocess import InProcessAdapter
-from megatron_grpo.generation.engines.sglang import SGLangAdapter, default_sglang_venv, find_sglang_python
+from megatron_grpo.generation.adapters.base import EngineAdapter, EngineKindMismatch
+from megatron_grpo.generation.adapters.embedded import EmbeddedAdapter
+from megatron_grpo.generation.adapters.inprocess import InProcessAdapter
+from megatron_grpo.generation.adapters.sglang import SGLangAdapter, default_sglang_venv, find_sglang_python
 
 # engine.kind -> adapter (the Literal of EngineConfig.kind is pinned to these keys by a test)
 ENGINES: dict[str, EngineAdapter] = {

@@ -34,10 +34,10 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_grpo.engine.batch import RunningBatch
-from megatron_grpo.engine.generation import Sequence, finish_reason_for, left_pad, prompt_logprobs
-from megatron_grpo.engine.routing import RoutingRecorder, moe_routers
-from megatron_grpo.engine.sampling import draw_uniforms, sample_tokens
+from megatron_grpo.inference.batch import RunningBatch
+from megatron_grpo.inference.generation import Sequence, finish_reason_for, left_pad, prompt_logprobs
+from megatron_grpo.inference.routing import RoutingRecorder, moe_routers
+from megatron_grpo.inference.sampling import draw_uniforms, sample_tokens
 
 
 class StepControl:
