@@ -995,6 +995,14 @@ PLUGIN_RUN_CASES = {
         "    return engine.generate([p.text for p in prompts], n, sampling, sampling_seed=seed)\n",
         lambda cfg, f: cfg.update(episodes={"rollout_function": f"{f}:text"}, engine={"kind": "inprocess"}),
         "step 1: episodes.rollout_function"),
+    # issue 64: an environment that hangs on every call (each episode waited out its own deadline,
+    # a wave of episodes after another); the step's hang guard ends the run after one wave
+    "environment_that_always_hangs": (
+        "envs.py", "import time\n\nclass Hangs:\n    def __init__(self, row):\n        pass\n\n"
+        "    def step(self, response):\n        time.sleep(3600)\n",
+        lambda cfg, f: cfg.update(episodes={"environment": f"{f}:Hangs", "max_episode_tokens": 16,
+                                            "env_timeout_s": 3}, engine={"kind": "inprocess"}),
+        "step 1: episodes.environment"),
     # a reward no float can hold
     "reward_past_float_range": (
         "huge.py", "def huge(response, answer):\n    return 10**400\n",

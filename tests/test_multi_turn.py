@@ -19,6 +19,7 @@ from megatron_grpo.config.algorithm import AlgorithmConfig, OffPolicyCorrectionC
 from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
 from megatron_grpo.rollout.environments.builtin import BUILTINS, Calculator, GuessNumber
 from megatron_grpo.rollout.environments.worker import fork_server
+from megatron_grpo.rollout.hang_guard import EpisodesHung
 from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_rewards, episode_stats
 from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
@@ -45,6 +46,8 @@ class Scripted:
         if action == "hang":
             while True:
                 pass
+        if action == "block":  # a hang that leaves the CPU to the others (256 of them at once)
+            time.sleep(3600)
         if action == "bad":
             return {"observation": 3, "done": False}
         if action == "unk":
@@ -269,6 +272,49 @@ def test_hung_sync_env_is_killed_within_the_timeout(tok, env_file):
     (ep,) = runner(tok, f"{env_file}:Scripted", env_timeout_s=1.0).run(
         ScriptedEngine(tok), [make_prompt(tok, script="hang")], 1, SamplingParams(max_new_tokens=16))
     assert ep.error == "timeout" and ep.num_turns == 1 and episode_stats([ep])["multi_turn/env_timeouts"] == 1
+
+
+def _fork_server_children(wait_s: float) -> list[int]:
+    """The fork server's live worker processes, waited for (bounded) until there are none."""
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [p.pid for p in psutil.Process(fork_server().proc.pid).children() if p.status() != "zombie"]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def test_an_environment_that_always_hangs_ends_a_256_sample_step_in_one_wave(tok, env_file):
+    """Issue 64: a hang past the deadline ends its episode and the run goes on, so an environment
+    that hangs on every call cost one deadline per wave of episodes: 256 episodes, 64 at a time,
+    10 s each, 40 s before anything was said (and 256 / concurrency deadlines in general). A
+    step now stops once its expiries reach half of its started episodes: one wave, one line,
+    every worker killed."""
+    r = runner(tok, f"{env_file}:Scripted", env_timeout_s=10.0)
+    prompts = [make_prompt(tok, i, script="block") for i in range(64)]
+    t0 = time.monotonic()
+    with pytest.raises(EpisodesHung, match=r"^episodes.environment .*envs.py:Scripted: (\d+) of the (\d+) episodes "
+                                           r"started this step passed episodes.env_timeout_s=10s, episodes"
+                                           r".max_timeout_fraction=0.5 of them: it hangs; every worker was killed"):
+        r.run(ScriptedEngine(tok), prompts, 4, SamplingParams(max_new_tokens=16))
+    assert time.monotonic() - t0 < 30
+    assert _fork_server_children(wait_s=10.0) == []
+
+
+def test_a_rare_hang_ends_its_episode_and_the_step_goes_on(tok, env_file):
+    """Three of sixteen episodes hang: each ends as a timeout, counted, and the step returns.
+    With ``max_timeout_fraction: null``, even every episode hanging is only counted."""
+    prompts = [make_prompt(tok, i, script="block" if i in (2, 7, 11) else "obs done") for i in range(16)]
+    episodes = runner(tok, f"{env_file}:Scripted", env_timeout_s=2.0).run(
+        ScriptedEngine(tok), prompts, 1, SamplingParams(max_new_tokens=16))
+    assert [i for i, e in enumerate(episodes) if e.error is not None] == [2, 7, 11]
+    assert episode_stats(episodes)["multi_turn/env_timeouts"] == 3
+    hung = [make_prompt(tok, i, script="block") for i in range(2)]
+    episodes = runner(tok, f"{env_file}:Scripted", env_timeout_s=1.0, max_timeout_fraction=None).run(
+        ScriptedEngine(tok), hung, 2, SamplingParams(max_new_tokens=16))
+    assert [e.error for e in episodes] == ["timeout"] * 4
 
 
 class SizeSpy:

@@ -305,6 +305,19 @@ def test_a_hung_function_is_killed_within_its_deadline(bad_file, tok):
     assert not running(rf.pid)
 
 
+def test_a_hung_function_ends_a_256_sample_step_at_its_first_deadline(bad_file, tok):
+    """Issue 64, every deadline measured on a big step: the function gets the whole step (64
+    prompts x 4) in one call, so its deadline is one wait, not one per sample: 10 s, then one line."""
+    rf = load(bad_file, "hangs_after_one_call", timeout_s=10.0)
+    engine = Recording(FakeEngine())
+    t0 = time.monotonic()
+    with pytest.raises(RolloutFunctionError, match=r"longer than 10s \(episodes.rollout_function_timeout_s\); its "
+                                                   r"worker process was killed$"):
+        rf(engine, [make_prompt(tok, i) for i in range(64)], 4, SamplingParams(), 1)
+    assert 10.0 <= time.monotonic() - t0 < 30
+    assert not running(rf.pid)
+
+
 def test_a_raising_or_crashing_function_is_one_line(bad_file, tok):
     rf = load(bad_file, "raises")
     with pytest.raises(RolloutFunctionError) as e:

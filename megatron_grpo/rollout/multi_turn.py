@@ -44,6 +44,8 @@ from megatron_grpo.config.episodes import EpisodesConfig, episode_budget
 from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rewards.registry import load_file
 from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
+from megatron_grpo.rollout.environments.worker import kill_worker
+from megatron_grpo.rollout.hang_guard import HangGuard
 from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
 
@@ -146,23 +148,27 @@ class EpisodeRunner:
         """``n`` episodes per prompt (data.Prompt: ``prompt_ids``, ``text``, ``answer``, ``fields``)
         on ``engine`` (a RolloutEngine), prompt-major, like ``engine.generate``."""
         jobs = episode_jobs(prompts, n)
+        guard = HangGuard(f"episodes.environment {self.spec}", "episodes.env_timeout_s", self.cfg.env_timeout_s,
+                          self.cfg.max_timeout_fraction, kill_worker)
         with ThreadPoolExecutor(max_workers=min(self.max_inflight, len(jobs)) or 1,
                                 thread_name_prefix="episode") as pool:
-            results = asyncio.run(self._run_all(engine, jobs, sampling, sampling_seed, pool))
+            results = asyncio.run(self._run_all(engine, jobs, sampling, sampling_seed, pool, guard))
+        guard.raise_if_hung()
         raise_failures(results, EnvContractError)
         return results
 
-    async def _run_all(self, engine, jobs, sampling, sampling_seed, pool) -> list:
+    async def _run_all(self, engine, jobs, sampling, sampling_seed, pool, guard: HangGuard) -> list:
         limit = asyncio.Semaphore(self.max_inflight)
 
         async def bounded(job):
             async with limit:
-                return await self._episode(engine, *job, sampling, sampling_seed, pool)
+                guard.begin()
+                return await self._episode(engine, *job, sampling, sampling_seed, pool, guard)
 
         return await asyncio.gather(*(bounded(job) for job in jobs), return_exceptions=True)
 
     async def _episode(self, engine, index: int, prompt_index: int, sample_index: int, prompt, sampling: SamplingParams,
-                       sampling_seed: Optional[int], pool) -> Episode:
+                       sampling_seed: Optional[int], pool, guard: HangGuard) -> Episode:
         loop = asyncio.get_running_loop()
         cfg = self.cfg
         row = {**prompt.fields, "prompt": prompt.text, "answer": prompt.answer}
@@ -179,11 +185,19 @@ class EpisodeRunner:
         counts: dict[str, int] = {}
         env_s = gen_s = 0.0
         env: Optional[EnvProcess] = None
+        pids: list[int] = []  # the worker, once it exists (the guard may kill it while it starts)
+
+        def started(pid: int) -> None:
+            pids.append(pid)
+            guard.watch(pid)
+
         t0 = time.monotonic()
         try:
-            env = await loop.run_in_executor(pool, EnvProcess, self.spec, row, cfg.env_timeout_s, self.env_options)
+            env = await loop.run_in_executor(pool, EnvProcess, self.spec, row, cfg.env_timeout_s, self.env_options,
+                                             started)
             env_s += time.monotonic() - t0
             while True:
+                guard.check()
                 left = budget - len(out_ids)
                 turn_sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, left))
                 seed = None if sampling_seed is None else (sampling_seed + index * cfg.max_turns + turns) % _SEED_MODULUS
@@ -208,6 +222,7 @@ class EpisodeRunner:
                 # an observation may use what is left less one model token; a longer text cannot
                 # fit, and is cut before the template and the tokenizer see it (bounded memory)
                 limit = self.renderer.observation_char_limit(budget - len(out_ids) - 1)
+                guard.check()
                 t0 = time.monotonic()
                 answer = await loop.run_in_executor(pool, env.step, text, limit)
                 env_s += time.monotonic() - t0
@@ -233,11 +248,16 @@ class EpisodeRunner:
         except EnvCallError as e:
             env_s += time.monotonic() - t0
             error = e.kind
+            if e.kind == "timeout":
+                guard.timed_out()
+            guard.check()  # a worker the tripped guard killed is not the episode's error
             self._report(e.kind, e.where, e.message)
         except ObservationError as e:
             error = "observation"
             self._report("observation", self.spec, str(e))
         finally:
+            for pid in pids:  # before the worker is reaped: the guard never kills a reused pid
+                guard.forget(pid)
             if env is not None:
                 await loop.run_in_executor(pool, env.close)
         sample = Sample(prompt_index=prompt_index, sample_index=sample_index,

@@ -44,7 +44,7 @@ import time
 import traceback
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megatron_grpo.runtime.process import children_of
 from megatron_grpo.rollout.environments.loading import (ContractViolation, check_step_result, class_problem,
@@ -382,11 +382,16 @@ class EnvProcess:
     """One environment instance in its own worker process (see the module docstring).
     Blocking: every call returns within its timeout."""
 
-    def __init__(self, spec: str, row: dict, timeout_s: float, options: Optional[dict] = None):
+    def __init__(self, spec: str, row: dict, timeout_s: float, options: Optional[dict] = None,
+                 on_start: Optional[Callable[[int], None]] = None):
+        """``on_start(pid)``: called once the worker exists, before its start-up is awaited (a
+        step's ``HangGuard`` watches it, and may kill it)."""
         self.where = describe(spec)
         self.timeout_s = timeout_s
         self._conn, self.pid = fork_server().connect(("serve", spec, row, options))
         self._closed = False
+        if on_start is not None:
+            on_start(self.pid)
         self._await("start-up", STARTUP_TIMEOUT_S)
         self._await("the constructor", timeout_s)
 
