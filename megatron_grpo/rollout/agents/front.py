@@ -60,7 +60,8 @@ from megatron_grpo.chat.openai_api import (ChatRequest, Choice, OpenAIRequestErr
                                            parse_completion_request, render_chat, stop_token_ids)
 from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
 from megatron_grpo.runtime.errors import one_line
-from megatron_grpo.runtime.http_guard import BodyBound, Refused, bearer_ok, header_deadline_protocol, read_json
+from megatron_grpo.runtime.http_guard import (BodyBound, Refused, bearer_ok, header_deadline_protocol, one_line_errors,
+                                             read_json)
 from megatron_grpo.wire.samples import RolloutError, Sample, SamplingParams
 
 MAX_BODY_BYTES = 8 * 2**20
@@ -307,6 +308,7 @@ class AgentFront:
 
     def build_app(self) -> FastAPI:
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+        app.middleware("http")(one_line_errors(refusal_body))  # the engine's server answers the same way
 
         bound = BodyBound(MAX_BODY_BYTES, self.read_timeout_s, "MAX_BODY_BYTES", "READ_TIMEOUT_S")
 
