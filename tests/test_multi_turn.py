@@ -212,6 +212,34 @@ def test_episode_tokens_masks_and_limits(tok, env_file):
     assert len(cut.sample.output_ids) == 12 and cut.sample.finish_reason == "length"
 
 
+class _Zero:
+    """Reward functions that score every response 0 (the environment's reward is what counts)."""
+
+    def score_samples(self, samples):
+        from megatron_grpo.rewards.scorer import ScoredBatch
+        return ScoredBatch(rewards=[0.0] * len(samples), per_function={"zero": [0.0] * len(samples)})
+
+
+def test_truncated_reward_grades_an_episode_that_ended_on_a_cut(tok, env_file):
+    """``rollout.overlong.truncated_reward`` with episodes (issue 64: it was refused with any
+    environment, agent or rollout function, so the SmolLM2 configs took none): an episode whose
+    end was a cut (its last turn cut by the budget) gets the value in place of its reward; one
+    that ended on a whole turn keeps its own. 12 tokens after the prompt: "done" ends after one
+    whole turn (5 tokens, <eos>); "obs obs done" gets a turn, an observation and a turn cut to 3."""
+    from megatron_grpo.rollout.generate import GenerationContext, generate_round
+
+    cfg = experiment(rollout=RolloutConfig(num_generations=2, max_new_tokens=16,
+                                           overlong=OverlongConfig(truncated_reward=-1.0)),
+                     episodes=EpisodesConfig(environment=f"{env_file}:Scripted", observation_role="user",
+                                             max_episode_tokens=12, max_turns=5))
+    source = EpisodeRunner.build(cfg.episodes, tok, max_inflight=4, use_template=True)
+    ctx = GenerationContext(ScriptedEngine(tok), SamplingParams(max_new_tokens=16), _Zero(), tok, cfg, source)
+    prompts = [make_prompt(tok, 0, script="done"), make_prompt(tok, 1, script="obs obs done")]
+    r = generate_round(ctx, 0, 0, prompts, seed=1)
+    assert [s.finish_reason for s in r.samples] == ["stop", "stop", "length", "length"]
+    assert r.rewards.tolist() == [1.0, 1.0, -1.0, -1.0]  # "done" rewards 1.0; the cut ones get -1.0
+
+
 def test_async_step_and_done(tok, env_file):
     (e,) = runner(tok, f"{env_file}:AsyncScripted").run(ScriptedEngine(tok), [make_prompt(tok, script="obs done")],
                                                        1, SamplingParams(max_new_tokens=16))
