@@ -1,5 +1,5 @@
 """Environments written for skyrl-gym, OpenEnv and TRL's ``environment_factory`` run unchanged
-through the episode loop (rollout/environments/connectors/, docs/multi_turn.md "Environments
+through the episode loop (rollout/episodes/environment/connectors/, docs/multi_turn.md "Environments
 from skyrl-gym, OpenEnv and TRL-style tool classes"), against the real libraries: each adapter
 stepped through its worker process (``EnvProcess``) and checked against what the library itself
 answers for the same actions, called directly here; the failures are counted or one line; and a
@@ -30,10 +30,10 @@ from openenv.cli.commands import init as openenv_init
 from megatron_grpo.config.base import ConfigValueError
 from megatron_grpo.config.env_connectors import AGENTS_EXTRA, ENVIRONMENT_CONNECTORS
 from megatron_grpo.config.episodes import EpisodesConfig, environment_problem
-from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
-from megatron_grpo.rollout.environments.connectors import openenv_adapter
-from megatron_grpo.rollout.environments.worker import fork_server, shutdown_fork_server
-from megatron_grpo.rollout.multi_turn import Episode, episode_stats
+from megatron_grpo.rollout.episodes.environment import EnvCallError, EnvContractError, EnvProcess, check_environment
+from megatron_grpo.rollout.episodes.environment.connectors import openenv_adapter
+from megatron_grpo.rollout.episodes.environment.worker import fork_server, shutdown_fork_server
+from megatron_grpo.rollout.episodes.episode import Episode, episode_stats
 from megatron_grpo.wire.samples import Sample, SamplingParams
 from tests.support.demo_run import ENV, ROOT, read_metrics, train_cmd
 
@@ -105,7 +105,7 @@ class Calculator:
         self.answer, self.last = kwargs["answer"], None
 
     def compute(self, expression: str) -> str:
-        from megatron_grpo.rollout.environments.builtin import evaluate, format_number
+        from megatron_grpo.rollout.episodes.environment.builtin import evaluate, format_number
         self.last = format_number(evaluate(expression))
         return f"result {self.last}"
 
@@ -500,7 +500,7 @@ def test_the_episode_loop_hands_a_tool_class_the_runs_tool_call_format(env_files
     is a call of the class's compute method (the default hermes format would see no call)."""
     from megatron_grpo.data.prompts import Prompt, render_prompt
     from tools.tiny import build_tokenizer
-    from megatron_grpo.rollout.multi_turn import EpisodeRunner
+    from megatron_grpo.rollout.episodes.environment.loop import EpisodeRunner
 
     tok = build_tokenizer()
 

@@ -1,4 +1,4 @@
-"""``rollout/episode_source.py``: the three producers of episodes are one ``EpisodeSource``, and
+"""``rollout/episodes/source.py``: the three producers of episodes are one ``EpisodeSource``, and
 ``build_episode_source`` picks the run's by its ``episodes:`` key (None: single-turn)."""
 
 from pathlib import Path
@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from megatron_grpo.config.episodes import EpisodesConfig
-from megatron_grpo.rollout.agents.runner import AgentRunner
-from megatron_grpo.rollout.episode_source import EpisodeSource, build_episode_source
-from megatron_grpo.rollout.multi_turn import EpisodeRunner
-from megatron_grpo.rollout.rollout_function import RolloutFunction
+from megatron_grpo.rollout.episodes.agent.runner import AgentRunner
+from megatron_grpo.rollout.episodes.source import EpisodeSource, build_episode_source
+from megatron_grpo.rollout.episodes.environment.loop import EpisodeRunner
+from megatron_grpo.rollout.episodes.function.source import RolloutFunction
 from tools.tiny import build_tokenizer
 
 FUNCTION = '''

@@ -16,12 +16,13 @@ from megatron_grpo.config.dapo import OverlongConfig
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from megatron_grpo.losses import compute_policy_loss
 from megatron_grpo.config.algorithm import AlgorithmConfig, OffPolicyCorrectionConfig
-from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
-from megatron_grpo.rollout.environments.builtin import BUILTINS, Calculator, GuessNumber
-from megatron_grpo.rollout.environments.worker import fork_server
-from megatron_grpo.rollout.hang_guard import EpisodesHung
-from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_rewards, episode_stats
-from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
+from megatron_grpo.rollout.episodes.environment import EnvCallError, EnvContractError, EnvProcess, check_environment
+from megatron_grpo.rollout.episodes.environment.builtin import BUILTINS, Calculator, GuessNumber
+from megatron_grpo.rollout.episodes.environment.worker import fork_server
+from megatron_grpo.rollout.episodes.hang_guard import EpisodesHung
+from megatron_grpo.rollout.episodes.environment.loop import EpisodeRunner
+from megatron_grpo.rollout.episodes.episode import episode_rewards, episode_stats
+from megatron_grpo.rollout.episodes.turns import ObservationError, TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
 from tools.tiny import build_tokenizer
 from megatron_grpo.rollout.batch import build_train_batch
@@ -513,7 +514,7 @@ def test_a_reward_no_float_holds_breaks_the_contract():
     """Issue 48, second round: ``float(10**400)`` raised OverflowError inside the worker's check,
     which ended the worker as a crash: the episode was counted as an environment error and the
     run went on. It is the same one-line contract error as ``reward: inf`` now."""
-    from megatron_grpo.rollout.environments.loading import check_step_result
+    from megatron_grpo.rollout.episodes.environment.loading import check_step_result
 
     for reward, shown in [(10**400, "'1000000000000000000000000000000000000000'"),
                           (10**5000, "<unprintable int>"), (float("inf"), "'inf'")]:

@@ -20,8 +20,9 @@ from megatron_grpo.config.algorithm import AlgorithmConfig
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from megatron_grpo.rewards.scorer import ScoredBatch
-from megatron_grpo.rollout.multi_turn import Episode, EpisodeRunner
-from megatron_grpo.rollout.rollout_function import RolloutFunction, RolloutFunctionError, check_rollout_output
+from megatron_grpo.rollout.episodes.environment.loop import EpisodeRunner
+from megatron_grpo.rollout.episodes.episode import Episode
+from megatron_grpo.rollout.episodes.function.source import RolloutFunction, RolloutFunctionError, check_rollout_output
 from megatron_grpo.wire.samples import Sample, SamplingParams
 from tools.tiny import build_tokenizer
 from megatron_grpo.rollout.generate import GenerationContext, generate_and_score
@@ -34,7 +35,7 @@ EXAMPLE = ROOT / "docs" / "examples" / "retry_rollout.py"
 
 FUNCTIONS = '''
 import asyncio
-from megatron_grpo.rollout.multi_turn import Episode
+from megatron_grpo.rollout.episodes.episode import Episode
 from megatron_grpo.wire.samples import Sample
 
 def passthrough(engine, prompts, n, sampling, seed):
@@ -334,7 +335,7 @@ def test_a_hung_worker_dies_with_a_trainer_killed_by_sigkill(bad_file, tmp_path)
     script = tmp_path / "trainer.py"
     script.write_text(
         "import sys\n"
-        "from megatron_grpo.rollout.rollout_function import RolloutFunction\n"
+        "from megatron_grpo.rollout.episodes.function.source import RolloutFunction\n"
         "from megatron_grpo.wire.samples import SamplingParams\n"
         f"rf = RolloutFunction.load({str(bad_file) + ':sleeps'!r}, timeout_s=3600)\n"
         "print(rf.pid, flush=True)\n"
@@ -355,7 +356,7 @@ def test_a_hung_worker_dies_with_a_trainer_killed_by_sigkill(bad_file, tmp_path)
 
 
 def test_a_file_that_hangs_while_loading_is_refused_within_its_deadline(bad_file, monkeypatch):
-    from megatron_grpo.rollout.environments import worker
+    from megatron_grpo.rollout.episodes.environment import worker
     worker.fork_server().close()  # a new fork server that sees the variable below
     monkeypatch.setenv("MGRPO_TEST_LOAD_SLEEP", "30")
     worker.fork_server()  # started before the clock: its own start-up has its own allowance

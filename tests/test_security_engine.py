@@ -457,7 +457,7 @@ def test_an_unexpected_error_is_a_500_and_one_log_line(caplog):
     from fastapi.testclient import TestClient
 
     from megatron_grpo.engine.server import http_error_body
-    from megatron_grpo.rollout.agents.front import refusal_body
+    from megatron_grpo.rollout.episodes.agent.front import refusal_body
     from megatron_grpo.runtime.http_guard import one_line_errors
 
     for error_body, shape in ((http_error_body, {"object", "message", "code"}), (refusal_body, {"error"})):

@@ -14,7 +14,7 @@ from megatron_grpo.config.base import check
 from megatron_grpo.config.env_connectors import connector_problem, split_connector_spec
 
 BUILTIN_ENVIRONMENTS = ("calculator", "guess_number")
-"""Names of the built-in environments (``rollout/environments/builtin.py``)."""
+"""Names of the built-in environments (``rollout/episodes/environment/builtin.py``)."""
 
 ENVIRONMENT_FILE_RE = re.compile(r"^(?P<path>.+\.py):(?P<attr>[A-Za-z_]\w*)$")
 """``path/to/env.py:ClassName``: an environment class loaded from a file (no PYTHONPATH)."""
@@ -50,7 +50,7 @@ def environment_problem(spec: str) -> Optional[str]:
 
 AGENT_CONNECTORS = {"verifiers": "verifiers"}
 """``episodes.agent`` prefix -> the library it needs (the connectors themselves are
-``rollout/agents/connectors/``; a test keeps the two tables' prefixes equal)."""
+``rollout/episodes/agent/connectors/``; a test keeps the two tables' prefixes equal)."""
 
 TOOL_CALL_FORMATS = ("hermes", "compute")
 """``episodes.tool_call_format`` values (``chat/tool_calls.py``'s registry; a test keeps them equal)."""

@@ -11,10 +11,10 @@ from megatron_grpo.config.experiment import error_source
 from megatron_grpo.data import DataError
 from megatron_grpo.models.errors import CheckpointError, ModelError
 from megatron_grpo.rewards import RewardError
-from megatron_grpo.rollout.agents.runner import AgentContractError
-from megatron_grpo.rollout.environments import EnvContractError
-from megatron_grpo.rollout.hang_guard import EpisodesHung
-from megatron_grpo.rollout.rollout_function import RolloutFunctionError
+from megatron_grpo.rollout.episodes.agent.runner import AgentContractError
+from megatron_grpo.rollout.episodes.environment import EnvContractError
+from megatron_grpo.rollout.episodes.hang_guard import EpisodesHung
+from megatron_grpo.rollout.episodes.function.source import RolloutFunctionError
 
 PLUGIN_ERRORS: tuple[type[BaseException], ...] = (RewardError, EnvContractError, RolloutFunctionError,
                                                   AgentContractError, EpisodesHung)

@@ -1,5 +1,5 @@
 """The guards before every route of our HTTP servers, ``megatron-grpo serve`` (engine/server.py)
-and the agent front (rollout/agents/front.py), written once: the bearer check, the body bound,
+and the agent front (rollout/episodes/agent/front.py), written once: the bearer check, the body bound,
 the read deadlines of the headers and of the body, and the one-line refusal.
 
 * ``bearer_ok``: ``Authorization: Bearer <key>``, compared as bytes in constant time (the

@@ -27,7 +27,7 @@ from megatron_grpo.generation.http_engine import HttpEngine, run_api_key, start_
 from megatron_grpo.generation.inprocess import InProcessEngine, start_inprocess
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
 from megatron_grpo.generation.protocol import RolloutEngine
-from megatron_grpo.rollout.episode_source import EpisodeSource, build_episode_source
+from megatron_grpo.rollout.episodes.source import EpisodeSource, build_episode_source
 from megatron_grpo.wire.samples import SamplingParams
 from megatron_grpo.runtime.collectives import broadcast
 from megatron_grpo.runtime.device import cuda_available, resolve_distributed_optimizer
@@ -116,7 +116,7 @@ class RolloutSide:
     sampler: Optional[PromptSampler]  # None when evaluating a saved model
     scorer: RewardScorer
     episode_source: Optional[EpisodeSource] = None
-    """What generates instead of the engine's generate (rollout/episode_source.py: the
+    """What generates instead of the engine's generate (rollout/episodes/source.py: the
     environment loop, the agent runner or the user's rollout function); None: single-turn."""
 
     def close(self) -> None:

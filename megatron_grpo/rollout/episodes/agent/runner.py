@@ -14,7 +14,7 @@ For each prompt, ``n`` episodes run; each one is
     fn returns the reward                -> the episode: the recorded calls as one Sample
                                             (trajectory.py; only the engine's tokens are trained)
 
-An ``Episode`` comes back, as from the built-in environment loop (``multi_turn.py``), so
+An ``Episode`` comes back, as from the built-in environment loop (``environment/loop.py``), so
 rewards (``env_reward`` add/replace), failures (``on_env_error``), metrics, the off-policy
 correction, sampling-mask replay and async staleness apply unchanged. Per-call sampling seeds
 are the built-in loop's (``seed + episode * max_turns + call``): the same model and seeds give
@@ -42,13 +42,13 @@ from typing import Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE, episode_budget
-from megatron_grpo.rollout.agents.connectors import CONNECTORS, split_spec
-from megatron_grpo.rollout.agents.front import AgentFront, EpisodeLog
-from megatron_grpo.rollout.agents.trajectory import sample_from_calls
-from megatron_grpo.rollout.environments.worker import STARTUP_TIMEOUT_S, fork_server, kill_worker
-from megatron_grpo.rollout.hang_guard import HangGuard
-from megatron_grpo.rollout.multi_turn import Episode, episode_jobs, raise_failures, report_failure_once
-from megatron_grpo.rollout.turns import TurnRenderer
+from megatron_grpo.rollout.episodes.agent.connectors import CONNECTORS, split_spec
+from megatron_grpo.rollout.episodes.agent.front import AgentFront, EpisodeLog
+from megatron_grpo.rollout.episodes.agent.trajectory import sample_from_calls
+from megatron_grpo.rollout.episodes.environment.worker import STARTUP_TIMEOUT_S, fork_server, kill_worker
+from megatron_grpo.rollout.episodes.hang_guard import HangGuard
+from megatron_grpo.rollout.episodes.episode import Episode, episode_jobs, raise_failures, report_failure_once
+from megatron_grpo.rollout.episodes.turns import TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
 
 KEY = "episodes.agent"
@@ -162,7 +162,7 @@ class AgentRunner:
         self.timeout_s = timeout_s
         self.workers = workers
         self.on_env_error = on_env_error
-        self.max_timeout_fraction = max_timeout_fraction  # the step's HangGuard (rollout/hang_guard.py)
+        self.max_timeout_fraction = max_timeout_fraction  # the step's HangGuard (rollout/episodes/hang_guard.py)
         self.front = AgentFront(tokenizer, renderer, tool_call_format=tool_call_format,
                                 max_inflight=max_inflight).start()
         self._idle: list[AgentProcess] = []
@@ -212,7 +212,7 @@ class AgentRunner:
 
     def episodes(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
                  sampling_seed: Optional[int] = None) -> tuple[list[Sample], list[Episode]]:
-        """``EpisodeSource`` (rollout/episode_source.py): the episodes and their samples."""
+        """``EpisodeSource`` (rollout/episodes/source.py): the episodes and their samples."""
         episodes = self(engine, prompts, n, sampling, sampling_seed)
         return [e.sample for e in episodes], episodes
 
