@@ -19,11 +19,13 @@ from megatron_grpo.config.base import ConfigError, ConfigValueError
 from megatron_grpo.config.episodes import EpisodesConfig
 from megatron_grpo.data.prompts import Prompt, prompt_messages, render_prompt
 from tools.tiny import build_tokenizer
-from megatron_grpo.rollout.agents.front import MAX_BODY_BYTES, AgentFront, EpisodeLog, same_message
-from megatron_grpo.rollout.agents.runner import AgentContractError, AgentRunner
-from megatron_grpo.rollout.agents.trajectory import NotAnExtension, sample_from_calls
-from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_stats
-from megatron_grpo.rollout.turns import TurnRenderer
+from megatron_grpo.rollout.episodes.agent.front import MAX_BODY_BYTES, AgentFront, EpisodeLog, same_message
+from megatron_grpo.rollout.episodes.agent.runner import AgentContractError, AgentProcess, AgentRunner
+from megatron_grpo.rollout.episodes.agent.trajectory import NotAnExtension, sample_from_calls
+from megatron_grpo.rollout.episodes.hang_guard import EpisodesHung
+from megatron_grpo.rollout.episodes.environment.loop import EpisodeRunner
+from megatron_grpo.rollout.episodes.episode import episode_stats
+from megatron_grpo.rollout.episodes.turns import TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
 from tests.support.demo_run import NUDGE
 
@@ -58,7 +60,7 @@ TOOLS = [{"type": "function", "function": {"name": "compute", "description": "ar
 
 def calculator(client, row):
     """The built-in calculator, as an SDK agent with tools=: a call gets its result, an answer ends."""
-    from megatron_grpo.rollout.environments.builtin import evaluate, format_number
+    from megatron_grpo.rollout.episodes.environment.builtin import evaluate, format_number
     import re
     messages = [{"role": "user", "content": row["prompt_text"]}]
     for turn in range(2):
@@ -443,7 +445,8 @@ def test_agent_failures_are_counted_and_the_run_goes_on(tok, files, engine, capf
     prompts = [make_prompt(tok, 0)]
     for fn, kind, timeout in [("raises", "error", 20.0), ("hangs", "timeout", 3.0), ("no_calls", "error", 20.0),
                               ("rewrites_history", "diverged", 20.0)]:
-        runner = agent_runner(tok, files, fn, timeout_s=timeout)
+        # both episodes hang: recovered only without the step's hang guard (the next test)
+        runner = agent_runner(tok, files, fn, timeout_s=timeout, max_timeout_fraction=None)
         try:
             t0 = time.monotonic()
             episodes = runner(engine, prompts, 2, SAMPLING, 1)
@@ -461,6 +464,33 @@ def test_agent_failures_are_counted_and_the_run_goes_on(tok, files, engine, capf
             assert "agents.py:" in err and "the agent's own bug" in err
     stats = episode_stats(episodes)
     assert stats["multi_turn/diverged"] == 2.0
+
+
+def test_an_agent_that_always_hangs_ends_a_256_sample_step_in_one_wave(tok, files, engine):
+    """Issue 64: 256 episodes on 8 workers at agent_timeout_s 10 would take 32 deadlines (5 min)
+    before anything was said; the step's hang guard (rollout/episodes/hang_guard.py) stops it after the
+    first wave: one line, within 30 s, every worker killed."""
+    import psutil
+
+    from megatron_grpo.rollout.episodes.environment.worker import fork_server
+
+    runner = agent_runner(tok, files, "hangs", timeout_s=10.0, workers=8)
+    try:
+        for _ in range(7):  # the pool as a step after the first finds it (workers persist): started
+            runner._release(AgentProcess(runner.spec))
+        t0 = time.monotonic()
+        with pytest.raises(EpisodesHung, match=r"^episodes.agent .*agents.py:hangs: (\d+) of the (\d+) episodes "
+                                               r"started this step passed episodes.agent_timeout_s=10s"):
+            runner(engine, [make_prompt(tok, i) for i in range(64)], 4, SAMPLING, 1)
+        print(f"the hanging step ended after {time.monotonic() - t0:.1f} s")
+        assert time.monotonic() - t0 < 30
+    finally:
+        runner.close()
+    deadline = time.monotonic() + 10
+    while (left := [p.pid for p in psutil.Process(fork_server().proc.pid).children() if p.status() != "zombie"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == []
 
 
 def test_a_bad_request_reaches_the_agent_as_the_sdks_error(tok, files, engine):
@@ -543,7 +573,7 @@ def test_config_tables_match_the_registries(tmp_path):
     """The config layer names the tool-call formats and agent connectors without importing them."""
     from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS
     from megatron_grpo.config.episodes import AGENT_CONNECTORS, TOOL_CALL_FORMATS as CONFIG_FORMATS, agent_problem
-    from megatron_grpo.rollout.agents.connectors import CONNECTORS
+    from megatron_grpo.rollout.episodes.agent.connectors import CONNECTORS
 
     assert set(CONFIG_FORMATS) == set(TOOL_CALL_FORMATS)
     assert set(AGENT_CONNECTORS) == set(CONNECTORS)

@@ -19,9 +19,9 @@ import verifiers.v1 as vf  # noqa: F401 (0.4's API: its absence fails here too)
 from megatron_grpo.chat.openai_api import render_chat
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.data.prompts import Prompt, render_prompt
-from megatron_grpo.rollout.agents.connectors import load_agent
-from megatron_grpo.rollout.agents.runner import AgentRunner
-from megatron_grpo.rollout.turns import TurnRenderer
+from megatron_grpo.rollout.episodes.agent.connectors import load_agent
+from megatron_grpo.rollout.episodes.agent.runner import AgentRunner
+from megatron_grpo.rollout.episodes.turns import TurnRenderer
 from megatron_grpo.wire.samples import SamplingParams
 from tests.support.agent_spans import Recorder, check_tokens, texts
 from tools.tiny import build_tokenizer

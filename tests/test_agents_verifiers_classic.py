@@ -30,11 +30,11 @@ from megatron_grpo.chat.tool_calls import parse_tool_calls
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from tools.tiny import build_tokenizer
 from megatron_grpo.config.base import ConfigError
-from megatron_grpo.rollout.agents.connectors import load_agent
-from megatron_grpo.rollout.agents.connectors.verifiers_env import EnvRows, question_messages, rollout_input
-from megatron_grpo.rollout.agents.runner import AgentRunner, resolve_spec
-from megatron_grpo.rollout.multi_turn import episode_stats
-from megatron_grpo.rollout.turns import TurnRenderer
+from megatron_grpo.rollout.episodes.agent.connectors import load_agent
+from megatron_grpo.rollout.episodes.agent.connectors.verifiers_env import EnvRows, question_messages, rollout_input
+from megatron_grpo.rollout.episodes.agent.runner import AgentRunner, resolve_spec
+from megatron_grpo.rollout.episodes.episode import episode_stats
+from megatron_grpo.rollout.episodes.turns import TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
 from tests.support.agent_spans import Recorder, check_tokens, texts
 
@@ -42,7 +42,7 @@ ENVS = r'''
 import verifiers as vf
 from datasets import Dataset
 
-from megatron_grpo.rollout.environments.builtin import evaluate, format_number
+from megatron_grpo.rollout.episodes.environment.builtin import evaluate, format_number
 
 QUESTIONS = [("what is 3 plus 4", "7"), ("what is 9 plus 9", "18"), ("what is 2 times 3", "6")]
 

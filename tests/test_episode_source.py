@@ -1,4 +1,4 @@
-"""``rollout/episode_source.py``: the three producers of episodes are one ``EpisodeSource``, and
+"""``rollout/episodes/source.py``: the three producers of episodes are one ``EpisodeSource``, and
 ``build_episode_source`` picks the run's by its ``episodes:`` key (None: single-turn)."""
 
 from pathlib import Path
@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from megatron_grpo.config.episodes import EpisodesConfig
-from megatron_grpo.rollout.agents.runner import AgentRunner
-from megatron_grpo.rollout.episode_source import EpisodeSource, build_episode_source
-from megatron_grpo.rollout.multi_turn import EpisodeRunner
-from megatron_grpo.rollout.rollout_function import RolloutFunction
+from megatron_grpo.rollout.episodes.agent.runner import AgentRunner
+from megatron_grpo.rollout.episodes.source import EpisodeSource, build_episode_source
+from megatron_grpo.rollout.episodes.environment.loop import EpisodeRunner
+from megatron_grpo.rollout.episodes.function.source import RolloutFunction
 from tools.tiny import build_tokenizer
 
 FUNCTION = '''
@@ -69,3 +69,29 @@ def test_the_demo_configs_take_an_environment_or_an_agent_with_no_other_key(demo
     cfg = load_experiment(root / "yaml_configs" / config, demo_overrides(demo, tmp_path / "run", 1, setting))
     check_run(cfg, 1)
     assert not (tmp_path / "run").exists()
+
+
+SHIPPED = sorted(p.name for p in (Path(__file__).resolve().parent.parent / "yaml_configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+@pytest.mark.parametrize("kind", ["environment", "agent"])
+def test_every_shipped_config_takes_an_environment_or_an_agent_with_no_other_key(tmp_path, config, kind):
+    """Issue 64: every YAML we ship loads with an environment (the built-in calculator) or an SDK
+    agent set and nothing else (the SmolLM2 configs refused both: their truncated_reward was
+    refused with episodes). A config that already runs the other kind says in one line which key
+    to set to null."""
+    from megatron_grpo.config.base import ConfigError
+    from megatron_grpo.preflight import load_experiment
+
+    (tmp_path / "agent.py").write_text(AGENT)
+    setting = "episodes.environment=calculator" if kind == "environment" else f"episodes.agent={tmp_path}/agent.py:run"
+    path = Path(__file__).resolve().parent.parent / "yaml_configs" / config
+    other = "agent" if kind == "environment" else "environment"
+    if f"\n  {other}:" in path.read_text():  # the tool demos: one runs an environment, one an agent
+        with pytest.raises(ConfigError, match=r"episodes.agent: cannot be combined with episodes.environment or "
+                                              r"episodes.rollout_function .*; set the others to null"):
+            load_experiment(path, [setting])
+        return
+    cfg = load_experiment(path, [setting])
+    assert getattr(cfg.episodes, kind) is not None

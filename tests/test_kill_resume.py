@@ -71,7 +71,7 @@ def _orphaned_env_processes(since: float) -> list[int]:
     found = []
     for p in psutil.process_iter(["cmdline", "create_time", "ppid", "status"]):
         line = " ".join(p.info["cmdline"] or [])
-        if ("megatron_grpo.rollout.environments" in line and p.info["create_time"] >= since
+        if ("megatron_grpo.rollout.episodes.environment" in line and p.info["create_time"] >= since
                 and p.info["ppid"] == 1 and p.info["status"] != psutil.STATUS_ZOMBIE):
             found.append(p.pid)
     return found

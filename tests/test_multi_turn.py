@@ -16,11 +16,13 @@ from megatron_grpo.config.dapo import OverlongConfig
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from megatron_grpo.losses import compute_policy_loss
 from megatron_grpo.config.algorithm import AlgorithmConfig, OffPolicyCorrectionConfig
-from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
-from megatron_grpo.rollout.environments.builtin import BUILTINS, Calculator, GuessNumber
-from megatron_grpo.rollout.environments.worker import fork_server
-from megatron_grpo.rollout.multi_turn import EpisodeRunner, episode_rewards, episode_stats
-from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
+from megatron_grpo.rollout.episodes.environment import EnvCallError, EnvContractError, EnvProcess, check_environment
+from megatron_grpo.rollout.episodes.environment.builtin import BUILTINS, Calculator, GuessNumber
+from megatron_grpo.rollout.episodes.environment.worker import fork_server
+from megatron_grpo.rollout.episodes.hang_guard import EpisodesHung
+from megatron_grpo.rollout.episodes.environment.loop import EpisodeRunner
+from megatron_grpo.rollout.episodes.episode import episode_rewards, episode_stats
+from megatron_grpo.rollout.episodes.turns import ObservationError, TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
 from tools.tiny import build_tokenizer
 from megatron_grpo.rollout.batch import build_train_batch
@@ -45,6 +47,8 @@ class Scripted:
         if action == "hang":
             while True:
                 pass
+        if action == "block":  # a hang that leaves the CPU to the others (256 of them at once)
+            time.sleep(3600)
         if action == "bad":
             return {"observation": 3, "done": False}
         if action == "unk":
@@ -209,6 +213,34 @@ def test_episode_tokens_masks_and_limits(tok, env_file):
     assert len(cut.sample.output_ids) == 12 and cut.sample.finish_reason == "length"
 
 
+class _Zero:
+    """Reward functions that score every response 0 (the environment's reward is what counts)."""
+
+    def score_samples(self, samples):
+        from megatron_grpo.rewards.scorer import ScoredBatch
+        return ScoredBatch(rewards=[0.0] * len(samples), per_function={"zero": [0.0] * len(samples)})
+
+
+def test_truncated_reward_grades_an_episode_that_ended_on_a_cut(tok, env_file):
+    """``rollout.overlong.truncated_reward`` with episodes (issue 64: it was refused with any
+    environment, agent or rollout function, so the SmolLM2 configs took none): an episode whose
+    end was a cut (its last turn cut by the budget) gets the value in place of its reward; one
+    that ended on a whole turn keeps its own. 12 tokens after the prompt: "done" ends after one
+    whole turn (5 tokens, <eos>); "obs obs done" gets a turn, an observation and a turn cut to 3."""
+    from megatron_grpo.rollout.generate import GenerationContext, generate_round
+
+    cfg = experiment(rollout=RolloutConfig(num_generations=2, max_new_tokens=16,
+                                           overlong=OverlongConfig(truncated_reward=-1.0)),
+                     episodes=EpisodesConfig(environment=f"{env_file}:Scripted", observation_role="user",
+                                             max_episode_tokens=12, max_turns=5))
+    source = EpisodeRunner.build(cfg.episodes, tok, max_inflight=4, use_template=True)
+    ctx = GenerationContext(ScriptedEngine(tok), SamplingParams(max_new_tokens=16), _Zero(), tok, cfg, source)
+    prompts = [make_prompt(tok, 0, script="done"), make_prompt(tok, 1, script="obs obs done")]
+    r = generate_round(ctx, 0, 0, prompts, seed=1)
+    assert [s.finish_reason for s in r.samples] == ["stop", "stop", "length", "length"]
+    assert r.rewards.tolist() == [1.0, 1.0, -1.0, -1.0]  # "done" rewards 1.0; the cut ones get -1.0
+
+
 def test_async_step_and_done(tok, env_file):
     (e,) = runner(tok, f"{env_file}:AsyncScripted").run(ScriptedEngine(tok), [make_prompt(tok, script="obs done")],
                                                        1, SamplingParams(max_new_tokens=16))
@@ -269,6 +301,49 @@ def test_hung_sync_env_is_killed_within_the_timeout(tok, env_file):
     (ep,) = runner(tok, f"{env_file}:Scripted", env_timeout_s=1.0).run(
         ScriptedEngine(tok), [make_prompt(tok, script="hang")], 1, SamplingParams(max_new_tokens=16))
     assert ep.error == "timeout" and ep.num_turns == 1 and episode_stats([ep])["multi_turn/env_timeouts"] == 1
+
+
+def _fork_server_children(wait_s: float) -> list[int]:
+    """The fork server's live worker processes, waited for (bounded) until there are none."""
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [p.pid for p in psutil.Process(fork_server().proc.pid).children() if p.status() != "zombie"]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def test_an_environment_that_always_hangs_ends_a_256_sample_step_in_one_wave(tok, env_file):
+    """Issue 64: a hang past the deadline ends its episode and the run goes on, so an environment
+    that hangs on every call cost one deadline per wave of episodes: 256 episodes, 64 at a time,
+    10 s each, 40 s before anything was said (and 256 / concurrency deadlines in general). A
+    step now stops once its expiries reach half of its started episodes: one wave, one line,
+    every worker killed."""
+    r = runner(tok, f"{env_file}:Scripted", env_timeout_s=10.0)
+    prompts = [make_prompt(tok, i, script="block") for i in range(64)]
+    t0 = time.monotonic()
+    with pytest.raises(EpisodesHung, match=r"^episodes.environment .*envs.py:Scripted: (\d+) of the (\d+) episodes "
+                                           r"started this step passed episodes.env_timeout_s=10s, episodes"
+                                           r".max_timeout_fraction=0.5 of them: it hangs; every worker was killed"):
+        r.run(ScriptedEngine(tok), prompts, 4, SamplingParams(max_new_tokens=16))
+    assert time.monotonic() - t0 < 30
+    assert _fork_server_children(wait_s=10.0) == []
+
+
+def test_a_rare_hang_ends_its_episode_and_the_step_goes_on(tok, env_file):
+    """Three of sixteen episodes hang: each ends as a timeout, counted, and the step returns.
+    With ``max_timeout_fraction: null``, even every episode hanging is only counted."""
+    prompts = [make_prompt(tok, i, script="block" if i in (2, 7, 11) else "obs done") for i in range(16)]
+    episodes = runner(tok, f"{env_file}:Scripted", env_timeout_s=2.0).run(
+        ScriptedEngine(tok), prompts, 1, SamplingParams(max_new_tokens=16))
+    assert [i for i, e in enumerate(episodes) if e.error is not None] == [2, 7, 11]
+    assert episode_stats(episodes)["multi_turn/env_timeouts"] == 3
+    hung = [make_prompt(tok, i, script="block") for i in range(2)]
+    episodes = runner(tok, f"{env_file}:Scripted", env_timeout_s=1.0, max_timeout_fraction=None).run(
+        ScriptedEngine(tok), hung, 2, SamplingParams(max_new_tokens=16))
+    assert [e.error for e in episodes] == ["timeout"] * 4
 
 
 class SizeSpy:
@@ -439,7 +514,7 @@ def test_a_reward_no_float_holds_breaks_the_contract():
     """Issue 48, second round: ``float(10**400)`` raised OverflowError inside the worker's check,
     which ended the worker as a crash: the episode was counted as an environment error and the
     run went on. It is the same one-line contract error as ``reward: inf`` now."""
-    from megatron_grpo.rollout.environments.loading import check_step_result
+    from megatron_grpo.rollout.episodes.environment.loading import check_step_result
 
     for reward, shown in [(10**400, "'1000000000000000000000000000000000000000'"),
                           (10**5000, "<unprintable int>"), (float("inf"), "'inf'")]:

@@ -19,8 +19,8 @@ import pytest
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from megatron_grpo.generation.client import RolloutClient
 from megatron_grpo.generation.manager import RolloutServerManager, weight_sync_dir
-from megatron_grpo.rollout.multi_turn import EpisodeRunner
-from megatron_grpo.rollout.turns import TurnRenderer
+from megatron_grpo.rollout.episodes.environment.loop import EpisodeRunner
+from megatron_grpo.rollout.episodes.turns import TurnRenderer
 from megatron_grpo.wire.samples import SamplingParams
 from tools.tiny import DEMO_ARCH, build_tokenizer, save_tiny_model
 from tests.support.demo_run import ENV, NUDGE, ROOT, read_metrics, train_cmd
@@ -219,7 +219,7 @@ def test_an_sdk_agent_on_the_real_sglang_is_token_in_token_out(tok, tmp_path, sg
     calls are generated on the exact ids so far, and the recorded log-probs of every model turn
     are SGLang's own log-probs of the whole episode."""
     from megatron_grpo.data.prompts import prompt_messages
-    from megatron_grpo.rollout.agents.runner import AgentRunner
+    from megatron_grpo.rollout.episodes.agent.runner import AgentRunner
 
     agent_file = tmp_path / "agent.py"
     agent_file.write_text(THREE_TURN_AGENT)

@@ -56,8 +56,8 @@ def _checkpoint_writer(tree: list[psutil.Process], run: Path) -> bool:
 
 
 def _environment_worker(tree: list[psutil.Process], run: Path) -> bool:
-    """The environment fork server (rollout/environments/worker.py) has forked a worker."""
-    return any("environments.worker" in _cmdline(p) and _children(p) for p in tree)
+    """The environment fork server (rollout/episodes/environment/worker.py) has forked a worker."""
+    return any("episodes.environment.worker" in _cmdline(p) and _children(p) for p in tree)
 
 
 MOMENTS: dict[str, Callable[[list[psutil.Process], Path], bool]] = {

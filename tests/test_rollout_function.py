@@ -20,8 +20,9 @@ from megatron_grpo.config.algorithm import AlgorithmConfig
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.data.prompts import Prompt, render_prompt
 from megatron_grpo.rewards.scorer import ScoredBatch
-from megatron_grpo.rollout.multi_turn import Episode, EpisodeRunner
-from megatron_grpo.rollout.rollout_function import RolloutFunction, RolloutFunctionError, check_rollout_output
+from megatron_grpo.rollout.episodes.environment.loop import EpisodeRunner
+from megatron_grpo.rollout.episodes.episode import Episode
+from megatron_grpo.rollout.episodes.function.source import RolloutFunction, RolloutFunctionError, check_rollout_output
 from megatron_grpo.wire.samples import Sample, SamplingParams
 from tools.tiny import build_tokenizer
 from megatron_grpo.rollout.generate import GenerationContext, generate_and_score
@@ -34,7 +35,7 @@ EXAMPLE = ROOT / "docs" / "examples" / "retry_rollout.py"
 
 FUNCTIONS = '''
 import asyncio
-from megatron_grpo.rollout.multi_turn import Episode
+from megatron_grpo.rollout.episodes.episode import Episode
 from megatron_grpo.wire.samples import Sample
 
 def passthrough(engine, prompts, n, sampling, seed):
@@ -305,6 +306,19 @@ def test_a_hung_function_is_killed_within_its_deadline(bad_file, tok):
     assert not running(rf.pid)
 
 
+def test_a_hung_function_ends_a_256_sample_step_at_its_first_deadline(bad_file, tok):
+    """Issue 64, every deadline measured on a big step: the function gets the whole step (64
+    prompts x 4) in one call, so its deadline is one wait, not one per sample: 10 s, then one line."""
+    rf = load(bad_file, "hangs_after_one_call", timeout_s=10.0)
+    engine = Recording(FakeEngine())
+    t0 = time.monotonic()
+    with pytest.raises(RolloutFunctionError, match=r"longer than 10s \(episodes.rollout_function_timeout_s\); its "
+                                                   r"worker process was killed$"):
+        rf(engine, [make_prompt(tok, i) for i in range(64)], 4, SamplingParams(), 1)
+    assert 10.0 <= time.monotonic() - t0 < 30
+    assert not running(rf.pid)
+
+
 def test_a_raising_or_crashing_function_is_one_line(bad_file, tok):
     rf = load(bad_file, "raises")
     with pytest.raises(RolloutFunctionError) as e:
@@ -321,7 +335,7 @@ def test_a_hung_worker_dies_with_a_trainer_killed_by_sigkill(bad_file, tmp_path)
     script = tmp_path / "trainer.py"
     script.write_text(
         "import sys\n"
-        "from megatron_grpo.rollout.rollout_function import RolloutFunction\n"
+        "from megatron_grpo.rollout.episodes.function.source import RolloutFunction\n"
         "from megatron_grpo.wire.samples import SamplingParams\n"
         f"rf = RolloutFunction.load({str(bad_file) + ':sleeps'!r}, timeout_s=3600)\n"
         "print(rf.pid, flush=True)\n"
@@ -342,7 +356,7 @@ def test_a_hung_worker_dies_with_a_trainer_killed_by_sigkill(bad_file, tmp_path)
 
 
 def test_a_file_that_hangs_while_loading_is_refused_within_its_deadline(bad_file, monkeypatch):
-    from megatron_grpo.rollout.environments import worker
+    from megatron_grpo.rollout.episodes.environment import worker
     worker.fork_server().close()  # a new fork server that sees the variable below
     monkeypatch.setenv("MGRPO_TEST_LOAD_SLEEP", "30")
     worker.fork_server()  # started before the clock: its own start-up has its own allowance

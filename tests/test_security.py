@@ -429,15 +429,15 @@ def test_dynamic_imports_only_from_fixed_registries_or_config():
     sub-command registry, the reward registry (config-named paths), the CPU shim's fixed list,
     the environments' fork server's fixed RUN_TARGETS, the graders' worker (built-in modules)."""
     allowed = {"megatron_grpo/cli.py", "megatron_grpo/rewards/registry.py", "megatron_grpo/runtime/cpu_shim.py",
-               "megatron_grpo/rollout/environments/worker.py",
+               "megatron_grpo/rollout/episodes/environment/worker.py",
                # the graders' worker: imports the built-in reward modules the scorer names
                "megatron_grpo/rewards/isolated.py",
                # the environment connectors: the fixed table of config/env_connectors.py (loading.py)
                # and each connector's own library (skyrl_gym, OpenEnv's client) or the app file the
                # config names (openenv:path/to/app.py:app)
-               "megatron_grpo/rollout/environments/loading.py",
-               "megatron_grpo/rollout/environments/connectors/skyrl_gym_adapter.py",
-               "megatron_grpo/rollout/environments/connectors/openenv_adapter.py"}
+               "megatron_grpo/rollout/episodes/environment/loading.py",
+               "megatron_grpo/rollout/episodes/environment/connectors/skyrl_gym_adapter.py",
+               "megatron_grpo/rollout/episodes/environment/connectors/openenv_adapter.py"}
     sites = set()
     for path, tree in _package_sources().items():
         for node in ast.walk(tree):

@@ -410,3 +410,69 @@ def test_a_client_gone_mid_request_is_one_line_in_the_log(served):
     written = log.read_text()[before:]
     assert "Traceback" not in written and "ClientDisconnect" not in written, written[-3000:]
     assert written.count("the client disconnected before its request body was received") == 3, written[-3000:]
+
+
+MALFORMED_BODIES = [b"{", b"[]", b"null", b'"x"', b"\xff\xfe", b'{"input_ids": "abc"}', b'{"input_ids": [1e400]}',
+                    b'{"input_ids": [[1, 2], [3]], "sampling_params": "x"}', b'{"input_ids": [-1, 2]}',
+                    b'{"input_ids": [99999999999999999999999]}', b'{"text": 5, "sampling_params": {"max_new_tokens": "7"}}',
+                    b'{"sampling_params": {"temperature": "hot"}, "input_ids": [1, 2]}', b'{"messages": "hi"}',
+                    b'{"messages": [{"role": 5}]}', b'{"messages": [{}]}', b'{"prompt": {"a": 1}, "max_tokens": -5}',
+                    b'{"model": [], "prompt": [1, 2, 3], "logprobs": "yes"}', b'{"names": 5}', b'{"names": [5]}',
+                    b'{"name": "x", "truncate_size": "all"}', b'{"serialized_named_tensors": 3}',
+                    b'{"new_version": {"a": 1}}', b'{"model_path": 7}']
+
+
+@pytest.mark.slow  # shares the served fixture's server
+def test_malformed_requests_to_every_route_are_answered_and_logged_in_one_line(served):
+    """Issue 64: every POST route of ``megatron-grpo serve`` given 23 malformed bodies (not JSON,
+    not an object, wrong types, numbers past any range): each answered with a 4xx, none with a
+    traceback in the server's log (``/weights_checksum`` given ``names: 5`` was a 500 with one),
+    and the server serves on. An exception no route expects is one line and a 500
+    (``runtime/http_guard.one_line_errors``, both servers; its own test below)."""
+    url, port, log = served
+    before = len(log.read_text())
+    routes = ["/generate", "/update_weights_from_disk", "/update_weights_from_tensor", "/update_weights_from_shm",
+              "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
+              "/update_weight_version", "/get_weights_by_name", "/weights_checksum", "/v1/chat/completions",
+              "/v1/completions"]
+    statuses = {}
+    with httpx.Client(timeout=30) as client:
+        for route in routes:
+            for body in MALFORMED_BODIES:
+                r = client.post(url + route, content=body, headers={"Content-Type": "application/json"})
+                statuses[(route, body)] = r.status_code
+    server_errors = {k: v for k, v in statuses.items() if v >= 500}
+    assert not server_errors, server_errors
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    written = log.read_text()[before:]
+    assert "Traceback" not in written, written[-3000:]
+
+
+def test_an_unexpected_error_is_a_500_and_one_log_line(caplog):
+    """The middleware both servers install: the route's exception is not uvicorn's traceback but
+    one log line naming the request, and a 500 in the server's own error shape."""
+    import logging
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from megatron_grpo.inference.server import http_error_body
+    from megatron_grpo.rollout.episodes.agent.front import refusal_body
+    from megatron_grpo.runtime.http_guard import one_line_errors
+
+    for error_body, shape in ((http_error_body, {"object", "message", "code"}), (refusal_body, {"error"})):
+        app = FastAPI()
+        app.middleware("http")(one_line_errors(error_body))
+
+        @app.post("/boom")
+        async def boom():
+            raise TypeError("'int' object is not iterable")
+
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="megatron_grpo.runtime.http_guard"):
+            r = TestClient(app, raise_server_exceptions=True).post("/boom", content=b"{}")
+        assert r.status_code == 500 and set(r.json()) == shape
+        assert "internal error: TypeError: 'int' object is not iterable" in r.text
+        lines = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.INFO]
+        assert lines == ["POST /boom: 500: internal error: TypeError: 'int' object is not iterable"], lines
+        assert not any(rec.exc_info for rec in caplog.records if rec.levelno >= logging.INFO)

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from megatron_grpo.rollout.environments.builtin import Calculator
-from megatron_grpo.rollout.turns import TurnRenderer
+from megatron_grpo.rollout.episodes.environment.builtin import Calculator
+from megatron_grpo.rollout.episodes.turns import TurnRenderer
 from tools.tiny import build_tokenizer
 from tests.support.demo_run import ENV, ROOT, read_metrics, tool_demo_overrides
 

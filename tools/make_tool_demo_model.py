@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from megatron_grpo.data.synthetic import write_jsonl
-from megatron_grpo.rollout.turns import TurnRenderer
+from megatron_grpo.rollout.episodes.turns import TurnRenderer
 
 from tools.tiny import DEMO_ARCH, build_tokenizer, tiny_config
 

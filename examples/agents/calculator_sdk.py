@@ -12,7 +12,7 @@ token (tests/test_agents.py).
 import json
 import re
 
-from megatron_grpo.rollout.environments.builtin import evaluate, format_number
+from megatron_grpo.rollout.episodes.environment.builtin import evaluate, format_number
 
 TOOLS = [{"type": "function", "function": {
     "name": "compute", "description": "Evaluate an arithmetic expression of numbers, + - * / and parentheses.",

@@ -11,7 +11,7 @@ rows name its questions by a ``question`` field (or its dataset rows by ``exampl
 import verifiers as vf
 from datasets import Dataset
 
-from megatron_grpo.rollout.environments.builtin import evaluate, format_number
+from megatron_grpo.rollout.episodes.environment.builtin import evaluate, format_number
 
 QUESTIONS = [(f"what is {a} plus {b}", str(a + b)) for a, b in [(3, 4), (9, 9), (2, 6), (10, 5), (40, 2)]]
 

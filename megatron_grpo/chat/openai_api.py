@@ -1,7 +1,7 @@
 """OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions``: requests in, answers out.
 
 Pure functions shared by every server that speaks the API here (the agent front a run serves
-on loopback, ``rollout/agents/front.py``): a request body is checked into a ``ChatRequest`` or
+on loopback, ``rollout/episodes/agent/front.py``): a request body is checked into a ``ChatRequest`` or
 ``CompletionRequest`` (a bad one is an ``OpenAIRequestError`` naming the key, answered 400 in
 OpenAI's error shape), a conversation is rendered to token ids by the model's chat template
 (``tools`` passed to the template, as transformers' ``apply_chat_template(tools=...)`` does),

@@ -48,7 +48,10 @@ class OverlongConfig:
     """null: a response the engine truncated (finish reason `length`) is graded like any other.
     A number: it gets this reward in place of its score and of the soft punishment, so a
     response cut at max_new_tokens earns no credit for what its last words happen to say (a
-    loop of digits that stops on the right number would otherwise be rewarded and grow)."""
+    loop of digits that stops on the right number would otherwise be rewarded and grow). An
+    episode (environment, agent) is truncated when it ended on a cut: its last model turn cut
+    at max_new_tokens or by episodes.max_episode_tokens, or no room left for the next
+    observation; a turn cut earlier that the episode went on from is not."""
 
     def __post_init__(self):
         check(self.truncated_reward is None or math.isfinite(self.truncated_reward), "truncated_reward",

@@ -4,7 +4,7 @@ environment written for another library through the episode loop (docs/multi_tur
 
 The table lives here, in the config layer, because the config check (``environment_problem``)
 must know the prefixes and the libraries they need; the adapters themselves are in
-``megatron_grpo/rollout/environments/connectors/`` and are named by module path only, so
+``megatron_grpo/rollout/episodes/environment/connectors/`` and are named by module path only, so
 nothing of the rollout layer (nor any of the libraries) is imported by the config.
 """
 
@@ -37,7 +37,7 @@ class Connector:
     """The accepted forms, for messages."""
 
 
-_ADAPTERS = "megatron_grpo.rollout.environments.connectors"
+_ADAPTERS = "megatron_grpo.rollout.episodes.environment.connectors"
 
 ENVIRONMENT_CONNECTORS: dict[str, Connector] = {
     "skyrl_gym": Connector(f"{_ADAPTERS}.skyrl_gym_adapter", "skyrl_gym", "skyrl-gym", ("id", "file"),

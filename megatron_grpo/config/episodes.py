@@ -14,7 +14,7 @@ from megatron_grpo.config.base import check
 from megatron_grpo.config.env_connectors import connector_problem, split_connector_spec
 
 BUILTIN_ENVIRONMENTS = ("calculator", "guess_number")
-"""Names of the built-in environments (``rollout/environments/builtin.py``)."""
+"""Names of the built-in environments (``rollout/episodes/environment/builtin.py``)."""
 
 ENVIRONMENT_FILE_RE = re.compile(r"^(?P<path>.+\.py):(?P<attr>[A-Za-z_]\w*)$")
 """``path/to/env.py:ClassName``: an environment class loaded from a file (no PYTHONPATH)."""
@@ -50,7 +50,7 @@ def environment_problem(spec: str) -> Optional[str]:
 
 AGENT_CONNECTORS = {"verifiers": "verifiers"}
 """``episodes.agent`` prefix -> the library it needs (the connectors themselves are
-``rollout/agents/connectors/``; a test keeps the two tables' prefixes equal)."""
+``rollout/episodes/agent/connectors/``; a test keeps the two tables' prefixes equal)."""
 
 TOOL_CALL_FORMATS = ("hermes", "compute")
 """``episodes.tool_call_format`` values (``chat/tool_calls.py``'s registry; a test keeps them equal)."""
@@ -107,7 +107,13 @@ class EpisodesConfig:
 
     env_timeout_s: float = 30.0
     """Deadline of one environment call (construction or step); a call past it is killed with
-    its worker process and the episode ends as an environment error."""
+    its worker process and the episode ends as an environment error (see max_timeout_fraction)."""
+
+    max_timeout_fraction: Optional[float] = 0.5
+    """When a step's deadline expiries (env_timeout_s, agent_timeout_s) reach this fraction of
+    the episodes it started (and at least 2), the environment or agent is taken as hung: every
+    worker is killed and the run stops with one line, after one wave of deadlines instead of
+    one per episode. A rarer hang only ends its episode. null: never stop for timeouts."""
 
     on_env_error: Literal["zero_reward", "drop"] = "zero_reward"
     """An episode whose environment raised, timed out or sent an observation with unknown tokens:
@@ -163,6 +169,8 @@ class EpisodesConfig:
         check(self.max_episode_tokens is None or self.max_episode_tokens >= 1, "max_episode_tokens",
               f"must be >= 1 or null, got {self.max_episode_tokens}")
         check(self.env_timeout_s > 0, "env_timeout_s", f"must be > 0, got {self.env_timeout_s}")
+        f = self.max_timeout_fraction
+        check(f is None or 0 < f <= 1, "max_timeout_fraction", f"must be in (0, 1] or null, got {f}")
         f = self.observation_formatter
         check(f is None or ENVIRONMENT_FILE_RE.match(f) is not None, "observation_formatter",
               f"must be a file path path/to/file.py:fn or null, got {f!r}")

@@ -162,12 +162,6 @@ class ExperimentConfig:
               or self.rollout.overlong.buffer_length is None, "rollout.overlong.buffer_length",
               "the overlong penalty counts response tokens, which in an environment or agent episode include "
               "observations; set it to null with episodes.environment or episodes.agent")
-        check((self.episodes.environment is None and self.episodes.agent is None
-               and self.episodes.rollout_function is None)
-              or self.rollout.overlong.truncated_reward is None, "rollout.overlong.truncated_reward",
-              "an episode's finish reason is its last turn's, not the episode's; set it to null with "
-              "episodes.environment, episodes.agent or episodes.rollout_function (episodes.max_episode_tokens "
-              "bounds an episode)")
 
     def _check_distillation(self) -> None:
         """The rules between `distillation:` and the other sections."""

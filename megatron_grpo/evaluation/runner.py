@@ -118,7 +118,7 @@ class Evaluator:
     """Rank 0's evaluation machinery (see the module docstring). ``engine``: what generates
     (a ``generation.protocol.RolloutEngine``, or anything with its ``generate``); ``sampling``: the
     run's SamplingParams (stop ids, top-p/k); each set sets its temperature and length.
-    ``episode_source``: the run's (``RolloutSide.episode_source``, rollout/episode_source.py), or
+    ``episode_source``: the run's (``RolloutSide.episode_source``, rollout/episodes/source.py), or
     None for single-turn generation."""
 
     def __init__(self, cfg: ExperimentConfig, tokenizer, engine, scorer, sampling, episode_source=None):

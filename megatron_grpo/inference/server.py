@@ -61,7 +61,7 @@ from megatron_grpo.inference.lora_update import LoraUpdate, parse_lora, parse_lo
 from megatron_grpo.inference.limits import (ServerPolicy, rendezvous_problem, request_size_problem,
                                          trusted_weight_dir, untrusted_weight_path_message)
 from megatron_grpo.inference.sampling import resolve_sampling_params
-from megatron_grpo.runtime.http_guard import BodyBound, Refused, bearer_ok, read_json
+from megatron_grpo.runtime.http_guard import BodyBound, Refused, bearer_ok, one_line_errors, read_json
 from megatron_grpo.wire.serialize import deserialize_named_tensors
 
 # /generate keys that are accepted at these (SGLang default) values only.
@@ -191,6 +191,7 @@ def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None,
     routes.tool_call_format = tool_call_format
     if api_key:
         app.middleware("http")(routes.authenticate)
+    app.middleware("http")(one_line_errors(http_error_body))  # outermost: an unexpected error is one line
     app.exception_handler(HTTPException)(_http_error)
     for path, methods, endpoint in routes.table():
         app.add_api_route(path, endpoint, methods=methods)
@@ -543,12 +544,16 @@ class _Routes:
 
     async def get_weights_by_name(self, request: Request):
         req = await self._body(request)
-        return await _in_thread(self.engine.weights_by_name, str(req.get("name")),
-                                int(req.get("truncate_size", 100)))
+        truncate = req.get("truncate_size", 100)
+        if type(truncate) is not int or truncate < 0:
+            raise HTTPException(400, f"truncate_size must be a non-negative integer, got {truncate!r:.40}")
+        return await _in_thread(self.engine.weights_by_name, str(req.get("name")), truncate)
 
     async def weights_checksum(self, request: Request):
         req = await self._body(request)
         names = req.get("names")
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise HTTPException(400, "names must be a list of parameter names, or null for all")
         return {"weight_version": self.engine.weight_version,
                 "checksums": await _in_thread(self.engine.checksums, names)}
 

@@ -11,14 +11,15 @@ from megatron_grpo.config.experiment import error_source
 from megatron_grpo.data import DataError
 from megatron_grpo.models.errors import CheckpointError, ModelError
 from megatron_grpo.rewards import RewardError
-from megatron_grpo.rollout.agents.runner import AgentContractError
-from megatron_grpo.rollout.environments import EnvContractError
-from megatron_grpo.rollout.rollout_function import RolloutFunctionError
+from megatron_grpo.rollout.episodes.agent.runner import AgentContractError
+from megatron_grpo.rollout.episodes.environment import EnvContractError
+from megatron_grpo.rollout.episodes.hang_guard import EpisodesHung
+from megatron_grpo.rollout.episodes.function.source import RolloutFunctionError
 
 PLUGIN_ERRORS: tuple[type[BaseException], ...] = (RewardError, EnvContractError, RolloutFunctionError,
-                                                  AgentContractError)
-"""A user's plug-in (reward function, environment, rollout function, agent) broke its contract: the
-message names the plug-in (file and function or class) and what was expected."""
+                                                  AgentContractError, EpisodesHung)
+"""A user's plug-in (reward function, environment, rollout function, agent) broke its contract
+or hangs: the message names the plug-in (file and function or class) and what was expected."""
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelError, CheckpointError,
                                                 *PLUGIN_ERRORS)

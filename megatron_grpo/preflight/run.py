@@ -29,10 +29,10 @@ from megatron_grpo.preflight.layout import layout_problem
 from megatron_grpo.preflight.report import reward_build_deadline
 from megatron_grpo.generation.adapters import ENGINES
 from megatron_grpo.rewards import RewardScorer
-from megatron_grpo.rollout.agents.runner import check_agent
-from megatron_grpo.rollout.environments import check_environment
-from megatron_grpo.rollout.environments.worker import shutdown_fork_server
-from megatron_grpo.rollout.rollout_function import RolloutFunction
+from megatron_grpo.rollout.episodes.agent.runner import check_agent
+from megatron_grpo.rollout.episodes.environment import check_environment
+from megatron_grpo.rollout.episodes.environment.worker import shutdown_fork_server
+from megatron_grpo.rollout.episodes.function.source import RolloutFunction
 from megatron_grpo.runtime.device import cuda_available
 from megatron_grpo.runtime.errors import one_line
 from megatron_grpo.runtime.placement import ranks_on_this_node

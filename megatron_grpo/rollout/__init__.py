@@ -5,10 +5,6 @@
 * ``generate``: one step's generation, scoring and advantages into a ``TrainBatch``
   (``batch``), with DAPO's dynamic sampling (``dynamic_sampling``);
 * ``supervisor``: every engine call the trainer makes, recovered from when the engine fails;
-* ``episode_source``: the one protocol of every producer of episodes (``EpisodeSource``: the
-  environment loop, the agent runner, the user's rollout function) and the one place that picks
-  the run's;
-* episodes: ``multi_turn`` (the runner), ``turns`` (token-exact turn rendering),
-  ``environments`` (environment classes, each in its own worker process);
-* ``rollout_function`` / ``function_worker``: the user's rollout function and its worker.
+* ``episodes/``: everything that produces episodes (multi-turn environments, agents, the user's
+  rollout function) behind one protocol, ``EpisodeSource``.
 """

@@ -14,7 +14,7 @@ arrival order. Step ``s`` (whose trainer holds the weights of version ``s``) tak
   most the batches of steps v .. v+k are in flight and, consumed in arrival order, each is
   within the bound; only groups overtaken by later ones can go stale;
 * **weight updates in flight**: the sync pauses the engine with ``retract``
-  (``sync/syncer.py``): the running sequences stop, the new weights load, and the sequences
+  (``sync/servers.py``): the running sequences stop, the new weights load, and the sequences
   resume, re-prefilled (their KV cache recomputed with the new weights) so every later token is
   exactly the new policy's; each token records the version that drew it and its log-prob under
   that version (``Sample.output_versions``, ``output_logprobs``), the loss's behaviour policy;

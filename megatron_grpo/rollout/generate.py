@@ -3,10 +3,10 @@
 With DAPO's options (``rollout.dynamic_sampling``, ``rollout.overlong``) rewards get the
 soft overlong penalty, zero-variance groups are replaced by extra generation rounds, and
 truncated responses can be masked out of the loss (``rollout/dynamic_sampling.py``). With
-``episodes.environment`` each response is a multi-turn episode (``rollout/multi_turn.py``): its
+``episodes.environment`` each response is a multi-turn episode (``rollout/episodes/environment/loop.py``): its
 observation tokens are masked out of the loss and the environment's reward joins the score.
 With ``episodes.rollout_function`` the user's function generates the samples
-(``rollout/rollout_function.py``); the episode loop is the built-in one.
+(``rollout/episodes/function/source.py``); the episode loop is the built-in one.
 
 The trainer broadcasts the finished RolloutResult to the other ranks, so the rollout engine,
 the tokenizer and the reward functions live in one process.
@@ -29,8 +29,8 @@ from megatron_grpo.rollout.batch import (TrainBatch, build_train_batch, pad_kept
                                          truncated_log_probs)
 from megatron_grpo.rollout.dynamic_sampling import (choose_groups, informative_groups, overlong_penalty,
                                                      truncated_rewards)
-from megatron_grpo.rollout.episode_source import EpisodeSource
-from megatron_grpo.rollout.multi_turn import episode_rewards, episode_stats
+from megatron_grpo.rollout.episodes.source import EpisodeSource
+from megatron_grpo.rollout.episodes.episode import episode_rewards, episode_stats
 from megatron_grpo.wire.samples import SamplingParams
 
 
@@ -54,7 +54,7 @@ class GenerationContext:
     """The model's transformers tokenizer (its pad/EOS ids; decoding for the rewards)."""
     cfg: ExperimentConfig
     episode_source: Optional[EpisodeSource] = None
-    """What generates instead of ``engine.generate`` (rollout/episode_source.py: the environment
+    """What generates instead of ``engine.generate`` (rollout/episodes/source.py: the environment
     loop, the agent runner or the user's rollout function); None: single-turn."""
     more_prompts: Optional[Callable[[], list]] = None
     """The next prompts, for DAPO dynamic sampling's extra rounds (``rollout.dynamic_sampling``)."""

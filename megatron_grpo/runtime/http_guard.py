@@ -1,5 +1,5 @@
 """The guards before every route of our HTTP servers, ``megatron-grpo serve`` (inference/server.py)
-and the agent front (rollout/agents/front.py), written once: the bearer check, the body bound,
+and the agent front (rollout/episodes/agent/front.py), written once: the bearer check, the body bound,
 the read deadlines of the headers and of the body, and the one-line refusal.
 
 * ``bearer_ok``: ``Authorization: Bearer <key>``, compared as bytes in constant time (the
@@ -15,6 +15,10 @@ the read deadlines of the headers and of the body, and the one-line refusal.
   closed. The 408 is written as raw bytes: h11 lets a server answer only a request it has
   parsed, and the connection is closed right after, so h11's state is never consulted again.
 
+* ``one_line_errors``: a middleware that turns an exception no route expected into a 500 in
+  the server's error shape and one log line (method, path, the exception), never uvicorn's
+  traceback: a malformed request is answered, and logged, in one line.
+
 Every refusal is a ``Refused(status, message)`` whose message is one line naming the setting
 that bounds it; each server writes it in its API's error shape (SGLang's or OpenAI's) through
 one ``error_body(message, status)`` function, the same one its header deadline answers with.
@@ -27,11 +31,14 @@ import hmac
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import h11
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from megatron_grpo.runtime.errors import one_line
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +121,23 @@ def parse_json(raw: bytes) -> Any:
 async def read_json(request: Request, bound: BodyBound) -> Any:
     """``read_body`` then ``parse_json``: the guarded body of a JSON route."""
     return parse_json(await read_body(request, bound))
+
+
+def one_line_errors(error_body: ErrorBody) -> Callable[[Request, Callable], Awaitable[Any]]:
+    """An HTTP middleware (``app.middleware("http")(...)``): a route's unexpected exception is a
+    500 whose body is ``error_body(message, 500)`` and one log line naming the request; the
+    traceback only at DEBUG (it is a bug of ours to report, not the client's to read)."""
+
+    async def middleware(request: Request, call_next: Callable) -> Any:
+        try:
+            return await call_next(request)
+        except Exception as e:  # noqa: BLE001 - the server answers on, in one line
+            message = f"internal error: {one_line(e)}"
+            log.error("%s %s: 500: %s", request.method, request.url.path, message)
+            log.debug("the traceback", exc_info=True)
+            return JSONResponse(error_body(message, 500), status_code=500)
+
+    return middleware
 
 
 def timeout_response(timeout_s: float, setting: str, error_body: ErrorBody) -> bytes:

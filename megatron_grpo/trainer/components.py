@@ -23,7 +23,7 @@ from megatron_grpo.models.lora import apply_lora, lora_problem, spec_from_config
 from megatron_grpo.preflight.report import reward_build_deadline
 from megatron_grpo.rewards import RewardScorer
 from megatron_grpo.data.prompts import has_chat_template
-from megatron_grpo.rollout.episode_source import EpisodeSource, build_episode_source
+from megatron_grpo.rollout.episodes.source import EpisodeSource, build_episode_source
 from megatron_grpo.wire.samples import SamplingParams
 from megatron_grpo.runtime.device import cuda_available, resolve_distributed_optimizer
 from megatron_grpo.trainer.optim import build_optimizer, wrap_ddp
@@ -109,7 +109,7 @@ class RolloutSide:
     sampler: Optional[PromptSampler]  # None when evaluating a saved model
     scorer: RewardScorer
     episode_source: Optional[EpisodeSource] = None
-    """What generates instead of the engine's generate (rollout/episode_source.py: the
+    """What generates instead of the engine's generate (rollout/episodes/source.py: the
     environment loop, the agent runner or the user's rollout function); None: single-turn."""
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from megatron_grpo.config.env_connectors import ENVIRONMENT_CONNECTORS, split_connector_spec
 from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE
-from megatron_grpo.rollout.environments.builtin import BUILTINS
+from megatron_grpo.rollout.episodes.environment.builtin import BUILTINS
 from megatron_grpo.runtime.errors import one_line
 
 MAX_COUNTS = 16

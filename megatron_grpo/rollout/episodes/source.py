@@ -4,11 +4,11 @@ A step asks an ``EpisodeSource`` for ``n`` episodes of each prompt at the run's 
 settings, and closes it when the run ends; it never asks which kind it holds. Three implement
 it, one per ``episodes:`` key:
 
-* ``EpisodeRunner`` (``episodes.environment``, rollout/multi_turn.py): the built-in loop, an
+* ``EpisodeRunner`` (``episodes.environment``, rollout/episodes/environment/loop.py): the built-in loop, an
   environment in its own worker process per episode;
-* ``AgentRunner`` (``episodes.agent``, rollout/agents/runner.py): the user's agent against an
+* ``AgentRunner`` (``episodes.agent``, rollout/episodes/agent/runner.py): the user's agent against an
   OpenAI-compatible front on loopback, trained on the exact tokens of its calls;
-* ``RolloutFunction`` (``episodes.rollout_function``, rollout/rollout_function.py): the user's
+* ``RolloutFunction`` (``episodes.rollout_function``, rollout/episodes/function/source.py): the user's
   function in its worker process, its output checked on every call.
 
 Without any of them a step's responses are the engine's own ``generate`` (single-turn).
@@ -19,9 +19,10 @@ from __future__ import annotations
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 from megatron_grpo.config.episodes import EpisodesConfig
-from megatron_grpo.rollout.agents.runner import AgentRunner
-from megatron_grpo.rollout.multi_turn import Episode, EpisodeRunner
-from megatron_grpo.rollout.rollout_function import RolloutFunction
+from megatron_grpo.rollout.episodes.agent.runner import AgentRunner
+from megatron_grpo.rollout.episodes.environment.loop import EpisodeRunner
+from megatron_grpo.rollout.episodes.episode import Episode
+from megatron_grpo.rollout.episodes.function.source import RolloutFunction
 from megatron_grpo.wire.samples import Sample, SamplingParams
 
 EpisodeOutput = tuple[list[Sample], Optional[list[Episode]]]

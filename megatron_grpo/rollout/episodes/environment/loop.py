@@ -6,7 +6,7 @@ For each prompt, ``n`` episodes run; each one is
     loop:  model turn   = engine.generate(prompt + everything so far)   token ids in, ids + log-probs out
            answer       = env.step(the turn's text)                     observation, done, reward
            stop on done, no observation, episodes.max_turns or the token budget
-           append the observation's ids (rollout/turns.py: the template's delta render;
+           append the observation's ids (rollout/episodes/turns.py: the template's delta render;
            an observation is cut to what the budget left can hold before it is tokenized)
 
 Token-in/token-out: every model turn is a ``generate`` on the exact token ids of the episode
@@ -29,64 +29,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Optional, Sequence
-
-import numpy as np
-import torch
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.env_connectors import split_connector_spec
 from megatron_grpo.config.episodes import EpisodesConfig, episode_budget
 from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rewards.registry import load_file
-from megatron_grpo.rollout.environments import EnvCallError, EnvContractError, EnvProcess, check_environment
-from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
+from megatron_grpo.rollout.episodes.environment import EnvCallError, EnvContractError, EnvProcess, check_environment
+from megatron_grpo.rollout.episodes.environment.worker import kill_worker
+from megatron_grpo.rollout.episodes.hang_guard import HangGuard
+from megatron_grpo.rollout.episodes.episode import Episode, episode_jobs, raise_failures, report_failure_once
+from megatron_grpo.rollout.episodes.turns import ObservationError, TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
 
 _SEED_MODULUS = 2**31 - 1
-
-
-@dataclass
-class Episode:
-    """One finished episode: its sample (the whole token sequence) and what the loop saw."""
-
-    sample: Sample
-    num_turns: int
-    """Model turns."""
-    env_reward: float
-    """Sum of the environment's per-step rewards."""
-    error: Optional[str] = None
-    """None, or why the episode ended early: ``error`` (the environment raised or died),
-    ``timeout``, ``observation`` (an observation with unknown tokens) or, for agent episodes,
-    ``diverged`` (a call's prompt did not continue the episode's tokens)."""
-    observations_cut: int = 0
-    """Observations longer than the episode's token budget allows in characters, cut before
-    they were rendered (``TurnRenderer.observation_char_limit``)."""
-    env_s: float = 0.0
-    """Seconds in environment calls (construction and steps)."""
-    generate_s: float = 0.0
-    """Seconds in the engine's generate calls."""
-    tool_call_errors: int = 0
-    """Agent episodes (``rollout/agents``): malformed tool calls the model wrote (the agent saw them as text)."""
-    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Agent episodes: the numbers the agent returned besides its reward."""
-    counts: dict[str, int] = dataclasses.field(default_factory=dict)
-    """The environment's named event counts, summed over its steps (a step's optional
-    ``counts``: the tools connector's tool calls and failed ones, say); its
-    ``tool_call_errors`` go to ``tool_call_errors`` instead, the agent episodes' count."""
-
-    @property
-    def num_model_tokens(self) -> int:
-        mask = self.sample.output_mask
-        return len(self.sample.output_ids) if mask is None else int(sum(mask))
-
-    @property
-    def num_observation_tokens(self) -> int:
-        return len(self.sample.output_ids) - self.num_model_tokens
 
 
 class EpisodeRunner:
@@ -128,12 +87,12 @@ class EpisodeRunner:
 
     def __call__(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
                  sampling_seed: Optional[int] = None) -> list[Episode]:
-        """The built-in rollout function (``rollout/rollout_function.py``): ``run``."""
+        """The built-in rollout function (``rollout/episodes/function/source.py``): ``run``."""
         return self.run(engine, prompts, n, sampling, sampling_seed)
 
     def episodes(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
                  sampling_seed: Optional[int] = None) -> tuple[list[Sample], list[Episode]]:
-        """``EpisodeSource`` (rollout/episode_source.py): ``run``'s episodes and their samples."""
+        """``EpisodeSource`` (rollout/episodes/source.py): ``run``'s episodes and their samples."""
         episodes = self.run(engine, prompts, n, sampling, sampling_seed)
         return [e.sample for e in episodes], episodes
 
@@ -146,23 +105,27 @@ class EpisodeRunner:
         """``n`` episodes per prompt (data.Prompt: ``prompt_ids``, ``text``, ``answer``, ``fields``)
         on ``engine`` (a RolloutEngine), prompt-major, like ``engine.generate``."""
         jobs = episode_jobs(prompts, n)
+        guard = HangGuard(f"episodes.environment {self.spec}", "episodes.env_timeout_s", self.cfg.env_timeout_s,
+                          self.cfg.max_timeout_fraction, kill_worker)
         with ThreadPoolExecutor(max_workers=min(self.max_inflight, len(jobs)) or 1,
                                 thread_name_prefix="episode") as pool:
-            results = asyncio.run(self._run_all(engine, jobs, sampling, sampling_seed, pool))
+            results = asyncio.run(self._run_all(engine, jobs, sampling, sampling_seed, pool, guard))
+        guard.raise_if_hung()
         raise_failures(results, EnvContractError)
         return results
 
-    async def _run_all(self, engine, jobs, sampling, sampling_seed, pool) -> list:
+    async def _run_all(self, engine, jobs, sampling, sampling_seed, pool, guard: HangGuard) -> list:
         limit = asyncio.Semaphore(self.max_inflight)
 
         async def bounded(job):
             async with limit:
-                return await self._episode(engine, *job, sampling, sampling_seed, pool)
+                guard.begin()
+                return await self._episode(engine, *job, sampling, sampling_seed, pool, guard)
 
         return await asyncio.gather(*(bounded(job) for job in jobs), return_exceptions=True)
 
     async def _episode(self, engine, index: int, prompt_index: int, sample_index: int, prompt, sampling: SamplingParams,
-                       sampling_seed: Optional[int], pool) -> Episode:
+                       sampling_seed: Optional[int], pool, guard: HangGuard) -> Episode:
         loop = asyncio.get_running_loop()
         cfg = self.cfg
         row = {**prompt.fields, "prompt": prompt.text, "answer": prompt.answer}
@@ -179,11 +142,19 @@ class EpisodeRunner:
         counts: dict[str, int] = {}
         env_s = gen_s = 0.0
         env: Optional[EnvProcess] = None
+        pids: list[int] = []  # the worker, once it exists (the guard may kill it while it starts)
+
+        def started(pid: int) -> None:
+            pids.append(pid)
+            guard.watch(pid)
+
         t0 = time.monotonic()
         try:
-            env = await loop.run_in_executor(pool, EnvProcess, self.spec, row, cfg.env_timeout_s, self.env_options)
+            env = await loop.run_in_executor(pool, EnvProcess, self.spec, row, cfg.env_timeout_s, self.env_options,
+                                             started)
             env_s += time.monotonic() - t0
             while True:
+                guard.check()
                 left = budget - len(out_ids)
                 turn_sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, left))
                 seed = None if sampling_seed is None else (sampling_seed + index * cfg.max_turns + turns) % _SEED_MODULUS
@@ -208,6 +179,7 @@ class EpisodeRunner:
                 # an observation may use what is left less one model token; a longer text cannot
                 # fit, and is cut before the template and the tokenizer see it (bounded memory)
                 limit = self.renderer.observation_char_limit(budget - len(out_ids) - 1)
+                guard.check()
                 t0 = time.monotonic()
                 answer = await loop.run_in_executor(pool, env.step, text, limit)
                 env_s += time.monotonic() - t0
@@ -233,11 +205,16 @@ class EpisodeRunner:
         except EnvCallError as e:
             env_s += time.monotonic() - t0
             error = e.kind
+            if e.kind == "timeout":
+                guard.timed_out()
+            guard.check()  # a worker the tripped guard killed is not the episode's error
             self._report(e.kind, e.where, e.message)
         except ObservationError as e:
             error = "observation"
             self._report("observation", self.spec, str(e))
         finally:
+            for pid in pids:  # before the worker is reaped: the guard never kills a reused pid
+                guard.forget(pid)
             if env is not None:
                 await loop.run_in_executor(pool, env.close)
         sample = Sample(prompt_index=prompt_index, sample_index=sample_index,
@@ -255,90 +232,8 @@ class EpisodeRunner:
         report_failure_once(self._reported, "episodes.environment", kind, where, message, self.cfg.on_env_error)
 
 
-def episode_jobs(prompts: Sequence, n: int) -> list[tuple[int, int, int, object]]:
-    """``(episode index, prompt index, sample index, prompt)`` of ``n`` episodes per prompt, prompt-major."""
-    return [(i * n + j, i, j, p) for i, p in enumerate(prompts) for j in range(n)]
-
-
-def raise_failures(results: Sequence, contract: type[BaseException]) -> None:
-    """Raise the first exception among every episode's ``results`` (all episodes have ended),
-    a ``contract`` error first: it is the user's bug, not a transient failure."""
-    for r in results:
-        if isinstance(r, contract):
-            raise r
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-
-
-def report_failure_once(reported: set, key: str, kind: str, where: str, message: str, on_env_error: str) -> None:
-    """Print an episode's failure once per (kind, site) in ``reported`` (the caller's set);
-    every occurrence is counted in the metrics. ``key``: the config key of what failed."""
-    if (kind, where) in reported:
-        return
-    reported.add((kind, where))
-    print(f"[megatron-grpo] {key} {kind} at {where}: {message} (the episode ends and is scored as "
-          f"episodes.on_env_error={on_env_error!r}; further ones here are only counted)", file=sys.stderr, flush=True)
-
-
 def _oldest(versions: list[str]) -> str:
     """The oldest weight version that sampled any turn (as ``engine_weight_version`` reads them)."""
     if versions and all(str(v).isdigit() for v in versions):
         return str(min(int(v) for v in versions))
     return versions[0] if versions else ""
-
-
-def episode_rewards(scored: Sequence[float], episodes: Sequence[Episode], n: int,
-                    episodes_cfg: EpisodesConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rewards float[G * n], dropped bool[G * n]): the reward functions' ``scored`` combined
-    with each episode's environment reward (``env_reward``: add or replace), failed episodes
-    scored as ``on_env_error`` says (zero_reward: 0; drop: their group's mean over its
-    other episodes, and dropped from the loss)."""
-    env = torch.tensor([e.env_reward for e in episodes], dtype=torch.float32)
-    rewards = env if episodes_cfg.env_reward == "replace" else torch.tensor(scored, dtype=torch.float32) + env
-    failed = torch.tensor([e.error is not None for e in episodes])
-    dropped = torch.zeros_like(failed)
-    if episodes_cfg.on_env_error == "zero_reward":
-        rewards = torch.where(failed, torch.zeros_like(rewards), rewards)
-    else:
-        dropped = failed
-        groups_r, groups_f = rewards.view(-1, n), failed.view(-1, n)
-        for g in range(groups_r.shape[0]):
-            ok = ~groups_f[g]
-            fill = groups_r[g][ok].mean() if ok.any() else torch.tensor(0.0)
-            groups_r[g][groups_f[g]] = fill
-        rewards = groups_r.reshape(-1)
-    return rewards, dropped
-
-
-def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
-    """The step's ``multi_turn/...`` metrics over ``episodes``; an environment's named counts
-    (``Episode.counts``) summed as ``multi_turn/env/<name>``, for the names this step reported."""
-    turns = np.array([e.num_turns for e in episodes], dtype=np.float64)
-    stats = {
-        "multi_turn/turns_mean": float(turns.mean()),
-        "multi_turn/turns_max": float(turns.max()),
-        "multi_turn/model_tokens_mean": float(np.mean([e.num_model_tokens for e in episodes])),
-        "multi_turn/observation_tokens_mean": float(np.mean([e.num_observation_tokens for e in episodes])),
-        "multi_turn/env_reward_mean": float(np.mean([e.env_reward for e in episodes])),
-        "multi_turn/env_errors": float(sum(e.error == "error" for e in episodes)),
-        "multi_turn/env_timeouts": float(sum(e.error == "timeout" for e in episodes)),
-        "multi_turn/observations_refused": float(sum(e.error == "observation" for e in episodes)),
-        "multi_turn/observations_cut": float(sum(e.observations_cut for e in episodes)),
-        "multi_turn/diverged": float(sum(e.error == "diverged" for e in episodes)),
-        "multi_turn/tool_call_errors": float(sum(e.tool_call_errors for e in episodes)),
-        "multi_turn/env_s": float(sum(e.env_s for e in episodes)),
-        "multi_turn/generate_s": float(sum(e.generate_s for e in episodes)),
-        **agent_metrics(episodes),
-    }
-    for e in episodes:
-        for name, n in e.counts.items():
-            stats[f"multi_turn/env/{name}"] = stats.get(f"multi_turn/env/{name}", 0.0) + float(n)
-    return stats
-
-
-def agent_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """``agent/<name>_mean``: each number an agent returned besides its reward, averaged over
-    the episodes that returned it."""
-    names = sorted({k for e in episodes for k in e.metrics})
-    return {f"agent/{k}_mean": float(np.mean([e.metrics[k] for e in episodes if k in e.metrics])) for k in names}

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from megatron_grpo.config.env_connectors import AGENTS_EXTRA, FILE_TARGET_RE
-from megatron_grpo.rollout.environments.loading import ContractViolation, describe
+from megatron_grpo.rollout.episodes.environment.loading import ContractViolation, describe
 from megatron_grpo.runtime.errors import one_line
 
 START_TIMEOUT_S = 120.0

@@ -43,7 +43,7 @@ import json
 from typing import Any, Callable, Optional
 
 from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS, parse_tool_calls
-from megatron_grpo.rollout.environments.loading import ContractViolation, describe, load_file_attribute
+from megatron_grpo.rollout.episodes.environment.loading import ContractViolation, describe, load_file_attribute
 
 RESERVED = ("reset", "get_reward")
 """Methods of the class that are not tools (TRL's reserved names)."""

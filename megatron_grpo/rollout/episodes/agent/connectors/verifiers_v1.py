@@ -30,7 +30,7 @@ import inspect
 from typing import Any, Callable, Optional
 
 from megatron_grpo.config.base import ConfigError
-from megatron_grpo.rollout.agents.front import MODEL_NAME
+from megatron_grpo.rollout.episodes.agent.front import MODEL_NAME
 from megatron_grpo.runtime.errors import one_line
 
 

@@ -14,11 +14,11 @@ Three kinds, one call:
 
 * no ``episodes.rollout_function`` and no ``episodes.environment``: single-turn, the engine's own
   ``generate`` (``rollout/generate.py`` calls it directly, unchanged);
-* ``episodes.environment``: the built-in episode loop, ``EpisodeRunner`` (``rollout/multi_turn.py``),
+* ``episodes.environment``: the built-in episode loop, ``EpisodeRunner`` (``rollout/episodes/environment/loop.py``),
   which returns ``Episode``s;
 * ``episodes.rollout_function: path/to/file.py:fn``: the user's function (slime's
   ``--rollout-function-path``), loaded by path like reward files (no ``PYTHONPATH``), run in
-  a worker process (``rollout/function_worker.py``) so that a hung or crashing function is
+  a worker process (``rollout/episodes/function/worker.py``) so that a hung or crashing function is
   killed and reported in one line instead of blocking the trainer.
 
 What a rollout function returns is checked every round (``check_rollout_output``) before the
@@ -37,9 +37,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE
-from megatron_grpo.rollout.environments.loading import finite_real
-from megatron_grpo.rollout.environments.worker import fork_server, kill_worker
-from megatron_grpo.rollout.multi_turn import Episode
+from megatron_grpo.rollout.episodes.environment.loading import finite_real
+from megatron_grpo.rollout.episodes.environment.worker import fork_server, kill_worker
+from megatron_grpo.rollout.episodes.episode import Episode
 from megatron_grpo.runtime.errors import one_line
 from megatron_grpo.wire.samples import RolloutError, Sample, SamplingParams
 
@@ -56,7 +56,7 @@ class RolloutFunctionError(ValueError):
 
 class RolloutFunction:
     """``episodes.rollout_function`` running in its own worker process
-    (``rollout/function_worker.py``): ``fn(engine, prompts, n, sampling, seed)`` whose output is
+    (``rollout/episodes/function/worker.py``): ``fn(engine, prompts, n, sampling, seed)`` whose output is
     validated on every call. The engine stays here; the worker's ``engine.generate`` calls are
     answered by this process. Each wait on the worker (for the file to load, or for the function
     to call the engine or return) has a deadline, ``timeout_s``: past it the worker is killed and
@@ -158,7 +158,7 @@ class RolloutFunction:
 
     def episodes(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
                  sampling_seed: Optional[int] = None) -> tuple[list[Sample], Optional[list[Episode]]]:
-        """``EpisodeSource`` (rollout/episode_source.py): the checked output's samples, and its
+        """``EpisodeSource`` (rollout/episodes/source.py): the checked output's samples, and its
         episodes when the function returned Episodes."""
         return samples_of(self(engine, prompts, n, sampling, sampling_seed))
 
@@ -227,7 +227,7 @@ def check_rollout_output(out: Any, prompts: Sequence, n: int, sampling: Sampling
     if not (kinds <= {Sample} or kinds <= {Episode}):
         names = sorted(k.__name__ for k in kinds)
         fail(f"returned items of type {', '.join(names)}; expected all Sample (wire/samples.py) or all Episode "
-             "(rollout/multi_turn.py)")
+             "(rollout/episodes/environment/loop.py)")
     replay = sampling.sampling_mask_max_kept > 0
     for i, item in enumerate(out):
         try:

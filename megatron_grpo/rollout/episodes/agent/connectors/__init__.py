@@ -18,7 +18,7 @@ import inspect
 from typing import Callable, Optional
 
 from megatron_grpo.rewards.registry import load_file
-from megatron_grpo.rollout.agents.connectors import verifiers_env
+from megatron_grpo.rollout.episodes.agent.connectors import verifiers_env
 
 CONNECTORS: dict[str, Callable[[str, str], tuple[Callable, str]]] = {"verifiers": verifiers_env.load_agent}
 """Spec prefix -> ``load(file_spec, key) -> (agent fn, source file)``."""

@@ -1,7 +1,7 @@
 """The worker process of ``episodes.agent``: the user's agent function runs here, never in the
 trainer's process, so a hung or crashing agent is killed alone (with whatever it started).
 
-Forked by the environments' fork server (``rollout/environments/worker.py``, a ``run`` request
+Forked by the environments' fork server (``rollout/episodes/environment/worker.py``, a ``run`` request
 for the ``agent`` target), so it carries none of the trainer's torch, megatron or engine state.
 It loads the file (a ``<prefix>:`` spec through its connector, ``connectors/``), says whether
 the function can be called, then runs episodes one at a time:
@@ -26,9 +26,9 @@ import numbers
 from typing import Any
 
 from megatron_grpo.config.base import ConfigError
-from megatron_grpo.rollout.agents.connectors import load_agent
+from megatron_grpo.rollout.episodes.agent.connectors import load_agent
 from megatron_grpo.runtime.errors import one_line
-from megatron_grpo.rollout.environments.worker import raise_site
+from megatron_grpo.rollout.episodes.environment.worker import raise_site
 
 KEY = "episodes.agent"
 

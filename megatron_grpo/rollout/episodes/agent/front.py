@@ -1,7 +1,7 @@
 """The agent front: an OpenAI-compatible server on loopback, in front of the run's engine,
 that records every call of an episode as exact token ids.
 
-An agent (``episodes.agent``, ``rollout/agents/runner.py``) gets an OpenAI SDK client whose base
+An agent (``episodes.agent``, ``rollout/episodes/agent/runner.py``) gets an OpenAI SDK client whose base
 URL names its episode, ``http://127.0.0.1:<port>/episodes/<id>/v1``; the front answers its
 ``chat.completions`` and ``completions`` calls with the run's engine (any kind: embedded,
 in-process, SGLang: the same ``RolloutEngine.generate`` the built-in loops call) and keeps, per
@@ -16,7 +16,7 @@ by the SDK's extra fields), then new messages (tool results, a user turn), its p
 
     previous prompt ids + the engine's output ids + delta render of the new messages
 
-(the chat template's delta render of ``rollout/turns.py``, ``tools`` passed). Anything else
+(the chat template's delta render of ``rollout/episodes/turns.py``, ``tools`` passed). Anything else
 (the agent edited or dropped earlier turns, sent another conversation) is rendered whole, and
 kept only if those ids still extend the episode token for token; otherwise the episode is
 marked ``diverged`` (counted, scored as ``on_env_error`` says with the calls recorded before,
@@ -58,9 +58,10 @@ from fastapi.responses import JSONResponse
 from megatron_grpo.chat.openai_api import (ChatRequest, Choice, OpenAIRequestError, chat_response,
                                            completion_response, error_body, parse_chat_request,
                                            parse_completion_request, render_chat, stop_token_ids)
-from megatron_grpo.rollout.turns import ObservationError, TurnRenderer
+from megatron_grpo.rollout.episodes.turns import ObservationError, TurnRenderer
 from megatron_grpo.runtime.errors import one_line
-from megatron_grpo.runtime.http_guard import BodyBound, Refused, bearer_ok, header_deadline_protocol, read_json
+from megatron_grpo.runtime.http_guard import (BodyBound, Refused, bearer_ok, header_deadline_protocol, one_line_errors,
+                                             read_json)
 from megatron_grpo.wire.samples import RolloutError, Sample, SamplingParams
 
 MAX_BODY_BYTES = 8 * 2**20
@@ -307,6 +308,7 @@ class AgentFront:
 
     def build_app(self) -> FastAPI:
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+        app.middleware("http")(one_line_errors(refusal_body))  # the engine's server answers the same way
 
         bound = BodyBound(MAX_BODY_BYTES, self.read_timeout_s, "MAX_BODY_BYTES", "READ_TIMEOUT_S")
 

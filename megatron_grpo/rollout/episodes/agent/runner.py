@@ -14,7 +14,7 @@ For each prompt, ``n`` episodes run; each one is
     fn returns the reward                -> the episode: the recorded calls as one Sample
                                             (trajectory.py; only the engine's tokens are trained)
 
-An ``Episode`` comes back, as from the built-in environment loop (``multi_turn.py``), so
+An ``Episode`` comes back, as from the built-in environment loop (``environment/loop.py``), so
 rewards (``env_reward`` add/replace), failures (``on_env_error``), metrics, the off-policy
 correction, sampling-mask replay and async staleness apply unchanged. Per-call sampling seeds
 are the built-in loop's (``seed + episode * max_turns + call``): the same model and seeds give
@@ -42,12 +42,13 @@ from typing import Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE, episode_budget
-from megatron_grpo.rollout.agents.connectors import CONNECTORS, split_spec
-from megatron_grpo.rollout.agents.front import AgentFront, EpisodeLog
-from megatron_grpo.rollout.agents.trajectory import sample_from_calls
-from megatron_grpo.rollout.environments.worker import STARTUP_TIMEOUT_S, fork_server, kill_worker
-from megatron_grpo.rollout.multi_turn import Episode, episode_jobs, raise_failures, report_failure_once
-from megatron_grpo.rollout.turns import TurnRenderer
+from megatron_grpo.rollout.episodes.agent.connectors import CONNECTORS, split_spec
+from megatron_grpo.rollout.episodes.agent.front import AgentFront, EpisodeLog
+from megatron_grpo.rollout.episodes.agent.trajectory import sample_from_calls
+from megatron_grpo.rollout.episodes.environment.worker import STARTUP_TIMEOUT_S, fork_server, kill_worker
+from megatron_grpo.rollout.episodes.hang_guard import HangGuard
+from megatron_grpo.rollout.episodes.episode import Episode, episode_jobs, raise_failures, report_failure_once
+from megatron_grpo.rollout.episodes.turns import TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
 
 KEY = "episodes.agent"
@@ -151,7 +152,8 @@ class AgentRunner:
 
     def __init__(self, spec: str, tokenizer, renderer: TurnRenderer, *, max_turns: int,
                  max_episode_tokens: Optional[int], timeout_s: float, workers: int, tool_call_format: str = "hermes",
-                 max_inflight: int = 64, on_env_error: str = "zero_reward", model_context: Optional[int] = None):
+                 max_inflight: int = 64, on_env_error: str = "zero_reward", model_context: Optional[int] = None,
+                 max_timeout_fraction: Optional[float] = 0.5):
         self.spec = resolve_spec(spec)
         self.tokenizer = tokenizer
         self.max_turns = max_turns
@@ -160,6 +162,7 @@ class AgentRunner:
         self.timeout_s = timeout_s
         self.workers = workers
         self.on_env_error = on_env_error
+        self.max_timeout_fraction = max_timeout_fraction  # the step's HangGuard (rollout/episodes/hang_guard.py)
         self.front = AgentFront(tokenizer, renderer, tool_call_format=tool_call_format,
                                 max_inflight=max_inflight).start()
         self._idle: list[AgentProcess] = []
@@ -181,7 +184,8 @@ class AgentRunner:
         return cls(episodes_cfg.agent, tokenizer, renderer, max_turns=episodes_cfg.max_turns,
                    max_episode_tokens=episodes_cfg.max_episode_tokens, timeout_s=episodes_cfg.agent_timeout_s,
                    workers=episodes_cfg.agent_workers, tool_call_format=episodes_cfg.tool_call_format,
-                   max_inflight=max_inflight, on_env_error=episodes_cfg.on_env_error, model_context=model_context)
+                   max_inflight=max_inflight, on_env_error=episodes_cfg.on_env_error, model_context=model_context,
+                   max_timeout_fraction=episodes_cfg.max_timeout_fraction)
 
     # ---- workers -------------------------------------------------------------------------
 
@@ -208,27 +212,31 @@ class AgentRunner:
 
     def episodes(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
                  sampling_seed: Optional[int] = None) -> tuple[list[Sample], list[Episode]]:
-        """``EpisodeSource`` (rollout/episode_source.py): the episodes and their samples."""
+        """``EpisodeSource`` (rollout/episodes/source.py): the episodes and their samples."""
         episodes = self(engine, prompts, n, sampling, sampling_seed)
         return [e.sample for e in episodes], episodes
 
     def __call__(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
                  sampling_seed: Optional[int] = None) -> list[Episode]:
         jobs = episode_jobs(prompts, n)
+        guard = HangGuard(f"{KEY} {self.spec}", "episodes.agent_timeout_s", self.timeout_s, self.max_timeout_fraction,
+                          kill_worker)
         with ThreadPoolExecutor(max_workers=max(1, min(self.workers, len(jobs))),
                                 thread_name_prefix="agent-episode") as pool:
-            futures = [pool.submit(self._episode, engine, *job, sampling, sampling_seed) for job in jobs]
+            futures = [pool.submit(self._episode, engine, *job, sampling, sampling_seed, guard) for job in jobs]
             results = []
             for f in futures:
                 try:
                     results.append(f.result())
                 except BaseException as e:  # collected, raised once every episode has ended
                     results.append(e)
+        guard.raise_if_hung()
         raise_failures(results, AgentContractError)
         return results
 
     def _episode(self, engine, index: int, prompt_index: int, sample_index: int, prompt, sampling: SamplingParams,
-                 sampling_seed: Optional[int]) -> Episode:
+                 sampling_seed: Optional[int], guard: HangGuard) -> Episode:
+        guard.begin()
         # the row an agent gets: the dataset row's fields, the rendered prompt's text, the
         # answer and the chat messages it renders (None without a template)
         row = {**prompt.fields, "prompt": prompt.text, "answer": prompt.answer, "messages": prompt.messages}
@@ -243,13 +251,18 @@ class AgentRunner:
         t0 = time.monotonic()
         try:
             proc = self._acquire()
+            guard.watch(proc.pid)
             try:
                 result = proc.run(self.front.base_url(episode_id), self.front.api_key, row, self.timeout_s)
                 reward, metrics = result["reward"], result["metrics"]
             finally:
+                guard.forget(proc.pid)
                 self._release(proc)
         except AgentFailed as e:
             error = e.kind
+            if e.kind == "timeout":
+                guard.timed_out()
+            guard.check()  # a worker the tripped guard killed is not the episode's error
             self._report(e.kind, e.where, e.message)
         finally:
             log = self.front.close_episode(episode_id)

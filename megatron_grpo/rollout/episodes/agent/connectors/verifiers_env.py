@@ -55,10 +55,10 @@ from typing import Any, Callable, Optional
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.rewards.registry import load_file
-from megatron_grpo.rollout.agents.connectors import verifiers_v1
-from megatron_grpo.rollout.agents.front import MODEL_NAME
+from megatron_grpo.rollout.episodes.agent.connectors import verifiers_v1
+from megatron_grpo.rollout.episodes.agent.front import MODEL_NAME
 from megatron_grpo.runtime.errors import one_line
-from megatron_grpo.rollout.environments.worker import raise_site
+from megatron_grpo.rollout.episodes.environment.worker import raise_site
 
 SUPPORTED = ">=0.1.14,<0.4"
 """The verifiers versions whose classic API this module drives (module docstring); 0.4's

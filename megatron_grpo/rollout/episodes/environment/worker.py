@@ -13,7 +13,7 @@ server reads each request before it forks: for a connector's spec (``skyrl_gym:`
 it first prepares what that spec's episodes share (``loading.prepare_environment``: a library
 preloaded, an OpenEnv server started as a child of its own), which every worker forked after
 it inherits and which ends with the fork server like its workers. The same server forks the
-worker of a custom rollout function (``run`` requests: ``rollout/function_worker.py``).
+worker of a custom rollout function (``run`` requests: ``rollout/episodes/function/worker.py``).
 
 ``EnvProcess(spec, row, timeout_s)`` gets a worker, which loads ``spec``, constructs the
 environment with ``row`` and then answers ``step(response)`` calls; an ``async def step`` runs
@@ -44,10 +44,10 @@ import time
 import traceback
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megatron_grpo.runtime.process import children_of
-from megatron_grpo.rollout.environments.loading import (ContractViolation, check_step_result, class_problem,
+from megatron_grpo.rollout.episodes.environment.loading import (ContractViolation, check_step_result, class_problem,
                                                         describe, load_environment_class, prepare_environment)
 from megatron_grpo.runtime.errors import one_line
 
@@ -90,7 +90,7 @@ class _ForkServer:
         package_root = str(Path(__file__).resolve().parents[3])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from megatron_grpo.rollout.environments.worker import _server_main; _server_main()",
+            [sys.executable, "-c", "from megatron_grpo.rollout.episodes.environment.worker import _server_main; _server_main()",
              self.address], stdin=subprocess.PIPE, env=env)
         self.proc.stdin.write(self.authkey.hex().encode() + b"\n")
         self.proc.stdin.flush()  # stdin stays open: the server exits when it closes (this process ended)
@@ -207,8 +207,8 @@ def _server_main() -> None:
         conn.close()
 
 
-RUN_TARGETS = {"rollout_function": "megatron_grpo.rollout.function_worker:serve",
-               "agent": "megatron_grpo.rollout.agents.worker:serve"}
+RUN_TARGETS = {"rollout_function": "megatron_grpo.rollout.episodes.function.worker:serve",
+               "agent": "megatron_grpo.rollout.episodes.agent.worker:serve"}
 """What a ("run", target, args) request may start in a forked worker: a fixed list, so the
 socket (authenticated, the trainer's only) cannot name arbitrary code. Imported when run,
 because function_worker imports this module."""
@@ -382,11 +382,16 @@ class EnvProcess:
     """One environment instance in its own worker process (see the module docstring).
     Blocking: every call returns within its timeout."""
 
-    def __init__(self, spec: str, row: dict, timeout_s: float, options: Optional[dict] = None):
+    def __init__(self, spec: str, row: dict, timeout_s: float, options: Optional[dict] = None,
+                 on_start: Optional[Callable[[int], None]] = None):
+        """``on_start(pid)``: called once the worker exists, before its start-up is awaited (a
+        step's ``HangGuard`` watches it, and may kill it)."""
         self.where = describe(spec)
         self.timeout_s = timeout_s
         self._conn, self.pid = fork_server().connect(("serve", spec, row, options))
         self._closed = False
+        if on_start is not None:
+            on_start(self.pid)
         self._await("start-up", STARTUP_TIMEOUT_S)
         self._await("the constructor", timeout_s)
 

@@ -7,6 +7,6 @@
 * ``builtin``: the calculator and guess-the-number environments.
 """
 
-from megatron_grpo.rollout.environments.worker import EnvCallError, EnvContractError, EnvProcess, check_environment
+from megatron_grpo.rollout.episodes.environment.worker import EnvCallError, EnvContractError, EnvProcess, check_environment
 
 __all__ = ["EnvCallError", "EnvContractError", "EnvProcess", "check_environment"]

@@ -1,7 +1,7 @@
 """The worker process of a custom rollout function (``episodes.rollout_function``): the user's
 function runs here, never in the trainer's process, so a hung or crashing one is killed alone.
 
-The worker is forked by the environments' fork server (``rollout/environments/worker.py``, a
+The worker is forked by the environments' fork server (``rollout/episodes/environment/worker.py``, a
 ``run`` request), so it does not carry the trainer's torch, megatron or engine state. It loads
 the file, answers whether the function can be called, then serves calls:
 
@@ -12,7 +12,7 @@ the file, answers whether the function can be called, then serves calls:
 
 The engine stays in the trainer's process (its servers, weight versions and retries are the
 trainer's); the function gets ``EngineProxy``, whose ``generate`` forwards each call. The
-trainer's side, with the deadline, is ``RolloutFunction`` (``rollout/rollout_function.py``).
+trainer's side, with the deadline, is ``RolloutFunction`` (``rollout/episodes/function/source.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.rewards.registry import load_file
 from megatron_grpo.runtime.errors import one_line
-from megatron_grpo.rollout.environments.worker import raise_site
+from megatron_grpo.rollout.episodes.environment.worker import raise_site
 
 KEY = "episodes.rollout_function"
 
