@@ -393,3 +393,29 @@ def test_command_extraction():
     assert program == ("python", "-m", "tools.convert_hf_to_megatron") and args == ("--tp", "2")
     assert config_of(*project_program(tuple(argv[0]))) == "c.yaml"
     assert overrides_of(args + ("a.b=1", "--x=y")) == ["a.b=1"]
+
+
+def test_the_test_counts_are_generated_from_the_collection():
+    """Issue 62: the suite's counts were copied by hand into several pages and disagreed. One
+    block of docs/testing.md states them, written by ``python -m tools.suite_counts --write``;
+    this runs its ``--check`` (one collection of the suite, ~25 s) in the environment CI builds
+    (verifiers 0.4: with 0.3 the classic-API tests are collected too)."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    from tools import suite_counts
+
+    assert suite_counts.counts_line(3, 5, 2) == ("**5 tests**, of which CI runs the **CI tier, 3**, and leaves out "
+                                                "the **extended tier, 2**")
+    with pytest.raises(ValueError, match="markers"):
+        suite_counts.replace_block("no markers here", "x")
+    try:
+        verifiers = importlib.metadata.version("verifiers")
+    except importlib.metadata.PackageNotFoundError:
+        verifiers = ""
+    if not verifiers.startswith("0.4"):
+        pytest.skip(f"the counts are those of CI's environment (verifiers 0.4), not verifiers {verifiers or 'absent'}")
+    proc = subprocess.run([sys.executable, "-m", "tools.suite_counts", "--check"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
