@@ -22,8 +22,7 @@ What runs where:
 
 Departure from megatron-core's TransformerEngine CP (ring attention, ``cp_comm_type: p2p``):
 the keys and values are gathered whole instead of passed round a ring, so K/V memory is not
-divided by cp (activations outside attention, the logits and the vocabulary work are).
-More, and measurements: docs/models.md#context-parallelism-parallelcp.
+divided by cp (the rest is). More: docs/models.md#context-parallelism-parallelcp.
 """
 
 from __future__ import annotations
