@@ -21,9 +21,8 @@ object) never raises: it is left out of ``tool_calls``, its text stays in the co
 ``ParsedTurn.errors`` says what was wrong in one line each, so the caller can count it and the
 agent sees a visible failure (the text it can answer to) rather than a crash.
 
-Arguments are returned as the JSON string OpenAI's API uses (``json.dumps`` of the parsed
-object), whatever spacing the model wrote; the token ids the model sampled are kept apart by
-the caller, so this re-serialization never reaches training.
+Arguments are returned as OpenAI's JSON string (``json.dumps`` of the parsed object); the token
+ids the model sampled are kept apart by the caller, so this re-serialization never reaches training.
 """
 
 from __future__ import annotations

@@ -9,26 +9,18 @@ right, one clause per column, then gives the answer after ``####``::
                4 + 0 + 1 = 5 write 5 carry 0 , #### 5 2 5
     answer:    525
 
-Each column is 11 tokens (a missing digit is written 0, the incoming carry always), so a
-response is ``11 * columns + len(answer) + 5`` tokens with the tiny tokenizer (``####``
-is four ``#`` tokens). The longer operand's digit count is drawn from a geometric tail,
-``P(n) ~ tail ** (n - 2)`` for n in 2..max_digits (the other operand has 1..n digits), so most
-responses are tens of tokens and a few are long: with the defaults (tail 0.6, up to 12
-digits) the median is 45 tokens, the mean 51, the 99th percentile 135 and the longest 162.
+The longer operand's digit count follows a geometric tail, ``P(n) ~ tail ** (n - 2)``, so most
+responses are tens of tokens and a few are long. The final answer is scored by
+``math_exact_match`` with ``use_last_number: false``: the chain is not graded.
 
-The final answer is scored by ``math_exact_match`` with ``use_last_number: false`` (the text
-after the last ``####``, its spaces removed, read as a number): the chain is not graded.
-
-Held-out problems: an operand pair belongs to the held-out split when a hash of the
-*unordered* pair falls in the held-out bucket (``is_held_out``), so a held-out problem's
-operand combination (in either order) never appears in warm-up or training data; every
-column fact (digit + digit + carry) of course does.
-
-``WORDS`` are the words the format uses that a tokenizer must have as single tokens beyond
-digits, small numbers (sums up to 19) and ``+ = , ? #``: ``tools/make_reasoning_model.py``
-adds them to the tiny tokenizer.
+Held-out problems: an operand pair is held out when a hash of the *unordered* pair falls in the
+held-out bucket (``is_held_out``), so no held-out operand combination, in either order, is in
+warm-up or training data. ``WORDS`` are the words a tokenizer must have as single tokens beyond
+digits, small numbers and ``+ = , ? #`` (``tools/make_reasoning_model.py`` adds them).
 
     python -m megatron_grpo.data.reasoning --out data/add_train.jsonl --num 4000 --seed 0
+
+Lengths measured, the model and the run: docs/reasoning.md#the-task-and-its-format.
 """
 
 from __future__ import annotations

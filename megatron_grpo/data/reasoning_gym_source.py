@@ -9,41 +9,20 @@ One row per reasoning-gym entry::
      "entry": {"question": ..., "answer": ..., "metadata": {...}},   # the whole entry, JSON-safe
      "task_config": {...}}                                            # the settings of --task-config
 
-The ``reasoning_gym`` reward (``rewards/reasoning_gym_reward.py``) scores a response with the
-task's own ``score_answer(answer, entry)`` on ``entry`` read back with ``entry_from_json``,
-by a task instance made with ``task_config`` (a few graders read their settings: arc_agi's
-board format, decimal_arithmetic's precision).
+The ``reasoning_gym`` reward (``rewards/reasoning_gym_reward.py``) grades with the task's own
+``score_answer(answer, entry_from_json(entry))`` on a task instance made with ``task_config``.
 
-**JSON-safe, exactly.** Entries hold tuples (84 of the 105 tasks), dicts with integer keys
-(graph_color, codeio) and, in principle, other types JSON has no word for; a plain JSON round
-trip turns the tuples into lists, and arc_agi's grader, which compares the parsed board with
-the metadata's tuple of tuples, then scores its own answer 0.05. ``entry_to_json`` therefore
-writes a tuple as ``{"__tuple__": [...]}`` and a dict with a non-string key as
-``{"__items__": [[key, value], ...]}``; ``entry_from_json`` restores both. Anything else JSON
-cannot hold exactly (a set, NaN, an object) is a ``ValueError`` naming its path in the entry.
+* ``entry_to_json`` / ``entry_from_json`` round-trip exactly: a tuple is ``{"__tuple__": [...]}``,
+  a dict with a non-string key ``{"__items__": [[key, value], ...]}``; anything else JSON cannot
+  hold exactly (a set, NaN, an object) is a ``ValueError`` naming its path in the entry.
+* The held-out split is disjoint from training by question (whitespace collapsed): the distinct
+  questions drawn are dealt by a seeded permutation (not "first N train, next M held out"), or,
+  with ``--split natural`` (``make_natural_split``), a seeded hash of each question picks its
+  split and repeats are kept, in the task's own mix.
+* reasoning-gym is optional (``pip install 'megatron-grpo[reasoning]'``, ~1.8 s to import): only
+  ``check_task`` and ``create_task`` import it, when entries are drawn.
 
-**Held-out split, disjoint by question.** Entries are drawn in the dataset's order (for a
-given ``--seed``), a question already seen (compared with whitespace collapsed) is skipped,
-and the ``num_train + num_heldout`` distinct questions found are dealt to the two splits by a
-permutation seeded with ``--seed``. Not "the first N train, the next M held out": a task whose
-small problems repeat (chain_sum's 1-digit sums) runs out of new small questions early, so the
-later draws would be harder than the earlier ones, and a held-out set cut from either end would
-measure another difficulty than training (measured on chain_sum, 1-2 digits: 49% one-digit
-problems in the first 200 distinct questions, 7% in the next 1,447). A task whose questions
-repeat is drawn further (up to ``MAX_DRAW_FACTOR`` times the rows asked for) before it is
-refused.
-
-**Or in the task's own mix** (``--split natural``, ``make_natural_split``): every question is
-assigned to one split by a seeded hash of its key (held out with probability
-``num_heldout / (num_train + num_heldout)``), and each split takes entries in the dataset's order,
-repeats included, until it is full. No held-out question is ever a training question, and both
-splits keep the task's own distribution of problems (the distinct split above under-weights
-whatever repeats: chain_sum picks one digit count per problem, so about half of its 2-term sums
-of 1-2 digits are one-digit sums, but they are ~5% of 2,200 distinct questions). A held-out set drawn so may hold a question more than
-once, as the task itself asks it; its accuracy is the task's accuracy on questions never trained.
-
-reasoning-gym is an optional dependency (``pip install 'megatron-grpo[reasoning]'``) and takes
-~1.8 s to import: only ``check_task`` and ``create_task`` import it, when entries are drawn.
+Why, and measured mixes of difficulty: docs/data.md#prompt-datasets-data ("reasoning-gym tasks").
 """
 
 from __future__ import annotations

@@ -3,34 +3,22 @@ engine's generation code (``rollout/embedded``: the Hugging Face model, continuo
 the same sampling, log-probs, sampling masks, MoE routing and quantization) run inside trainer
 rank 0's process, with no server, no HTTP and no JSON.
 
-What it shares with the trainer and what it copies:
-
-* shared: the process, its threads and (on a GPU) rank 0's device; the tokenizer files and
-  the model directory it starts from;
-* copied: the weights. The engine keeps its own Hugging Face model, a full unsharded copy in
-  HF layout (separate q/k/v and gate/up, no vocabulary padding) in ``engine.dtype``, which
-  every sync overwrites in place from the trainer's shards (``sync/in_memory.py``: the TP/PP
-  gather and Megatron -> HF mapping of ``models.iter_hf_weights``, the one the HTTP sync uses).
-  Aliasing the trainer's tensors is impossible (different layouts and shards) and would be
-  wrong besides: ``rollout.mode: one_step_off_policy`` generates the next batch while the
-  optimizer changes the trainer's weights, so the engine must serve a snapshot, which this
-  copy is. A quantized engine (``engine.quantization``) adds its quantized copy of the
-  decoder projections, rebuilt from the received weights at every sync (as the embedded
-  server does).
-
-It is deliberately not Megatron's forward: the engine stays an independent implementation of
-the model, so the train/rollout log-prob mismatch metrics and the off-policy corrections keep
-their meaning (they compare two implementations, as with a launched engine).
+* Shared with the trainer: the process, its threads and (on a GPU) rank 0's device.
+* Copied: the weights. The engine keeps its own full unsharded Hugging Face model in
+  ``engine.dtype``, overwritten in place at every sync from the trainer's shards
+  (``sync/in_memory.py``, through ``models.iter_hf_weights`` like the HTTP sync). It must be a
+  snapshot: with ``rollout.mode: one_step_off_policy`` the optimizer changes the trainer's
+  weights while the next batch is generated. A quantized engine rebuilds its quantized copy of
+  the decoder projections at every sync.
+* Deliberately not Megatron's forward: the engine stays an independent implementation, so the
+  train/rollout mismatch metrics and the off-policy corrections keep their meaning.
 
 Generation runs in the engine's scheduler thread; ``generate`` submits its sequences at once (no
-batching window) and waits, bounded by ``engine.request_timeout_s``. Several threads may call
-it at once (``rollout.mode: async`` generates one group per worker thread): their sequences
-share the continuous batch, and each token records the weight version that drew it
-(``Sample.output_versions``), which the in-memory sync keeps exact by retracting the running
-sequences while it copies (``sync/in_memory.py``).
-Rewards and environments still run where they ran before (the scorer's and the environments'
-worker processes); only rank 0 holds an engine, the other ranks hold the collective half of the
-sync (``engine is None``).
+batching window) and waits, bounded by ``engine.request_timeout_s``. Several threads may call it
+at once (``rollout.mode: async``): their sequences share the continuous batch, and each token
+records the weight version that drew it, kept exact by the in-memory sync retracting the running
+sequences while it copies. Only rank 0 holds an engine; the other ranks hold the collective half
+of the sync (``engine is None``). Details: docs/rollout_engines.md#in-process-engine-enginekind-inprocess.
 """
 
 from __future__ import annotations

@@ -1,43 +1,27 @@
 """FastAPI app of the embedded engine: SGLang 0.5.23's native routes and answer shapes.
 
+``build_app`` registers the route groups, each a few methods of ``_Routes`` (which holds the
+engine): health and info, /generate, pause/flush/continue, weight updates and their distributed
+group, weight version and inspection, and OpenAI-compatible /v1 routes (``chat/openai_api.py``).
+
 Differences from SGLang, all deliberate:
 
 * ``/update_weights_from_shm`` (embedded only): the CPU tensor transport's wire, a flattened
   bucket in a ``/dev/shm`` segment the engine maps (``wire/shm.py``);
-* ``/weights_checksum`` (embedded only) returns per-tensor checksums for sync verification;
-  the weight-update routes accept ``"compute_checksums": true`` to have them computed
-  in the background right after loading (so verification overlaps the transfer);
-* the weight-update routes take a LoRA policy's frozen base (``lora_base``) and, after it, its
-  adapters alone (``lora``), which the engine merges in fp32 from the kept base
-  (``lora_update.py``; on /update_weights_from_disk the same keys sit in each file's metadata),
-  inside a ``/begin_weight_update`` .. ``/end_weight_update`` session on every route;
+* ``/weights_checksum`` (embedded only): per-tensor checksums; the weight-update routes accept
+  ``"compute_checksums": true`` to compute them in the background right after loading;
+* the weight-update routes take a LoRA policy's frozen base (``lora_base``) then its adapters
+  alone (``lora``), merged in fp32 by the engine (``lora_update.py``), inside a
+  ``/begin_weight_update`` .. ``/end_weight_update`` session on every route;
 * ``sampling_params`` keys the engine cannot honour (penalties, grammars, stop strings) are a
   400 naming the key unless left at SGLang's default;
 * ``input_token_logprobs`` use the request's temperature, like the output log-probs.
 
-Blocking work (tokenizing and checking a /generate body, waiting for generation, receiving
-broadcasts, loading weights) runs in worker threads so the event loop keeps answering
-``/health`` and ``/pause_generation`` meanwhile.
-
-What a request may make the server do is bounded by its ``ServerPolicy`` (``policy.py``): the
-body's size (413), a /generate's sequences and tokens in flight (413), the directories
-/update_weights_from_disk loads from (403), the weight-update group a request may join (400)
-and the rank of a LoRA merge (400).
-
-Route groups, each a few methods of ``_Routes`` (which holds the engine) that ``build_app`` registers:
-
-* health and info: ``/health``, ``/health_generate``, ``/get_model_info``, ``/get_server_info``;
-* generation: ``/generate``;
-* pause, flush and continue: ``/pause_generation``, ``/flush_cache``, ``/continue_generation``;
-* weight updates: ``/update_weights_from_disk``, and inside a ``/begin_weight_update`` ..
-  ``/end_weight_update`` session ``/update_weights_from_tensor`` and ``/update_weights_from_shm``;
-* the distributed weight-update group: ``/init_weights_update_group``,
-  ``/update_weights_from_distributed``, ``/destroy_weights_update_group``;
-* weight version: ``/get_weight_version``, ``/update_weight_version``;
-* weight inspection: ``/get_weights_by_name``, ``/weights_checksum``;
-* OpenAI-compatible: ``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``
-  (``chat/openai_api.py``: the chat template renders ``messages`` and ``tools``, tool calls are
-  parsed in ``--tool-call-format``, and every answer carries its token ids and log-probs).
+Blocking work (tokenizing, waiting for generation, receiving broadcasts, loading weights) runs
+in worker threads, so ``/health`` and ``/pause_generation`` answer meanwhile. What a request may
+make the server do is bounded by its ``ServerPolicy`` (``policy.py``): body size and a
+/generate's sequences and tokens (413), weight directories (403), the weight-update group a
+request may join and a LoRA merge's rank (400). Routes: docs/rollout_engines.md#embedded-engine.
 """
 
 from __future__ import annotations

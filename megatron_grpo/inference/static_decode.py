@@ -1,58 +1,26 @@
 """The static decode path (``engine.embedded.decode: static``): decoding without the host in the loop.
 
-The eager scheduler (``scheduler.py``) reads every token on the host as it is drawn (its stop
-checks, a ``torch.cat`` of the mask, a growing ``DynamicCache``): on a GPU each decode step then
-costs far more host time than device time. Here one decode step -- feed the last tokens, write
-their keys/values into a preallocated cache, draw the next tokens on the device -- touches only
-buffers whose shapes and addresses are fixed, so on CUDA it is captured once in a
-``torch.cuda.CUDAGraph`` and replayed; on the CPU the very same step runs eagerly through the
-same buffers (so everything but the capture call is exercised by the CPU tests).
+The eager scheduler (``scheduler.py``) reads every token on the host as it is drawn. Here one
+decode step -- feed the last tokens, write their keys/values into a preallocated cache, draw the
+next tokens on the device (``sampling.draw_on_device``) -- touches only buffers of fixed shapes
+and addresses, so on CUDA it is captured once in a ``torch.cuda.CUDAGraph`` and replayed; on the
+CPU the same step runs eagerly through the same buffers (the CPU tests exercise all but the capture).
 
-* **Buckets.** Sequences run in a ``StaticBatch`` of ``bucket`` rows, the smallest of 1, 2, 4,
-  ... (and ``max_batch_size``) that holds the sequences it starts with; unused rows decode
-  padding. The cache holds ``length`` columns, a power of two covering the longest prefix plus
-  the most tokens any row may draw. One ``StaticBatch`` (its cache and graph) is kept per
-  (bucket, length, sampling kind) and reused by every later batch of that shape; a batch of
-  another length frees the others (memory: 2 * layers * bucket * length * kv_heads * head_dim).
-* **Layout.** Sequences are prefilled eagerly (``scheduler.prefill``: prefix sharing, prompt
-  log-probs) and draw their first token there (``scheduler.sample_step``); their keys/values
-  are then copied into free rows, RIGHT-aligned so that each prefix ends just before the
-  column every row writes next (transformers' ``StaticCache``: one write index for all rows).
-  Each row attends through a 4-D additive mask built from ``allowed_BL`` (its own columns
-  only) and is fed at its own position ids, as in the eager path.
-* **Sampling** is ``sampling.draw_on_device`` (the eager path's draw: same rule per row, same
-  log-probs, same kept sets), with the uniforms of the next ``k`` tokens drawn beforehand on the
-  host from each row's own generator, one per row per token as ``draw_uniforms`` does, so a
-  seeded row draws the same tokens as on the eager path.
-* **Stops every k tokens.** Tokens, log-probs and kept sets accumulate in device buffers; every
-  ``stop_check_every`` tokens the host reads them once, appends each row's tokens up to its
-  finish (``generation.finish_reason_for``: EOS, stop ids, max_new_tokens, the context), drops
-  the ones drawn past it, and asks the engine's ``control()`` (pause, abort, retract), as the
-  eager path does after every token (so an abort or retract lands up to k - 1 tokens later).
-* **Continuous admission at check points.** Once a quarter of the rows is free (finished rows
-  count), queued sequences are prefilled and copied into free rows, as on the eager path.
-  They fit when their prefix is no wider than the write column and the cache has room for
-  all their draws after it; if not, the cache is shifted left over the leading columns no live
-  row uses (one copy of the cache, like the eager path's ``compact``) or they wait, prefilled,
-  for rows to finish; when no row is live they start a batch of their own shape. A finished
-  row decodes padding until a newcomer takes it. A batch's bucket and sampling kind are fixed
-  when it starts: newcomers whose draw needs another kind (sorting, a wider kept set) wait for
-  a batch of their own.
-* **Weight updates** copy into the parameters in place (``EmbeddedEngine._load``), so captured
-  graphs stay valid; a quantized engine's re-quantization makes new tensors, so the engine
-  calls ``StaticDecoder.invalidate`` (graphs recaptured at the next batch of each shape).
+* A ``StaticBatch`` has ``bucket`` rows (1, 2, 4, ... or ``max_batch_size``) and a cache of
+  ``length`` columns (a power of two). One is kept per (bucket, length, sampling kind) and reused;
+  a batch of another length frees the others. Bucket and sampling kind are fixed when it starts.
+* Sequences are prefilled eagerly (``scheduler.prefill``), draw their first token there, and are
+  copied into rows RIGHT-aligned to one shared write column (transformers' ``StaticCache``).
+* A seeded row draws the same tokens as on the eager path (uniforms from its own generator).
+* The host reads tokens, applies stops and asks ``control()`` (pause, abort, retract) every
+  ``stop_check_every`` tokens, so these land up to k - 1 tokens later than on the eager path;
+  queued sequences are admitted only at those check points.
+* Weight updates must copy into the parameters in place (captured graphs keep addresses); a
+  quantized engine's re-quantization makes new tensors, so it calls ``StaticDecoder.invalidate``.
 
-What it refuses, and what it costs:
-
-* **Models it refuses decode on the eager path** (``run_continuous``, batch by batch):
-  mixture-of-experts models (transformers' MoE blocks read the routing on the host to dispatch
-  the experts, which a graph cannot capture; MoE routing replay records hooks each step),
-  models with sliding-window attention layers (another cache layout) and models loaded with an
-  attention other than sdpa or eager (the step's 4-D additive mask is theirs).
-* Every step attends over all ``length`` columns of every row (padding masked, not skipped),
-  and at each check point the device waits while the host appends the interval's tokens and
-  draws the next interval's uniforms (per-token Python work, batched k tokens at a time; not
-  yet overlapped with the next interval).
+Refused, left to the eager path: mixture-of-experts models (host-side expert dispatch; routing
+replay hooks), sliding-window attention, attention implementations other than sdpa/eager.
+Layout, admission, costs and tests: docs/rollout_engines.md#static-decode-engineembeddeddecode-static.
 """
 
 from __future__ import annotations

@@ -16,16 +16,13 @@ The policy loss becomes agg(l * w, m2); the denominators stay those of m (``redu
 Every mask here drops whole sequences, and rho never carries a gradient.
 
 The block is on when ``tis_ratio_type``, ``sequence_mask_metric`` or an outlier threshold is
-set (§11; skyrl 0.4.0 -- PR #849 ignores outlier thresholds alone). skyrl 0.4.0's per-token
-mask (``token_mask_is_threshold_*``) is not implemented.
+set (skyrl 0.4.0; PR #849 ignores outlier thresholds alone). skyrl 0.4.0's per-token mask
+(``token_mask_is_threshold_*``) is not implemented.
 
-Metrics (0-d tensors; the caller converts them in one transfer): token-denominated ones are
-divided by the LOCAL valid-token count before masking, sequence-denominated ones
-(``*_seq_*``, ``*_sequence_mask_*``) by the local number of rows B, empty rows included
-(SkyRL); ``reduce_metrics`` re-weights them exactly. Departures from SkyRL:
-``tis_token_clip_high_ratio`` divides by all valid tokens (SkyRL: the tokens left after the
-outlier mask), and ``is_ratio_*`` are taken over valid tokens only (SkyRL includes padding as
-zeros, so its min is 0 whenever a row is padded; verl, like us, excludes it).
+Metrics (0-d tensors) divide by LOCAL counts: valid tokens before masking, or rows B with empty
+ones (``*_seq_*``, ``*_sequence_mask_*``; SkyRL); ``reduce_metrics`` re-weights them exactly.
+Departures from SkyRL: ``tis_token_clip_high_ratio`` divides by all valid tokens (SkyRL: those
+left after the outlier mask); ``is_ratio_*`` are over valid tokens only (SkyRL counts padding as 0).
 """
 
 from __future__ import annotations

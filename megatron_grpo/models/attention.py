@@ -1,41 +1,27 @@
 """Fused core attention for megatron-core's local layer spec: torch's scaled-dot-product
 attention (SDPA) in place of megatron-core's ``DotProductAttention``.
 
-megatron-core's local spec computes attention unfused: one batched matmul into a
-[b, heads, s, s] score buffer, a softmax, a second matmul. Memory is quadratic in the length
-and no GPU kernel of note runs it, so a throughput measured on it measures a path nobody
-trains with. ``SDPAttention`` has the same constructor and forward signature (it drops into
-the spec's ``self_attention.submodules.core_attention``) and calls
-``torch.nn.functional.scaled_dot_product_attention``: flash or memory-efficient kernels on
-CUDA, the math kernel on CPU. It holds no parameters, so checkpoints and the HF weight
-mapping do not change.
+megatron-core's local spec computes attention unfused (a [b, heads, s, s] score buffer, memory
+quadratic in the length). ``SDPAttention`` has the same constructor and forward signature (it
+drops into the spec's ``self_attention.submodules.core_attention``) and calls
+``torch.nn.functional.scaled_dot_product_attention``: flash or memory-efficient kernels on CUDA,
+the math kernel on CPU. It holds no parameters: checkpoints and the HF weight mapping are unchanged.
 
-Two layouts (megatron's names):
+Layouts (megatron's names):
 
 * ``sbhd`` (no ``packed_seq_params``): q [s, b, np, hn], k/v [s, b, ng, hn]; causal through
   ``is_causal`` (no mask tensor, so CUDA can pick flash).
-* ``thd`` (packed sequences, ``models.packing``): q [t, np, hn], k/v [t, ng, hn], the rows
-  of a micro-batch concatenated along t, ``cu_seqlens_q`` [rows + 1] their boundaries.
-  Attention stays inside each row. On CPU one SDPA call with a block-diagonal causal boolean
-  mask [t, t] (small at CPU sizes, one math-kernel call). On CUDA one causal SDPA call per
-  row, so flash runs and nothing of size t^2 exists; the price is a host loop over the rows
-  (megatron's unfused thd RoPE already reads ``cu_seqlens`` on the host). Not
-  ``flex_attention`` with a document mask: outside ``torch.compile`` it runs an unfused
-  reference path that materialises the scores.
-* ``thd`` with a shared prefix (``models.packing``, ``parallel.share_prefix``): the params are
-  ``BranchedSeqParams``, which add each token's position id and branch; a query sees the keys
-  of its segment that are not after it and lie in the prefix (branch 0) or its own branch
-  (``branched_mask``). On CUDA one SDPA call per segment with that segment's mask.
+* ``thd`` (packed, ``models.packing``): q [t, np, hn], k/v [t, ng, hn], rows concatenated along t
+  with boundaries ``cu_seqlens_q``; attention stays inside each row (CPU: one call with a
+  block-diagonal causal mask; CUDA: one causal call per row, a host loop).
+* ``thd`` with a shared prefix (``BranchedSeqParams``): a query sees the keys of its segment not
+  after it in the prefix or its own branch (``branched_mask``); on CUDA one call per segment.
+* context parallelism (``models.context_parallel``): the query is the rank's chunks; keys and
+  values are all-gathered over the CP group and masked by true positions (``sdpa_context_parallel``).
 
-* context parallelism (``parallel.cp``, ``models.context_parallel``): the query is the rank's
-  chunks of each sequence (sbhd: of every row; thd: of every segment, whose padded boundaries
-  are ``cu_seqlens_q_padded``); keys and values are all-gathered over the CP group into the
-  whole sequences and masked by the tokens' true positions (``sdpa_context_parallel``).
-
-Departures from ``DotProductAttention``: attention dropout must be 0 (this project trains
-without it; SDPA's dropout would draw from another RNG stream than megatron's), and only
-``softmax_type: vanilla`` and no sliding window (none of the architectures here use them;
-each is refused at construction).
+Departures from ``DotProductAttention``: attention dropout must be 0 (SDPA's dropout would draw
+from another RNG stream than megatron's), only ``softmax_type: vanilla`` and no sliding window
+(unused here; each is refused at construction). Why, and tests: docs/models.md#attention-and-packed-sequences.
 """
 
 from __future__ import annotations

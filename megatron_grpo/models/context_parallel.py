@@ -15,16 +15,14 @@ What runs where:
   and masks by the tokens' true positions;
 * the output layer and the log-softmax run on the rank's scored positions only;
 * the per-token log-probs and entropies, [B, T] with zeros where another rank scores, are summed
-  over the CP group (``cp_sum``: all-reduce forward, identity backward), so every CP rank holds
-  the whole sequence's scores and computes the very loss, metrics and sequence-level quantities
-  CP1 computes (one code path: no per-rank numerator, denominator or sequence ratio exists to get
-  wrong). Each rank's gradient is that of the whole loss through its own tokens; megatron's DDP
-  sums them over the data-and-context-parallel group and divides by dp x cp, which megatron's
-  schedule (x cp) and the trainer's loss scale (x micro-batches x dp) undo.
+  over the CP group (``cp_sum``: all-reduce forward, identity backward), so every CP rank
+  computes the very loss, metrics and sequence-level quantities CP1 computes. Each rank's
+  gradient is that of the whole loss through its own tokens; DDP's 1/(dp x cp) is undone by
+  megatron's schedule (x cp) and the trainer's loss scale (x micro-batches x dp).
 
 Departure from megatron-core's TransformerEngine CP (ring attention, ``cp_comm_type: p2p``):
 the keys and values are gathered whole instead of passed round a ring, so K/V memory is not
-divided by cp (activations outside attention, the logits and the vocabulary work are).
+divided by cp (the rest is). More: docs/models.md#context-parallelism-parallelcp.
 """
 
 from __future__ import annotations

@@ -15,17 +15,12 @@ looks ahead), so callers simply read the first S positions of the logits.
 ``packed_logits(model, packed)`` is the same forward step for a packed micro-batch
 (``models.packing``: rows concatenated into one, ``parallel.pack_sequences``).
 
-Logits of the scored positions only. ``causal_logits(model, tokens, first)`` runs the output
-layer (and everything after it: the log-softmax over the vocabulary and its backward) on
-positions ``first..`` alone: the hidden states are sliced on their way into the output layer,
-as megatron-core's own inference does for the last token. A GRPO micro-batch scores only its
-responses; its prompts (a chat template, a system prompt, a few-shot prefix: most of the
-sequence on the SmolLM2 task) are context, their logits never read. Every position still runs
-through the decoder (the responses attend to the prompt), so only the vocabulary-sized work
-shrinks. Not with sequence parallelism: the output layer's input is then split over the
-sequence and gathered inside the layer (``logits_start`` says 0). ``packed_logits(model,
-packed, positions)`` does the same for a packed row with the index of its scored positions
-(a packed row's responses are spread through it).
+Logits of the scored positions only: ``causal_logits(model, tokens, first)`` runs the output
+layer (and the log-softmax after it) on positions ``first..`` alone, slicing the hidden states
+on their way in, as megatron-core's own inference does for the last token; every position still
+runs through the decoder. Not with sequence parallelism (``logits_start`` says 0).
+``packed_logits(model, packed, positions)`` does the same at a packed row's scored positions.
+Why and how much it saves: docs/design.md#what-one-step-does.
 """
 
 from __future__ import annotations

@@ -3,37 +3,24 @@
 Each adapted linear ``W`` (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``)
 computes ``y = x W^T + scale * (x A^T) B^T`` with ``scale = alpha / rank``:
 
-* column-parallel (``linear_qkv``, ``linear_fc1``; W split on its output rows): A ``[r, in]``
-  is replicated over TP, B ``[out/tp, r]`` is split like W's rows (the fused QKV and gate/up
-  row layouts included). ``h = x A^T`` is the same on every TP rank; it passes megatron's
-  ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward), so A's
-  gradient is computed from the full ``dL/dh`` and is identical on every TP rank.
-* row-parallel (``linear_proj``, ``linear_fc2``; W split on its input columns): A
-  ``[r, in/tp]`` is split like W's columns, B ``[out, r]`` is replicated. The partial
-  ``x_tp A_tp^T`` is summed over TP by ``reduce_from_tensor_model_parallel_region``
-  (all-reduce forward, identity backward); B's gradient is then identical on every TP rank.
+* column-parallel (``linear_qkv``, ``linear_fc1``): A ``[r, in]`` replicated over TP, B
+  ``[out/tp, r]`` split like W's rows; ``x A^T`` passes ``copy_to_tensor_model_parallel_region``.
+* row-parallel (``linear_proj``, ``linear_fc2``): A ``[r, in/tp]`` split like W's columns, B
+  ``[out, r]`` replicated; ``x_tp A_tp^T`` is summed by ``reduce_from_tensor_model_parallel_region``.
 
-So no gradient needs an extra reduction and the merged weight of a TP shard is its own
-``W_tp + scale * B_tp A`` (column) or ``W_tp + scale * B A_tp`` (row): the weight sync and the
-HF export merge shard by shard, in fp32, from the frozen base (never merging in place), and
-then gather like any other weight.
+So no gradient needs an extra reduction, and a TP shard's merged weight is its own
+``W_tp + scale * B_tp A`` (column) or ``W_tp + scale * B A_tp`` (row): the weight sync and the HF
+export merge shard by shard, in fp32, from the frozen base (never in place), then gather.
+The adapters of a chunk live in one ``LoraAdapters`` module (``chunk.lora_adapters``), keyed by
+global layer index and target and applied by a forward hook on the linear: the base parameters
+keep their names, and the adapters' checkpoint keys reshard over PP.
 
-The adapters of a chunk live in one ``LoraAdapters`` module (``chunk.lora_adapters``) keyed by
-the global layer index and target, not inside the layers: the base parameters keep their
-names (the HF mapping, the base checkpoint and the reference model are unchanged) and the
-adapters' checkpoint keys are global, so they reshard over PP like megatron's own layers. The
-adapter is applied by a forward hook on the linear, which megatron's activation recomputation
-re-runs like the rest of the layer.
-
-Departures from the LoRA paper / peft: on a fused megatron linear one A serves the fused
-outputs (q, k and v share A; gate and up share A) where peft has one A per HF module; the
-export writes that A for each (an exact representation). A is initialised from the full
-``[r, in]`` matrix (peft's kaiming-uniform bound ``1/sqrt(in)``) drawn from a generator seeded
-by the layer and target, then sliced: the same adapters at every TP/PP, which the invariance
-tests rely on. Dropout (``model.lora.dropout``) acts only in training mode (the update's
-forward, not the log-prob passes), so it perturbs the importance ratio like any dropout; the
-default is 0 and it is refused at tp > 1 (a replicated input would get different masks on
-the TP ranks).
+Departures from the LoRA paper / peft: on a fused megatron linear one A serves the fused outputs
+(q, k, v share A; gate and up share A) where peft has one A per HF module; the export writes that
+A for each (exact). A is drawn in full (peft's bound ``1/sqrt(in)``) from a generator seeded by
+layer and target, then sliced: the same adapters at every TP/PP. Dropout (``model.lora.dropout``,
+default 0, refused at tp > 1) acts only in the update's forward, not the log-prob passes, so it
+perturbs the importance ratio like any dropout. Sharding and merging: docs/lora.md.
 """
 
 from __future__ import annotations

@@ -7,13 +7,11 @@ restart at 0 in each row and the core attention keeps each query inside its segm
 (``models.attention.SDPAttention``), so every row sees exactly what it sees alone.
 
 Shared prefix (``parallel.share_prefix``; Prefix Grouper, Liu et al. 2025, arXiv 2506.05433):
-the rows of a GRPO group start with the same prompt, which a row-per-sequence forward runs G
-times. Rows with the same prompt form one segment: their longest common prefix once, then
-each row's own tokens (its *branch*), with the position ids each token has in its own row
-(so row k's branch starts at the prefix length, not after row k-1's tokens). A query sees a
+rows with the same prompt form one segment: their longest common prefix once, then each row's
+own tokens (its *branch*), with the position ids each token has in its own row. A query sees a
 key of its segment iff the key's position is not after its own and the key is in the prefix
-(branch 0) or in its own branch. Every row's tokens therefore see exactly what they see
-alone; RoPE reads the position ids (``models.forward``), the attention the branches.
+(branch 0) or its own branch, so every row's tokens see exactly what they see alone; RoPE reads
+the position ids (``models.forward``), the attention the branches.
 
 Scoring by pairs: row b's shifted position t scores its token t + 1 from the output at the
 packed index ``where[b, t]`` of its token t. With a shared prefix several rows read one index

@@ -2,34 +2,26 @@
 
 Two kernels, one program per token row, each one pass over this rank's logits shard:
 
-* ``local_stats``: online softmax statistics over the row's valid (non-padding) columns in
-  blocks of ``block_size``: the running max ``m`` (raw logit units) and, relative to it,
-  ``S = sum e`` and ``D = sum e * z`` (``z = (x - m) / T``, ``e = exp(z)``), rescaled by
-  ``exp((m_old - m_new) / T)`` whenever a block raises the max; then the target's ``z`` when
-  the target is on this rank. These are exactly the float64 ``[4, N]`` statistics the torch
-  path's ``_local_stats`` produces, so the tensor-parallel combine (one MAX and one SUM
-  all-reduce) is shared and unchanged. Nothing logits-sized is written.
-* ``logits_grad``: with the global max ``M``, ``log S`` and ``H`` per token,
-  ``grad = a * onehot(t) - p * (a + b * (log p + H))``, ``a = g_lp / T``, ``b = g_H / T``,
-  ``log p = (x - M) / T - log S`` recomputed from the logits; written block by block into a
-  logits-shaped output (the logits' own storage with ``inplace``: each element is read
-  before it is overwritten). Padding columns get 0. Without an entropy gradient ``b`` is
-  compiled out.
+* ``local_stats``: online softmax statistics over the row's valid columns in blocks of
+  ``block_size`` (running max ``m``; ``S = sum e``, ``D = sum e * z`` rescaled when a block raises
+  the max; the target's ``z`` when on this rank): exactly the float64 ``[4, N]`` statistics of
+  the torch path's ``_local_stats``, so the tensor-parallel combine is shared. Nothing
+  logits-sized is written.
+* ``logits_grad``: ``grad = a * onehot(t) - p * (a + b * (log p + H))``, ``a = g_lp / T``,
+  ``b = g_H / T``, ``log p`` recomputed from the logits, written block by block (into the logits'
+  own storage with ``inplace``: each element is read before it is overwritten). Padding columns
+  get 0; without an entropy gradient ``b`` is compiled out.
 
-Arithmetic is float32 on float32/bf16/fp16 logits; ``S`` and ``D`` are accumulated in
-float64 (as the torch path does: ``log S`` must stay accurate when ``S`` is close to 1).
-Shifted logits are floored at the torch path's ``-80`` before ``exp`` in both kernels, so a
-masked (``kept_ids``) column filled with a huge negative value gives ``e * z = 0``, never
-``0 * inf``.
+Float32 arithmetic on float32/bf16/fp16 logits; ``S`` and ``D`` accumulated in float64 (``log S``
+must stay accurate when ``S`` is close to 1). Shifted logits are floored at the torch path's
+``-80`` before ``exp``, so a masked (``kept_ids``) column gives ``e * z = 0``, never ``0 * inf``.
 
-What the kernels do not cover (``ops.vocab_parallel`` handles it around them):
-``kept_ids`` truncation is applied by the caller as for the torch path (one masked copy of
-the shard, then the kernels run in place on it); non-contiguous rows are copied first. No
-fallback to torch is taken silently: ``kernel="triton"`` always runs these kernels.
-
-On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1`` set
-before this module is imported and while the kernels run), which the exactness tests use;
-``INTERPRETED`` says whether this process decorated them for it.
+``ops.vocab_parallel`` handles around them the ``kept_ids`` truncation (one masked copy of the
+shard, then the kernels run in place on it) and non-contiguous rows (copied first). No fallback
+to torch is taken silently: ``kernel="triton"`` always runs these kernels. On CPU tensors they
+run only under Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is imported
+and while they run), which the exactness tests use; ``INTERPRETED`` says whether this process
+decorated them for it. Tests and GPU figures: docs/vocab_parallel.md#the-triton-kernel.
 """
 
 from __future__ import annotations

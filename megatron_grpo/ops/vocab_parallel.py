@@ -1,62 +1,28 @@
 """Per-token log-probabilities and entropies from vocab-parallel logits, without gathering V.
 
-Megatron's output layer leaves each tensor-parallel rank with a slice of the vocabulary:
-rank ``r`` of ``tp`` holds columns ``[r * V_shard, (r + 1) * V_shard)`` of the padded
-vocabulary (``VocabUtility.vocab_range_from_per_partition_vocab_size``). GRPO needs, for
-every response token, ``log p(target)`` and the entropy ``H(p)`` of ``p = softmax(logits / T)``
-with gradients. ``vocab_parallel_log_probs`` computes both in one ``autograd.Function``:
+Megatron's output layer leaves rank ``r`` of ``tp`` with columns ``[r * V_shard, (r + 1) * V_shard)``
+of the padded vocabulary. ``vocab_parallel_log_probs`` returns ``log p(target)`` and ``H(p)``,
+``p = softmax(logits / T)``, with gradients, in one ``autograd.Function``: per chunk of tokens a
+local max, ``exp`` once into a logits-shaped buffer that backward turns into the gradient in place,
+local sums; then one MAX and one SUM all-reduce over the TP group for all tokens at once, however
+many chunks. Backward needs no collective.
 
-forward, per chunk of tokens, on this rank's valid (non-padding) columns only:
-  1. local max ``m_r`` and ``z = (x - m_r) / T``; ``e = exp(z)`` is written once into a
-     logits-shaped buffer that backward turns into the gradient in place; per token the
-     local ``S_r = sum e``, ``D_r = sum e * z`` (entropy only) and the target's ``z_t`` when
-     the target lives on this rank;
-  2. two small all-reduces over the TP group for *all* tokens at once (MAX of ``m_r``, then
-     SUM of the rescaled ``[S_r, D_r, t_r]``): the number of collectives does not grow with
-     the number of chunks;
-  3. ``log p_t = z_t - log S`` and ``H = log S - D / S`` relative to the global max ``M``.
+What a caller must know:
+* memory: one logits shard plus ``[chunk, V_shard]`` work buffers; ``inplace=True`` uses the logits'
+  own storage (as megatron's cross entropy always does), by default the input is left intact.
+  Backward runs once per forward (``retain_graph`` double backward raises).
+* padded columns (>= ``vocab_size``) get probability exactly 0 and gradient 0, never NaN.
+* ``kept_ids`` (truncated sampling): the engine's kept set per token, global ids, never re-derived
+  here; the op returns ``log q(target)`` and ``H(q)`` of the renormalised distribution over it. A
+  row of all -1 is not truncated. Costs one masked copy of the shard.
+* ``kernel``: chunked torch ops (every device; the tests' reference) or the fused Triton kernels of
+  ``ops.triton_logprobs``, same per-token statistics, shared combine; ``"auto"`` picks Triton for
+  CUDA logits when triton is installed.
+* float32 arithmetic on the logits, float64 per-token statistics.
+* preconditions, not checked (that would sync the device): ``0 <= targets < vocab_size``, and the
+  target is in its kept set when one is given.
 
-backward, no collective (every rank already holds ``M``, ``log S`` and ``H`` per token):
-  ``d log p_t / dz = onehot(t) - p`` and ``dH / dz = -p (log p + H)``, both times ``1 / T``
-  for the logits, with ``p = e * exp((m_r - M) / T) / S`` (a per-token factor on the saved
-  ``e``) and ``log p = (x - M) / T - log S`` recomputed chunk by chunk from the logits
-  (autograd keeps them as the input anyway). Without entropy gradient this is one in-place
-  pass over the saved buffer.
-
-Memory: the saved ``e`` has the logits' shape and dtype and *becomes* the logits gradient,
-so the op's extra peak is one logits shard plus ``[chunk, V_shard]`` work buffers (float32
-and float64; ``auto_chunk_size`` keeps them to a few MB on CPU) and O(tokens) statistics.
-With ``inplace=True`` the buffer is the logits' own storage, as in megatron's cross-entropy
-(which always overwrites its input); by default the input is left intact. Either way
-backward can run only once per forward (``retain_graph`` double backward raises).
-
-Padded vocabulary: columns at or beyond ``vocab_size`` (Megatron pads V to a multiple of
-``make_vocab_size_divisible_by * tp``) do not exist in the HF model or the rollout engine.
-They are excluded from every reduction, i.e. they get probability exactly 0 and gradient 0,
-and never produce NaN (not even on a rank that holds only padding).
-
-Truncated sampling (``kept_ids``): an engine sampling with top-k/top-p/min-p draws from
-``q = p * 1[x in K] / sum_K p``, the renormalised distribution over its kept set ``K``. Given
-``K`` per token (global ids, the engine's own set: never re-derived here from a threshold), the
-op returns ``log q(target)`` and ``H(q)`` with their gradients: every column outside ``K`` is
-filled with a very negative finite logit before the local sums, so its exp falls below the
-exp floor (a contribution of at most ~1e-35 each) and its gradient is exactly 0 (the fill's
-backward); a rank holding none of ``K`` contributes nothing (its max is the fill value, scaled
-by exp(fill - M) = 0 in the combine). The collectives do not change. A token whose row of
-``kept_ids`` is all -1 is not truncated. The masked copy costs one logits shard; the op then
-works in place on that copy.
-
-Implementations (``kernel``): the per-rank passes above run either as chunked torch ops (this
-module; every device, the reference of the tests) or as two fused Triton kernels
-(``ops.triton_logprobs``: forward one read of the logits with an online max, nothing
-logits-sized written; backward one read and one write of the gradient, recomputing ``p``
-from the logits instead of saving ``e``). Both produce the same per-token statistics, so the
-combine and its two collectives are shared. ``"auto"`` picks Triton for CUDA logits when
-triton is installed.
-
-Precision: float32 arithmetic on the logits, float64 for the per-token statistics.
-Preconditions (not checked, to avoid a device sync): ``0 <= targets < vocab_size``, and the
-target is in its kept set when one is given.
+Derivation, exp floor, measured precision and speed: docs/vocab_parallel.md.
 """
 
 from __future__ import annotations

@@ -6,28 +6,22 @@ third-party grading code that can hang, from any thread.
     worker.close()
 
 Why a process: sympy (under math-verify and several reasoning-gym graders) evaluates what it
-parses, and ``\\boxed{9^{9^{9^{9}}}}`` or ``9**9**9**9`` is a big-integer power that runs for
-ever inside one C call. A SIGALRM timeout (math-verify's own) works only in the main thread,
-and neither an alarm nor a thread can interrupt a C call; killing a process always can.
+parses, and ``\\boxed{9^{9^{9^{9}}}}`` or ``9**9**9**9`` runs for ever inside one C call. A SIGALRM
+timeout (math-verify's own) works only in the main thread, and neither an alarm nor a thread can
+interrupt a C call; killing a process always can.
 
-* The worker is started on the first call, not when the reward is loaded (the pre-flight check
-  loads every reward). It is ``python -c`` importing only the target's module, never the
-  trainer's ``__main__``, with this package first on its ``PYTHONPATH``; start-up and imports
-  (~1-2 s) are outside the deadline, which counts from the request.
-* It is kept for the calls that follow (a round trip costs ~30 µs), killed on a
-  timeout and started again on the next call. What a call needs once per worker (sympy's LaTeX
-  parser, a reasoning-gym task's data files) is done by an optional ``setup`` function, also
-  outside the deadline, so a cold worker on a busy machine does not time a right answer out.
+* The worker starts on the first call (not when the reward loads), is kept for the calls that
+  follow, killed on a timeout and started again on the next call. Its start-up and an optional
+  ``setup`` function (once per worker) are outside the deadline, which counts from the request.
 * Calls from several threads take turns (one worker, one lock).
-* Messages are length-prefixed pickles over its stdin/stdout. Its file descriptors 1 and 0 are
-  then pointed at stderr and /dev/null, so graded code (a ``print``) cannot corrupt the stream.
-  It ignores SIGINT, so a Ctrl-C reaches the trainer (which finishes its step) and not the
-  grader in the middle of it. It leads a session and process group of its own, killed whole
-  when the worker is stopped, and when its stdin closes (the trainer exited) it kills its group,
-  so nothing the graded code started outlives it (issue 48: an environment's children held
-  ``megatron-grpo train`` open).
+* Messages are length-prefixed pickles over its stdin/stdout; its fds 1 and 0 then point at
+  stderr and /dev/null, so graded code cannot corrupt the stream. It ignores SIGINT, leads its
+  own session and process group (killed whole when stopped), and kills that group when its stdin
+  closes, so nothing the graded code started outlives the trainer.
 * A worker that dies during a call (a crash in C code) or cannot start is a ``WorkerError``,
   one line: a reward that failed that way is not a wrong answer.
+
+More: docs/rewards.md#the-worker-process.
 """
 
 from __future__ import annotations

@@ -1,37 +1,27 @@
 """``rollout.mode: async``: generation that never waits for training, with bounded staleness.
 
 Rank 0 keeps the engine fed with whole groups (one prompt, ``num_generations`` responses, one
-HTTP request each, in worker threads); a group is scored as soon as it finishes and queued in
-arrival order. Step ``s`` (whose trainer holds the weights of version ``s``) takes the first
-``prompts_per_step`` finished groups in arrival order that are fresh enough:
+request each, in worker threads); a group is scored as soon as it finishes and queued in arrival
+order. Step ``s`` (the trainer holds weights of version ``s``) takes the first ``prompts_per_step``
+finished groups in arrival order that are fresh enough:
 
-* **the bound**: a group is trained at step ``s`` only if every model token of every one of its
-  samples was drawn by weights of version >= ``s - max_staleness`` (``start_version``, the
-  oldest token version, which the embedded engine reports per token). Older groups are
-  regenerated with the current weights or dropped (``rollout.stale_groups``), and counted;
-* **admission**: a new group starts only while ``taken + outstanding < (v - v0 + k + 1) * B``
-  (v the version the engine serves, v0 the run's first, B prompts per step, k the bound), so at
-  most the batches of steps v .. v+k are in flight and, consumed in arrival order, each is
-  within the bound; only groups overtaken by later ones can go stale;
-* **weight updates in flight**: the sync pauses the engine with ``retract``
-  (``sync/servers.py``): the running sequences stop, the new weights load, and the sequences
-  resume, re-prefilled (their KV cache recomputed with the new weights) so every later token is
-  exactly the new policy's; each token records the version that drew it and its log-prob under
-  that version (``Sample.output_versions``, ``output_logprobs``), the loss's behaviour policy;
-* **groups stay whole**; a group with an aborted or failed response is never trained: it is
-  regenerated (``async/groups_failed``), and a failure raises into the EngineSupervisor, which
-  restarts a dead engine and resyncs; groups that fail because of that same failure are
-  requeued without raising again (``_epoch``).
+* **the bound**: a group is trained at step ``s`` only if every model token of it was drawn by
+  weights of version >= ``s - max_staleness``; older groups are regenerated or dropped
+  (``rollout.stale_groups``), and counted. Admission keeps at most the batches of steps v .. v+k
+  in flight (v the version the engine serves), so only overtaken groups can go stale;
+* **weight updates in flight**: the sync pauses the engine with ``retract``; sequences resume
+  re-prefilled with the new weights, and each token records the version that drew it and its
+  log-prob under it (``Sample.output_versions``, ``output_logprobs``): the behaviour policy;
+* **groups stay whole**: a group with an aborted or failed response is regenerated, and the
+  failure raises into the EngineSupervisor; groups failed by that same failure are requeued
+  without raising again (``_epoch``).
 
-The batch is a pure function of the arrival order (``take_groups``); every group's fate is
-appended to ``RUN_DIR/rollouts/async_groups.jsonl`` (step as in metrics.jsonl, group id, prompt, start version,
-arrival index), which a resumed run cuts back to its checkpoint's step as it does metrics.jsonl.
-Each group's sampler seed depends only on its id and regeneration count. A
-checkpoint stores the data position before the oldest draw with a group not yet trained or
-dropped, the ids of that draw and later ones already settled, and how many draws were made:
-a resumed run regenerates exactly the unsettled prompts, with the resumed weights (their
-responses are not those of the killed run: which tokens each version drew depended on
-timing), and says so in one line (``resume_note``).
+The batch is a pure function of the arrival order (``take_groups``); each group's sampler seed
+depends only on its id and regeneration count; every group's fate goes to
+``RUN_DIR/rollouts/async_groups.jsonl`` (cut back on resume like metrics.jsonl). A resumed run
+regenerates exactly the unsettled groups with the resumed weights (not the same responses) and
+says so in one line (``resume_note``). Details, tests, metrics:
+docs/off_policy.md#asynchronous-rollouts-rolloutmode-async.
 """
 
 from __future__ import annotations

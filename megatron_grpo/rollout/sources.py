@@ -3,32 +3,24 @@
 sync (the default): at the start of step k rank 0 draws prompts and the engine, which serves
 the weights trained by steps < k (version k), generates; the batch is broadcast. Policy lag 0.
 
-one_step_off_policy: as soon as the batch of step k is in hand, rank 0 draws the prompts of
-step k+1 and a background thread generates and scores them on the engine (HTTP, rank 0 only;
-the other ranks are not involved) while every rank computes log-probs and trains on step k.
-After the update the trainer waits for that generation (``collect_next``: the wait is the
-step's ``time/idle_s``) and only then syncs the weights of step k+1 into the engine, so step
-k+2's generation uses them. Batch k+1 was therefore sampled by the weights of version k while
-the trainer holds version k+1: policy lag 1 from the second step on; the first step (and the
-first step after a resume) generates in order, lag 0. The engine reports the version that
-sampled each batch (the ``weight_version`` the sync sets); ``rollout/weight_version`` is that
-number and ``rollout/policy_lag`` is ``step - weight_version`` (steps 0-based here).
+one_step_off_policy: as soon as batch k is in hand, rank 0 draws the prompts of step k+1 and a
+background thread generates and scores them (rank 0 only) while every rank trains on step k.
+After the update the trainer waits for it (``collect_next``; the wait is ``time/idle_s``), then
+syncs the weights of step k+1. Batch k+1 was sampled by version k: policy lag 1 from the second
+step on (the first step, and the first after a resume, have lag 0). ``rollout/policy_lag`` is
+``step - weight_version``, the version the engine reports (steps 0-based here).
 
-Departures and choices, documented in docs/off_policy.md:
+Departures and choices (docs/off_policy.md#one-step-off-policy-rollouts-rolloutmode):
 
 * pi_old in the loss is the trainer's recomputed log-probs of the weights it holds (decoupled
-  PPO's proximal policy: the clip is around the policy being updated), and the engine's
-  log-probs are the behaviour policy mu; the staleness shows in rho = pi_old / mu, which the
-  ``algorithm.off_policy_correction`` block weights or masks.
+  PPO's proximal policy); the engine's log-probs are the behaviour policy mu, and the staleness
+  shows in rho = pi_old / mu, which ``algorithm.off_policy_correction`` weights or masks.
 * The engine is never written to while it generates: the sync waits for the in-flight batch.
   Evaluation runs after the sync, when nothing is in flight.
-* A failure of the background generation is recovered from exactly as a failed generation in
-  sync mode (``EngineSupervisor.rollout``): a dead launched engine is restarted, the trainer's
-  current weights are synced and the same prompts are generated again with the same seed; that
-  batch then has lag 0 (the engine reports it).
+* A failed background generation is recovered as in sync mode (``EngineSupervisor.rollout``:
+  restart, sync the current weights, same prompts and seed); that batch then has lag 0.
 * A checkpoint written while a batch is prefetched stores the data position from before that
-  batch's draw: a resumed run draws the same prompts again and generates them in order, so no
-  prompt is lost or repeated (the regenerated responses differ: fresher weights).
+  batch's draw: a resumed run draws the same prompts again, in order (fresher responses).
 """
 
 from __future__ import annotations

@@ -1,47 +1,26 @@
 """Let megatron-core run on a machine without CUDA (gloo backend). A no-op when CUDA exists.
 
-megatron-core 0.16 assumes a GPU in a handful of places that the CPU path reaches:
+megatron-core 0.16 assumes a GPU in a handful of places that the CPU path reaches; ``install()``
+redirects exactly these, and only when ``torch.cuda.is_available()`` is false, so GPU code paths
+never see it. It is idempotent and process-local; call it before building models or schedules
+(``runtime.parallel.initialize`` does). What it redirects:
 
-* ``torch.cuda.current_device()`` as the device of tensors that the pipeline p2p code and
-  the schedules allocate;
-* ``torch.zeros/ones/tensor(..., device="cuda")`` in the schedules (token counter), the
-  causal-mask helper, the optimizer and gradient buffers: those modules see a ``torch``
-  whose factories map ``device="cuda"`` to the CPU (the real ``torch`` is untouched);
-* ``torch.cuda.synchronize()`` in the p2p code;
-* the ``torch.cuda.FloatTensor`` type assert in gradient clipping (replaced by the same
-  scaling without the assert). The DistributedOptimizer has the same type checks and is not
-  supported on CPU: the trainer uses the plain megatron optimizer there;
-* ``Tensor.cuda`` while a model with tied embeddings is built at PP > 1
-  (``tensor_cuda_is_identity``, scoped to the constructor);
-* the ``param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']`` test by which
-  megatron's mixed-precision optimizer (``Float16OptimizerWithFloat16Params``) sorts bf16/fp16
-  parameters into those that get an fp32 main copy: ``tensor_type_names_cuda``, scoped to the
-  optimizer's constructor (``trainer.optim``); without it bf16 training on CPU is refused;
-* the CUDA RNG states tracker (``tensor_parallel.random``) that forks RNG streams for TP
-  initialisation and dropout;
-* activation recomputation (``tensor_parallel.checkpoint``) saves and restores the CUDA
-  generator's state around the recomputed forward (``_get_cuda_rng_state`` /
-  ``_set_cuda_rng_state``): without CUDA the "device" generator is the CPU one, whose state
-  the same code already saves and restores beside it;
-* the MoE router's gating GEMM reads ``moe_utils.te_general_gemm``, a name megatron-core only
-  defines when transformer_engine imports (a NameError without it): defined as None, which
-  selects its plain ``torch.mm`` path;
-* context parallelism's RoPE slice (``rope_utils.get_pos_emb_on_this_cp_rank``) builds its
-  chunk index as a pinned CPU tensor moved with ``.cuda()``: the same slice with the index on
-  the angles' own device (``_pos_emb_on_this_cp_rank``).
+* ``torch.cuda.current_device()`` / ``synchronize()`` and ``device="cuda"`` tensor factories in
+  the p2p code, schedules, causal-mask helper, optimizer and gradient buffers (those modules see
+  a ``torch`` whose factories map "cuda" to the CPU; the real ``torch`` is untouched);
+* the ``torch.cuda.FloatTensor`` assert in gradient clipping (same scaling, no assert);
+* two scoped redirections: ``Tensor.cuda`` while a tied-embedding model is built at PP > 1
+  (``tensor_cuda_is_identity``), and the CUDA type names by which the mixed-precision optimizer
+  sorts bf16/fp16 parameters (``tensor_type_names_cuda``, in ``trainer.optim``);
+* the CUDA RNG states tracker, activation recomputation's CUDA RNG state save/restore, the MoE
+  router's ``te_general_gemm`` (None: the ``torch.mm`` path), and context parallelism's RoPE slice.
 
-One redirection is for speed, not function: megatron's checkpoint writer collects its write
-results through a ``multiprocessing`` manager started with the *spawn* method. The spawned
-server is a fresh interpreter that imports torch to unpickle the first result, so the first
-checkpoint a process saves waits for it (2.5 s per training rank on the project's 2-core
-machine, in each of the test suite's ~30 training runs). ``_fork_write_results_queue``
-starts that manager with *fork* instead: the child inherits the imported modules and serves
-at once, and dies with its rank (``runtime.process.forks_die_with_this_process``). Kept to
-the CPU path because the GPU path was run and measured with megatron's own spawn manager.
+The DistributedOptimizer type-checks CUDA tensors and is not supported on CPU: the trainer uses
+the plain megatron optimizer there. One redirection is for speed only (CPU path only; the GPU
+path was measured with megatron's own): ``_fork_write_results_queue`` starts the checkpoint
+writer's result manager with *fork* instead of *spawn* (the child dies with its rank).
 
-``install()`` redirects exactly these, and only when ``torch.cuda.is_available()`` is
-false, so GPU code paths never see it. It is idempotent and process-local; call it before
-building models or schedules (``runtime.parallel.initialize`` does).
+Each redirection, why, and what it saves: docs/design.md#megatron-core-on-cpu.
 """
 
 from __future__ import annotations

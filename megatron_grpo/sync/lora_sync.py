@@ -4,27 +4,22 @@
 ``ServerDelivery`` (``servers.py``) sends it in place of the merged weights when the policy has
 adapters (``models/lora.py``); the request keys are the engine's (``inference/lora_update.py``):
 
-1. the first sync after the sync starts (a run's start or resume) or after ``reset`` (an
-   engine restarted, or a sync failed) sends every weight as the merged sync does, except that
-   each adapted weight is its frozen base, in the trainer's own dtype (the engine keeps it in
-   fp32 exactly as sent: a bf16 engine of an fp32 trainer merges from the fp32 base, as the
-   merged sync does), named in its bucket's ``lora_base`` key (``base_stream``,
-   ``mark_base``);
-2. every sync then sends the adapters: per megatron adapter one A ``[r, in]`` (shared by the
-   q/k/v or gate/up modules of a fused linear) and one B ``[out, r]`` per HF module, fp32,
-   gathered over TP (``lora_export.iter_adapter_units``), in buckets whose ``lora`` key maps
-   each module to its A and B (``adapter_buckets``). An adapter never straddles two buckets,
-   so each request merges whole modules and is checked on its own;
-3. on a verified sync the trainer computes what the engine must now serve: ``merge_fp32`` of the
-   base (gathered again over TP; nothing is kept between syncs), A and B, cast once to the
-   engine's dtype -- the very operations the engine runs -- and compares the checksums
-   (``reference_checksums``) with the engine's, like the merged sync's. A merge computed on
-   another kind of device than the engine's (a GPU trainer, a CPU engine) rounds differently
-   and fails this check; the log-prob probe, which a LoRA sync also runs, does not mind.
+1. the first sync after the sync starts (a run's start or resume) or after ``reset`` (an engine
+   restarted, or a sync failed) sends every weight, each adapted one as its frozen base in the
+   trainer's own dtype (the engine keeps it in fp32 as sent), named in its bucket's ``lora_base``
+   key (``base_stream``, ``mark_base``);
+2. every sync then sends the adapters: per megatron adapter one A ``[r, in]`` (shared by a fused
+   linear's modules) and one B ``[out, r]`` per HF module, fp32, gathered over TP
+   (``lora_export.iter_adapter_units``), in buckets whose ``lora`` key maps each module to its A
+   and B (``adapter_buckets``); an adapter never straddles two buckets;
+3. on a verified sync the trainer computes what the engine must now serve (``merge_fp32`` of the
+   base, A and B, cast once to the engine's dtype: the engine's own operations) and compares
+   checksums (``reference_checksums``). A merge on another kind of device than the engine's
+   rounds differently and fails this check; the log-prob probe, which also runs, does not mind.
 
 Departure from the merged sync: the verified syncs gather the adapted base weights over TP
-(as the merged sync does every sync) to compute the reference; the bytes sent stay the
-adapters'.
+again (nothing is kept between syncs) to compute the reference; the bytes sent stay the
+adapters'. More: docs/lora.md#what-each-engine-receives.
 """
 
 from __future__ import annotations

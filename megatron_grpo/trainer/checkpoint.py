@@ -1,46 +1,27 @@
 """Crash-safe training checkpoints: model + optimizer + RNG + data position + step.
 
-Layout under ``RUN_DIR/checkpoints/``::
+Under ``RUN_DIR/checkpoints/``: ``step_000020/`` (megatron-core dist_checkpointing of model and
+optimizer, ``trainer_state.json``, ``rng/rank_00000.pt`` per rank, ``manifest.json``, and
+``COMPLETE`` written last) and ``latest``, naming the newest complete checkpoint. Entry points:
+``save_training_checkpoint``, ``agreed_resume`` / ``choose_resume``, ``checkpoint_problem``,
+``load_training_checkpoint``.
 
-    step_000020/            a complete checkpoint (megatron-core dist_checkpointing: model and
-                            optimizer sharded state, loadable at another TP/PP for the model)
-      trainer_state.json    step, data sampler position, metrics count   (extra_state too)
-      rng/rank_00000.pt     each rank's RNG states (ranks differ, so one file a rank): the CPU
-                            generator's, and with CUDA the device generator's and megatron's
-                            model-parallel CUDA RNG tracker's (dropout, TP init streams)
-      manifest.json         every other file's size, and a CRC-32 of each file up to 64 MiB
-      COMPLETE              written last: a directory without it is never resumed from
-    latest                  text file naming the newest complete checkpoint (atomic replace)
+* A directory without ``COMPLETE`` is never resumed from. Everything goes to
+  ``.step_000020.tmp`` (manifest and COMPLETE inside) and is renamed; then ``latest`` is replaced
+  atomically, then checkpoints beyond ``keep_last`` are deleted. A kill at any moment leaves the
+  previous complete checkpoint or the new one; partial temp directories go at the next save or resume.
+* ``checkpoint_problem`` verifies before loading: every file's size, a CRC-32 of each up to
+  ``CRC_MAX_BYTES`` (larger shards: size only), the keys of ``trainer_state.json`` the trainer
+  reads, and, for a checkpoint without a manifest (older ones are accepted), the RNG files.
+* ``choose_resume`` (``checkpoint.resume: auto``) takes the newest intact checkpoint, ``latest``'s
+  first, saying in one line what it skips; when complete ones exist and none is intact the run
+  stops rather than start from step 0. A damaged explicit ``resume: PATH`` stops the run.
+* ``save_training_checkpoint`` runs its phases through ``models.checkpoint.AgreedSave``: a failure
+  on any rank ends every rank with the same one-line ``CheckpointError``, and ``latest`` and the
+  older checkpoints are left untouched.
 
-Writing order: everything goes to ``.step_000020.tmp`` (models.checkpoint writes there and
-renames), the manifest and then the COMPLETE marker are written inside before the rename, then
-``latest`` is replaced, then checkpoints beyond ``keep_last`` are deleted. A kill at any moment
-leaves either the previous complete checkpoint or the new one: never a partial one that resume
-would pick (partial temp directories are removed at the next save or resume).
-
-**Verified before loading.** A complete checkpoint can still be damaged afterwards (a disk or a
-copy that cut a file, a hand edit). ``checkpoint_problem`` compares the files with the manifest
-(size of each; CRC-32 of each file up to ``CRC_MAX_BYTES``: metadata, JSON, RNG states, common
-state, small shards), parses ``trainer_state.json`` for the keys the trainer reads and, for a
-checkpoint without a manifest, loads each RNG file. Large shards get their size only: a CRC means
-reading the whole file once more at save and at resume (gigabytes a shard for a real model, at
-disk speed, before the load reads it again); a cut or missing shard, the damage seen in
-practice, shows in its size, and megatron-core's own load fails on a shard it cannot parse
-(``load_training_checkpoint`` turns that into one line too). A checkpoint written before the
-manifest existed is accepted on its COMPLETE marker (and its state and RNG files) alone.
-
-``choose_resume`` (``checkpoint.resume: auto``) takes the newest intact checkpoint: ``latest``'s,
-then the other complete ones, newest first; skipping a damaged one is said in one line. When
-complete checkpoints exist and none is intact, the run stops in one line instead of starting
-from step 0 (a user would rather be told; ``checkpoint.resume: never`` starts over). An explicit
-``checkpoint.resume: PATH`` that is damaged stops the run: no fallback to another checkpoint.
-
-**Saving fails in one line.** ``save_training_checkpoint`` runs its phases through
-``models.checkpoint.AgreedSave``: a read-only directory, a full disk or a killed writer on any
-rank ends every rank with the same ``CheckpointError`` (``could not save checkpoint step N to
-DIR: rank R: ...; the last complete checkpoint step_... is intact``) and nothing of ``latest``
-or the older checkpoints is touched (the half-written directories are removed at once, best
-effort, and again at the next save or resume).
+Layout, the manifest, why large shards get no CRC, the messages:
+docs/checkpoints.md#checkpoints-and-resume.
 """
 
 from __future__ import annotations

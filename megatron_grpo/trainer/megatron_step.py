@@ -7,26 +7,21 @@ pipeline stage the vocab-parallel logits ``[B, S, V/tp]`` are turned into per-to
 log-probs and entropies by ``ops.vocab_parallel_log_probs`` (never gathering the vocab),
 then into the loss by ``losses.compute_policy_loss``. The output layer runs only from each
 micro-batch's first scored position on (``first_scored``; packed rows: at their scored
-(row, position) pairs, ``packed_scored``, which repeat the index of a prefix several rows
-share; ``models.forward``): the positions left out get log-prob 0, and no gradient, which the
-loss mask gave them anyway.
+(row, position) pairs, ``packed_scored``; ``models.forward``): the positions left out get
+log-prob 0 and no gradient, which the loss mask gave them anyway.
 
-Loss scaling. Megatron's schedule divides each micro-batch loss by the number of
-micro-batches and DDP averages gradients over the dp ranks. ``compute_policy_loss`` instead
-returns per-part losses that SUM to the mini-batch loss (its token_mean denominator is the
-global valid-token count of the mini-batch, counted before off-policy masking;
-docs/loss_spec.md#reductions). We therefore multiply each part by ``num_microbatches * dp`` before handing it to the
-schedule, so the gradient is exactly that of the global mini-batch loss whatever the TP,
-PP, DP or micro-batch split (docs/loss_spec.md#the-whole-loss-and-the-distributed-contract, SkyRL's
-``grad_sum_correction_factor``).
+Loss scaling. Megatron's schedule divides each micro-batch loss by the number of micro-batches
+and DDP averages gradients over the dp ranks, while ``compute_policy_loss`` returns per-part
+losses that SUM to the mini-batch loss. Each part is therefore multiplied by
+``num_microbatches * dp``, so the gradient is exactly that of the global mini-batch loss
+whatever the split (docs/loss_spec.md#the-whole-loss-and-the-distributed-contract).
 
 Context parallelism (``parallel.cp``, ``models.context_parallel``): each CP rank runs its
 chunks of every sequence, scores the pairs its logits cover (``CPScored``) and sums the [B, T]
-log-probs and entropies over the CP group, so the loss above is computed on whole sequences,
-identically on every CP rank. Megatron's DDP averages gradients over dp x cp ranks and its
-schedule multiplies each micro-batch loss by cp (the legacy two-output ``loss_func`` path), so
-the scale above stays ``num_microbatches * dp`` and each rank's gradient (that of the whole
-loss through its own tokens) sums over CP to the CP1 gradient.
+log-probs and entropies over the CP group, so the loss is computed on whole sequences,
+identically on every CP rank. DDP averages over dp x cp and the schedule multiplies each loss
+by cp (the legacy two-output ``loss_func`` path), so the scale stays ``num_microbatches * dp``
+(docs/models.md#context-parallelism-parallelcp, "Gradients").
 """
 
 from __future__ import annotations

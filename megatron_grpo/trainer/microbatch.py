@@ -1,34 +1,25 @@
 """How a rank's rows are cut into micro-batches: a fixed row count, or a token budget.
 
 Fixed (``parallel.max_tokens_per_microbatch: null``): consecutive groups of
-``micro_batch_size`` rows, every one padded to the rollout batch's longest sequence S (what
-the trainer always did; bit-for-bit unchanged).
+``micro_batch_size`` rows, every one padded to the rollout batch's longest sequence S.
 
-Token budget (``max_tokens_per_microbatch: M``), slime's ``--max-tokens-per-gpu`` idea by
-sort-and-bucket padding: the rows are sorted by length (longest first) and packed greedily
-into micro-batches whose PADDED size ``rows x longest row`` stays within M; each micro-batch
-is cut to its own longest row, so a batch with a long tail no longer pads every short answer
-to the longest one. A row longer than M gets a micro-batch of its own (it cannot be split:
-causal scoring needs the whole prefix). The plan depends on the lengths only, so the TP and
-PP ranks of one pipeline (which hold the same rows) build the same plan; DP ranks may get
+Token budget (``max_tokens_per_microbatch: M``; slime's ``--max-tokens-per-gpu`` idea by
+sort-and-bucket padding): rows sorted longest first are packed greedily into micro-batches whose
+PADDED size ``rows x longest row`` stays within M, each cut to its own longest row. A row longer
+than M gets a micro-batch of its own (causal scoring needs the whole prefix). The plan depends on
+the lengths only, so the TP and PP ranks of one pipeline build the same plan; DP ranks may get
 different numbers of micro-batches, which the loss scaling in ``megatron_step`` allows.
 
-The loss does not change: every reduction's denominators (global valid-token count,
-sequence count, the fixed Dr.GRPO horizon) come from the whole mini-batch, never from a
-micro-batch's shape, and cut-off positions are past every response token (causal attention
-never looks ahead), so they carry no loss and no gradient.
+The loss does not change: every denominator comes from the whole mini-batch, never from a
+micro-batch's shape, and cut-off positions lie past every response token.
 
-Packed (``parallel.pack_sequences: true`` with a budget M): rows are grouped first-fit
-decreasing while their SUMMED lengths stay within M (``packed_plan``); the forward then
-concatenates each micro-batch's rows into one row without padding (``models.packing``), so
-the budget counts real tokens. The micro-batch itself is still cut to its longest row (the
-per-token fields keep the [rows, L - 1] layout the loss reads).
-
-Shared prefix (``parallel.share_prefix``, with packing): rows with the same prompt (a GRPO
-group) are packed as one segment that runs their common prefix once (``models.packing``), so
-the plan keeps them together: a group costs its prefix once plus each row's own tokens
-(``shared_plan``), first-fit decreasing by that cost; a group over the budget is cut into
-consecutive chunks that fit, each paying the prefix again.
+Packed (``parallel.pack_sequences`` with a budget, ``packed_plan``): first-fit decreasing by
+SUMMED lengths; the forward concatenates each micro-batch's rows into one row (``models.packing``).
+The micro-batch is still cut to its longest row (the loss reads [rows, L - 1]).
+Shared prefix (``parallel.share_prefix``, ``shared_plan``): a group costs its prefix once plus
+each row's own tokens, first-fit decreasing by that cost; a group over the budget is cut into
+consecutive chunks that each pay the prefix again.
+Why, and measurements: docs/throughput.md#token-budget-micro-batching.
 """
 
 from __future__ import annotations

@@ -8,28 +8,20 @@ routed_experts``); the expert weights are still the router's own probabilities o
 experts (megatron-core's ``RouterReplay``: ``scores.gather(top_indices)``), so the router
 still gets a gradient.
 
-Mechanism: every megatron ``TopKRouter`` gets a ``LayerReplay`` (megatron-core's
-``RouterReplay`` contract, consulted by ``topk_routing_with_score_function`` in place of its
-top-k). Megatron's own instances register in a process-global list, which would mix the
-policy's and the reference model's layers living in one process; ours stay per router. A
-forward pre-hook on each router sets that layer's target for the micro-batch in flight from
-the router's input shape, so every layout works the same way: the pipeline stage's (and
-virtual stage's) global ``layer_number`` picks the layer, and with sequence parallelism the
-tp rank takes its slice of the sequence (rows ordered ``s * B + b``, megatron's layout).
+Mechanism: every megatron ``TopKRouter`` gets a ``LayerReplay`` (megatron-core's ``RouterReplay``
+contract). Departure: megatron's own instances register in a process-global list, which would
+mix the policy's and the reference model's layers in one process; ours stay per router. A
+forward pre-hook sets each layer's target for the micro-batch in flight from the router's input
+shape (global ``layer_number``; with sequence parallelism the tp rank's slice of the sequence).
+Positions the engine never routed (padding, the longest row's last token) get experts
+``0..k-1``; they are never scored and cannot reach scored positions.
 
-Positions the engine never routed (the last token of the longest row, right padding,
-sequence-parallel padding) get experts ``0..k-1``: their outputs are never scored and causal
-attention keeps them from reaching scored positions.
+``moe/routing_mismatch_frac``: over the scored positions, the fraction of (token, layer) pairs
+whose own top-k expert set differs from the engine's, summed over every rank (exact, except the
+interleaved schedule's forward-only pass counting its repeated last micro-batch twice).
 
-Mismatch metric: every router also computes its own top-k on the same scores; over the scored
-positions (``loss_mask``), ``moe/routing_mismatch_frac`` = (token, layer) pairs whose expert set
-differs from the engine's / all (token, layer) pairs. Summed over every rank: model-parallel
-ranks that see the same rows count them equally often, so the ratio is exact (except that
-the interleaved schedule's forward-only pass repeats its last micro-batch up to a multiple of
-pp, which then counts twice).
-
-Limit: activation recomputation would re-run the router in the backward pass after later
-micro-batches set their targets; it is refused at config load with router replay.
+Limit: activation recomputation is refused at config load with router replay (it would re-run
+the router after later micro-batches set their targets). More: docs/moe.md#router-replay.
 """
 
 from __future__ import annotations

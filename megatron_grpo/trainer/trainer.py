@@ -7,35 +7,22 @@
 
 One step, read top to bottom (``Trainer.step``):
 
-1. **rollout**: rank 0 draws prompts, the rollout engine samples ``num_generations`` responses
-   each (token ids + the engine's log-probs), rewards are scored and group-normalised into
-   advantages; the TrainBatch is broadcast to every rank. The batch comes from the run's
-   ``RolloutSource`` (``rollout/sources.py``): with ``rollout.mode: one_step_off_policy`` the
-   next step's batch is generated in the background while this step trains, and waited for
-   before the sync; with ``async`` the engine generates groups continuously and the step takes
-   the first fresh whole groups to finish (``rollout/async_source.py``). The engine call is
-   four named hops from ``step``: ``RolloutSource.batch_for`` -> ``EngineSupervisor.rollout``
-   -> ``generate_and_score`` -> ``generate_round`` -> ``engine.generate``;
-2. **shard**: the batch is (optionally) shuffled across its mini-batches and each DP rank takes
-   its rows;
-3. **score**: old-policy (and, with a KL loss, reference) log-probs are recomputed by Megatron
-   in forward-only mode with the vocab-parallel op; with ``distillation.teacher`` the frozen
-   teacher scores the same tokens at the same temperature, checked against transformers every
-   ``distillation.verify_every`` steps (``teacher.py``);
-4. **update**: for ``num_iterations`` epochs, every mini-batch is one optimizer step of the
-   corrected GRPO loss (``megatron_step.train_mini_batch``), its learning rate from the run's
-   one schedule (``update_plan.UpdatePlan``);
+1. **rollout**: the run's ``RolloutSource`` (``rollout/sources.py``, ``rollout/async_source.py``)
+   gives the TrainBatch (responses, engine log-probs, advantages), broadcast to every rank;
+2. **shard**: the batch is (optionally) shuffled across mini-batches; each DP rank takes its rows;
+3. **score**: old-policy (and reference, and with ``distillation.teacher`` the teacher's)
+   log-probs, recomputed in forward-only mode with the vocab-parallel op;
+4. **update**: for ``num_iterations`` epochs, every mini-batch is one optimizer step
+   (``megatron_step.train_mini_batch``), its learning rate from ``update_plan.UpdatePlan``;
 5. **sync**: the new weights are resharded into the rollout engine;
-6. **evaluate** (when due: ``eval.every_n_steps``, the last step): rank 0 evaluates the
-   held-out sets on the engine, which now serves these weights, in rounds the other ranks wait
-   for one at a time;
-7. **log** the step's metrics; **checkpoint** when due. An evaluation belongs to its step's
-   metrics entry and happens before that step's checkpoint, so a resumed run neither repeats
-   nor skips one.
+6. **evaluate** (when due): rank 0 evaluates the held-out sets on the engine, now serving these
+   weights, in rounds the other ranks wait for; 7. **log**; **checkpoint** when due. An
+   evaluation belongs to its step's metrics entry and precedes that step's checkpoint, so a
+   resumed run neither repeats nor skips one.
 
-Every rank runs the trainer (torchrun); rank 0 also owns the engine's generation, the data
-and the logging. Every engine call goes through ``EngineSupervisor`` (recovery from a failed
-engine), whatever the engine (``generation.protocol.RolloutEngine``).
+Every rank runs the trainer (torchrun); rank 0 also owns the engine's generation, the data and
+the logging. Every engine call goes through ``EngineSupervisor`` (recovery from a failed engine),
+whatever the engine (``generation.protocol.RolloutEngine``). More: docs/design.md#what-one-step-does.
 """
 
 from __future__ import annotations

@@ -4,31 +4,21 @@
 Qwen3Arch)``): attention, norms and embeddings stay the dense architecture's; the MLP of every
 layer becomes megatron-core's ``MoELayer`` (router + ``SequentialMLP`` experts).
 
-Routing, as Hugging Face computes it and as megatron's router options reproduce it:
+Routing, as Hugging Face computes it (softmax over all experts, top-k per token), through
+megatron's router options: ``normalize_topk`` (Qwen3-MoE ``norm_topk_prob``; always for Mixtral)
+maps to ``moe_router_pre_softmax=False`` (the same numbers), not normalised to ``True``. No
+capacity limit, no token dropping; each expert's output is scaled by its weight after the expert
+(``moe_apply_probs_on_input`` off), as HF does. No load-balancing loss inside the model (HF adds
+its own only with ``output_router_logits``); router load metrics are in ``trainer.moe_metrics``.
 
-* scores = softmax(router logits) over all experts, then the top-k experts per token;
-* ``normalize_topk`` (Qwen3-MoE ``norm_topk_prob``; always for Mixtral): the k weights are
-  divided by their sum. Megatron: ``moe_router_pre_softmax=False`` = top-k on the logits, then
-  softmax over those k logits, which is the same number (softmax is monotone, and the softmax
-  over k logits equals the k full-softmax probabilities divided by their sum);
-* not normalised: ``moe_router_pre_softmax=True`` = softmax over all experts, then top-k;
-* no capacity limit, no token dropping (megatron's default ``moe_expert_capacity_factor=None``);
-  the output of each expert is scaled by its weight after the expert (``moe_apply_probs_on_input``
-  off), which is where HF applies it;
-* no load-balancing loss inside the model: HF adds its ``router_aux_loss_coef`` loss only when
-  ``output_router_logits`` is set, outside the logits; the trainer has no aux-loss option yet
-  (the per-step router load metrics are in ``trainer.moe_metrics``).
-
-Expert weights: HF stores expert ``e`` of layer ``l`` as separate gate/up/down matrices
-(on-disk names, whatever fused form transformers uses in memory); megatron's ``SequentialMLP``
-holds ``num_experts / ep`` local experts per expert-parallel rank, local slot ``i`` of EP rank
-``r`` being global expert ``r * num_local + i`` (``MoELayer.local_expert_indices``). Each
-expert's ``linear_fc1`` is [gate; up] split over the expert-tensor-parallel group like the
-dense ``GatedFC1``, ``linear_fc2`` split by columns; the router ``[E, H]`` is replicated.
+Expert weights: HF's on-disk per-expert gate/up/down matrices map to ``SequentialMLP``'s local
+experts, slot ``i`` of EP rank ``r`` being global expert ``r * num_local + i``; ``linear_fc1`` is
+[gate; up] split like the dense ``GatedFC1``, ``linear_fc2`` by columns; the router is replicated.
 
 Departures: grouped-GEMM experts (``TEGroupedMLP``) are not used, so a GPU run computes the
 experts one after another (``SequentialMLP``); on CPU the token dispatcher is ``allgather``
 (megatron's ``alltoall`` dispatcher allocates CUDA streams), on GPU ``alltoall``.
+Why the router options match, and the layout: docs/moe.md#supported.
 """
 
 from __future__ import annotations
