@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
 from megatron_grpo.inference.engine import EmbeddedEngine
-from megatron_grpo.inference.limits import ServerPolicy
+from megatron_grpo.inference.limits import RequestLimits
 from megatron_grpo.inference.server import build_app
 from tools.tiny import save_tiny_model
 from megatron_grpo.ops.lora_merge import merge_fp32
@@ -57,7 +57,7 @@ def served(model_dir, tmp_path_factory, request):
     """(engine, client) of the app over a fresh engine, in each dtype."""
     engine = EmbeddedEngine(model_dir, dtype=request.param, max_batch_size=4, seed=0)
     trusted = tmp_path_factory.mktemp("weights")
-    with TestClient(build_app(engine, policy=ServerPolicy(trusted_weight_dirs=(str(trusted),)))) as client:
+    with TestClient(build_app(engine, limits=RequestLimits(trusted_weight_dirs=(str(trusted),)))) as client:
         client.trusted = trusted
         yield engine, client
     engine.shutdown()

@@ -42,7 +42,7 @@ DEFAULT_READ_TIMEOUT_S = 60.0  # a 16 MiB body at ~0.3 MB/s; the trainer's reque
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServerPolicy:
+class RequestLimits:
     """The launch-time bounds of the embedded engine's server (see the module docstring)."""
 
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -74,41 +74,41 @@ class ServerPolicy:
             raise ValueError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
 
 
-def request_size_problem(policy: ServerPolicy, num_sequences: int, num_tokens: int) -> Optional[str]:
+def request_size_problem(limits: RequestLimits, num_sequences: int, num_tokens: int) -> Optional[str]:
     """Why a /generate of ``num_sequences`` sequences holding ``num_tokens`` tokens in all
-    (prompts plus max_new_tokens, per sequence) is too large for ``policy`` (None: it is not)."""
-    if num_sequences > policy.max_request_sequences:
+    (prompts plus max_new_tokens, per sequence) is too large for ``limits`` (None: it is not)."""
+    if num_sequences > limits.max_request_sequences:
         return (f"the request asks for {num_sequences} sequences (inputs x n); this server accepts at most "
-                f"{policy.max_request_sequences} per request (--max-request-sequences)")
-    if num_tokens > policy.max_request_tokens:
+                f"{limits.max_request_sequences} per request (--max-request-sequences)")
+    if num_tokens > limits.max_request_tokens:
         return (f"the request puts {num_tokens} tokens in flight (prompt + max_new_tokens, per sequence); this "
-                f"server accepts at most {policy.max_request_tokens} per request (--max-request-tokens)")
+                f"server accepts at most {limits.max_request_tokens} per request (--max-request-tokens)")
     return None
 
 
-def trusted_weight_dir(policy: ServerPolicy, model_path: str) -> Optional[Path]:
+def trusted_weight_dir(limits: RequestLimits, model_path: str) -> Optional[Path]:
     """``model_path`` resolved (symbolic links followed), when it lies inside a trusted weight
     directory; None otherwise (the caller refuses it without reading anything there)."""
     try:
         resolved = Path(os.path.realpath(model_path))
     except (OSError, ValueError):  # an embedded NUL byte, a path too long
         return None
-    for trusted in policy.trusted_weight_dirs:
+    for trusted in limits.trusted_weight_dirs:
         root = Path(os.path.realpath(trusted))
         if resolved == root or root in resolved.parents:
             return resolved
     return None
 
 
-def untrusted_weight_path_message(policy: ServerPolicy) -> str:
+def untrusted_weight_path_message(limits: RequestLimits) -> str:
     """The one line answering a load from outside the trusted directories (it names neither the
     path's contents nor any tensor: what lies there is not the requester's to learn)."""
-    dirs = ", ".join(policy.trusted_weight_dirs) or "none"
+    dirs = ", ".join(limits.trusted_weight_dirs) or "none"
     return (f"model_path is outside the directories this server loads weights from ({dirs}); start it with "
             "--trusted-weight-dir DIR to add one")
 
 
-def rendezvous_problem(policy: ServerPolicy, *, master_address: str, rank_offset: int, world_size: int,
+def rendezvous_problem(limits: RequestLimits, *, master_address: str, rank_offset: int, world_size: int,
                        tp_size: int = 1) -> Optional[str]:
     """Why this engine (``tp_size`` ranks) must not join the group a request describes (None: it may).
 
@@ -121,7 +121,7 @@ def rendezvous_problem(policy: ServerPolicy, *, master_address: str, rank_offset
     if not 1 <= rank_offset <= world_size - tp_size:
         return (f"rank_offset must be in [1, {world_size - tp_size}] for world_size {world_size}: rank 0 is the "
                 f"trainer's sender, which hosts the group's store (got {rank_offset})")
-    allowed = policy.weight_sync_master_address
+    allowed = limits.weight_sync_master_address
     if allowed is None:
         if not is_loopback(master_address):
             return (f"master_address {master_address!r} is not a loopback address; this server joins weight-update "

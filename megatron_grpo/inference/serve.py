@@ -24,7 +24,7 @@ from megatron_grpo.inference.engine import EmbeddedEngine
 from megatron_grpo.inference.static_decode import DECODE_MODES
 from megatron_grpo.ops.quantize import FP8_DTYPES, scheme_of
 from megatron_grpo.inference.limits import (DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_REQUEST_SEQUENCES,
-                                         DEFAULT_MAX_REQUEST_TOKENS, DEFAULT_READ_TIMEOUT_S, ServerPolicy)
+                                         DEFAULT_MAX_REQUEST_TOKENS, DEFAULT_READ_TIMEOUT_S, RequestLimits)
 from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS
 from megatron_grpo.runtime.http_guard import header_deadline_protocol
 from megatron_grpo.inference.server import build_app, http_error_body
@@ -97,7 +97,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     try:
-        policy = ServerPolicy(max_request_bytes=args.max_request_bytes,
+        limits = RequestLimits(max_request_bytes=args.max_request_bytes,
                               max_request_sequences=args.max_request_sequences,
                               max_request_tokens=args.max_request_tokens,
                               trusted_weight_dirs=(args.model_dir, *args.trusted_weight_dir),
@@ -109,7 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     engine = EmbeddedEngine(args.model_dir, dtype=args.dtype, max_batch_size=args.max_batch_size, seed=args.seed,
                             device=args.device, quantization=scheme_of(args.quantization, args.fp8_format),
                             decode=args.decode, stop_check_every=args.stop_check_every)
-    app = build_app(engine, api_key=api_key, policy=policy, tool_call_format=args.tool_call_format)
+    app = build_app(engine, api_key=api_key, limits=limits, tool_call_format=args.tool_call_format)
     decode = ("" if args.decode == "eager" else f" (decode: static, the host reads the tokens every "
               f"{args.stop_check_every}; CUDA graphs {'on' if engine.device.type == 'cuda' else 'off: not CUDA'})")
     print(f"megatron-grpo serve: {args.model_dir} on http://{args.host}:{args.port}{decode}", flush=True)

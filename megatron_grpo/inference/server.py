@@ -19,7 +19,7 @@ Differences from SGLang, all deliberate:
 
 Blocking work (tokenizing, waiting for generation, receiving broadcasts, loading weights) runs
 in worker threads, so ``/health`` and ``/pause_generation`` answer meanwhile. What a request may
-make the server do is bounded by its ``ServerPolicy`` (``policy.py``): body size and a
+make the server do is bounded by its ``RequestLimits`` (``limits.py``): body size and a
 /generate's sequences and tokens (413), weight directories (403), the weight-update group a
 request may join and a LoRA merge's rank (400). Routes: docs/rollout_engines.md#embedded-engine.
 """
@@ -42,7 +42,7 @@ from megatron_grpo.wire import routed_experts
 from megatron_grpo.inference.engine import EmbeddedEngine, EngineError
 from megatron_grpo.inference.generation import Sequence
 from megatron_grpo.inference.lora_update import LoraUpdate, parse_lora, parse_lora_base
-from megatron_grpo.inference.limits import (ServerPolicy, rendezvous_problem, request_size_problem,
+from megatron_grpo.inference.limits import (RequestLimits, rendezvous_problem, request_size_problem,
                                          trusted_weight_dir, untrusted_weight_path_message)
 from megatron_grpo.inference.sampling import resolve_sampling_params
 from megatron_grpo.runtime.http_guard import BodyBound, Refused, bearer_ok, one_line_errors, read_json
@@ -163,15 +163,15 @@ def _all_finished(items: list[Sequence]) -> asyncio.Future:
 
 
 def build_app(engine: EmbeddedEngine, *, api_key: Optional[str] = None,
-              policy: ServerPolicy = ServerPolicy(), tool_call_format: str = "hermes") -> FastAPI:
+              limits: RequestLimits = RequestLimits(), tool_call_format: str = "hermes") -> FastAPI:
     """The HTTP app serving ``engine``; with ``api_key`` every route but /health needs
-    ``Authorization: Bearer <api_key>`` (SGLang's rule) and answers 401 otherwise. ``policy``
-    bounds what one request may make it do (``policy.py``); ``tool_call_format``: how the
+    ``Authorization: Bearer <api_key>`` (SGLang's rule) and answers 401 otherwise. ``limits``
+    bounds what one request may make it do (``limits.py``); ``tool_call_format``: how the
     OpenAI routes find tool calls in a completion (``chat/tool_calls.py``)."""
     if tool_call_format not in TOOL_CALL_FORMATS:
         raise ValueError(f"unknown tool-call format {tool_call_format!r} (known: {', '.join(TOOL_CALL_FORMATS)})")
     app = FastAPI(title="megatron-grpo embedded rollout engine", openapi_url=None)
-    routes = _Routes(engine, api_key, policy)
+    routes = _Routes(engine, api_key, limits)
     routes.tool_call_format = tool_call_format
     if api_key:
         app.middleware("http")(routes.authenticate)
@@ -186,11 +186,11 @@ class _Routes:
     """Every route's handler, over one engine. Handlers that only read or flip engine state run on
     the event loop; those that may block go through ``_in_thread``."""
 
-    def __init__(self, engine: EmbeddedEngine, api_key: Optional[str], policy: ServerPolicy) -> None:
+    def __init__(self, engine: EmbeddedEngine, api_key: Optional[str], limits: RequestLimits) -> None:
         self.engine = engine
         self.api_key = api_key
-        self.policy = policy
-        self.bound = BodyBound(policy.max_request_bytes, policy.read_timeout_s, "--max-request-bytes",
+        self.limits = limits
+        self.bound = BodyBound(limits.max_request_bytes, limits.read_timeout_s, "--max-request-bytes",
                                "--read-timeout-s")
         # /generate requests being answered, answered so far, and answered on the current
         # weight version (in /get_server_info): what an operator or a test watches to see a
@@ -279,7 +279,7 @@ class _Routes:
     async def generate(self, request: Request):
         req = await self._body(request)
         try:  # in a thread: tokenizing a long text must not stall the event loop
-            items, single = await asyncio.to_thread(_parse_generate, self.engine, req, self.policy)
+            items, single = await asyncio.to_thread(_parse_generate, self.engine, req, self.limits)
         except RequestTooLarge as e:
             raise HTTPException(413, str(e)) from None
         except (EngineError, ValueError, TypeError) as e:
@@ -330,7 +330,7 @@ class _Routes:
             params = resolve_sampling_params(raw)
         except ValueError as e:
             raise OpenAIRequestError(None, str(e)) from None
-        too_large = request_size_problem(self.policy, params.n, params.n * (len(prompt_ids) + params.max_new_tokens))
+        too_large = request_size_problem(self.limits, params.n, params.n * (len(prompt_ids) + params.max_new_tokens))
         if too_large:
             raise RequestTooLarge(too_large)
         rid = uuid.uuid4().hex
@@ -400,9 +400,9 @@ class _Routes:
         req = await self._body(request)
         if not isinstance(req.get("model_path"), str) or not req["model_path"]:
             return _bad_request("model_path is required (a directory path string)")
-        directory = trusted_weight_dir(self.policy, req["model_path"])
+        directory = trusted_weight_dir(self.limits, req["model_path"])
         if directory is None:
-            raise HTTPException(403, untrusted_weight_path_message(self.policy))
+            raise HTTPException(403, untrusted_weight_path_message(self.limits))
 
         def load() -> int:
             with self.engine.exclusive():
@@ -471,7 +471,7 @@ class _Routes:
                           backend=str(req.get("backend", "gloo")))
         except (KeyError, TypeError, ValueError) as e:
             return _bad_request(f"bad init_weights_update_group request: {e}")
-        problem = rendezvous_problem(self.policy, master_address=kwargs["master_address"],
+        problem = rendezvous_problem(self.limits, master_address=kwargs["master_address"],
                                      rank_offset=kwargs["rank_offset"], world_size=kwargs["world_size"])
         if problem is not None:
             return _bad_request(problem)
@@ -542,9 +542,9 @@ class _Routes:
                 "checksums": await _in_thread(self.engine.checksums, names)}
 
 
-def _parse_generate(engine: EmbeddedEngine, req: dict, policy: ServerPolicy) -> tuple[list[Sequence], bool]:
+def _parse_generate(engine: EmbeddedEngine, req: dict, limits: RequestLimits) -> tuple[list[Sequence], bool]:
     """A /generate body -> the sequences to run (prompt-major with n) and whether it was single.
-    RequestTooLarge past ``policy``'s bounds, checked before any sequence is built."""
+    RequestTooLarge past ``limits``'s bounds, checked before any sequence is built."""
     unknown = sorted(set(req) - _GENERATE_KEYS)
     if unknown:
         raise EngineError(f"unknown /generate key(s) {unknown}")
@@ -571,11 +571,11 @@ def _parse_generate(engine: EmbeddedEngine, req: dict, policy: ServerPolicy) -> 
     if not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
         raise EngineError("input_ids must be a non-empty list of token ids or a list of such lists")
     count = len(prompts)
-    too_large = request_size_problem(policy, count, 0)  # every input is at least one sequence
+    too_large = request_size_problem(limits, count, 0)  # every input is at least one sequence
     if too_large:
         raise RequestTooLarge(too_large)
     params = [resolve_sampling_params(p) for p in _per_item(req.get("sampling_params"), count, "sampling_params")]
-    too_large = request_size_problem(policy, sum(p.n for p in params),
+    too_large = request_size_problem(limits, sum(p.n for p in params),
                                      sum(p.n * (len(prompt) + p.max_new_tokens) for prompt, p in zip(prompts, params)))
     if too_large:
         raise RequestTooLarge(too_large)
