@@ -138,8 +138,8 @@ def test_specs_are_checked_at_config_load_in_one_line(env_files, monkeypatch):
     monkeypatch.setitem(ENVIRONMENT_CONNECTORS, "skyrl_gym", missing)
     assert environment_problem("skyrl_gym:gsm8k") == ("'skyrl_gym:gsm8k' needs the skyrl-gym library, which is not "
                                                       f"installed: {AGENTS_EXTRA}")
-    with pytest.raises(ConfigValueError, match=r"^environment: 'skyrl_gym:gsm8k' needs the skyrl-gym library"):
-        EpisodesConfig(environment="skyrl_gym:gsm8k")
+    with pytest.raises(ConfigValueError, match=r"^source: 'skyrl_gym:gsm8k' needs the skyrl-gym library"):
+        EpisodesConfig(kind="environment", source="skyrl_gym:gsm8k")
 
 
 # ---- skyrl-gym -------------------------------------------------------------------------------------
@@ -463,7 +463,8 @@ RUN_OVERRIDES = ("engine.kind=inprocess", "parallel.tp=1", "parallel.world_size=
 
 
 def train(demo: Path, run_dir: Path, environment: str) -> tuple[list[dict], str]:
-    out = subprocess.run(train_cmd(demo, run_dir, 2, f"episodes.environment={environment}", *RUN_OVERRIDES),
+    out = subprocess.run(train_cmd(demo, run_dir, 2, "episodes.kind=environment", f"episodes.source={environment}",
+                                   *RUN_OVERRIDES),
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = read_metrics(run_dir)
@@ -517,8 +518,8 @@ def test_the_episode_loop_hands_a_tool_class_the_runs_tool_call_format(env_files
     text, ids = render_prompt("what is 3 plus 4", tok, use_template=True, system_prompt=None, where="t")
     prompt = Prompt(index=0, where="t", text=text, prompt_ids=ids, answer="7")
     for fmt, turns, reward in [("compute", 2, 1.0), ("hermes", 1, 0.0)]:
-        cfg = EpisodesConfig(environment=f"tools:{env_files}/tool_envs.py:Calculator", observation_role="user",
-                             max_turns=2, max_episode_tokens=32, tool_call_format=fmt)
+        cfg = EpisodesConfig(kind="environment", source=f"tools:{env_files}/tool_envs.py:Calculator",
+                             observation_role="user", max_turns=2, max_episode_tokens=32, tool_call_format=fmt)
         runner = EpisodeRunner.build(cfg, tok, max_inflight=1, use_template=True)
         (episode,) = runner(Scripted(), [prompt], 1, SamplingParams(max_new_tokens=8), 0)
         assert (episode.num_turns, episode.env_reward, episode.error) == (turns, reward, None), fmt
@@ -539,8 +540,8 @@ def test_an_openenv_server_that_cannot_start_is_refused_before_the_run_dir_is_wr
     broken.write_text("raise RuntimeError('no database at /data/envs.sqlite')\n")
     spec = f"openenv:{broken}:app" if app == "broken" else "openenv:http://127.0.0.1:9"
     run_dir = tmp_path / "run"
-    out = subprocess.run(train_cmd(demo, run_dir, 2, f"episodes.environment={spec}", *RUN_OVERRIDES), cwd=ROOT,
-                         capture_output=True, text=True, timeout=600, env=ENV)
+    out = subprocess.run(train_cmd(demo, run_dir, 2, "episodes.kind=environment", f"episodes.source={spec}",
+                                   *RUN_OVERRIDES), cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert out.returncode == 2 and line in out.stderr and out.stderr.strip().count("\n") == 0, out.stderr[-3000:]
     assert not run_dir.exists() or not any(run_dir.iterdir()), sorted(run_dir.iterdir())
 

@@ -1,4 +1,4 @@
-"""The environment connectors' table: ``episodes.environment: <prefix>:<target>`` runs an
+"""The environment connectors' table: ``episodes.source: <prefix>:<target>`` runs an
 environment written for another library through the episode loop (docs/multi_turn.md,
 "Environments from skyrl-gym, OpenEnv and TRL-style tool classes").
 
@@ -22,7 +22,7 @@ AGENTS_EXTRA = "pip install 'megatron-grpo[agents]'"
 
 @dataclass(frozen=True)
 class Connector:
-    """One ``episodes.environment`` prefix."""
+    """One ``episodes.kind: environment`` prefix."""
 
     module: str
     """The adapter module, imported (in an environment worker process) when the spec is used."""

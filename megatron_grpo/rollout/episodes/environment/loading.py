@@ -1,4 +1,4 @@
-"""``episodes.environment`` -> an environment class, and the contract of its ``step``.
+"""``episodes.kind: environment`` -> an environment class, and the contract of its ``step``.
 
 Runs inside an environment worker process (``worker.py``): loading executes the user's file.
 A file ``path/to/env.py:ClassName`` is loaded by path, with no ``PYTHONPATH`` change, once per

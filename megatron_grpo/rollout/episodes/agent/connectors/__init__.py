@@ -1,4 +1,4 @@
-"""Agent connectors: a ``episodes.agent`` spec that names an environment written for another
+"""Agent connectors: a ``episodes.kind: agent`` spec that names an environment written for another
 library, run as an agent through the front like the user's own agent function.
 
     path/to/agent.py:fn                           the user's ``fn(client, row)`` (``worker.py``)

@@ -1,5 +1,5 @@
 """Adapters that run environments written for other libraries through the episode loop,
-one module per library, each selected by its ``episodes.environment`` prefix in the one table
+one module per library, each selected by its ``episodes.kind: environment`` prefix in the one table
 ``config/env_connectors.py:ENVIRONMENT_CONNECTORS`` (docs/multi_turn.md, "Environments from
 skyrl-gym, OpenEnv and TRL-style tool classes"):
 
