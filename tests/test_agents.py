@@ -570,13 +570,21 @@ def test_exact_tokens_with_a_qwen_style_template_and_hermes_tool_calls(smollm2_d
 
 
 def test_config_tables_match_the_registries(tmp_path):
-    """The config layer names the tool-call formats and agent connectors without importing them."""
+    """The config layer names the tool-call formats and the connectors without importing them:
+    each connector's module, imported by path where it runs, has its kind's entry point."""
+    import importlib
+
     from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS
-    from megatron_grpo.config.episodes import AGENT_CONNECTORS, TOOL_CALL_FORMATS as CONFIG_FORMATS, agent_problem
-    from megatron_grpo.rollout.episodes.agent.connectors import CONNECTORS
+    from megatron_grpo.config.connectors import CONNECTORS
+    from megatron_grpo.config.episodes import TOOL_CALL_FORMATS as CONFIG_FORMATS, agent_problem
+    from megatron_grpo.rollout.episodes.agent.connectors import split_spec
 
     assert set(CONFIG_FORMATS) == set(TOOL_CALL_FORMATS)
-    assert set(AGENT_CONNECTORS) == set(CONNECTORS)
+    entry = {"environment": "environment_class", "agent": "load_agent"}
+    for prefix, connector in CONNECTORS.items():
+        assert callable(getattr(importlib.import_module(connector.module), entry[connector.kind])), prefix
+    assert split_spec("verifiers:env.py:load") == ("verifiers", "env.py:load")
+    assert split_spec("tools:env.py:Env") == (None, "tools:env.py:Env")  # an environment's prefix: no agent's
     f = tmp_path / "a.py"
     f.write_text("def run(client, row):\n    return 0.0\n")
     assert agent_problem(f"{f}:run") is None

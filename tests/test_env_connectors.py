@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from openenv.cli.commands import init as openenv_init
 
 from megatron_grpo.config.base import ConfigValueError
-from megatron_grpo.config.env_connectors import AGENTS_EXTRA, ENVIRONMENT_CONNECTORS
+from megatron_grpo.config.connectors import AGENTS_EXTRA, CONNECTORS
 from megatron_grpo.config.episodes import EpisodesConfig, environment_problem
 from megatron_grpo.rollout.episodes.environment import EnvCallError, EnvContractError, EnvProcess, check_environment
 from megatron_grpo.rollout.episodes.environment.connectors import openenv_adapter
@@ -133,9 +133,12 @@ def test_specs_are_checked_at_config_load_in_one_line(env_files, monkeypatch):
                                                       "(known: skyrl_gym, openenv, tools)")
     assert environment_problem("tools:gsm8k") == "'tools:gsm8k' is not of the form tools:path/to/env.py:ClassName"
     assert "nope/app.py not found" in environment_problem("openenv:nope/app.py:app")
+    # the one table holds the agents' connectors too: named as such
+    assert environment_problem(f"verifiers:{INCREMENT}") == (f"'verifiers:{INCREMENT}': verifiers is an agent "
+                                                             "connector; set episodes.kind: agent")
     # a library that is not installed: named, with the extra that installs it
-    missing = dataclasses.replace(ENVIRONMENT_CONNECTORS["skyrl_gym"], library="no_such_library_in_this_test")
-    monkeypatch.setitem(ENVIRONMENT_CONNECTORS, "skyrl_gym", missing)
+    missing = dataclasses.replace(CONNECTORS["skyrl_gym"], library="no_such_library_in_this_test")
+    monkeypatch.setitem(CONNECTORS, "skyrl_gym", missing)
     assert environment_problem("skyrl_gym:gsm8k") == ("'skyrl_gym:gsm8k' needs the skyrl-gym library, which is not "
                                                       f"installed: {AGENTS_EXTRA}")
     with pytest.raises(ConfigValueError, match=r"^source: 'skyrl_gym:gsm8k' needs the skyrl-gym library"):

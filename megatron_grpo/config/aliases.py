@@ -7,7 +7,9 @@ An old key keeps working for one release: its value moves to the new key and the
 one line naming the new key (``[megatron-grpo] config: rollout.engine is deprecated; use
 engine.kind``). Giving the old and the new key in the same place (the file, or the command
 line) is a one-line error naming both; an override on the command line still wins over the
-file, whichever spelling either uses.
+file, whichever spelling either uses. An old ``episodes:`` selector also sets the kind it
+implies (``IMPLIED_KIND``: ``episodes.environment: X`` is ``episodes.kind: environment`` with
+``episodes.source: X``); a kind given beside it must agree.
 """
 
 from __future__ import annotations

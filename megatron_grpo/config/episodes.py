@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from megatron_grpo.config.base import check
-from megatron_grpo.config.env_connectors import connector_problem, split_connector_spec
+from megatron_grpo.config.connectors import AGENTS_EXTRA, connector_problem, connectors_of, split_connector_spec
 
 BUILTIN_ENVIRONMENTS = ("calculator", "guess_number")
 """Names of the built-in environments (``rollout/episodes/environment/builtin.py``)."""
@@ -37,7 +37,7 @@ def environment_problem(spec: str) -> Optional[str]:
     """Why ``spec`` cannot name an environment (None if it can); checks the file exists, imports nothing."""
     if spec in BUILTIN_ENVIRONMENTS:
         return None
-    connector = split_connector_spec(spec)  # skyrl_gym:..., openenv:..., tools:... (config/env_connectors.py)
+    connector = split_connector_spec(spec)  # skyrl_gym:..., openenv:..., tools:... (config/connectors.py)
     if connector is not None:
         return connector_problem(*connector)
     m = ENVIRONMENT_FILE_RE.match(spec)
@@ -50,10 +50,6 @@ def environment_problem(spec: str) -> Optional[str]:
     return None
 
 
-AGENT_CONNECTORS = {"verifiers": "verifiers"}
-"""``episodes.kind: agent`` prefix -> the library it needs (the connectors themselves are
-``rollout/episodes/agent/connectors/``; a test keeps the two tables' prefixes equal)."""
-
 TOOL_CALL_FORMATS = ("hermes", "compute")
 """``episodes.tool_call_format`` values (``chat/tool_calls.py``'s registry; a test keeps them equal)."""
 
@@ -61,19 +57,20 @@ TOOL_CALL_FORMATS = ("hermes", "compute")
 def agent_problem(spec: str) -> Optional[str]:
     """Why ``spec`` cannot name an agent (None if it can): ``path/to/file.py:fn`` or
     ``<connector>:path/to/file.py:attr``, the file present and the libraries installed; imports nothing."""
+    agents = connectors_of("agent")  # config/connectors.py
     prefix, sep, rest = spec.partition(":")
-    connector = prefix if sep and prefix in AGENT_CONNECTORS else None
+    connector = agents.get(prefix) if sep else None
     file_spec = rest if connector else spec
     m = ENVIRONMENT_FILE_RE.match(file_spec)
     if m is None:
         return (f"{spec!r} is not a file path path/to/file.py:fn (or <connector>:path/to/file.py:attr; connectors: "
-                f"{', '.join(AGENT_CONNECTORS)})")
+                f"{', '.join(agents)})")
     path = Path(m["path"]).expanduser().resolve()
     if not path.is_file():
         return f"agent file {path} not found (a relative path is resolved against the current directory)"
-    for library in ["openai"] + ([AGENT_CONNECTORS[connector]] if connector else []):
+    for library in ["openai"] + ([connector.library] if connector and connector.library else []):
         if importlib.util.find_spec(library) is None:
-            return f"{spec!r} needs the {library} library, which is not installed: pip install 'megatron-grpo[agents]'"
+            return f"{spec!r} needs the {library} library, which is not installed: {AGENTS_EXTRA}"
     return None
 
 

@@ -42,7 +42,8 @@ from typing import Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE, episode_budget
-from megatron_grpo.rollout.episodes.agent.connectors import CONNECTORS, split_spec
+from megatron_grpo.config.connectors import connectors_of
+from megatron_grpo.rollout.episodes.agent.connectors import split_spec
 from megatron_grpo.rollout.episodes.agent.front import AgentFront, EpisodeLog
 from megatron_grpo.rollout.episodes.agent.trajectory import sample_from_calls
 from megatron_grpo.rollout.episodes.environment.worker import STARTUP_TIMEOUT_S, fork_server, kill_worker
@@ -74,7 +75,7 @@ def resolve_spec(spec: str) -> str:
     m = ENVIRONMENT_FILE_RE.match(file_spec)
     if m is None:
         raise ConfigError("episodes.source", f"{spec!r} is not a file path path/to/file.py:fn (or <connector>:path/to/file.py:attr, "
-                               f"connectors: {', '.join(CONNECTORS)})")
+                               f"connectors: {', '.join(connectors_of('agent'))})")
     path = Path(m["path"]).expanduser().resolve()
     if not path.is_file():
         raise ConfigError("episodes.source", f"file {path} not found (a relative path is resolved against the current directory)")

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
-from megatron_grpo.config.env_connectors import split_connector_spec
+from megatron_grpo.config.connectors import split_connector_spec
 from megatron_grpo.config.episodes import EpisodesConfig, episode_budget
 from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rewards.registry import load_file

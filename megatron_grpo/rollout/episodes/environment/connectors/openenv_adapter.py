@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from megatron_grpo.config.env_connectors import AGENTS_EXTRA, FILE_TARGET_RE
+from megatron_grpo.config.connectors import AGENTS_EXTRA, FILE_TARGET_RE
 from megatron_grpo.rollout.episodes.environment.loading import ContractViolation, describe
 from megatron_grpo.runtime.errors import one_line
 
