@@ -260,6 +260,8 @@ def test_the_command_line_still_wins_over_the_file_whichever_names_they_use(tmp_
     ("rollout.weight_sync_transprt=tensor", "rollout.weight_sync_transprt: unknown key; did you mean "
                                             "'sync.transport' (once rollout.weight_sync_transport)?"),
     ("rollout={engien: inprocess}", "rollout.engien: unknown key; did you mean 'engine.kind' (once rollout.engine)?"),
+    ("episodes.enviroment=calculator", "episodes.enviroment: unknown key; did you mean 'episodes.kind: environment "
+                                       "with episodes.source' (once episodes.environment)?"),
 ])
 def test_unknown_keys_are_refused_as_before(override, message, tmp_path):
     path = tmp_path / "new.yaml"

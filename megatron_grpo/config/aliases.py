@@ -188,8 +188,9 @@ def misspelt_old_key(section: str, key: str, names: list[str]) -> Optional[Confi
     close = difflib.get_close_matches(key, [*names, *old], n=1, cutoff=0.6)
     if not close or close[0] not in old or close[0] in names:
         return None
-    return ConfigError(f"{section}.{key}", f"unknown key; did you mean '{DEPRECATED_KEYS[old[close[0]]]}' "
-                                           f"(once {old[close[0]]})?")
+    was = old[close[0]]
+    return ConfigError(f"{section}.{key}", f"unknown key; did you mean '{replacement(was, DEPRECATED_KEYS[was])}' "
+                                           f"(once {was})?")
 
 
 def _current_names(root: type, section: str) -> Optional[list[str]]:
