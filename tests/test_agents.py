@@ -147,8 +147,8 @@ def agent_runner(tok, files, fn, **kw):
 
 
 def builtin_runner(tok, spec):
-    cfg = EpisodesConfig(environment=spec, observation_role="user", max_turns=MAX_TURNS, max_episode_tokens=BUDGET,
-                         env_timeout_s=20.0)
+    cfg = EpisodesConfig(kind="environment", source=spec, observation_role="user", max_turns=MAX_TURNS,
+                         max_episode_tokens=BUDGET, timeout_s=20.0)
     return EpisodeRunner.build(cfg, tok, max_inflight=2, use_template=True)
 
 
@@ -467,7 +467,7 @@ def test_agent_failures_are_counted_and_the_run_goes_on(tok, files, engine, capf
 
 
 def test_an_agent_that_always_hangs_ends_a_256_sample_step_in_one_wave(tok, files, engine):
-    """Issue 64: 256 episodes on 8 workers at agent_timeout_s 10 would take 32 deadlines (5 min)
+    """Issue 64: 256 episodes on 8 workers at timeout_s 10 would take 32 deadlines (5 min)
     before anything was said; the step's hang guard (rollout/episodes/hang_guard.py) stops it after the
     first wave: one line, within 30 s, every worker killed."""
     import psutil
@@ -480,7 +480,7 @@ def test_an_agent_that_always_hangs_ends_a_256_sample_step_in_one_wave(tok, file
             runner._release(AgentProcess(runner.spec))
         t0 = time.monotonic()
         with pytest.raises(EpisodesHung, match=r"^episodes.agent .*agents.py:hangs: (\d+) of the (\d+) episodes "
-                                               r"started this step passed episodes.agent_timeout_s=10s"):
+                                               r"started this step passed episodes.timeout_s=10s"):
             runner(engine, [make_prompt(tok, i) for i in range(64)], 4, SAMPLING, 1)
         print(f"the hanging step ended after {time.monotonic() - t0:.1f} s")
         assert time.monotonic() - t0 < 30
@@ -570,20 +570,28 @@ def test_exact_tokens_with_a_qwen_style_template_and_hermes_tool_calls(smollm2_d
 
 
 def test_config_tables_match_the_registries(tmp_path):
-    """The config layer names the tool-call formats and agent connectors without importing them."""
+    """The config layer names the tool-call formats and the connectors without importing them:
+    each connector's module, imported by path where it runs, has its kind's entry point."""
+    import importlib
+
     from megatron_grpo.chat.tool_calls import TOOL_CALL_FORMATS
-    from megatron_grpo.config.episodes import AGENT_CONNECTORS, TOOL_CALL_FORMATS as CONFIG_FORMATS, agent_problem
-    from megatron_grpo.rollout.episodes.agent.connectors import CONNECTORS
+    from megatron_grpo.config.connectors import CONNECTORS
+    from megatron_grpo.config.episodes import TOOL_CALL_FORMATS as CONFIG_FORMATS, agent_problem
+    from megatron_grpo.rollout.episodes.agent.connectors import split_spec
 
     assert set(CONFIG_FORMATS) == set(TOOL_CALL_FORMATS)
-    assert set(AGENT_CONNECTORS) == set(CONNECTORS)
+    entry = {"environment": "environment_class", "agent": "load_agent"}
+    for prefix, connector in CONNECTORS.items():
+        assert callable(getattr(importlib.import_module(connector.module), entry[connector.kind])), prefix
+    assert split_spec("verifiers:env.py:load") == ("verifiers", "env.py:load")
+    assert split_spec("tools:env.py:Env") == (None, "tools:env.py:Env")  # an environment's prefix: no agent's
     f = tmp_path / "a.py"
     f.write_text("def run(client, row):\n    return 0.0\n")
     assert agent_problem(f"{f}:run") is None
     assert "not found" in agent_problem(f"{tmp_path}/b.py:run")
     assert "is not a file path" in agent_problem("run")
-    with pytest.raises(ConfigValueError, match="cannot be combined with episodes.environment"):
-        EpisodesConfig(agent=f"{f}:run", environment="calculator")
+    with pytest.raises(ConfigValueError, match="is not a file path"):
+        EpisodesConfig(kind="agent", source="calculator")  # an environment's name is no agent
 
 
 def test_a_refused_observation_ends_both_loops_alike(tok, files):

@@ -1,8 +1,9 @@
-"""`megatron-grpo train` with `episodes.agent`: an OpenAI-SDK agent (the real `openai` client in
+"""`megatron-grpo train` with `episodes.kind: agent`: an OpenAI-SDK agent (the real `openai` client in
 a worker process) trains the demo model for two steps on TP=2 (2 gloo ranks + the in-process
 engine); the same shape of episodes as tests/test_multi_turn_e2e.py's environment run (the
 agent asks what the Nudge environment would), the agent's own numbers in metrics.jsonl, the
-held-out evaluation through the agent too, and a bad agent file refused in one line."""
+held-out evaluation through the agent too (set by the deprecated episodes.agent, still taken with
+one announcement), and a bad agent file refused in one line."""
 
 import subprocess
 
@@ -29,6 +30,7 @@ def test_two_steps_with_an_sdk_agent(demo, tmp_path):
     agent_file.write_text(NUDGE_AGENT)
     run_dir = tmp_path / "run"
     heldout = demo / "arithmetic_heldout.jsonl"
+    # the agent and its workers set by their deprecated keys (issue 62): still run, announced once
     cmd = train_cmd(demo, run_dir, 2, "engine.kind=inprocess", f"episodes.agent={agent_file}:run",
                     "episodes.observation_role=user", "episodes.max_turns=3", "episodes.max_episode_tokens=64",
                     "episodes.agent_workers=2",
@@ -37,6 +39,9 @@ def test_two_steps_with_an_sdk_agent(demo, tmp_path):
                     f"eval.sets=[{{name: heldout, path: {heldout}, n: 2, temperature: 1.0}}]", "eval.pass_k=[1, 2]")
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
     assert out.returncode == 0, out.stderr[-4000:]
+    for line in ["episodes.agent is deprecated; use episodes.kind: agent with episodes.source",
+                 "episodes.agent_workers is deprecated; use episodes.concurrency"]:
+        assert out.stderr.count(line) == 1, out.stderr[-4000:]
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -54,7 +59,8 @@ def test_two_steps_with_an_sdk_agent(demo, tmp_path):
 def test_a_broken_agent_file_is_one_line_before_the_run(demo, tmp_path):
     agent_file = tmp_path / "broken.py"
     agent_file.write_text("import no_such_module_here\n")
-    cmd = train_cmd(demo, tmp_path / "run", 1, "engine.kind=inprocess", f"episodes.agent={agent_file}:run",
+    cmd = train_cmd(demo, tmp_path / "run", 1, "engine.kind=inprocess", "episodes.kind=agent",
+                    f"episodes.source={agent_file}:run",
                     "episodes.max_episode_tokens=64")
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
     assert out.returncode != 0
@@ -77,9 +83,10 @@ def test_two_steps_of_a_verifiers_taskset(demo, tmp_path):
     rows = [(f"what is {a} plus {b}", str(a + b)) for a, b in [(3, 4), (9, 9), (2, 6), (10, 5)]]
     data.write_text("".join(json.dumps({"prompt": q, "question": q, "answer": a}) + "\n" for q, a in rows))
     run_dir = tmp_path / "run"
-    cmd = train_cmd(demo, run_dir, 2, "engine.kind=inprocess", f"episodes.agent=verifiers:{env_file}:load_environment",
+    cmd = train_cmd(demo, run_dir, 2, "engine.kind=inprocess", "episodes.kind=agent",
+                    f"episodes.source=verifiers:{env_file}:load_environment",
                     "episodes.max_turns=1", "episodes.max_episode_tokens=48", "episodes.env_reward=replace",
-                    "episodes.agent_workers=2", f"data.train_file={data}", "rollout.prompts_per_step=2",
+                    "episodes.concurrency=2", f"data.train_file={data}", "rollout.prompts_per_step=2",
                     "rollout.num_generations=4", "parallel.global_batch_size=8", "parallel.micro_batch_size=4",
                     "eval.every_n_steps=0", "eval.sets=[]", "logging.plot=false")
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
@@ -100,8 +107,9 @@ def test_an_agent_that_breaks_its_contract_stops_the_run_in_one_line(demo, tmp_p
     agent_file.write_text('def run(client, row):\n'
                           '    client.chat.completions.create(model="policy", messages=list(row["messages"]))\n'
                           '    return "yes"\n')
-    cmd = train_cmd(demo, tmp_path / "run", 2, "engine.kind=inprocess", f"episodes.agent={agent_file}:run",
-                    "episodes.max_episode_tokens=64", "episodes.agent_workers=1", "eval.every_n_steps=0",
+    cmd = train_cmd(demo, tmp_path / "run", 2, "engine.kind=inprocess", "episodes.kind=agent",
+                    f"episodes.source={agent_file}:run",
+                    "episodes.max_episode_tokens=64", "episodes.concurrency=1", "eval.every_n_steps=0",
                     "rollout.prompts_per_step=2", "rollout.num_generations=2", "parallel.global_batch_size=4",
                     "parallel.micro_batch_size=2")
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)

@@ -114,7 +114,8 @@ def test_multi_turn_groups_past_the_bound_are_regenerated_and_never_trained(demo
     env_file.write_text(DAWDLE)
     k, steps, b = 1, 4, 4
     run_dir = tmp_path / "run"
-    run_train(async_cmd(demo, run_dir, steps, k, f"episodes.environment={env_file}:Dawdle",
+    run_train(async_cmd(demo, run_dir, steps, k, "episodes.kind=environment",
+                        f"episodes.source={env_file}:Dawdle",
                         "episodes.observation_role=user", "episodes.max_episode_tokens=64", b=b, n=4))
     rows, log = read_metrics(run_dir), async_groups(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))

@@ -193,7 +193,8 @@ def test_the_scheduler_drops_stale_groups_whose_episodes_span_weight_updates(dem
     run_dir = tmp_path / "run"
     cfg = load_config(ROOT / "yaml_configs/demo_cpu.yaml", demo_overrides(
         demo, run_dir, steps, "rollout.mode=async", f"rollout.max_staleness={k}", "rollout.stale_groups=drop",
-        f"rollout.prompts_per_step={b}", f"rollout.num_generations={n}", f"episodes.environment={env_file}:Nudge",
+        f"rollout.prompts_per_step={b}", f"rollout.num_generations={n}", "episodes.kind=environment",
+        f"episodes.source={env_file}:Nudge",
         "episodes.observation_role=user", "episodes.max_episode_tokens=64",
         "parallel.global_batch_size=1", "parallel.micro_batch_size=1"))
     tokenizer = load_tokenizer(cfg.model.hf_dir)
@@ -268,8 +269,8 @@ def test_bad_async_settings_are_one_line_errors(tmp_path):
         _load(tmp_path, mode="async", dynamic_sampling={"enabled": True})
     fn = tmp_path / "fn.py"
     fn.write_text("async def fn(engine, prompts, sampling):\n    return []\n")
-    with pytest.raises(ConfigError, match="async cannot be combined with episodes.rollout_function"):
-        _load(tmp_path, mode="async", episodes={"rollout_function": f"{fn}:fn"})
+    with pytest.raises(ConfigError, match="async cannot be combined with episodes.kind function"):
+        _load(tmp_path, mode="async", episodes={"kind": "function", "source": f"{fn}:fn"})
     with pytest.raises(ConfigError, match="stale_groups"):
         _load(tmp_path, mode="async", stale_groups="keep")
 

@@ -1,8 +1,10 @@
 """Deprecated config keys (``config/aliases.py``): the keys of the old flat ``rollout:`` section
 load, from the file and from the command line, as the keys of the ``engine:``, ``sync:`` and
-``episodes:`` sections that replaced them, each announced by exactly one line; giving both
-names is a one-line error, unknown keys are refused as before, and the shipped configs and the
-reference use the current names."""
+``episodes:`` sections that replaced them, and the old selectors, timeouts and workers of
+``episodes:`` as its ``kind``/``source``, ``timeout_s`` and ``concurrency`` (an old selector
+implies the kind), each announced by exactly one line; giving both names is a one-line error,
+unknown keys are refused as before, and the shipped configs and the reference use the current
+names."""
 
 import copy
 import subprocess
@@ -58,6 +60,13 @@ SAMPLES = {
     "rollout.multi_turn.env_timeout_s": (7.0, {}),
     "rollout.multi_turn.on_env_error": ("drop", {}),
     "rollout.multi_turn.env_reward": ("replace", {}),
+    "episodes.environment": ("calculator", {}),
+    "episodes.agent": ("AGENT_FILE:run", {}),  # AGENT_FILE: a file the test writes
+    "episodes.rollout_function": ("FN_FILE:fn", {}),
+    "episodes.env_timeout_s": (7.5, {}),
+    "episodes.agent_timeout_s": (8.5, {}),
+    "episodes.rollout_function_timeout_s": (9.5, {}),
+    "episodes.agent_workers": (3, {}),
 }
 
 
@@ -72,7 +81,14 @@ def _value(old, tmp_path):
     if value == "FN_FILE:fn":
         (tmp_path / "fn.py").write_text("def fn(engine, prompts, n, sampling, seed):\n    return []\n")
         value = f"{tmp_path / 'fn.py'}:fn"
+    if value == "AGENT_FILE:run":
+        (tmp_path / "agent.py").write_text("def run(client, row):\n    return 0.0\n")
+        value = f"{tmp_path / 'agent.py'}:run"
     return value, extra
+
+
+def _line(old: str, new: str) -> str:
+    return f"{aliases.PREFIX} {old} is deprecated; use {aliases.replacement(old, new)}"
 
 
 def _base_without(new: str) -> dict:
@@ -101,12 +117,14 @@ def _get(cfg, dotted: str):
     return cfg
 
 
-def _assert_loaded(cfg, new, value):
+def _assert_loaded(cfg, new, value, old=None):
     got = _get(cfg, new)
     if isinstance(value, dict):  # a section: each of its keys
         assert {k: getattr(got, k) for k in value} == value
     else:
         assert got == value
+    if old in aliases.IMPLIED_KIND:  # an old selector sets the kind too
+        assert cfg.episodes.kind == aliases.IMPLIED_KIND[old]
 
 
 def _flow(value) -> str:
@@ -127,7 +145,9 @@ def test_every_alias_names_a_current_key_and_no_current_key():
     for old, new in DEPRECATED_KEYS.items():
         assert key_type(ExperimentConfig, new) is not None, f"{old} -> {new}: no such key"
         assert key_type(ExperimentConfig, old) is None, f"{old} is still a key of the schema"
-    assert len(set(DEPRECATED_KEYS.values())) == len(DEPRECATED_KEYS)  # no two old keys share a target
+    shared = {new for new in DEPRECATED_KEYS.values() if list(DEPRECATED_KEYS.values()).count(new) > 1}
+    assert shared == {"episodes.source", "episodes.timeout_s"}  # issue 62: one selector, one deadline
+    assert set(aliases.IMPLIED_KIND) == {old for old, new in DEPRECATED_KEYS.items() if new == "episodes.source"}
     assert removed_sections(ExperimentConfig) == ["rollout.multi_turn"]
 
 
@@ -141,8 +161,8 @@ def test_an_old_key_in_the_file_loads_as_the_new_key_with_one_line(old, tmp_path
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump(raw))
     cfg = load_config(path)
-    _assert_loaded(cfg, new, value)
-    assert _deprecation_lines(capsys.readouterr().err) == [f"{aliases.PREFIX} {old} is deprecated; use {new}"]
+    _assert_loaded(cfg, new, value, old)
+    assert _deprecation_lines(capsys.readouterr().err) == [_line(old, new)]
     load_config(path)  # a command loads its config more than once: still one line
     assert _deprecation_lines(capsys.readouterr().err) == []
 
@@ -155,8 +175,8 @@ def test_an_old_key_on_the_command_line_loads_as_the_new_key_with_one_line(old, 
     path.write_text(yaml.safe_dump(_base_without(new)))
     overrides = [f"{key}={_flow(v)}" for key, v in extra.items()] + [f"{old}={_flow(value)}"]
     cfg = load_config(path, overrides)
-    _assert_loaded(cfg, new, value)
-    assert _deprecation_lines(capsys.readouterr().err) == [f"{aliases.PREFIX} {old} is deprecated; use {new}"]
+    _assert_loaded(cfg, new, value, old)
+    assert _deprecation_lines(capsys.readouterr().err) == [_line(old, new)]
 
 
 def test_a_key_under_an_old_section_on_the_command_line(tmp_path, capsys):
@@ -240,6 +260,8 @@ def test_the_command_line_still_wins_over_the_file_whichever_names_they_use(tmp_
     ("rollout.weight_sync_transprt=tensor", "rollout.weight_sync_transprt: unknown key; did you mean "
                                             "'sync.transport' (once rollout.weight_sync_transport)?"),
     ("rollout={engien: inprocess}", "rollout.engien: unknown key; did you mean 'engine.kind' (once rollout.engine)?"),
+    ("episodes.enviroment=calculator", "episodes.enviroment: unknown key; did you mean 'episodes.kind: environment "
+                                       "with episodes.source' (once episodes.environment)?"),
 ])
 def test_unknown_keys_are_refused_as_before(override, message, tmp_path):
     path = tmp_path / "new.yaml"
@@ -307,7 +329,8 @@ def test_shipped_configs_use_no_deprecated_key(path, capsys):
 def test_the_reference_lists_every_alias():
     text = render()
     for old, new in DEPRECATED_KEYS.items():
-        assert f"| `{old}` | `{new}` |" in text
+        assert f"| `{old}` | `{aliases.replacement(old, new)}` |" in text
+    assert "| `episodes.environment` | `episodes.kind: environment with episodes.source` |" in text
     assert "| `engine.kind` |" in text and "| `rollout.engine` |" not in text.split("## Deprecated keys")[0]
 
 
@@ -322,3 +345,101 @@ def test_validate_config_announces_each_old_key_once():
     resolved = yaml.safe_load(out.stdout)
     assert resolved["sync"]["transport"] == "disk" and resolved["episodes"]["max_turns"] == 2
     assert "weight_sync_transport" not in resolved["rollout"]
+
+
+# ---- issue 62: the old selectors of `episodes:` imply its kind ----------------------------------
+
+TOOLS = ROOT / "yaml_configs" / "demo_cpu_tools.yaml"  # episodes.kind: environment, source: calculator
+SELECTOR_LINE = f"{aliases.PREFIX} episodes.environment is deprecated; use episodes.kind: environment with episodes.source"
+
+
+def _agent(tmp_path) -> str:
+    (tmp_path / "agent.py").write_text("def run(client, row):\n    return 0.0\n")
+    return f"{tmp_path / 'agent.py'}:run"
+
+
+def _episodes_file(tmp_path, episodes: dict) -> Path:
+    path = tmp_path / "episodes.yaml"
+    path.write_text(yaml.safe_dump({**copy.deepcopy(BASE), "episodes": episodes}))
+    return path
+
+
+def test_an_old_selector_loads_as_kind_and_source_from_a_file_an_override_and_a_section(tmp_path, capsys):
+    path = tmp_path / "new.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    for cfg in (load_config(_episodes_file(tmp_path, {"environment": "calculator", "env_timeout_s": 12})),
+                load_config(path, ["episodes.environment=calculator", "episodes.env_timeout_s=12"]),
+                load_config(path, ["episodes={environment: calculator, env_timeout_s: 12}"])):
+        assert (cfg.episodes.kind, cfg.episodes.source, cfg.episodes.deadline_s) == ("environment", "calculator", 12)
+    # one line per old key, once per process however many loads name it
+    assert _deprecation_lines(capsys.readouterr().err) == [
+        SELECTOR_LINE, f"{aliases.PREFIX} episodes.env_timeout_s is deprecated; use episodes.timeout_s"]
+
+
+def test_an_old_selector_agreeing_with_the_kind_is_kept_and_one_disagreeing_is_one_line(tmp_path):
+    assert load_config(_episodes_file(tmp_path, {"kind": "environment", "environment": "calculator"})) \
+        .episodes.source == "calculator"
+    path = _episodes_file(tmp_path, {"kind": "agent", "environment": "calculator"})
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == (f"{path}: episodes.kind: is agent but the deprecated episodes.environment implies "
+                            "environment; keep only episodes.kind with episodes.source")
+    path = _episodes_file(tmp_path, {"kind": "environment", "source": "calculator", "environment": "guess_number"})
+    with pytest.raises(ConfigError, match=r": episodes.source: is given twice: as episodes.source and as its "
+                                          r"deprecated name episodes.environment; keep only episodes.source$"):
+        load_config(path)
+    path = _episodes_file(tmp_path, {"environment": "calculator", "agent": _agent(tmp_path)})
+    with pytest.raises(ConfigError, match=r": episodes.source: is given twice: as its deprecated names "
+                                          r"episodes.environment and episodes.agent; keep only episodes.source$"):
+        load_config(path)
+    path = _episodes_file(tmp_path, {"env_timeout_s": 10, "agent_timeout_s": 100})
+    with pytest.raises(ConfigError, match=r"episodes.timeout_s: is given twice: as its deprecated names "
+                                          r"episodes.env_timeout_s and episodes.agent_timeout_s"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("overrides", [["episodes.kind=agent", "episodes.environment=calculator"],
+                                       ["episodes.environment=calculator", "episodes.kind=agent"]])
+def test_an_old_selector_and_another_kind_on_the_command_line_are_one_line(tmp_path, overrides):
+    path = tmp_path / "new.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides)
+    line = str(e.value)
+    assert "\n" not in line and line.endswith("episodes.kind: is agent but the deprecated episodes.environment "
+                                              "implies environment; keep only episodes.kind with episodes.source")
+
+
+def test_an_old_selector_on_the_command_line_replaces_the_files_kind(tmp_path):
+    """The command line wins over the file, whichever names either uses."""
+    agent = _agent(tmp_path)
+    cfg = load_config(TOOLS, [f"episodes.agent={agent}"])
+    assert (cfg.episodes.kind, cfg.episodes.source) == ("agent", agent)
+    cfg = load_config(TOOLS, ["episodes.kind=environment", "episodes.environment=guess_number"])  # agreeing: kept
+    assert (cfg.episodes.kind, cfg.episodes.source) == ("environment", "guess_number")
+
+
+def test_a_null_old_selector_turns_off_only_its_own_kind(tmp_path, capsys):
+    """``episodes.environment: null`` said "no environment": it clears the kind when the config's
+    kind is environment and sets nothing otherwise (an old file's nulls beside the one set)."""
+    assert load_config(TOOLS, ["episodes.environment=null"]).episodes.kind is None
+    assert load_config(TOOLS, ["episodes.agent=null"]).episodes.source == "calculator"
+    agent = _agent(tmp_path)
+    cfg = load_config(_episodes_file(tmp_path, {"environment": None, "rollout_function": None, "agent": agent}))
+    assert (cfg.episodes.kind, cfg.episodes.source) == ("agent", agent)
+    path = tmp_path / "new.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    cfg = load_config(path, [f"episodes={{environment: null, agent: {agent}, agent_workers: 2}}"])
+    assert (cfg.episodes.kind, cfg.episodes.source, cfg.episodes.concurrency) == ("agent", agent, 2)
+    lines = _deprecation_lines(capsys.readouterr().err)
+    assert len(lines) == len(set(lines)) and SELECTOR_LINE in lines and \
+        f"{aliases.PREFIX} episodes.agent_workers is deprecated; use episodes.concurrency" in lines
+
+
+def test_validate_config_takes_an_old_selector_with_one_line():
+    out = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "validate-config", "yaml_configs/demo_cpu.yaml",
+                          "episodes.environment=calculator"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert _deprecation_lines(out.stderr) == [SELECTOR_LINE]
+    resolved = yaml.safe_load(out.stdout)["episodes"]
+    assert (resolved["kind"], resolved["source"]) == ("environment", "calculator") and "environment" not in resolved

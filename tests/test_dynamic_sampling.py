@@ -53,7 +53,7 @@ def test_config_checks():
     # with episodes too: an episode that ended on a cut (test_multi_turn::test_truncated_reward_grades_...)
     from megatron_grpo.config import EpisodesConfig
     experiment(rollout=RolloutConfig(overlong=OverlongConfig(truncated_reward=0.0)),
-               episodes=EpisodesConfig(environment="calculator"))
+               episodes=EpisodesConfig(kind="environment", source="calculator"))
 
 
 class _PerPromptReward:

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from openenv.cli.commands import init as openenv_init
 
 from megatron_grpo.config.base import ConfigValueError
-from megatron_grpo.config.env_connectors import AGENTS_EXTRA, ENVIRONMENT_CONNECTORS
+from megatron_grpo.config.connectors import AGENTS_EXTRA, CONNECTORS
 from megatron_grpo.config.episodes import EpisodesConfig, environment_problem
 from megatron_grpo.rollout.episodes.environment import EnvCallError, EnvContractError, EnvProcess, check_environment
 from megatron_grpo.rollout.episodes.environment.connectors import openenv_adapter
@@ -133,13 +133,16 @@ def test_specs_are_checked_at_config_load_in_one_line(env_files, monkeypatch):
                                                       "(known: skyrl_gym, openenv, tools)")
     assert environment_problem("tools:gsm8k") == "'tools:gsm8k' is not of the form tools:path/to/env.py:ClassName"
     assert "nope/app.py not found" in environment_problem("openenv:nope/app.py:app")
+    # the one table holds the agents' connectors too: named as such
+    assert environment_problem(f"verifiers:{INCREMENT}") == (f"'verifiers:{INCREMENT}': verifiers is an agent "
+                                                             "connector; set episodes.kind: agent")
     # a library that is not installed: named, with the extra that installs it
-    missing = dataclasses.replace(ENVIRONMENT_CONNECTORS["skyrl_gym"], library="no_such_library_in_this_test")
-    monkeypatch.setitem(ENVIRONMENT_CONNECTORS, "skyrl_gym", missing)
+    missing = dataclasses.replace(CONNECTORS["skyrl_gym"], library="no_such_library_in_this_test")
+    monkeypatch.setitem(CONNECTORS, "skyrl_gym", missing)
     assert environment_problem("skyrl_gym:gsm8k") == ("'skyrl_gym:gsm8k' needs the skyrl-gym library, which is not "
                                                       f"installed: {AGENTS_EXTRA}")
-    with pytest.raises(ConfigValueError, match=r"^environment: 'skyrl_gym:gsm8k' needs the skyrl-gym library"):
-        EpisodesConfig(environment="skyrl_gym:gsm8k")
+    with pytest.raises(ConfigValueError, match=r"^source: 'skyrl_gym:gsm8k' needs the skyrl-gym library"):
+        EpisodesConfig(kind="environment", source="skyrl_gym:gsm8k")
 
 
 # ---- skyrl-gym -------------------------------------------------------------------------------------
@@ -463,7 +466,8 @@ RUN_OVERRIDES = ("engine.kind=inprocess", "parallel.tp=1", "parallel.world_size=
 
 
 def train(demo: Path, run_dir: Path, environment: str) -> tuple[list[dict], str]:
-    out = subprocess.run(train_cmd(demo, run_dir, 2, f"episodes.environment={environment}", *RUN_OVERRIDES),
+    out = subprocess.run(train_cmd(demo, run_dir, 2, "episodes.kind=environment", f"episodes.source={environment}",
+                                   *RUN_OVERRIDES),
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = read_metrics(run_dir)
@@ -517,8 +521,8 @@ def test_the_episode_loop_hands_a_tool_class_the_runs_tool_call_format(env_files
     text, ids = render_prompt("what is 3 plus 4", tok, use_template=True, system_prompt=None, where="t")
     prompt = Prompt(index=0, where="t", text=text, prompt_ids=ids, answer="7")
     for fmt, turns, reward in [("compute", 2, 1.0), ("hermes", 1, 0.0)]:
-        cfg = EpisodesConfig(environment=f"tools:{env_files}/tool_envs.py:Calculator", observation_role="user",
-                             max_turns=2, max_episode_tokens=32, tool_call_format=fmt)
+        cfg = EpisodesConfig(kind="environment", source=f"tools:{env_files}/tool_envs.py:Calculator",
+                             observation_role="user", max_turns=2, max_episode_tokens=32, tool_call_format=fmt)
         runner = EpisodeRunner.build(cfg, tok, max_inflight=1, use_template=True)
         (episode,) = runner(Scripted(), [prompt], 1, SamplingParams(max_new_tokens=8), 0)
         assert (episode.num_turns, episode.env_reward, episode.error) == (turns, reward, None), fmt
@@ -539,8 +543,8 @@ def test_an_openenv_server_that_cannot_start_is_refused_before_the_run_dir_is_wr
     broken.write_text("raise RuntimeError('no database at /data/envs.sqlite')\n")
     spec = f"openenv:{broken}:app" if app == "broken" else "openenv:http://127.0.0.1:9"
     run_dir = tmp_path / "run"
-    out = subprocess.run(train_cmd(demo, run_dir, 2, f"episodes.environment={spec}", *RUN_OVERRIDES), cwd=ROOT,
-                         capture_output=True, text=True, timeout=600, env=ENV)
+    out = subprocess.run(train_cmd(demo, run_dir, 2, "episodes.kind=environment", f"episodes.source={spec}",
+                                   *RUN_OVERRIDES), cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert out.returncode == 2 and line in out.stderr and out.stderr.strip().count("\n") == 0, out.stderr[-3000:]
     assert not run_dir.exists() or not any(run_dir.iterdir()), sorted(run_dir.iterdir())
 

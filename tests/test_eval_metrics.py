@@ -147,7 +147,7 @@ def test_an_episode_row_combines_rewards_as_in_training():
 
 def _experiment(environment="calculator", **eval_raw):
     raw = {"model": {"hf_dir": "m"}, "data": {"train_file": "d.jsonl"}, "trainer": {"run_dir": "r"},
-           "episodes": {"environment": environment}, "eval": eval_raw}
+           "episodes": {"kind": "environment", "source": environment} if environment else {}, "eval": eval_raw}
     return build_section(ExperimentConfig, raw)
 
 

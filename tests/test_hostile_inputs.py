@@ -181,13 +181,16 @@ def _reward_case(module_source: str | None, name: str, *needles, kwargs=None) ->
 
 
 def _plugin_file_case(file_name: str, source: str, key: str, attr: str, *needles) -> Case:
-    """An environment or rollout function file ``file_name`` holding ``source``, named by ``key``."""
+    """An environment or rollout function file ``file_name`` holding ``source``, run by the kind
+    of ``key`` (the label its error carries: ``episodes.environment``, ``episodes.rollout_function``)."""
+    kind = {"episodes.environment": "environment", "episodes.rollout_function": "function"}[key]
+
     def case(ctx):
         plugin = ctx.plugin_dir / file_name
         plugin.write_text(source)
 
         def edit(cfg):
-            cfg["episodes"] = {key.split(".")[1]: f"{plugin}:{attr}", "max_episode_tokens": 16}
+            cfg["episodes"] = {"kind": kind, "source": f"{plugin}:{attr}", "max_episode_tokens": 16}
             cfg["engine"] = {"kind": "inprocess"}
         path = ctx.config(edit)
         return ["--config", path], [path, key, *needles]
@@ -439,7 +442,7 @@ CASES: dict[str, Case] = {
         _lines(DATA_LINES[0], {"prompt": " ".join(map(str, range(199))) * 3, "answer": "1"}), ":2:",
         "model's context of 512", data_key={"max_prompt_length": 4096}),
     "episode_longer_than_model_context": _cfg_case(
-        lambda cfg: [_set("episodes.environment", "calculator")(cfg),
+        lambda cfg: [_set("episodes.kind", "environment")(cfg), _set("episodes.source", "calculator")(cfg),
                      _set("episodes.max_episode_tokens", 600)(cfg)],
         "episodes.max_episode_tokens", "600 after the longest prompt", "model's context of 512",
         "set it to at most"),
@@ -970,7 +973,7 @@ PLUGIN_RUN_CASES = {
     "environment_non_string_observation": (
         "envs.py", "class Bad:\n    def __init__(self, row):\n        pass\n\n"
         "    def step(self, response):\n        return {'observation': 5, 'done': False, 'reward': 0.0}\n",
-        lambda cfg, f: cfg.update(episodes={"environment": f"{f}:Bad", "max_episode_tokens": 16},
+        lambda cfg, f: cfg.update(episodes={"kind": "environment", "source": f"{f}:Bad", "max_episode_tokens": 16},
                                   engine={"kind": "inprocess"}),
         "step 1: episodes.environment"),
     # a rollout function whose samples hold ids outside the model's vocabulary
@@ -978,14 +981,14 @@ PLUGIN_RUN_CASES = {
         "fn.py", "def oov(engine, prompts, n, sampling, seed):\n"
         "    out = engine.generate([p.prompt_ids for p in prompts], n, sampling, sampling_seed=seed)\n"
         "    for s in out:\n        s.output_ids = [10**9 for _ in s.output_ids]\n    return out\n",
-        lambda cfg, f: cfg.update(episodes={"rollout_function": f"{f}:oov"}, engine={"kind": "inprocess"}),
+        lambda cfg, f: cfg.update(episodes={"kind": "function", "source": f"{f}:oov"}, engine={"kind": "inprocess"}),
         "step 1: episodes.rollout_function"),
     # issue 48, second round: a step reward no float can hold (the worker's check died of the
     # OverflowError: counted as an environment crash, and the run went on)
     "environment_reward_past_float_range": (
         "envs.py", "class Huge:\n    def __init__(self, row):\n        pass\n\n"
         "    def step(self, response):\n        return {'observation': None, 'done': True, 'reward': 10**400}\n",
-        lambda cfg, f: cfg.update(episodes={"environment": f"{f}:Huge", "max_episode_tokens": 16},
+        lambda cfg, f: cfg.update(episodes={"kind": "environment", "source": f"{f}:Huge", "max_episode_tokens": 16},
                                   engine={"kind": "inprocess"}),
         "step 1: episodes.environment"),
     # issue 48, second round: engine.generate called with text, not ids (a rank's traceback in the
@@ -993,15 +996,15 @@ PLUGIN_RUN_CASES = {
     "rollout_function_calls_the_engine_with_text": (
         "fn.py", "def text(engine, prompts, n, sampling, seed):\n"
         "    return engine.generate([p.text for p in prompts], n, sampling, sampling_seed=seed)\n",
-        lambda cfg, f: cfg.update(episodes={"rollout_function": f"{f}:text"}, engine={"kind": "inprocess"}),
+        lambda cfg, f: cfg.update(episodes={"kind": "function", "source": f"{f}:text"}, engine={"kind": "inprocess"}),
         "step 1: episodes.rollout_function"),
     # issue 64: an environment that hangs on every call (each episode waited out its own deadline,
     # a wave of episodes after another); the step's hang guard ends the run after one wave
     "environment_that_always_hangs": (
         "envs.py", "import time\n\nclass Hangs:\n    def __init__(self, row):\n        pass\n\n"
         "    def step(self, response):\n        time.sleep(3600)\n",
-        lambda cfg, f: cfg.update(episodes={"environment": f"{f}:Hangs", "max_episode_tokens": 16,
-                                            "env_timeout_s": 3}, engine={"kind": "inprocess"}),
+        lambda cfg, f: cfg.update(episodes={"kind": "environment", "source": f"{f}:Hangs", "max_episode_tokens": 16,
+                                            "timeout_s": 3}, engine={"kind": "inprocess"}),
         "step 1: episodes.environment"),
     # a reward no float can hold
     "reward_past_float_range": (
@@ -1045,7 +1048,7 @@ def test_an_agent_past_the_context_ends_its_episodes_without_a_traceback(world, 
                      "    client.chat.completions.create(model='policy', messages=messages)\n"
                      "    return 1.0\n")
     path = ctx.config(lambda cfg: cfg.update(engine={"kind": "inprocess"}, episodes={
-        "agent": f"{agent}:run", "max_episode_tokens": 16, "observation_role": "user"}))
+        "kind": "agent", "source": f"{agent}:run", "max_episode_tokens": 16, "observation_role": "user"}))
     proc = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "train", "--config", path],
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           cwd=tmp_path, timeout=600)

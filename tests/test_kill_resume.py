@@ -51,7 +51,7 @@ def test_kill_minus_9_and_resume_with_an_environment(demo, tmp_path, capsys):
     started = time.time()
     env_file = tmp_path / "nudge.py"
     env_file.write_text(NUDGE)
-    extra = [f"episodes.environment={env_file}:Nudge", *NUDGE_OVERRIDES]
+    extra = ["episodes.kind=environment", f"episodes.source={env_file}:Nudge", *NUDGE_OVERRIDES]
     # seed 37's die: the kill lands 0.7 s after the run's first step, mid-run (seed 2's, 7.6 s,
     # came after the run's last step: it finished unkilled)
     code = main(["--kills", "1", "--steps", "6", "--seed", "37", "--workdir", str(tmp_path), "--max-seconds", "900",

@@ -133,7 +133,8 @@ class ScriptedEngine:
 
 
 def runner(tok, environment, **episodes):
-    cfg = EpisodesConfig(environment=environment, observation_role="user", **{"env_timeout_s": 5.0, **episodes})
+    cfg = EpisodesConfig(kind="environment", source=environment, observation_role="user",
+                         **{"timeout_s": 5.0, **episodes})
     return EpisodeRunner.build(cfg, tok, max_inflight=EngineConfig().max_inflight_requests, use_template=True)
 
 
@@ -231,7 +232,7 @@ def test_truncated_reward_grades_an_episode_that_ended_on_a_cut(tok, env_file):
 
     cfg = experiment(rollout=RolloutConfig(num_generations=2, max_new_tokens=16,
                                            overlong=OverlongConfig(truncated_reward=-1.0)),
-                     episodes=EpisodesConfig(environment=f"{env_file}:Scripted", observation_role="user",
+                     episodes=EpisodesConfig(kind="environment", source=f"{env_file}:Scripted", observation_role="user",
                                              max_episode_tokens=12, max_turns=5))
     source = EpisodeRunner.build(cfg.episodes, tok, max_inflight=4, use_template=True)
     ctx = GenerationContext(ScriptedEngine(tok), SamplingParams(max_new_tokens=16), _Zero(), tok, cfg, source)
@@ -298,7 +299,7 @@ def test_hung_sync_env_is_killed_within_the_timeout(tok, env_file):
     with pytest.raises(ProcessLookupError):
         os.kill(env.pid, 0)
     # in an episode: ends, counted as a timeout, reward 0, the run goes on
-    (ep,) = runner(tok, f"{env_file}:Scripted", env_timeout_s=1.0).run(
+    (ep,) = runner(tok, f"{env_file}:Scripted", timeout_s=1.0).run(
         ScriptedEngine(tok), [make_prompt(tok, script="hang")], 1, SamplingParams(max_new_tokens=16))
     assert ep.error == "timeout" and ep.num_turns == 1 and episode_stats([ep])["multi_turn/env_timeouts"] == 1
 
@@ -321,11 +322,11 @@ def test_an_environment_that_always_hangs_ends_a_256_sample_step_in_one_wave(tok
     10 s each, 40 s before anything was said (and 256 / concurrency deadlines in general). A
     step now stops once its expiries reach half of its started episodes: one wave, one line,
     every worker killed."""
-    r = runner(tok, f"{env_file}:Scripted", env_timeout_s=10.0)
+    r = runner(tok, f"{env_file}:Scripted", timeout_s=10.0)
     prompts = [make_prompt(tok, i, script="block") for i in range(64)]
     t0 = time.monotonic()
     with pytest.raises(EpisodesHung, match=r"^episodes.environment .*envs.py:Scripted: (\d+) of the (\d+) episodes "
-                                           r"started this step passed episodes.env_timeout_s=10s, episodes"
+                                           r"started this step passed episodes.timeout_s=10s, episodes"
                                            r".max_timeout_fraction=0.5 of them: it hangs; every worker was killed"):
         r.run(ScriptedEngine(tok), prompts, 4, SamplingParams(max_new_tokens=16))
     assert time.monotonic() - t0 < 30
@@ -336,12 +337,12 @@ def test_a_rare_hang_ends_its_episode_and_the_step_goes_on(tok, env_file):
     """Three of sixteen episodes hang: each ends as a timeout, counted, and the step returns.
     With ``max_timeout_fraction: null``, even every episode hanging is only counted."""
     prompts = [make_prompt(tok, i, script="block" if i in (2, 7, 11) else "obs done") for i in range(16)]
-    episodes = runner(tok, f"{env_file}:Scripted", env_timeout_s=2.0).run(
+    episodes = runner(tok, f"{env_file}:Scripted", timeout_s=2.0).run(
         ScriptedEngine(tok), prompts, 1, SamplingParams(max_new_tokens=16))
     assert [i for i, e in enumerate(episodes) if e.error is not None] == [2, 7, 11]
     assert episode_stats(episodes)["multi_turn/env_timeouts"] == 3
     hung = [make_prompt(tok, i, script="block") for i in range(2)]
-    episodes = runner(tok, f"{env_file}:Scripted", env_timeout_s=1.0, max_timeout_fraction=None).run(
+    episodes = runner(tok, f"{env_file}:Scripted", timeout_s=1.0, max_timeout_fraction=None).run(
         ScriptedEngine(tok), hung, 2, SamplingParams(max_new_tokens=16))
     assert [e.error for e in episodes] == ["timeout"] * 4
 
@@ -372,7 +373,7 @@ class SizeSpy:
 
 def test_huge_observation_is_cut_before_it_is_tokenized(tok, env_file):
     spy = SizeSpy(tok)
-    r = runner(spy, f"{env_file}:Huge", max_turns=3, max_episode_tokens=40, env_timeout_s=30.0)
+    r = runner(spy, f"{env_file}:Huge", max_turns=3, max_episode_tokens=40, timeout_s=30.0)
     (ep,) = r.run(ScriptedEngine(tok), [make_prompt(tok)], 1, SamplingParams(max_new_tokens=16))
     # 5 model tokens, then an observation of at most 34 tokens' worth of characters: it does not
     # fit (the episode ends, length, as it would uncut) and nothing near its size was tokenized
@@ -490,10 +491,10 @@ def test_constructor_error_ends_the_episode(tok, env_file):
 
 def test_bad_environment_one_liners(tok, env_file, tmp_path):
     with pytest.raises(ValueError) as e:  # ConfigValueError; the loader adds the file and the section
-        EpisodesConfig(environment=str(tmp_path / "missing.py") + ":Env")
+        EpisodesConfig(kind="environment", source=str(tmp_path / "missing.py") + ":Env")
     assert "missing.py" in str(e.value) and "not found" in str(e.value)
     with pytest.raises(ValueError, match="neither a built-in"):
-        EpisodesConfig(environment="calculater")
+        EpisodesConfig(kind="environment", source="calculater")
     with pytest.raises(EnvContractError, match=r"envs.py:NoStep: the class has no method step"):
         check_environment(f"{env_file}:NoStep", 5.0)
     with pytest.raises(EnvContractError, match=r"envs.py:Nope: the file has no attribute 'Nope'"):
@@ -526,7 +527,7 @@ def test_a_reward_no_float_holds_breaks_the_contract():
 def test_config_refuses_the_overlong_penalty_with_an_environment():
     with pytest.raises(ValueError, match="overlong.buffer_length"):
         experiment(rollout=RolloutConfig(overlong=OverlongConfig(buffer_length=4)),
-                   episodes=EpisodesConfig(environment="calculator"))
+                   episodes=EpisodesConfig(kind="environment", source="calculator"))
 
 
 # ---- the loss over model tokens only ---------------------------------------------------------

@@ -17,7 +17,8 @@ def test_two_steps_with_an_environment_log_the_multi_turn_metrics(demo, tmp_path
     env_file.write_text(NUDGE)
     run_dir = tmp_path / "run"
     heldout = demo / "arithmetic_heldout.jsonl"
-    cmd = train_cmd(demo, run_dir, 2, "engine.kind=inprocess", f"episodes.environment={env_file}:Nudge",
+    cmd = train_cmd(demo, run_dir, 2, "engine.kind=inprocess", "episodes.kind=environment",
+                    f"episodes.source={env_file}:Nudge",
                     "episodes.observation_role=user", "episodes.max_turns=3",
                     "episodes.max_episode_tokens=64",
                     "rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=16",

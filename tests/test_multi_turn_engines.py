@@ -62,7 +62,7 @@ def make_prompt(tok, index=0):
 
 
 def runner(tok, environment):
-    cfg = EpisodesConfig(environment=environment, observation_role="user", env_timeout_s=30.0)
+    cfg = EpisodesConfig(kind="environment", source=environment, observation_role="user", timeout_s=30.0)
     return EpisodeRunner.build(cfg, tok, max_inflight=1, use_template=True)
 
 
@@ -177,7 +177,8 @@ OFF_POLICY = ("rollout.mode=one_step_off_policy", "episodes.observation_role=use
 
 def _train_off_policy(demo, tmp_path, env_file, *extra, timeout=900):
     run_dir = tmp_path / "run"
-    cmd = train_cmd(demo, run_dir, 3, f"episodes.environment={env_file}:Nudge", *OFF_POLICY, *extra)
+    cmd = train_cmd(demo, run_dir, 3, "episodes.kind=environment", f"episodes.source={env_file}:Nudge", *OFF_POLICY,
+                    *extra)
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=ENV)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = read_metrics(run_dir)

@@ -91,7 +91,7 @@ def _kill_at(moment: str, whole_group: bool, demo: Path, tmp_path: Path) -> list
     extra = MOMENT_OVERRIDES.get(moment, ())
     if moment == "environment workers":
         (tmp_path / "nudge_env.py").write_text(NUDGE)
-        extra = (f"episodes.environment={tmp_path / 'nudge_env.py'}:Nudge", *extra)
+        extra = ("episodes.kind=environment", f"episodes.source={tmp_path / 'nudge_env.py'}:Nudge", *extra)
     log = open(tmp_path / "train.log", "wb")
     proc = subprocess.Popen(train_cmd(demo, run_dir, 20, "logging.plot=false", *extra), cwd=ROOT, env=ENV,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

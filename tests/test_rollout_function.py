@@ -132,13 +132,11 @@ def load(fn_file, name, tok=None, **kw) -> RolloutFunction:
 
 
 def test_config_key_is_checked_at_load(fn_file, tmp_path):
-    assert EpisodesConfig(rollout_function=f"{fn_file}:passthrough").rollout_function.endswith(":passthrough")
-    with pytest.raises(ValueError, match="rollout_function.*not found"):
-        EpisodesConfig(rollout_function=f"{tmp_path}/missing.py:fn")
-    with pytest.raises(ValueError, match="rollout_function.*not a file path"):
-        EpisodesConfig(rollout_function="pkg.module.fn")
-    with pytest.raises(ValueError, match="rollout_function.*cannot be combined with episodes.environment"):
-        EpisodesConfig(rollout_function=f"{fn_file}:passthrough", environment="calculator")
+    assert EpisodesConfig(kind="function", source=f"{fn_file}:passthrough").rollout_function.endswith(":passthrough")
+    with pytest.raises(ValueError, match="source: rollout function file .*missing.py not found"):
+        EpisodesConfig(kind="function", source=f"{tmp_path}/missing.py:fn")
+    with pytest.raises(ValueError, match="source: 'pkg.module.fn' is not a file path"):
+        EpisodesConfig(kind="function", source="pkg.module.fn")
 
 
 def test_load_errors_are_one_line_naming_the_file(fn_file, tmp_path):
@@ -165,7 +163,8 @@ def test_sync_async_and_tokenizer_functions(fn_file, tok):
 
 
 def test_the_builtin_episode_loop_is_a_rollout_function(tok):
-    runner = EpisodeRunner.build(EpisodesConfig(environment="calculator"), tok, max_inflight=64, use_template=True)
+    runner = EpisodeRunner.build(EpisodesConfig(kind="environment", source="calculator"), tok, max_inflight=64,
+                                 use_template=True)
     prompts = [make_prompt(tok, 0), make_prompt(tok, 1)]
     out = runner(FakeEngine(), prompts, 2, SamplingParams(max_new_tokens=3), 7)  # the same call
     check_rollout_output(out, prompts, 2, SamplingParams(), "the built-in loop")
@@ -302,7 +301,7 @@ def test_a_hung_function_is_killed_within_its_deadline(bad_file, tok):
     assert len(engine.calls) == 1
     assert str(e.value) == (f"episodes.rollout_function {bad_file.resolve()}:hangs_after_one_call: the function ran, "
                             "without returning or calling engine.generate, longer than 2s "
-                            "(episodes.rollout_function_timeout_s); its worker process was killed")
+                            "(episodes.timeout_s); its worker process was killed")
     assert not running(rf.pid)
 
 
@@ -312,7 +311,7 @@ def test_a_hung_function_ends_a_256_sample_step_at_its_first_deadline(bad_file, 
     rf = load(bad_file, "hangs_after_one_call", timeout_s=10.0)
     engine = Recording(FakeEngine())
     t0 = time.monotonic()
-    with pytest.raises(RolloutFunctionError, match=r"longer than 10s \(episodes.rollout_function_timeout_s\); its "
+    with pytest.raises(RolloutFunctionError, match=r"longer than 10s \(episodes.timeout_s\); its "
                                                    r"worker process was killed$"):
         rf(engine, [make_prompt(tok, i) for i in range(64)], 4, SamplingParams(), 1)
     assert 10.0 <= time.monotonic() - t0 < 30
@@ -363,7 +362,7 @@ def test_a_file_that_hangs_while_loading_is_refused_within_its_deadline(bad_file
     t0 = time.monotonic()
     try:
         with pytest.raises(ConfigError, match=r"episodes.rollout_function: .*bad.py:pid: loading the file took "
-                                              r"longer than 1s \(episodes.rollout_function_timeout_s\)"):
+                                              r"longer than 1s \(episodes.timeout_s\)"):
             load(bad_file, "pid", timeout_s=1.0)
         assert time.monotonic() - t0 < 10  # 1 s, plus the worker's imports on a busy machine
     finally:
@@ -517,7 +516,7 @@ def test_train_with_the_documented_rollout_function_and_a_broken_one(demo, tmp_p
     from tests.support.demo_run import ENV, read_metrics, train_cmd
 
     run_dir = tmp_path / "run"
-    cmd = train_cmd(demo, run_dir, 2, f"episodes.rollout_function={EXAMPLE}:retry_once", *SMALL)
+    cmd = train_cmd(demo, run_dir, 2, "episodes.kind=function", f"episodes.source={EXAMPLE}:retry_once", *SMALL)
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = read_metrics(run_dir)
@@ -528,7 +527,7 @@ def test_train_with_the_documented_rollout_function_and_a_broken_one(demo, tmp_p
     broken = tmp_path / "broken.py"
     broken.write_text("def fn(engine, prompts, n, sampling, seed):\n"
                       "    return engine.generate([p.prompt_ids for p in prompts], n, sampling)[1:]\n")
-    cmd = train_cmd(demo, tmp_path / "run2", 1, f"episodes.rollout_function={broken}:fn", *SMALL)
+    cmd = train_cmd(demo, tmp_path / "run2", 1, "episodes.kind=function", f"episodes.source={broken}:fn", *SMALL)
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
     assert out.returncode != 0
     line = f"episodes.rollout_function {broken}:fn: returned 15 items; expected 16 (n=4 per prompt for 4 prompts"

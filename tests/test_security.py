@@ -432,10 +432,12 @@ def test_dynamic_imports_only_from_fixed_registries_or_config():
                "megatron_grpo/rollout/episodes/environment/worker.py",
                # the graders' worker: imports the built-in reward modules the scorer names
                "megatron_grpo/rewards/isolated.py",
-               # the environment connectors: the fixed table of config/env_connectors.py (loading.py)
+               # the connectors: the fixed table of config/connectors.py (loading.py for the
+               # environments', the agent connectors' __init__.py for the agents')
                # and each connector's own library (skyrl_gym, OpenEnv's client) or the app file the
                # config names (openenv:path/to/app.py:app)
                "megatron_grpo/rollout/episodes/environment/loading.py",
+               "megatron_grpo/rollout/episodes/agent/connectors/__init__.py",
                "megatron_grpo/rollout/episodes/environment/connectors/skyrl_gym_adapter.py",
                "megatron_grpo/rollout/episodes/environment/connectors/openenv_adapter.py"}
     sites = set()

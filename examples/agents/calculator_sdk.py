@@ -1,8 +1,8 @@
 """The tool demo's calculator, written as an agent against the OpenAI SDK (docs/agents.md).
 
-``episodes.agent: examples/agents/calculator_sdk.py:run`` trains the tool demo's model through
-this function instead of the built-in ``calculator`` environment. It asks the model with
-``tools=[compute]``; the run's front finds the call in the model's own format
+``episodes: {kind: agent, source: examples/agents/calculator_sdk.py:run}`` trains the tool
+demo's model through this function instead of the built-in ``calculator`` environment. It asks
+the model with ``tools=[compute]``; the run's front finds the call in the model's own format
 (``tool_call_format: compute``: the demo vocabulary writes ``compute 12 + 30``), this function
 runs the tool and sends its result back as a ``tool`` message, and the model's next answer is
 graded. With the same model and seeds the episodes are the built-in environment's, token for

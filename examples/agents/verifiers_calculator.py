@@ -1,7 +1,8 @@
 """A verifiers ToolEnv for the CPU tool demo's task (docs/agents.md, "verifiers environments"):
 
     episodes:
-      agent: verifiers:examples/agents/verifiers_calculator.py:load_environment
+      kind: agent
+      source: verifiers:examples/agents/verifiers_calculator.py:load_environment
       tool_call_format: compute          # the demo vocabulary's call syntax; hermes for Qwen-style models
 
 The environment is verifiers' own (its turn loop, its tool handling, its rubric); the run's data

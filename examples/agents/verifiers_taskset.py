@@ -2,7 +2,8 @@
 "verifiers environments"):
 
     episodes:
-      agent: verifiers:examples/agents/verifiers_taskset.py:load_environment
+      kind: agent
+      source: verifiers:examples/agents/verifiers_taskset.py:load_environment
 
 Each task is answered in one chat turn through the run's engine and scored by the task's own
 ``@vf.reward``; the run's data rows name a task by ``example_id`` or carry their own ``question``

@@ -7,7 +7,9 @@ An old key keeps working for one release: its value moves to the new key and the
 one line naming the new key (``[megatron-grpo] config: rollout.engine is deprecated; use
 engine.kind``). Giving the old and the new key in the same place (the file, or the command
 line) is a one-line error naming both; an override on the command line still wins over the
-file, whichever spelling either uses.
+file, whichever spelling either uses. An old ``episodes:`` selector also sets the kind it
+implies (``IMPLIED_KIND``: ``episodes.environment: X`` is ``episodes.kind: environment`` with
+``episodes.source: X``); a kind given beside it must agree.
 """
 
 from __future__ import annotations
@@ -49,19 +51,43 @@ DEPRECATED_KEYS: dict[str, str] = {
     "rollout.weight_update_bucket_mb": "sync.bucket_mb",
     "rollout.verify_weights_every": "sync.verify_every",
     "rollout.verify_logprob_tolerance": "sync.verify_logprob_tolerance",
-    "rollout.environment": "episodes.environment",
-    "rollout.rollout_function": "episodes.rollout_function",
-    "rollout.rollout_function_timeout_s": "episodes.rollout_function_timeout_s",
+    "rollout.environment": "episodes.source",  # then episodes.environment, now with kind environment
+    "rollout.rollout_function": "episodes.source",  # with kind function
+    "rollout.rollout_function_timeout_s": "episodes.timeout_s",
     "rollout.multi_turn.observation_role": "episodes.observation_role",
     "rollout.multi_turn.observation_formatter": "episodes.observation_formatter",
     "rollout.multi_turn.max_turns": "episodes.max_turns",
     "rollout.multi_turn.max_episode_tokens": "episodes.max_episode_tokens",
-    "rollout.multi_turn.env_timeout_s": "episodes.env_timeout_s",
+    "rollout.multi_turn.env_timeout_s": "episodes.timeout_s",
     "rollout.multi_turn.on_env_error": "episodes.on_env_error",
     "rollout.multi_turn.env_reward": "episodes.env_reward",
+    # Issue 62: one selector (kind, with its source), one deadline and one concurrency for the
+    # three producers of episodes; a selector's old name also implies the kind (IMPLIED_KIND).
+    "episodes.environment": "episodes.source",
+    "episodes.agent": "episodes.source",
+    "episodes.rollout_function": "episodes.source",
+    "episodes.env_timeout_s": "episodes.timeout_s",
+    "episodes.agent_timeout_s": "episodes.timeout_s",
+    "episodes.rollout_function_timeout_s": "episodes.timeout_s",
+    "episodes.agent_workers": "episodes.concurrency",
 }
 """Old dotted key -> its current dotted key. A key naming a section moves with everything
-under it (``rollout.sglang.tp`` -> ``engine.sglang.tp``)."""
+under it (``rollout.sglang.tp`` -> ``engine.sglang.tp``). Several old keys may share a current
+key (the three timeouts); two of them in one place are "given twice"."""
+
+KIND_KEY = "episodes.kind"
+
+IMPLIED_KIND: dict[str, str] = {
+    "rollout.environment": "environment",
+    "rollout.rollout_function": "function",
+    "episodes.environment": "environment",
+    "episodes.agent": "agent",
+    "episodes.rollout_function": "function",
+}
+"""Old selector -> the ``episodes.kind`` its value implies: ``episodes.environment: X`` is
+``episodes.kind: environment`` with ``episodes.source: X``. A null selector sets nothing in a
+file (it said "not this kind"); on the command line it clears kind and source when the config's
+kind is its own (``implied_settings``)."""
 
 PREFIX = "[megatron-grpo] config:"
 
@@ -162,8 +188,9 @@ def misspelt_old_key(section: str, key: str, names: list[str]) -> Optional[Confi
     close = difflib.get_close_matches(key, [*names, *old], n=1, cutoff=0.6)
     if not close or close[0] not in old or close[0] in names:
         return None
-    return ConfigError(f"{section}.{key}", f"unknown key; did you mean '{DEPRECATED_KEYS[old[close[0]]]}' "
-                                           f"(once {old[close[0]]})?")
+    was = old[close[0]]
+    return ConfigError(f"{section}.{key}", f"unknown key; did you mean '{replacement(was, DEPRECATED_KEYS[was])}' "
+                                           f"(once {was})?")
 
 
 def _current_names(root: type, section: str) -> Optional[list[str]]:
@@ -187,18 +214,60 @@ def _misspelt(root: type, raw: dict) -> None:
                     raise error
 
 
+def kind_conflict_message(given: Any, old: str) -> str:
+    """The error at ``episodes.kind``, given as ``given``, of the old selector ``old`` implying another kind."""
+    return (f"is {given if given is not None else 'null'} but the deprecated {old} implies {IMPLIED_KIND[old]}; "
+            f"keep only {KIND_KEY} with episodes.source")
+
+
+def _imply_kind(raw: dict, old: str) -> None:
+    """Set ``episodes.kind`` to what the old selector ``old`` implies; a file's own kind must agree."""
+    parts = KIND_KEY.split(".")
+    node = parent_section(raw, parts, f"{KIND_KEY} (implied by {old})")
+    if parts[-1] in node and node[parts[-1]] != IMPLIED_KIND[old]:
+        raise ConfigError(KIND_KEY, kind_conflict_message(node[parts[-1]], old))
+    node[parts[-1]] = IMPLIED_KIND[old]
+
+
 def rename_file(raw: dict, root: type) -> tuple[dict, Renamed]:
-    """A copy of the parsed YAML ``raw`` with every deprecated key moved to its current key."""
+    """A copy of the parsed YAML ``raw`` with every deprecated key moved to its current key (an
+    old selector's kind set with it; a null one dropped, announced last)."""
     raw = copy.deepcopy(raw)
     renamed: Renamed = []
+    dropped: Renamed = []
+    given_as: dict[str, str] = {}  # current key -> the deprecated key that set it
     for old, new in DEPRECATED_KEYS.items():
         found, value = _pop(raw, old.split("."))
-        if found:
-            _put(raw, new, value, old)
-            renamed.append((old, new))
+        if not found:
+            continue
+        if old in IMPLIED_KIND and value is None:  # "not this kind": nothing to set
+            dropped.append((old, new))
+            continue
+        if new in given_as:
+            raise ConfigError(new, f"is given twice: as its deprecated names {given_as[new]} and {old}; "
+                                   f"keep only {new}")
+        _put(raw, new, value, old)
+        given_as[new] = old
+        renamed.append((old, new))
+        if old in IMPLIED_KIND:
+            _imply_kind(raw, old)
     _leftover(root, raw)
     _misspelt(root, raw)
-    return raw, renamed
+    return raw, renamed + dropped
+
+
+ANNOUNCE_ONLY = object()
+"""The value of a renamed override that sets nothing (a null old selector in a whole section)."""
+
+
+def selector_settings(old: str, new: str, value: Any, raw: dict) -> list[tuple[str, Any]]:
+    """(current dotted key, value) pairs an override of the old selector ``old`` sets in ``raw``:
+    its source and the kind it implies; a null one clears both when ``raw``'s kind is its own
+    (``episodes.environment=null`` turned the environment off), else sets nothing."""
+    if value is not None:
+        return [(new, value), (KIND_KEY, IMPLIED_KIND[old])]
+    found, kind = _pop(copy.deepcopy(raw), KIND_KEY.split("."))
+    return [(new, None), (KIND_KEY, None)] if found and kind == IMPLIED_KIND[old] else []
 
 
 def _rename_section_value(parts: list[str], value: dict, root: type) -> Iterator[tuple[list[str], Any, Optional[str]]]:
@@ -217,6 +286,8 @@ def _rename_section_value(parts: list[str], value: dict, root: type) -> Iterator
         found, sub = _pop(renamed_raw, new.split("."))
         if found:  # a section given under both names was merged into one value: taken once
             moved.append((new.split("."), sub, old))
+        elif old in IMPLIED_KIND:  # a null selector: announced, sets nothing
+            moved.append((new.split("."), ANNOUNCE_ONLY, old))
     found, rest = _pop(renamed_raw, parts)
     yield parts, rest if found else {}, None
     yield from moved
@@ -265,10 +336,16 @@ def current_key(dotted: str) -> str:
 _announced: set[str] = set()  # lines this process printed: a command loads its config more than once
 
 
+def replacement(old: str, new: str) -> str:
+    """What a deprecated key's line (and the reference) says to use instead of ``old``."""
+    kind = IMPLIED_KIND.get(old)
+    return f"{KIND_KEY}: {kind} with {new}" if kind else new
+
+
 def announce(renamed: Renamed) -> None:
     """Print one line per deprecated key to stderr, once per process."""
     for old, new in renamed:
-        line = f"{PREFIX} {old} is deprecated; use {new}"
+        line = f"{PREFIX} {old} is deprecated; use {replacement(old, new)}"
         if line not in _announced:
             _announced.add(line)
             print(line, file=sys.stderr, flush=True)

@@ -130,7 +130,7 @@ class EngineConfig:
 
     max_inflight_requests: int = 64
     """HTTP requests the client keeps in flight at once (over all servers); also the most
-    environment episodes run at once (episodes.environment)."""
+    environment episodes run at once (episodes.kind environment, unless episodes.concurrency)."""
 
     launch_timeout_s: float = 300.0
     """Deadline for a launched server to become healthy."""

@@ -1,6 +1,8 @@
-"""`episodes:` section: what generates a response besides one engine call: multi-turn episodes
-with an environment (its turn limits, observation rendering and failures), or the user's own
-rollout function (docs/multi_turn.md)."""
+"""`episodes:` section: what generates a response besides one engine call (``kind``, with its
+``source``): multi-turn episodes with an environment or an agent (their turn limits,
+observation rendering and failures), or the user's own rollout function (docs/multi_turn.md,
+docs/agents.md). One deadline (``timeout_s``) and one concurrency (``concurrency``), each
+meaning what its kind needs, with a default by kind."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from megatron_grpo.config.base import check
-from megatron_grpo.config.env_connectors import connector_problem, split_connector_spec
+from megatron_grpo.config.connectors import AGENTS_EXTRA, connector_problem, connectors_of, split_connector_spec
 
 BUILTIN_ENVIRONMENTS = ("calculator", "guess_number")
 """Names of the built-in environments (``rollout/episodes/environment/builtin.py``)."""
@@ -35,7 +37,7 @@ def environment_problem(spec: str) -> Optional[str]:
     """Why ``spec`` cannot name an environment (None if it can); checks the file exists, imports nothing."""
     if spec in BUILTIN_ENVIRONMENTS:
         return None
-    connector = split_connector_spec(spec)  # skyrl_gym:..., openenv:..., tools:... (config/env_connectors.py)
+    connector = split_connector_spec(spec)  # skyrl_gym:..., openenv:..., tools:... (config/connectors.py)
     if connector is not None:
         return connector_problem(*connector)
     m = ENVIRONMENT_FILE_RE.match(spec)
@@ -48,10 +50,6 @@ def environment_problem(spec: str) -> Optional[str]:
     return None
 
 
-AGENT_CONNECTORS = {"verifiers": "verifiers"}
-"""``episodes.agent`` prefix -> the library it needs (the connectors themselves are
-``rollout/episodes/agent/connectors/``; a test keeps the two tables' prefixes equal)."""
-
 TOOL_CALL_FORMATS = ("hermes", "compute")
 """``episodes.tool_call_format`` values (``chat/tool_calls.py``'s registry; a test keeps them equal)."""
 
@@ -59,20 +57,39 @@ TOOL_CALL_FORMATS = ("hermes", "compute")
 def agent_problem(spec: str) -> Optional[str]:
     """Why ``spec`` cannot name an agent (None if it can): ``path/to/file.py:fn`` or
     ``<connector>:path/to/file.py:attr``, the file present and the libraries installed; imports nothing."""
+    agents = connectors_of("agent")  # config/connectors.py
     prefix, sep, rest = spec.partition(":")
-    connector = prefix if sep and prefix in AGENT_CONNECTORS else None
+    connector = agents.get(prefix) if sep else None
     file_spec = rest if connector else spec
     m = ENVIRONMENT_FILE_RE.match(file_spec)
     if m is None:
         return (f"{spec!r} is not a file path path/to/file.py:fn (or <connector>:path/to/file.py:attr; connectors: "
-                f"{', '.join(AGENT_CONNECTORS)})")
+                f"{', '.join(agents)})")
     path = Path(m["path"]).expanduser().resolve()
     if not path.is_file():
         return f"agent file {path} not found (a relative path is resolved against the current directory)"
-    for library in ["openai"] + ([AGENT_CONNECTORS[connector]] if connector else []):
+    for library in ["openai"] + ([connector.library] if connector and connector.library else []):
         if importlib.util.find_spec(library) is None:
-            return f"{spec!r} needs the {library} library, which is not installed: pip install 'megatron-grpo[agents]'"
+            return f"{spec!r} needs the {library} library, which is not installed: {AGENTS_EXTRA}"
     return None
+
+
+EPISODE_KINDS = ("environment", "agent", "function")
+"""``episodes.kind`` values: what runs a step's episodes (``rollout/episodes/source.py``)."""
+
+DEFAULT_TIMEOUT_S = {"environment": 30.0, "agent": 300.0, "function": 300.0}
+"""``episodes.timeout_s`` when null, by kind: an environment's call is short (a step of a game or
+a tool), an agent's episode or a function's stretch of code may hold many model calls."""
+
+DEFAULT_AGENT_CONCURRENCY = 8
+"""``episodes.concurrency`` of an agent when null: its worker processes (each runs one episode)."""
+
+
+def source_problem(kind: str, source: str) -> Optional[str]:
+    """Why ``source`` cannot be run by ``kind`` (None if it can); imports nothing."""
+    problem = {"environment": environment_problem, "agent": agent_problem,
+               "function": rollout_function_problem}[kind]
+    return problem(source)
 
 
 @dataclass(kw_only=True)
@@ -80,11 +97,39 @@ class EpisodesConfig:
     """`episodes:` multi-turn episodes of an environment or an agent, or a custom rollout function
     (docs/multi_turn.md, docs/agents.md)."""
 
-    environment: Optional[str] = None
-    """Multi-turn episodes with an environment (docs/multi_turn.md): a built-in (calculator,
-    guess_number) or `path/to/env.py:ClassName`, a class constructed with the dataset row whose
-    `step(response) -> {"observation", "done", "reward"}` answers each model turn. null:
-    single-turn rollouts."""
+    kind: Optional[Literal["environment", "agent", "function"]] = None
+    """What generates a step's responses besides one engine call: environment, multi-turn
+    episodes with an environment (docs/multi_turn.md); agent, episodes run by an agent written
+    against the OpenAI SDK (docs/agents.md); function, the user's rollout function
+    (docs/multi_turn.md, "Custom rollout functions"). null: single-turn rollouts (the other keys
+    of the section are then unused)."""
+
+    source: Optional[str] = None
+    """What runs, by kind (set with kind, null without). environment: a built-in (calculator,
+    guess_number), `path/to/env.py:ClassName` (a class constructed with the dataset row whose
+    `step(response) -> {"observation", "done", "reward"}` answers each model turn) or a
+    connector's `<prefix>:<target>` (skyrl_gym, openenv, tools). agent: `path/to/file.py:fn` with
+    `async def fn(client, row) -> float | dict` (or a plain def), or
+    `verifiers:path/to/env.py:load_environment`; its client's calls go to the run's engine through
+    an OpenAI-compatible server on loopback that records the exact token ids, max_turns caps its
+    model calls, max_episode_tokens its tokens, on_env_error and env_reward treat its failures and
+    reward as an environment's. function: `path/to/file.py:fn`, fn(engine, prompts, n, sampling,
+    seed) -> n Samples per prompt, prompt-major (token ids, the engine's log-probs, output_mask),
+    checked every call."""
+
+    timeout_s: Optional[float] = None
+    """The deadline, by kind. environment: one environment call (construction or step), past it
+    the call is killed with its worker process and the episode ends as an environment error;
+    agent: one episode, past it its worker and everything it started are killed and the episode
+    ends as a timeout; function: loading its file, and each stretch in which it neither returns
+    nor calls engine.generate (the engine's calls have engine.request_timeout_s), past it the
+    worker is killed and the run stops with one line. null: 30 for an environment, 300 for an
+    agent or a function."""
+
+    concurrency: Optional[int] = None
+    """Episodes run at once. environment: null is engine.max_inflight_requests (each episode has
+    at most one engine request in flight); agent: its worker processes, kept across steps, null is
+    8. Refused with kind function, which gets the whole step in one call and runs it as it likes."""
 
     observation_role: Literal["tool", "user"] = "tool"
     """Chat role of an observation turn, rendered by the tokenizer's chat template (not guessed
@@ -105,15 +150,12 @@ class EpisodesConfig:
     after the episode's prompt (max_position_embeddings less its tokens), which always fits; a
     number must fit after the longest prompt (checked at pre-flight)."""
 
-    env_timeout_s: float = 30.0
-    """Deadline of one environment call (construction or step); a call past it is killed with
-    its worker process and the episode ends as an environment error (see max_timeout_fraction)."""
-
     max_timeout_fraction: Optional[float] = 0.5
-    """When a step's deadline expiries (env_timeout_s, agent_timeout_s) reach this fraction of
-    the episodes it started (and at least 2), the environment or agent is taken as hung: every
-    worker is killed and the run stops with one line, after one wave of deadlines instead of
-    one per episode. A rarer hang only ends its episode. null: never stop for timeouts."""
+    """When a step's deadline expiries (timeout_s of an environment call or an agent episode)
+    reach this fraction of the episodes it started (and at least 2), the environment or agent is
+    taken as hung: every worker is killed and the run stops with one line, after one wave of
+    deadlines instead of one per episode. A rarer hang only ends its episode. null: never stop
+    for timeouts."""
 
     on_env_error: Literal["zero_reward", "drop"] = "zero_reward"
     """An episode whose environment raised, timed out or sent an observation with unknown tokens:
@@ -124,66 +166,67 @@ class EpisodesConfig:
     """How the environment's reward (the sum of its per-step rewards) combines with the reward
     functions' score: added to it, or replacing it."""
 
-    rollout_function: Optional[str] = None
-    """`path/to/file.py:fn`, a function that generates each step's samples instead of the
-    built-in loop (docs/multi_turn.md, "Custom rollout functions"): fn(engine, prompts, n,
-    sampling, seed) -> n Samples per prompt, prompt-major (token ids, the engine's log-probs,
-    output_mask), checked every call. null: single-turn, or the `environment` episode loop."""
-
-    rollout_function_timeout_s: float = 300.0
-    """Deadline of rollout_function's own code: loading its file, and each stretch in which it
-    neither returns nor calls engine.generate (the engine's calls have engine.request_timeout_s).
-    The function runs in a worker process; past the deadline the worker is killed and the run
-    stops with one line naming the file and the function."""
-
-    agent: Optional[str] = None
-    """Episodes run by an agent written against the OpenAI SDK (docs/agents.md):
-    `path/to/file.py:fn` with `async def fn(client, row) -> float | dict` (or a plain def), or a
-    connector's `verifiers:path/to/env.py:load_environment`. Its client's calls go to the run's
-    engine through an OpenAI-compatible server on loopback that records the exact token ids;
-    max_turns caps its model calls, max_episode_tokens its tokens, on_env_error and env_reward
-    treat its failures and reward as an environment's. null: no agent."""
-
-    agent_workers: int = 8
-    """Worker processes running `agent` (kept across steps); at most this many episodes run at once."""
-
-    agent_timeout_s: float = 300.0
-    """Deadline of one agent episode; past it its worker and everything it started are killed and
-    the episode ends as a timeout."""
-
     tool_call_format: Literal["hermes", "compute"] = "hermes"
     """How an agent's `tools=` calls are found in the model's text (docs/agents.md): hermes,
     `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (Qwen2.5/Qwen3/Hermes templates);
     compute, the CPU tool demo's `compute <expression>`."""
 
     def __post_init__(self):
-        check(self.agent_workers >= 1, "agent_workers", f"must be >= 1, got {self.agent_workers}")
-        check(self.agent_timeout_s > 0, "agent_timeout_s", f"must be > 0, got {self.agent_timeout_s}")
-        if self.agent is not None:
-            problem = agent_problem(self.agent)
-            check(problem is None, "agent", problem or "")
-            check(self.environment is None and self.rollout_function is None, "agent",
-                  "cannot be combined with episodes.environment or episodes.rollout_function (the agent runs the "
-                  "episode); set the others to null")
+        check(self.kind is None or self.kind in EPISODE_KINDS, "kind",
+              f"must be one of {', '.join(EPISODE_KINDS)} or null, got {self.kind!r}")
+        check((self.kind is None) == (self.source is None), "source" if self.kind else "kind",
+              f"is needed with episodes.kind {self.kind}: what runs its episodes" if self.kind else
+              f"is needed with episodes.source {self.source!r}: environment, agent or function")
+        if self.kind is not None:
+            problem = source_problem(self.kind, self.source)
+            check(problem is None, "source", problem or "")
+        check(self.timeout_s is None or self.timeout_s > 0, "timeout_s", f"must be > 0 or null, got {self.timeout_s}")
+        check(self.concurrency is None or self.concurrency >= 1, "concurrency",
+              f"must be >= 1 or null, got {self.concurrency}")
+        check(self.concurrency is None or self.kind != "function", "concurrency",
+              "is not used with episodes.kind function (the function gets the whole step in one call); set it to null")
         check(self.max_turns >= 1, "max_turns", f"must be >= 1, got {self.max_turns}")
         check(self.max_episode_tokens is None or self.max_episode_tokens >= 1, "max_episode_tokens",
               f"must be >= 1 or null, got {self.max_episode_tokens}")
-        check(self.env_timeout_s > 0, "env_timeout_s", f"must be > 0, got {self.env_timeout_s}")
         f = self.max_timeout_fraction
         check(f is None or 0 < f <= 1, "max_timeout_fraction", f"must be in (0, 1] or null, got {f}")
         f = self.observation_formatter
         check(f is None or ENVIRONMENT_FILE_RE.match(f) is not None, "observation_formatter",
               f"must be a file path path/to/file.py:fn or null, got {f!r}")
-        check(self.rollout_function_timeout_s > 0, "rollout_function_timeout_s", "must be > 0")
-        if self.environment is not None:
-            problem = environment_problem(self.environment)
-            check(problem is None, "environment", problem or "")
-        if self.rollout_function is not None:
-            problem = rollout_function_problem(self.rollout_function)
-            check(problem is None, "rollout_function", problem or "")
-            check(self.environment is None, "rollout_function",
-                  "cannot be combined with episodes.environment (the environment's episode loop is the built-in "
-                  "rollout function); set one of them to null")
+
+    @property
+    def deadline_s(self) -> float:
+        """``timeout_s``, its null resolved by kind (``DEFAULT_TIMEOUT_S``; an environment's
+        without a kind, for a caller that checks an environment spec alone)."""
+        return self.timeout_s if self.timeout_s is not None else DEFAULT_TIMEOUT_S[self.kind or "environment"]
+
+    def episodes_at_once(self, max_inflight_requests: int) -> int:
+        """``concurrency``, its null resolved by kind: ``max_inflight_requests`` (the engine's, the
+        caller's) for an environment, ``DEFAULT_AGENT_CONCURRENCY`` worker processes for an agent."""
+        if self.concurrency is not None:
+            return self.concurrency
+        return DEFAULT_AGENT_CONCURRENCY if self.kind == "agent" else max_inflight_requests
+
+    # read-only views by kind, for the readers that ask "is there an environment?"
+    @property
+    def environment(self) -> Optional[str]:
+        """``source`` when ``kind`` is environment, else None."""
+        return self.source if self.kind == "environment" else None
+
+    @property
+    def agent(self) -> Optional[str]:
+        """``source`` when ``kind`` is agent, else None."""
+        return self.source if self.kind == "agent" else None
+
+    @property
+    def rollout_function(self) -> Optional[str]:
+        """``source`` when ``kind`` is function, else None."""
+        return self.source if self.kind == "function" else None
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes of an environment or an agent (turns, observations, an episode's reward)."""
+        return self.kind in ("environment", "agent")
 
 
 FALLBACK_EPISODE_TOKENS = 512

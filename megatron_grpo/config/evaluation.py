@@ -34,8 +34,8 @@ class EvalSetConfig:
     """Evaluate only the first N prompts of the file (null = all)."""
 
     single_turn: bool = False
-    """Generate each response with one engine call even when the run has episodes.environment
-    (or episodes.rollout_function). false: the set's responses are episodes generated as the
+    """Generate each response with one engine call even when the run has episodes.kind
+    (an environment, an agent or a rollout function). false: the set's responses are episodes generated as the
     training rollouts are, so pass@k measures tool use (docs/multi_turn.md)."""
 
     def __post_init__(self):
@@ -72,8 +72,8 @@ class EvalConfig:
 
     correct_function: Optional[str] = None
     """Label of the reward function that decides whether a response is correct (its value >=
-    `correct_threshold`); null = the first of reward.functions. With episodes.environment it may
-    be `environment`: an evaluation episode's reward from the environment."""
+    `correct_threshold`); null = the first of reward.functions. With episodes.kind environment or
+    agent it may be `environment`: an evaluation episode's reward from the environment."""
 
     correct_threshold: float = 1.0
     """A response is correct when the deciding function's value is at least this."""

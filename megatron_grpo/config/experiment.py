@@ -119,16 +119,15 @@ class ExperimentConfig:
         check(not (self.algorithm.router_replay and self.model.recompute_activations), "algorithm.router_replay",
               "cannot be combined with model.recompute_activations (the recomputed forward would "
               "route after later micro-batches set their targets)")
-        check(self.episodes.environment is None or not self.algorithm.router_replay, "algorithm.router_replay",
-              "is not supported with episodes.environment (multi-turn episodes): set one of them off")
-        check(self.episodes.rollout_function is None or not self.algorithm.router_replay, "algorithm.router_replay",
-              "is not supported with episodes.rollout_function (its samples carry no routing): set one of them off")
-        check(self.episodes.agent is None or not self.algorithm.router_replay, "algorithm.router_replay",
-              "is not supported with episodes.agent (multi-turn episodes): set one of them off")
+        why = {"environment": "multi-turn episodes", "agent": "multi-turn episodes",
+               "function": "its samples carry no routing"}
+        check(self.episodes.kind is None or not self.algorithm.router_replay, "algorithm.router_replay",
+              f"is not supported with episodes.kind {self.episodes.kind} ({why.get(self.episodes.kind)}): set one "
+              "of them off")
 
         self._check_distillation()
         labels = self.reward.labels
-        if self.episodes.environment is not None or self.episodes.agent is not None:
+        if self.episodes.multi_turn:
             # an evaluation episode's own reward (evaluation/runner.py)
             labels = [*labels, ENV_LABEL]
             plain = next((s.name for s in self.eval.sets if s.single_turn), None)
@@ -155,13 +154,13 @@ class ExperimentConfig:
         preflight/rules.py)."""
         # async generates groups from several threads at once, and the rollout function's
         # worker process serves one call at a time
-        check(self.rollout.mode != "async" or self.episodes.rollout_function is None, "rollout.mode",
-              "async cannot be combined with episodes.rollout_function yet (its worker runs one call at a "
+        check(self.rollout.mode != "async" or self.episodes.kind != "function", "rollout.mode",
+              "async cannot be combined with episodes.kind function yet (its worker runs one call at a "
               "time; async calls it for several groups at once); use rollout.mode: one_step_off_policy")
-        check((self.episodes.environment is None and self.episodes.agent is None)
-              or self.rollout.overlong.buffer_length is None, "rollout.overlong.buffer_length",
+        check(not self.episodes.multi_turn or self.rollout.overlong.buffer_length is None,
+              "rollout.overlong.buffer_length",
               "the overlong penalty counts response tokens, which in an environment or agent episode include "
-              "observations; set it to null with episodes.environment or episodes.agent")
+              "observations; set it to null with episodes.kind environment or agent")
 
     def _check_distillation(self) -> None:
         """The rules between `distillation:` and the other sections."""
@@ -316,6 +315,7 @@ def apply_overrides(raw: dict, overrides: list[str], renamed: Optional[aliases.R
 
     raw = copy.deepcopy(raw)
     spelling: dict[str, tuple[str, bool]] = {}  # current key -> (as first given, deprecated)
+    kind_given: Optional[tuple[Optional[str], Any]] = None  # episodes.kind on the command line: (old selector, value)
     for text in overrides:
         source = f"override {text!r}"
         parts, value = parse_override(text)
@@ -331,11 +331,25 @@ def apply_overrides(raw: dict, overrides: list[str], renamed: Optional[aliases.R
                                        f"{first if first_old else old}; keep only {key}", source)
             if old is not None and renamed is not None:
                 renamed.append((old, key))
-            try:
-                node = aliases.parent_section(raw, list(parts), key)
-            except ConfigError as e:
-                raise e.with_source(source) from None
-            node[parts[-1]] = value
+            if value is aliases.ANNOUNCE_ONLY:
+                continue
+            # an old selector (episodes.environment=X) also sets the kind, which must agree
+            # with an episodes.kind given on the command line
+            pairs = (aliases.selector_settings(old, key, value, raw) if old in aliases.IMPLIED_KIND
+                     else [(key, value)])
+            for dotted, v in pairs:
+                if dotted == aliases.KIND_KEY:
+                    by = old if old in aliases.IMPLIED_KIND else None
+                    if kind_given is not None and (kind_given[0] is None) != (by is None) \
+                            and None not in (kind_given[1], v) and kind_given[1] != v:
+                        raise ConfigError(dotted, aliases.kind_conflict_message(
+                            kind_given[1] if by else v, by or kind_given[0]), source)
+                    kind_given = (by, v)
+                try:
+                    node = aliases.parent_section(raw, dotted.split("."), dotted)
+                except ConfigError as e:
+                    raise e.with_source(source) from None
+                node[dotted.split(".")[-1]] = v
     return raw
 
 

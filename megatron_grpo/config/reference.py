@@ -12,7 +12,7 @@ import dataclasses
 import sys
 import typing
 
-from megatron_grpo.config.aliases import DEPRECATED_KEYS
+from megatron_grpo.config.aliases import DEPRECATED_KEYS, replacement
 from megatron_grpo.config.base import field_types, field_docs, type_name
 from megatron_grpo.config.experiment import ExperimentConfig
 from megatron_grpo.runtime.files import write_text_atomic
@@ -86,7 +86,7 @@ def render() -> str:
         "",
         "| deprecated key | current key |",
         "|---|---|",
-        *(f"| `{old}` | `{new}` |" for old, new in DEPRECATED_KEYS.items()),
+        *(f"| `{old}` | `{replacement(old, new)}` |" for old, new in DEPRECATED_KEYS.items()),
         "",
     ]
     return "\n".join(out)

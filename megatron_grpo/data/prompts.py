@@ -48,7 +48,7 @@ class Prompt:
 
     messages: Optional[list[dict]] = field(default=None, compare=False)
     """The chat messages ``text`` renders (system prompt included), None without a chat
-    template: what an agent (``episodes.agent``) sends as its first request's ``messages``."""
+    template: what an agent (``episodes.kind: agent``) sends as its first request's ``messages``."""
 
 
 def _type_name(value: Any) -> str:

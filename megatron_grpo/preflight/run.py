@@ -217,7 +217,7 @@ def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
     if too_long:  # the engine would reject it mid-run; say which line now
         raise DataError(f"{too_long[0].where}: prompt is {len(too_long[0].prompt_ids)} tokens, no room to generate "
                         f"in the model's context of {context} (max_position_embeddings, {cfg.model.hf_dir}/config.json)")
-    if context and (cfg.episodes.environment is not None or cfg.episodes.agent is not None):
+    if context and cfg.episodes.multi_turn:
         if cfg.episodes.max_episode_tokens is not None:  # null: what the context leaves, which fits
             check_fits(dataset.prompts, cfg.episodes.max_episode_tokens, "episodes.max_episode_tokens",
                        context, cfg.model.hf_dir)
@@ -225,7 +225,7 @@ def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
         check_fits(dataset.prompts, cfg.rollout.max_new_tokens, "rollout.max_new_tokens", context, cfg.model.hf_dir)
     for i, s in enumerate(cfg.eval.sets):
         eval_prompts = load_prompt_dataset(cfg.data, tokenizer, s.path, key=f"eval.sets[{i}].path").prompts
-        if context and cfg.episodes.environment is None and cfg.episodes.agent is None:
+        if context and not cfg.episodes.multi_turn:
             check_fits(eval_prompts, s.max_new_tokens or cfg.rollout.max_new_tokens,
                        f"eval.sets[{i}].max_new_tokens" if s.max_new_tokens else "rollout.max_new_tokens",
                        context, cfg.model.hf_dir)
@@ -237,24 +237,24 @@ def check_run(cfg: ExperimentConfig, ranks_on_node: int | None = None) -> None:
 
 
 def check_plugins(cfg: ExperimentConfig, tokenizer, vocab_size: int | None) -> None:
-    """``episodes.environment`` / ``episodes.agent`` / ``episodes.rollout_function`` loaded and checked (the file
+    """``episodes.source`` of its ``episodes.kind`` loaded and checked (the file
     imports, the class or function exists with the right methods or arguments), in a worker
     process as during the run, before anything is written; EnvContractError or ConfigError,
     one line naming the file, otherwise."""
     episodes = cfg.episodes
-    if episodes.environment is None and episodes.rollout_function is None and episodes.agent is None:
+    if episodes.kind is None:
         return
     try:
-        if episodes.environment is not None:
+        if episodes.kind == "environment":
             # prepare: what the episodes share starts here too (an OpenEnv server, stopped below),
             # so an app that raises on import or a server nobody runs is refused before the run
             # directory is written (it was refused by the run's own pre-flight, after; issue 64)
-            check_environment(episodes.environment, episodes.env_timeout_s, prepare=True)
-        elif episodes.agent is not None:
-            check_agent(episodes.agent)
+            check_environment(episodes.source, episodes.deadline_s, prepare=True)
+        elif episodes.kind == "agent":
+            check_agent(episodes.source)
         else:
-            RolloutFunction.load(episodes.rollout_function, tokenizer, vocab_size=vocab_size,
-                                 timeout_s=episodes.rollout_function_timeout_s).close()
+            RolloutFunction.load(episodes.source, tokenizer, vocab_size=vocab_size,
+                                 timeout_s=episodes.deadline_s).close()
     finally:
         shutdown_fork_server()  # the run starts its own; the launcher keeps no worker process
 

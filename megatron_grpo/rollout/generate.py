@@ -3,9 +3,9 @@
 With DAPO's options (``rollout.dynamic_sampling``, ``rollout.overlong``) rewards get the
 soft overlong penalty, zero-variance groups are replaced by extra generation rounds, and
 truncated responses can be masked out of the loss (``rollout/dynamic_sampling.py``). With
-``episodes.environment`` each response is a multi-turn episode (``rollout/episodes/environment/loop.py``): its
+``episodes.kind: environment`` each response is a multi-turn episode (``rollout/episodes/environment/loop.py``): its
 observation tokens are masked out of the loss and the environment's reward joins the score.
-With ``episodes.rollout_function`` the user's function generates the samples
+With ``episodes.kind: function`` the user's function generates the samples
 (``rollout/episodes/function/source.py``); the episode loop is the built-in one.
 
 The trainer broadcasts the finished RolloutResult to the other ranks, so the rollout engine,

@@ -121,7 +121,7 @@ class RolloutSide:
 def build_rollout_side(cfg: ExperimentConfig, tokenizer, sampler: Optional[PromptSampler], *,
                        vocab_size: Optional[int] = None) -> RolloutSide:
     """The sampling parameters (with the tokenizer's EOS as a stop id), the sampler, the
-    reward scorer and, with ``episodes.environment`` or ``episodes.rollout_function``, the
+    reward scorer and, with ``episodes.kind: environment`` or ``episodes.kind: function``, the
     rollout function (built before the engine starts: a bad reward, environment or rollout
     function fails fast). ``vocab_size``: the model's, the bound of a rollout function's ids."""
     with reward_build_deadline(cfg.reward):

@@ -104,7 +104,7 @@ class Nudge:
 NUDGE_OVERRIDES = ("episodes.observation_role=user", "episodes.max_episode_tokens=64",
                    "rollout.prompts_per_step=4", "rollout.num_generations=4", "parallel.global_batch_size=8",
                    "parallel.micro_batch_size=4", "eval.every_n_steps=0")
-"""A small multi-turn demo run with NUDGE (plus ``episodes.environment=FILE:Nudge``)."""
+"""A small multi-turn demo run with NUDGE (plus ``episodes.kind=environment``, ``episodes.source=FILE:Nudge``)."""
 
 
 def wait_for_steps(run_dir: Path, steps: int, procs, timeout_s: float = 300.0, poll_s: float = 0.1) -> None:

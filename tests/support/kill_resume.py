@@ -8,7 +8,7 @@ resume it with `checkpoint.resume: auto` each time, and check that
   the same prompts (``rollout/prompt_indices``: no prompt lost or repeated across a kill).
 
 With ``--extra KEY=VALUE`` (repeatable) both runs get more overrides: an environment
-(``episodes.environment=...``) makes every response a multi-turn episode whose environment
+(``episodes.kind=environment``) makes every response a multi-turn episode whose environment
 workers die with the run (tests/test_kill_resume.py).
 
     python tests/support/kill_resume.py --kills 20          # the full version (several minutes)

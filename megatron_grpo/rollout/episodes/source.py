@@ -2,16 +2,16 @@
 
 A step asks an ``EpisodeSource`` for ``n`` episodes of each prompt at the run's sampling
 settings, and closes it when the run ends; it never asks which kind it holds. Three implement
-it, one per ``episodes:`` key:
+it, one per ``episodes.kind`` (each runs ``episodes.source``):
 
-* ``EpisodeRunner`` (``episodes.environment``, rollout/episodes/environment/loop.py): the built-in loop, an
+* ``EpisodeRunner`` (``environment``, rollout/episodes/environment/loop.py): the built-in loop, an
   environment in its own worker process per episode;
-* ``AgentRunner`` (``episodes.agent``, rollout/episodes/agent/runner.py): the user's agent against an
+* ``AgentRunner`` (``agent``, rollout/episodes/agent/runner.py): the user's agent against an
   OpenAI-compatible front on loopback, trained on the exact tokens of its calls;
-* ``RolloutFunction`` (``episodes.rollout_function``, rollout/episodes/function/source.py): the user's
+* ``RolloutFunction`` (``function``, rollout/episodes/function/source.py): the user's
   function in its worker process, its output checked on every call.
 
-Without any of them a step's responses are the engine's own ``generate`` (single-turn).
+Without a kind a step's responses are the engine's own ``generate`` (single-turn).
 """
 
 from __future__ import annotations
@@ -47,19 +47,20 @@ class EpisodeSource(Protocol):
 def build_episode_source(episodes_cfg: EpisodesConfig, tokenizer, *, max_inflight: int, use_template: bool,
                          vocab_size: Optional[int] = None, model_context: Optional[int] = None
                          ) -> Optional[EpisodeSource]:
-    """The run's source, by the ``episodes:`` key set (the config allows one); None: single-turn.
+    """The run's source, by ``episodes.kind``; None: single-turn.
     Built before the engine starts, so a bad environment, agent or function fails fast with one
-    line. ``max_inflight``: the most episodes at once; ``use_template``: render turns with the
+    line. ``max_inflight``: the engine's requests in flight (an environment's episodes at once
+unless ``episodes.concurrency``); ``use_template``: render turns with the
     tokenizer's chat template; ``vocab_size``: the bound of a rollout function's token ids;
     ``model_context``: the model's context length (an episode's budget when
     ``episodes.max_episode_tokens`` is null)."""
-    if episodes_cfg.environment is not None:
-        return EpisodeRunner.build(episodes_cfg, tokenizer, max_inflight=max_inflight, use_template=use_template,
-                                   model_context=model_context)
-    if episodes_cfg.agent is not None:
+    if episodes_cfg.kind == "environment":
+        return EpisodeRunner.build(episodes_cfg, tokenizer, max_inflight=episodes_cfg.episodes_at_once(max_inflight),
+                                   use_template=use_template, model_context=model_context)
+    if episodes_cfg.kind == "agent":
         return AgentRunner.build(episodes_cfg, tokenizer, max_inflight=max_inflight, use_template=use_template,
                                  model_context=model_context)
-    if episodes_cfg.rollout_function is not None:
-        return RolloutFunction.load(episodes_cfg.rollout_function, tokenizer, vocab_size=vocab_size,
-                                    timeout_s=episodes_cfg.rollout_function_timeout_s)
+    if episodes_cfg.kind == "function":
+        return RolloutFunction.load(episodes_cfg.source, tokenizer, vocab_size=vocab_size,
+                                    timeout_s=episodes_cfg.deadline_s)
     return None

@@ -84,7 +84,7 @@ class TurnRenderer:
         self._base: list[int] = []
         if formatter is None:
             if not (use_template and has_chat_template(tokenizer)):
-                raise ConfigError(self.KEY, "is needed: episodes.environment renders observations with the chat "
+                raise ConfigError(self.KEY, "is needed: episodes.kind environment renders observations with the chat "
                                             "template, and " + ("data.apply_chat_template is false"
                                                                 if has_chat_template(tokenizer)
                                                                 else "the tokenizer has no chat template"))

@@ -1,7 +1,7 @@
 """The agent front: an OpenAI-compatible server on loopback, in front of the run's engine,
 that records every call of an episode as exact token ids.
 
-An agent (``episodes.agent``, ``rollout/episodes/agent/runner.py``) gets an OpenAI SDK client whose base
+An agent (``episodes.kind: agent``, ``rollout/episodes/agent/runner.py``) gets an OpenAI SDK client whose base
 URL names its episode, ``http://127.0.0.1:<port>/episodes/<id>/v1``; the front answers its
 ``chat.completions`` and ``completions`` calls with the run's engine (any kind: embedded,
 in-process, SGLang: the same ``RolloutEngine.generate`` the built-in loops call) and keeps, per

@@ -1,4 +1,4 @@
-"""``episodes.agent``: episodes run by an agent the user wrote against the OpenAI SDK.
+"""``episodes.kind: agent``: episodes run by an agent the user wrote against the OpenAI SDK.
 
     async def run(client, row) -> float | dict          (or a plain ``def``)
 
@@ -42,7 +42,8 @@ from typing import Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
 from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE, episode_budget
-from megatron_grpo.rollout.episodes.agent.connectors import CONNECTORS, split_spec
+from megatron_grpo.config.connectors import connectors_of
+from megatron_grpo.rollout.episodes.agent.connectors import split_spec
 from megatron_grpo.rollout.episodes.agent.front import AgentFront, EpisodeLog
 from megatron_grpo.rollout.episodes.agent.trajectory import sample_from_calls
 from megatron_grpo.rollout.episodes.environment.worker import STARTUP_TIMEOUT_S, fork_server, kill_worker
@@ -51,7 +52,7 @@ from megatron_grpo.rollout.episodes.episode import Episode, episode_jobs, raise_
 from megatron_grpo.rollout.episodes.turns import TurnRenderer
 from megatron_grpo.wire.samples import Sample, SamplingParams
 
-KEY = "episodes.agent"
+KEY = "episodes.agent"  # the label of its runtime lines (config errors of the spec name episodes.source)
 SEED_MODULUS = 2**31 - 1
 
 
@@ -73,11 +74,11 @@ def resolve_spec(spec: str) -> str:
     prefix, file_spec = split_spec(spec)
     m = ENVIRONMENT_FILE_RE.match(file_spec)
     if m is None:
-        raise ConfigError(KEY, f"{spec!r} is not a file path path/to/file.py:fn (or <connector>:path/to/file.py:attr, "
-                               f"connectors: {', '.join(CONNECTORS)})")
+        raise ConfigError("episodes.source", f"{spec!r} is not a file path path/to/file.py:fn (or <connector>:path/to/file.py:attr, "
+                               f"connectors: {', '.join(connectors_of('agent'))})")
     path = Path(m["path"]).expanduser().resolve()
     if not path.is_file():
-        raise ConfigError(KEY, f"file {path} not found (a relative path is resolved against the current directory)")
+        raise ConfigError("episodes.source", f"file {path} not found (a relative path is resolved against the current directory)")
     return f"{prefix + ':' if prefix else ''}{path}:{m['attr']}"
 
 
@@ -139,7 +140,7 @@ class AgentProcess:
 
 def check_agent(spec: str) -> None:
     """Pre-flight: the agent's file loads in a worker process (a connector's environment is
-    built there); ConfigError (one line naming ``episodes.agent``) otherwise."""
+    built there); ConfigError (one line naming ``episodes.kind: agent``) otherwise."""
     try:
         AgentProcess(resolve_spec(spec)).close()
     except (AgentFailed, AgentContractError) as e:
@@ -181,9 +182,9 @@ class AgentRunner:
         must render tool/user turns after an assistant turn prefix-stably (``TurnRenderer``'s
         pre-flight), the agent's file loads in a worker; ConfigError (one line) otherwise."""
         renderer = TurnRenderer(tokenizer, episodes_cfg.observation_role, use_template=use_template)
-        return cls(episodes_cfg.agent, tokenizer, renderer, max_turns=episodes_cfg.max_turns,
-                   max_episode_tokens=episodes_cfg.max_episode_tokens, timeout_s=episodes_cfg.agent_timeout_s,
-                   workers=episodes_cfg.agent_workers, tool_call_format=episodes_cfg.tool_call_format,
+        return cls(episodes_cfg.source, tokenizer, renderer, max_turns=episodes_cfg.max_turns,
+                   max_episode_tokens=episodes_cfg.max_episode_tokens, timeout_s=episodes_cfg.deadline_s,
+                   workers=episodes_cfg.episodes_at_once(max_inflight), tool_call_format=episodes_cfg.tool_call_format,
                    max_inflight=max_inflight, on_env_error=episodes_cfg.on_env_error, model_context=model_context,
                    max_timeout_fraction=episodes_cfg.max_timeout_fraction)
 
@@ -219,7 +220,7 @@ class AgentRunner:
     def __call__(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
                  sampling_seed: Optional[int] = None) -> list[Episode]:
         jobs = episode_jobs(prompts, n)
-        guard = HangGuard(f"{KEY} {self.spec}", "episodes.agent_timeout_s", self.timeout_s, self.max_timeout_fraction,
+        guard = HangGuard(f"{KEY} {self.spec}", "episodes.timeout_s", self.timeout_s, self.max_timeout_fraction,
                           kill_worker)
         with ThreadPoolExecutor(max_workers=max(1, min(self.workers, len(jobs))),
                                 thread_name_prefix="agent-episode") as pool:

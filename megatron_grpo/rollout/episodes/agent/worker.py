@@ -1,4 +1,4 @@
-"""The worker process of ``episodes.agent``: the user's agent function runs here, never in the
+"""The worker process of ``episodes.kind: agent``: the user's agent function runs here, never in the
 trainer's process, so a hung or crashing agent is killed alone (with whatever it started).
 
 Forked by the environments' fork server (``rollout/episodes/environment/worker.py``, a ``run`` request

@@ -1,6 +1,6 @@
-"""Environments of multi-turn episodes (``episodes.environment``, docs/multi_turn.md).
+"""Environments of multi-turn episodes (``episodes.kind: environment``, docs/multi_turn.md).
 
-* ``loading``: how ``episodes.environment`` becomes a class (a built-in or ``path.py:Class``)
+* ``loading``: how ``episodes.kind: environment`` becomes a class (a built-in or ``path.py:Class``)
   and what a ``step`` must return;
 * ``worker``: every environment instance lives in its own worker process, so a hung or
   crashing environment is killed without touching the trainer;

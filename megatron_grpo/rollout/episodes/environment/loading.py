@@ -1,9 +1,9 @@
-"""``episodes.environment`` -> an environment class, and the contract of its ``step``.
+"""``episodes.kind: environment`` -> an environment class, and the contract of its ``step``.
 
 Runs inside an environment worker process (``worker.py``): loading executes the user's file.
 A file ``path/to/env.py:ClassName`` is loaded by path, with no ``PYTHONPATH`` change, once per
 process under a name derived from its absolute path (as reward files, ``rewards/registry.py``).
-A connector's spec ``<prefix>:<target>`` (``config/env_connectors.py``) is handed to its adapter
+A connector's spec ``<prefix>:<target>`` (``config/connectors.py``) is handed to its adapter
 module, imported here on first use (the libraries stay out of every process that does not
 run such an environment); the adapter returns a class that follows the same contract.
 """
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from megatron_grpo.config.env_connectors import ENVIRONMENT_CONNECTORS, split_connector_spec
+from megatron_grpo.config.connectors import connectors_of, split_connector_spec
 from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE
 from megatron_grpo.rollout.episodes.environment.builtin import BUILTINS
 from megatron_grpo.runtime.errors import one_line
@@ -56,10 +56,11 @@ def connector_module(spec: str):
     if connector is None:
         return None
     prefix, target = connector
-    if prefix not in ENVIRONMENT_CONNECTORS:
+    environments = connectors_of("environment")
+    if prefix not in environments:
         raise ValueError(f"episodes.environment {spec!r}: unknown environment connector {prefix!r} "
-                         f"(known: {', '.join(ENVIRONMENT_CONNECTORS)})")
-    return importlib.import_module(ENVIRONMENT_CONNECTORS[prefix].module), target
+                         f"(known: {', '.join(environments)})")
+    return importlib.import_module(environments[prefix].module), target
 
 
 def prepare_environment(spec: str, workdir: str) -> None:

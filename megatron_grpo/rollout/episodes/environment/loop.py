@@ -1,4 +1,4 @@
-"""Multi-turn episodes: the model and an environment (``episodes.environment``) take turns.
+"""Multi-turn episodes: the model and an environment (``episodes.kind: environment``) take turns.
 
 For each prompt, ``n`` episodes run; each one is
 
@@ -15,7 +15,7 @@ with the engine's log-probs (``output_mask`` 1), observation tokens with log-pro
 (``output_mask`` 0), so the trainer scores bit-for-bit what the engine saw.
 
 Failures of the environment do not stop the run: an environment that raises, hangs past
-``env_timeout_s`` (its worker is killed) or sends an observation with unknown tokens ends its
+``episodes.timeout_s`` (its worker is killed) or sends an observation with unknown tokens ends its
 episode, which is then scored as ``on_env_error`` says; each failure site is printed once
 (file:line) and counted in the step's metrics. A broken contract (``EnvContractError``: the
 file, class or ``step`` answer's shape) stops the run with one line.
@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
 from megatron_grpo.config.base import ConfigError
-from megatron_grpo.config.env_connectors import split_connector_spec
+from megatron_grpo.config.connectors import split_connector_spec
 from megatron_grpo.config.episodes import EpisodesConfig, episode_budget
 from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rewards.registry import load_file
@@ -58,7 +58,7 @@ class EpisodeRunner:
         """``max_inflight``: the most episodes at once (``engine.max_inflight_requests``: each
         has at most one engine request in flight); ``model_context``: the model's context length,
         an episode's budget when ``max_episode_tokens`` is null (``episode_budget``)."""
-        self.spec = episodes_cfg.environment
+        self.spec = episodes_cfg.source
         self.cfg = episodes_cfg
         self.model_context = model_context
         self.max_inflight = max_inflight
@@ -76,7 +76,7 @@ class EpisodeRunner:
         """Pre-flight: the environment class loads (in a worker process), the formatter loads,
         the chat template renders observation turns prefix-stably. One-line errors."""
         try:
-            check_environment(episodes_cfg.environment, episodes_cfg.env_timeout_s, prepare=True)
+            check_environment(episodes_cfg.source, episodes_cfg.deadline_s, prepare=True)
         except EnvContractError as e:
             raise ConfigError("", str(e)) from None
         formatter = (load_file(episodes_cfg.observation_formatter, "episodes.observation_formatter")
@@ -105,7 +105,7 @@ class EpisodeRunner:
         """``n`` episodes per prompt (data.Prompt: ``prompt_ids``, ``text``, ``answer``, ``fields``)
         on ``engine`` (a RolloutEngine), prompt-major, like ``engine.generate``."""
         jobs = episode_jobs(prompts, n)
-        guard = HangGuard(f"episodes.environment {self.spec}", "episodes.env_timeout_s", self.cfg.env_timeout_s,
+        guard = HangGuard(f"episodes.environment {self.spec}", "episodes.timeout_s", self.cfg.deadline_s,
                           self.cfg.max_timeout_fraction, kill_worker)
         with ThreadPoolExecutor(max_workers=min(self.max_inflight, len(jobs)) or 1,
                                 thread_name_prefix="episode") as pool:
@@ -150,7 +150,7 @@ class EpisodeRunner:
 
         t0 = time.monotonic()
         try:
-            env = await loop.run_in_executor(pool, EnvProcess, self.spec, row, cfg.env_timeout_s, self.env_options,
+            env = await loop.run_in_executor(pool, EnvProcess, self.spec, row, cfg.deadline_s, self.env_options,
                                              started)
             env_s += time.monotonic() - t0
             while True:

@@ -346,7 +346,7 @@ def check_environment(spec: str, timeout_s: float, prepare: bool = False) -> Non
     try:
         if not conn.poll(timeout_s):
             raise EnvContractError(f"episodes.environment {describe(spec)}: loading the file took longer than "
-                                   f"{timeout_s:g}s (episodes.env_timeout_s)")
+                                   f"{timeout_s:g}s (episodes.timeout_s)")
         try:
             problem = conn.recv()
         except (EOFError, OSError):

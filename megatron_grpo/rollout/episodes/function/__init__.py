@@ -1,1 +1,1 @@
-"""``episodes.rollout_function``: the user's rollout function (``source.py``) in its worker process (``worker.py``)."""
+"""``episodes.kind: function``: the user's rollout function (``source.py``) in its worker process (``worker.py``)."""

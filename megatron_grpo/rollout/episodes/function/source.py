@@ -12,11 +12,11 @@ parameter also gets the run's tokenizer. It may be ``async def``.
 
 Three kinds, one call:
 
-* no ``episodes.rollout_function`` and no ``episodes.environment``: single-turn, the engine's own
+* no ``episodes.kind``: single-turn, the engine's own
   ``generate`` (``rollout/generate.py`` calls it directly, unchanged);
-* ``episodes.environment``: the built-in episode loop, ``EpisodeRunner`` (``rollout/episodes/environment/loop.py``),
+* ``episodes.kind: environment``: the built-in episode loop, ``EpisodeRunner`` (``rollout/episodes/environment/loop.py``),
   which returns ``Episode``s;
-* ``episodes.rollout_function: path/to/file.py:fn``: the user's function (slime's
+* ``episodes.kind: function``, ``episodes.source: path/to/file.py:fn``: the user's function (slime's
   ``--rollout-function-path``), loaded by path like reward files (no ``PYTHONPATH``), run in
   a worker process (``rollout/episodes/function/worker.py``) so that a hung or crashing function is
   killed and reported in one line instead of blocking the trainer.
@@ -55,7 +55,7 @@ class RolloutFunctionError(ValueError):
 
 
 class RolloutFunction:
-    """``episodes.rollout_function`` running in its own worker process
+    """``episodes.kind: function`` running in its own worker process
     (``rollout/episodes/function/worker.py``): ``fn(engine, prompts, n, sampling, seed)`` whose output is
     validated on every call. The engine stays here; the worker's ``engine.generate`` calls are
     answered by this process. Each wait on the worker (for the file to load, or for the function
@@ -76,10 +76,10 @@ class RolloutFunction:
     def load(cls, spec: str, tokenizer: Any = None, *, vocab_size: Optional[int] = None,
              timeout_s: float = DEFAULT_TIMEOUT_S) -> "RolloutFunction":
         """Start the worker and load ``path/to/file.py:fn`` there (pre-flight: the file loads,
-        ``fn`` takes the five arguments); ConfigError naming ``episodes.rollout_function`` otherwise."""
+        ``fn`` takes the five arguments); ConfigError naming ``episodes.kind: function`` otherwise."""
         m = ENVIRONMENT_FILE_RE.match(spec)
         if m is None:
-            raise ConfigError(KEY, f"{spec!r} is not a file path path/to/file.py:fn")
+            raise ConfigError("episodes.source", f"{spec!r} is not a file path path/to/file.py:fn")
         path = Path(m["path"]).expanduser().resolve()
         where = f"{path}:{m['attr']}"
         conn, pid = fork_server().connect(("run", "rollout_function",
@@ -148,7 +148,7 @@ class RolloutFunction:
         if not self._conn.poll(self.timeout_s):
             self.close()
             raise RolloutFunctionError(f"{KEY} {self.where}: {late} {self.timeout_s:g}s "
-                                       "(episodes.rollout_function_timeout_s); its worker process was killed")
+                                       "(episodes.timeout_s); its worker process was killed")
         try:
             return self._conn.recv()
         except (EOFError, OSError):

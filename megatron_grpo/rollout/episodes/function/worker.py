@@ -1,4 +1,4 @@
-"""The worker process of a custom rollout function (``episodes.rollout_function``): the user's
+"""The worker process of a custom rollout function (``episodes.kind: function``): the user's
 function runs here, never in the trainer's process, so a hung or crashing one is killed alone.
 
 The worker is forked by the environments' fork server (``rollout/episodes/environment/worker.py``, a
@@ -54,7 +54,7 @@ def takes_tokenizer(fn) -> bool:
 
 
 def _load(spec: str, where: str, tokenizer: Any) -> tuple[Any, dict]:
-    """(fn, its extra keyword arguments); ConfigError naming ``episodes.rollout_function`` otherwise."""
+    """(fn, its extra keyword arguments); ConfigError naming ``episodes.kind: function`` otherwise."""
     fn = load_file(spec, KEY)
     extra = {"tokenizer": tokenizer} if takes_tokenizer(fn) else {}
     try:

@@ -1,6 +1,6 @@
 """The ``verifiers`` connector: an environment written with Prime Intellect's ``verifiers``
 library (``SingleTurnEnv``, ``MultiTurnEnv``, ``ToolEnv``, ..., scored by its ``Rubric``) run
-as an agent (``episodes.agent: verifiers:path/to/env.py:load_environment``; docs/agents.md).
+as an agent (``episodes.source: verifiers:path/to/env.py:load_environment``; docs/agents.md).
 
 ``load_environment()`` (called without arguments) returns the ``vf.Environment``; it is built
 once per agent worker process. Each episode, in that worker:
@@ -126,7 +126,7 @@ def check_rubric(rubric, where: str, key: str) -> None:
     """ConfigError for a rubric that cannot score one episode alone (module docstring)."""
     if rubric.has_group_rewards:
         raise ConfigError(key, f"{where}: the rubric has group reward functions (scored across a prompt's "
-                               "rollouts); episodes.agent scores each episode alone")
+                               "rollouts); episodes.kind agent scores each episode alone")
     for leaf in leaf_rubrics(rubric):
         if not leaf.funcs:
             raise ConfigError(key, f"{where}: the environment's {type(leaf).__name__} has no reward function")
@@ -202,7 +202,7 @@ def front_client_class(vf, base: type) -> type:
             if len(choices) == 1:
                 ids = getattr(choices[0], "token_ids", None)
                 if ids == [] and choices[0].finish_reason == "length":
-                    raise vf.OverlongPromptError("the episode's budget is spent (episodes.agent max turns or tokens)")
+                    raise vf.OverlongPromptError("the episode's budget is spent (episodes.max_turns or max_episode_tokens)")
                 if ids:
                     return  # sampled by the engine: even an empty text is the policy's answer
             await super().raise_from_native_response(response)

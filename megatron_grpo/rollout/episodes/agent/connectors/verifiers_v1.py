@@ -1,6 +1,6 @@
 """The ``verifiers`` connector for the library's current API, ``verifiers.v1`` (verifiers 0.4;
 0.3 ships it beside the classic one): a ``vf.Taskset`` returned by the user's
-``load_environment()`` (``episodes.agent: verifiers:path/to/env.py:load_environment``;
+``load_environment()`` (``episodes.source: verifiers:path/to/env.py:load_environment``;
 docs/agents.md) run as an agent, each task answered in one chat turn and scored by the task's
 own ``@vf.reward`` / ``@vf.metric`` methods.
 

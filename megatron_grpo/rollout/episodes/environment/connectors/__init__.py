@@ -1,6 +1,6 @@
 """Adapters that run environments written for other libraries through the episode loop,
-one module per library, each selected by its ``episodes.environment`` prefix in the one table
-``config/env_connectors.py:ENVIRONMENT_CONNECTORS`` (docs/multi_turn.md, "Environments from
+one module per library, each selected by its prefix in ``episodes.source`` (with ``episodes.kind:
+environment``) in the one table ``config/connectors.py:CONNECTORS`` (docs/multi_turn.md, "Environments from
 skyrl-gym, OpenEnv and TRL-style tool classes"):
 
 * ``skyrl_gym_adapter``: ``skyrl_gym:<env id>`` / ``skyrl_gym:path/to/env.py:Class``;

@@ -17,7 +17,7 @@ server, it ends with it: a session of its own, killed with the fork server's wor
 when the trainer's process ends (``worker._kill_worker_groups``), and a parent-death signal for a
 fork server killed by SIGKILL, so no server outlives the run. Every wait has a deadline
 (``START_TIMEOUT_S`` to serve, ``PROBE_TIMEOUT_S`` per request to it, the client's connect and
-message timeouts, the worker's ``env_timeout_s`` over each call). A server found dead when an
+message timeouts, the worker's ``episodes.timeout_s`` over each call). A server found dead when an
 episode starts is restarted (at most ``MAX_RESTARTS`` times a run, each said in one line); the
 episodes it took with it are counted failures. Why the fork server: its workers are forked
 from it, so the server's address (and the client library, preloaded there) reaches each worker
@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from megatron_grpo.config.env_connectors import AGENTS_EXTRA, FILE_TARGET_RE
+from megatron_grpo.config.connectors import AGENTS_EXTRA, FILE_TARGET_RE
 from megatron_grpo.rollout.episodes.environment.loading import ContractViolation, describe
 from megatron_grpo.runtime.errors import one_line
 
@@ -73,7 +73,7 @@ MAX_RESTARTS = 3
 """Restarts of a run's server after it died; past them, episodes stop the run with one line."""
 CONNECT_TIMEOUT_S = 10.0
 MESSAGE_TIMEOUT_S = 60.0
-"""The client's deadlines (its own defaults); each call also has the worker's env_timeout_s."""
+"""The client's deadlines (its own defaults); each call also has the worker's episodes.timeout_s."""
 PROCESS_NAME = "openenv-server"
 """The server process's name (``/proc/<pid>/comm``; it is a fork of the fork server, same command line)."""
 IGNORED_ACTION_FIELDS = ("metadata",)

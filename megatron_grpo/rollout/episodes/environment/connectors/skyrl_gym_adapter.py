@@ -40,7 +40,7 @@ import copy
 import importlib
 from typing import Any, Callable, Optional
 
-from megatron_grpo.config.env_connectors import AGENTS_EXTRA, FILE_TARGET_RE
+from megatron_grpo.config.connectors import AGENTS_EXTRA, FILE_TARGET_RE
 from megatron_grpo.rollout.episodes.environment.loading import ContractViolation, describe, load_file_attribute
 from megatron_grpo.runtime.errors import one_line
 

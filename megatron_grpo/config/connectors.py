@@ -1,11 +1,13 @@
-"""The environment connectors' table: ``episodes.environment: <prefix>:<target>`` runs an
-environment written for another library through the episode loop (docs/multi_turn.md,
-"Environments from skyrl-gym, OpenEnv and TRL-style tool classes").
+"""The connectors' table, one for every kind: ``episodes.source: <prefix>:<target>`` runs an
+environment or an agent written for another library (docs/multi_turn.md, "Environments from
+skyrl-gym, OpenEnv and TRL-style tool classes"; docs/agents.md, "verifiers environments").
 
-The table lives here, in the config layer, because the config check (``environment_problem``)
-must know the prefixes and the libraries they need; the adapters themselves are in
-``megatron_grpo/rollout/episodes/environment/connectors/`` and are named by module path only, so
-nothing of the rollout layer (nor any of the libraries) is imported by the config.
+The table lives here, in the config layer, because the config check (``environment_problem``,
+``agent_problem``) must know the prefixes, their kind and the libraries they need; the adapters
+themselves are in ``megatron_grpo/rollout/episodes/environment/connectors/`` and
+``.../agent/connectors/`` and are named by module path only, imported (with ``importlib``) in
+the worker process that runs them, so nothing of the rollout layer (nor any of the libraries)
+is imported by the config.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 AGENTS_EXTRA = "pip install 'megatron-grpo[agents]'"
 """How to install every connector's library (setup.py's ``agents`` extra)."""
@@ -22,10 +24,14 @@ AGENTS_EXTRA = "pip install 'megatron-grpo[agents]'"
 
 @dataclass(frozen=True)
 class Connector:
-    """One ``episodes.environment`` prefix."""
+    """One ``episodes.source`` prefix."""
 
+    kind: Literal["environment", "agent"]
+    """The ``episodes.kind`` it serves."""
     module: str
-    """The adapter module, imported (in an environment worker process) when the spec is used."""
+    """The adapter module, imported (in the worker process that runs the spec) when it is used:
+    an environment's has ``environment_class(target)`` (and may have ``prepare``), an agent's
+    ``load_agent(file_spec, key)``."""
     library: Optional[str]
     """Import name of the library the adapter needs (None: plain Python)."""
     distribution: Optional[str]
@@ -37,16 +43,26 @@ class Connector:
     """The accepted forms, for messages."""
 
 
-_ADAPTERS = "megatron_grpo.rollout.episodes.environment.connectors"
+_ENV = "megatron_grpo.rollout.episodes.environment.connectors"
+_AGENT = "megatron_grpo.rollout.episodes.agent.connectors"
 
-ENVIRONMENT_CONNECTORS: dict[str, Connector] = {
-    "skyrl_gym": Connector(f"{_ADAPTERS}.skyrl_gym_adapter", "skyrl_gym", "skyrl-gym", ("id", "file"),
+CONNECTORS: dict[str, Connector] = {
+    "skyrl_gym": Connector("environment", f"{_ENV}.skyrl_gym_adapter", "skyrl_gym", "skyrl-gym", ("id", "file"),
                            "skyrl_gym:<env id> or skyrl_gym:path/to/env.py:BaseTextEnvSubclass"),
-    "openenv": Connector(f"{_ADAPTERS}.openenv_adapter", "openenv", "openenv-core", ("file", "url"),
+    "openenv": Connector("environment", f"{_ENV}.openenv_adapter", "openenv", "openenv-core", ("file", "url"),
                          "openenv:path/to/app.py:app or openenv:http://host:port"),
-    "tools": Connector(f"{_ADAPTERS}.tools_adapter", None, None, ("file",), "tools:path/to/env.py:ClassName"),
+    "tools": Connector("environment", f"{_ENV}.tools_adapter", None, None, ("file",),
+                       "tools:path/to/env.py:ClassName"),
+    "verifiers": Connector("agent", f"{_AGENT}.verifiers_env", "verifiers", "verifiers", ("file",),
+                           "verifiers:path/to/env.py:load_environment"),
 }
 """Spec prefix -> connector: the one table of them."""
+
+
+def connectors_of(kind: str) -> dict[str, Connector]:
+    """The connectors of one ``episodes.kind``, in the table's order."""
+    return {prefix: c for prefix, c in CONNECTORS.items() if c.kind == kind}
+
 
 CONNECTOR_SPEC_RE = re.compile(r"^(?P<prefix>[a-z][a-z0-9_]*):(?P<target>.*)$")
 FILE_TARGET_RE = re.compile(r"^(?P<path>.+\.py):(?P<attr>[A-Za-z_]\w*)$")
@@ -60,7 +76,7 @@ def split_connector_spec(spec: str) -> Optional[tuple[str, str]]:
     m = CONNECTOR_SPEC_RE.match(spec)
     if m is None:
         return None
-    if m["prefix"] not in ENVIRONMENT_CONNECTORS and FILE_TARGET_RE.match(spec):
+    if m["prefix"] not in CONNECTORS and FILE_TARGET_RE.match(spec):
         return None  # a file path that happens to contain a colon
     return m["prefix"], m["target"]
 
@@ -75,12 +91,16 @@ def target_kind(target: str) -> Optional[str]:
 
 
 def connector_problem(prefix: str, target: str) -> Optional[str]:
-    """Why ``<prefix>:<target>`` cannot name an environment (None if it can): a known prefix, an
-    installed library, a target of an accepted form, an existing file. Imports nothing."""
+    """Why ``<prefix>:<target>`` cannot name an environment (None if it can): a known prefix of
+    an environment connector, an installed library, a target of an accepted form, an existing
+    file. Imports nothing."""
     spec = f"{prefix}:{target}"
-    connector = ENVIRONMENT_CONNECTORS.get(prefix)
+    connector = CONNECTORS.get(prefix)
+    if connector is not None and connector.kind != "environment":
+        return f"{spec!r}: {prefix} is an {connector.kind} connector; set episodes.kind: {connector.kind}"
     if connector is None:
-        return f"{spec!r}: unknown environment connector {prefix!r} (known: {', '.join(ENVIRONMENT_CONNECTORS)})"
+        return (f"{spec!r}: unknown environment connector {prefix!r} "
+                f"(known: {', '.join(connectors_of('environment'))})")
     if target_kind(target) not in connector.targets:
         return f"{spec!r} is not of the form {connector.usage}"
     if connector.library is not None and importlib.util.find_spec(connector.library) is None:
