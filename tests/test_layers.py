@@ -410,15 +410,7 @@ it follows; derivations, measurements and history go to the docs page of its top
 
 # Files another branch is editing now (issue 62): the lead trims them next. Empty it as they land;
 # list only files over the limit.
-DOCSTRING_PENDING: set[str] = {
-    "megatron_grpo/rollout/episodes/agent/connectors/verifiers_env.py",
-    "megatron_grpo/rollout/episodes/agent/front.py",
-    "megatron_grpo/rollout/episodes/agent/runner.py",
-    "megatron_grpo/rollout/episodes/environment/connectors/openenv_adapter.py",
-    "megatron_grpo/rollout/episodes/environment/connectors/skyrl_gym_adapter.py",
-    "megatron_grpo/rollout/episodes/environment/connectors/tools_adapter.py",
-    "megatron_grpo/rollout/episodes/turns.py",
-}
+DOCSTRING_PENDING: set[str] = set()
 
 
 def long_docstrings(sources: dict[str, str], limit: int = DOCSTRING_MAX_LINES) -> dict[str, int]:

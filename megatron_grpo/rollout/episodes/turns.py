@@ -1,36 +1,26 @@
-"""The turn boundary of a multi-turn episode: which token ids follow a model turn.
+"""The turn boundary of a multi-turn episode: which token ids follow a model turn
+(docs/multi_turn.md, "The turn boundary, exactly").
 
-A model turn's tokens are exactly what the engine generated (its end-of-turn / EOS token
-included when it stopped on it); they are never re-rendered or re-tokenized. Everything the
-chat template adds around an observation belongs to the observation side (masked out of the
-loss): the rest of the template's end of the assistant turn (e.g. the newline after Qwen's
-``<|im_end|>``, or the whole end-of-turn when the turn was cut for length or ended on a tool
-call's stop token), the observation turn (header, content, separators) and the next
+A model turn's tokens are exactly what the engine generated (its end-of-turn or EOS token
+included when it stopped on it), never re-rendered or re-tokenized. Everything the chat
+template adds around an observation belongs to the observation side (masked out of the loss):
+the rest of the template's end of the assistant turn, the observation turn and the next
 assistant header.
 
 The observation turn is a **delta render** on a fixed one-turn conversation ``[user u,
-assistant a]`` (``u``, ``a``: one placeholder token each):
+assistant a]`` (one placeholder token each):
 
     ids(render([u, a, observation], add_generation_prompt=True))  minus  ids(render([u, a]))
 
-with a prefix-stability check (the longer render must start with the shorter one's ids).
-At pre-flight the chain render([u], gen) ⊑ render([u, a]) ⊑ render([u, a, o], gen) ⊑
-render([u, a, o, a]) ⊑ render([u, a, o, a, o], gen) must be prefix-stable: a template that
-rewrites earlier turns (drops earlier reasoning, re-numbers tool calls) is refused with one
-line, unless ``episodes.observation_formatter`` supplies the ids instead. The
-template's end of an assistant turn ("closing") is what ``render([u, a])`` adds after the
-content ``a``.
+checked prefix-stable. At pre-flight the chain of renders up to two observation turns must be
+prefix-stable: a template that rewrites earlier turns is refused in one line, unless
+``episodes.observation_formatter`` supplies the ids instead.
 
-An observation whose ids contain the tokenizer's unknown token is refused
-(``ObservationError``): the episode ends and is counted, the observation is never trained on.
-
-An observation is bounded before it is rendered or tokenized (``observation_char_limit``): no
-token of the vocabulary covers more than ``max_chars_per_token`` characters of text, so a text
-longer than ``budget * max_chars_per_token`` characters tokenizes to more than ``budget``
-tokens and cannot fit the episode's token budget anyway. Cutting it there changes nothing for
-the episode (it still ends, ``length``), but a 100 MB observation is never handed whole to
-the chat template and the tokenizer, whose memory grows many times the text's size (16.5 GB
-for 100 MB, issue 48).
+An observation holding the tokenizer's unknown token is refused (``ObservationError``: the
+episode ends, counted, never trained on). An observation is cut before it is rendered or
+tokenized (``observation_char_limit``): no vocabulary entry covers more than
+``max_chars_per_token`` characters, so a longer text could not fit the budget anyway, and a
+100 MB observation never reaches the template and the tokenizer (16.5 GB, issue 48).
 """
 
 from __future__ import annotations

@@ -1,41 +1,29 @@
 """The agent front: an OpenAI-compatible server on loopback, in front of the run's engine,
-that records every call of an episode as exact token ids.
+that records every call of an episode as exact token ids (docs/agents.md).
 
-An agent (``episodes.kind: agent``, ``rollout/episodes/agent/runner.py``) gets an OpenAI SDK client whose base
-URL names its episode, ``http://127.0.0.1:<port>/episodes/<id>/v1``; the front answers its
-``chat.completions`` and ``completions`` calls with the run's engine (any kind: embedded,
-in-process, SGLang: the same ``RolloutEngine.generate`` the built-in loops call) and keeps, per
-episode, each call's prompt ids, the engine's output ids, log-probs, kept sets and weight
-versions (``Call``). The trainer then builds the episode from those records
-(``trajectory.py``), never from the agent's text.
+An agent (``episodes.kind: agent``, ``runner.py``) gets an OpenAI SDK client whose base URL
+names its episode, ``http://127.0.0.1:<port>/episodes/<id>/v1``; the front answers its
+``chat.completions`` and ``completions`` calls with the run's engine (any kind, through the same
+``RolloutEngine.generate`` the built-in loops call) and keeps each call's prompt ids, output
+ids, log-probs, kept sets and weight versions (``Call``); ``trajectory.py`` builds the episode
+from those records, never from the agent's text.
 
-Token-exactness across turns. A chat call's prompt is not re-tokenized from the agent's
-messages when it continues the episode: when its messages are the previous call's messages,
-then the assistant message the front answered (compared by role, content and tool calls, not
-by the SDK's extra fields), then new messages (tool results, a user turn), its prompt ids are
+Token-exactness across turns: a call whose messages are the previous call's, then the answer
+the front gave, then new messages gets the prompt ids ``previous prompt ids + the engine's
+output ids + delta render of the new messages`` (``turns.py``). Anything else is rendered whole
+and kept only if it still extends the episode token for token; otherwise the episode is
+``diverged`` (counted, scored as ``on_env_error`` says with the calls before, never trained on
+a re-tokenized prefix), and the call is still answered.
 
-    previous prompt ids + the engine's output ids + delta render of the new messages
+The run decides, not the request: the sampler's temperature, top_p, top_k and min_p (the
+trainer's log-probs are computed at them; other values are said once on stderr); the seed (the
+built-in loop's per-call seeds); ``max_tokens``, capped by ``rollout.max_new_tokens`` and the
+episode's token budget. A call past the budget or ``max_turns`` gets an empty completion,
+``finish_reason: "length"``, not recorded. ``n`` must be 1.
 
-(the chat template's delta render of ``rollout/episodes/turns.py``, ``tools`` passed). Anything else
-(the agent edited or dropped earlier turns, sent another conversation) is rendered whole, and
-kept only if those ids still extend the episode token for token; otherwise the episode is
-marked ``diverged`` (counted, scored as ``on_env_error`` says with the calls recorded before,
-never trained on a re-tokenized prefix) and the call is still answered, so the agent finishes normally.
-
-What the run decides, not the request: the sampler's temperature, top_p, top_k and min_p are
-the run's (the trainer's log-probs are computed at them; a request asking for others is
-answered at the run's values, and said once on stderr); ``seed`` is the episode's (the same
-per-call seeds as the built-in loop, so a resumed run replays); ``max_tokens`` is capped by
-``rollout.max_new_tokens`` and what is left of the episode's token budget. A call past the
-budget or past ``max_turns`` calls is answered with an empty completion,
-``finish_reason: "length"``, and not recorded. ``n`` must be 1 (one trajectory per episode).
-
-The server is loopback-only with a random bearer key per run (the agents' workers get it);
-bodies are bounded (``MAX_BODY_BYTES``, 413). Requests for unknown episodes are 404. A request's
-headers, and then its body, must each arrive within ``READ_TIMEOUT_S`` (a 408 and the
-connection closed), so an agent that opens a connection and stalls holds no thread or socket of
-the run for longer. These guards are ``megatron-grpo serve``'s too (``runtime/http_guard.py``);
-every refusal is one line in OpenAI's error shape (``refusal_body``).
+Loopback only, a random bearer key per run, bounded bodies (``MAX_BODY_BYTES``), header and
+body deadlines (``READ_TIMEOUT_S``), unknown episodes 404: ``runtime/http_guard.py``'s guards,
+shared with ``megatron-grpo serve``; every refusal is one line in OpenAI's error shape.
 """
 
 from __future__ import annotations

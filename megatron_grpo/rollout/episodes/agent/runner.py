@@ -1,9 +1,6 @@
-"""``episodes.kind: agent``: episodes run by an agent the user wrote against the OpenAI SDK.
-
-    async def run(client, row) -> float | dict          (or a plain ``def``)
-
-or an environment of another library through its connector (``connectors/``: a spec
-``verifiers:path/to/env.py:load_environment`` runs a verifiers environment as the agent).
+"""``episodes.kind: agent``: episodes run by an agent the user wrote against the OpenAI SDK,
+``async def run(client, row) -> float | dict`` (or a plain ``def``), or an environment of another
+library through its connector (``verifiers:path/to/env.py:load_environment``); docs/agents.md.
 
 For each prompt, ``n`` episodes run; each one is
 
@@ -14,21 +11,16 @@ For each prompt, ``n`` episodes run; each one is
     fn returns the reward                -> the episode: the recorded calls as one Sample
                                             (trajectory.py; only the engine's tokens are trained)
 
-An ``Episode`` comes back, as from the built-in environment loop (``environment/loop.py``), so
-rewards (``env_reward`` add/replace), failures (``on_env_error``), metrics, the off-policy
-correction, sampling-mask replay and async staleness apply unchanged. Per-call sampling seeds
-are the built-in loop's (``seed + episode * max_turns + call``): the same model and seeds give
-the built-in loop's tokens when the agent asks what an environment would answer.
+An ``Episode`` comes back, as from the built-in loop (``environment/loop.py``), so rewards,
+failures (``on_env_error``), metrics, the off-policy correction, sampling-mask replay and async
+staleness apply unchanged; per-call seeds are the built-in loop's.
 
 Failures do not stop the run: an agent that raises, hangs past its deadline (its worker and
-what it started are killed), makes no call, or whose calls do not continue each other
-(``diverged``, front.py) ends its episode, which is counted and scored as ``on_env_error``
-says; each failure site is printed once. A malformed tool call is only counted
-(``multi_turn/tool_call_errors``): the agent saw it as text and answered it. An agent that
-returns something other than a reward is a contract error: one line, the run stops.
-
-Workers are a pool of ``workers`` processes that persist across rounds (the ``openai`` import
-and the user's module load once per worker); episodes run at most ``workers`` at a time.
+what it started are killed), makes no call, or ``diverged`` (front.py) ends its episode, counted
+and scored as ``on_env_error`` says, each site printed once; a step whose deadlines keep
+expiring stops the run (``hang_guard.py``). An agent that returns something other than a
+reward is a contract error: one line, the run stops. Workers are a pool of ``workers``
+processes kept across rounds; episodes run at most ``workers`` at a time.
 """
 
 from __future__ import annotations

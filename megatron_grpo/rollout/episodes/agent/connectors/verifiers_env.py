@@ -2,48 +2,28 @@
 library (``SingleTurnEnv``, ``MultiTurnEnv``, ``ToolEnv``, ..., scored by its ``Rubric``) run
 as an agent (``episodes.source: verifiers:path/to/env.py:load_environment``; docs/agents.md).
 
-``load_environment()`` (called without arguments) returns the ``vf.Environment``; it is built
-once per agent worker process. Each episode, in that worker:
+``load_environment()`` returns the ``vf.Environment``, built once per agent worker process.
+Each episode: our row becomes verifiers' rollout input (``rollout_input``), ``env.rollout``
+runs verifiers' own turn loop with an OpenAI client bound to the front (every call recorded as
+token ids), ``env.rubric.score_rollout`` scores it, and the reward and each rubric function's
+score come back. Verifiers re-sends the conversation each turn as the previous prompt plus the
+answer plus the new messages, so the front extends the episode's tokens without re-tokenizing.
 
-    our row -> verifiers' rollout input       ``rollout_input``: the prompt messages (the env's
-                                              dataset row by example_id, or the row's question),
-                                              answer, info and the row's other fields
-    env.rollout(input, client, "policy", env.sampling_args)
-                                              verifiers' own turn loop; its OpenAI client calls
-                                              the front, which records every call as token ids
-    env.rubric.score_rollout(state)           the environment's own rubric
-    -> {"reward": state["reward"], <each rubric function's score>}
-
-Verifiers' turn loop re-sends the conversation each turn as the previous prompt, the assistant
-message it was answered (content and tool calls as returned) and the new messages (the env's
-response, tool results), so the front extends the episode's tokens without re-tokenizing it.
-
-Supported here: verifiers >= 0.1.14, < 0.4, the classic API (``vf.Environment``,
-``MultiTurnEnv``, ``Rubric``, ``env.rollout(input, client, model, sampling_args)``); 0.3 keeps it
-under ``verifiers.legacy`` and still answers ``import verifiers as vf``. 0.4 has only
-``verifiers.v1`` (tasksets and harnesses): ``load_agent`` hands a ``verifiers.v1`` object to
+Supported: verifiers >= 0.1.14, < 0.4 (the classic API; 0.3 keeps it under
+``verifiers.legacy``). 0.4 has only ``verifiers.v1``: ``load_agent`` hands such an object to
 ``verifiers_v1.py``.
 
-Departures from verifiers' own behaviour, each deliberate:
+Departures from verifiers' own behaviour, each deliberate (docs/agents.md has the table):
 
-* a reward function that raises (or returns something other than a number): verifiers logs it
-  and scores it 0; here the episode fails (counted, printed once with the site in the user's
-  file, scored as ``on_env_error``): a silent 0 would train on the bug;
-* a rollout that ends with ``state["error"]`` (a ``vf.Error``: a tool's stop error, a request the
-  front refused): verifiers still scores it; here the episode fails the same way;
-* an empty answer that the engine sampled (an end-of-turn token alone) is the policy's answer,
-  scored by the rubric; verifiers raises ``EmptyModelResponseError`` (meant for a failed API
-  call) and ends the rollout in error;
-* a call the front answers empty with ``finish_reason: "length"`` (the episode's
-  ``max_turns`` calls or token budget spent) ends the rollout as verifiers ends one whose prompt
-  outgrew the context (``OverlongPromptError``: ``prompt_too_long``, truncated, no error); it is
-  then scored;
-* the rubric always scores (``score_rollouts=False`` would train on verifiers' dummy 0), one
-  episode at a time: a rubric with group reward functions (scored across a prompt's rollouts)
-  is refused at load;
-* sampling: the env's ``sampling_args`` are sent, but the front samples at the run's
-  temperature, top_p, top_k and min_p (the trainer's log-probs are computed at them) and caps
-  ``max_tokens`` by the run's.
+* a reward function that raises, or a rollout ending with ``state["error"]``, fails the episode
+  (counted, printed once, scored as ``on_env_error``); verifiers scores 0 and trains on the bug;
+* an empty answer the engine sampled is the policy's answer, scored (verifiers raises
+  ``EmptyModelResponseError``, meant for a failed API call);
+* the front's empty ``finish_reason: "length"`` answer (max_turns or the token budget spent)
+  ends the rollout as verifiers' ``prompt_too_long`` does, then it is scored;
+* the rubric always scores, one episode at a time (a rubric with group reward functions is
+  refused at load); the front samples at the run's temperature, top_p, top_k and min_p, and
+  caps ``max_tokens`` by the run's.
 """
 
 from __future__ import annotations

@@ -1,47 +1,28 @@
-"""OpenEnv environments in the episode loop: ``openenv:path/to/app.py:app`` (an OpenEnv app, the
-FastAPI app its ``create_app(EnvClass, ActionClass, ObservationClass)`` returns, as an OpenEnv
-environment's ``server/app.py`` defines it) or ``openenv:http://host:port`` (a server you run
-yourself: a container, a Space's image run locally).
+"""OpenEnv environments in the episode loop: ``openenv:path/to/app.py:app`` (the FastAPI app an
+OpenEnv environment's ``server/app.py`` builds with ``create_app``) or ``openenv:http://host:port``
+(a server you run yourself). docs/multi_turn.md has the whole of it.
 
-**The server.** One per run (per fork server, ``worker.py``), shared by every episode, as
-OpenEnv's servers are meant to be (one WebSocket session, so one environment instance, per
-client). The fork server starts it for the first episode's request (``prepare``; the run's own
-pre-flight, ``EpisodeRunner.build``, is that request; the launcher's check starts one and stops it,
-so a server that cannot start is refused before the run directory is written), before
-it forks that episode's worker. It first imports OpenEnv's client (which imports its server
-side too: ~10 s of gradio and FastAPI), then forks the server from itself, so the server
-costs only its app's own imports (~1 s; a restart as much); the server imports the app file
-as ``python -m`` would (the folder above its packages on ``sys.path``) and serves it with
-uvicorn on a free port of 127.0.0.1 (said in one line: its pid and address). Owned by the fork
-server, it ends with it: a session of its own, killed with the fork server's workers' groups
-when the trainer's process ends (``worker._kill_worker_groups``), and a parent-death signal for a
-fork server killed by SIGKILL, so no server outlives the run. Every wait has a deadline
-(``START_TIMEOUT_S`` to serve, ``PROBE_TIMEOUT_S`` per request to it, the client's connect and
-message timeouts, the worker's ``episodes.timeout_s`` over each call). A server found dead when an
-episode starts is restarted (at most ``MAX_RESTARTS`` times a run, each said in one line); the
-episodes it took with it are counted failures. Why the fork server: its workers are forked
-from it, so the server's address (and the client library, preloaded there) reaches each worker
-at no per-episode cost, and the process that must outlive every episode and die with the run
-is the one that already does.
+**The server.** One per run, shared by every episode, owned by the fork server (``worker.py``):
+started for the first episode's request (``prepare``; the run's pre-flight is that request, and
+the launcher's check starts and stops one, so a server that cannot start is refused before the
+run directory is written), forked from the fork server after OpenEnv's client is imported there
+(the server then costs only its app's imports), served by uvicorn on a free loopback port. It
+ends with the fork server (its own session, killed with the workers' groups; a parent-death
+signal). Every wait has a deadline (``START_TIMEOUT_S``, ``PROBE_TIMEOUT_S``, the client's
+timeouts, ``episodes.timeout_s`` over each call); a dead server is restarted at most
+``MAX_RESTARTS`` times a run, the episodes it took counted as failures.
 
-**An episode.** The adapter opens a session through the package's own client
-(``GenericEnvClient(...).sync()``, WebSocket), calls ``reset(**row)`` with the dataset row's
-fields but ``prompt`` (TRL's convention: the server passes on those its ``reset`` accepts), then
-``step(action)`` per model turn: the action is ``{<field>: the turn's text}``, ``<field>`` the
-action's one string field (from the server's ``/schema``); the observation's text is its one
-string field (else the whole observation as JSON, keys sorted); ``reward`` (None: 0) and
-``done`` are the step's.
+**An episode.** A session through OpenEnv's own client (``GenericEnvClient(...).sync()``):
+``reset(**row)`` with the row's fields but ``prompt``, then one ``step`` per model turn with the
+action's one string field set to the turn's text; the observation's one string field (else the
+observation as JSON) is the observation text; ``reward`` (None: 0) and ``done`` are the step's.
 
-Departures from OpenEnv's own use (TRL's ``environment_factory`` wrappers, its examples):
+Departures from OpenEnv's own use (TRL's wrappers, its examples):
 
-* ``reset``'s observation is not shown to the model: the prompt is the dataset row's, rendered
-  before the episode starts. Put the task in the dataset (and, for an environment that draws
-  it, a ``seed`` or the task itself in the row, which ``reset`` receives);
-* the app is served unchanged, so its ``max_concurrent_envs`` (1 in OpenEnv's template) must be
-  at least the episodes in flight (``rollout.max_inflight_requests``): a session refused for
-  capacity is a counted failure whose message says so;
-* Docker (``from_docker_image``) and Hugging Face Spaces (``from_env``) are not used: neither can
-  be reached offline; the app runs from its installed Python package instead.
+* ``reset``'s observation is not shown to the model: the prompt is the dataset row's;
+* the app is served unchanged, so its ``max_concurrent_envs`` must be at least the episodes in
+  flight (a session refused for capacity is a counted failure that says so);
+* Docker images and Hugging Face Spaces are not used (offline); the app runs from its package.
 """
 
 from __future__ import annotations

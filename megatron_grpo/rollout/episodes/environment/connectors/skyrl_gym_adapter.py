@@ -1,37 +1,25 @@
-"""skyrl-gym's text environments in the episode loop: ``skyrl_gym:<env id>`` (an environment
-registered with ``skyrl_gym.register``: ``gsm8k``, ``gsm8k_multi_turn``, ``aime``, ...) or
-``skyrl_gym:path/to/env.py:Class`` (a ``BaseTextEnv`` subclass of your own).
+"""skyrl-gym's text environments in the episode loop: ``skyrl_gym:<env id>`` (registered with
+``skyrl_gym.register``: ``gsm8k``, ``gsm8k_multi_turn``, ``aime``, ...) or
+``skyrl_gym:path/to/env.py:Class`` (a ``BaseTextEnv`` subclass of your own); docs/multi_turn.md
+has the mapping table against skyrl-train's ``SkyRLGymGenerator.agent_loop``.
 
-What maps to what, against SkyRL's own loop (skyrl-train's ``SkyRLGymGenerator.agent_loop``):
-
-* the environment is made as SkyRL makes it, ``skyrl_gym.make(id, env_config=..., extras=...)``
-  (a file's class: ``Class(env_config=..., extras=...)``), with ``extras`` the dataset row's
-  fields but ``prompt`` (and ``env_class``): ``reward_spec``, ``extra_info``, ``data_source``, as a
-  SkyRL dataset row carries them (``row_extras``);
-* ``init(prompt)`` is called once, with the prompt as one user message; ``step(response)`` with
-  each model turn's text; its ``observations`` (chat messages) become the observation text, its
-  ``reward`` and ``done`` ours (``step_answer``). The episode's reward is the sum of the step
-  rewards, as SkyRL's GRPO sums the token-level rewards it places at each turn's end.
+The environment is made as SkyRL makes it (``skyrl_gym.make(id, env_config=..., extras=...)``),
+``extras`` the row's fields but ``prompt`` (``row_extras``); ``init(prompt)`` once, with the
+prompt as one user message; ``step(response)`` per model turn, its ``observations`` the
+observation text and its ``reward`` and ``done`` ours (``step_answer``). The episode's reward is
+the sum of the step rewards, as SkyRL's GRPO sums the rewards it places at each turn's end. A
+row without ``reward_spec`` gets ``{"method": "rule", "ground_truth": <answer>}``.
 
 Departures from SkyRL's loop, each because this loop is token-in/token-out on a prompt rendered
 before the episode starts:
 
-* the prompt is the dataset row's, rendered by our chat template; an ``init`` that returns a
-  different prompt (a system message added, say) cannot be honoured and stops the run with one
-  line (``ContractViolation``), rather than being silently ignored;
-* a step's observation messages are rendered as ONE observation turn (their contents joined by
-  newlines) in ``episodes.observation_role``; SkyRL renders each message in its own
-  role. An empty list while the episode goes on is an empty observation turn; the messages of
-  the step that ends the episode are dropped (nothing is generated after them);
-* ``postprocessed_action`` (deprecated in SkyRL: it re-tokenizes the action) is ignored: the
-  model's tokens are trained as sampled; ``metadata`` and ``get_metrics()`` are not reported;
-* ``env_config``: SkyRL passes its config's ``environment.skyrl_gym.<env id>`` section; here an
-  empty ``DictConfig`` (what SkyRL passes for an environment without a section) unless the
-  adapter is constructed with one. Likewise SkyRL writes its generator's ``max_turns`` into
-  ``extras``; here only the adapter's ``max_turns`` argument or the row's own field does.
-  (Both are constructor arguments, to be wired to config keys; no key exists yet.)
-* a row without ``reward_spec`` (our datasets' ``prompt``/``answer`` rows) gets
-  ``{"method": "rule", "ground_truth": <answer>}``, the rule-based environments' form.
+* an ``init`` that returns a different prompt stops the run with one line (``ContractViolation``)
+  instead of being silently ignored;
+* a step's observation messages are ONE observation turn (joined by newlines) in
+  ``episodes.observation_role``; the messages of the step that ends the episode are dropped;
+* ``postprocessed_action`` (it re-tokenizes), ``metadata`` and ``get_metrics()`` are not used;
+* ``env_config`` is an empty ``DictConfig`` and ``max_turns`` is not written into ``extras``
+  unless the adapter is constructed with them (constructor arguments; no config key yet).
 """
 
 from __future__ import annotations

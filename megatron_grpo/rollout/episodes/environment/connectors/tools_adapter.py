@@ -1,38 +1,26 @@
 """TRL's ``environment_factory`` style in the episode loop: ``tools:path/to/env.py:Class``, a class
 whose public methods are the model's tools, as TRL's ``GRPOTrainer(environment_factory=Class)``
-takes it (TRL's docs: grpo_trainer.md, "Environments"; its ``_tool_call_loop``):
+takes it (docs/multi_turn.md has the mapping table):
 
-* one instance per episode, constructed with no argument; ``reset(**row)`` is called with the
-  dataset row's fields but ``prompt`` (TRL passes the row's columns but ``prompt``);
-* its tools: every public bound method (``inspect.getmembers(instance, inspect.ismethod)``, a
-  name not starting with ``_``) but the reserved ``reset`` and ``get_reward``;
+* one instance per episode, constructed with no argument; ``reset(**row)`` with the dataset
+  row's fields but ``prompt``; its tools: every public bound method but ``reset`` and
+  ``get_reward``;
 * each model turn's text is parsed for tool calls in the model's own format
-  (``chat/tool_calls.py``: ``episodes.tool_call_format``, ``hermes`` by default, or ``compute``),
-  each call made with its parsed arguments (``method(**arguments)``, an ``async def`` awaited),
-  and the observation is one text per call, in call order, joined by newlines: ``str(result)``,
-  or for a call that fails ``str({"error": message})``, TRL's forms (an unknown name:
-  ``{'error': 'Tool <name> not found.'}``; bad arguments or a raising tool: the exception's
-  message). A malformed call (``ParsedTurn.errors``) is one more such error text, after them;
-* a turn without a call ends the episode (as TRL's loop stops for a completion without one);
-* the reward: TRL's ``get_reward()`` (when the class has it) is one more reward source, summed
-  with the reward functions (weight 1) for the finished rollout. Here every step's reward is
-  ``get_reward()`` minus what the earlier steps already reported, so the episode's reward (the
-  sum of its step rewards, added to the reward functions' score: ``env_reward: add``) is
-  ``get_reward()`` of the state the episode ended in, however it ended (no call, the turn or
-  token limit). A class without ``get_reward`` reports 0: the reward functions score the text;
-* every step reports its ``counts``: ``tool_calls`` (calls made), ``tool_failures`` (of those,
-  an unknown name, bad arguments or a raising tool), summed into ``multi_turn/env/tool_calls``
-  and ``multi_turn/env/tool_failures`` (TRL's ``call_frequency`` and ``failure_frequency`` tool
-  metrics, as counts), and ``tool_call_errors`` (calls that did not parse), summed into
-  ``multi_turn/tool_call_errors`` as an agent episode's malformed calls are.
+  (``chat/tool_calls.py``, ``episodes.tool_call_format``); each call is made with its arguments
+  and the observation is one text per call, in order, joined by newlines: ``str(result)`` or
+  TRL's error forms (``{'error': 'Tool <name> not found.'}``, the exception's message); a
+  malformed call is one more error text;
+* a turn without a call ends the episode; the reward is ``get_reward()`` of the state the
+  episode ended in (each step reports the change since the last), 0 without the method;
+* each step's ``counts``: ``tool_calls``, ``tool_failures`` (TRL's tool metrics, as counts) and
+  ``tool_call_errors`` (calls that did not parse).
 
-Departures, each because this loop's prompt is rendered before the episode starts and the
-environment speaks text: a ``reset`` that returns a prompt (TRL appends it to the last user
-message) stops the run with one line; ``get_reward`` is called after every step, not once
-(it must read the state, not change it); several results are one observation turn, not one
-``tool`` message each (the chat template renders it in ``episodes.observation_role``);
-the tools' schemas are not rendered into the prompt (the prompt is the dataset row's: describe
-the tools there); reward functions do not get the ``environments`` argument.
+Departures, because this loop's prompt is rendered before the episode and the environment
+speaks text: a ``reset`` that returns a prompt stops the run with one line; ``get_reward`` is
+called after every step (it must read the state, not change it); several results are one
+observation turn, not one ``tool`` message each; the tools' schemas are not rendered into the
+prompt (describe the tools in the dataset's prompt); reward functions get no
+``environments`` argument.
 """
 
 from __future__ import annotations
