@@ -18,6 +18,7 @@ import pytest
 from megatron_grpo.config.base import ConfigError, ConfigValueError
 from megatron_grpo.config.episodes import EpisodesConfig
 from megatron_grpo.data.prompts import Prompt, prompt_messages, render_prompt
+from tests.support.fork_workers import live_workers
 from tools.tiny import build_tokenizer
 from megatron_grpo.rollout.episodes.agent.front import MAX_BODY_BYTES, AgentFront, EpisodeLog, same_message
 from megatron_grpo.rollout.episodes.agent.runner import AgentContractError, AgentProcess, AgentRunner
@@ -470,10 +471,6 @@ def test_an_agent_that_always_hangs_ends_a_256_sample_step_in_one_wave(tok, file
     """Issue 64: 256 episodes on 8 workers at timeout_s 10 would take 32 deadlines (5 min)
     before anything was said; the step's hang guard (rollout/episodes/hang_guard.py) stops it after the
     first wave: one line, within 30 s, every worker killed."""
-    import psutil
-
-    from megatron_grpo.rollout.episodes.environment.worker import fork_server
-
     runner = agent_runner(tok, files, "hangs", timeout_s=10.0, workers=8)
     try:
         for _ in range(7):  # the pool as a step after the first finds it (workers persist): started
@@ -482,15 +479,10 @@ def test_an_agent_that_always_hangs_ends_a_256_sample_step_in_one_wave(tok, file
         with pytest.raises(EpisodesHung, match=r"^episodes.agent .*agents.py:hangs: (\d+) of the (\d+) episodes "
                                                r"started this step passed episodes.timeout_s=10s"):
             runner(engine, [make_prompt(tok, i) for i in range(64)], 4, SAMPLING, 1)
-        print(f"the hanging step ended after {time.monotonic() - t0:.1f} s")
         assert time.monotonic() - t0 < 30
     finally:
         runner.close()
-    deadline = time.monotonic() + 10
-    while (left := [p.pid for p in psutil.Process(fork_server().proc.pid).children() if p.status() != "zombie"]) \
-            and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert left == []
+    assert live_workers(wait_s=10.0) == []
 
 
 def test_a_bad_request_reaches_the_agent_as_the_sdks_error(tok, files, engine):

@@ -29,6 +29,7 @@ from megatron_grpo.rollout.batch import build_train_batch
 from megatron_grpo.config import EngineConfig, EpisodesConfig, RolloutConfig
 from megatron_grpo.config.episodes import BUILTIN_ENVIRONMENTS
 from tests.support.configs import experiment
+from tests.support.fork_workers import live_workers
 
 ENV_SOURCE = '''
 import asyncio, time
@@ -304,18 +305,6 @@ def test_hung_sync_env_is_killed_within_the_timeout(tok, env_file):
     assert ep.error == "timeout" and ep.num_turns == 1 and episode_stats([ep])["multi_turn/env_timeouts"] == 1
 
 
-def _fork_server_children(wait_s: float) -> list[int]:
-    """The fork server's live worker processes, waited for (bounded) until there are none."""
-    import psutil
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        left = [p.pid for p in psutil.Process(fork_server().proc.pid).children() if p.status() != "zombie"]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
-
-
 def test_an_environment_that_always_hangs_ends_a_256_sample_step_in_one_wave(tok, env_file):
     """Issue 64: a hang past the deadline ends its episode and the run goes on, so an environment
     that hangs on every call cost one deadline per wave of episodes: 256 episodes, 64 at a time,
@@ -330,7 +319,7 @@ def test_an_environment_that_always_hangs_ends_a_256_sample_step_in_one_wave(tok
                                            r".max_timeout_fraction=0.5 of them: it hangs; every worker was killed"):
         r.run(ScriptedEngine(tok), prompts, 4, SamplingParams(max_new_tokens=16))
     assert time.monotonic() - t0 < 30
-    assert _fork_server_children(wait_s=10.0) == []
+    assert live_workers(wait_s=10.0) == []
 
 
 def test_a_rare_hang_ends_its_episode_and_the_step_goes_on(tok, env_file):

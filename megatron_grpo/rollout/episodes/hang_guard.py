@@ -15,7 +15,9 @@ episode runs at a time); ``max_fraction`` null keeps the per-episode recovery al
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from typing import Optional
+
+from megatron_grpo.rollout.episodes.environment.worker import kill_worker
 
 
 class EpisodesHung(RuntimeError):
@@ -27,16 +29,14 @@ class HangGuard:
     """The counts of one step (thread-safe: episodes run on a thread pool).
 
     ``begin()`` before an episode starts (raises once the guard has tripped); ``watch(pid)`` /
-    ``forget(pid)`` around a worker process's life; ``timed_out()`` when a deadline expired;
-    ``check()`` before each blocking call; ``raise_if_hung()`` once every episode has ended."""
+    ``forget(pid)`` around a worker process's life; ``failed(kind)`` when an episode's worker
+    failed; ``check()`` before each blocking call, and once every episode has ended."""
 
-    def __init__(self, what: str, deadline: str, deadline_s: float, max_fraction: Optional[float],
-                 kill: Callable[[int], None]):
+    def __init__(self, what: str, deadline_s: float, max_fraction: Optional[float]):
         """``what``: the source, as the line names it (``episodes.environment env.py:Env``);
-        ``deadline``: its deadline's key; ``kill(pid)``: ends a worker and its group."""
-        self.what, self.deadline, self.deadline_s = what, deadline, deadline_s
+        ``deadline_s``: ``episodes.timeout_s`` as resolved for its kind."""
+        self.what, self.deadline_s = what, deadline_s
         self.max_fraction = max_fraction
-        self._kill = kill
         self._lock = threading.Lock()
         self.started = self.timeouts = 0
         self._pids: set[int] = set()
@@ -57,13 +57,21 @@ class HangGuard:
             self._pids.add(pid)
             tripped = self.hung is not None
         if tripped:
-            self._kill(pid)
+            kill_worker(pid)
 
     def forget(self, pid: int) -> None:
         with self._lock:
             self._pids.discard(pid)
 
-    def timed_out(self) -> None:
+    def failed(self, kind: str) -> None:
+        """An episode's worker failed (``kind``: ``timeout`` or ``error``): a timeout is counted
+        and may trip the guard; once tripped this raises, because a worker the guard killed is
+        not its episode's error."""
+        if kind == "timeout":
+            self._timed_out()
+        self.check()
+
+    def _timed_out(self) -> None:
         """A deadline expired (its worker is already killed); trips the guard past the fraction."""
         with self._lock:
             self.timeouts += 1
@@ -72,12 +80,9 @@ class HangGuard:
                 return
             self.hung = EpisodesHung(
                 f"{self.what}: {self.timeouts} of the {self.started} episodes started this step passed "
-                f"{self.deadline}={self.deadline_s:g}s, episodes.max_timeout_fraction={self.max_fraction:g} of "
+                f"episodes.timeout_s={self.deadline_s:g}s, episodes.max_timeout_fraction={self.max_fraction:g} of "
                 "them: it hangs; every worker was killed and the run stops (a rare hang is recovered: raise "
                 "the fraction, or null, to recover more)")
             pids, self._pids = list(self._pids), set()
         for pid in pids:
-            self._kill(pid)
-
-    def raise_if_hung(self) -> None:
-        self.check()
+            kill_worker(pid)

@@ -212,8 +212,7 @@ class AgentRunner:
     def __call__(self, engine, prompts: Sequence, n: int, sampling: SamplingParams,
                  sampling_seed: Optional[int] = None) -> list[Episode]:
         jobs = episode_jobs(prompts, n)
-        guard = HangGuard(f"{KEY} {self.spec}", "episodes.timeout_s", self.timeout_s, self.max_timeout_fraction,
-                          kill_worker)
+        guard = HangGuard(f"{KEY} {self.spec}", self.timeout_s, self.max_timeout_fraction)
         with ThreadPoolExecutor(max_workers=max(1, min(self.workers, len(jobs))),
                                 thread_name_prefix="agent-episode") as pool:
             futures = [pool.submit(self._episode, engine, *job, sampling, sampling_seed, guard) for job in jobs]
@@ -223,7 +222,7 @@ class AgentRunner:
                     results.append(f.result())
                 except BaseException as e:  # collected, raised once every episode has ended
                     results.append(e)
-        guard.raise_if_hung()
+        guard.check()
         raise_failures(results, AgentContractError)
         return results
 
@@ -253,9 +252,7 @@ class AgentRunner:
                 self._release(proc)
         except AgentFailed as e:
             error = e.kind
-            if e.kind == "timeout":
-                guard.timed_out()
-            guard.check()  # a worker the tripped guard killed is not the episode's error
+            guard.failed(e.kind)
             self._report(e.kind, e.where, e.message)
         finally:
             log = self.front.close_episode(episode_id)
@@ -273,13 +270,11 @@ class AgentRunner:
         if log.calls:
             sample = sample_from_calls([(c.prompt_ids, c.sample) for c in log.calls], prompt_index=prompt_index,
                                        sample_index=sample_index, with_kept=with_kept)
-        else:  # nothing trainable: the episode's error scores it
-            first = log.calls[0] if log.calls else None
+        else:  # no call: nothing trainable, the episode's error scores it
             sample = Sample(prompt_index=prompt_index, sample_index=sample_index,
-                            prompt_ids=list(first.prompt_ids if first else prompt.prompt_ids), output_ids=[],
-                            output_logprobs=[], finish_reason="abort", weight_version=first.sample.weight_version
-                            if first else "", output_mask=[], kept_ids=[] if with_kept else None,
-                            log_kept_mass=[] if with_kept else None)
+                            prompt_ids=list(prompt.prompt_ids), output_ids=[], output_logprobs=[],
+                            finish_reason="abort", weight_version="", output_mask=[],
+                            kept_ids=[] if with_kept else None, log_kept_mass=[] if with_kept else None)
         generate_s = sum(c.generate_s for c in log.calls)
         return Episode(sample=sample, num_turns=len(log.calls), env_reward=float(reward), error=error,
                        env_s=max(0.0, wall - generate_s), generate_s=generate_s, tool_call_errors=log.tool_call_errors,

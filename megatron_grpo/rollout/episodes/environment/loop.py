@@ -39,7 +39,6 @@ from megatron_grpo.config.episodes import EpisodesConfig, episode_budget
 from megatron_grpo.data.prompts import has_chat_template
 from megatron_grpo.rewards.registry import load_file
 from megatron_grpo.rollout.episodes.environment import EnvCallError, EnvContractError, EnvProcess, check_environment
-from megatron_grpo.rollout.episodes.environment.worker import kill_worker
 from megatron_grpo.rollout.episodes.hang_guard import HangGuard
 from megatron_grpo.rollout.episodes.episode import Episode, episode_jobs, raise_failures, report_failure_once
 from megatron_grpo.rollout.episodes.turns import ObservationError, TurnRenderer
@@ -105,12 +104,11 @@ class EpisodeRunner:
         """``n`` episodes per prompt (data.Prompt: ``prompt_ids``, ``text``, ``answer``, ``fields``)
         on ``engine`` (a RolloutEngine), prompt-major, like ``engine.generate``."""
         jobs = episode_jobs(prompts, n)
-        guard = HangGuard(f"episodes.environment {self.spec}", "episodes.timeout_s", self.cfg.deadline_s,
-                          self.cfg.max_timeout_fraction, kill_worker)
+        guard = HangGuard(f"episodes.environment {self.spec}", self.cfg.deadline_s, self.cfg.max_timeout_fraction)
         with ThreadPoolExecutor(max_workers=min(self.max_inflight, len(jobs)) or 1,
                                 thread_name_prefix="episode") as pool:
             results = asyncio.run(self._run_all(engine, jobs, sampling, sampling_seed, pool, guard))
-        guard.raise_if_hung()
+        guard.check()
         raise_failures(results, EnvContractError)
         return results
 
@@ -205,9 +203,7 @@ class EpisodeRunner:
         except EnvCallError as e:
             env_s += time.monotonic() - t0
             error = e.kind
-            if e.kind == "timeout":
-                guard.timed_out()
-            guard.check()  # a worker the tripped guard killed is not the episode's error
+            guard.failed(e.kind)
             self._report(e.kind, e.where, e.message)
         except ObservationError as e:
             error = "observation"
