@@ -25,6 +25,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import pathlib
 import textwrap
 import types
 import typing
@@ -219,6 +220,17 @@ def field_docs(cls: type) -> dict[str, str]:
             ):
                 docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
+
+
+def missing_file(path: str, what: str = "") -> "str | None":
+    """``"<what> file <absolute path> not found (...)"`` when ``path`` (a relative one resolved
+    against the current directory, as every ``path/to/file.py:attr`` spec is) is no file; None
+    when it is one. The one wording of the plug-in specs' missing file."""
+    resolved = pathlib.Path(path).expanduser().resolve()
+    if resolved.is_file():
+        return None
+    return (f"{what + ' ' if what else ''}file {resolved} not found (a relative path is resolved against the "
+            "current directory)")
 
 
 def check(cond: bool, key: str, message: str) -> None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import importlib.util
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Optional
+
+from megatron_grpo.config.base import missing_file
 
 AGENTS_EXTRA = "pip install 'megatron-grpo[agents]'"
 """How to install every connector's library (setup.py's ``agents`` extra)."""
@@ -106,7 +107,4 @@ def connector_problem(prefix: str, target: str) -> Optional[str]:
     if connector.library is not None and importlib.util.find_spec(connector.library) is None:
         return f"{spec!r} needs the {connector.distribution} library, which is not installed: {AGENTS_EXTRA}"
     m = FILE_TARGET_RE.match(target)
-    if m is not None and not Path(m["path"]).expanduser().resolve().is_file():
-        return (f"environment file {Path(m['path']).expanduser().resolve()} not found (a relative path is resolved "
-                "against the current directory)")
-    return None
+    return None if m is None else missing_file(m["path"], "environment")

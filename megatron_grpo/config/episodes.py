@@ -9,10 +9,9 @@ from __future__ import annotations
 import importlib.util
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Optional
 
-from megatron_grpo.config.base import check
+from megatron_grpo.config.base import check, missing_file
 from megatron_grpo.config.connectors import AGENTS_EXTRA, connector_problem, connectors_of, split_connector_spec
 
 BUILTIN_ENVIRONMENTS = ("calculator", "guess_number")
@@ -27,10 +26,7 @@ def rollout_function_problem(spec: str) -> Optional[str]:
     m = ENVIRONMENT_FILE_RE.match(spec)
     if m is None:
         return f"{spec!r} is not a file path path/to/file.py:fn"
-    path = Path(m["path"]).expanduser().resolve()
-    if not path.is_file():
-        return f"rollout function file {path} not found (a relative path is resolved against the current directory)"
-    return None
+    return missing_file(m["path"], "rollout function")
 
 
 def environment_problem(spec: str) -> Optional[str]:
@@ -44,10 +40,7 @@ def environment_problem(spec: str) -> Optional[str]:
     if m is None:
         return (f"{spec!r} is neither a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}), a file "
                 "path path/to/env.py:ClassName nor a connector's <prefix>:<target>")
-    path = Path(m["path"]).expanduser().resolve()
-    if not path.is_file():
-        return f"environment file {path} not found (a relative path is resolved against the current directory)"
-    return None
+    return missing_file(m["path"], "environment")
 
 
 TOOL_CALL_FORMATS = ("hermes", "compute")
@@ -65,9 +58,9 @@ def agent_problem(spec: str) -> Optional[str]:
     if m is None:
         return (f"{spec!r} is not a file path path/to/file.py:fn (or <connector>:path/to/file.py:attr; connectors: "
                 f"{', '.join(agents)})")
-    path = Path(m["path"]).expanduser().resolve()
-    if not path.is_file():
-        return f"agent file {path} not found (a relative path is resolved against the current directory)"
+    missing = missing_file(m["path"], "agent")
+    if missing is not None:
+        return missing
     for library in ["openai"] + ([connector.library] if connector and connector.library else []):
         if importlib.util.find_spec(library) is None:
             return f"{spec!r} needs the {library} library, which is not installed: {AGENTS_EXTRA}"

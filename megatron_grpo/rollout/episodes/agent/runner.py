@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megatron_grpo.config.base import ConfigError
+from megatron_grpo.config.base import ConfigError, missing_file
 from megatron_grpo.config.episodes import ENVIRONMENT_FILE_RE, episode_budget
 from megatron_grpo.config.connectors import connectors_of
 from megatron_grpo.rollout.episodes.agent.connectors import split_spec
@@ -68,10 +68,10 @@ def resolve_spec(spec: str) -> str:
     if m is None:
         raise ConfigError("episodes.source", f"{spec!r} is not a file path path/to/file.py:fn (or <connector>:path/to/file.py:attr, "
                                f"connectors: {', '.join(connectors_of('agent'))})")
-    path = Path(m["path"]).expanduser().resolve()
-    if not path.is_file():
-        raise ConfigError("episodes.source", f"file {path} not found (a relative path is resolved against the current directory)")
-    return f"{prefix + ':' if prefix else ''}{path}:{m['attr']}"
+    missing = missing_file(m["path"])
+    if missing is not None:
+        raise ConfigError("episodes.source", missing)
+    return f"{prefix + ':' if prefix else ''}{Path(m['path']).expanduser().resolve()}:{m['attr']}"
 
 
 class AgentProcess:
